@@ -1,0 +1,12 @@
+"""kernelgen: compiler and autotuner for run-time, content-dependent block-sparse attention.
+
+    spec = kernelgen.Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=4)
+    attn = kernelgen.get_kernel(spec)
+    o = attn(q, k, v)
+"""
+from .config import AttnConfig, SelectConfig
+from .dispatch import SparseAttention, get_kernel
+from .spec import Spec
+
+__all__ = ["Spec", "get_kernel", "SparseAttention", "AttnConfig", "SelectConfig"]
+__version__ = "0.1.0"

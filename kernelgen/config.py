@@ -1,0 +1,112 @@
+"""Tunables: one frozen config per kernel role, their defaults, and their search spaces.
+
+A config changes how a kernel runs, never what it computes: every point of a space gives the same
+result (up to rounding) as the defaults. Infeasible points are pruned here, before any compile.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from dataclasses import dataclass
+
+from .spec import Spec
+
+__all__ = ["AttnConfig", "SelectConfig", "ROLES", "default_config", "config_space", "config_from_dict", "next_pow2"]
+
+ROLES = ("attn", "select")
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Q-centric forward. block_m: packed rows (G heads x Q_TILE queries) per program."""
+
+    block_m: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """Scoring and top-k. tiles: Q tiles per program (they share each k_rep chunk load);
+    chunk: KV blocks scored per step."""
+
+    tiles: int = 16
+    chunk: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+_CONFIG_TYPES = {"attn": AttnConfig, "select": SelectConfig}
+
+
+def config_from_dict(role: str, data: dict):
+    if role not in _CONFIG_TYPES:
+        raise ValueError(f"role={role!r} is unknown; expected one of {ROLES}")
+    return _CONFIG_TYPES[role](**data)
+
+
+def attn_feasible(spec: Spec, cfg: AttnConfig) -> bool:
+    """block_m must cover whole heads of one tile (block_m > q_tile) or split a tile evenly."""
+    rows = spec.gqa_group * spec.q_tile
+    if cfg.block_m > rows or cfg.block_m < 16:
+        return False
+    if cfg.block_m <= spec.q_tile:
+        ok = spec.q_tile % cfg.block_m == 0
+    else:
+        ok = cfg.block_m % spec.q_tile == 0 and spec.gqa_group % (cfg.block_m // spec.q_tile) == 0
+    # registers: the fp32 accumulator and scores of one program (Triton spills badly past this)
+    regs = cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps)
+    return ok and regs <= 192
+
+
+def select_feasible(spec: Spec, cfg: SelectConfig) -> bool:
+    gr_pad = next_pow2(spec.gqa_group * spec.groups)
+    rows = cfg.tiles * gr_pad
+    cols = cfg.chunk * spec.groups
+    # tl.dot needs >= 16 rows and columns; keep the score tile within registers
+    return rows >= 16 and cols >= 16 and rows * cols <= 64 * 256 and rows <= 256
+
+
+def default_config(spec: Spec, role: str):
+    """A sound starting point per head_dim (the tuner improves on it)."""
+    if role == "attn":
+        warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
+        stages = {64: 3, 128: 2, 256: 1}[spec.head_dim]
+        for block_m in (128, 64, 32, 16):
+            cfg = AttnConfig(block_m=block_m, num_warps=warps, num_stages=stages)
+            if attn_feasible(spec, cfg):
+                return cfg
+        raise ValueError(f"no feasible attention config for {spec}")
+    if role == "select":
+        gr_pad = next_pow2(spec.gqa_group * spec.groups)
+        # about 32 q_rep rows against 64 k_rep columns per step
+        return SelectConfig(tiles=max(1, 32 // gr_pad), chunk=max(1, 64 // spec.groups), num_warps=4, num_stages=1)
+    raise ValueError(f"role={role!r} is unknown; expected one of {ROLES}")
+
+
+def config_space(spec: Spec, role: str) -> list:
+    """Every feasible point of a role's search space (a comprehension plus a filter)."""
+    if role == "attn":
+        space = (
+            AttnConfig(block_m=m, num_warps=w, num_stages=s)
+            for m, w, s in itertools.product((32, 64, 128, 256), (4, 8), (1, 2, 3, 4))
+        )
+        return [c for c in space if attn_feasible(spec, c)]
+    if role == "select":
+        space = (
+            SelectConfig(tiles=t, chunk=c, num_warps=w, num_stages=1)
+            for t, c, w in itertools.product((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256), (4, 8))
+        )
+        return [c for c in space if select_feasible(spec, c)]
+    raise ValueError(f"role={role!r} is unknown; expected one of {ROLES}")

@@ -1,0 +1,631 @@
+"""The tuning database: the fastest `KernelConfig` found for each (spec, role, backend, GPU, sequence bucket).
+
+Two SQLite files hold winners, one table (`winners`) each, with the same schema:
+
+- the user DB, `platformdirs.user_cache_dir("kernelgen")/tuning.db` (or `$KERNELGEN_CACHE_DIR/tuning.db`),
+  written by `kernelgen tune`, possibly by several tuning processes at once;
+- the bundled DB, `tuning_db/winners.db`, shipped with the package and only ever opened read-only.
+
+`Winners.lookup` asks the user DB first and the bundled DB second. Rows are plain JSON text and
+numbers, never pickles, so a DB written by one version can be read (and inspected with `sqlite3` or
+`sqlite-utils`) by any other.
+
+A row remembers what produced it (`Fingerprint`: kernelgen, template, compiler, torch and CUDA
+versions). A lookup with a different fingerprint is a miss, never a crash: a winner measured with
+another compiler or template is no evidence about this one. Sequence lengths are bucketed to powers
+of two (`seq_bucket`); a lookup for an untuned bucket falls back to the nearest tuned one.
+
+Example::
+
+    db = TuningDB()
+    fp = current_fingerprint(template_hash, "triton")
+    db.upsert(spec_key=spec.key(), role="fwd", backend="triton", arch="sm_90", gpu_name="NVIDIA H200",
+              bucket=seq_bucket(n), dtype="bf16", config={"BLOCK_M": 128, "num_warps": 8},
+              median_ms=0.41, tflops=512.0, n_trials=64, fingerprint=fp)
+    Winners(db).lookup(spec_key=spec.key(), role="fwd", backend="triton", arch="sm_90",
+                       gpu_name="NVIDIA H200", dtype="bf16", bucket=seq_bucket(n), fingerprint=fp)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+import platformdirs
+import sqlite_utils
+
+try:  # POSIX only; elsewhere recovery of a corrupted file simply runs unserialised
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "TuningDB",
+    "Winners",
+    "Fingerprint",
+    "seq_bucket",
+    "current_fingerprint",
+    "default_user_db_path",
+    "write_bundled_db",
+    "BUNDLED_DB_PATH",
+]
+
+logger = logging.getLogger("kernelgen")
+
+TABLE = "winners"
+KEY_COLUMNS = ("spec_key", "role", "backend", "arch", "gpu_name", "bucket", "dtype")
+FINGERPRINT_COLUMNS = (
+    "kernelgen_version",
+    "template_hash",
+    "triton_version",
+    "tilelang_version",
+    "torch_version",
+    "cuda_version",
+)
+SCHEMA: dict[str, type] = {
+    "spec_key": str,
+    "role": str,
+    "backend": str,
+    "arch": str,
+    "gpu_name": str,
+    "bucket": int,
+    "dtype": str,
+    "config": str,  # JSON object
+    "median_ms": float,
+    "tflops": float,
+    "n_trials": int,
+    "timestamp": str,  # UTC, ISO 8601
+    **{name: str for name in FINGERPRINT_COLUMNS},
+    "spec_json": str,
+}
+
+MIN_BUCKET = 1024
+BUSY_TIMEOUT_S = 30.0  # SQLite's own wait for a lock, per statement
+LOCKED_RETRY_DEADLINE_S = 120.0  # our retries on top of it, for a whole transaction
+
+_T = TypeVar("_T")
+
+
+def _find_bundled_db() -> Path:
+    # An installed wheel carries tuning_db/ inside the package (pyproject's force-include); a source
+    # checkout keeps it at the repository root, one level above the package.
+    package_dir = Path(__file__).resolve().parent
+    installed = package_dir / "tuning_db" / "winners.db"
+    return installed if installed.exists() else package_dir.parent / "tuning_db" / "winners.db"
+
+
+BUNDLED_DB_PATH: Path = _find_bundled_db()
+
+
+def default_user_db_path() -> Path:
+    """`$KERNELGEN_CACHE_DIR/tuning.db` when that variable is set, else the platform's user cache dir."""
+    cache_dir = os.environ.get("KERNELGEN_CACHE_DIR") or platformdirs.user_cache_dir("kernelgen")
+    return Path(cache_dir) / "tuning.db"
+
+
+def seq_bucket(n: int) -> int:
+    """The tuning bucket of sequence length `n`: the smallest power of two >= n, at least 1024.
+
+    >>> seq_bucket(1), seq_bucket(1024), seq_bucket(1025), seq_bucket(5000)
+    (1024, 1024, 2048, 8192)
+    """
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"seq_bucket expects a sequence length >= 0, got {n}")
+    return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fingerprints
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What produced a tuning result; a row is only reused under an identical fingerprint.
+
+    Versions of packages that are absent (or irrelevant to the backend) are None.
+    """
+
+    kernelgen_version: str
+    template_hash: str
+    triton_version: str | None
+    tilelang_version: str | None
+    torch_version: str | None
+    cuda_version: str | None
+
+    def as_columns(self) -> dict[str, str | None]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Fingerprint:
+        return cls(**{name: row.get(name) for name in FINGERPRINT_COLUMNS})
+
+
+def _distribution_version(*names: str) -> str | None:
+    # Package metadata, not an import: importing triton or tilelang is slow, may initialise CUDA and
+    # may fail on a machine without a GPU; a fingerprint must never raise.
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_versions() -> tuple[str | None, str | None]:
+    try:
+        import torch
+    except Exception:  # a fingerprint must never raise, whatever is broken in the environment
+        return None, None
+    return str(torch.__version__), torch.version.cuda
+
+
+def current_fingerprint(template_hash: str, backend: str) -> Fingerprint:
+    """The fingerprint of this process for kernels rendered from templates hashing to `template_hash`.
+
+    Only the compiler of `backend` is recorded (the other one is None): installing or upgrading
+    TileLang says nothing about a Triton kernel's speed, so it must not invalidate Triton winners.
+    """
+    uses_triton = backend == "triton"
+    uses_tilelang = backend == "tilelang"
+    torch_version, cuda_version = _torch_versions()
+    return Fingerprint(
+        kernelgen_version=_distribution_version("kernelgen") or "0+unknown",
+        template_hash=template_hash,
+        # PyTorch nightlies ship Triton as "pytorch-triton"; the module is `triton` either way.
+        triton_version=_distribution_version("triton", "pytorch-triton") if uses_triton else None,
+        tilelang_version=_distribution_version("tilelang") if uses_tilelang else None,
+        torch_version=torch_version,
+        cuda_version=cuda_version,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# SQLite plumbing shared by the user DB and the bundled DB
+
+
+class _CorruptDatabase(sqlite3.DatabaseError):
+    """The file opens but fails SQLite's integrity check."""
+
+
+def _is_corruption(error: sqlite3.DatabaseError) -> bool:
+    if isinstance(error, _CorruptDatabase):
+        return True
+    # Only damage to the file counts. "database is locked" is an OperationalError, also a
+    # DatabaseError: mistaking it for corruption would move a healthy, busy DB aside.
+    if isinstance(error, sqlite3.OperationalError):
+        return False
+    code = getattr(error, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+    message = str(error).lower()
+    return "not a database" in message or "malformed" in message
+
+
+def _is_locked(error: sqlite3.OperationalError) -> bool:
+    message = str(error).lower()
+    return "locked" in message or "busy" in message
+
+
+def _retry_while_locked(operation: Callable[[], _T]) -> _T:
+    """Run `operation`, again after a short random sleep while SQLite reports a lock, up to a deadline.
+
+    The busy timeout already waits inside SQLite; this covers the cases where SQLite gives up at once
+    (e.g. changing the journal mode) or a busy tuning farm outlasts one timeout.
+    """
+    deadline = time.monotonic() + LOCKED_RETRY_DEADLINE_S
+    delay_s = 0.005
+    while True:
+        try:
+            return operation()
+        except sqlite3.OperationalError as error:
+            if not _is_locked(error) or time.monotonic() > deadline:
+                raise
+        time.sleep(delay_s * (0.5 + random.random()))  # jitter: waiters must not wake in lockstep
+        delay_s = min(delay_s * 2, 0.5)
+
+
+def _check_integrity(conn: sqlite3.Connection) -> None:
+    """Raise sqlite3.DatabaseError if the file is not a healthy SQLite database."""
+    result = conn.execute("PRAGMA quick_check").fetchone()[0]
+    if result != "ok":
+        raise _CorruptDatabase(f"integrity check failed: {result}")
+
+
+def _where(filters: dict[str, Any]) -> tuple[str, list[Any]]:
+    """A WHERE clause of equality filters over known columns; None matches NULL, as `IS` does."""
+    filters = dict(filters)
+    fingerprint = filters.pop("fingerprint", None)
+    if fingerprint is not None:
+        filters.update(fingerprint.as_columns())
+    filterable = set(SCHEMA) - {"config"}  # config is JSON text; equality on it would be fragile
+    unknown = sorted(set(filters) - filterable)
+    if unknown:
+        allowed = ", ".join(name for name in SCHEMA if name != "config")
+        raise ValueError(f"cannot filter tuning rows on {unknown}; filter on: fingerprint, {allowed}")
+    if not filters:
+        return "1", []
+    clause = " AND ".join(f"[{name}] IS ?" for name in filters)
+    return clause, list(filters.values())
+
+
+def _decode(row: dict[str, Any]) -> dict[str, Any]:
+    row = dict(row)
+    row["config"] = json.loads(row["config"])
+    return row
+
+
+def _select(db: sqlite_utils.Database, filters: dict[str, Any]) -> list[dict[str, Any]]:
+    clause, params = _where(filters)
+    order = ", ".join(KEY_COLUMNS)
+    return [_decode(row) for row in db.table(TABLE).rows_where(clause, params, order_by=order)]
+
+
+def _nearest_bucket_row(rows: list[dict[str, Any]], bucket: int) -> dict[str, Any] | None:
+    """The row of `bucket`, else of the bucket nearest in log2 distance (ties go to the larger bucket:
+    a config tuned for longer sequences is the safer guess, it was not chosen for a short grid)."""
+    if not rows:
+        return None
+    target = math.log2(bucket)
+    return min(rows, key=lambda row: (abs(math.log2(row["bucket"]) - target), -row["bucket"]))
+
+
+def _lookup(db: sqlite_utils.Database, *, bucket: int, fingerprint: Fingerprint, **key: Any) -> dict | None:
+    if bucket <= 0:
+        raise ValueError(f"bucket must be a positive sequence bucket (see seq_bucket), got {bucket}")
+    # Filtering on the fingerprint first means a stale exact-bucket row never shadows a fresh
+    # neighbouring bucket.
+    return _nearest_bucket_row(_select(db, {**key, "fingerprint": fingerprint}), bucket)
+
+
+def _create_schema(db: sqlite_utils.Database) -> None:
+    db.table(TABLE).create(
+        SCHEMA,
+        pk=KEY_COLUMNS,
+        not_null=(*KEY_COLUMNS, "config", "median_ms", "n_trials", "timestamp"),
+        if_not_exists=True,
+    )
+
+
+def _utc_timestamp() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The user DB
+
+
+class TuningDB:
+    """A read-write tuning database in one SQLite file, safe to share between processes.
+
+    Writers serialise on SQLite's write lock (WAL mode, so readers never wait); `upsert` compares and
+    writes inside one `BEGIN IMMEDIATE` transaction, so concurrent tuners cannot lose a faster row.
+    A corrupted file is moved aside to `<name>.corrupt-<timestamp>` (kept for inspection) and an
+    empty DB takes its place. One instance may be shared between threads.
+    """
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path is not None else default_user_db_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._conn = self._open_healthy()
+        self._db = sqlite_utils.Database(self._conn)
+        _retry_while_locked(self._enable_wal)
+        _retry_while_locked(self._ensure_schema)
+
+    def __repr__(self) -> str:
+        return f"TuningDB({str(self.path)!r})"
+
+    def __enter__(self) -> TuningDB:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # -- public API ----------------------------------------------------------------------------------
+
+    def upsert(
+        self,
+        *,
+        spec_key: str,
+        role: str,
+        backend: str,
+        arch: str,
+        gpu_name: str,
+        bucket: int,
+        dtype: str,
+        config: dict,
+        median_ms: float,
+        tflops: float | None,
+        n_trials: int,
+        fingerprint: Fingerprint,
+        spec_json: str = "",
+    ) -> None:
+        """Record a tuning result, keeping the faster row when one exists for the key and fingerprint.
+
+        A row from a different fingerprint is replaced whatever its time: it was measured on another
+        stack and is no longer comparable.
+        """
+        if not (math.isfinite(median_ms) and median_ms > 0):
+            # A NaN would make every later comparison false and pin a bogus row forever.
+            raise ValueError(f"median_ms must be a finite positive time, got {median_ms}")
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict of tunables, got {type(config).__name__}")
+        key = dict(spec_key=spec_key, role=role, backend=backend, arch=arch, gpu_name=gpu_name,
+                   bucket=int(bucket), dtype=dtype)
+        record = {
+            **key,
+            "config": json.dumps(config, sort_keys=True),
+            "median_ms": float(median_ms),
+            "tflops": None if tflops is None else float(tflops),
+            "n_trials": int(n_trials),
+            "timestamp": _utc_timestamp(),
+            **fingerprint.as_columns(),
+            "spec_json": spec_json,
+        }
+
+        def compare_and_write() -> None:
+            with self._write_transaction():
+                existing = _select(self._db, key)
+                if existing and Fingerprint.from_row(existing[0]) == fingerprint \
+                        and existing[0]["median_ms"] <= record["median_ms"]:
+                    logger.debug("tuning DB %s keeps %s (%.4f ms <= %.4f ms)", self.path, key,
+                                 existing[0]["median_ms"], record["median_ms"])
+                    return
+                self._db.table(TABLE).upsert(record, pk=KEY_COLUMNS)
+
+        self._run(compare_and_write)
+
+    def lookup(
+        self,
+        *,
+        spec_key: str,
+        role: str,
+        backend: str,
+        arch: str,
+        gpu_name: str,
+        dtype: str,
+        bucket: int,
+        fingerprint: Fingerprint,
+    ) -> dict | None:
+        """The winner for this key: the exact bucket, else the nearest tuned one; None on a miss.
+
+        Rows of another fingerprint are ignored. The returned row has `config` decoded from JSON.
+        """
+        return self._run(lambda: _lookup(
+            self._db, spec_key=spec_key, role=role, backend=backend, arch=arch, gpu_name=gpu_name,
+            dtype=dtype, bucket=bucket, fingerprint=fingerprint))
+
+    def rows(self, **filters: Any) -> list[dict]:
+        """All rows (config decoded), optionally only those equal to `filters` (column=value, or
+        fingerprint=Fingerprint)."""
+        return self._run(lambda: _select(self._db, filters))
+
+    def clear(self, **filters: Any) -> int:
+        """Delete all rows, or those matching `filters` (as in `rows`); returns how many went."""
+        clause, params = _where(filters)
+
+        def delete() -> int:
+            with self._write_transaction():
+                return self._conn.execute(f"DELETE FROM [{TABLE}] WHERE {clause}", params).rowcount
+
+        return self._run(delete)
+
+    # -- connection, transactions, recovery ---------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        # isolation_level=None: no implicit transactions from the driver; ours are explicit, and
+        # sqlite-utils nests its own as savepoints inside them.
+        return sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                               check_same_thread=False)
+
+    def _open_healthy(self) -> sqlite3.Connection:
+        conn = self._connect()
+        try:
+            _retry_while_locked(lambda: _check_integrity(conn))
+            return conn
+        except sqlite3.DatabaseError as error:
+            conn.close()
+            if not _is_corruption(error):
+                raise
+            self._recover(error)
+            return self._connect()
+
+    def _enable_wal(self) -> None:
+        if self._conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            self._conn.execute("PRAGMA journal_mode=wal")
+
+    def _ensure_schema(self) -> None:
+        if self._db.table(TABLE).exists():
+            return
+        # IMMEDIATE so that processes starting together create the table once, one after another.
+        with self._write_transaction():
+            _create_schema(self._db)
+
+    @contextlib.contextmanager
+    def _write_transaction(self) -> Iterator[None]:
+        # BEGIN IMMEDIATE takes the write lock before the first read, so a read-compare-write cannot
+        # interleave with another writer's (a deferred BEGIN would fail with SQLITE_BUSY_SNAPSHOT).
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
+        try:
+            self._conn.execute("COMMIT")
+        except BaseException:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
+
+    def _run(self, operation: Callable[[], _T]) -> _T:
+        """Run one DB operation: retried while locked; on a file corrupted since we opened it,
+        recovered once and run again on the empty DB."""
+        with self._lock:
+            try:
+                return _retry_while_locked(operation)
+            except sqlite3.DatabaseError as error:
+                if not _is_corruption(error):
+                    raise
+                self._conn.close()
+                self._recover(error)
+                self._conn = self._connect()
+                self._db = sqlite_utils.Database(self._conn)
+                _retry_while_locked(self._enable_wal)
+                _retry_while_locked(self._ensure_schema)
+                return _retry_while_locked(operation)
+
+    def _recover(self, error: sqlite3.DatabaseError) -> None:
+        """Move the corrupted file aside (never delete it: it may hold hours of tuning) and let the
+        caller start an empty one."""
+        with self._recovery_lock():
+            # Another process may have recovered while we waited: check again before moving anything,
+            # or we would move its fresh DB aside.
+            try:
+                with contextlib.closing(self._connect()) as conn:
+                    _retry_while_locked(lambda: _check_integrity(conn))
+                return
+            except sqlite3.DatabaseError as recheck_error:
+                if not _is_corruption(recheck_error):
+                    raise
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+            os.replace(self.path, aside)
+            # A WAL left by the damaged file would be replayed into the new, empty one.
+            for suffix in ("-wal", "-shm"):
+                sidecar = self.path.with_name(self.path.name + suffix)
+                if sidecar.exists():
+                    os.replace(sidecar, aside.with_name(aside.name + suffix))
+            logger.warning("tuning database %s is corrupted (%s); moved it aside to %s and started "
+                           "an empty one", self.path, error, aside)
+
+    @contextlib.contextmanager
+    def _recovery_lock(self) -> Iterator[None]:
+        # A separate lock file: the DB file itself is the thing being replaced.
+        if fcntl is None:  # pragma: no cover - Windows
+            yield
+            return
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        with open(lock_path, "a") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The bundled DB and the two together
+
+
+def _open_read_only(path: Path) -> sqlite_utils.Database | None:
+    """The bundled DB, opened so that nothing can write to it; None (with a warning) if unusable."""
+    if not path.is_file():
+        logger.warning("bundled tuning database %s is missing; using tuned winners from the user "
+                       "database only", path)
+        return None
+    # mode=ro in a URI: SQLite itself refuses writes, and a missing file is not created.
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+    try:
+        _check_integrity(conn)
+        db = sqlite_utils.Database(conn)
+        if not db.table(TABLE).exists():
+            raise sqlite3.DatabaseError(f"no {TABLE!r} table")
+        return db
+    except sqlite3.DatabaseError as error:
+        conn.close()
+        logger.warning("bundled tuning database %s is unreadable (%s); skipping it", path, error)
+        return None
+
+
+class Winners:
+    """Tuned configs from the user DB first, then from the bundled read-only DB.
+
+    A user row always takes precedence: it was measured on this machine.
+    """
+
+    def __init__(self, user: TuningDB | None = None, bundled_path: str | Path = BUNDLED_DB_PATH):
+        self.user = user if user is not None else TuningDB()
+        self.bundled_path = Path(bundled_path)
+        self._bundled = _open_read_only(self.bundled_path)
+        self._lock = threading.Lock()  # the bundled connection is shared between threads
+
+    def lookup(
+        self,
+        *,
+        spec_key: str,
+        role: str,
+        backend: str,
+        arch: str,
+        gpu_name: str,
+        dtype: str,
+        bucket: int,
+        fingerprint: Fingerprint,
+    ) -> dict | None:
+        """As `TuningDB.lookup`, with `source` ("user" or "bundled") added to the row."""
+        key = dict(spec_key=spec_key, role=role, backend=backend, arch=arch, gpu_name=gpu_name,
+                   dtype=dtype, bucket=bucket, fingerprint=fingerprint)
+        row = self.user.lookup(**key)
+        if row is not None:
+            return {**row, "source": "user"}
+        with self._lock:
+            if self._bundled is None:
+                return None
+            try:
+                row = _lookup(self._bundled, **key)
+            except sqlite3.DatabaseError as error:
+                # Damaged, or a schema from another version: skip it for good, never crash dispatch.
+                logger.warning("bundled tuning database %s is unreadable (%s); skipping it",
+                               self.bundled_path, error)
+                self._bundled.close()
+                self._bundled = None
+                return None
+        return None if row is None else {**row, "source": "bundled"}
+
+
+def write_bundled_db(path: str | Path, rows: Iterable[dict] = ()) -> Path:
+    """Write a fresh DB at `path` holding `rows` (as returned by `TuningDB.rows`), fit to ship.
+
+    It uses a rollback journal, not WAL: a WAL database cannot be opened read-only from a read-only
+    directory (site-packages), which is where a wheel puts it. The file is replaced atomically.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    partial.unlink(missing_ok=True)
+    db = sqlite_utils.Database(partial)
+    try:
+        db.execute("PRAGMA journal_mode=delete")
+        with db.atomic():
+            _create_schema(db)
+            records = [{name: row.get(name) for name in SCHEMA} for row in rows]
+            for record in records:
+                if not isinstance(record["config"], str):
+                    record["config"] = json.dumps(record["config"], sort_keys=True)
+            db.table(TABLE).insert_all(records, pk=KEY_COLUMNS)
+        db.execute("VACUUM")  # compact: this file is committed to the repository
+    finally:
+        db.close()
+    os.replace(partial, path)
+    return path

@@ -1,0 +1,153 @@
+"""Validation, allocation and launch of the rendered kernels. No caching decisions here (dispatch)."""
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+
+from .config import AttnConfig, SelectConfig, next_pow2
+from .spec import Spec
+
+__all__ = ["Shapes", "interpreting", "check_qkv", "prepare_block_idx", "select", "attention", "LOG2E"]
+
+LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class Shapes(NamedTuple):
+    batch: int
+    heads_q: int
+    heads_kv: int
+    n_q: int
+    n_k: int
+    n_q_tiles: int
+    n_kv_blocks: int
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_qkv(q, k, v, spec: Spec) -> Shapes:
+    """Reject anything the kernels cannot compute, naming the argument and what was expected."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}.dtype must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.shape[-1] != spec.head_dim:
+            raise ValueError(f"{name}.shape[-1] = {t.shape[-1]} does not match spec.head_dim = {spec.head_dim}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {t.stride()}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype = {t.dtype} differs from q.dtype = {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if q.device.type == "cuda":
+        if interpreting():
+            raise ValueError("CUDA tensors with TRITON_INTERPRET=1: unset it to run the kernels on the GPU")
+    elif q.device.type == "cpu":
+        if not interpreting():
+            raise ValueError("q is on the CPU: kernelgen runs on CUDA, or on the CPU only under TRITON_INTERPRET=1")
+        if q.dtype == torch.bfloat16:
+            raise TypeError("bfloat16 is not supported by the Triton CPU interpreter (it computes garbage); "
+                            "use float16 or float32 on the CPU")
+    else:
+        raise ValueError(f"q is on {q.device}; expected a CUDA device (or the CPU under TRITON_INTERPRET=1)")
+    b, hq, nq, _ = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    bk, hkv, nk, _ = k.shape
+    if bk != b:
+        raise ValueError(f"k.shape[0] = {bk} does not match q.shape[0] = {b} (batch)")
+    if hq != hkv * spec.gqa_group:
+        raise ValueError(f"q has {hq} heads, expected heads_kv * spec.gqa_group = {hkv} * {spec.gqa_group}")
+    if nq < 1 or nk < 1 or b < 1 or hkv < 1:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return Shapes(b, hq, hkv, nq, nk, spec.n_q_tiles(nq), spec.n_kv_blocks(nk))
+
+
+def prepare_block_idx(block_idx, spec: Spec, shapes: Shapes, device, select_mod, validate: bool = False):
+    """A caller's lists in the kernels' form: int32, contiguous, valid ids ascending then -1.
+
+    int64 lists are converted exactly (values outside int32 become empty slots, never wrapped ids).
+    Ids outside [0, n_kv_blocks) and repeated ids become empty slots. With `validate`, repeats are an
+    error instead (this reads the lists back to the host)."""
+    if not isinstance(block_idx, torch.Tensor):
+        raise TypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
+    expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
+    if tuple(block_idx.shape) != expected:
+        raise ValueError(f"block_idx.shape = {tuple(block_idx.shape)}, expected [B, Hkv, n_q_tiles, top_k] = {expected}")
+    if block_idx.device != device:
+        raise ValueError(f"block_idx is on {block_idx.device} but q is on {device}")
+    if block_idx.dtype == torch.int64:
+        block_idx = torch.where((block_idx >= 0) & (block_idx < shapes.n_kv_blocks), block_idx, -1).to(torch.int32)
+    elif block_idx.dtype != torch.int32:
+        raise TypeError(f"block_idx.dtype must be torch.int32 (or int64, converted), got {block_idx.dtype}")
+    block_idx = block_idx.contiguous()
+    if validate:
+        ids = block_idx.long()
+        ids = torch.where((ids >= 0) & (ids < shapes.n_kv_blocks), ids, -1).sort(-1).values
+        if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
+            raise ValueError("block_idx holds a repeated block id in some list; each list must be a set")
+    out = torch.empty_like(block_idx)
+    n_lists = shapes.batch * shapes.heads_kv * shapes.n_q_tiles
+    lists = 16
+    select_mod.normalize_lists[(triton.cdiv(n_lists, lists),)](
+        block_idx, out, n_lists, shapes.n_kv_blocks,
+        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), LISTS=lists, num_warps=4)
+    return out
+
+
+
+def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod) -> torch.Tensor:
+    b, h, n, d = x.shape
+    rep = torch.empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
+    mod.pool[(n_tiles, b * h)](x, rep, x.stride(0), x.stride(1), x.stride(2), n, h, n_tiles,
+                               TILE=tile, GROUPS=groups, HEAD_DIM=d, num_warps=4)
+    return rep
+
+
+def select(q: torch.Tensor, k: torch.Tensor, spec: Spec, shapes: Shapes, mod, cfg: SelectConfig) -> torch.Tensor:
+    """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1), chosen on the device."""
+    r = spec.groups
+    q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod)
+    k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod)
+    block_idx = torch.empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k,
+                            device=q.device, dtype=torch.int32)
+    grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), shapes.batch * shapes.heads_kv)
+    mod.select_topk[grid](
+        q_rep, k_rep, block_idx, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
+        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
+        HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block,
+        GROUP=spec.gqa_group, GROUPS=r, GR_PAD=next_pow2(spec.gqa_group * r),
+        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
+        TILES=cfg.tiles, CHUNK=cfg.chunk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return block_idx
+
+
+def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConfig, scale: float | None):
+    """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists."""
+    scale = 1.0 / math.sqrt(spec.head_dim) if scale is None else float(scale)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
+    splits = spec.gqa_group * spec.q_tile // cfg.block_m
+    grid = (shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)
+    mod.attn_fwd[grid](
+        q, k, v, o, lse, block_idx,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o, lse

@@ -1,0 +1,154 @@
+"""Float64 reference of everything kernelgen computes: the oracle of every test.
+
+Plain PyTorch, dense, slow and obvious. Semantics: shared/DESIGN.md and docs/SEMANTICS.md.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .spec import Spec
+
+__all__ = [
+    "pool",
+    "tile_eligibility",
+    "block_scores",
+    "select_blocks",
+    "normalize_block_idx",
+    "token_mask",
+    "attention",
+    "sparse_attention",
+]
+
+
+def pool(x: torch.Tensor, tile: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group means of a `[B, H, N, D]` tensor cut into tiles of `tile` rows and each tile into `r`
+    consecutive groups. Returns (means float64 `[B, H, n_tiles, r, D]`, valid bool `[n_tiles, r]`);
+    a group with no row inside `N` is not valid (and its mean is 0)."""
+    b, h, n, d = x.shape
+    n_tiles = -(-n // tile)
+    pad = n_tiles * tile - n
+    xf = torch.nn.functional.pad(x.double(), (0, 0, 0, pad))
+    rows = torch.arange(n_tiles * tile, device=x.device) < n
+    sums = xf.view(b, h, n_tiles, r, tile // r, d).sum(4)
+    counts = rows.view(n_tiles, r, tile // r).sum(-1)
+    means = sums / counts.clamp(min=1)[None, None, :, :, None]
+    return means, counts > 0
+
+
+def tile_eligibility(spec: Spec, nq: int, nk: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(eligible, forced), bool `[n_q_tiles, n_kv_blocks]`, for Q-centric lists.
+
+    A block is eligible unless causal puts all of it after the tile's last visible key. Forced: the
+    `sink` first blocks and the `n_local` blocks ending at the diagonal block (the one holding key
+    clamp(i_last + Nk - Nq, 0, Nk - 1)), when eligible."""
+    n_tiles, n_blocks = spec.n_q_tiles(nq), spec.n_kv_blocks(nk)
+    t = torch.arange(n_tiles, device=device)
+    j = torch.arange(n_blocks, device=device)
+    last_query = torch.clamp((t + 1) * spec.q_tile, max=nq) - 1
+    last_key = last_query + (nk - nq)  # last visible key under causal
+    if spec.causal:
+        eligible = (j[None, :] * spec.kv_block) <= last_key[:, None]
+    else:
+        eligible = torch.ones(n_tiles, n_blocks, dtype=torch.bool, device=device)
+    diag = torch.clamp(last_key, 0, nk - 1) // spec.kv_block
+    local = (j[None, :] <= diag[:, None]) & (j[None, :] > diag[:, None] - spec.n_local)
+    forced = eligible & (local | (j[None, :] < spec.sink))
+    return eligible, forced
+
+
+def block_scores(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """Selector scores, float64 `[B, Hkv, n_q_tiles, n_kv_blocks]`: max over the G query heads of the
+    group and over the valid r*r group-mean products (r = 1 for "mean")."""
+    r = spec.groups
+    b, hq, nq, d = q.shape
+    hkv = k.shape[1]
+    q_means, q_valid = pool(q, spec.q_tile, r)  # [B, Hq, T, r, D]
+    k_means, k_valid = pool(k, spec.kv_block, r)  # [B, Hkv, J, r, D]
+    q_means = q_means.view(b, hkv, hq // hkv, *q_means.shape[2:])
+    dots = torch.einsum("bhgtrd,bhjsd->bhgtrjs", q_means, k_means)
+    valid = q_valid[:, :, None, None] & k_valid[None, None, :, :]  # [T, r, J, r]
+    dots = dots.masked_fill(~valid, float("-inf"))
+    return dots.amax(dim=(2, 4, 6))
+
+
+def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """The block lists the selector chooses: int32 `[B, Hkv, n_q_tiles, top_k]`, valid ids ascending,
+    then -1. Forced blocks first, then the highest scores; ties go to the lower block id."""
+    if not spec.selects:
+        raise ValueError("select_blocks: spec.selector='given' chooses no blocks; the caller passes block_idx")
+    nq, nk = q.shape[2], k.shape[2]
+    scores = block_scores(q, k, spec)
+    eligible, forced = tile_eligibility(spec, nq, nk, device=q.device)
+    key = torch.where(forced, torch.inf, scores).masked_fill(~eligible, -torch.inf)
+    # stable descending sort keeps the lower block id first among equal scores
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    top = order[..., : spec.top_k]
+    taken_eligible = torch.gather(eligible.expand_as(key), -1, top)
+    top = torch.where(taken_eligible, top, -1)
+    if top.shape[-1] < spec.top_k:
+        top = torch.nn.functional.pad(top, (0, spec.top_k - top.shape[-1]), value=-1)
+    return normalize_block_idx(top, spec.n_kv_blocks(nk))
+
+
+def normalize_block_idx(block_idx: torch.Tensor, n_kv_blocks: int) -> torch.Tensor:
+    """Canonical form of a list: valid ids ascending, then -1 (ids outside [0, n_kv_blocks) are empty)."""
+    valid = (block_idx >= 0) & (block_idx < n_kv_blocks)
+    ids = torch.where(valid, block_idx.long(), n_kv_blocks).sort(dim=-1).values
+    return torch.where(ids < n_kv_blocks, ids, -1).to(torch.int32)
+
+
+def token_mask(block_idx: torch.Tensor, spec: Spec, nq: int, nk: int) -> torch.Tensor:
+    """bool `[B, Hkv, Nq, Nk]`: query i sees key j iff j's block is in i's list (and causal allows)."""
+    b, hkv, n_tiles, _ = block_idx.shape
+    n_blocks = spec.n_kv_blocks(nk)
+    idx = block_idx.long()
+    valid = (idx >= 0) & (idx < n_blocks)
+    blocks = torch.zeros(b, hkv, n_tiles, n_blocks + 1, dtype=torch.bool, device=block_idx.device)
+    blocks.scatter_(-1, torch.where(valid, idx, n_blocks), True)
+    blocks = blocks[..., :n_blocks]
+    rows = torch.arange(nq, device=block_idx.device) // spec.q_tile
+    cols = torch.arange(nk, device=block_idx.device) // spec.kv_block
+    mask = blocks[:, :, rows][:, :, :, cols]
+    if spec.causal:
+        i = torch.arange(nq, device=block_idx.device)[:, None]
+        j = torch.arange(nk, device=block_idx.device)[None, :]
+        mask = mask & (j <= i + (nk - nq))
+    return mask
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention in float64. `mask` `[B, Hkv or Hq, Nq, Nk]` (bool). Rows with no
+    visible key give o = 0 and lse = -inf. Returns (o float64 `[B, Hq, Nq, D]`, lse float64 `[B, Hq, Nq]`)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    kd = k.double().repeat_interleave(g, dim=1)
+    vd = v.double().repeat_interleave(g, dim=1)
+    if mask.shape[1] != hq:
+        mask = mask.repeat_interleave(g, dim=1)
+    s = (q.double() @ kd.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, -torch.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    o = p @ vd
+    return o, lse
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: Spec,
+    block_idx: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Select (unless block_idx is given) and attend. Returns (o, lse, block_idx)."""
+    if block_idx is None:
+        block_idx = select_blocks(q, k, spec)
+    mask = token_mask(block_idx, spec, q.shape[2], k.shape[2])
+    o, lse = attention(q, k, v, mask, scale)
+    return o, lse, block_idx

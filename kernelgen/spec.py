@@ -1,0 +1,156 @@
+"""`Spec`: what sparse attention to compute (shared/DESIGN.md fixes the semantics).
+
+A spec is frozen, hashable, validated on construction and round-trips through JSON. Everything a
+kernel needs at compile time that is not a tunable lives here; tunables live in `config.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+__all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES", "BACKENDS"]
+
+HEAD_DIMS = (64, 128, 256)
+TILE_SIZES = (16, 32, 64, 128, 256)
+SELECTORS = ("mean", "multi:r", "given")  # multi:r with r a power of two, e.g. "multi:4"
+SCHEDULES = ("q_centric",)  # "kv_centric" is planned, not built yet
+BACKENDS = ("triton",)  # "tilelang" is planned, not built yet
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Block-sparse attention with run-time block selection.
+
+    head_dim   D of q, k and v.
+    kv_block   keys per KV block (the unit of selection).
+    q_tile     queries per Q tile; Q-centric schedules choose one block list per tile.
+    top_k      blocks per list, forced (sink, local, diagonal) blocks included.
+    causal     bottom-right aligned causal mask (FlashAttention >= 2.1).
+    gqa_group  G = Hq / Hkv; the G query heads of a KV head share its block list.
+    selector   "mean" (mean-pooled tile and block), "multi:r" (r group means each, max of r*r
+               products), or "given" (the caller passes block_idx).
+    local      blocks ending at the diagonal block that every list holds (with causal, at least 1).
+    sink       leading blocks that every list holds (when visible).
+    """
+
+    head_dim: int
+    kv_block: int = 64
+    q_tile: int = 64
+    top_k: int = 16
+    causal: bool = False
+    gqa_group: int = 1
+    selector: str = "mean"
+    schedule: str = "q_centric"
+    backend: str = "triton"
+    local: int = 0
+    sink: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("head_dim", "kv_block", "q_tile", "top_k", "gqa_group", "local", "sink"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Spec.{name} must be an int, got {type(value).__name__} {value!r}")
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"Spec.causal must be a bool, got {type(self.causal).__name__}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"Spec.head_dim={self.head_dim} is not supported; expected one of {HEAD_DIMS}")
+        for name in ("kv_block", "q_tile"):
+            if getattr(self, name) not in TILE_SIZES:
+                raise ValueError(
+                    f"Spec.{name}={getattr(self, name)} is not supported; expected a power of two in {TILE_SIZES}"
+                )
+        if self.gqa_group < 1:
+            raise ValueError(f"Spec.gqa_group must be >= 1, got {self.gqa_group}")
+        if self.top_k < 1:
+            raise ValueError(f"Spec.top_k must be >= 1, got {self.top_k}")
+        if self.local < 0 or self.sink < 0:
+            raise ValueError(f"Spec.local and Spec.sink must be >= 0, got local={self.local}, sink={self.sink}")
+        if self.schedule not in SCHEDULES:
+            if self.schedule == "kv_centric":
+                raise ValueError("Spec.schedule='kv_centric' is not implemented yet; use 'q_centric'")
+            raise ValueError(f"Spec.schedule={self.schedule!r} is unknown; expected one of {SCHEDULES}")
+        if self.backend not in BACKENDS:
+            if self.backend == "tilelang":
+                raise ValueError("Spec.backend='tilelang' is not implemented yet; use 'triton'")
+            raise ValueError(f"Spec.backend={self.backend!r} is unknown; expected one of {BACKENDS}")
+        r = self._parse_selector()
+        if r > 1 and (self.q_tile % r or self.kv_block % r):
+            raise ValueError(
+                f"Spec.selector={self.selector!r}: r={r} must divide q_tile={self.q_tile} and kv_block={self.kv_block}"
+            )
+        if self.top_k < self.n_forced:
+            raise ValueError(
+                f"Spec.top_k={self.top_k} cannot hold its forced blocks: sink={self.sink} + local={self.n_local} "
+                f"= {self.n_forced} (top_k is the whole budget, forced blocks included)"
+            )
+
+    def _parse_selector(self) -> int:
+        sel = self.selector
+        if sel in ("mean", "given"):
+            return 1
+        if isinstance(sel, str) and sel.startswith("multi:"):
+            try:
+                r = int(sel.split(":", 1)[1])
+            except ValueError:
+                r = 0
+            if r >= 2 and _is_pow2(r):
+                return r
+            raise ValueError(f"Spec.selector={sel!r}: r must be a power of two >= 2, e.g. 'multi:4'")
+        raise ValueError(f"Spec.selector={sel!r} is unknown; expected 'mean', 'multi:r' (e.g. 'multi:4') or 'given'")
+
+    # ---- derived ---------------------------------------------------------------------------------
+    @property
+    def groups(self) -> int:
+        """r: representatives per tile and per block (1 for mean)."""
+        return self._parse_selector()
+
+    @property
+    def n_local(self) -> int:
+        """Local blocks forced into every list; causal forces at least the diagonal block."""
+        return max(self.local, 1) if self.causal else self.local
+
+    @property
+    def n_forced(self) -> int:
+        return self.sink + self.n_local
+
+    @property
+    def selects(self) -> bool:
+        return self.selector != "given"
+
+    def n_q_tiles(self, nq: int) -> int:
+        return -(-nq // self.q_tile)
+
+    def n_kv_blocks(self, nk: int) -> int:
+        return -(-nk // self.kv_block)
+
+    # ---- serialisation ---------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Spec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"Spec: unknown fields {sorted(unknown)}; expected a subset of {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Spec":
+        return cls.from_dict(json.loads(text))
+
+    def key(self) -> str:
+        """Short stable hash of the spec (used in kernel names, cache paths and the tuning DB)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def replace(self, **changes) -> "Spec":
+        return dataclasses.replace(self, **changes)
