@@ -14,6 +14,17 @@ from .spec import Spec
 __all__ = ["Shapes", "interpreting", "check_qkv", "prepare_block_idx", "select", "attention", "LOG2E"]
 
 LOG2E = 1.4426950408889634
+# Tests set KERNELGEN_POISON=1: outputs start as NaN (lists as INT32_MIN) so unwritten elements fail.
+_POISON = os.environ.get("KERNELGEN_POISON", "0") == "1"
+
+
+def _empty(*shape, like=None, device=None, dtype=None):
+    if like is not None:
+        shape, device, dtype = like.shape, like.device, like.dtype
+    if not _POISON:
+        return torch.empty(*shape, device=device, dtype=dtype)
+    fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+    return torch.full(shape, fill, device=device, dtype=dtype)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -95,7 +106,7 @@ def prepare_block_idx(block_idx, spec: Spec, shapes: Shapes, device, select_mod,
         ids = torch.where((ids >= 0) & (ids < shapes.n_kv_blocks), ids, -1).sort(-1).values
         if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
             raise ValueError("block_idx holds a repeated block id in some list; each list must be a set")
-    out = torch.empty_like(block_idx)
+    out = _empty(like=block_idx)
     n_lists = shapes.batch * shapes.heads_kv * shapes.n_q_tiles
     lists = 16
     select_mod.normalize_lists[(triton.cdiv(n_lists, lists),)](
@@ -107,7 +118,7 @@ def prepare_block_idx(block_idx, spec: Spec, shapes: Shapes, device, select_mod,
 
 def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod) -> torch.Tensor:
     b, h, n, d = x.shape
-    rep = torch.empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
+    rep = _empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
     mod.pool[(n_tiles, b * h)](x, rep, x.stride(0), x.stride(1), x.stride(2), n, h, n_tiles,
                                TILE=tile, GROUPS=groups, HEAD_DIM=d, num_warps=4)
     return rep
@@ -118,8 +129,7 @@ def select(q: torch.Tensor, k: torch.Tensor, spec: Spec, shapes: Shapes, mod, cf
     r = spec.groups
     q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod)
     k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod)
-    block_idx = torch.empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k,
-                            device=q.device, dtype=torch.int32)
+    block_idx = _empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q.device, dtype=torch.int32)
     grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), shapes.batch * shapes.heads_kv)
     mod.select_topk[grid](
         q_rep, k_rep, block_idx, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
@@ -134,8 +144,8 @@ def select(q: torch.Tensor, k: torch.Tensor, spec: Spec, shapes: Shapes, mod, cf
 def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConfig, scale: float | None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists."""
     scale = 1.0 / math.sqrt(spec.head_dim) if scale is None else float(scale)
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
+    o = _empty(*q.shape, device=q.device, dtype=q.dtype)
+    lse = _empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
     splits = spec.gqa_group * spec.q_tile // cfg.block_m
     grid = (shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)
     mod.attn_fwd[grid](

@@ -99,8 +99,10 @@ def normalize_block_idx(block_idx: torch.Tensor, n_kv_blocks: int) -> torch.Tens
     return torch.where(ids < n_kv_blocks, ids, -1).to(torch.int32)
 
 
-def token_mask(block_idx: torch.Tensor, spec: Spec, nq: int, nk: int) -> torch.Tensor:
-    """bool `[B, Hkv, Nq, Nk]`: query i sees key j iff j's block is in i's list (and causal allows)."""
+def token_mask(block_idx: torch.Tensor, spec: Spec, nq: int, nk: int, rows: range | None = None) -> torch.Tensor:
+    """bool `[B, Hkv, len(rows), Nk]`: query i sees key j iff j's block is in i's list (and causal
+    allows). `rows` (default: all Nq queries) limits the mask to some queries."""
+    rows = range(nq) if rows is None else rows
     b, hkv, n_tiles, _ = block_idx.shape
     n_blocks = spec.n_kv_blocks(nk)
     idx = block_idx.long()
@@ -108,11 +110,11 @@ def token_mask(block_idx: torch.Tensor, spec: Spec, nq: int, nk: int) -> torch.T
     blocks = torch.zeros(b, hkv, n_tiles, n_blocks + 1, dtype=torch.bool, device=block_idx.device)
     blocks.scatter_(-1, torch.where(valid, idx, n_blocks), True)
     blocks = blocks[..., :n_blocks]
-    rows = torch.arange(nq, device=block_idx.device) // spec.q_tile
+    query = torch.arange(rows.start, rows.stop, device=block_idx.device)
     cols = torch.arange(nk, device=block_idx.device) // spec.kv_block
-    mask = blocks[:, :, rows][:, :, :, cols]
+    mask = blocks[:, :, query // spec.q_tile][:, :, :, cols]
     if spec.causal:
-        i = torch.arange(nq, device=block_idx.device)[:, None]
+        i = query[:, None]
         j = torch.arange(nk, device=block_idx.device)[None, :]
         mask = mask & (j <= i + (nk - nq))
     return mask
@@ -146,9 +148,17 @@ def sparse_attention(
     block_idx: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Select (unless block_idx is given) and attend. Returns (o, lse, block_idx)."""
+    """Select (unless block_idx is given) and attend. Returns (o, lse, block_idx), float64.
+    Queries are processed in chunks so that long sequences fit in memory."""
     if block_idx is None:
         block_idx = select_blocks(q, k, spec)
-    mask = token_mask(block_idx, spec, q.shape[2], k.shape[2])
-    o, lse = attention(q, k, v, mask, scale)
-    return o, lse, block_idx
+    nq, nk = q.shape[2], k.shape[2]
+    chunk = max(spec.q_tile, (1 << 27) // max(1, q.shape[0] * q.shape[1] * nk) // spec.q_tile * spec.q_tile)
+    outs, lses = [], []
+    for start in range(0, nq, chunk):
+        rows = range(start, min(start + chunk, nq))
+        mask = token_mask(block_idx, spec, nq, nk, rows)
+        o, lse = attention(q[:, :, rows.start : rows.stop], k, v, mask, scale)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2), block_idx

@@ -1,0 +1,51 @@
+"""Checks shared by the kernel tests: errors against the float64 reference, selection validity."""
+import torch
+
+from kernelgen import reference
+
+# relative L2 error, max-abs error (inputs are randn; outputs are O(0.1..1))
+TOLERANCE = {
+    torch.float32: (1e-5, 1e-4),
+    torch.float16: (3e-3, 2e-2),
+    torch.bfloat16: (1e-2, 6e-2),
+}
+
+
+def assert_close_to_reference(o, lse, ref_o, ref_lse, dtype):
+    rel_tol, abs_tol = TOLERANCE[dtype]
+    assert not torch.isnan(o).any(), "output has NaN (unwritten or poisoned elements)"
+    assert not torch.isnan(lse).any(), "lse has NaN (unwritten or poisoned elements)"
+    rel = ((o.double() - ref_o).norm() / ref_o.norm().clamp(min=1e-30)).item()
+    max_abs = (o.double() - ref_o).abs().max().item()
+    assert rel < rel_tol and max_abs < abs_tol, f"rel {rel:.2e} (tol {rel_tol}), max-abs {max_abs:.2e} (tol {abs_tol})"
+    inf = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), inf), "lse = -inf exactly where no key is visible"
+    assert (lse[inf] < 0).all()
+    lse_err = (lse.double()[~inf] - ref_lse[~inf]).abs().max().item() if (~inf).any() else 0.0
+    assert lse_err < 10 * abs_tol, f"lse max-abs {lse_err:.2e}"
+    return rel, max_abs
+
+
+def assert_valid_selection(block_idx, q, k, spec, tol=1e-3):
+    """`block_idx` is a correct top-k: canonical form, eligible blocks only, every forced block, as many
+    blocks as the budget allows, and no unchosen eligible block scores clearly higher than a chosen one
+    (float64 reference scores; `tol` absorbs the kernel's fp32/tf32 rounding at near-ties)."""
+    nq, nk = q.shape[2], k.shape[2]
+    n_blocks = spec.n_kv_blocks(nk)
+    assert block_idx.dtype == torch.int32
+    assert torch.equal(block_idx, reference.normalize_block_idx(block_idx, n_blocks)), "not ascending ids then -1"
+    scores = reference.block_scores(q, k, spec)
+    eligible, forced = reference.tile_eligibility(spec, nq, nk, device=q.device)
+    chosen = torch.zeros(*scores.shape[:-1], n_blocks + 1, dtype=torch.bool, device=q.device)
+    idx = block_idx.long()
+    chosen.scatter_(-1, torch.where(idx >= 0, idx, n_blocks), True)
+    chosen = chosen[..., :n_blocks]
+    assert not (chosen & ~eligible).any(), "an ineligible block was chosen"
+    assert not (forced & ~chosen).any(), "a forced block is missing"
+    n_expected = torch.clamp(eligible.sum(-1), max=spec.top_k)
+    assert torch.equal(chosen.sum(-1), n_expected.expand_as(chosen.sum(-1))), "wrong number of blocks"
+    free = eligible & ~forced
+    worst_chosen = torch.where(chosen & free, scores, torch.inf).amin(-1)
+    best_unchosen = torch.where(~chosen & free, scores, -torch.inf).amax(-1)
+    scale = scores[torch.isfinite(scores)].abs().max().clamp(min=1.0)
+    assert (best_unchosen <= worst_chosen + tol * scale).all(), "an unchosen block scores higher than a chosen one"

@@ -1,0 +1,27 @@
+"""Shared test setup. Without CUDA, kernels run in the Triton interpreter (set before triton loads)."""
+import os
+import tempfile
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+os.environ["KERNELGEN_POISON"] = "1"  # outputs start as NaN: an unwritten element fails its check
+os.environ.setdefault("KERNELGEN_CACHE_DIR", tempfile.mkdtemp(prefix="kernelgen-test-cache-"))
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return "cuda" if HAS_CUDA else "cpu"

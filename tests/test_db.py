@@ -1,0 +1,317 @@
+"""Tests for kernelgen.db: the tuning database (CPU only, no GPU needed)."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing
+import sqlite3
+
+import pytest
+
+from kernelgen.db import (
+    BUNDLED_DB_PATH,
+    Fingerprint,
+    TuningDB,
+    Winners,
+    current_fingerprint,
+    default_user_db_path,
+    seq_bucket,
+    write_bundled_db,
+)
+
+FP = Fingerprint(
+    kernelgen_version="0.1.0",
+    template_hash="t0",
+    triton_version="3.2.0",
+    tilelang_version=None,
+    torch_version="2.5.0",
+    cuda_version="12.4",
+)
+KEY = dict(spec_key="spec-a", role="fwd", backend="triton", arch="sm_90", gpu_name="NVIDIA H200",
+           dtype="bf16")
+N_PROCESSES = 8
+UPSERTS_PER_PROCESS = 50
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache_dir(tmp_path, monkeypatch):
+    """No test may touch the real user cache dir."""
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(cache_dir))
+    return cache_dir
+
+
+@pytest.fixture
+def db(tmp_path):
+    with TuningDB(tmp_path / "tuning.db") as tuning_db:
+        yield tuning_db
+
+
+def upsert(db: TuningDB, *, bucket=2048, config=None, median_ms=1.0, fingerprint=FP, **key_overrides):
+    db.upsert(**{**KEY, **key_overrides}, bucket=bucket, config=config or {"BLOCK_M": 64},
+              median_ms=median_ms, tflops=100.0, n_trials=8, fingerprint=fingerprint)
+
+
+def lookup(db, *, bucket=2048, fingerprint=FP, **key_overrides):
+    return db.lookup(**{**KEY, **key_overrides}, bucket=bucket, fingerprint=fingerprint)
+
+
+# -- buckets and fingerprints ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, bucket", [(0, 1024), (1, 1024), (1000, 1024), (1024, 1024), (1025, 2048),
+                                       (4096, 4096), (5000, 8192), (131072, 131072)])
+def test_seq_bucket(n, bucket):
+    assert seq_bucket(n) == bucket
+
+
+def test_seq_bucket_rejects_negative():
+    with pytest.raises(ValueError, match=">= 0"):
+        seq_bucket(-1)
+
+
+def test_current_fingerprint_never_raises_and_names_only_the_backend_compiler():
+    triton_fp = current_fingerprint("abc", "triton")
+    assert triton_fp.template_hash == "abc"
+    assert triton_fp.kernelgen_version  # installed version, or "0+unknown" in a bare checkout
+    assert triton_fp.tilelang_version is None
+    assert current_fingerprint("abc", "tilelang").triton_version is None
+
+
+def test_default_path_follows_env(isolated_cache_dir):
+    assert default_user_db_path() == isolated_cache_dir / "tuning.db"
+    with TuningDB() as default_db:
+        assert default_db.path == isolated_cache_dir / "tuning.db"
+        assert default_db.path.exists()
+
+
+# -- one process --------------------------------------------------------------------------------------
+
+def test_round_trip(db):
+    db.upsert(**KEY, bucket=4096, config={"BLOCK_M": 128, "num_warps": 8, "stages": [2, 3]},
+              median_ms=0.5, tflops=None, n_trials=12, fingerprint=FP, spec_json='{"head_dim": 128}')
+    row = lookup(db, bucket=4096)
+    assert row["config"] == {"BLOCK_M": 128, "num_warps": 8, "stages": [2, 3]}
+    assert (row["median_ms"], row["tflops"], row["n_trials"]) == (0.5, None, 12)
+    assert row["spec_json"] == '{"head_dim": 128}'
+    assert Fingerprint.from_row(row) == FP
+    assert row["timestamp"].endswith("+00:00")
+    assert {k: row[k] for k in KEY} == KEY and row["bucket"] == 4096
+    # Stored as JSON text, readable without kernelgen.
+    raw = sqlite3.connect(db.path).execute("SELECT config FROM winners").fetchone()[0]
+    assert raw == '{"BLOCK_M": 128, "num_warps": 8, "stages": [2, 3]}'
+
+
+def test_faster_row_wins(db):
+    upsert(db, config={"BLOCK_M": 64}, median_ms=2.0)
+    upsert(db, config={"BLOCK_M": 128}, median_ms=1.0)
+    upsert(db, config={"BLOCK_M": 32}, median_ms=3.0)
+    [row] = db.rows()
+    assert row["config"] == {"BLOCK_M": 128} and row["median_ms"] == 1.0
+
+
+def test_new_fingerprint_replaces_even_a_faster_row(db):
+    upsert(db, config={"BLOCK_M": 64}, median_ms=1.0)
+    new_fp = Fingerprint(**{**FP.as_columns(), "triton_version": "3.3.0"})
+    upsert(db, config={"BLOCK_M": 128}, median_ms=5.0, fingerprint=new_fp)
+    [row] = db.rows()
+    assert row["config"] == {"BLOCK_M": 128} and Fingerprint.from_row(row) == new_fp
+
+
+@pytest.mark.parametrize("field", ["kernelgen_version", "template_hash", "triton_version",
+                                   "tilelang_version", "torch_version", "cuda_version"])
+def test_fingerprint_mismatch_is_a_miss(db, field):
+    upsert(db)
+    other = Fingerprint(**{**FP.as_columns(), field: "something else"})
+    assert lookup(db, fingerprint=other) is None
+    assert lookup(db) is not None
+
+
+def test_nearest_bucket(db):
+    for bucket in (1024, 4096, 16384):
+        upsert(db, bucket=bucket, config={"tuned_for": bucket})
+    assert lookup(db, bucket=4096)["config"] == {"tuned_for": 4096}  # exact
+    assert lookup(db, bucket=8192)["config"] == {"tuned_for": 16384}  # one step either way: larger
+    assert lookup(db, bucket=32768)["config"] == {"tuned_for": 16384}
+    assert lookup(db, bucket=512)["config"] == {"tuned_for": 1024}
+    assert lookup(db, bucket=2048)["config"] == {"tuned_for": 4096}  # tie between 1024 and 4096
+
+
+def test_nearest_bucket_prefers_closer_then_larger(db):
+    upsert(db, bucket=1024, config={"tuned_for": 1024})
+    upsert(db, bucket=16384, config={"tuned_for": 16384})
+    assert lookup(db, bucket=2048)["config"] == {"tuned_for": 1024}  # 1 step vs 3 steps
+    assert lookup(db, bucket=4096)["config"] == {"tuned_for": 16384}  # 2 vs 2: the larger bucket
+    assert lookup(db, bucket=4096, spec_key="another spec") is None
+
+
+def test_stale_exact_bucket_does_not_shadow_fresh_neighbour(db):
+    stale = Fingerprint(**{**FP.as_columns(), "template_hash": "old"})
+    upsert(db, bucket=4096, config={"stale": True}, fingerprint=stale)
+    upsert(db, bucket=8192, config={"stale": False})
+    assert lookup(db, bucket=4096)["config"] == {"stale": False}
+
+
+def test_rows_and_clear_filters(db):
+    upsert(db, role="fwd")
+    upsert(db, role="bwd")
+    upsert(db, role="fwd", gpu_name="NVIDIA H100")
+    assert len(db.rows()) == 3
+    assert {row["gpu_name"] for row in db.rows(role="fwd")} == {"NVIDIA H200", "NVIDIA H100"}
+    assert len(db.rows(fingerprint=FP, role="bwd")) == 1
+    with pytest.raises(ValueError, match="cannot filter"):
+        db.rows(no_such_column=1)
+    assert db.clear(role="fwd") == 2
+    assert [row["role"] for row in db.rows()] == ["bwd"]
+    assert db.clear() == 1 and db.rows() == []
+
+
+def test_rejects_nan_time(db):
+    with pytest.raises(ValueError, match="median_ms"):
+        upsert(db, median_ms=float("nan"))
+
+
+# -- several processes ---------------------------------------------------------------------------------
+
+def _same_key_time(worker, i):
+    # Distinct for every (worker, i), and every worker keeps improving, so the winner changes hands
+    # many times while the others write; the fastest of all is worker 0's last.
+    return 1.0 + (UPSERTS_PER_PROCESS - 1 - i) * N_PROCESSES + worker
+
+
+def _upsert_distinct_keys(path, worker, barrier):
+    tuning_db = TuningDB(path)
+    barrier.wait()  # start together: the point is contention
+    for i in range(UPSERTS_PER_PROCESS):
+        upsert(tuning_db, spec_key=f"spec-{worker}-{i}", median_ms=1.0 + i)
+
+
+def _upsert_same_key(path, worker, barrier):
+    tuning_db = TuningDB(path)
+    barrier.wait()
+    for i in range(UPSERTS_PER_PROCESS):
+        upsert(tuning_db, config={"worker": worker, "i": i}, median_ms=_same_key_time(worker, i))
+
+
+def _run_processes(target, path):
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(N_PROCESSES)
+    processes = [context.Process(target=target, args=(path, worker, barrier))
+                 for worker in range(N_PROCESSES)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=60)
+    assert [process.exitcode for process in processes] == [0] * N_PROCESSES
+
+
+def test_concurrent_upserts_with_distinct_keys_lose_nothing(tmp_path):
+    path = tmp_path / "shared.db"
+    _run_processes(_upsert_distinct_keys, path)
+    with TuningDB(path) as tuning_db:
+        rows = tuning_db.rows()
+    assert len(rows) == N_PROCESSES * UPSERTS_PER_PROCESS
+    assert len({row["spec_key"] for row in rows}) == N_PROCESSES * UPSERTS_PER_PROCESS
+
+
+def test_concurrent_upserts_to_one_key_keep_the_fastest(tmp_path):
+    path = tmp_path / "shared.db"
+    _run_processes(_upsert_same_key, path)
+    fastest = min(_same_key_time(w, i) for w in range(N_PROCESSES) for i in range(UPSERTS_PER_PROCESS))
+    with TuningDB(path) as tuning_db:
+        [row] = tuning_db.rows()
+    assert row["median_ms"] == fastest
+    assert row["config"] == {"worker": 0, "i": UPSERTS_PER_PROCESS - 1}  # config and time stay paired
+
+
+# -- damaged files --------------------------------------------------------------------------------------
+
+GARBAGE = b"this is not an SQLite database\x00\xff" * 200
+
+
+def test_corrupted_file_is_moved_aside_and_recreated(tmp_path, caplog):
+    path = tmp_path / "tuning.db"
+    path.write_bytes(GARBAGE)
+    with caplog.at_level(logging.WARNING, logger="kernelgen"):
+        tuning_db = TuningDB(path)
+    warnings = [r for r in caplog.records if r.name == "kernelgen" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
+    assert "corrupt" in warnings[0].getMessage()
+    [aside] = tmp_path.glob("tuning.db.corrupt-*")
+    assert aside.read_bytes() == GARBAGE  # kept, byte for byte
+    assert tuning_db.rows() == []
+    upsert(tuning_db)
+    assert lookup(tuning_db)["config"] == {"BLOCK_M": 64}
+    tuning_db.close()
+
+
+def test_file_corrupted_while_open_is_recovered(tmp_path, caplog):
+    path = tmp_path / "tuning.db"
+    tuning_db = TuningDB(path)
+    upsert(tuning_db)
+    # Damage the file under the open connection, as a crashed disk or a stray `cp` would.
+    tuning_db._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    path.write_bytes(GARBAGE)
+    with caplog.at_level(logging.WARNING, logger="kernelgen"):
+        assert lookup(tuning_db) is None
+    assert any(str(path) in r.getMessage() for r in caplog.records if r.name == "kernelgen")
+    assert len(list(tmp_path.glob("tuning.db.corrupt-*"))) == 1
+    upsert(tuning_db)
+    assert lookup(tuning_db) is not None
+    tuning_db.close()
+
+
+# -- user DB over bundled DB ------------------------------------------------------------------------------
+
+def _row(config, **overrides):
+    return {**KEY, "bucket": 2048, "config": config, "median_ms": 1.0, "tflops": None, "n_trials": 4,
+            "timestamp": "2025-01-01T00:00:00+00:00", **FP.as_columns(), "spec_json": "", **overrides}
+
+
+def test_user_db_overrides_bundled(tmp_path):
+    bundled_path = write_bundled_db(tmp_path / "winners.db", [
+        _row({"from": "bundled"}),
+        _row({"from": "bundled"}, spec_key="only-bundled"),
+    ])
+    bundled_digest = hashlib.sha256(bundled_path.read_bytes()).hexdigest()
+    with TuningDB(tmp_path / "user.db") as user_db:
+        upsert(user_db, config={"from": "user"})
+        winners = Winners(user_db, bundled_path=bundled_path)
+        row = lookup(winners)
+        assert (row["config"], row["source"]) == ({"from": "user"}, "user")
+        row = lookup(winners, spec_key="only-bundled")
+        assert (row["config"], row["source"]) == ({"from": "bundled"}, "bundled")
+        assert lookup(winners, spec_key="nowhere") is None
+        assert lookup(winners, spec_key="only-bundled", fingerprint=Fingerprint(
+            **{**FP.as_columns(), "cuda_version": "13.0"})) is None
+    # Read-only means read-only: no byte changed, no WAL or journal left next to it.
+    assert hashlib.sha256(bundled_path.read_bytes()).hexdigest() == bundled_digest
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("winners")) == ["winners.db"]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "missing"])
+def test_unusable_bundled_db_is_skipped_with_a_warning(tmp_path, caplog, damage):
+    bundled_path = tmp_path / "winners.db"
+    if damage == "garbage":
+        bundled_path.write_bytes(GARBAGE)
+    with TuningDB(tmp_path / "user.db") as user_db:
+        upsert(user_db, config={"from": "user"})
+        with caplog.at_level(logging.WARNING, logger="kernelgen"):
+            winners = Winners(user_db, bundled_path=bundled_path)
+        assert any(str(bundled_path) in r.getMessage() for r in caplog.records if r.name == "kernelgen")
+        assert lookup(winners)["source"] == "user"
+        assert lookup(winners, spec_key="nowhere") is None
+    if damage == "garbage":
+        assert bundled_path.read_bytes() == GARBAGE  # never moved aside or rewritten
+        assert not list(tmp_path.glob("winners.db.corrupt-*"))
+
+
+def test_shipped_bundled_db_opens(tmp_path):
+    assert BUNDLED_DB_PATH.name == "winners.db" and BUNDLED_DB_PATH.is_file()
+    with TuningDB(tmp_path / "user.db") as user_db:
+        assert lookup(Winners(user_db)) is None  # empty until a tuning run fills it
+
+
+def test_winners_default_user_db_lives_in_cache_dir(isolated_cache_dir):
+    winners = Winners()
+    assert winners.user.path == isolated_cache_dir / "tuning.db"
+    winners.user.close()

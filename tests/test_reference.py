@@ -1,0 +1,98 @@
+"""The oracle itself: against SDPA where they must agree, and the properties DESIGN.md fixes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernelgen import Spec, reference
+
+
+def rand(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("g", [1, 4])
+def test_dense_matches_sdpa(causal, g):
+    n = 200
+    q, k, v = rand(2, 2 * g, n, 64), rand(2, 2, n, 64), rand(2, 2, n, 64)
+    spec = Spec(head_dim=64, kv_block=32, q_tile=64, top_k=8, causal=causal, gqa_group=g)  # 7 blocks: dense
+    o, lse, idx = reference.sparse_attention(q, k, v, spec)
+    expect = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    assert (o - expect).abs().max() < 1e-12
+    s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)) / 8.0
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
+    assert (lse - torch.logsumexp(s, -1)).abs().max() < 1e-12
+
+
+def test_causal_bottom_right_and_empty_rows():
+    nq, nk = 96, 40  # queries 0..55 see no key under bottom-right causal
+    q, k, v = rand(1, 1, nq, 64), rand(1, 1, nk, 64), rand(1, 1, nk, 64)
+    spec = Spec(head_dim=64, kv_block=16, q_tile=32, top_k=3, causal=True)
+    o, lse, idx = reference.sparse_attention(q, k, v, spec)
+    assert (o[:, :, : nq - nk] == 0).all() and torch.isinf(lse[:, :, : nq - nk]).all()
+    assert not torch.isnan(o).any()
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nk)[None, :]
+    expect = F.scaled_dot_product_attention(q[:, :, nq - nk :], k, v, attn_mask=(j <= i + nk - nq)[nq - nk :])
+    assert (o[:, :, nq - nk :] - expect).abs().max() < 1e-12
+    assert (idx[0, 0, 0] == -1).all()  # tile 0: nothing visible, empty list
+
+
+def test_lse_merges_disjoint_key_sets():
+    q, k, v = rand(1, 2, 64, 64), rand(1, 2, 128, 64), rand(1, 2, 128, 64)
+    full = torch.ones(1, 2, 64, 128, dtype=torch.bool)
+    a = full.clone()
+    a[..., 50:] = False
+    o, lse = reference.attention(q, k, v, full)
+    oa, la = reference.attention(q, k, v, a)
+    ob, lb = reference.attention(q, k, v, ~a)
+    merged = torch.logaddexp(la, lb)
+    assert (merged - lse).abs().max() < 1e-12
+    om = torch.exp(la - merged)[..., None] * oa + torch.exp(lb - merged)[..., None] * ob
+    assert (om - o).abs().max() < 1e-12
+
+
+def test_selection_forced_ties_and_budget():
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=4, causal=True, local=2, sink=1)
+    n = 160
+    q = torch.ones(1, 1, n, 64, dtype=torch.float64)
+    k = torch.ones(1, 1, n, 64, dtype=torch.float64)  # every score ties
+    idx = reference.select_blocks(q, k, spec)[0, 0]
+    for t in range(10):
+        visible = list(range(t + 1))
+        forced = sorted({0} | {b for b in (t, t - 1) if b >= 0})
+        rest = [b for b in visible if b not in forced][: 4 - len(forced)]  # ties: lowest ids
+        assert idx[t].tolist() == sorted(forced + rest) + [-1] * (4 - len(forced + rest))
+
+
+def test_selection_picks_highest_scores():
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=2, selector="mean")
+    q = torch.zeros(1, 1, 16, 64, dtype=torch.float64)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 96, 64, dtype=torch.float64)
+    for b, val in enumerate([0.1, 0.5, -1.0, 0.9, 0.2, 0.3]):
+        k[0, 0, 16 * b : 16 * b + 16, 0] = val
+    assert reference.select_blocks(q, k, spec)[0, 0, 0].tolist() == [1, 3]
+
+
+def test_multi_sees_what_mean_averages_away():
+    # block 1 holds one strongly matching group and one opposite group: its mean is 0, its best group is not
+    spec_mean = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=1)
+    spec_multi = spec_mean.replace(selector="multi:2")
+    q = torch.zeros(1, 1, 16, 64, dtype=torch.float64)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 32, 64, dtype=torch.float64)
+    k[0, 0, :16, 0] = 0.1
+    k[0, 0, 16:24, 0] = 1.0
+    k[0, 0, 24:32, 0] = -1.0
+    assert reference.select_blocks(q, k, spec_mean)[0, 0, 0].tolist() == [0]
+    assert reference.select_blocks(q, k, spec_multi)[0, 0, 0].tolist() == [1]
+
+
+def test_normalize_and_token_mask_ignore_bad_ids():
+    idx = torch.tensor([[[[5, -1, 99, 2, 2, -7]]]], dtype=torch.int32)
+    assert reference.normalize_block_idx(idx, 6).tolist() == [[[[2, 2, 5, -1, -1, -1]]]]
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=6)
+    mask = reference.token_mask(idx, spec, 16, 96)
+    assert mask[0, 0, 0].view(6, 16).all(-1).tolist() == [False, False, True, False, False, True]

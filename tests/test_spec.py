@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from kernelgen import Spec
+
+
+def test_defaults_and_derived():
+    s = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=4, selector="multi:4", local=1, sink=1)
+    assert s.groups == 4 and s.n_local == 1 and s.n_forced == 2
+    assert s.n_q_tiles(130) == 3 and s.n_kv_blocks(64) == 1
+    assert Spec(head_dim=64, causal=True).n_local == 1  # causal forces the diagonal block
+    assert Spec(head_dim=64).n_local == 0
+
+
+def test_frozen_hashable_json_round_trip():
+    s = Spec(head_dim=64, top_k=8, selector="multi:2", local=2, sink=1)
+    assert Spec.from_json(s.to_json()) == s
+    assert hash(Spec.from_json(s.to_json())) == hash(s)
+    assert json.loads(s.to_json())["selector"] == "multi:2"
+    assert s.key() == Spec.from_dict(s.to_dict()).key() and s.key() != s.replace(top_k=9).key()
+    with pytest.raises(Exception):
+        s.top_k = 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(head_dim=96), "head_dim"),
+        (dict(head_dim=64, kv_block=48), "kv_block"),
+        (dict(head_dim=64, q_tile=512), "q_tile"),
+        (dict(head_dim=64, selector="max"), "selector"),
+        (dict(head_dim=64, selector="multi:3"), "power of two"),
+        (dict(head_dim=64, selector="multi:x"), "power of two"),
+        (dict(head_dim=64, q_tile=16, selector="multi:32"), "divide"),
+        (dict(head_dim=64, top_k=2, sink=2, local=1), "forced"),
+        (dict(head_dim=64, top_k=1, sink=1, causal=True), "forced"),
+        (dict(head_dim=64, schedule="kv_centric"), "not implemented"),
+        (dict(head_dim=64, schedule="foo"), "schedule"),
+        (dict(head_dim=64, backend="tilelang"), "not implemented"),
+        (dict(head_dim=64, backend="cuda"), "backend"),
+        (dict(head_dim=64, gqa_group=0), "gqa_group"),
+        (dict(head_dim=64, top_k=0), "top_k"),
+        (dict(head_dim=64, local=-1), "local"),
+    ],
+)
+def test_rejects_what_it_cannot_compute(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Spec(**kwargs)
+
+
+def test_type_errors():
+    with pytest.raises(TypeError, match="head_dim"):
+        Spec(head_dim=64.0)
+    with pytest.raises(TypeError, match="causal"):
+        Spec(head_dim=64, causal=1)
+    with pytest.raises(ValueError, match="unknown fields"):
+        Spec.from_dict({"head_dim": 64, "blocks": 3})

@@ -1,0 +1,161 @@
+"""Triton kernels against the float64 reference: CPU (interpreter, fp16/fp32, small) and GPU (bf16/fp16, 4k-32k)."""
+import itertools
+
+import pytest
+import torch
+
+import kernelgen
+from kernelgen import Spec, reference
+from checks import assert_close_to_reference, assert_valid_selection
+
+
+def make_inputs(b, hkv, g, nq, nk, d, dtype, device, seed):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, hkv * g, nq, d, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(b, hkv, nk, d, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(b, hkv, nk, d, generator=gen).to(device=device, dtype=dtype)
+    return q, k, v
+
+
+def run_and_check(spec, q, k, v, block_idx=None):
+    attn = kernelgen.get_kernel(spec)
+    if block_idx is None:
+        idx = attn.select(q, k)
+        assert_valid_selection(idx, q, k, spec)
+        o, lse = attn(q, k, v, return_lse=True)
+        # the call selects the same lists as select() (deterministic), so check against those
+        ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
+    else:
+        o, lse = attn(q, k, v, block_idx=block_idx, return_lse=True)
+        ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=block_idx)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.dtype == torch.float32
+    return assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
+
+
+# The CPU grid: causal x GQA group x head_dim x kv_block x q_tile, lengths not multiples of the blocks,
+# Nq != Nk in both directions, a top_k that leaves blocks out.
+GRID = list(itertools.product([False, True], [1, 2, 4], [64, 128], [64, 128], [64, 128]))
+
+
+@pytest.mark.parametrize("causal, g, d, kv_block, q_tile", GRID)
+def test_grid_cpu(causal, g, d, kv_block, q_tile, device):
+    seed = hash((causal, g, d, kv_block, q_tile)) % 1000
+    nq, nk = [(300, 300), (200, 461), (333, 150)][seed % 3]
+    spec = Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=2, causal=causal, gqa_group=g)
+    q, k, v = make_inputs(1, 2, g, nq, nk, d, torch.float16, device, seed)
+    run_and_check(spec, q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("selector", ["mean", "multi:2", "multi:4"])
+def test_selectors_local_sink(selector, dtype, device):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=64, top_k=5, causal=True, gqa_group=2,
+                selector=selector, local=2, sink=1)
+    q, k, v = make_inputs(2, 2, 2, 250, 410, 64, dtype, device, 7)
+    run_and_check(spec, q, k, v)
+
+
+def test_non_causal_local_sink_and_small_tiles(device):
+    spec = Spec(head_dim=64, kv_block=16, q_tile=32, top_k=4, causal=False, gqa_group=1, local=1, sink=1)
+    q, k, v = make_inputs(1, 3, 1, 100, 170, 64, torch.float32, device, 3)
+    run_and_check(spec, q, k, v)
+
+
+def test_dense_when_top_k_covers_everything(device):
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=8, causal=True, gqa_group=2)
+    q, k, v = make_inputs(1, 1, 2, 300, 300, 64, torch.float32, device, 11)
+    o = kernelgen.get_kernel(spec)(q, k, v)
+    expect = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                                              enable_gqa=True)
+    assert (o.double() - expect).abs().max() < 1e-4
+
+
+def test_head_dim_256(device):
+    spec = Spec(head_dim=256, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2)
+    q, k, v = make_inputs(1, 1, 2, 100, 130, 256, torch.float16, device, 5)
+    run_and_check(spec, q, k, v)
+
+
+def given_lists(spec, b, hkv, nq, nk, seed, device, dtype=torch.int32):
+    """Random lists with -1 slots, out-of-range ids (negative and too large), in random order."""
+    gen = torch.Generator().manual_seed(seed)
+    n_tiles, n_blocks = spec.n_q_tiles(nq), spec.n_kv_blocks(nk)
+    idx = torch.stack([torch.randperm(n_blocks + 3, generator=gen)[: spec.top_k] for _ in range(b * hkv * n_tiles)])
+    idx = idx.view(b, hkv, n_tiles, spec.top_k) - 1  # ids in [-1, n_blocks + 1]
+    idx[..., 0] = torch.where(torch.rand(b, hkv, n_tiles, generator=gen) < 0.2, -5, idx[..., 0])
+    idx[..., -1] = torch.where(torch.rand(b, hkv, n_tiles, generator=gen) < 0.2, 10**6, idx[..., -1])
+    return idx.to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_given_lists_with_empty_and_out_of_range(causal, index_dtype, device):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=causal, gqa_group=2, selector="given")
+    q, k, v = make_inputs(2, 2, 2, 150, 200, 64, torch.float16, device, 13)
+    idx = given_lists(spec, 2, 2, 150, 200, 1, device, index_dtype)
+    if index_dtype == torch.int64:
+        idx[0, 0, 0, 1] = 2**32 + 1  # would wrap to block 1 in a careless int32 cast
+    run_and_check(spec, q, k, v, block_idx=idx)
+
+
+def test_given_lists_repeated_ids_count_once(device):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, selector="given")
+    q, k, v = make_inputs(1, 1, 1, 64, 128, 64, torch.float32, device, 17)
+    idx = torch.tensor([[[[2, 2, 0, 2], [1, 3, 3, -1]]]], dtype=torch.int32, device=device)
+    o, lse = kernelgen.get_kernel(spec)(q, k, v, block_idx=idx, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float32)
+    with pytest.raises(ValueError, match="repeated"):
+        kernelgen.get_kernel(spec, validate_lists=True)(q, k, v, block_idx=idx)
+
+
+def test_all_empty_lists_give_zero_and_minus_inf(device):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, selector="given")
+    q, k, v = make_inputs(1, 1, 1, 64, 64, 64, torch.float16, device, 19)
+    idx = torch.full((1, 1, 2, 2), -1, dtype=torch.int32, device=device)
+    o, lse = kernelgen.get_kernel(spec)(q, k, v, block_idx=idx, return_lse=True)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+
+
+def test_strided_inputs(device):
+    """Non-contiguous q/k/v (a view of a [B, N, H, D] buffer, as in most models) are read through strides."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2)
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(1, 90, 4, 64, generator=gen).to(device, torch.float16).transpose(1, 2)
+    kv = torch.randn(1, 120, 2, 2, 64, generator=gen).to(device, torch.float16)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    run_and_check(spec, q, k, v)
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+GPU_CASES = [
+    # (B, Hkv, G, Nq, Nk, D, kv_block, q_tile, top_k, causal, selector, local, sink)
+    (1, 2, 1, 4096, 4096, 64, 64, 64, 16, True, "mean", 1, 1),
+    (1, 2, 4, 4096, 4096, 128, 64, 64, 16, True, "mean", 2, 0),
+    (2, 1, 16, 4096, 16384, 128, 128, 128, 16, False, "mean", 0, 0),
+    (1, 2, 4, 8192, 8192, 128, 128, 128, 16, True, "multi:4", 1, 1),
+    (1, 1, 2, 16384 + 77, 16384 + 77, 64, 64, 128, 16, True, "mean", 1, 0),
+    (1, 1, 1, 32768, 32768, 64, 64, 64, 16, True, "mean", 1, 0),
+    (1, 1, 4, 4000, 4096, 128, 128, 64, 64, True, "mean", 1, 0),  # Nq != Nk
+    (1, 2, 2, 4096, 4096, 128, 128, 128, 32, True, "mean", 1, 0),  # top_k covers all: dense
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_against_reference(case, dtype):
+    b, hkv, g, nq, nk, d, kv_block, q_tile, top_k, causal, selector, local, sink = case
+    spec = Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g,
+                selector=selector, local=local, sink=sink)
+    q, k, v = make_inputs(b, hkv, g, nq, nk, d, dtype, "cuda", nq + d + g)
+    run_and_check(spec, q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_given_lists(causal):
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=causal, gqa_group=4, selector="given")
+    q, k, v = make_inputs(1, 2, 4, 8192, 8192, 128, torch.bfloat16, "cuda", 29)
+    idx = given_lists(spec, 1, 2, 8192, 8192, 2, "cuda")
+    run_and_check(spec, q, k, v, block_idx=idx)
