@@ -4,6 +4,15 @@
     attn = kernelgen.get_kernel(spec)
     o = attn(q, k, v)
 """
+import os as _os
+
+import torch as _torch
+
+# Without a CUDA device the kernels can only run in Triton's interpreter, which must be chosen before
+# triton.language is first imported.
+if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
+    _os.environ["TRITON_INTERPRET"] = "1"
+
 from .config import AttnConfig, SelectConfig
 from .dispatch import SparseAttention, get_kernel
 from .spec import Spec

@@ -1,0 +1,268 @@
+"""Side-by-side benchmark: kernelgen against FlexAttention (identical BlockMask) and SDPA (flash, cuDNN).
+
+    python -m kernelgen.bench [--shapes a32k,b,...] [--out DIR] [--sweep]
+
+One process, one GPU; `triton.testing.do_bench` medians after warm-up. Useful TFLOP/s count
+4 * D * (visible query-key pairs inside selected blocks), summed over batch and query heads
+(shared/DESIGN.md); dense anchors count all visible pairs. On a CPU machine it runs the interpreter at a
+tiny size and only checks that everything executes (no timings are meaningful there).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BenchShape", "SHAPES", "useful_flops", "run"]
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    name: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    n_q: int
+    n_k: int
+    head_dim: int
+    kv_block: int
+    q_tile: int
+    top_k: int
+    causal: bool
+
+    def spec(self, selector="mean"):
+        from .spec import Spec
+
+        return Spec(head_dim=self.head_dim, kv_block=self.kv_block, q_tile=self.q_tile, top_k=self.top_k,
+                    causal=self.causal, gqa_group=self.heads_q // self.heads_kv, selector=selector)
+
+
+SHAPES = {
+    s.name: s
+    for s in [
+        BenchShape("a32k", 1, 8, 8, 32768, 32768, 64, 64, 64, 16, False),
+        BenchShape("a128k", 1, 8, 8, 131072, 131072, 64, 64, 64, 16, False),
+        BenchShape("b", 2, 16, 1, 4096, 16384, 128, 128, 128, 16, False),
+        BenchShape("c", 1, 32, 8, 32768, 32768, 128, 128, 128, 16, True),
+        BenchShape("c_dense", 1, 32, 8, 32768, 32768, 128, 128, 128, 256, True),
+        # the CPU smoke size (interpreter)
+        BenchShape("tiny", 1, 2, 1, 256, 256, 64, 64, 64, 2, True),
+    ]
+}
+
+
+def visible_pairs(block_idx: torch.Tensor, spec, n_q: int, n_k: int) -> torch.Tensor:
+    """Visible (query, key) pairs inside the selected blocks, per (batch, KV head): int64 [B, Hkv]."""
+    n_blocks = spec.n_kv_blocks(n_k)
+    idx = block_idx.long()
+    valid = (idx >= 0) & (idx < n_blocks)
+    start = idx.clamp(0, n_blocks - 1) * spec.kv_block
+    end = torch.clamp(start + spec.kv_block, max=n_k)
+    tiles = torch.arange(block_idx.shape[2], device=idx.device)
+    q = tiles[:, None] * spec.q_tile + torch.arange(spec.q_tile, device=idx.device)[None, :]  # [T, q_tile]
+    q_ok = q < n_q
+    if spec.causal:
+        last = q + (n_k - n_q)  # last visible key of each query
+        seen = (torch.minimum(end[..., None], last[None, None, :, None, :] + 1) - start[..., None]).clamp(min=0)
+    else:
+        seen = (end - start)[..., None].expand(*idx.shape, spec.q_tile)
+    seen = seen * q_ok[None, None, :, None, :] * valid[..., None]
+    return seen.sum(dim=(2, 3, 4))
+
+
+def useful_flops(block_idx, spec, n_q: int, n_k: int) -> float:
+    return 4.0 * spec.head_dim * spec.gqa_group * float(visible_pairs(block_idx, spec, n_q, n_k).sum())
+
+
+def dense_flops(shape: BenchShape) -> float:
+    if shape.causal:
+        pairs = sum(max(0, min(shape.n_k, i + 1 + shape.n_k - shape.n_q)) for i in range(shape.n_q))
+    else:
+        pairs = shape.n_q * shape.n_k
+    return 4.0 * shape.head_dim * shape.batch * shape.heads_q * pairs
+
+
+def flex_block_mask(block_idx: torch.Tensor, spec, shape: BenchShape):
+    """FlexAttention BlockMask holding exactly kernelgen's lists: blocks that need no elementwise mask
+    go to full_kv_*, the rest (diagonal, partial last block) to kv_* with the causal mask_mod."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n_q, n_k = shape.n_q, shape.n_k
+    n_blocks = spec.n_kv_blocks(n_k)
+    idx = block_idx.long()
+    valid = (idx >= 0) & (idx < n_blocks)
+    tiles = torch.arange(idx.shape[2], device=idx.device)[:, None]
+    block_end = (idx + 1) * spec.kv_block
+    full = valid & (block_end <= n_k)
+    if spec.causal:
+        full = full & (block_end - 1 <= tiles * spec.q_tile + (n_k - n_q))
+    partial = valid & ~full
+
+    def pack(sel):
+        key = torch.where(sel, idx, n_blocks + idx.shape[-1])
+        order = key.sort(-1).values
+        count = sel.sum(-1).to(torch.int32)
+        ids = torch.where(order < n_blocks, order, 0).to(torch.int32)
+        g = spec.gqa_group  # BlockMask is per query head
+        return count.repeat_interleave(g, 1).contiguous(), ids.repeat_interleave(g, 1).contiguous()
+
+    def causal_mask(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + (n_k - n_q)
+
+    def any_mask(b, h, q_idx, kv_idx):
+        return kv_idx < n_k
+
+    kv_num, kv_ids = pack(partial)
+    full_num, full_ids = pack(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_ids, full_num, full_ids, BLOCK_SIZE=(spec.q_tile, spec.kv_block),
+                                    mask_mod=causal_mask if spec.causal else any_mask, seq_lengths=(n_q, n_k))
+
+
+def _bench(fn, warmup=25, rep=100) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def _peak_extra_bytes(fn) -> int:
+    """Peak device memory a call allocates beyond what exists before it, output included."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak
+
+
+def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
+    import kernelgen
+    from .config import config_space
+
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    dtype = torch.bfloat16 if on_gpu else torch.float16
+    rows = []
+    for name in shape_names:
+        shape = SHAPES[name]
+        spec = shape.spec("mean")
+        given = shape.spec("given")
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(shape.batch, shape.heads_q, shape.n_q, shape.head_dim, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(shape.batch, shape.heads_kv, shape.n_k, shape.head_dim, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(shape.batch, shape.heads_kv, shape.n_k, shape.head_dim, device=device, dtype=dtype, generator=gen)
+        attn = kernelgen.get_kernel(spec)
+        attn_given = kernelgen.get_kernel(given)
+        idx = attn.select(q, k)
+        flops = useful_flops(idx, spec, shape.n_q, shape.n_k)
+        dflops = dense_flops(shape)
+        out_bytes = q.numel() * q.element_size()
+
+        def record(impl, fn, fl, **extra):
+            ms = _bench(fn) if on_gpu else float("nan")
+            row = dict(shape=name, impl=impl, ms=ms, tflops=fl / ms / 1e9 if on_gpu else float("nan"), **extra)
+            rows.append(row)
+            log(f"{name:8s} {impl:28s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
+                + " ".join(f"{k}={v}" for k, v in extra.items()))
+            return row
+
+        if not on_gpu:  # the interpreter: just check the pipeline runs end to end
+            o = attn(q, k, v)
+            assert not torch.isnan(o).any()
+            log(f"{name}: CPU interpreter smoke run OK (no timings on CPU); useful GFLOP {flops / 1e9:.4f}")
+            continue
+
+        record("kernelgen given", lambda: attn_given(q, k, v, block_idx=idx), flops,
+               config=attn_given.config("attn", shape.n_q, shape.n_k).to_json())
+        extra = _peak_extra_bytes(lambda: attn(q, k, v))
+        record("kernelgen mean (select+attn)", lambda: attn(q, k, v), flops,
+               peak_extra_MB=round(extra / 2**20, 1), output_MB=round(out_bytes / 2**20, 1),
+               workspace_over_output=round((extra - out_bytes) / out_bytes, 3))
+        record("kernelgen mean select only", lambda: attn.select(q, k), 0.0)
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            flex = torch.compile(flex_attention, dynamic=False)
+            mask = flex_block_mask(idx, spec, shape)
+            g = spec.gqa_group
+            fo = flex(q, k, v, block_mask=mask, enable_gqa=g > 1)
+            ours = attn_given(q, k, v, block_idx=idx)
+            diff = ((fo.float() - ours.float()).norm() / ours.float().norm()).item()
+            record("flex (same BlockMask)", lambda: flex(q, k, v, block_mask=mask, enable_gqa=g > 1), flops,
+                   rel_diff_vs_kernelgen=f"{diff:.1e}")
+        except Exception as e:  # report, never hide
+            log(f"{name}: FlexAttention failed: {type(e).__name__}: {e}")
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kd = k.repeat_interleave(spec.gqa_group, 1)
+        vd = v.repeat_interleave(spec.gqa_group, 1)
+        for backend, label in ((SDPBackend.CUDNN_ATTENTION, "sdpa cudnn (dense)"), (SDPBackend.FLASH_ATTENTION, "sdpa flash (dense)")):
+            try:
+                with sdpa_kernel(backend):
+                    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=shape.causal)  # noqa: E731
+                    fn()
+                    record(label, fn, dflops)
+            except Exception as e:
+                log(f"{name}: {label} failed: {type(e).__name__}: {str(e)[:200]}")
+        if name in sweep:
+            best = None
+            for cfg in config_space(given, "attn"):
+                try:
+                    tuned = kernelgen.get_kernel(given, configs={"attn": cfg})
+                    o = tuned(q, k, v, block_idx=idx)
+                    if not torch.allclose(o.float(), ours.float(), atol=2e-2, rtol=2e-2):
+                        log(f"{name}: config {cfg} gives a different result: rejected")
+                        continue
+                    ms = _bench(lambda: tuned(q, k, v, block_idx=idx), warmup=10, rep=30)
+                except Exception as e:
+                    log(f"{name}: config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                rows.append(dict(shape=name, impl="sweep attn", ms=ms, tflops=flops / ms / 1e9, config=cfg.to_json()))
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
+            if best:
+                log(f"{name:8s} {'best sweep attn':28s} {best[0]:8.3f} ms {flops / best[0] / 1e9:7.1f} TFLOP/s {best[1]}")
+        del q, k, v, kd, vd
+        torch.cuda.empty_cache()
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        keys = sorted({k for r in rows for k in r})
+        with open(os.path.join(out_dir, "bench.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+        with open(os.path.join(out_dir, "bench.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=None, help="comma-separated: " + ",".join(SHAPES))
+    p.add_argument("--out", default=None, help="directory for bench.csv and bench.json")
+    p.add_argument("--sweep", default="", help="comma-separated shapes on which to also time every attention config")
+    args = p.parse_args(argv)
+    if args.shapes:
+        names = args.shapes.split(",")
+    else:
+        names = ["a32k", "a128k", "b", "c", "c_dense"] if torch.cuda.is_available() else ["tiny"]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        p.error(f"unknown shapes {unknown}; expected some of {list(SHAPES)}")
+    if not torch.cuda.is_available():
+        print("No CUDA GPU: running the Triton interpreter at a tiny size (correctness smoke run, no timings).")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    else:
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    run(names, args.out, tuple(filter(None, args.sweep.split(","))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the benchmark (optionally with the attention-config sweep).
+# Usage on the GPU machine:  source .device/with-site.sh && bash tools/gpu_session.sh [bench args...]
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export KERNELGEN_CACHE_DIR=/tmp/kg-cache
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+echo "== GPU tests"
+timeout 300 python3 -m pytest -q -m gpu --maxfail=4 tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+echo "== bench"
+timeout 420 python3 -m kernelgen.bench --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^$"
