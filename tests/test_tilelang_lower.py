@@ -48,8 +48,9 @@ def test_render_and_build_signature(causal, dtype):
     params = inspect.signature(module.build).parameters
     assert list(params) == BUILD_PARAMS
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values())
+    shape = dict(batch=1, heads_q=1, heads_kv=1, seq_q=64, seq_k=64, head_dim=64, kv_block=64, q_tile=64, top_k=1)
     with pytest.raises(ValueError, match="rendered for"):
-        _build(not causal, 64, 1, 64, 64, dtype=dtype)
+        module.build(**shape, causal=not causal, dtype=dtype, block_M=64, num_stages=2, threads=128)
 
 
 def test_build_rejects_bad_tiles():
