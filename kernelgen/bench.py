@@ -104,10 +104,12 @@ def flex_block_mask(block_idx: torch.Tensor, spec, shape: BenchShape):
     partial = valid & ~full
 
     def pack(sel):
-        key = torch.where(sel, idx, n_blocks + idx.shape[-1])
+        # BlockMask wants kv_indices [B, H, n_q_blocks, n_kv_blocks]: the selected ids first, then padding
+        key = torch.where(sel, idx, n_blocks)
         order = key.sort(-1).values
         count = sel.sum(-1).to(torch.int32)
         ids = torch.where(order < n_blocks, order, 0).to(torch.int32)
+        ids = torch.nn.functional.pad(ids, (0, max(0, n_blocks - ids.shape[-1])))[..., :n_blocks]
         g = spec.gqa_group  # BlockMask is per query head
         return count.repeat_interleave(g, 1).contiguous(), ids.repeat_interleave(g, 1).contiguous()
 

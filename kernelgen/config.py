@@ -75,7 +75,9 @@ def select_feasible(spec: Spec, cfg: SelectConfig) -> bool:
     rows = cfg.tiles * gr_pad
     cols = cfg.chunk * spec.groups
     # tl.dot needs >= 16 rows and columns; keep the score tile within registers
-    return rows >= 16 and cols >= 16 and rows * cols <= 64 * 256 and rows <= 256
+    # tl.topk of a chunk needs at least next_pow2(top_k) columns
+    return (rows >= 16 and cols >= 16 and rows * cols <= 64 * 256 and rows <= 256
+            and cfg.chunk >= next_pow2(spec.top_k))
 
 
 def default_config(spec: Spec, role: str):
@@ -90,8 +92,9 @@ def default_config(spec: Spec, role: str):
         raise ValueError(f"no feasible attention config for {spec}")
     if role == "select":
         gr_pad = next_pow2(spec.gqa_group * spec.groups)
-        # about 32 q_rep rows against 64 k_rep columns per step
-        return SelectConfig(tiles=max(1, 32 // gr_pad), chunk=max(1, 64 // spec.groups), num_warps=4, num_stages=1)
+        # 16 q_rep rows (many small programs) against >= 128 k_rep columns per step
+        chunk = max(next_pow2(spec.top_k), 128 // spec.groups)
+        return SelectConfig(tiles=max(1, 16 // gr_pad), chunk=chunk, num_warps=4, num_stages=1)
     raise ValueError(f"role={role!r} is unknown; expected one of {ROLES}")
 
 

@@ -6,6 +6,7 @@ kernel against kernelgen.reference run on a GPU elsewhere (tests marked `gpu`).
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import shutil
 
@@ -21,6 +22,13 @@ BUILD_PARAMS = [
     "batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "kv_block", "q_tile", "top_k",
     "causal", "dtype", "block_M", "block_N", "num_stages", "threads",
 ]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _kernelgen_cache(tmp_path_factory, monkeypatch):
+    # rendered modules go to a per-session temp dir, not the user's cache
+    if "KERNELGEN_CACHE_DIR" not in os.environ:
+        monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernelgen_cache"))
 
 
 def _config(G: int, q_tile: int) -> dict:
