@@ -50,14 +50,9 @@ def main():
         except Exception as e:
             print(f"{name:14s} bm={block_m} thr={threads}: FAILED {type(e).__name__}: {str(e)[:300]}")
             continue
-        if nq * nk <= 4096 * 4096:
+        ro = None
+        if nq * nk <= 4096 * 4096:  # the reference is dense float64: check the small cases
             ro, rlse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
-        else:  # check the first 2048 queries only (the reference is dense float64)
-            rows = 2048
-            ro, rlse, _ = reference.sparse_attention(q[:, :, :rows], k, v, spec.replace(causal=False) if not causal else spec,
-                                                     block_idx=idx[:, :, : rows // qt]) if nq == nk or not causal else (None, None, None)
-            o, lse = o[:, :, :rows], lse[:, :, :rows]
-        if ro is not None:
             rel = ((o.double() - ro).norm() / ro.norm()).item()
             mx = (o.double() - ro).abs().max().item()
             inf_ok = torch.equal(torch.isinf(lse), torch.isinf(rlse))
