@@ -187,6 +187,7 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
                peak_extra_MB=round(extra / 2**20, 1), output_MB=round(out_bytes / 2**20, 1),
                workspace_over_output=round((extra - out_bytes) / out_bytes, 3))
         record("kernelgen mean select only", lambda: attn.select(q, k), 0.0)
+        ours = attn_given(q, k, v, block_idx=idx)
         try:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -196,8 +197,8 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
             fo = flex(q, k, v, block_mask=mask, enable_gqa=g > 1)
             ours = attn_given(q, k, v, block_idx=idx)
             diff = ((fo.float() - ours.float()).norm() / ours.float().norm()).item()
-            record("flex (same BlockMask)", lambda: flex(q, k, v, block_mask=mask, enable_gqa=g > 1), flops,
-                   rel_diff_vs_kernelgen=f"{diff:.1e}")
+            record("flex (same BlockMask)", lambda: flex(q, k, v, block_mask=mask, enable_gqa=g > 1, kernel_options=opts),
+                   flops, rel_diff_vs_kernelgen=f"{diff:.1e}", kernel_options=opts)
         except Exception as e:  # report, never hide
             log(f"{name}: FlexAttention failed: {type(e).__name__}: {e}")
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -213,8 +214,17 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
             except Exception as e:
                 log(f"{name}: {label} failed: {type(e).__name__}: {str(e)[:200]}")
         if name in sweep:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    attn(q, k, v)
+                torch.cuda.synchronize()
+            log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
             best = None
             for cfg in config_space(given, "attn"):
+                if cfg.num_stages == 1:
+                    continue
                 try:
                     tuned = kernelgen.get_kernel(given, configs={"attn": cfg})
                     o = tuned(q, k, v, block_idx=idx)
