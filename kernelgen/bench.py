@@ -238,6 +238,20 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
                 rows.append(dict(shape=name, impl="sweep attn", ms=ms, tflops=flops / ms / 1e9, config=cfg.to_json()))
                 if best is None or ms < best[0]:
                     best = (ms, cfg)
+            best_sel = None
+            for cfg in config_space(spec, "select"):
+                try:
+                    sel = kernelgen.get_kernel(spec, configs={"select": cfg})
+                    same = (sel.select(q, k) == idx).float().mean().item()
+                    ms = _bench(lambda: sel.select(q, k), warmup=10, rep=30)
+                except Exception as e:
+                    log(f"{name}: select config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                rows.append(dict(shape=name, impl="sweep select", ms=ms, config=cfg.to_json(), same_ids=same))
+                if best_sel is None or ms < best_sel[0]:
+                    best_sel = (ms, cfg, same)
+            if best_sel:
+                log(f"{name:8s} {'best sweep select':28s} {best_sel[0]:8.3f} ms {best_sel[1]} same_ids={best_sel[2]:.4f}")
             if best:
                 log(f"{name:8s} {'best sweep attn':28s} {best[0]:8.3f} ms {flops / best[0] / 1e9:7.1f} TFLOP/s {best[1]}")
         del q, k, v, kd, vd
