@@ -194,8 +194,12 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
             flex = torch.compile(flex_attention, dynamic=False)
             mask = flex_block_mask(idx, spec, shape)
             g = spec.gqa_group
-            fo = flex(q, k, v, block_mask=mask, enable_gqa=g > 1)
-            ours = attn_given(q, k, v, block_idx=idx)
+            # Flex's kernel tile must divide the BlockMask's blocks (64-blocks need 64x64 tiles)
+            opts = None
+            if min(spec.q_tile, spec.kv_block) < 128:
+                bm, bn = min(64, spec.q_tile), min(64, spec.kv_block)
+                opts = {"BLOCK_M": bm, "BLOCK_N": bn, "fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn}
+            fo = flex(q, k, v, block_mask=mask, enable_gqa=g > 1, kernel_options=opts)
             diff = ((fo.float() - ours.float()).norm() / ours.float().norm()).item()
             record("flex (same BlockMask)", lambda: flex(q, k, v, block_mask=mask, enable_gqa=g > 1, kernel_options=opts),
                    flops, rel_diff_vs_kernelgen=f"{diff:.1e}", kernel_options=opts)
