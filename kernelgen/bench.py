@@ -149,6 +149,10 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
+    # rows are appended as they are measured, so a run stopped by a time limit keeps what it measured
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+    jsonl = open(os.path.join(out_dir, "bench.jsonl"), "a") if out_dir else None  # noqa: SIM115
     dtype = torch.bfloat16 if on_gpu else torch.float16
     rows = []
     for name in shape_names:
@@ -170,6 +174,9 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
             ms = _bench(fn) if on_gpu else float("nan")
             row = dict(shape=name, impl=impl, ms=ms, tflops=fl / ms / 1e9 if on_gpu else float("nan"), **extra)
             rows.append(row)
+            if jsonl:
+                jsonl.write(json.dumps(row) + "\n")
+                jsonl.flush()
             log(f"{name:8s} {impl:28s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s "
                 + " ".join(f"{k}={v}" for k, v in extra.items()))
             return row
@@ -261,7 +268,7 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
         del q, k, v, kd, vd
         torch.cuda.empty_cache()
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
+        jsonl.close()
         keys = sorted({k for r in rows for k in r})
         with open(os.path.join(out_dir, "bench.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)

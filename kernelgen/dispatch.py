@@ -11,6 +11,7 @@ from .compile import load_module
 from .config import default_config
 from .render import module_name, render
 from .spec import Spec
+from .tuned import tuned_config
 
 __all__ = ["get_kernel", "SparseAttention"]
 
@@ -36,32 +37,31 @@ class SparseAttention:
         self.validate_lists = validate_lists
         self._fixed = dict(configs or {})
 
-    def config(self, role: str, n_q: int, n_k: int):
-        """The config a call of these lengths runs with (tuned winner when there is one)."""
-        return self._config(role, n_q, n_k)
+    def config(self, role: str, n_q: int, n_k: int, dtype=torch.bfloat16, device="cuda"):
+        """The config a call of these lengths runs with: pinned, else the tuning DB's winner for this
+        device, dtype and length bucket, else the default."""
+        return self._config(role, n_q, n_k, dtype, torch.device(device))
 
-    @functools.lru_cache(maxsize=64)
-    def _config(self, role: str, n_q: int, n_k: int):
+    @functools.lru_cache(maxsize=256)
+    def _config(self, role: str, n_q: int, n_k: int, dtype, device):
         if role in self._fixed:
             return self._fixed[role]
-        from .tuned import tuned_config  # the tuning DB is optional at import time
-
-        return tuned_config(self.spec, role, n_k) or default_config(self.spec, role)
+        return tuned_config(self.spec, role, n_k, dtype, device) or default_config(self.spec, role)
 
     @functools.lru_cache(maxsize=64)
     def module(self, role: str, config):
         source = render(self.spec, role, config)
         return load_module(module_name(self.spec, role, source), source)
 
-    def _select_module(self, n_q: int, n_k: int):
-        cfg = self._config("select", n_q, n_k)
+    def _select_module(self, q: torch.Tensor, n_q: int, n_k: int):
+        cfg = self._config("select", n_q, n_k, q.dtype, q.device)
         return self.module("select", cfg), cfg
 
     def select(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         if not self.spec.selects:
             raise ValueError("spec.selector='given' has no selector: pass block_idx to the call")
         shapes = ops.check_qkv(q, k, k, self.spec)
-        mod, cfg = self._select_module(shapes.n_q, shapes.n_k)
+        mod, cfg = self._select_module(q, shapes.n_q, shapes.n_k)
         return ops.select(q, k, self.spec, shapes, mod, cfg)
 
     def __call__(self, q, k, v, *, block_idx=None, scale=None, return_lse: bool = False):
@@ -70,14 +70,14 @@ class SparseAttention:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             raise NotImplementedError("kernelgen has no backward pass yet: call it under torch.no_grad() "
                                       "or with inputs that do not require grad")
-        select_mod, select_cfg = self._select_module(shapes.n_q, shapes.n_k)
+        select_mod, select_cfg = self._select_module(q, shapes.n_q, shapes.n_k)
         if block_idx is None:
             if not spec.selects:
                 raise ValueError("spec.selector='given' needs block_idx=int32 [B, Hkv, n_q_tiles, top_k]")
             block_idx = ops.select(q, k, spec, shapes, select_mod, select_cfg)
         else:
             block_idx = ops.prepare_block_idx(block_idx, spec, shapes, q.device, select_mod, self.validate_lists)
-        attn_cfg = self._config("attn", shapes.n_q, shapes.n_k)
+        attn_cfg = self._config("attn", shapes.n_q, shapes.n_k, q.dtype, q.device)
         o, lse = ops.attention(q, k, v, block_idx, spec, shapes, self.module("attn", attn_cfg), attn_cfg, scale)
         return (o, lse) if return_lse else o
 
@@ -93,6 +93,8 @@ def _cached(spec: Spec, validate_lists: bool) -> SparseAttention:
 def get_kernel(spec: Spec, *, configs: dict | None = None, validate_lists: bool = False) -> SparseAttention:
     """The callable for `spec` (cached per spec). `configs` ({"attn": AttnConfig, "select": SelectConfig})
     pins tunables instead of the tuning DB's winners or the defaults."""
+    if not isinstance(spec, Spec):
+        raise TypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
     if configs:
         return SparseAttention(spec, configs, validate_lists)
     return _cached(spec, validate_lists)

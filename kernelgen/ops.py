@@ -143,7 +143,10 @@ def select(q: torch.Tensor, k: torch.Tensor, spec: Spec, shapes: Shapes, mod, cf
 
 def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConfig, scale: float | None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists."""
-    scale = 1.0 / math.sqrt(spec.head_dim) if scale is None else float(scale)
+    if scale is None:
+        scale = 1.0 / math.sqrt(spec.head_dim)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float (default 1/sqrt(head_dim)), got {scale!r}")
     o = _empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = _empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
     splits = spec.gqa_group * spec.q_tile // cfg.block_m
@@ -156,7 +159,7 @@ def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConf
         o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
-        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, float(scale) * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

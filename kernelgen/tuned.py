@@ -1,6 +1,53 @@
-"""Bridge from the tuning DB to dispatch: the winning config for a spec, role and length, or None."""
+"""Bridge from the tuning DB to dispatch: the winning config for a spec, role, device, dtype and
+length, or None (then dispatch uses the defaults). A broken or foreign DB is a miss, never a crash."""
 from __future__ import annotations
 
+import functools
+import logging
 
-def tuned_config(spec, role: str, n_k: int):
-    return None
+import torch
+
+from .config import config_from_dict
+
+__all__ = ["tuned_config", "device_arch"]
+
+log = logging.getLogger("kernelgen")
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(index: int | None) -> tuple[str, str]:
+    """(arch like "sm_90", GPU name) of a CUDA device."""
+    index = torch.cuda.current_device() if index is None else index
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}", torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _winners():
+    from .db import Winners
+
+    return Winners()
+
+
+@functools.lru_cache(maxsize=None)
+def _fingerprint(backend: str):
+    from .db import current_fingerprint
+    from .render import template_hash
+
+    return current_fingerprint(template_hash(), backend)
+
+
+def tuned_config(spec, role: str, n_k: int, dtype: torch.dtype, device: torch.device):
+    if device.type != "cuda":
+        return None
+    try:
+        from .db import seq_bucket
+
+        arch, gpu_name = device_arch(device.index)
+        row = _winners().lookup(spec_key=spec.key(), role=role, backend=spec.backend, arch=arch, gpu_name=gpu_name,
+                                dtype=str(dtype).removeprefix("torch."), bucket=seq_bucket(n_k),
+                                fingerprint=_fingerprint(spec.backend))
+        return None if row is None else config_from_dict(role, row["config"])
+    except Exception as error:  # dispatch must keep working whatever the DB holds
+        log.warning("tuning DB lookup failed (%s: %s); using default configs", type(error).__name__, error)
+        return None
