@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .spec import Spec
 
-__all__ = ["AttnConfig", "SelectConfig", "ROLES", "default_config", "config_space", "config_from_dict", "next_pow2"]
+__all__ = ["AttnConfig", "SelectConfig", "TileLangAttnConfig", "ROLES", "default_config", "config_space", "config_from_dict", "next_pow2"]
 
 ROLES = ("attn", "select")
 
@@ -47,13 +47,31 @@ class SelectConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-_CONFIG_TYPES = {"attn": AttnConfig, "select": SelectConfig}
+@dataclass(frozen=True)
+class TileLangAttnConfig:
+    """TileLang Q-centric forward. block_m: packed rows per program; threads: 128 (one consumer
+    warpgroup) or 256 (two); TileLang adds a producer warpgroup for the TMA loads."""
+
+    block_m: int = 128
+    num_stages: int = 2
+    threads: int = 256
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-def config_from_dict(role: str, data: dict):
-    if role not in _CONFIG_TYPES:
-        raise ValueError(f"role={role!r} is unknown; expected one of {ROLES}")
-    return _CONFIG_TYPES[role](**data)
+_CONFIG_TYPES = {
+    ("triton", "attn"): AttnConfig,
+    ("triton", "select"): SelectConfig,
+    ("tilelang", "attn"): TileLangAttnConfig,
+    ("tilelang", "select"): SelectConfig,  # TileLang specs select with the Triton selector
+}
+
+
+def config_from_dict(role: str, data: dict, backend: str = "triton"):
+    if (backend, role) not in _CONFIG_TYPES:
+        raise ValueError(f"role={role!r} is unknown for backend={backend!r}; expected one of {ROLES}")
+    return _CONFIG_TYPES[backend, role](**data)
 
 
 def attn_feasible(spec: Spec, cfg: AttnConfig) -> bool:
@@ -70,6 +88,12 @@ def attn_feasible(spec: Spec, cfg: AttnConfig) -> bool:
     return ok and regs <= 192
 
 
+def tilelang_attn_feasible(spec: Spec, cfg: TileLangAttnConfig) -> bool:
+    """Same row packing rule as Triton; 256 threads need 128 rows (two 64-row warpgroups)."""
+    packing = attn_feasible(spec, AttnConfig(block_m=cfg.block_m, num_warps=cfg.threads // 32, num_stages=1))
+    return packing and cfg.block_m in (64, 128) and (cfg.threads == 128 or cfg.block_m == 128)
+
+
 def select_feasible(spec: Spec, cfg: SelectConfig) -> bool:
     gr_pad = next_pow2(spec.gqa_group * spec.groups)
     rows = cfg.tiles * gr_pad
@@ -82,6 +106,12 @@ def select_feasible(spec: Spec, cfg: SelectConfig) -> bool:
 
 def default_config(spec: Spec, role: str):
     """A sound starting point per head_dim (the tuner improves on it)."""
+    if role == "attn" and spec.backend == "tilelang":
+        for block_m, threads in ((128, 256), (64, 128)):
+            cfg = TileLangAttnConfig(block_m=block_m, num_stages=2, threads=threads)
+            if tilelang_attn_feasible(spec, cfg):
+                return cfg
+        raise ValueError(f"no feasible TileLang attention config for {spec}")
     if role == "attn":
         warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
         stages = {64: 2, 128: 2, 256: 1}[spec.head_dim]  # H200 sweep, shape (a): 2 stages beat 3
@@ -102,6 +132,12 @@ def default_config(spec: Spec, role: str):
 
 def config_space(spec: Spec, role: str) -> list:
     """Every feasible point of a role's search space (a comprehension plus a filter)."""
+    if role == "attn" and spec.backend == "tilelang":
+        space = (
+            TileLangAttnConfig(block_m=m, num_stages=s, threads=t)
+            for m, s, t in itertools.product((64, 128), (1, 2, 3), (128, 256))
+        )
+        return [c for c in space if tilelang_attn_feasible(spec, c)]
     if role == "attn":
         space = (
             AttnConfig(block_m=m, num_warps=w, num_stages=s)

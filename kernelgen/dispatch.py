@@ -11,7 +11,7 @@ from .compile import load_module
 from .config import default_config
 from .render import module_name, render
 from .spec import Spec
-from .tuned import tuned_config
+from .tuned import device_arch, tuned_config
 
 __all__ = ["get_kernel", "SparseAttention"]
 
@@ -53,6 +53,20 @@ class SparseAttention:
         source = render(self.spec, role, config)
         return load_module(module_name(self.spec, role, source), source)
 
+    @functools.lru_cache(maxsize=64)
+    def _tilelang_kernel(self, shapes, dtype, config, device):
+        """TileLang kernels are compiled for one problem shape (cached here and on disk by TileLang)."""
+        if device.type != "cuda":
+            raise ValueError("backend='tilelang' runs on CUDA GPUs only (lowering and compiling work without one: "
+                             "kernelgen.tilelang_backend.lower / compile_kernel)")
+        from . import tilelang_backend
+
+        arch, _ = device_arch(device.index)
+        arch = "sm_90a" if arch == "sm_90" else arch  # wgmma and warp specialisation need sm_90a
+        func = tilelang_backend.build_attn(self.spec, dtype, batch=shapes.batch, heads_kv=shapes.heads_kv,
+                                           seq_q=shapes.n_q, seq_k=shapes.n_k, config=config)
+        return tilelang_backend.compile_kernel(func, arch=arch)
+
     def _select_module(self, q: torch.Tensor, n_q: int, n_k: int):
         cfg = self._config("select", n_q, n_k, q.dtype, q.device)
         return self.module("select", cfg), cfg
@@ -78,7 +92,11 @@ class SparseAttention:
         else:
             block_idx = ops.prepare_block_idx(block_idx, spec, shapes, q.device, select_mod, self.validate_lists)
         attn_cfg = self._config("attn", shapes.n_q, shapes.n_k, q.dtype, q.device)
-        o, lse = ops.attention(q, k, v, block_idx, spec, shapes, self.module("attn", attn_cfg), attn_cfg, scale)
+        if spec.backend == "tilelang":
+            kernel = self._tilelang_kernel(shapes, q.dtype, attn_cfg, q.device)
+            o, lse = ops.attention_tilelang(q, k, v, block_idx, spec, kernel, scale)
+        else:
+            o, lse = ops.attention(q, k, v, block_idx, spec, shapes, self.module("attn", attn_cfg), attn_cfg, scale)
         return (o, lse) if return_lse else o
 
     def __repr__(self) -> str:

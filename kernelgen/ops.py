@@ -11,7 +11,8 @@ import triton
 from .config import AttnConfig, SelectConfig, next_pow2
 from .spec import Spec
 
-__all__ = ["Shapes", "interpreting", "check_qkv", "prepare_block_idx", "select", "attention", "LOG2E"]
+__all__ = ["Shapes", "interpreting", "check_qkv", "prepare_block_idx", "select", "attention", "attention_tilelang",
+           "softmax_scale", "LOG2E"]
 
 LOG2E = 1.4426950408889634
 # Tests set KERNELGEN_POISON=1: outputs start as NaN (lists as INT32_MIN) so unwritten elements fail.
@@ -141,12 +142,24 @@ def select(q: torch.Tensor, k: torch.Tensor, spec: Spec, shapes: Shapes, mod, cf
     return block_idx
 
 
+def softmax_scale(scale, spec: Spec) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(spec.head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float (default 1/sqrt(head_dim)), got {scale!r}")
+    return float(scale)
+
+
+def attention_tilelang(q, k, v, block_idx, spec: Spec, kernel, scale: float | None):
+    """The TileLang forward (compiled for this exact shape) over normalised lists; it reads dense
+    [B, H, N, D] tensors, so strided inputs are copied first."""
+    scale = softmax_scale(scale, spec)
+    return kernel(q.contiguous(), k.contiguous(), v.contiguous(), block_idx, scale)
+
+
 def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConfig, scale: float | None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(spec.head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite float (default 1/sqrt(head_dim)), got {scale!r}")
+    scale = softmax_scale(scale, spec)
     o = _empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = _empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
     splits = spec.gqa_group * spec.q_tile // cfg.block_m
@@ -159,7 +172,7 @@ def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConf
         o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
-        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, float(scale) * LOG2E,
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

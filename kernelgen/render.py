@@ -26,9 +26,10 @@ def _find_template_dir() -> Path:
 
 TEMPLATE_DIR = _find_template_dir()
 
-# role -> template, per backend
+# role -> template, per backend (TileLang specs select blocks with the Triton selector for now)
 TEMPLATES = {
     "triton": {"attn": "triton/attn_fwd.py.j2", "select": "triton/select.py.j2"},
+    "tilelang": {"attn": "tilelang/attn_fwd.py.j2", "select": "triton/select.py.j2"},
 }
 
 
@@ -38,6 +39,8 @@ def _env() -> jinja2.Environment:
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
+        trim_blocks=True,  # a line holding only a block tag leaves no trace in the Python it renders
+        lstrip_blocks=True,
         autoescape=False,
     )
 
@@ -52,12 +55,13 @@ def context(spec: Spec) -> dict:
     }
 
 
-def render(spec: Spec, role: str, config=None) -> str:
+def render(spec: Spec, role: str, config=None, **extra) -> str:
+    """Source of one role's kernels. `extra` adds structure the spec does not fix (TileLang: dtype)."""
     try:
         name = TEMPLATES[spec.backend][role]
     except KeyError:
         raise ValueError(f"no template for backend={spec.backend!r}, role={role!r}") from None
-    source = _env().get_template(name).render(**context(spec))
+    source = _env().get_template(name).render(**context(spec), **extra)
     if config is not None:
         source += f"\n# config: {config.to_json()}\n"
     return source

@@ -16,7 +16,7 @@ HEAD_DIMS = (64, 128, 256)
 TILE_SIZES = (16, 32, 64, 128, 256)
 SELECTORS = ("mean", "multi:r", "given")  # multi:r with r a power of two, e.g. "multi:4"
 SCHEDULES = ("q_centric",)  # "kv_centric" is planned, not built yet
-BACKENDS = ("triton",)  # "tilelang" is planned, not built yet
+BACKENDS = ("triton", "tilelang")  # tilelang: attention in TileLang (CUDA only), selection in Triton
 
 
 def _is_pow2(x: int) -> bool:
@@ -76,8 +76,6 @@ class Spec:
                 raise ValueError("Spec.schedule='kv_centric' is not implemented yet; use 'q_centric'")
             raise ValueError(f"Spec.schedule={self.schedule!r} is unknown; expected one of {SCHEDULES}")
         if self.backend not in BACKENDS:
-            if self.backend == "tilelang":
-                raise ValueError("Spec.backend='tilelang' is not implemented yet; use 'triton'")
             raise ValueError(f"Spec.backend={self.backend!r} is unknown; expected one of {BACKENDS}")
         r = self._parse_selector()
         if r > 1 and (self.q_tile % r or self.kv_block % r):

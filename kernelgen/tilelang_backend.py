@@ -1,122 +1,56 @@
-"""TileLang backend: render the Jinja templates under `templates/tilelang/`, import the rendered
-module, lower its prim_func to CUDA source and compile it to a cubin.
+"""TileLang backend: build the forward prim_func from the rendered template, lower it to CUDA source,
+compile it to a cubin.
 
 Nothing here needs a GPU: lowering is pure TVM, and `tilelang.compile` only runs nvcc and builds a
 host wrapper (launching the kernel is what needs a device). TileLang's front end reads a kernel's
-Python source with `inspect`, so a rendered module is always imported from a real file, stored
-content-addressed (`<name>_<sha256[:16]>.py`) under the kernelgen cache dir and written only when
-absent, so the file that produced a kernel can always be read back.
+Python source with `inspect`, so the rendered module is imported from its content-addressed file
+(`compile.load_module`, like the Triton kernels).
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
-import os
-import sys
-import tempfile
 import time
-from functools import lru_cache
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-__all__ = [
-    "ARCH",
-    "ATTN_OUT_IDX",
-    "templates_dir",
-    "render_attn",
-    "load_module",
-    "build_attn",
-    "lower",
-    "compile_kernel",
-]
+from .compile import load_module
+from .render import module_name, render
+from .spec import Spec
+
+__all__ = ["ARCH", "ATTN_OUT_IDX", "DTYPES", "canonical_dtype", "attn_source", "build_attn", "lower", "compile_kernel"]
 
 log = logging.getLogger("kernelgen")
 
-ARCH = "sm_90a"
+ARCH = "sm_90a"  # warp specialisation and wgmma need the "a" target
 # attn_fwd(Q, K, V, block_idx, scale, O, LSE): O and LSE are allocated and returned by the kernel
 ATTN_OUT_IDX = [5, 6]
-_DTYPES = ("bfloat16", "float16")
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+DTYPES = ("bfloat16", "float16")
 
 
-def templates_dir() -> Path:
-    """`templates/` inside the installed package if present (wheel), else the repository's."""
-    here = Path(__file__).resolve().parent
-    inside = here / "templates"
-    return inside if inside.is_dir() else here.parent / "templates"
-
-
-@lru_cache(maxsize=1)
-def _env():
-    import jinja2
-
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        autoescape=False,
-    )
-
-
-def _canonical_dtype(dtype: Any) -> str:
-    name = str(dtype).removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in _DTYPES:
-        raise ValueError(f"TileLang attention supports dtype in {_DTYPES}, got {dtype!r}")
+def canonical_dtype(dtype: Any) -> str:
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(str(dtype).removeprefix("torch."),
+                                                                          str(dtype).removeprefix("torch."))
+    if name not in DTYPES:
+        raise ValueError(f"TileLang attention supports dtype in {DTYPES}, got {dtype!r}")
     return name
 
 
-def render_attn(causal: bool, dtype: str) -> str:
-    """Source of the forward module for one structure (causal or not, dtype); its `build(**shape, **config)`
-    returns the prim_func."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    return _env().get_template("tilelang/attn_fwd.py.j2").render(causal=causal, dtype=_canonical_dtype(dtype))
+def attn_source(spec: Spec, dtype: Any, config=None) -> str:
+    """Rendered forward module for a spec and dtype; its `build(**shape, **tunables)` gives the prim_func."""
+    if spec.backend != "tilelang":
+        spec = spec.replace(backend="tilelang")
+    return render(spec, "attn", config, dtype=canonical_dtype(dtype))
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("KERNELGEN_CACHE_DIR")
-    if root is None:
-        import platformdirs
-
-        root = platformdirs.user_cache_dir("kernelgen")
-    path = Path(root) / "tilelang"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-_modules: dict[str, ModuleType] = {}
-
-
-def load_module(source: str, name: str = "attn_fwd") -> ModuleType:
-    """Import rendered source from a content-addressed file (reused when the content is the same)."""
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    mod_name = f"kernelgen_tilelang_{name}_{digest}"
-    if mod_name in _modules:
-        return _modules[mod_name]
-    path = _cache_dir() / f"{name}_{digest}.py"
-    if not path.exists() or path.read_text() != source:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".py.tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)  # atomic: concurrent writers produce the same bytes
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module  # inspect.getsource (TileLang's parser) looks modules up here
-    spec.loader.exec_module(module)
-    _modules[mod_name] = module
-    return module
-
-
-def build_attn(**kwargs: Any):
-    """Render, load and build in one call: `build_attn(causal=..., dtype=..., <shape>, <config>)`."""
-    causal, dtype = kwargs["causal"], _canonical_dtype(kwargs["dtype"])
-    module = load_module(render_attn(causal, dtype))
-    return module.build(**{**kwargs, "dtype": dtype})
+def build_attn(spec: Spec, dtype: Any, *, batch: int, heads_kv: int, seq_q: int, seq_k: int, config=None, **tunables):
+    """The prim_func for one problem shape. `config` (TileLangAttnConfig) or explicit `tunables`
+    (block_M, block_N, num_stages, threads) set the tile parameters."""
+    source = attn_source(spec, dtype, config)
+    module = load_module(module_name(spec.replace(backend="tilelang"), "attn", source), source)
+    if config is not None:
+        tunables = {"block_M": config.block_m, "num_stages": config.num_stages, "threads": config.threads, **tunables}
+    return module.build(batch=batch, heads_q=heads_kv * spec.gqa_group, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
+                        head_dim=spec.head_dim, kv_block=spec.kv_block, q_tile=spec.q_tile, top_k=spec.top_k,
+                        causal=spec.causal, dtype=canonical_dtype(dtype), **tunables)
 
 
 def _target(arch: str):

@@ -47,7 +47,7 @@ def tuned_config(spec, role: str, n_k: int, dtype: torch.dtype, device: torch.de
         row = _winners().lookup(spec_key=spec.key(), role=role, backend=spec.backend, arch=arch, gpu_name=gpu_name,
                                 dtype=str(dtype).removeprefix("torch."), bucket=seq_bucket(n_k),
                                 fingerprint=_fingerprint(spec.backend))
-        return None if row is None else config_from_dict(role, row["config"])
+        return None if row is None else config_from_dict(role, row["config"], spec.backend)
     except Exception as error:  # dispatch must keep working whatever the DB holds
         log.warning("tuning DB lookup failed (%s: %s); using default configs", type(error).__name__, error)
         return None

@@ -37,7 +37,6 @@ def test_frozen_hashable_json_round_trip():
         (dict(head_dim=64, top_k=1, sink=1, causal=True), "forced"),
         (dict(head_dim=64, schedule="kv_centric"), "not implemented"),
         (dict(head_dim=64, schedule="foo"), "schedule"),
-        (dict(head_dim=64, backend="tilelang"), "not implemented"),
         (dict(head_dim=64, backend="cuda"), "backend"),
         (dict(head_dim=64, gqa_group=0), "gqa_group"),
         (dict(head_dim=64, top_k=0), "top_k"),

@@ -6,6 +6,7 @@ kernel against kernelgen.reference run on a GPU elsewhere (tests marked `gpu`).
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import re
 import shutil
@@ -16,7 +17,11 @@ pytestmark = pytest.mark.tilelang
 
 pytest.importorskip("tilelang")
 
+from kernelgen import Spec  # noqa: E402
 from kernelgen import tilelang_backend as tb  # noqa: E402
+from kernelgen.compile import load_module  # noqa: E402
+from kernelgen.config import config_space, default_config  # noqa: E402
+from kernelgen.render import module_name  # noqa: E402
 
 BUILD_PARAMS = [
     "batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "kv_block", "q_tile", "top_k",
@@ -37,22 +42,28 @@ def _config(G: int, q_tile: int) -> dict:
     return dict(block_M=128, threads=256) if G * q_tile >= 128 else dict(block_M=64, threads=128)
 
 
+def _spec(causal, D, G, kv_block, q_tile):
+    return Spec(head_dim=D, kv_block=kv_block, q_tile=q_tile, top_k=8, causal=causal, gqa_group=G, backend="tilelang")
+
+
 def _build(causal, D, G, kv_block, q_tile, dtype="bfloat16", **config):
     # ragged lengths: a partial last Q tile and a partial last KV block, Nk != Nq (bottom-right causal)
-    kw = dict(batch=2, heads_q=2 * G, heads_kv=2, seq_q=1000, seq_k=1100, head_dim=D, kv_block=kv_block,
-              q_tile=q_tile, top_k=8, causal=causal, dtype=dtype, num_stages=2, **_config(G, q_tile))  # fmt: skip
-    kw.update(config)
-    return tb.build_attn(**kw)
+    tunables = dict(num_stages=2, **_config(G, q_tile))
+    tunables.update(config)
+    return tb.build_attn(_spec(causal, D, G, kv_block, q_tile), dtype, batch=2, heads_kv=2, seq_q=1000, seq_k=1100,
+                         **tunables)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_render_and_build_signature(causal, dtype):
-    source = tb.render_attn(causal, dtype)
+    spec = _spec(causal, 64, 1, 64, 64)
+    source = tb.attn_source(spec, dtype)
     assert "{{" not in source and "{%" not in source
     assert f"CAUSAL = {causal}" in source and f'DTYPE = "{dtype}"' in source
-    module = tb.load_module(source)
-    assert tb.load_module(source) is module  # content-addressed: same text, same module
+    name = module_name(spec, "attn", source)
+    module = load_module(name, source)
+    assert load_module(name, source) is module  # content-addressed: same text, same module
     params = inspect.signature(module.build).parameters
     assert list(params) == BUILD_PARAMS
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values())
@@ -65,22 +76,19 @@ def test_build_rejects_bad_tiles():
     with pytest.raises(ValueError, match="block_N"):
         _build(False, 64, 1, 64, 64, block_N=48)
     with pytest.raises(ValueError, match="one must divide"):
-        _build(False, 64, 1, 64, 96, block_M=64)
+        _build(False, 64, 1, 64, 64, block_M=48)
 
 
-# a spread of the grid (causal x D x G x kv_block x q_tile); all 32 combos lower (about 5 s each)
-LOWER_GRID = [
-    (False, 64, 1, 64, 64),
-    (True, 64, 4, 128, 64),
-    (True, 128, 1, 64, 128),
-    (False, 128, 4, 128, 128),
-    (True, 128, 4, 64, 64),
-]
+# every variant of the Triton CPU test grid (causal x G x D x kv_block x q_tile), with its default config
+LOWER_GRID = list(itertools.product([False, True], [64, 128], [1, 2, 4], [64, 128], [64, 128]))
 
 
 @pytest.mark.parametrize("causal,D,G,kv_block,q_tile", LOWER_GRID)
 def test_lower_sm90a(causal, D, G, kv_block, q_tile):
-    src = tb.lower(_build(causal, D, G, kv_block, q_tile))
+    spec = _spec(causal, D, G, kv_block, q_tile)
+    cfg = default_config(spec, "attn")
+    assert cfg in config_space(spec, "attn")
+    src = tb.lower(tb.build_attn(spec, "bfloat16", batch=2, heads_kv=2, seq_q=1000, seq_k=1100, config=cfg))
     assert re.search(r'extern "C" __global__ void __launch_bounds__\(\d+, 1\) attn_fwd_kernel\(', src)
     # Hopper path: TMA loads of K/V, mbarrier pipeline, warp-specialised producer, wgmma for both gemms
     assert "CUtensorMap K_desc" in src and "CUtensorMap V_desc" in src
