@@ -279,6 +279,42 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
     return rows
 
 
+def plot(out_dir) -> str | None:
+    """bench.png next to bench.json: time and useful TFLOP/s per shape (ordered by N), one series per
+    implementation. Needs matplotlib (optional); without it, says so and returns None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    path = os.path.join(out_dir, "bench.json")
+    if not os.path.exists(path):
+        return None
+    rows = [r for r in json.load(open(path)) if not r["impl"].startswith("sweep") and r["ms"] == r["ms"]]
+    names = sorted({r["shape"] for r in rows}, key=lambda n: (SHAPES[n].n_k, n) if n in SHAPES else (0, n))
+    impls = sorted({r["impl"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for impl in impls:
+        pts = [(names.index(r["shape"]), r["ms"], r["tflops"]) for r in rows if r["impl"] == impl]
+        pts.sort()
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        if "select only" not in impl:
+            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=impl)
+    for ax, label in zip(axes, ("ms (median)", "useful TFLOP/s")):
+        ax.set_xticks(range(len(names)), [f"{n}\nN={SHAPES[n].n_k}" if n in SHAPES else n for n in names])
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    png = os.path.join(out_dir, "bench.png")
+    fig.savefig(png, dpi=120)
+    return png
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=None, help="comma-separated: " + ",".join(SHAPES))
