@@ -195,6 +195,19 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
                workspace_over_output=round((extra - out_bytes) / out_bytes, 3))
         record("kernelgen mean select only", lambda: attn.select(q, k), 0.0)
         ours = attn_given(q, k, v, block_idx=idx)
+        try:  # the TileLang backend on the same lists, when it is installed
+            import tilelang  # noqa: F401
+
+            tl_given = kernelgen.get_kernel(given.replace(backend="tilelang"))
+            tl_out = tl_given(q, k, v, block_idx=idx)
+            tl_diff = ((tl_out.float() - ours.float()).norm() / ours.float().norm()).item()
+            record("kernelgen tilelang given", lambda: tl_given(q, k, v, block_idx=idx), flops,
+                   rel_diff_vs_kernelgen=f"{tl_diff:.1e}",
+                   config=tl_given.config("attn", shape.n_q, shape.n_k).to_json())
+        except ImportError:
+            log(f"{name}: tilelang not installed, TileLang backend skipped")
+        except Exception as e:  # report, never hide
+            log(f"{name}: TileLang backend failed: {type(e).__name__}: {str(e)[:300]}")
         try:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -279,6 +292,45 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
     return rows
 
 
+def dispatch_overhead(n_calls: int = 200, log=print) -> dict:
+    """Host time per `attn(q, k, v, block_idx=...)` call against the raw Triton launches it makes
+    (normalise + attention), on a problem small enough that the GPU waits for the host."""
+    import time
+
+    import kernelgen
+    from . import ops
+
+    spec = kernelgen.Spec(head_dim=64, kv_block=64, q_tile=64, top_k=2, selector="given")
+    q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    idx = torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32, device="cuda")
+    attn = kernelgen.get_kernel(spec)
+    shapes = ops.check_qkv(q, k, v, spec)
+    sel_mod, sel_cfg = attn._select_module(q, shapes.n_q, shapes.n_k)
+    cfg = attn.config("attn", shapes.n_q, shapes.n_k, q.dtype, q.device)
+    mod = attn.module("attn", cfg)
+
+    def raw():
+        lists = ops.prepare_block_idx(idx, spec, shapes, q.device, sel_mod)
+        return ops.attention(q, k, v, lists, spec, shapes, mod, cfg, None)
+
+    def timed(fn):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n_calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n_calls * 1e6
+
+    result = {"call_us": timed(lambda: attn(q, k, v, block_idx=idx)), "raw_launches_us": timed(raw)}
+    result["overhead_us"] = result["call_us"] - result["raw_launches_us"]
+    log(f"dispatch: {result['call_us']:.1f} us per call, raw launches {result['raw_launches_us']:.1f} us, "
+        f"overhead {result['overhead_us']:.1f} us")
+    return result
+
+
 def plot(out_dir) -> str | None:
     """bench.png next to bench.json: time and useful TFLOP/s per shape (ordered by N), one series per
     implementation. Needs matplotlib (optional); without it, says so and returns None."""
@@ -319,6 +371,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=None, help="comma-separated: " + ",".join(SHAPES))
     p.add_argument("--out", default=None, help="directory for bench.csv and bench.json")
+    p.add_argument("--overhead", action="store_true", help="also measure dispatch overhead per call")
     p.add_argument("--sweep", default="", help="comma-separated shapes on which to also time every attention config")
     args = p.parse_args(argv)
     if args.shapes:
@@ -333,6 +386,8 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     else:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    if args.overhead and torch.cuda.is_available():
+        dispatch_overhead()
     run(names, args.out, tuple(filter(None, args.sweep.split(","))))
     return 0
 

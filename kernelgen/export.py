@@ -62,7 +62,8 @@ def export_module(spec: Spec, out_path, *, configs: dict | None = None) -> Path:
     `SPEC` (the spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind
     them; `kernel.validate_lists = True` makes repeated ids in given lists an error). Its inputs are checked
     exactly as get_kernel's are (the same code). Without a CUDA device it selects Triton's interpreter
-    itself, as `import kernelgen` does.
+    itself, as `import kernelgen` does. Import it like any module; with importlib, put it in sys.modules
+    before exec_module (its dataclasses need that, as kernelgen's compile.load_module does).
     """
     if not isinstance(spec, Spec):
         raise TypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
@@ -106,14 +107,14 @@ def assemble(spec: Spec, configs: dict) -> str:
         version=__version__, spec_json=spec.to_json(), configs_json=configs_json, date=date,
         spec_key=spec.key()))]
 
-    provided: dict[str, set[str]] = {}  # embedded module -> names it binds at top level
+    provided: dict[str, dict[str, str]] = {}  # embedded module -> {name it binds at top level: how}
     for name, module in _EMBEDDED:
         origin = f"kernelgen/{name}.py"
         source = _rewrite_imports(_read_source(module), origin, provided)
-        provided[name] = set(_bindings(source, origin))
+        provided[name] = _bindings(source, origin)
         sections.append((origin, source))
 
-    ops_names = sorted(n for n in provided["ops"] if not n.startswith("__"))
+    ops_names = sorted(n for n, sig in provided["ops"].items() if not n.startswith("__") and not sig.startswith("import"))
     sections.append(("ops namespace", _OPS_NAMESPACE.format(
         fields=textwrap.fill(", ".join(f"{n}={n}" for n in ops_names), 100,
                              initial_indent="    ", subsequent_indent="    "))))
@@ -170,7 +171,7 @@ def _class_source(module, name: str) -> str:
     raise ExportError(f"{module.__name__} defines no class {name}")
 
 
-def _rewrite_imports(source: str, origin: str, provided: dict[str, set[str]]) -> str:
+def _rewrite_imports(source: str, origin: str, provided: dict) -> str:
     """`source` with `from __future__` dropped (the module has one at its top) and each relative import
     resolved in the shared namespace: a name from an embedded module is already bound (an `as` becomes an
     assignment); a module-level import of anything else is an ExportError, and one inside a function
@@ -326,6 +327,7 @@ torch and triton).
 
 q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = SPEC["gqa_group"] * Hkv; block_idx int32 (or int64)
 [B, Hkv, n_q_tiles, top_k], -1 for an empty slot. Semantics: kernelgen's docs/SEMANTICS.md.
+`kernel.validate_lists = True` makes a repeated id in a given list an error (one device sync per call).
 The sections below are kernelgen's spec.py, config.py and ops.py, the rendered Triton kernels, and
 kernelgen's SparseAttention class, each as kernelgen has them; the launcher at the end ties them together.
 """
@@ -367,7 +369,8 @@ class _ExportedAttention(SparseAttention):
         return _KERNELS[role]
 
 
-kernel = _ExportedAttention(Spec.from_dict(SPEC), {{role: config_from_dict(role, data) for role, data in CONFIGS.items()}})
+kernel = _ExportedAttention(Spec.from_dict(SPEC),
+                            {{role: config_from_dict(role, data) for role, data in CONFIGS.items()}})
 
 
 def attn(q, k, v, *, block_idx=None, scale=None, return_lse=False):

@@ -549,14 +549,14 @@ def _resolve_device(device, arch: str | None) -> tuple[str, str, str]:
     if not torch.cuda.is_available():
         raise RuntimeError("tuning needs a CUDA GPU, and none is available here; plan(spec, role, seq=..., "
                            "arch=...) shows what a tune would do on any machine")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("TRITON_INTERPRET=1 is set: unset it to tune on the GPU")
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     present = _arch_of(dev)
     if arch is not None and arch != present:
         raise ValueError(f"arch={arch!r} does not match the GPU present: {torch.cuda.get_device_name(dev)} "
                          f"is {present}; tune for {arch} on a GPU of that arch")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1 is set: unset it to tune on the GPU")
     return str(dev), present, torch.cuda.get_device_name(dev)
 
 
