@@ -114,7 +114,8 @@ def assemble(spec: Spec, configs: dict) -> str:
         provided[name] = _bindings(source, origin)
         sections.append((origin, source))
 
-    ops_names = sorted(n for n, sig in provided["ops"].items() if not n.startswith("__") and not sig.startswith("import"))
+    ops_names = sorted(n for n, how in provided["ops"].items()
+                       if not n.startswith("__") and not how.startswith("import"))
     sections.append(("ops namespace", _OPS_NAMESPACE.format(
         fields=textwrap.fill(", ".join(f"{n}={n}" for n in ops_names), 100,
                              initial_indent="    ", subsequent_indent="    "))))
