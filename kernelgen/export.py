@@ -17,6 +17,10 @@ from kernelgen's own sources, so that nothing is written twice:
 All sections share one namespace (Triton's @jit resolves a kernel's globals in its module and reads its
 source from a real file); export refuses a file in which two sections bind one name differently, or in
 which an embedded module imports anything beyond the standard library, torch and triton.
+
+The skeleton (header, launcher) lives here rather than in templates/: render.template_hash() covers every
+templates/**/*.j2 and is part of the tuning DB's fingerprint, so an export template would turn every tuned
+winner into a miss each time it changed.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from . import config as _config_module
 from . import dispatch as _dispatch_module
 from . import ops as _ops_module
 from . import spec as _spec_module
-from .config import ROLES, attn_feasible, default_config, select_feasible
+from .config import AttnConfig, SelectConfig, attn_feasible, default_config, select_feasible
 from .render import render
 from .spec import Spec
 
@@ -43,7 +47,8 @@ __all__ = ["export_module", "ExportError"]
 # Embedded whole, in dependency order: (module, file).
 _EMBEDDED = (("spec", _spec_module), ("config", _config_module), ("ops", _ops_module))
 _ALLOWED_ROOTS = frozenset(sys.stdlib_module_names) | {"torch", "triton"}
-_FEASIBLE = {"attn": attn_feasible, "select": select_feasible}
+# role -> (config type, feasibility check); the roles an exported module launches
+_ROLES = {"select": (SelectConfig, select_feasible), "attn": (AttnConfig, attn_feasible)}
 _PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "select")
 
 
@@ -56,7 +61,8 @@ def export_module(spec: Spec, out_path, *, configs: dict | None = None) -> Path:
 
     configs   {"attn": AttnConfig, "select": SelectConfig} baked into the module. A missing role (or
               configs=None) gets `kernelgen.config.default_config(spec, role)`; to bake in the tuning DB's
-              winners for a length, pass `{r: get_kernel(spec).config(r, n, n, dtype, device) for r in ROLES}`.
+              winners for a length, pass `{r: get_kernel(spec).config(r, n, n, dtype, device) for r in
+              ("attn", "select")}` (on the machine whose DB holds them).
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)`, `select(q, k)`,
     `SPEC` (the spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind
@@ -80,16 +86,15 @@ def export_module(spec: Spec, out_path, *, configs: dict | None = None) -> Path:
 
 def _resolve_configs(spec: Spec, configs: dict | None) -> dict:
     configs = dict(configs or {})
-    unknown = set(configs) - set(ROLES)
+    unknown = set(configs) - set(_ROLES)
     if unknown:
-        raise ValueError(f"configs has unknown roles {sorted(unknown)}; expected a subset of {list(ROLES)}")
+        raise ValueError(f"configs has unknown roles {sorted(unknown)}; expected a subset of {sorted(_ROLES)}")
     out = {}
-    for role in ROLES:
+    for role, (expected, feasible) in _ROLES.items():
         cfg = configs.get(role) or default_config(spec, role)
-        expected = type(default_config(spec, role))
         if not isinstance(cfg, expected):
             raise TypeError(f"configs[{role!r}] must be a {expected.__name__}, got {type(cfg).__name__}")
-        if not _FEASIBLE[role](spec, cfg):
+        if not feasible(spec, cfg):
             raise ValueError(f"configs[{role!r}] = {cfg} is not feasible for {spec}")
         out[role] = cfg
     return out
@@ -121,7 +126,7 @@ def assemble(spec: Spec, configs: dict) -> str:
                              initial_indent="    ", subsequent_indent="    "))))
 
     kernel_names = {}
-    for role in ("select", "attn"):
+    for role in _ROLES:
         origin = f"rendered {role} kernels"
         source = render(spec, role, configs[role])
         kernel_names[role] = sorted(n for n, sig in _bindings(source, origin).items() if sig.startswith("def "))
