@@ -1,0 +1,98 @@
+"""Every `kernelgen` command through typer's test runner (CPU)."""
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kernelgen import Spec
+from kernelgen.cli import app
+from kernelgen.db import TuningDB, current_fingerprint
+from kernelgen.render import template_hash
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def invoke(*args):
+    result = runner.invoke(app, list(args))
+    return result
+
+
+@pytest.mark.parametrize("command", [[], ["tune"], ["db"], ["db", "list"], ["export"], ["bench"], ["info"]])
+def test_help(command):
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.output
+
+
+def test_info():
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    assert "triton" in result.output and "tuning DB" in result.output
+
+
+def test_tune_dry_run_prints_space_without_gpu(tmp_path):
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=2, local=1)
+    path = tmp_path / "spec.json"
+    path.write_text(spec.to_json())
+    result = invoke("tune", "--arch", "sm_90", "--seq", "32768", "--spec", str(path), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "attn" in result.output and "select" in result.output and "32768" in result.output
+    assert "block_m" in result.output and "tiles" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_tune_without_gpu_is_a_clear_error():
+    result = invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64")
+    assert result.exit_code != 0
+    assert "no CUDA GPU" in result.output
+
+
+def test_bad_spec_option_is_a_clear_error():
+    result = invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "96", "--dry-run")
+    assert result.exit_code != 0
+    assert "head_dim" in result.output
+
+
+def _add_row(path, spec_key="abc", ms=1.0):
+    TuningDB(path).upsert(spec_key=spec_key, role="attn", backend="triton", arch="sm_90", gpu_name="NVIDIA H200",
+                          bucket=32768, dtype="bfloat16", config={"block_m": 64, "num_warps": 4, "num_stages": 2},
+                          median_ms=ms, tflops=300.0, n_trials=10,
+                          fingerprint=current_fingerprint(template_hash(), "triton"), spec_json="{}")
+
+
+def test_db_list_show_clear(tmp_path):
+    path = tmp_path / "t.db"
+    _add_row(path, "abc")
+    _add_row(path, "def", 2.0)
+    result = invoke("db", "list", "--path", str(path))
+    assert result.exit_code == 0 and "abc" in result.output and "def" in result.output and "2 rows" in result.output
+    result = invoke("db", "show", "abc", "--path", str(path))
+    assert result.exit_code == 0 and '"block_m": 64' in result.output
+    assert invoke("db", "show", "zzz", "--path", str(path)).exit_code == 1
+    result = invoke("db", "clear", "--spec-key", "abc", "--yes", "--path", str(path))
+    assert result.exit_code == 0 and "deleted 1 rows" in result.output
+    assert [r["spec_key"] for r in TuningDB(path).rows()] == ["def"]
+    result = runner.invoke(app, ["db", "clear", "--path", str(path)], input="n\n")
+    assert result.exit_code != 0 and len(TuningDB(path).rows()) == 1  # declined: nothing deleted
+
+
+def test_export_writes_an_importable_module(tmp_path):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True)
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    out = tmp_path / "mod.py"
+    result = invoke("export", "--spec", str(tmp_path / "spec.json"), "--out", str(out))
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    compile(text, str(out), "exec")
+    assert "\ndef attn(q, k, v, *, block_idx=None" in text and "\ndef select(q, k)" in text
+    assert f"SPEC = {spec.to_dict()!r}" in text
+
+
+def test_bench_cpu_smoke(tmp_path):
+    result = invoke("bench", "--out", str(tmp_path / "b"))
+    assert result.exit_code == 0, result.output
+    assert "interpreter" in result.output
