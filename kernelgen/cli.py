@@ -87,7 +87,7 @@ def tune(
         if present != arch:
             raise typer.BadParameter(f"--arch {arch} does not match the GPU present ({present})", param_hint="--arch")
     for r in roles:
-        p = tuning.plan(spec, r, seq=seq, arch=arch)
+        p = tuning.plan(spec, r, seq=seq, arch=arch, trials=trials)
         if dry_run:
             console.print(f"[bold]{r}[/bold]: study {p['study_name']}, bucket {p['bucket']}, sampler {p['sampler']}, "
                           f"{min(trials, len(p['space']))} trials over a space of {len(p['space'])} configs, "
@@ -104,10 +104,16 @@ def tune(
             result = tuning.tune(spec, r, seq=seq, arch=arch, trials=trials, timeout=timeout,
                                  progress=lambda i, n, value: bar.update(task, completed=i + 1, total=n))
         table = Table("role", "default ms", "tuned ms", "speed-up", "trials", "failed", "config")
-        speedup = result.default_ms / result.best_ms if result.default_ms and result.best_ms else float("nan")
-        table.add_row(r, f"{result.default_ms:.4f}", f"{result.best_ms:.4f}", f"{speedup:.2f}x", str(result.n_trials),
+
+        def ms(value):
+            return "failed" if value is None else f"{value:.4f}"
+
+        speedup = "-" if not (result.default_ms and result.best_ms) else f"{result.default_ms / result.best_ms:.2f}x"
+        table.add_row(r, ms(result.default_ms), ms(result.best_ms), speedup, str(result.n_trials),
                       str(result.n_failed), json.dumps(result.best_config, sort_keys=True))
         console.print(table)
+        if result.note:
+            console.print(result.note)
 
 
 @db_app.command("list")

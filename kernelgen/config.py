@@ -141,7 +141,7 @@ def config_space(spec: Spec, role: str) -> list:
     if role == "attn":
         space = (
             AttnConfig(block_m=m, num_warps=w, num_stages=s)
-            for m, w, s in itertools.product((32, 64, 128, 256), (4, 8), (1, 2, 3, 4))
+            for m, w, s in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4))
         )
         return [c for c in space if attn_feasible(spec, c)]
     if role == "select":

@@ -14,10 +14,12 @@ model stays right without measuring it again. Small spaces (at most `trials` poi
 exhaustively with GridSampler, larger ones with TPE, seeded with the default config.
 
 Every measurement runs in a worker process ("spawn"): an illegal memory access poisons the CUDA
-context of the process that made it, so the worker is restarted after any failure. The worker checks
+context of the process that made it, so the worker is replaced after any crash, timeout or run-time
+error (a config the compiler refuses, or one with a wrong result, leaves it in service). It checks
 the config against `kernelgen.reference` on small inputs first (attention: rel. L2 error of o
 < 1e-2; selection: the default config's lists, or a valid top-k), then times it on inputs of the
-bucket's size (`tune_inputs_shape`) with `triton.testing.do_bench` (median ms, the objective).
+bucket's size (`tune_inputs_shape(spec, bucket)`: all seqs of a bucket share one study) with
+`triton.testing.do_bench` (median ms, the objective).
 A config that fails to compile, runs out of resources, crashes, hangs past `trial_timeout` or
 computes a wrong result is a FAILED trial (user attr `error`), never a winner; the study goes on.
 
@@ -176,7 +178,7 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
         arch = "cpu" if cpu else _current_arch()
     bucket = tuning_db.seq_bucket(seq)
     space = [_params(c) for c in config_space(spec, role)]
-    b, hq, hkv, nq, nk = tune_inputs_shape(spec, seq, cpu=cpu)
+    b, hq, hkv, nq, nk = tune_inputs_shape(spec, bucket, cpu=cpu)  # one study, one shape: the bucket's
     return {
         "study_name": study_name(spec, role, arch, bucket) if arch is not None else None,
         "spec_key": spec.key(),
@@ -325,9 +327,13 @@ def _measure(job: dict, cache: dict) -> dict:
 
 def _worker_main(conn, device: str) -> None:
     """Serve measurement jobs from `conn` until None or EOF. Replies ("ok", {"ms", "flops"}),
-    ("rejected", why) or ("error", why); the parent restarts a worker after an error."""
+    ("rejected", why): a wrong result, ("failed", why): the compiler refused the config (its
+    resources, say), which leaves the process sound, or ("error", why): anything else, after which
+    the parent replaces the worker (a CUDA error poisons the context for good)."""
     try:
         import kernelgen  # noqa: F401  (the slow imports, before saying ready)
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
 
         if device != "cpu":
             torch.cuda.set_device(torch.device(device))
@@ -348,6 +354,8 @@ def _worker_main(conn, device: str) -> None:
             reply = ("ok", _measure(job, cache))
         except _Rejected as error:
             reply = ("rejected", str(error))
+        except (CompilationError, OutOfResources) as error:
+            reply = ("failed", _describe(error))
         except BaseException as error:  # noqa: BLE001
             reply = ("error", _describe(error))
         conn.send(reply)
@@ -397,7 +405,7 @@ class _Worker:
         self.starts += 1
         status, payload = self._receive(self.startup_timeout, "starting")
         if status != "ready":
-            self.close()
+            self.close(graceful=False)
             raise RuntimeError(f"tune worker failed to start: {payload}")
         log.debug("tune worker %s ready on %s", payload, self.device)
 
@@ -419,8 +427,8 @@ class _Worker:
             return "error", f"worker process died {doing} (exit code {self._proc.exitcode})"
 
     def run(self, job: dict, timeout: float) -> tuple[str, Any]:
-        """("ok", {"ms", "flops"}), ("rejected", why) or ("error", why); never raises for the
-        config's sake. A worker that failed is replaced before the next job."""
+        """("ok", {"ms", "flops"}), or ("rejected" | "failed" | "error", why); never raises for the
+        config's sake. After an "error" (crash, timeout, CUDA error) the worker is replaced."""
         try:
             if self._proc is None:
                 self._start()
@@ -433,18 +441,18 @@ class _Worker:
             return "error", f"worker process unreachable: {error}"
         status, payload = self._receive(timeout, "measuring")
         if status == "error":
-            self.close()  # its CUDA context may be poisoned, or it is dead or stuck
+            self.close(graceful=False)  # its CUDA context may be poisoned, or it is dead or stuck
         return status, payload
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         proc, conn = self._proc, self._conn
         self._proc = self._conn = None
         if proc is None:
             return
         try:
-            if proc.is_alive():
+            if graceful and proc.is_alive():
                 conn.send(None)
-                proc.join(2.0)
+                proc.join(5.0)
         except (BrokenPipeError, OSError):
             pass
         if proc.is_alive():
@@ -583,7 +591,8 @@ def tune(
     db             where the winner goes (default: the user DB, `kernelgen.db.TuningDB()`).
     storage        Optuna storage: a URL, a path to an SQLite file, or a storage object
                    (default: `kernelgen.compile.cache_dir()/"optuna.db"`).
-    progress       called as progress(measured, trials, median_ms or None) after each measured config.
+    progress       called as progress(i, trials, median_ms or None) after each measured config, i
+                   counting measured configs from 0 (a resumed study starts past 0); None: failed.
     device         None or "cuda[:i]": the GPU; "cpu": the interpreter on tiny inputs (tests only).
     trial_timeout  seconds one measurement (compile, check, timing) may take before it counts as failed.
     """
@@ -610,7 +619,7 @@ def tune(
         "shape": the_plan["shape"],
         "space": hashlib.sha256(json.dumps(space, sort_keys=True).encode()).hexdigest()[:16],
     }
-    base_job = {"spec_json": spec.to_json(), "role": role, "seq": int(seq), "device": worker_device}
+    base_job = {"spec_json": spec.to_json(), "role": role, "seq": bucket, "device": worker_device}
     note = ("CPU interpreter run: fp16, tiny inputs, time.perf_counter over 2 calls; the timings are "
             "meaningless (plumbing only)") if cpu else ""
     worker = _Worker(worker_device)
@@ -673,7 +682,7 @@ def tune(
             unmeasured_in_a_row[0] = 0
             complete, failed = _measured(study)
             if progress is not None:
-                progress(len(complete) + len(failed), trials, trial.value)
+                progress(len(complete) + len(failed) - 1, trials, trial.value)
             seen = {_config_key(t.params) for t in complete + failed}
             if len(complete) + len(failed) >= trials or feasible <= seen:
                 study.stop()
@@ -695,6 +704,8 @@ def tune(
                     log.warning("tune %s: the default config %s failed: %s", name, default, error.splitlines()[0])
         finally:
             worker.close()
+            if storage_obj is not storage and hasattr(storage_obj, "engine"):
+                storage_obj.engine.dispose()  # ours: release the SQLite file
 
     best = min(complete, key=lambda t: t.value) if complete else None
     best_config, best_ms = (dict(best.params), best.value) if best else (None, None)

@@ -1,0 +1,261 @@
+"""Tests for kernelgen.tune (CPU: the worker runs the Triton interpreter on tiny inputs; timings are
+meaningless, the plumbing is what is checked). Some tests replace the worker process by a fake one
+to check the study logic without compiling anything."""
+from __future__ import annotations
+
+import json
+import zlib
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+import kernelgen.tune as tune_module
+from kernelgen import Spec
+from kernelgen.config import attn_feasible, config_from_dict, config_space, default_config
+from kernelgen.db import TuningDB, Winners, current_fingerprint, seq_bucket
+from kernelgen.render import template_hash
+from kernelgen.tune import TuneResult, plan, tune, tune_inputs_shape
+
+# 16 feasible attention configs; small enough for the interpreter to run a trial in well under a second
+SPEC = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True, gqa_group=2)
+SEQ = 128
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache_dir(tmp_path, monkeypatch):
+    """No test may touch the real user cache dir (the Optuna storage and the user DB default there)."""
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(tune_module.SABOTAGE_ENV, raising=False)
+    monkeypatch.delenv(tune_module.SABOTAGE_MODE_ENV, raising=False)
+
+
+@pytest.fixture
+def db(tmp_path):
+    with TuningDB(tmp_path / "tuning.db") as tuning_db:
+        yield tuning_db
+
+
+def measured(storage, name):
+    """(complete, failed) trials that measured a config, as tune() counts them."""
+    return tune_module._measured(optuna.load_study(study_name=name, storage=f"sqlite:///{storage}"))
+
+
+def run_tune(tmp_path, db, **kwargs):
+    kwargs = {"role": "attn", "seq": SEQ, "trials": 3, "device": "cpu", "db": db,
+              "storage": tmp_path / "optuna.db", **kwargs}
+    return tune(SPEC, **kwargs)
+
+
+class FakeWorker:
+    """Stands in for the worker process: a deterministic time per config, no compile. Records jobs."""
+
+    jobs: list = []
+    interrupt_at: int | None = None
+
+    def __init__(self, device):
+        self.device = device
+
+    def run(self, job, timeout):
+        FakeWorker.jobs.append(job["params"])
+        if FakeWorker.interrupt_at is not None and len(FakeWorker.jobs) == FakeWorker.interrupt_at:
+            raise KeyboardInterrupt
+        ms = 1.0 + zlib.crc32(json.dumps(job["params"], sort_keys=True).encode()) % 1000 / 100
+        return "ok", {"ms": ms, "flops": 1e9}
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fake_worker(monkeypatch):
+    FakeWorker.jobs = []
+    FakeWorker.interrupt_at = None
+    monkeypatch.setattr(tune_module, "_Worker", FakeWorker)
+    return FakeWorker
+
+
+# -- plan ------------------------------------------------------------------------------------------
+
+
+def test_plan_attn():
+    p = plan(SPEC, "attn", seq=5000, arch="sm_90", trials=3)
+    assert p["bucket"] == seq_bucket(5000) == 8192
+    assert p["study_name"] == f"kg-{SPEC.key()}-attn-triton-sm_90-8192"
+    assert p["space"] and p["space_size"] == len(p["space"]) == len(config_space(SPEC, "attn"))
+    assert all(attn_feasible(SPEC, config_from_dict("attn", c)) for c in p["space"])
+    assert p["sampler"] == "tpe" and p["trials"] == 3
+    assert p["default"] == {"block_m": 64, "num_warps": 4, "num_stages": 2}
+    assert set(p["params"]) == {"block_m", "num_warps", "num_stages"}
+    # timed at the bucket's size: every seq of a bucket shares one study
+    assert p["shape"] == {"batch": 1, "heads_q": 32, "heads_kv": 16, "n_q": 8192, "n_k": 8192, "head_dim": 64}
+    assert p["dtype"] == "bfloat16"
+    n_space = len(config_space(SPEC, "attn"))
+    assert plan(SPEC, "attn", seq=5000, arch="sm_90", trials=n_space)["sampler"] == "grid"
+    json.dumps(p)  # plain data, fit for `kernelgen tune --dry-run`
+
+
+def test_plan_select_and_cpu():
+    p = plan(SPEC, "select", seq=1000, trials=100, device="cpu")
+    assert p["sampler"] == "grid" and p["trials"] == p["space_size"] > 0
+    assert p["arch"] == "cpu" and p["dtype"] == "float16" and p["bucket"] == 1024
+    assert p["shape"]["n_q"] == 256 and p["shape"]["heads_q"] == SPEC.gqa_group
+    with pytest.raises(ValueError, match="selector='given'"):
+        plan(SPEC.replace(selector="given"), "select", seq=1000)
+    with pytest.raises(ValueError, match="role="):
+        plan(SPEC, "bwd", seq=1000)
+
+
+@pytest.mark.parametrize("g, heads", [(1, 32), (2, 32), (3, 33), (8, 32), (64, 64)])
+def test_tune_inputs_shape(g, heads):
+    spec = SPEC.replace(gqa_group=g)
+    assert tune_inputs_shape(spec, 4096) == (1, heads, heads // g, 4096, 4096)
+    assert tune_inputs_shape(spec, 4096, cpu=True) == (1, g, 1, 256, 256)
+
+
+# -- errors before any work --------------------------------------------------------------------------
+
+
+def test_no_cuda_needs_device_cpu(monkeypatch, tmp_path, db):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="tuning needs a CUDA GPU"):
+        tune(SPEC, seq=SEQ, db=db, storage=tmp_path / "optuna.db")
+    assert plan(SPEC, "attn", seq=SEQ)["study_name"] is None  # a dry run still works
+
+
+def test_arch_mismatch(monkeypatch, tmp_path, db):
+    with pytest.raises(ValueError, match="sm_90.*cpu"):
+        run_tune(tmp_path, db, arch="sm_90")
+    # a pretend sm_90 GPU, asked to tune for sm_80
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Pretend H200")
+    with pytest.raises(ValueError, match=r"arch='sm_80'.*Pretend H200 is sm_90"):
+        tune(SPEC, seq=SEQ, arch="sm_80", db=db, storage=tmp_path / "optuna.db")
+    assert not (tmp_path / "optuna.db").exists()
+
+
+# -- real worker processes (interpreter) --------------------------------------------------------------
+
+
+def test_tune_cpu_writes_one_winner(tmp_path, db):
+    calls = []
+    result = run_tune(tmp_path, db, progress=lambda *args: calls.append(args))
+    assert isinstance(result, TuneResult)
+    assert result.study_name == f"kg-{SPEC.key()}-attn-triton-cpu-1024"
+    assert (result.arch, result.gpu_name, result.dtype, result.bucket) == ("cpu", "cpu", "float16", 1024)
+    assert result.n_trials == 3 and result.n_failed == 0
+    assert result.best_ms > 0 and result.default_ms >= result.best_ms and result.tflops > 0
+    assert "meaningless" in result.note
+    assert [c[:2] for c in calls] == [(0, 3), (1, 3), (2, 3)] and all(c[2] > 0 for c in calls)
+    space = [json.dumps(c.__dict__, sort_keys=True) for c in config_space(SPEC, "attn")]
+    assert json.dumps(result.best_config, sort_keys=True) in space
+
+    rows = db.rows()
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["config"] == result.best_config and row["median_ms"] == result.best_ms
+    assert (row["role"], row["n_trials"], json.loads(row["spec_json"])) == ("attn", 3, SPEC.to_dict())
+    fp = current_fingerprint(template_hash(), "triton")
+    found = Winners(db).lookup(spec_key=SPEC.key(), role="attn", backend="triton", arch="cpu", gpu_name="cpu",
+                               dtype="float16", bucket=seq_bucket(SEQ), fingerprint=fp)
+    assert found["config"] == result.best_config and found["source"] == "user"
+    # the first trial was the default config (TPE is seeded with it)
+    complete, _ = measured(tmp_path / "optuna.db", result.study_name)
+    first = min(complete, key=lambda t: t.number)
+    assert first.params == default_config(SPEC, "attn").__dict__ and first.value == result.default_ms
+
+
+@pytest.mark.parametrize("mode, error", [
+    ("raise", "RuntimeError: sabotaged"),  # an exception in the worker (e.g. a CUDA error)
+    ("exit", "died measuring (exit code 3)"),  # the process dies (e.g. a segfault)
+    ("hang", "timed out after 5 s measuring"),  # the process hangs past the per-trial timeout
+])
+def test_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, db, monkeypatch, mode, error):
+    # the default config (trial 0) fails; the next trials run in a fresh worker process
+    monkeypatch.setenv(tune_module.SABOTAGE_ENV, json.dumps(default_config(SPEC, "attn").__dict__))
+    monkeypatch.setenv(tune_module.SABOTAGE_MODE_ENV, mode)
+    result = run_tune(tmp_path, db, trial_timeout=5)
+    assert result.n_failed == 1 and result.n_trials == 2  # failures count toward `trials`
+    assert result.default_ms is None and result.best_config != default_config(SPEC, "attn").__dict__
+    complete, failed = measured(tmp_path / "optuna.db", result.study_name)
+    assert failed[0].state == TrialState.FAIL and failed[0].number == 0
+    assert error in failed[0].user_attrs["error"]
+    assert len(db.rows()) == 1 and db.rows()[0]["config"] == result.best_config
+
+
+def test_resume_reuses_completed_trials(tmp_path, db, monkeypatch):
+    first = run_tune(tmp_path, db, trials=2)
+    before, _ = measured(tmp_path / "optuna.db", first.study_name)
+    second = run_tune(tmp_path, db, trials=3)
+    after, _ = measured(tmp_path / "optuna.db", first.study_name)
+    assert (first.n_trials, second.n_trials) == (2, 3)
+    assert {t.number: t.value for t in before}.items() <= {t.number: t.value for t in after}.items()
+    # nothing left to measure: no worker may start
+    monkeypatch.setattr(tune_module._Worker, "_start", lambda self: pytest.fail("a worker was started"))
+    third = run_tune(tmp_path, db, trials=3)
+    assert third.n_trials == 3 and third.best_ms == min(t.value for t in after)
+    assert len(db.rows()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the interpreter in this process")
+def test_worker_checks_against_the_reference():
+    job = {"spec_json": SPEC.to_json(), "seq": SEQ, "device": "cpu"}
+    cache = {}
+    attn = {**job, "role": "attn", "params": {"block_m": 32, "num_warps": 4, "num_stages": 1}}
+    assert tune_module._measure(attn, cache)["ms"] > 0
+    inputs = next(iter(cache.values()))
+    inputs.ref_o = inputs.ref_o * 1.1  # as if the kernel computed something else
+    with pytest.raises(tune_module._Rejected, match="rel. L2 error"):
+        tune_module._measure(attn, cache)
+
+    select = {**job, "role": "select", "params": {"tiles": 8, "chunk": 16, "num_warps": 4, "num_stages": 1}}
+    assert tune_module._measure(select, cache)["flops"] is None
+    q, k, _ = inputs.check
+    lists = inputs.default_lists
+    assert tune_module._valid_top_k(lists, q, k, SPEC)
+    inputs.default_lists = torch.full_like(lists, -1)  # other lists than the default's: a valid top-k still passes
+    tune_module._measure(select, cache)
+    assert not tune_module._valid_top_k(inputs.default_lists, q, k, SPEC)  # forced blocks missing
+
+
+# -- the study logic, with a fake worker ---------------------------------------------------------------
+
+
+def test_grid_measures_each_feasible_point_once(tmp_path, db, fake_worker):
+    # head_dim 256, kv_block 256: register pressure makes some products of the per-field choices infeasible
+    spec = Spec(head_dim=256, kv_block=256, q_tile=64, top_k=2, gqa_group=2)
+    space = [c.__dict__ for c in config_space(spec, "attn")]
+    p = plan(spec, "attn", seq=SEQ, trials=len(space), device="cpu")
+    n_product = len(p["params"]["block_m"]) * len(p["params"]["num_warps"]) * len(p["params"]["num_stages"])
+    assert p["sampler"] == "grid" and n_product > len(space)
+    result = tune(spec, seq=SEQ, trials=len(space), device="cpu", db=db, storage=tmp_path / "optuna.db")
+    assert sorted(map(str, fake_worker.jobs)) == sorted(map(str, space))  # infeasible points never reach it
+    study = optuna.load_study(study_name=result.study_name, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    pruned = [t for t in study.trials if t.state == TrialState.PRUNED]
+    # the study stops once every feasible point is measured, maybe before the grid reaches the last infeasible one
+    assert 0 < len(pruned) <= n_product - len(space) and all(t.user_attrs["pruned"] == "infeasible" for t in pruned)
+    assert result.n_trials == len(space) and result.best_ms == min(t.value for t in study.trials if t.value)
+
+
+def test_interrupted_trial_is_requeued(tmp_path, db, fake_worker):
+    fake_worker.interrupt_at = 2
+    with pytest.raises(KeyboardInterrupt):
+        run_tune(tmp_path, db, trials=4)
+    interrupted = fake_worker.jobs[1]
+    fake_worker.interrupt_at = None
+    result = run_tune(tmp_path, db, trials=4)
+    assert fake_worker.jobs[2] == interrupted  # measured first on resume
+    assert result.n_trials == 4 and result.n_failed == 0 and len(fake_worker.jobs) == 5
+
+
+def test_study_of_another_toolchain_starts_over(tmp_path, db, fake_worker, monkeypatch):
+    run_tune(tmp_path, db, trials=2)
+    assert len(fake_worker.jobs) == 2
+    real = tune_module.tuning_db.current_fingerprint
+    monkeypatch.setattr(tune_module.tuning_db, "current_fingerprint",
+                        lambda *args: real(*args).__class__(**{**real(*args).as_columns(), "triton_version": "x"}))
+    result = run_tune(tmp_path, db, trials=2)
+    assert len(fake_worker.jobs) == 4 and result.n_trials == 2
