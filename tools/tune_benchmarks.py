@@ -1,0 +1,47 @@
+"""Next GPU session: tune every foundation benchmark shape, and compare TPE with an exhaustive grid
+on one shape (issue 3). Prints a table; writes results and the winners DB under $OUT.
+Run on the H200:  source .device/with-site.sh && python3 tools/tune_benchmarks.py"""
+import json
+import os
+import time
+
+import kernelgen
+from kernelgen.bench import SHAPES
+from kernelgen.config import config_space
+from kernelgen.db import TuningDB, write_bundled_db
+from kernelgen.tune import tune
+
+OUT = os.environ.get("OUT", "/tmp/out")
+os.makedirs(OUT, exist_ok=True)
+db = TuningDB(os.path.join(OUT, "tuning.db"))
+results = []
+
+
+def run(label, spec, role, seq, trials, storage=None, timeout=280):
+    t0 = time.perf_counter()
+    r = tune(spec, role, seq=seq, trials=trials, timeout=timeout, db=db, storage=storage)
+    wall = time.perf_counter() - t0
+    row = dict(label=label, role=role, seq=seq, wall_s=round(wall, 1), default_ms=r.default_ms, best_ms=r.best_ms,
+               n_trials=r.n_trials, n_failed=r.n_failed, config=r.best_config, space=len(config_space(spec, role)))
+    results.append(row)
+    print(json.dumps(row), flush=True)
+    return r
+
+
+for name in ("a32k", "b", "c", "c_dense"):
+    s = SHAPES[name]
+    given = s.spec("given")
+    run(f"{name} attn", given, "attn", s.n_k, trials=20)
+    run(f"{name} select", s.spec("mean"), "select", s.n_k, trials=12, timeout=120)
+
+# TPE against the exhaustive grid over the same space, on shape (b)
+s = SHAPES["b"]
+spec = s.spec("given")
+space = len(config_space(spec, "attn"))
+grid = run("b grid", spec, "attn", s.n_k, trials=space, storage=f"sqlite:///{OUT}/grid.db", timeout=400)
+tpe = run("b tpe", spec, "attn", s.n_k, trials=max(3, int(0.3 * space)), storage=f"sqlite:///{OUT}/tpe.db")
+print(f"grid best {grid.best_ms:.4f} ms over {grid.n_trials} trials; TPE best {tpe.best_ms:.4f} ms over "
+      f"{tpe.n_trials} trials ({tpe.best_ms / grid.best_ms - 1:+.1%})")
+json.dump(results, open(os.path.join(OUT, "tune_results.json"), "w"), indent=1, default=str)
+write_bundled_db(os.path.join(OUT, "winners.db"), db.rows())
+print(f"winners: {len(db.rows())} rows -> {OUT}/winners.db (copy to tuning_db/winners.db to bundle)")
