@@ -1,0 +1,51 @@
+"""The torch.library ops: same results as the eager API, traceable by torch.compile without graph breaks."""
+import torch
+
+import kernelgen
+from kernelgen import Spec
+from kernelgen.custom_ops import select_blocks, sparse_attention
+
+
+def inputs(device, dtype=torch.float16):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 130, 64, generator=gen).to(device, dtype)
+    k = torch.randn(1, 2, 150, 64, generator=gen).to(device, dtype)
+    v = torch.randn(1, 2, 150, 64, generator=gen).to(device, dtype)
+    return q, k, v
+
+
+SPEC = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2, local=1)
+
+
+def test_ops_match_eager(device):
+    q, k, v = inputs(device)
+    attn = kernelgen.get_kernel(SPEC)
+    o, lse = sparse_attention(q, k, v, SPEC)
+    eo, else_ = attn(q, k, v, return_lse=True)
+    assert torch.equal(o, eo) and torch.equal(lse, else_)
+    assert torch.equal(select_blocks(q, k, SPEC), attn.select(q, k))
+    idx = attn.select(q, k)
+    o2, _ = sparse_attention(q, k, v, SPEC.replace(selector="given"), block_idx=idx, scale=0.1)
+    assert torch.equal(o2, attn(q, k, v, block_idx=idx, scale=0.1))
+
+
+def test_fake_shapes_and_opcheck(device):
+    q, k, v = inputs(device)
+    idx = select_blocks(q, k, SPEC)
+    torch.library.opcheck(torch.ops.kernelgen.select_blocks.default, (q, k, SPEC.to_json()),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.kernelgen.sparse_attention.default, (q, k, v, idx, SPEC.to_json(), None),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiles_without_graph_breaks(device):
+    q, k, v = inputs(device)
+
+    def layer(q, k, v):
+        o, lse = sparse_attention(q, k, v, SPEC)
+        return o * 2, lse
+
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
+    o, lse = compiled(q, k, v)
+    eo, else_ = kernelgen.get_kernel(SPEC)(q, k, v, return_lse=True)
+    assert torch.equal(o, eo * 2) and torch.equal(lse, else_)
