@@ -23,11 +23,13 @@ def next_pow2(x: int) -> int:
 
 @dataclass(frozen=True)
 class AttnConfig:
-    """Q-centric forward. block_m: packed rows (G heads x Q_TILE queries) per program."""
+    """Q-centric forward. block_m: packed rows (G heads x Q_TILE queries) per program; use_tma: load
+    K/V blocks through tensor descriptors (TMA on Hopper) instead of pointers."""
 
     block_m: int = 128
     num_warps: int = 4
     num_stages: int = 2
+    use_tma: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -140,8 +142,8 @@ def config_space(spec: Spec, role: str) -> list:
         return [c for c in space if tilelang_attn_feasible(spec, c)]
     if role == "attn":
         space = (
-            AttnConfig(block_m=m, num_warps=w, num_stages=s)
-            for m, w, s in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4))
+            AttnConfig(block_m=m, num_warps=w, num_stages=s, use_tma=t)
+            for m, w, s, t in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4), (False, True))
         )
         return [c for c in space if attn_feasible(spec, c)]
     if role == "select":

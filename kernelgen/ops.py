@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .config import AttnConfig, SelectConfig, next_pow2
 from .spec import Spec
@@ -142,6 +143,12 @@ def select(q: torch.Tensor, k: torch.Tensor, spec: Spec, shapes: Shapes, mod, cf
     return block_idx
 
 
+def _tma_ok(x: torch.Tensor) -> bool:
+    """Tensor descriptors need a 16-byte aligned base and 16-byte aligned strides (but the last, 1)."""
+    size = x.element_size()
+    return x.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in x.stride()[:-1])
+
+
 def softmax_scale(scale, spec: Spec) -> float:
     if scale is None:
         return 1.0 / math.sqrt(spec.head_dim)
@@ -164,8 +171,14 @@ def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConf
     lse = _empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
     splits = spec.gqa_group * spec.q_tile // cfg.block_m
     grid = (shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)
+    k_arg, v_arg = k, v
+    use_tma = cfg.use_tma and _tma_ok(k) and _tma_ok(v)  # else the pointer path: same result
+    if use_tma:
+        block = [1, 1, spec.kv_block, spec.head_dim]
+        k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), block)
+        v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
     mod.attn_fwd[grid](
-        q, k, v, o, lse, block_idx,
+        q, k_arg, v_arg, o, lse, block_idx,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -174,6 +187,6 @@ def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConf
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
-        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m,
+        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
