@@ -86,8 +86,8 @@ def test_plan_attn():
     assert p["space"] and p["space_size"] == len(p["space"]) == len(config_space(SPEC, "attn"))
     assert all(attn_feasible(SPEC, config_from_dict("attn", c)) for c in p["space"])
     assert p["sampler"] == "tpe" and p["trials"] == 3
-    assert p["default"] == {"block_m": 64, "num_warps": 4, "num_stages": 2}
-    assert set(p["params"]) == {"block_m", "num_warps", "num_stages"}
+    assert p["default"] == {"block_m": 64, "num_warps": 4, "num_stages": 2, "use_tma": False}
+    assert set(p["params"]) == {"block_m", "num_warps", "num_stages", "use_tma"}
     # timed at the bucket's size: every seq of a bucket shares one study
     assert p["shape"] == {"batch": 1, "heads_q": 32, "heads_kv": 16, "n_q": 8192, "n_k": 8192, "head_dim": 64}
     assert p["dtype"] == "bfloat16"
@@ -229,7 +229,9 @@ def test_grid_measures_each_feasible_point_once(tmp_path, db, fake_worker):
     spec = Spec(head_dim=256, kv_block=256, q_tile=64, top_k=2, gqa_group=2)
     space = [c.__dict__ for c in config_space(spec, "attn")]
     p = plan(spec, "attn", seq=SEQ, trials=len(space), device="cpu")
-    n_product = len(p["params"]["block_m"]) * len(p["params"]["num_warps"]) * len(p["params"]["num_stages"])
+    n_product = 1
+    for values in p["params"].values():
+        n_product *= len(values)
     assert p["sampler"] == "grid" and n_product > len(space)
     result = tune(spec, seq=SEQ, trials=len(space), device="cpu", db=db, storage=tmp_path / "optuna.db")
     assert sorted(map(str, fake_worker.jobs)) == sorted(map(str, space))  # infeasible points never reach it
