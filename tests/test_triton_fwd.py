@@ -186,3 +186,12 @@ def test_gpu_tma_against_reference(case):
     o, lse = attn(q, k, v, block_idx=idx, return_lse=True)
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
     assert_close_to_reference(o, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+def test_selection_over_many_tiles_and_blocks(device):
+    """Several pool programs (some partly past the end) and several top-k chunks per list."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=32, top_k=20, causal=True, gqa_group=1, selector="multi:2", local=1)
+    q, k, v = make_inputs(1, 1, 1, 700, 2100, 64, torch.float16, device, 37)
+    cfg = kernelgen.SelectConfig(tiles=16, chunk=32, num_warps=4, num_stages=1)  # 132 blocks: 5 chunks
+    idx = kernelgen.get_kernel(spec, configs={"select": cfg}).select(q, k)
+    assert_valid_selection(idx, q, k, spec)
