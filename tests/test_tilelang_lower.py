@@ -83,12 +83,16 @@ def test_build_rejects_bad_tiles():
 LOWER_GRID = list(itertools.product([False, True], [64, 128], [1, 2, 4], [64, 128], [64, 128]))
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("causal,D,G,kv_block,q_tile", LOWER_GRID)
-def test_lower_sm90a(causal, D, G, kv_block, q_tile):
+def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile):
+    """Every variant of the test grid, with its default config: CUDA source for sm_90a and a cubin from nvcc."""
     spec = _spec(causal, D, G, kv_block, q_tile)
     cfg = default_config(spec, "attn")
     assert cfg in config_space(spec, "attn")
-    src = tb.lower(tb.build_attn(spec, "bfloat16", batch=2, heads_kv=2, seq_q=1000, seq_k=1100, config=cfg))
+    kernel = tb.compile_kernel(tb.build_attn(spec, "bfloat16", batch=2, heads_kv=2, seq_q=1000, seq_k=1100, config=cfg))
+    assert _cubin(kernel)[:4] == b"\x7fELF"
+    src = kernel.get_kernel_source()
     assert re.search(r'extern "C" __global__ void __launch_bounds__\(\d+, 1\) attn_fwd_kernel\(', src)
     # Hopper path: TMA loads of K/V, mbarrier pipeline, warp-specialised producer, wgmma for both gemms
     assert "CUtensorMap K_desc" in src and "CUtensorMap V_desc" in src
