@@ -12,9 +12,25 @@ from dataclasses import dataclass
 
 from .spec import Spec
 
-__all__ = ["AttnConfig", "SelectConfig", "TileLangAttnConfig", "ROLES", "default_config", "config_space", "config_from_dict", "next_pow2"]
+__all__ = ["seq_bucket", "AttnConfig", "SelectConfig", "TileLangAttnConfig", "ROLES", "default_config", "config_space", "config_from_dict", "next_pow2"]
 
 ROLES = ("attn", "select")
+
+
+MIN_BUCKET = 1024  # shorter sequences share the 1024 bucket
+
+
+def seq_bucket(n: int) -> int:
+    """The tuning bucket of sequence length `n` (tunables are chosen per bucket): the smallest power
+    of two >= n, at least 1024.
+
+    >>> seq_bucket(1), seq_bucket(1024), seq_bucket(1025), seq_bucket(5000)
+    (1024, 1024, 2048, 8192)
+    """
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"seq_bucket expects a sequence length >= 0, got {n}")
+    return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
 
 
 def next_pow2(x: int) -> int:

@@ -48,6 +48,8 @@ from typing import Any, TypeVar
 import platformdirs
 import sqlite_utils
 
+from .config import seq_bucket  # the DB keys winners by it; re-exported here
+
 try:  # POSIX only; elsewhere recovery of a corrupted file simply runs unserialised
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -93,7 +95,6 @@ SCHEMA: dict[str, type] = {
     "spec_json": str,
 }
 
-MIN_BUCKET = 1024
 BUSY_TIMEOUT_S = 30.0  # SQLite's own wait for a lock, per statement
 LOCKED_RETRY_DEADLINE_S = 120.0  # our retries on top of it, for a whole transaction
 
@@ -115,18 +116,6 @@ def default_user_db_path() -> Path:
     """`$KERNELGEN_CACHE_DIR/tuning.db` when that variable is set, else the platform's user cache dir."""
     cache_dir = os.environ.get("KERNELGEN_CACHE_DIR") or platformdirs.user_cache_dir("kernelgen")
     return Path(cache_dir) / "tuning.db"
-
-
-def seq_bucket(n: int) -> int:
-    """The tuning bucket of sequence length `n`: the smallest power of two >= n, at least 1024.
-
-    >>> seq_bucket(1), seq_bucket(1024), seq_bucket(1025), seq_bucket(5000)
-    (1024, 1024, 2048, 8192)
-    """
-    n = int(n)
-    if n < 0:
-        raise ValueError(f"seq_bucket expects a sequence length >= 0, got {n}")
-    return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
 
 
 # ---------------------------------------------------------------------------------------------------

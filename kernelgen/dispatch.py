@@ -8,7 +8,7 @@ import torch
 
 from . import ops
 from .compile import load_module
-from .config import default_config
+from .config import default_config, seq_bucket
 from .render import module_name, render
 from .spec import Spec
 from .tuned import device_arch, tuned_config
@@ -40,13 +40,14 @@ class SparseAttention:
     def config(self, role: str, n_q: int, n_k: int, dtype=torch.bfloat16, device="cuda"):
         """The config a call of these lengths runs with: pinned, else the tuning DB's winner for this
         device, dtype and length bucket, else the default."""
-        return self._config(role, n_q, n_k, dtype, torch.device(device))
+        return self._config(role, seq_bucket(n_k), dtype, torch.device(device))
 
     @functools.lru_cache(maxsize=256)
-    def _config(self, role: str, n_q: int, n_k: int, dtype, device):
+    def _config(self, role: str, bucket: int, dtype, device):
+        # cached per length bucket: the DB is read once per (role, bucket, dtype, device)
         if role in self._fixed:
             return self._fixed[role]
-        return tuned_config(self.spec, role, n_k, dtype, device) or default_config(self.spec, role)
+        return tuned_config(self.spec, role, bucket, dtype, device) or default_config(self.spec, role)
 
     @functools.lru_cache(maxsize=64)
     def module(self, role: str, config):
@@ -68,7 +69,7 @@ class SparseAttention:
         return tilelang_backend.compile_kernel(func, arch=arch)
 
     def _select_module(self, q: torch.Tensor, n_q: int, n_k: int):
-        cfg = self._config("select", n_q, n_k, q.dtype, q.device)
+        cfg = self._config("select", seq_bucket(n_k), q.dtype, q.device)
         return self.module("select", cfg), cfg
 
     def select(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,7 @@ class SparseAttention:
             block_idx = ops.select(q, k, spec, shapes, select_mod, select_cfg)
         else:
             block_idx = ops.prepare_block_idx(block_idx, spec, shapes, q.device, select_mod, self.validate_lists)
-        attn_cfg = self._config("attn", shapes.n_q, shapes.n_k, q.dtype, q.device)
+        attn_cfg = self._config("attn", seq_bucket(shapes.n_k), q.dtype, q.device)
         if spec.backend == "tilelang":
             kernel = self._tilelang_kernel(shapes, q.dtype, attn_cfg, q.device)
             o, lse = ops.attention_tilelang(q, k, v, block_idx, spec, kernel, scale)

@@ -89,3 +89,58 @@ def compile_kernel(prim_func, arch: str = ARCH, out_idx: list[int] | None = None
     )
     log.debug("tilelang compile %s: %.2fs", arch, time.perf_counter() - t0)
     return kernel
+
+
+# ---- block selector (Q-centric lists, selector "mean" / "multi:r") ----------------------------------
+
+SELECT_TEMPLATE = "tilelang/select.py.j2"
+# pool(X, REP): REP is allocated and returned; select_topk(QREP, KREP, BLOCK_IDX): BLOCK_IDX is
+POOL_OUT_IDX = [1]
+SELECT_OUT_IDX = [2]
+
+__all__ += ["POOL_OUT_IDX", "SELECT_OUT_IDX", "select_source", "build_select"]
+
+
+def select_source(spec: Spec) -> str:
+    """Rendered selector module for a spec: `build_pool(...)` and `build_select(...)` give the prim_funcs.
+    Rendered from templates/tilelang/select.py.j2 with the same context as every other template."""
+    from .render import _env, context
+
+    if not spec.selects:
+        raise ValueError("select_source: spec.selector='given' chooses no blocks; the caller passes block_idx")
+    if spec.backend != "tilelang":
+        spec = spec.replace(backend="tilelang")
+    return _env().get_template(SELECT_TEMPLATE).render(**context(spec))
+
+
+def build_select(
+    spec: Spec,
+    dtype: Any,
+    *,
+    batch: int,
+    heads_kv: int,
+    seq_q: int,
+    seq_k: int,
+    threads: int = 128,
+    pool_threads: int = 128,
+    pool_tiles: int = 1,
+):
+    """(pool_q, pool_k, select_topk) prim_funcs for one problem shape.
+
+    pool_q(Q, QREP) and pool_k(K, KREP) pool Q [batch, heads_kv * G, seq_q, D] and K
+    [batch, heads_kv, seq_k, D] (in `dtype`) into fp32 reps (output: parameter 1, POOL_OUT_IDX);
+    select_topk(QREP, KREP, BLOCK_IDX) writes int32 [batch, heads_kv, n_q_tiles, top_k] (output:
+    parameter 2, SELECT_OUT_IDX), exactly reference.select_blocks up to fp32 near-ties."""
+    source = select_source(spec)
+    module = load_module(module_name(spec.replace(backend="tilelang"), "select", source), source)
+    name = canonical_dtype(dtype)
+    pool_q = module.build_pool(batch=batch, heads=heads_kv * spec.gqa_group, seq=seq_q, head_dim=spec.head_dim,
+                               tile=spec.q_tile, groups=spec.groups, dtype=name, tiles=pool_tiles,
+                               threads=pool_threads)
+    pool_k = module.build_pool(batch=batch, heads=heads_kv, seq=seq_k, head_dim=spec.head_dim, tile=spec.kv_block,
+                               groups=spec.groups, dtype=name, tiles=pool_tiles, threads=pool_threads)
+    select = module.build_select(batch=batch, heads_kv=heads_kv, gqa_group=spec.gqa_group, seq_q=seq_q, seq_k=seq_k,
+                                 head_dim=spec.head_dim, q_tile=spec.q_tile, kv_block=spec.kv_block,
+                                 top_k=spec.top_k, groups=spec.groups, sink=spec.sink, n_local=spec.n_local,
+                                 causal=spec.causal, threads=threads)
+    return pool_q, pool_k, select

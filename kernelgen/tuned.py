@@ -37,15 +37,14 @@ def _fingerprint(backend: str):
     return current_fingerprint(template_hash(), backend)
 
 
-def tuned_config(spec, role: str, n_k: int, dtype: torch.dtype, device: torch.device):
+def tuned_config(spec, role: str, bucket: int, dtype: torch.dtype, device: torch.device):
+    """The winner for a power-of-two length bucket (`db.seq_bucket(n_k)`), or None."""
     if device.type != "cuda":
         return None
     try:
-        from .db import seq_bucket
-
         arch, gpu_name = device_arch(device.index)
         row = _winners().lookup(spec_key=spec.key(), role=role, backend=spec.backend, arch=arch, gpu_name=gpu_name,
-                                dtype=str(dtype).removeprefix("torch."), bucket=seq_bucket(n_k),
+                                dtype=str(dtype).removeprefix("torch."), bucket=bucket,
                                 fingerprint=_fingerprint(spec.backend))
         return None if row is None else config_from_dict(role, row["config"], spec.backend)
     except Exception as error:  # dispatch must keep working whatever the DB holds
