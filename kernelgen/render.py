@@ -26,10 +26,10 @@ def _find_template_dir() -> Path:
 
 TEMPLATE_DIR = _find_template_dir()
 
-# role -> template, per backend (TileLang specs select blocks with the Triton selector for now)
+# role -> template, per backend
 TEMPLATES = {
     "triton": {"attn": "triton/attn_fwd.py.j2", "select": "triton/select.py.j2"},
-    "tilelang": {"attn": "tilelang/attn_fwd.py.j2", "select": "triton/select.py.j2"},
+    "tilelang": {"attn": "tilelang/attn_fwd.py.j2", "select": "tilelang/select.py.j2"},
 }
 
 

@@ -93,7 +93,6 @@ def compile_kernel(prim_func, arch: str = ARCH, out_idx: list[int] | None = None
 
 # ---- block selector (Q-centric lists, selector "mean" / "multi:r") ----------------------------------
 
-SELECT_TEMPLATE = "tilelang/select.py.j2"
 # pool(X, REP): REP is allocated and returned; select_topk(QREP, KREP, BLOCK_IDX): BLOCK_IDX is
 POOL_OUT_IDX = [1]
 SELECT_OUT_IDX = [2]
@@ -104,13 +103,11 @@ __all__ += ["POOL_OUT_IDX", "SELECT_OUT_IDX", "select_source", "build_select"]
 def select_source(spec: Spec) -> str:
     """Rendered selector module for a spec: `build_pool(...)` and `build_select(...)` give the prim_funcs.
     Rendered from templates/tilelang/select.py.j2 with the same context as every other template."""
-    from .render import _env, context
-
     if not spec.selects:
         raise ValueError("select_source: spec.selector='given' chooses no blocks; the caller passes block_idx")
     if spec.backend != "tilelang":
         spec = spec.replace(backend="tilelang")
-    return _env().get_template(SELECT_TEMPLATE).render(**context(spec))
+    return render(spec, "select")
 
 
 def build_select(
