@@ -196,7 +196,7 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
         record("kernelgen mean select only", lambda: attn.select(q, k), 0.0)
         ours = attn_given(q, k, v, block_idx=idx)
         try:  # the TileLang backend on the same lists, when it is installed
-            import tilelang  # noqa: F401
+            import tilelang  # noqa: F401  (ImportError: backend not installed)
 
             tl_given = kernelgen.get_kernel(given.replace(backend="tilelang"))
             tl_out = tl_given(q, k, v, block_idx=idx)
@@ -278,7 +278,7 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
                 log(f"{name:8s} {'best sweep select':28s} {best_sel[0]:8.3f} ms {best_sel[1]} same_ids={best_sel[2]:.4f}")
             if best:
                 log(f"{name:8s} {'best sweep attn':28s} {best[0]:8.3f} ms {flops / best[0] / 1e9:7.1f} TFLOP/s {best[1]}")
-        del q, k, v, kd, vd
+        q = k = v = kd = vd = None  # free this shape's tensors before the next one's
         torch.cuda.empty_cache()
     if out_dir:
         jsonl.close()

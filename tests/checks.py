@@ -49,3 +49,13 @@ def assert_valid_selection(block_idx, q, k, spec, tol=1e-3):
     best_unchosen = torch.where(~chosen & free, scores, -torch.inf).amax(-1)
     scale = scores[torch.isfinite(scores)].abs().max().clamp(min=1.0)
     assert (best_unchosen <= worst_chosen + tol * scale).all(), "an unchosen block scores higher than a chosen one"
+
+
+def cubin_bytes(kernel) -> bytes:
+    """The cubin inside a compiled tilelang.JITKernel (built with TileLang's cache off)."""
+    cuda_mod = next(m for m in kernel.adapter.rt_mod.imports if m.kind == "cuda")
+    try:
+        data = cuda_mod.inspect_source("cubin")
+        return data.encode("latin-1") if isinstance(data, str) else bytes(data)
+    except UnicodeDecodeError as e:  # the cubin is binary; tvm-ffi returns it as a string
+        return e.object

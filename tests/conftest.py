@@ -25,3 +25,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def nvcc_really_runs():
+    """TileLang's on-disk cache would hand back an earlier build (without its cubin): switch it off."""
+    import tilelang
+
+    was_enabled = tilelang.is_cache_enabled()
+    tilelang.disable_cache()
+    yield
+    if was_enabled:
+        tilelang.enable_cache()

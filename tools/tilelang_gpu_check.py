@@ -9,7 +9,7 @@ import triton
 
 import kernelgen
 from kernelgen import reference
-from kernelgen.bench import SHAPES, flex_block_mask, useful_flops
+from kernelgen.bench import SHAPES, useful_flops
 from kernelgen.tilelang_backend import build_attn, compile_kernel
 
 CASES = [  # (shape name or tuple, block_M, threads, num_stages)

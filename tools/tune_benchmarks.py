@@ -5,7 +5,6 @@ import json
 import os
 import time
 
-import kernelgen
 from kernelgen.bench import SHAPES
 from kernelgen.config import config_space
 from kernelgen.db import TuningDB, write_bundled_db
