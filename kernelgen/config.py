@@ -143,7 +143,9 @@ def default_config(spec: Spec, role: str):
         # 64 q_rep rows against >= 128 k_rep columns per step (H200 sweep, shape (a): 0.087 ms vs
         # 0.147 ms with 16 rows: each program reads k_rep once for more tiles)
         chunk = max(next_pow2(spec.top_k), 128 // spec.groups)
-        cfg = SelectConfig(tiles=max(1, 64 // gr_pad), chunk=chunk, num_warps=4, num_stages=1)
+        # long lists: fewer tiles per program keep the running top-k lists in registers
+        tiles = max(1, (64 if next_pow2(spec.top_k) <= 64 else 16) // gr_pad)
+        cfg = SelectConfig(tiles=tiles, chunk=chunk, num_warps=4, num_stages=1)
         return cfg if select_feasible(spec, cfg) else dataclasses.replace(cfg, tiles=max(1, 16 // gr_pad))
     raise ValueError(f"role={role!r} is unknown; expected one of {ROLES}")
 

@@ -110,12 +110,11 @@ def prepare_block_idx(block_idx, spec: Spec, shapes: Shapes, device, select_mod,
             raise ValueError("block_idx holds a repeated block id in some list; each list must be a set")
     out = _empty(like=block_idx)
     n_lists = shapes.batch * shapes.heads_kv * shapes.n_q_tiles
-    lists = 16
+    lists = max(1, min(16, 2048 // next_pow2(spec.top_k)))  # lists per program: about 2K ids in registers
     select_mod.normalize_lists[(triton.cdiv(n_lists, lists),)](
         block_idx, out, n_lists, shapes.n_kv_blocks,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), LISTS=lists, num_warps=4)
     return out
-
 
 
 def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod) -> torch.Tensor:

@@ -195,3 +195,14 @@ def test_selection_over_many_tiles_and_blocks(device):
     cfg = kernelgen.SelectConfig(tiles=16, chunk=32, num_warps=4, num_stages=1)  # 132 blocks: 5 chunks
     idx = kernelgen.get_kernel(spec, configs={"select": cfg}).select(q, k)
     assert_valid_selection(idx, q, k, spec)
+
+
+def test_long_given_lists_with_repeats(device):
+    """top_k = 64: the list normaliser runs one list per program and drops repeats of any multiplicity."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=32, top_k=64, causal=True, selector="given")
+    q, k, v = make_inputs(1, 1, 1, 64, 1000, 64, torch.float16, device, 41)
+    gen = torch.Generator().manual_seed(5)
+    idx = torch.randint(-3, 70, (1, 1, 2, 64), generator=gen, dtype=torch.int32).to(device)  # many repeats
+    o, lse = kernelgen.get_kernel(spec)(q, k, v, block_idx=idx, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float16)
