@@ -1,6 +1,10 @@
-"""Next GPU session: tune every foundation benchmark shape, and compare TPE with an exhaustive grid
-on one shape (issue 3). Prints a table; writes results and the winners DB under $OUT.
-Run on the H200:  source .device/with-site.sh && python3 tools/tune_benchmarks.py"""
+"""Tune the foundation benchmark shapes, and compare TPE with an exhaustive grid on shape (b) (issue 3).
+Prints one JSON line per study; writes results and the winners DB under $OUT. One device call each
+(a call is limited to 10 minutes; one shape's tune takes a few):
+    source .device/with-site.sh && python3 tools/tune_benchmarks.py --shapes a32k,b
+    source .device/with-site.sh && python3 tools/tune_benchmarks.py --shapes c,c_dense
+    source .device/with-site.sh && python3 tools/tune_benchmarks.py --shapes "" --compare"""
+import argparse
 import json
 import os
 import time
@@ -27,20 +31,26 @@ def run(label, spec, role, seq, trials, storage=None, timeout=280):
     return r
 
 
-for name in ("a32k", "b", "c", "c_dense"):
+args = argparse.ArgumentParser()
+args.add_argument("--shapes", default="a32k,b,c,c_dense")
+args.add_argument("--compare", action="store_true", help="TPE (<= 30%% of the trials) against the full grid on (b)")
+args = args.parse_args()
+
+for name in filter(None, args.shapes.split(",")):
     s = SHAPES[name]
     given = s.spec("given")
-    run(f"{name} attn", given, "attn", s.n_k, trials=20)
-    run(f"{name} select", s.spec("mean"), "select", s.n_k, trials=12, timeout=120)
+    run(f"{name} attn", given, "attn", s.n_k, trials=20, timeout=200)
+    run(f"{name} select", s.spec("mean"), "select", s.n_k, trials=12, timeout=80)
 
-# TPE against the exhaustive grid over the same space, on shape (b)
-s = SHAPES["b"]
-spec = s.spec("given")
-space = len(config_space(spec, "attn"))
-grid = run("b grid", spec, "attn", s.n_k, trials=space, storage=f"sqlite:///{OUT}/grid.db", timeout=400)
-tpe = run("b tpe", spec, "attn", s.n_k, trials=max(3, int(0.3 * space)), storage=f"sqlite:///{OUT}/tpe.db")
-print(f"grid best {grid.best_ms:.4f} ms over {grid.n_trials} trials; TPE best {tpe.best_ms:.4f} ms over "
-      f"{tpe.n_trials} trials ({tpe.best_ms / grid.best_ms - 1:+.1%})")
+if args.compare:  # TPE against the exhaustive grid over the same space, on shape (b)
+    s = SHAPES["b"]
+    spec = s.spec("given")
+    space = len(config_space(spec, "attn"))
+    grid = run("b grid", spec, "attn", s.n_k, trials=space, storage=f"sqlite:///{OUT}/grid.db", timeout=380)
+    tpe = run("b tpe", spec, "attn", s.n_k, trials=max(3, int(0.3 * space)), storage=f"sqlite:///{OUT}/tpe.db",
+              timeout=150)
+    print(f"grid best {grid.best_ms:.4f} ms over {grid.n_trials} trials; TPE best {tpe.best_ms:.4f} ms over "
+          f"{tpe.n_trials} trials ({tpe.best_ms / grid.best_ms - 1:+.1%})")
 json.dump(results, open(os.path.join(OUT, "tune_results.json"), "w"), indent=1, default=str)
 write_bundled_db(os.path.join(OUT, "winners.db"), db.rows())
 print(f"winners: {len(db.rows())} rows -> {OUT}/winners.db (copy to tuning_db/winners.db to bundle)")
