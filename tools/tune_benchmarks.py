@@ -16,7 +16,11 @@ from kernelgen.tune import tune
 
 OUT = os.environ.get("OUT", "/tmp/out")
 os.makedirs(OUT, exist_ok=True)
-db = TuningDB(os.path.join(OUT, "tuning.db"))
+# studies outlive one call while the machine stays warm ($OUT is emptied before each call): a grid
+# that does not finish in one call resumes in the next
+STUDIES = "/tmp/kg-tune"
+os.makedirs(STUDIES, exist_ok=True)
+db = TuningDB(os.path.join(STUDIES, "tuning.db"))
 results = []
 
 
@@ -46,8 +50,8 @@ if args.compare:  # TPE against the exhaustive grid over the same space, on shap
     s = SHAPES["b"]
     spec = s.spec("given")
     space = len(config_space(spec, "attn"))
-    grid = run("b grid", spec, "attn", s.n_k, trials=space, storage=f"sqlite:///{OUT}/grid.db", timeout=380)
-    tpe = run("b tpe", spec, "attn", s.n_k, trials=max(3, int(0.3 * space)), storage=f"sqlite:///{OUT}/tpe.db",
+    grid = run("b grid", spec, "attn", s.n_k, trials=space, storage=f"sqlite:///{STUDIES}/grid.db", timeout=380)
+    tpe = run("b tpe", spec, "attn", s.n_k, trials=max(3, int(0.3 * space)), storage=f"sqlite:///{STUDIES}/tpe.db",
               timeout=150)
     print(f"grid best {grid.best_ms:.4f} ms over {grid.n_trials} trials; TPE best {tpe.best_ms:.4f} ms over "
           f"{tpe.n_trials} trials ({tpe.best_ms / grid.best_ms - 1:+.1%})")
