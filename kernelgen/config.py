@@ -92,8 +92,19 @@ def config_from_dict(role: str, data: dict, backend: str = "triton"):
     return _CONFIG_TYPES[backend, role](**data)
 
 
-def attn_feasible(spec: Spec, cfg: AttnConfig) -> bool:
-    """block_m must cover whole heads of one tile (block_m > q_tile) or split a tile evenly."""
+# Shared memory a Triton program may use on sm_90 (H100/H200): 227 KB.
+SMEM_LIMIT_SM90 = 232448
+
+
+def attn_smem_bytes(spec: Spec, cfg: AttnConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the forward: num_stages buffers of one K and one V block, plus the Q tile.
+    (Matches what Triton 3.6 asked for on the H200: 278528 B for D=128, 128-blocks, block_m=64, 4 stages.)"""
+    return (cfg.num_stages * 2 * spec.kv_block + cfg.block_m) * spec.head_dim * elem_bytes
+
+
+def attn_feasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90) -> bool:
+    """block_m must cover whole heads of one tile (block_m > q_tile) or split a tile evenly; the
+    pipeline's buffers must fit in shared memory."""
     rows = spec.gqa_group * spec.q_tile
     if cfg.block_m > rows or cfg.block_m < 16:
         return False
@@ -103,7 +114,7 @@ def attn_feasible(spec: Spec, cfg: AttnConfig) -> bool:
         ok = cfg.block_m % spec.q_tile == 0 and spec.gqa_group % (cfg.block_m // spec.q_tile) == 0
     # registers: the fp32 accumulator and scores of one program (Triton spills badly past this)
     regs = cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps)
-    return ok and regs <= 192
+    return ok and regs <= 192 and attn_smem_bytes(spec, cfg) <= smem_limit
 
 
 def tilelang_attn_feasible(spec: Spec, cfg: TileLangAttnConfig) -> bool:
@@ -137,7 +148,9 @@ def default_config(spec: Spec, role: str):
             cfg = AttnConfig(block_m=block_m, num_warps=warps, num_stages=stages)
             if attn_feasible(spec, cfg):
                 return cfg
-        raise ValueError(f"no feasible attention config for {spec}")
+        raise ValueError(f"no attention config fits {spec}: one K and one V block of kv_block x head_dim = "
+                         f"{spec.kv_block} x {spec.head_dim} plus a Q tile exceed the {SMEM_LIMIT_SM90} B of shared "
+                         "memory of sm_90; use a smaller kv_block")
     if role == "select":
         gr_pad = next_pow2(spec.gqa_group * spec.groups)
         # 64 q_rep rows against >= 128 k_rep columns per step (H200 sweep, shape (a): 0.087 ms vs
