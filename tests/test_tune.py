@@ -225,8 +225,8 @@ def test_worker_checks_against_the_reference():
 
 
 def test_grid_measures_each_feasible_point_once(tmp_path, db, fake_worker):
-    # head_dim 256, kv_block 256: register pressure makes some products of the per-field choices infeasible
-    spec = Spec(head_dim=256, kv_block=256, q_tile=64, top_k=2, gqa_group=2)
+    # head_dim 256, kv_block 128: registers and shared memory make some products of the choices infeasible
+    spec = Spec(head_dim=256, kv_block=128, q_tile=64, top_k=2, gqa_group=2)
     space = [c.__dict__ for c in config_space(spec, "attn")]
     p = plan(spec, "attn", seq=SEQ, trials=len(space), device="cpu")
     n_product = 1
