@@ -27,8 +27,8 @@ DTYPES = ("bfloat16", "float16")
 
 
 def canonical_dtype(dtype: Any) -> str:
-    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(str(dtype).removeprefix("torch."),
-                                                                          str(dtype).removeprefix("torch."))
+    name = str(dtype).removeprefix("torch.")
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(name, name)
     if name not in DTYPES:
         raise ValueError(f"TileLang attention supports dtype in {DTYPES}, got {dtype!r}")
     return name

@@ -4,7 +4,7 @@ import torch
 
 import kernelgen
 from kernelgen import Spec
-from test_triton_fwd import GPU_CASES, given_lists, make_inputs, run_and_check
+from test_triton_fwd import GPU_CASES, given_lists, gpu_case, make_inputs, run_and_check
 
 pytest.importorskip("tilelang")
 
@@ -22,11 +22,7 @@ def test_cpu_is_a_clear_error():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_gpu_tilelang_against_reference(case, dtype):
-    b, hkv, g, nq, nk, d, kv_block, q_tile, top_k, causal, selector, local, sink = case
-    spec = Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g,
-                selector=selector, local=local, sink=sink, backend="tilelang")
-    q, k, v = make_inputs(b, hkv, g, nq, nk, d, dtype, "cuda", nq + d + g)
-    run_and_check(spec, q, k, v)
+    run_and_check(*gpu_case(case, dtype, backend="tilelang"))
 
 
 @pytest.mark.gpu

@@ -141,15 +141,19 @@ GPU_CASES = [
 ]
 
 
+def gpu_case(case, dtype, seed_offset=0, **spec_changes):
+    """(spec, q, k, v) of one GPU_CASES row, on CUDA."""
+    b, hkv, g, nq, nk, d, kv_block, q_tile, top_k, causal, selector, local, sink = case
+    spec = Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g,
+                selector=selector, local=local, sink=sink, **spec_changes)
+    return (spec, *make_inputs(b, hkv, g, nq, nk, d, dtype, "cuda", nq + d + g + seed_offset))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_gpu_against_reference(case, dtype):
-    b, hkv, g, nq, nk, d, kv_block, q_tile, top_k, causal, selector, local, sink = case
-    spec = Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g,
-                selector=selector, local=local, sink=sink)
-    q, k, v = make_inputs(b, hkv, g, nq, nk, d, dtype, "cuda", nq + d + g)
-    run_and_check(spec, q, k, v)
+    run_and_check(*gpu_case(case, dtype))
 
 
 @pytest.mark.gpu
@@ -176,12 +180,9 @@ def test_tma_descriptor_path(causal, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES[:4], ids=lambda c: "-".join(map(str, c)))
 def test_gpu_tma_against_reference(case):
-    b, hkv, g, nq, nk, d, kv_block, q_tile, top_k, causal, selector, local, sink = case
-    spec = Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g,
-                selector=selector, local=local, sink=sink)
+    spec, q, k, v = gpu_case(case, torch.bfloat16, seed_offset=1)
     cfg = kernelgen.config.default_config(spec, "attn")
     attn = kernelgen.get_kernel(spec, configs={"attn": kernelgen.AttnConfig(cfg.block_m, cfg.num_warps, cfg.num_stages, True)})
-    q, k, v = make_inputs(b, hkv, g, nq, nk, d, torch.bfloat16, "cuda", nq + d + g + 1)
     idx = attn.select(q, k)
     o, lse = attn(q, k, v, block_idx=idx, return_lse=True)
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
