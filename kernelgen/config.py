@@ -40,12 +40,16 @@ def next_pow2(x: int) -> int:
 @dataclass(frozen=True)
 class AttnConfig:
     """Q-centric forward. block_m: packed rows (G heads x Q_TILE queries) per program; use_tma: load
-    K/V blocks through tensor descriptors (TMA on Hopper) instead of pointers."""
+    K/V blocks through tensor descriptors (TMA on Hopper) instead of pointers; kv_per_iter: listed
+    blocks per loop step (2: two 64-key blocks make one 128-key MMA); warp_specialize: Triton's
+    automatic warp specialisation of the unmasked loop (producer warps for the loads)."""
 
     block_m: int = 128
     num_warps: int = 4
     num_stages: int = 2
     use_tma: bool = False
+    kv_per_iter: int = 1
+    warp_specialize: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -99,7 +103,7 @@ SMEM_LIMIT_SM90 = 232448
 def attn_smem_bytes(spec: Spec, cfg: AttnConfig, elem_bytes: int = 2) -> int:
     """Shared memory of the forward: num_stages buffers of one K and one V block, plus the Q tile.
     (Matches what Triton 3.6 asked for on the H200: 278528 B for D=128, 128-blocks, block_m=64, 4 stages.)"""
-    return (cfg.num_stages * 2 * spec.kv_block + cfg.block_m) * spec.head_dim * elem_bytes
+    return (cfg.num_stages * 2 * spec.kv_block * cfg.kv_per_iter + cfg.block_m) * spec.head_dim * elem_bytes
 
 
 def attn_feasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90) -> bool:
@@ -112,8 +116,11 @@ def attn_feasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90
         ok = spec.q_tile % cfg.block_m == 0
     else:
         ok = cfg.block_m % spec.q_tile == 0 and spec.gqa_group % (cfg.block_m // spec.q_tile) == 0
+    # one step is at most 128 keys, and tensor descriptors load one block per step
+    block_n = spec.kv_block * cfg.kv_per_iter
+    ok = ok and cfg.kv_per_iter in (1, 2) and block_n <= 128 and not (cfg.use_tma and cfg.kv_per_iter > 1)
     # registers: the fp32 accumulator and scores of one program (Triton spills badly past this)
-    regs = cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps)
+    regs = cfg.block_m * (spec.head_dim + block_n) // (32 * cfg.num_warps)
     return ok and regs <= 192 and attn_smem_bytes(spec, cfg) <= smem_limit
 
 
@@ -173,8 +180,9 @@ def config_space(spec: Spec, role: str) -> list:
         return [c for c in space if tilelang_attn_feasible(spec, c)]
     if role == "attn":
         space = (
-            AttnConfig(block_m=m, num_warps=w, num_stages=s, use_tma=t)
-            for m, w, s, t in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4), (False, True))
+            AttnConfig(block_m=m, num_warps=w, num_stages=s, use_tma=t, kv_per_iter=n, warp_specialize=ws)
+            for m, w, s, t, n, ws in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4), (False, True),
+                                                       (1, 2), (False, True))
         )
         return [c for c in space if attn_feasible(spec, c)]
     if role == "select":

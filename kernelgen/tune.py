@@ -167,9 +167,10 @@ def _choices(space: list[dict]) -> dict[str, list]:
 
 
 def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: int = 30,
-         device: str | None = None) -> dict:
-    """What `tune(spec, role, seq=seq, arch=arch, trials=trials, device=device)` would do. Pure;
-    works on any machine (arch is None, and so is the study name, where no GPU says what it is)."""
+         device: str | None = None, fixed: dict | None = None) -> dict:
+    """What `tune(spec, role, seq=seq, arch=arch, trials=trials, device=device, fixed=fixed)` would do.
+    Pure; works on any machine (arch is None, and so is the study name, where no GPU says what it is).
+    `fixed` ({field: value}) restricts the space to the points with those values."""
     _check_role(spec, role)
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
@@ -178,6 +179,11 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
         arch = "cpu" if cpu else _current_arch()
     bucket = tuning_db.seq_bucket(seq)
     space = [_params(c) for c in config_space(spec, role)]
+    if fixed:
+        unknown = set(fixed) - set(space[0] if space else fixed)
+        if unknown:
+            raise ValueError(f"fixed names {sorted(unknown)}, which are not {role} config fields")
+        space = [p for p in space if all(p[k] == v for k, v in fixed.items())]
     b, hq, hkv, nq, nk = tune_inputs_shape(spec, bucket, cpu=cpu)  # one study, one shape: the bucket's
     return {
         "study_name": study_name(spec, role, arch, bucket) if arch is not None else None,
@@ -582,6 +588,7 @@ def tune(
     progress: Callable[[int, int, float | None], None] | None = None,
     device: str | None = None,
     trial_timeout: float = TRIAL_TIMEOUT_S,
+    fixed: dict | None = None,
 ) -> TuneResult:
     """Tune `role` ("attn" or "select") of `spec` for sequences of `seq`'s bucket on this GPU.
 
@@ -595,13 +602,14 @@ def tune(
                    counting measured configs from 0 (a resumed study starts past 0); None: failed.
     device         None or "cuda[:i]": the GPU; "cpu": the interpreter on tiny inputs (tests only).
     trial_timeout  seconds one measurement (compile, check, timing) may take before it counts as failed.
+    fixed          {field: value}: search only the points of the space with those values.
     """
     _check_role(spec, role)
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     worker_device, arch, gpu_name = _resolve_device(device, arch)
     cpu = worker_device == "cpu"
-    the_plan = plan(spec, role, seq=seq, arch=arch, trials=trials, device="cpu" if cpu else None)
+    the_plan = plan(spec, role, seq=seq, arch=arch, trials=trials, device="cpu" if cpu else None, fixed=fixed)
     space, choices = the_plan["space"], the_plan["params"]
     if not space:
         raise ValueError(f"no feasible {role} config in the search space of {spec} (config.config_space); "
@@ -696,7 +704,8 @@ def tune(
             for t in complete + failed:
                 if t.params == default:
                     default_ms, default_failed = t.value, t.state == TrialState.FAIL
-            if default_ms is None and not default_failed:  # not measured by the study: time it now
+            # not measured by the study (and inside the searched space): time it now
+            if default_ms is None and not default_failed and _config_key(default) in feasible:
                 result, error = measure(default)
                 if error is None:
                     default_ms, default_flops = result["ms"], result["flops"]

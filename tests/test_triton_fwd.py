@@ -127,6 +127,22 @@ def test_strided_inputs(device):
     run_and_check(spec, q, k, v)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("top_k", [3, 4])  # odd: a step with no second block; even: whole steps
+def test_two_blocks_per_step(causal, top_k, device):
+    """kv_per_iter=2 (a tunable): two listed blocks side by side in one step, the second block
+    anywhere in K (not adjacent), -1 and out-of-range slots, a partial last block, strided K/V."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=top_k, causal=causal, gqa_group=2, selector="given")
+    q, k, v = make_inputs(1, 2, 2, 150, 203, 64, torch.float16, device, 37 + top_k)
+    k, v = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
+    idx = given_lists(spec, 1, 2, 150, 203, 5 + top_k, device)
+    for cfg in (kernelgen.AttnConfig(block_m=64, num_warps=4, num_stages=2, kv_per_iter=2),
+                kernelgen.AttnConfig(block_m=32, num_warps=4, num_stages=1, kv_per_iter=2, warp_specialize=True)):
+        o, lse = kernelgen.get_kernel(spec, configs={"attn": cfg})(q, k, v, block_idx=idx, return_lse=True)
+        ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
+        assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float16)
+
+
 # ---- GPU ------------------------------------------------------------------------------------------
 GPU_CASES = [
     # (B, Hkv, G, Nq, Nk, D, kv_block, q_tile, top_k, causal, selector, local, sink)
@@ -207,3 +223,16 @@ def test_long_given_lists_with_repeats(device):
     o, lse = kernelgen.get_kernel(spec)(q, k, v, block_idx=idx, return_lse=True)
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
     assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[5]], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("warp_specialize", [False, True])
+def test_gpu_two_blocks_per_step(case, warp_specialize):
+    spec, q, k, v = gpu_case(case, torch.bfloat16, seed_offset=2)
+    cfg = kernelgen.AttnConfig(block_m=64, num_warps=4, num_stages=2, kv_per_iter=2, warp_specialize=warp_specialize)
+    attn = kernelgen.get_kernel(spec, configs={"attn": cfg})
+    idx = attn.select(q, k)
+    o, lse = attn(q, k, v, block_idx=idx, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, torch.bfloat16)

@@ -86,14 +86,24 @@ def test_plan_attn():
     assert p["space"] and p["space_size"] == len(p["space"]) == len(config_space(SPEC, "attn"))
     assert all(attn_feasible(SPEC, config_from_dict("attn", c)) for c in p["space"])
     assert p["sampler"] == "tpe" and p["trials"] == 3
-    assert p["default"] == {"block_m": 64, "num_warps": 4, "num_stages": 2, "use_tma": False}
-    assert set(p["params"]) == {"block_m", "num_warps", "num_stages", "use_tma"}
+    assert p["default"] == {"block_m": 64, "num_warps": 4, "num_stages": 2, "use_tma": False, "kv_per_iter": 1,
+                           "warp_specialize": False}
+    assert set(p["params"]) == {"block_m", "num_warps", "num_stages", "use_tma", "kv_per_iter", "warp_specialize"}
     # timed at the bucket's size: every seq of a bucket shares one study
     assert p["shape"] == {"batch": 1, "heads_q": 32, "heads_kv": 16, "n_q": 8192, "n_k": 8192, "head_dim": 64}
     assert p["dtype"] == "bfloat16"
     n_space = len(config_space(SPEC, "attn"))
     assert plan(SPEC, "attn", seq=5000, arch="sm_90", trials=n_space)["sampler"] == "grid"
     json.dumps(p)  # plain data, fit for `kernelgen tune --dry-run`
+
+
+def test_plan_fixed_restricts_the_space():
+    full = plan(SPEC, "attn", seq=5000, arch="sm_90")["space"]
+    sub = plan(SPEC, "attn", seq=5000, arch="sm_90", fixed={"use_tma": False, "kv_per_iter": 2})
+    assert sub["space"] == [c for c in full if not c["use_tma"] and c["kv_per_iter"] == 2]
+    assert 0 < sub["space_size"] < len(full) and sub["params"]["kv_per_iter"] == [2]
+    with pytest.raises(ValueError, match="not attn config fields"):
+        plan(SPEC, "attn", seq=5000, arch="sm_90", fixed={"threads": 128})
 
 
 def test_plan_select_and_cpu():
