@@ -145,7 +145,7 @@ def _peak_extra_bytes(fn) -> int:
 
 def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
     import kernelgen
-    from .config import config_space
+    from .config import config_space, default_config
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -187,8 +187,13 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
             log(f"{name}: CPU interpreter smoke run OK (no timings on CPU); useful GFLOP {flops / 1e9:.4f}")
             continue
 
-        record("kernelgen given", lambda: attn_given(q, k, v, block_idx=idx), flops,
-               config=attn_given.config("attn", shape.n_q, shape.n_k).to_json())
+        served = attn_given.config("attn", shape.n_q, shape.n_k)
+        record("kernelgen given", lambda: attn_given(q, k, v, block_idx=idx), flops, config=served.to_json())
+        untuned = default_config(given, "attn")
+        if served != untuned:  # a tuned winner is served: the defaults, side by side
+            attn_default = kernelgen.get_kernel(given, configs={"attn": untuned})
+            record("kernelgen given (defaults)", lambda: attn_default(q, k, v, block_idx=idx), flops,
+                   config=untuned.to_json())
         extra = _peak_extra_bytes(lambda: attn(q, k, v))
         record("kernelgen mean (select+attn)", lambda: attn(q, k, v), flops,
                peak_extra_MB=round(extra / 2**20, 1), output_MB=round(out_bytes / 2**20, 1),

@@ -156,6 +156,9 @@ def softmax_scale(scale, spec: Spec) -> float:
         return 1.0 / math.sqrt(spec.head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"scale must be a finite float (default 1/sqrt(head_dim)), got {scale!r}")
+    if scale <= 0:
+        # the kernels take each row's running max on unscaled scores (as FlashAttention does)
+        raise ValueError(f"scale must be > 0 (default 1/sqrt(head_dim)), got {scale!r}")
     return float(scale)
 
 

@@ -43,6 +43,21 @@ def test_valid_call_runs(attn, device):
     assert o.shape == q.shape and o.dtype == q.dtype and not torch.isnan(o).any()
 
 
+@pytest.mark.parametrize("bad, error", [(0.0, ValueError), (-0.125, ValueError), (float("nan"), TypeError),
+                                        ("0.1", TypeError)])
+def test_bad_scale(attn, device, bad, error):
+    with pytest.raises(error, match=r"^scale must be"):
+        attn(*qkv(device), scale=bad)
+
+
+def test_scale_is_applied(device):
+    q, k, v = qkv(device)
+    idx = lists(GIVEN, 64, 96, device)
+    o = kernelgen.get_kernel(GIVEN)(q, k, v, block_idx=idx, scale=0.3)
+    ref_o, _, _ = reference.sparse_attention(q, k, v, GIVEN, block_idx=idx, scale=0.3)
+    assert ((o.double() - ref_o).norm() / ref_o.norm()) < 1e-2
+
+
 # ---- q, k, v ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 @pytest.mark.parametrize("bad", [None, 1.0, "q", [[1.0]]], ids=["None", "float", "str", "list"])

@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# Device calls of a GPU session: PART=tests (GPU tests, both backends, ~5 min), PART=bench (benchmark with
-# the anchors and dispatch overhead, ~6 min), PART=all (both; may not fit one 10-minute call).
-# Usage on the GPU machine:  source .device/with-site.sh && PART=tests bash tools/gpu_session.sh
-#                            source .device/with-site.sh && PART=bench bash tools/gpu_session.sh --shapes a32k,b,c,c_dense,a128k
-# Tuning (issue 3):          source .device/with-site.sh && python3 tools/tune_benchmarks.py
+# The device calls of a GPU session, each inside one 10-minute call, in this order (the tuned winners
+# live in the machine's user DB, /tmp/kg-cache/tuning.db, so the calls must follow each other while it
+# stays warm; each tuning call also returns them as $OUT/winners.db):
+#   source .device/with-site.sh && PART=tests bash tools/gpu_session.sh   # GPU tests (both backends) + tune a32k, b
+#   source .device/with-site.sh && PART=tune bash tools/gpu_session.sh    # tune c, c_dense; TPE vs grid on b
+#   source .device/with-site.sh && PART=bench bash tools/gpu_session.sh   # benchmark with the anchors + overhead
 set -u
 OUT=${OUT:-/tmp/out}
-PART=${PART:-all}
+PART=${PART:-tests}
 mkdir -p "$OUT"
-export KERNELGEN_CACHE_DIR=/tmp/kg-cache
+export KERNELGEN_CACHE_DIR=/tmp/kg-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  echo "== GPU tests"
-  timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -m gpu --maxfail=6 tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+git log -1 --format='commit %h %s' 2>/dev/null
+if [ "$PART" = tests ]; then
+  echo "== GPU tests (Triton and TileLang files in two processes: compiles overlap)"
+  T=${TEST_TIMEOUT:-200}
+  timeout $T python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tilelang_fwd.py > "$OUT/gpu_tests_tilelang.log" 2>&1 &
+  timeout $T python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_fwd.py > "$OUT/gpu_tests_triton.log" 2>&1
+  wait
+  for f in "$OUT"/gpu_tests_*.log; do echo "-- $f"; grep -E "passed|failed|error|FAILED|Error" "$f" | tail -12; done
+  echo "== tune a32k, b"
+  timeout ${TUNE_TIMEOUT:-330} python3 tools/tune_benchmarks.py --shapes a32k,b 2>&1 | tee "$OUT/tune1.log" | grep -v "^$"
 fi
-if [ "$PART" = bench ] || [ "$PART" = all ]; then
+if [ "$PART" = tune ]; then
+  timeout ${TUNE_TIMEOUT:-520} python3 tools/tune_benchmarks.py --shapes c,c_dense --compare --attn-trials 10 \
+    --select-trials 5 2>&1 | tee "$OUT/tune2.log" | grep -v "^$"
+fi
+if [ "$PART" = bench ]; then
   echo "== bench (rows also appended to $OUT/bench.jsonl as measured)"
-  timeout ${BENCH_TIMEOUT:-500} python3 -m kernelgen.bench --out "$OUT" --overhead "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^$"
+  timeout ${BENCH_TIMEOUT:-470} python3 -m kernelgen.bench --out "$OUT" --overhead "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^$"
 fi
