@@ -193,6 +193,6 @@ def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConf
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
-        KV_PER_ITER=cfg.kv_per_iter, WARP_SPECIALIZE=cfg.warp_specialize,
+        KV_PER_ITER=cfg.kv_per_iter,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse

@@ -137,7 +137,7 @@ def test_two_blocks_per_step(causal, top_k, device):
     k, v = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
     idx = given_lists(spec, 1, 2, 150, 203, 5 + top_k, device)
     for cfg in (kernelgen.AttnConfig(block_m=64, num_warps=4, num_stages=2, kv_per_iter=2),
-                kernelgen.AttnConfig(block_m=32, num_warps=4, num_stages=1, kv_per_iter=2, warp_specialize=True)):
+                kernelgen.AttnConfig(block_m=32, num_warps=4, num_stages=1, kv_per_iter=2)):
         o, lse = kernelgen.get_kernel(spec, configs={"attn": cfg})(q, k, v, block_idx=idx, return_lse=True)
         ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
         assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float16)
@@ -227,10 +227,9 @@ def test_long_given_lists_with_repeats(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[5]], ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("warp_specialize", [False, True])
-def test_gpu_two_blocks_per_step(case, warp_specialize):
+def test_gpu_two_blocks_per_step(case):
     spec, q, k, v = gpu_case(case, torch.bfloat16, seed_offset=2)
-    cfg = kernelgen.AttnConfig(block_m=64, num_warps=4, num_stages=2, kv_per_iter=2, warp_specialize=warp_specialize)
+    cfg = kernelgen.AttnConfig(block_m=64, num_warps=4, num_stages=2, kv_per_iter=2)
     attn = kernelgen.get_kernel(spec, configs={"attn": cfg})
     idx = attn.select(q, k)
     o, lse = attn(q, k, v, block_idx=idx, return_lse=True)

@@ -86,9 +86,8 @@ def test_plan_attn():
     assert p["space"] and p["space_size"] == len(p["space"]) == len(config_space(SPEC, "attn"))
     assert all(attn_feasible(SPEC, config_from_dict("attn", c)) for c in p["space"])
     assert p["sampler"] == "tpe" and p["trials"] == 3
-    assert p["default"] == {"block_m": 64, "num_warps": 4, "num_stages": 2, "use_tma": False, "kv_per_iter": 1,
-                           "warp_specialize": False}
-    assert set(p["params"]) == {"block_m", "num_warps", "num_stages", "use_tma", "kv_per_iter", "warp_specialize"}
+    assert p["default"] == {"block_m": 64, "num_warps": 4, "num_stages": 2, "use_tma": False, "kv_per_iter": 1}
+    assert set(p["params"]) == {"block_m", "num_warps", "num_stages", "use_tma", "kv_per_iter"}
     # timed at the bucket's size: every seq of a bucket shares one study
     assert p["shape"] == {"batch": 1, "heads_q": 32, "heads_kv": 16, "n_q": 8192, "n_k": 8192, "head_dim": 64}
     assert p["dtype"] == "bfloat16"
