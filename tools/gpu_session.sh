@@ -2,8 +2,8 @@
 # The device calls of a GPU session, each inside one 10-minute call, in this order (the tuned winners
 # live in the machine's user DB, /tmp/kg-cache/tuning.db, so the calls must follow each other while it
 # stays warm; each tuning call also returns them as $OUT/winners.db):
-#   source .device/with-site.sh && PART=tests bash tools/gpu_session.sh   # GPU tests (both backends) + tune a32k, b
-#   source .device/with-site.sh && PART=tune bash tools/gpu_session.sh    # tune c, c_dense; TPE vs grid on b
+#   source .device/with-site.sh && PART=tests bash tools/gpu_session.sh   # GPU tests (both backends)
+#   source .device/with-site.sh && PART=tune bash tools/gpu_session.sh    # tune a32k, b, c, c_dense; TPE vs grid on b
 #   source .device/with-site.sh && PART=bench bash tools/gpu_session.sh   # benchmark with the anchors + overhead
 set -u
 OUT=${OUT:-/tmp/out}
@@ -20,12 +20,10 @@ if [ "$PART" = tests ]; then
   timeout $T python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_fwd.py > "$OUT/gpu_tests_triton.log" 2>&1
   wait
   for f in "$OUT"/gpu_tests_*.log; do echo "-- $f"; grep -E "passed|failed|error|FAILED|Error" "$f" | tail -12; done
-  echo "== tune a32k, b"
-  timeout ${TUNE_TIMEOUT:-330} python3 tools/tune_benchmarks.py --shapes a32k,b 2>&1 | tee "$OUT/tune1.log" | grep -v "^$"
 fi
 if [ "$PART" = tune ]; then
-  timeout ${TUNE_TIMEOUT:-520} python3 tools/tune_benchmarks.py --shapes c,c_dense --compare --attn-trials 10 \
-    --select-trials 5 2>&1 | tee "$OUT/tune2.log" | grep -v "^$"
+  timeout ${TUNE_TIMEOUT:-560} python3 tools/tune_benchmarks.py --shapes a32k,b,c,c_dense --compare \
+    2>&1 | tee "$OUT/tune.log" | grep -v "^$"
 fi
 if [ "$PART" = bench ]; then
   echo "== bench (rows also appended to $OUT/bench.jsonl as measured)"

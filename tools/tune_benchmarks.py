@@ -36,6 +36,9 @@ def main():
                    fixed=fixed)
         results.append(row)
         print(json.dumps(row), flush=True)
+        # written after every study, so a call stopped by its time limit keeps what it measured
+        json.dump(results, open(os.path.join(OUT, "tune_results.json"), "w"), indent=1, default=str)
+        write_bundled_db(os.path.join(OUT, "winners.db"), db.rows())
         return r
 
     args = argparse.ArgumentParser()
