@@ -143,7 +143,7 @@ def _peak_extra_bytes(fn) -> int:
     return peak
 
 
-def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
+def run(shape_names, out_dir=None, sweep=(), log=print, profile=()) -> list[dict]:
     import kernelgen
     from .config import config_space, default_config
 
@@ -242,14 +242,17 @@ def run(shape_names, out_dir=None, sweep=(), log=print) -> list[dict]:
                     record(label, fn, dflops)
             except Exception as e:
                 log(f"{name}: {label} failed: {type(e).__name__}: {str(e)[:200]}")
-        if name in sweep:
-            from torch.profiler import ProfilerActivity, profile
+        if name in sweep or name in profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as profiler
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profiler(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     attn(q, k, v)
                 torch.cuda.synchronize()
+            log(f"{name}: CUDA time of 10 `mean` pipeline calls")
             log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40))
+        if name in sweep:
             best = None
             for cfg in config_space(given, "attn"):
                 if cfg.num_stages == 1:
@@ -304,6 +307,7 @@ def dispatch_overhead(n_calls: int = 200, log=print) -> dict:
 
     import kernelgen
     from . import ops
+    from .config import seq_bucket
 
     spec = kernelgen.Spec(head_dim=64, kv_block=64, q_tile=64, top_k=2, selector="given")
     q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
@@ -329,10 +333,17 @@ def dispatch_overhead(n_calls: int = 200, log=print) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n_calls * 1e6
 
-    result = {"call_us": timed(lambda: attn(q, k, v, block_idx=idx)), "raw_launches_us": timed(raw)}
+    def lookups():  # what a call does beyond the raw launches, without any launch
+        ops.check_qkv(q, k, v, spec)
+        attn._select_module(q, shapes.n_q, shapes.n_k)
+        attn.module("attn", attn._config("attn", seq_bucket(shapes.n_k), q.dtype, q.device))
+
+    result = {"call_us": timed(lambda: attn(q, k, v, block_idx=idx)), "raw_launches_us": timed(raw),
+              "checks_and_lookups_us": timed(lookups)}
     result["overhead_us"] = result["call_us"] - result["raw_launches_us"]
     log(f"dispatch: {result['call_us']:.1f} us per call, raw launches {result['raw_launches_us']:.1f} us, "
-        f"overhead {result['overhead_us']:.1f} us")
+        f"overhead {result['overhead_us']:.1f} us (input checks and config/module lookups alone: "
+        f"{result['checks_and_lookups_us']:.1f} us)")
     return result
 
 
@@ -378,6 +389,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="directory for bench.csv and bench.json")
     p.add_argument("--overhead", action="store_true", help="also measure dispatch overhead per call")
     p.add_argument("--sweep", default="", help="comma-separated shapes on which to also time every attention config")
+    p.add_argument("--profile", default="", help="comma-separated shapes whose `mean` pipeline to profile (CUDA time per kernel)")
     args = p.parse_args(argv)
     if args.shapes:
         names = args.shapes.split(",")
@@ -393,7 +405,7 @@ def main(argv=None):
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     if args.overhead and torch.cuda.is_available():
         dispatch_overhead()
-    run(names, args.out, tuple(filter(None, args.sweep.split(","))))
+    run(names, args.out, tuple(filter(None, args.sweep.split(","))), profile=tuple(filter(None, args.profile.split(","))))
     return 0
 
 

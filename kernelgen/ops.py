@@ -120,8 +120,9 @@ def prepare_block_idx(block_idx, spec: Spec, shapes: Shapes, device, select_mod,
 def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod) -> torch.Tensor:
     b, h, n, d = x.shape
     rep = _empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
-    # about 16K elements (32 KB of bf16) per program: enough bytes in flight for a memory-bound pass
-    tiles = min(max(1, 16384 // (tile * d)), next_pow2(n_tiles))
+    # one tile per program: on the H200 (a32k) pooling took 15 us per tensor so, and 3x that with 4
+    # tiles per program (the template keeps TILES for a later tunable)
+    tiles = 1
     mod.pool[(triton.cdiv(n_tiles, tiles), b * h)](x, rep, x.stride(0), x.stride(1), x.stride(2), n, h, n_tiles,
                                                    TILE=tile, GROUPS=groups, HEAD_DIM=d, TILES=tiles,
                                                    num_warps=8 if tiles * tile * d >= 8192 else 4)

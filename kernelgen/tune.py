@@ -110,16 +110,26 @@ class TuneResult:
 # Planning (pure)
 
 
-def tune_inputs_shape(spec: Spec, seq: int, *, cpu: bool = False) -> tuple[int, int, int, int, int]:
+def tune_inputs_shape(spec: Spec, seq: int, *, cpu: bool = False,
+                      shape: dict | None = None) -> tuple[int, int, int, int, int]:
     """(B, Hq, Hkv, Nq, Nk) of the inputs a tune times on.
 
-    GPU: B=1, Hq = max(G, 32 rounded up to a multiple of G), Hkv = Hq // G, Nq = Nk = seq.
+    GPU: B=1, Hq = max(G, 32 rounded up to a multiple of G), Hkv = Hq // G, Nq = Nk = seq; or
+    `shape` ({"batch", "heads_kv", "n_q", "n_k"}: the workload to tune for), whose n_k must lie
+    in seq's bucket.
     CPU (interpreter): B=1, Hq = G, Hkv = 1, Nq = Nk = min(seq, 256).
     """
     seq = int(seq)
     if seq < 1:
         raise ValueError(f"seq must be >= 1, got {seq}")
     g = spec.gqa_group
+    if shape is not None and not cpu:
+        if set(shape) != {"batch", "heads_kv", "n_q", "n_k"} or not all(
+                isinstance(x, int) and x >= 1 for x in shape.values()):
+            raise ValueError(f"shape must map batch, heads_kv, n_q, n_k to ints >= 1, got {shape!r}")
+        if tuning_db.seq_bucket(shape["n_k"]) != tuning_db.seq_bucket(seq):
+            raise ValueError(f"shape n_k={shape['n_k']} is outside the bucket of seq={seq}")
+        return shape["batch"], shape["heads_kv"] * g, shape["heads_kv"], shape["n_q"], shape["n_k"]
     if cpu:
         n = min(seq, CPU_MAX_SEQ)
         return 1, g, 1, n, n
@@ -166,11 +176,24 @@ def _choices(space: list[dict]) -> dict[str, list]:
     return {name: sorted({p[name] for p in space}) for name in space[0]} if space else {}
 
 
+def _seeds(default: dict, choices: dict[str, list], feasible: set[str]) -> list[dict]:
+    """The first TPE trials: the default config, then its feasible neighbours along every two-valued
+    field (a switch such as use_tma or kv_per_iter), which a short random start-up could miss."""
+    seeds = [default] if _config_key(default) in feasible else []
+    for field, values in choices.items():
+        if len(values) == 2:
+            other = {**default, field: values[1] if default[field] == values[0] else values[0]}
+            if _config_key(other) in feasible:
+                seeds.append(other)
+    return seeds
+
+
 def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: int = 30,
-         device: str | None = None, fixed: dict | None = None) -> dict:
+         device: str | None = None, fixed: dict | None = None, shape: dict | None = None) -> dict:
     """What `tune(spec, role, seq=seq, arch=arch, trials=trials, device=device, fixed=fixed)` would do.
     Pure; works on any machine (arch is None, and so is the study name, where no GPU says what it is).
-    `fixed` ({field: value}) restricts the space to the points with those values."""
+    `fixed` ({field: value}) restricts the space to the points with those values; `shape` sets the
+    inputs timed (`tune_inputs_shape`)."""
     _check_role(spec, role)
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
@@ -184,7 +207,7 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
         if unknown:
             raise ValueError(f"fixed names {sorted(unknown)}, which are not {role} config fields")
         space = [p for p in space if all(p[k] == v for k, v in fixed.items())]
-    b, hq, hkv, nq, nk = tune_inputs_shape(spec, bucket, cpu=cpu)  # one study, one shape: the bucket's
+    b, hq, hkv, nq, nk = tune_inputs_shape(spec, bucket if shape is None else seq, cpu=cpu, shape=shape)  # one study, one shape: the bucket's
     return {
         "study_name": study_name(spec, role, arch, bucket) if arch is not None else None,
         "spec_key": spec.key(),
@@ -227,10 +250,11 @@ def _sabotage(params: dict) -> None:
     raise RuntimeError(f"sabotaged by {SABOTAGE_ENV} (test hook)")
 
 
-def _make_inputs(spec: Spec, heads_kv: int, n: int, device: str, dtype: torch.dtype):
+def _make_inputs(spec: Spec, heads_kv: int, n: int, device: str, dtype: torch.dtype, batch: int = 1,
+                 n_k: int | None = None):
     gen = torch.Generator(device="cpu").manual_seed(INPUT_SEED)
-    shape_q = (1, heads_kv * spec.gqa_group, n, spec.head_dim)
-    shape_kv = (1, heads_kv, n, spec.head_dim)
+    shape_q = (batch, heads_kv * spec.gqa_group, n, spec.head_dim)
+    shape_kv = (batch, heads_kv, n if n_k is None else n_k, spec.head_dim)
     return tuple(torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in (shape_q, shape_kv, shape_kv))
 
 
@@ -238,7 +262,7 @@ class _Inputs:
     """Inputs of one (spec, seq, device), made once per worker: small ones to check against the
     reference, bucket-sized ones to time on (the same tensors on the CPU)."""
 
-    def __init__(self, spec: Spec, seq: int, device: str):
+    def __init__(self, spec: Spec, seq: int, device: str, shape: dict | None = None):
         import kernelgen
         from . import reference
         from .bench import useful_flops
@@ -247,10 +271,10 @@ class _Inputs:
         self.dtype = torch.float16 if cpu else torch.bfloat16
         self.sel_spec = spec if spec.selects else spec.replace(selector="mean")
         self.given_spec = spec.replace(selector="given")
-        _, _, hkv, n, _ = tune_inputs_shape(spec, seq, cpu=cpu)
+        batch, _, hkv, n, n_k = tune_inputs_shape(spec, seq, cpu=cpu, shape=shape)
         n_check = n if cpu else min(seq, CHECK_MAX_SEQ_GPU)
         self.check = _make_inputs(spec, hkv if cpu else CHECK_HEADS_KV_GPU, n_check, device, self.dtype)
-        self.bench = self.check if cpu else _make_inputs(spec, hkv, n, device, self.dtype)
+        self.bench = self.check if cpu else _make_inputs(spec, hkv, n, device, self.dtype, batch, n_k)
         q, k, v = self.check
         self.check_idx = reference.select_blocks(q, k, self.sel_spec)
         self.ref_o = reference.sparse_attention(q, k, v, self.given_spec, block_idx=self.check_idx)[0]
@@ -259,7 +283,7 @@ class _Inputs:
         self.default_lists = selector.select(q, k) if spec.selects else None
         qb, kb, _ = self.bench
         self.bench_idx = self.check_idx if cpu else selector.select(qb, kb)
-        self.flops = useful_flops(self.bench_idx, self.given_spec, n, n)
+        self.flops = useful_flops(self.bench_idx, self.given_spec, n, n_k)
 
 
 def _valid_top_k(lists: torch.Tensor, q, k, spec: Spec) -> bool:
@@ -293,10 +317,11 @@ def _measure(job: dict, cache: dict) -> dict:
     spec, role, params, seq, device = (Spec.from_json(job["spec_json"]), job["role"], job["params"],
                                        job["seq"], job["device"])
     _sabotage(params)
-    key = (job["spec_json"], seq, device)
+    shape = job.get("shape")
+    key = (job["spec_json"], seq, device, json.dumps(shape, sort_keys=True))
     if key not in cache:
         cache.clear()  # one tune at a time: drop the previous spec's (possibly large) inputs
-        cache[key] = _Inputs(spec, seq, device)
+        cache[key] = _Inputs(spec, seq, device, shape)
     inputs: _Inputs = cache[key]
     cfg = default_config(spec, role).__class__(**params)
     q, k, v = inputs.check
@@ -589,6 +614,7 @@ def tune(
     device: str | None = None,
     trial_timeout: float = TRIAL_TIMEOUT_S,
     fixed: dict | None = None,
+    shape: dict | None = None,
 ) -> TuneResult:
     """Tune `role` ("attn" or "select") of `spec` for sequences of `seq`'s bucket on this GPU.
 
@@ -603,13 +629,16 @@ def tune(
     device         None or "cuda[:i]": the GPU; "cpu": the interpreter on tiny inputs (tests only).
     trial_timeout  seconds one measurement (compile, check, timing) may take before it counts as failed.
     fixed          {field: value}: search only the points of the space with those values.
+    shape          {"batch", "heads_kv", "n_q", "n_k"}: time on this workload (n_k in seq's bucket)
+                   instead of the bucket's default inputs (`tune_inputs_shape`).
     """
     _check_role(spec, role)
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     worker_device, arch, gpu_name = _resolve_device(device, arch)
     cpu = worker_device == "cpu"
-    the_plan = plan(spec, role, seq=seq, arch=arch, trials=trials, device="cpu" if cpu else None, fixed=fixed)
+    the_plan = plan(spec, role, seq=seq, arch=arch, trials=trials, device="cpu" if cpu else None, fixed=fixed,
+                    shape=shape)
     space, choices = the_plan["space"], the_plan["params"]
     if not space:
         raise ValueError(f"no feasible {role} config in the search space of {spec} (config.config_space); "
@@ -627,7 +656,8 @@ def tune(
         "shape": the_plan["shape"],
         "space": hashlib.sha256(json.dumps(space, sort_keys=True).encode()).hexdigest()[:16],
     }
-    base_job = {"spec_json": spec.to_json(), "role": role, "seq": bucket, "device": worker_device}
+    base_job = {"spec_json": spec.to_json(), "role": role, "seq": bucket, "device": worker_device,
+                "shape": None if cpu else shape}
     note = ("CPU interpreter run: fp16, tiny inputs, time.perf_counter over 2 calls; the timings are "
             "meaningless (plumbing only)") if cpu else ""
     worker = _Worker(worker_device)
@@ -641,13 +671,18 @@ def tune(
         if the_plan["sampler"] == "grid":
             sampler = optuna.samplers.GridSampler(choices, seed=seed)
         else:
-            sampler = optuna.samplers.TPESampler(seed=seed)
+            # Optuna's 10 random start-up trials would be most of a short tune: a third of the budget
+            # explores, the rest follows the model (multivariate: block_m, warps and stages interact)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(10, trials // 3)),
+                                                     multivariate=True)
         study = _open_study(name, storage_obj, sampler, identity)
         _requeue_interrupted(study)
         complete, failed = _measured(study)
-        if the_plan["sampler"] == "tpe" and not study.get_trials(deepcopy=False) \
-                and _config_key(default) in feasible:
-            study.enqueue_trial(default)
+        if the_plan["sampler"] == "tpe" and not study.get_trials(deepcopy=False):
+            for seed_params in _seeds(default, choices, feasible):
+                study.enqueue_trial(seed_params)
         done = len(complete) + len(failed)
         log.info("tune %s: %d configs feasible, %s sampler, %d of %d trials already measured", name,
                  len(space), the_plan["sampler"], done, trials)

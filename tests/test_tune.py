@@ -105,6 +105,16 @@ def test_plan_fixed_restricts_the_space():
         plan(SPEC, "attn", seq=5000, arch="sm_90", fixed={"threads": 128})
 
 
+def test_plan_shape_sets_the_timed_workload():
+    p = plan(SPEC, "attn", seq=5000, arch="sm_90", shape={"batch": 2, "heads_kv": 1, "n_q": 1000, "n_k": 5000})
+    assert p["bucket"] == 8192
+    assert p["shape"] == {"batch": 2, "heads_q": SPEC.gqa_group, "heads_kv": 1, "n_q": 1000, "n_k": 5000, "head_dim": 64}
+    with pytest.raises(ValueError, match="outside the bucket"):
+        plan(SPEC, "attn", seq=5000, arch="sm_90", shape={"batch": 1, "heads_kv": 1, "n_q": 64, "n_k": 20000})
+    with pytest.raises(ValueError, match="shape must map"):
+        plan(SPEC, "attn", seq=5000, arch="sm_90", shape={"batch": 1, "heads_kv": 1, "n_q": 64})
+
+
 def test_plan_select_and_cpu():
     p = plan(SPEC, "select", seq=1000, trials=100, device="cpu")
     assert p["sampler"] == "grid" and p["trials"] == p["space_size"] > 0

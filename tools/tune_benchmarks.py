@@ -2,8 +2,7 @@
 Prints one JSON line per study; writes results and the winners DB under $OUT. Winners go to the user
 DB ($KERNELGEN_CACHE_DIR/tuning.db), so a `kernelgen.bench` run after it on the same machine serves
 them. One device call each (a call is limited to 10 minutes):
-    source .device/with-site.sh && python3 tools/tune_benchmarks.py --shapes a32k,b
-    source .device/with-site.sh && python3 tools/tune_benchmarks.py --shapes c,c_dense --compare"""
+    source .device/with-site.sh && python3 tools/tune_benchmarks.py --shapes a32k,b,c,c_dense --compare"""
 import argparse
 import json
 import os
@@ -27,9 +26,13 @@ def main():
     scratch = TuningDB(os.path.join(STUDIES, "compare.db"))  # the comparison's sub-space winners stay out of it
     results = []
 
-    def run(label, spec, role, seq, trials, storage=None, timeout=280, fixed=None, into=db):
+    def run(label, spec, role, shape, trials, storage=None, timeout=280, fixed=None, into=db):
         t0 = time.perf_counter()
-        r = tune(spec, role, seq=seq, trials=trials, timeout=timeout, db=into, storage=storage, fixed=fixed)
+        seq = shape.n_k
+        # timed on the benchmark's own workload, not the bucket's default inputs
+        workload = {"batch": shape.batch, "heads_kv": shape.heads_kv, "n_q": shape.n_q, "n_k": shape.n_k}
+        r = tune(spec, role, seq=seq, trials=trials, timeout=timeout, db=into, storage=storage, fixed=fixed,
+                 shape=workload)
         wall = time.perf_counter() - t0
         row = dict(label=label, role=role, seq=seq, wall_s=round(wall, 1), default_ms=r.default_ms, best_ms=r.best_ms,
                    n_trials=r.n_trials, n_failed=r.n_failed, config=r.best_config, space=len(config_space(spec, role)),
@@ -43,31 +46,30 @@ def main():
 
     args = argparse.ArgumentParser()
     args.add_argument("--shapes", default="a32k,b,c,c_dense")
-    args.add_argument("--compare", action="store_true", help="TPE (<= 30%% of the trials) against the full grid on (b)")
-    args.add_argument("--attn-trials", type=int, default=12)
+    args.add_argument("--compare", action="store_true",
+                      help="on (b): the exhaustive grid (its winner is b's) against TPE with 30%% of its trials")
+    args.add_argument("--select-shapes", default="a32k", help="shapes whose selector to tune too")
     args.add_argument("--select-trials", type=int, default=6)
     args = args.parse_args()
+    attn_trials = {"a32k": 16, "a128k": 16, "b": 12, "c": 10, "c_dense": 8}  # a32k: the largest space (72)
 
     for name in filter(None, args.shapes.split(",")):
         s = SHAPES[name]
-        given = s.spec("given")
-        run(f"{name} attn", given, "attn", s.n_k, trials=args.attn_trials, timeout=100)
-        run(f"{name} select", s.spec("mean"), "select", s.n_k, trials=args.select_trials, timeout=35)
+        if not (args.compare and name == "b"):
+            run(f"{name} attn", s.spec("given"), "attn", s, trials=attn_trials[name], timeout=100)
+        if name in args.select_shapes.split(","):
+            run(f"{name} select", s.spec("mean"), "select", s, trials=args.select_trials, timeout=40)
 
-    if args.compare:  # TPE against the exhaustive grid over the same space, on shape (b)
+    if args.compare:  # TPE against the exhaustive grid over the same (full) space, on shape (b)
         s = SHAPES["b"]
         spec = s.spec("given")
-        # pointer loads: 21 points, small enough for a grid inside one call
-        fixed = {"use_tma": False}
-        space = len([c for c in config_space(spec, "attn") if not c.use_tma])
-        grid = run("b grid", spec, "attn", s.n_k, trials=space, storage=f"sqlite:///{STUDIES}/grid.db", timeout=300,
-                   fixed=fixed, into=scratch)
-        tpe = run("b tpe", spec, "attn", s.n_k, trials=max(3, int(0.3 * space)), storage=f"sqlite:///{STUDIES}/tpe.db",
-                  timeout=120, fixed=fixed, into=scratch)
-        print(f"grid best {grid.best_ms:.4f} ms over {grid.n_trials} trials; TPE best {tpe.best_ms:.4f} ms over "
-              f"{tpe.n_trials} trials ({tpe.best_ms / grid.best_ms - 1:+.1%})")
-    json.dump(results, open(os.path.join(OUT, "tune_results.json"), "w"), indent=1, default=str)
-    write_bundled_db(os.path.join(OUT, "winners.db"), db.rows())
+        space = len(config_space(spec, "attn"))
+        grid = run("b grid", spec, "attn", s, trials=space, storage=f"sqlite:///{STUDIES}/grid.db", timeout=240)
+        tpe = run("b tpe", spec, "attn", s, trials=int(0.3 * space), storage=f"sqlite:///{STUDIES}/tpe.db",
+                  timeout=100, into=scratch)
+        print(f"grid best {grid.best_ms:.4f} ms over {grid.n_trials} trials ({grid.n_failed} failed); TPE best "
+              f"{tpe.best_ms:.4f} ms over {tpe.n_trials} trials ({tpe.n_failed} failed): "
+              f"{tpe.best_ms / grid.best_ms - 1:+.1%}")
     print(f"winners: {len(db.rows())} rows -> {OUT}/winners.db (copy to tuning_db/winners.db to bundle)")
 
 
