@@ -150,5 +150,12 @@ class Spec:
         """Short stable hash of the spec (used in kernel names, cache paths and the tuning DB)."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
+    def role_key(self, role: str) -> str:
+        """The tuning DB's key of one kernel role. The attention kernel reads lists, whoever chose
+        them: specs that differ only in selector or forced blocks share its winners."""
+        if role == "attn":
+            return dataclasses.replace(self, selector="given", local=0, sink=0).key()
+        return self.key()
+
     def replace(self, **changes) -> "Spec":
         return dataclasses.replace(self, **changes)

@@ -4,7 +4,7 @@
     plan(spec, "attn", seq=32768)                          # what tune() would do; any machine
 
 Each study lives in an Optuna RDB SQLite file (`cache_dir()/optuna.db` unless `storage` says
-otherwise) under the name `kg-{spec.key()}-{role}-{backend}-{arch}-{bucket}`, so a tune that is
+otherwise) under the name `kg-{spec.role_key(role)}-{role}-{backend}-{arch}-{bucket}`, so a tune that is
 interrupted resumes where it stopped: trials already measured count toward `trials`.
 
 A trial is one config: one categorical parameter per config field, over the values present in the
@@ -138,7 +138,7 @@ def tune_inputs_shape(spec: Spec, seq: int, *, cpu: bool = False,
 
 
 def study_name(spec: Spec, role: str, arch: str, bucket: int) -> str:
-    return f"kg-{spec.key()}-{role}-{spec.backend}-{arch}-{bucket}"
+    return f"kg-{spec.role_key(role)}-{role}-{spec.backend}-{arch}-{bucket}"
 
 
 def _check_role(spec: Spec, role: str) -> None:
@@ -210,7 +210,7 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
     b, hq, hkv, nq, nk = tune_inputs_shape(spec, bucket if shape is None else seq, cpu=cpu, shape=shape)  # one study, one shape: the bucket's
     return {
         "study_name": study_name(spec, role, arch, bucket) if arch is not None else None,
-        "spec_key": spec.key(),
+        "spec_key": spec.role_key(role),
         "role": role,
         "backend": spec.backend,
         "arch": arch,
@@ -764,7 +764,7 @@ def tune(
     else:
         target = db if db is not None else tuning_db.TuningDB()
         try:
-            target.upsert(spec_key=spec.key(), role=role, backend=spec.backend, arch=arch, gpu_name=gpu_name,
+            target.upsert(spec_key=spec.role_key(role), role=role, backend=spec.backend, arch=arch, gpu_name=gpu_name,
                           bucket=bucket, dtype=dtype, config=best_config, median_ms=best_ms, tflops=tflops,
                           n_trials=len(complete), fingerprint=fingerprint, spec_json=spec.to_json())
         finally:

@@ -43,7 +43,7 @@ def tuned_config(spec, role: str, bucket: int, dtype: torch.dtype, device: torch
         return None
     try:
         arch, gpu_name = device_arch(device.index)
-        row = _winners().lookup(spec_key=spec.key(), role=role, backend=spec.backend, arch=arch, gpu_name=gpu_name,
+        row = _winners().lookup(spec_key=spec.role_key(role), role=role, backend=spec.backend, arch=arch, gpu_name=gpu_name,
                                 dtype=str(dtype).removeprefix("torch."), bucket=bucket,
                                 fingerprint=_fingerprint(spec.backend))
         return None if row is None else config_from_dict(role, row["config"], spec.backend)

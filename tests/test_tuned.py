@@ -1,0 +1,55 @@
+"""Dispatch's view of the tuning DB (`kernelgen.tuned`): which row a spec, role, device, dtype and
+length are served. The GPU is faked (arch and name); nothing launches."""
+import pytest
+import torch
+
+from kernelgen import Spec, tuned
+from kernelgen.config import AttnConfig, seq_bucket
+from kernelgen.db import TuningDB, current_fingerprint
+from kernelgen.render import template_hash
+
+GIVEN = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, selector="given")
+CUDA = torch.device("cuda", 0)
+WINNER = AttnConfig(block_m=64, num_warps=4, num_stages=2, use_tma=True)
+
+
+@pytest.fixture
+def user_db(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuned, "device_arch", lambda index: ("sm_90", "NVIDIA H200"))
+    tuned._winners.cache_clear()
+    db = TuningDB(tmp_path / "tuning.db")
+    yield db
+    db.close()
+    tuned._winners.cache_clear()
+
+
+def _add(db, spec, role="attn", config=WINNER, bucket=32768, fingerprint=None):
+    db.upsert(spec_key=spec.role_key(role), role=role, backend="triton", arch="sm_90", gpu_name="NVIDIA H200",
+              bucket=bucket, dtype="bfloat16", config=config.__dict__, median_ms=0.2, tflops=None, n_trials=1,
+              fingerprint=fingerprint or current_fingerprint(template_hash(), "triton"))
+
+
+def test_attention_winner_is_shared_by_every_selector(user_db):
+    """The attention kernel only reads lists: a winner tuned with given lists serves `mean`,
+    `multi:2` and forced-block specs of the same shape too; the selector's own role does not."""
+    _add(user_db, GIVEN)
+    for spec in (GIVEN, GIVEN.replace(selector="mean"), GIVEN.replace(selector="multi:2", local=1, sink=1)):
+        assert tuned.tuned_config(spec, "attn", seq_bucket(32768), torch.bfloat16, CUDA) == WINNER
+        assert tuned.tuned_config(spec, "select", seq_bucket(32768), torch.bfloat16, CUDA) is None
+    # a different attention shape is another kernel
+    assert tuned.tuned_config(GIVEN.replace(top_k=8), "attn", 32768, torch.bfloat16, CUDA) is None
+
+
+def test_misses(user_db):
+    _add(user_db, GIVEN)
+    assert tuned.tuned_config(GIVEN, "attn", 32768, torch.float16, CUDA) is None  # dtype
+    assert tuned.tuned_config(GIVEN, "attn", 32768, torch.bfloat16, torch.device("cpu")) is None  # no GPU
+    # a row from other templates is a miss (its bucket's neighbours included)
+    _add(user_db, GIVEN.replace(top_k=8), fingerprint=current_fingerprint("0" * 16, "triton"))
+    assert tuned.tuned_config(GIVEN.replace(top_k=8), "attn", 32768, torch.bfloat16, CUDA) is None
+
+
+def test_nearest_tuned_bucket(user_db):
+    _add(user_db, GIVEN)
+    assert tuned.tuned_config(GIVEN, "attn", 131072, torch.bfloat16, CUDA) == WINNER
