@@ -81,25 +81,33 @@ class SparseAttention:
         mod, cfg = self._select_module(q, shapes.n_q, shapes.n_k)
         return ops.select(q, k, self.spec, shapes, mod, cfg)
 
+    @functools.lru_cache(maxsize=256)
+    def _kernels(self, bucket: int, dtype, device):
+        """(select module, select config, attention config, attention module or None for TileLang)
+        of one length bucket: a call makes this one cached lookup."""
+        select_cfg = self._config("select", bucket, dtype, device)
+        attn_cfg = self._config("attn", bucket, dtype, device)
+        attn_mod = None if self.spec.backend == "tilelang" else self.module("attn", attn_cfg)
+        return self.module("select", select_cfg), select_cfg, attn_cfg, attn_mod
+
     def __call__(self, q, k, v, *, block_idx=None, scale=None, return_lse: bool = False):
         spec = self.spec
         shapes = ops.check_qkv(q, k, v, spec)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             raise NotImplementedError("kernelgen has no backward pass yet: call it under torch.no_grad() "
                                       "or with inputs that do not require grad")
-        select_mod, select_cfg = self._select_module(q, shapes.n_q, shapes.n_k)
+        select_mod, select_cfg, attn_cfg, attn_mod = self._kernels(seq_bucket(shapes.n_k), q.dtype, q.device)
         if block_idx is None:
             if not spec.selects:
                 raise ValueError("spec.selector='given' needs block_idx=int32 [B, Hkv, n_q_tiles, top_k]")
             block_idx = ops.select(q, k, spec, shapes, select_mod, select_cfg)
         else:
             block_idx = ops.prepare_block_idx(block_idx, spec, shapes, q.device, select_mod, self.validate_lists)
-        attn_cfg = self._config("attn", seq_bucket(shapes.n_k), q.dtype, q.device)
-        if spec.backend == "tilelang":
+        if attn_mod is None:
             kernel = self._tilelang_kernel(shapes, q.dtype, attn_cfg, q.device)
             o, lse = ops.attention_tilelang(q, k, v, block_idx, spec, kernel, scale)
         else:
-            o, lse = ops.attention(q, k, v, block_idx, spec, shapes, self.module("attn", attn_cfg), attn_cfg, scale)
+            o, lse = ops.attention(q, k, v, block_idx, spec, shapes, attn_mod, attn_cfg, scale)
         return (o, lse) if return_lse else o
 
     def __repr__(self) -> str:

@@ -46,6 +46,29 @@ def interpreting() -> bool:
 
 def check_qkv(q, k, v, spec: Spec) -> Shapes:
     """Reject anything the kernels cannot compute, naming the argument and what was expected."""
+    try:  # the common case in one expression (this runs on every call); details only on failure
+        fine = (q.dim() == 4 and k.dim() == 4 and q.dtype in _DTYPES and q.dtype == k.dtype == v.dtype
+                and q.shape[-1] == spec.head_dim and k.shape == v.shape and k.shape[-1] == spec.head_dim
+                and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+                and q.is_cuda and k.device == q.device and v.device == q.device and not interpreting())
+    except (AttributeError, TypeError):  # not tensors
+        fine = False
+    if not fine:
+        _explain_qkv(q, k, v, spec)
+    b, hq, nq, _ = q.shape
+    bk, hkv, nk, _ = k.shape
+    if bk != b:
+        raise ValueError(f"k.shape[0] = {bk} does not match q.shape[0] = {b} (batch)")
+    if hq != hkv * spec.gqa_group:
+        raise ValueError(f"q has {hq} heads, expected heads_kv * spec.gqa_group = {hkv} * {spec.gqa_group}")
+    if nq < 1 or nk < 1 or b < 1 or hkv < 1:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return Shapes(b, hq, hkv, nq, nk, spec.n_q_tiles(nq), spec.n_kv_blocks(nk))
+
+
+def _explain_qkv(q, k, v, spec: Spec) -> None:
+    """Raise the precise error for inputs that failed check_qkv's fast test (returns if they are
+    fine after all: CPU tensors under the interpreter)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -72,17 +95,8 @@ def check_qkv(q, k, v, spec: Spec) -> Shapes:
                             "use float16 or float32 on the CPU")
     else:
         raise ValueError(f"q is on {q.device}; expected a CUDA device (or the CPU under TRITON_INTERPRET=1)")
-    b, hq, nq, _ = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    bk, hkv, nk, _ = k.shape
-    if bk != b:
-        raise ValueError(f"k.shape[0] = {bk} does not match q.shape[0] = {b} (batch)")
-    if hq != hkv * spec.gqa_group:
-        raise ValueError(f"q has {hq} heads, expected heads_kv * spec.gqa_group = {hkv} * {spec.gqa_group}")
-    if nq < 1 or nk < 1 or b < 1 or hkv < 1:
-        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    return Shapes(b, hq, hkv, nq, nk, spec.n_q_tiles(nq), spec.n_kv_blocks(nk))
 
 
 def prepare_block_idx(block_idx, spec: Spec, shapes: Shapes, device, select_mod, validate: bool = False):
