@@ -49,7 +49,7 @@ GQA = typer.Option(1, help="Query heads per KV head.")
 SELECTOR = typer.Option("mean", help="mean | multi:r | given.")
 LOCAL = typer.Option(0, help="Local blocks forced into every list.")
 SINK = typer.Option(0, help="Sink blocks forced into every list.")
-BACKEND = typer.Option("triton", help="triton | tilelang.")
+BACKEND = typer.Option("triton", help="triton | tilelang | auto (auto: served, not tuned).")
 
 
 def _current_arch() -> Optional[str]:

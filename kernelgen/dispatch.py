@@ -8,10 +8,10 @@ import torch
 
 from . import ops
 from .compile import load_module
-from .config import default_config, seq_bucket
+from .config import TileLangAttnConfig, default_config, seq_bucket
 from .render import module_name, render
 from .spec import Spec
-from .tuned import device_arch, tuned_config
+from .tuned import device_arch, fastest_backend, tuned_config
 
 __all__ = ["get_kernel", "SparseAttention"]
 
@@ -39,20 +39,38 @@ class SparseAttention:
 
     def config(self, role: str, n_q: int, n_k: int, dtype=torch.bfloat16, device="cuda"):
         """The config a call of these lengths runs with: pinned, else the tuning DB's winner for this
-        device, dtype and length bucket, else the default."""
+        device, dtype and length bucket, else the default. With backend="auto", the attention config
+        is that of the backend served (a TileLangAttnConfig means TileLang)."""
         return self._config(role, seq_bucket(n_k), dtype, torch.device(device))
+
+    def backend(self, n_k: int, dtype=torch.bfloat16, device="cuda") -> str:
+        """The backend that runs the attention of a call with n_k keys ("triton" or "tilelang")."""
+        return self._backend(seq_bucket(n_k), dtype, torch.device(device))
+
+    @functools.lru_cache(maxsize=256)
+    def _backend(self, bucket: int, dtype, device) -> str:
+        if self.spec.backend != "auto":
+            return self.spec.backend
+        if "attn" in self._fixed:  # a pinned config says which backend it is for
+            return "tilelang" if isinstance(self._fixed["attn"], TileLangAttnConfig) else "triton"
+        return fastest_backend(self.spec, bucket, dtype, device)
+
+    def _role_spec(self, role: str, backend: str) -> Spec:
+        # selection runs in Triton for every backend (the TileLang selector is not yet run on a GPU)
+        return self.spec.replace(backend="triton" if role == "select" else backend)
 
     @functools.lru_cache(maxsize=256)
     def _config(self, role: str, bucket: int, dtype, device):
         # cached per length bucket: the DB is read once per (role, bucket, dtype, device)
         if role in self._fixed:
             return self._fixed[role]
-        return tuned_config(self.spec, role, bucket, dtype, device) or default_config(self.spec, role)
+        spec = self._role_spec(role, self._backend(bucket, dtype, device))
+        return tuned_config(spec, role, bucket, dtype, device) or default_config(spec, role)
 
     @functools.lru_cache(maxsize=64)
     def module(self, role: str, config):
-        # TileLang specs still select with the Triton selector (the TileLang one is not yet run on a GPU)
-        spec = self.spec.replace(backend="triton") if self.spec.backend == "tilelang" else self.spec
+        """The rendered Triton module of a role (attention: the Triton backend's)."""
+        spec = self._role_spec(role, "triton")
         source = render(spec, role, config)
         return load_module(module_name(spec, role, source), source)
 
@@ -87,7 +105,7 @@ class SparseAttention:
         of one length bucket: a call makes this one cached lookup."""
         select_cfg = self._config("select", bucket, dtype, device)
         attn_cfg = self._config("attn", bucket, dtype, device)
-        attn_mod = None if self.spec.backend == "tilelang" else self.module("attn", attn_cfg)
+        attn_mod = None if self._backend(bucket, dtype, device) == "tilelang" else self.module("attn", attn_cfg)
         return self.module("select", select_cfg), select_cfg, attn_cfg, attn_mod
 
     def __call__(self, q, k, v, *, block_idx=None, scale=None, return_lse: bool = False):

@@ -16,7 +16,9 @@ HEAD_DIMS = (64, 128, 256)
 TILE_SIZES = (16, 32, 64, 128, 256)
 SELECTORS = ("mean", "multi:r", "given")  # multi:r with r a power of two, e.g. "multi:4"
 SCHEDULES = ("q_centric",)  # "kv_centric" is planned, not built yet
-BACKENDS = ("triton", "tilelang")  # tilelang: attention in TileLang (CUDA only), selection in Triton
+# tilelang: attention in TileLang (CUDA only), selection in Triton; auto: per GPU, dtype and length
+# bucket, the backend whose tuned attention is fastest in the tuning DB (Triton where none is tuned)
+BACKENDS = ("triton", "tilelang", "auto")
 
 
 def _is_pow2(x: int) -> bool:
@@ -37,6 +39,7 @@ class Spec:
                products), or "given" (the caller passes block_idx).
     local      blocks ending at the diagonal block that every list holds (with causal, at least 1).
     sink       leading blocks that every list holds (when visible).
+    backend    "triton", "tilelang", or "auto" (get_kernel serves the faster tuned one).
     """
 
     head_dim: int

@@ -148,6 +148,9 @@ def _check_role(spec: Spec, role: str) -> None:
         raise ValueError(f"role={role!r} is unknown; expected 'attn' or 'select'")
     if role == "select" and not spec.selects:
         raise ValueError("role='select' needs a spec with a selector; spec.selector='given' has none to tune")
+    if spec.backend == "auto":
+        raise ValueError("spec.backend='auto' is served, not tuned: tune backend='triton' and backend='tilelang'; "
+                         "get_kernel then serves the faster")
 
 
 def _is_cpu(device) -> bool:

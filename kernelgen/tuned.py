@@ -9,7 +9,7 @@ import torch
 
 from .config import config_from_dict
 
-__all__ = ["tuned_config", "device_arch"]
+__all__ = ["tuned_config", "device_arch", "fastest_backend"]
 
 log = logging.getLogger("kernelgen")
 
@@ -37,16 +37,45 @@ def _fingerprint(backend: str):
     return current_fingerprint(template_hash(), backend)
 
 
-def tuned_config(spec, role: str, bucket: int, dtype: torch.dtype, device: torch.device):
-    """The winner for a power-of-two length bucket (`db.seq_bucket(n_k)`), or None."""
+def _row(spec, role: str, bucket: int, dtype: torch.dtype, device: torch.device):
     if device.type != "cuda":
         return None
     try:
         arch, gpu_name = device_arch(device.index)
-        row = _winners().lookup(spec_key=spec.role_key(role), role=role, backend=spec.backend, arch=arch, gpu_name=gpu_name,
-                                dtype=str(dtype).removeprefix("torch."), bucket=bucket,
-                                fingerprint=_fingerprint(spec.backend))
-        return None if row is None else config_from_dict(role, row["config"], spec.backend)
+        return _winners().lookup(spec_key=spec.role_key(role), role=role, backend=spec.backend, arch=arch,
+                                 gpu_name=gpu_name, dtype=str(dtype).removeprefix("torch."), bucket=bucket,
+                                 fingerprint=_fingerprint(spec.backend))
     except Exception as error:  # dispatch must keep working whatever the DB holds
         log.warning("tuning DB lookup failed (%s: %s); using default configs", type(error).__name__, error)
         return None
+
+
+def tuned_config(spec, role: str, bucket: int, dtype: torch.dtype, device: torch.device):
+    """The winner for a power-of-two length bucket (`db.seq_bucket(n_k)`), or None."""
+    row = _row(spec, role, bucket, dtype, device)
+    return None if row is None else config_from_dict(role, row["config"], spec.backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _tilelang_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tilelang") is not None
+
+
+def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device) -> str:
+    """For `Spec.backend == "auto"`: the backend whose tuned attention for this bucket is fastest.
+    Only rows of the same bucket are compared (an exact bucket beats a neighbour's); TileLang needs
+    to be installed; with no tuned row at all, Triton."""
+    rows = {}
+    for backend in ("triton", "tilelang"):
+        if backend == "tilelang" and not _tilelang_installed():
+            continue
+        row = _row(spec.replace(backend=backend), "attn", bucket, dtype, device)
+        if row is not None:
+            rows[backend] = row
+    if not rows:
+        return "triton"
+    # the row measured nearest this bucket first, then the faster one
+    return min(rows, key=lambda b: (abs(rows[b]["bucket"].bit_length() - int(bucket).bit_length()),
+                                    rows[b]["median_ms"]))

@@ -127,6 +127,16 @@ def test_strided_inputs(device):
     run_and_check(spec, q, k, v)
 
 
+def test_auto_backend_with_nothing_tuned_runs_triton(device):
+    """backend="auto" serves the faster tuned backend; with no tuned row (always so on the CPU) it
+    is the Triton kernel, and the result is the same attention."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2, backend="auto")
+    q, k, v = make_inputs(1, 1, 2, 100, 130, 64, torch.float16, device, 41)
+    attn = kernelgen.get_kernel(spec)
+    assert attn.backend(130, torch.float16, device) == "triton"
+    run_and_check(spec, q, k, v)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("top_k", [3, 4])  # odd: a step with no second block; even: whole steps
 def test_two_blocks_per_step(causal, top_k, device):

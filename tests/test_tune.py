@@ -82,7 +82,7 @@ def fake_worker(monkeypatch):
 def test_plan_attn():
     p = plan(SPEC, "attn", seq=5000, arch="sm_90", trials=3)
     assert p["bucket"] == seq_bucket(5000) == 8192
-    assert p["study_name"] == f"kg-{SPEC.key()}-attn-triton-sm_90-8192"
+    assert p["study_name"] == f"kg-{SPEC.role_key('attn')}-attn-triton-sm_90-8192"
     assert p["space"] and p["space_size"] == len(p["space"]) == len(config_space(SPEC, "attn"))
     assert all(attn_feasible(SPEC, config_from_dict("attn", c)) for c in p["space"])
     assert p["sampler"] == "tpe" and p["trials"] == 3
@@ -113,6 +113,11 @@ def test_plan_shape_sets_the_timed_workload():
         plan(SPEC, "attn", seq=5000, arch="sm_90", shape={"batch": 1, "heads_kv": 1, "n_q": 64, "n_k": 20000})
     with pytest.raises(ValueError, match="shape must map"):
         plan(SPEC, "attn", seq=5000, arch="sm_90", shape={"batch": 1, "heads_kv": 1, "n_q": 64})
+
+
+def test_auto_backend_is_not_tuned():
+    with pytest.raises(ValueError, match="served, not tuned"):
+        plan(SPEC.replace(backend="auto"), "attn", seq=5000, arch="sm_90")
 
 
 def test_plan_select_and_cpu():
@@ -163,7 +168,7 @@ def test_tune_cpu_writes_one_winner(tmp_path, db):
     calls = []
     result = run_tune(tmp_path, db, progress=lambda *args: calls.append(args))
     assert isinstance(result, TuneResult)
-    assert result.study_name == f"kg-{SPEC.key()}-attn-triton-cpu-1024"
+    assert result.study_name == f"kg-{SPEC.role_key('attn')}-attn-triton-cpu-1024"
     assert (result.arch, result.gpu_name, result.dtype, result.bucket) == ("cpu", "cpu", "float16", 1024)
     assert result.n_trials == 3 and result.n_failed == 0
     assert result.best_ms > 0 and result.default_ms >= result.best_ms and result.tflops > 0
@@ -178,7 +183,7 @@ def test_tune_cpu_writes_one_winner(tmp_path, db):
     assert row["config"] == result.best_config and row["median_ms"] == result.best_ms
     assert (row["role"], row["n_trials"], json.loads(row["spec_json"])) == ("attn", 3, SPEC.to_dict())
     fp = current_fingerprint(template_hash(), "triton")
-    found = Winners(db).lookup(spec_key=SPEC.key(), role="attn", backend="triton", arch="cpu", gpu_name="cpu",
+    found = Winners(db).lookup(spec_key=SPEC.role_key("attn"), role="attn", backend="triton", arch="cpu", gpu_name="cpu",
                                dtype="float16", bucket=seq_bucket(SEQ), fingerprint=fp)
     assert found["config"] == result.best_config and found["source"] == "user"
     # the first trial was the default config (TPE is seeded with it)
@@ -268,7 +273,7 @@ def test_interrupted_trial_is_requeued(tmp_path, db, fake_worker):
     interrupted = fake_worker.jobs[1]
     fake_worker.interrupt_at = None
     result = run_tune(tmp_path, db, trials=4)
-    assert fake_worker.jobs[2] == interrupted  # measured first on resume
+    assert interrupted in fake_worker.jobs[2:]  # measured again on resume (after the seeds still queued)
     assert result.n_trials == 4 and result.n_failed == 0 and len(fake_worker.jobs) == 5
 
 

@@ -1,10 +1,12 @@
 """Dispatch's view of the tuning DB (`kernelgen.tuned`): which row a spec, role, device, dtype and
-length are served. The GPU is faked (arch and name); nothing launches."""
+length are served, and which backend `backend="auto"` serves. The GPU is faked (arch and name);
+nothing launches."""
 import pytest
 import torch
 
 from kernelgen import Spec, tuned
-from kernelgen.config import AttnConfig, seq_bucket
+from kernelgen.config import AttnConfig, SelectConfig, TileLangAttnConfig, default_config, seq_bucket
+from kernelgen.dispatch import SparseAttention
 from kernelgen.db import TuningDB, current_fingerprint
 from kernelgen.render import template_hash
 
@@ -53,3 +55,52 @@ def test_misses(user_db):
 def test_nearest_tuned_bucket(user_db):
     _add(user_db, GIVEN)
     assert tuned.tuned_config(GIVEN, "attn", 131072, torch.bfloat16, CUDA) == WINNER
+
+
+# ---- backend="auto": the faster tuned backend per bucket ---------------------------------------------
+
+AUTO = GIVEN.replace(backend="auto")
+TL_WINNER = TileLangAttnConfig(block_m=64, num_stages=2, threads=128)
+
+
+def _add_backend(db, backend, ms, config, bucket=32768):
+    spec = GIVEN.replace(backend=backend)
+    db.upsert(spec_key=spec.role_key("attn"), role="attn", backend=backend, arch="sm_90", gpu_name="NVIDIA H200",
+              bucket=bucket, dtype="bfloat16", config=config.__dict__, median_ms=ms, tflops=None, n_trials=1,
+              fingerprint=current_fingerprint(template_hash(), backend))
+
+
+@pytest.fixture
+def tilelang_installed(monkeypatch):
+    monkeypatch.setattr(tuned, "_tilelang_installed", lambda: True)
+
+
+@pytest.mark.parametrize("tl_ms, expect", [(0.15, "tilelang"), (0.25, "triton")])
+def test_auto_serves_the_faster_backend(user_db, tilelang_installed, tl_ms, expect):
+    _add_backend(user_db, "triton", 0.2, WINNER)
+    _add_backend(user_db, "tilelang", tl_ms, TL_WINNER)
+    attn = SparseAttention(AUTO)
+    assert attn.backend(32768) == expect
+    assert attn.config("attn", 32768, 32768) == (TL_WINNER if expect == "tilelang" else WINNER)
+    assert attn.backend(32768, torch.float16) == "triton"  # nothing tuned for fp16
+    assert isinstance(attn.config("select", 32768, 32768), SelectConfig)  # selection stays in Triton
+
+
+def test_auto_compares_the_same_bucket_first(user_db, tilelang_installed):
+    _add_backend(user_db, "triton", 0.2, WINNER, bucket=32768)
+    _add_backend(user_db, "tilelang", 0.1, TL_WINNER, bucket=65536)  # faster, but measured on longer inputs
+    assert SparseAttention(AUTO).backend(32768) == "triton"
+    assert SparseAttention(AUTO).backend(65536) == "tilelang"
+
+
+def test_auto_without_tilelang_or_rows(user_db, monkeypatch):
+    assert SparseAttention(AUTO).backend(32768) == "triton"  # no rows: Triton and its defaults
+    assert SparseAttention(AUTO).config("attn", 32768, 32768) == default_config(GIVEN, "attn")
+    _add_backend(user_db, "tilelang", 0.1, TL_WINNER)
+    monkeypatch.setattr(tuned, "_tilelang_installed", lambda: False)
+    assert SparseAttention(AUTO).backend(32768) == "triton"
+
+
+def test_auto_with_a_pinned_config_follows_its_type():
+    assert SparseAttention(AUTO, {"attn": TL_WINNER}).backend(32768, device="cpu") == "tilelang"
+    assert SparseAttention(AUTO, {"attn": WINNER}).backend(32768, device="cpu") == "triton"
