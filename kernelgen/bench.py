@@ -199,6 +199,13 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=()) -> list[dict
                peak_extra_MB=round(extra / 2**20, 1), output_MB=round(out_bytes / 2**20, 1),
                workspace_over_output=round((extra - out_bytes) / out_bytes, 3))
         record("kernelgen mean select only", lambda: attn.select(q, k), 0.0)
+        auto = kernelgen.get_kernel(given.replace(backend="auto"))
+        served_backend = auto.backend(shape.n_k, q.dtype, q.device)
+        if served_backend != "triton":  # the tuning DB says TileLang is faster here
+            record("kernelgen auto given", lambda: auto(q, k, v, block_idx=idx), flops, backend=served_backend,
+                   config=auto.config("attn", shape.n_q, shape.n_k).to_json())
+        else:
+            log(f"{name}: backend='auto' serves triton here (the rows above)")
         ours = attn_given(q, k, v, block_idx=idx)
         try:  # the TileLang backend on the same lists, when it is installed
             import tilelang  # noqa: F401  (ImportError: backend not installed)

@@ -3,6 +3,7 @@
 # in the machine's user DB, /tmp/kg-cache/tuning.db, and come back as $OUT/winners.db: copy that to
 # tuning_db/winners.db to bundle them, which is what a bench on a fresh machine then serves):
 #   source .device/with-site.sh && PART=tune bash tools/gpu_session.sh    # GPU tests (both backends), then tune
+#   source .device/with-site.sh && PART=tune-tilelang bash tools/gpu_session.sh  # tune the TileLang forward (grids)
 #   source .device/with-site.sh && PART=bench bash tools/gpu_session.sh   # benchmark with the anchors + overhead
 set -u
 OUT=${OUT:-/tmp/out}
@@ -25,6 +26,10 @@ if [ "$PART" = tune ]; then
   echo "== tune"
   timeout ${TUNE_TIMEOUT:-420} python3 tools/tune_benchmarks.py --shapes a32k,b,c,c_dense --compare \
     2>&1 | tee "$OUT/tune.log" | grep -v "^$"
+fi
+if [ "$PART" = tune-tilelang ]; then
+  timeout ${TUNE_TIMEOUT:-500} python3 tools/tune_benchmarks.py --shapes a32k,b,c,c_dense --backends tilelang \
+    --select-shapes "" 2>&1 | tee "$OUT/tune_tilelang.log" | grep -v "^$"
 fi
 if [ "$PART" = bench ]; then
   echo "== bench (rows also appended to $OUT/bench.jsonl as measured)"
