@@ -78,6 +78,9 @@ def tune(
 
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local,
                               sink, backend)
+    if spec.backend == "auto" and "attn" in role:
+        raise typer.BadParameter("auto is served, not tuned: tune --backend triton and --backend tilelang; "
+                                 "get_kernel then serves the faster", param_hint="--backend")
     roles = [r for r in role if r != "select" or spec.selects]
     if not dry_run:
         present = _current_arch()

@@ -155,10 +155,11 @@ class Spec:
 
     def role_key(self, role: str) -> str:
         """The tuning DB's key of one kernel role. The attention kernel reads lists, whoever chose
-        them: specs that differ only in selector or forced blocks share its winners."""
+        them: specs that differ only in selector or forced blocks share its winners. Selection runs
+        in Triton whatever the backend: its winners are the Triton twin's."""
         if role == "attn":
             return dataclasses.replace(self, selector="given", local=0, sink=0).key()
-        return self.key()
+        return dataclasses.replace(self, backend="triton").key()
 
     def replace(self, **changes) -> "Spec":
         return dataclasses.replace(self, **changes)

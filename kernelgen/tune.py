@@ -148,9 +148,14 @@ def _check_role(spec: Spec, role: str) -> None:
         raise ValueError(f"role={role!r} is unknown; expected 'attn' or 'select'")
     if role == "select" and not spec.selects:
         raise ValueError("role='select' needs a spec with a selector; spec.selector='given' has none to tune")
-    if spec.backend == "auto":
+    if spec.backend == "auto" and role == "attn":
         raise ValueError("spec.backend='auto' is served, not tuned: tune backend='triton' and backend='tilelang'; "
                          "get_kernel then serves the faster")
+
+
+def _role_spec(spec: Spec, role: str) -> Spec:
+    """Selection runs in Triton for every backend: its studies and winners belong to the Triton twin."""
+    return spec.replace(backend="triton") if role == "select" else spec
 
 
 def _is_cpu(device) -> bool:
@@ -198,6 +203,7 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
     `fixed` ({field: value}) restricts the space to the points with those values; `shape` sets the
     inputs timed (`tune_inputs_shape`)."""
     _check_role(spec, role)
+    spec = _role_spec(spec, role)
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     cpu = _is_cpu(device)
@@ -636,6 +642,7 @@ def tune(
                    instead of the bucket's default inputs (`tune_inputs_shape`).
     """
     _check_role(spec, role)
+    spec = _role_spec(spec, role)
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     worker_device, arch, gpu_name = _resolve_device(device, arch)

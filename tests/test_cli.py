@@ -51,6 +51,12 @@ def test_tune_without_gpu_is_a_clear_error():
     assert "no CUDA GPU" in result.output
 
 
+def test_tune_auto_backend_is_a_clear_error():
+    result = invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--backend", "auto", "--dry-run")
+    assert result.exit_code != 0
+    assert "served, not tuned" in " ".join(result.output.split())
+
+
 def test_bad_spec_option_is_a_clear_error():
     result = invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "96", "--dry-run")
     assert result.exit_code != 0

@@ -120,6 +120,14 @@ def test_auto_backend_is_not_tuned():
         plan(SPEC.replace(backend="auto"), "attn", seq=5000, arch="sm_90")
 
 
+@pytest.mark.parametrize("backend", ["tilelang", "auto"])
+def test_selection_is_tuned_as_the_triton_twin(backend):
+    """Every backend selects with the Triton kernels: one study and one DB row serve them all."""
+    p = plan(SPEC.replace(backend=backend), "select", seq=5000, arch="sm_90")
+    assert p == plan(SPEC, "select", seq=5000, arch="sm_90")
+    assert p["spec_key"] == SPEC.replace(backend=backend).role_key("select") == SPEC.role_key("select")
+
+
 def test_plan_select_and_cpu():
     p = plan(SPEC, "select", seq=1000, trials=100, device="cpu")
     assert p["sampler"] == "grid" and p["trials"] == p["space_size"] > 0
