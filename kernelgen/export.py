@@ -18,9 +18,8 @@ All sections share one namespace (Triton's @jit resolves a kernel's globals in i
 source from a real file); export refuses a file in which two sections bind one name differently, or in
 which an embedded module imports anything beyond the standard library, torch and triton.
 
-The skeleton (header, launcher) lives here rather than in templates/: render.template_hash() covers every
-templates/**/*.j2 and is part of the tuning DB's fingerprint, so an export template would turn every tuned
-winner into a miss each time it changed.
+The skeleton (header, launcher) lives here rather than in templates/, which hold kernels only: each
+kernel template's hash (render.template_hash(backend, role)) is part of its tuned winners' fingerprint.
 """
 from __future__ import annotations
 

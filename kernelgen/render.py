@@ -73,10 +73,19 @@ def module_name(spec: Spec, role: str, source: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def template_hash() -> str:
-    """Hash of every template file (part of the tuning DB's toolchain fingerprint)."""
+def template_hash(backend: str | None = None, role: str | None = None) -> str:
+    """Hash of the template of one (backend, role), part of the tuning DB's toolchain fingerprint of
+    that role's winners: editing the selector's template leaves the attention winners valid. Without
+    arguments, of every template file."""
+    if backend is None and role is None:
+        paths = sorted(TEMPLATE_DIR.rglob("*.j2"))
+    else:
+        try:
+            paths = [TEMPLATE_DIR / TEMPLATES[backend][role]]
+        except KeyError:
+            raise ValueError(f"no template for backend={backend!r}, role={role!r}") from None
     h = hashlib.sha256()
-    for path in sorted(TEMPLATE_DIR.rglob("*.j2")):
+    for path in paths:
         h.update(path.relative_to(TEMPLATE_DIR).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]

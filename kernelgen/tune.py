@@ -658,7 +658,7 @@ def tune(
     default = the_plan["default"]
     from .render import template_hash
 
-    fingerprint = tuning_db.current_fingerprint(template_hash(), spec.backend)
+    fingerprint = tuning_db.current_fingerprint(template_hash(spec.backend, role), spec.backend)
     identity = {
         "fingerprint": fingerprint.as_columns(),
         "gpu_name": gpu_name,

@@ -30,11 +30,11 @@ def _winners():
 
 
 @functools.lru_cache(maxsize=None)
-def _fingerprint(backend: str):
+def _fingerprint(backend: str, role: str):
     from .db import current_fingerprint
     from .render import template_hash
 
-    return current_fingerprint(template_hash(), backend)
+    return current_fingerprint(template_hash(backend, role), backend)
 
 
 def _row(spec, role: str, bucket: int, dtype: torch.dtype, device: torch.device):
@@ -44,7 +44,7 @@ def _row(spec, role: str, bucket: int, dtype: torch.dtype, device: torch.device)
         arch, gpu_name = device_arch(device.index)
         return _winners().lookup(spec_key=spec.role_key(role), role=role, backend=spec.backend, arch=arch,
                                  gpu_name=gpu_name, dtype=str(dtype).removeprefix("torch."), bucket=bucket,
-                                 fingerprint=_fingerprint(spec.backend))
+                                 fingerprint=_fingerprint(spec.backend, role))
     except Exception as error:  # dispatch must keep working whatever the DB holds
         log.warning("tuning DB lookup failed (%s: %s); using default configs", type(error).__name__, error)
         return None

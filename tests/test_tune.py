@@ -190,7 +190,7 @@ def test_tune_cpu_writes_one_winner(tmp_path, db):
     row = rows[0]
     assert row["config"] == result.best_config and row["median_ms"] == result.best_ms
     assert (row["role"], row["n_trials"], json.loads(row["spec_json"])) == ("attn", 3, SPEC.to_dict())
-    fp = current_fingerprint(template_hash(), "triton")
+    fp = current_fingerprint(template_hash("triton", "attn"), "triton")
     found = Winners(db).lookup(spec_key=SPEC.role_key("attn"), role="attn", backend="triton", arch="cpu", gpu_name="cpu",
                                dtype="float16", bucket=seq_bucket(SEQ), fingerprint=fp)
     assert found["config"] == result.best_config and found["source"] == "user"

@@ -29,7 +29,7 @@ def user_db(tmp_path, monkeypatch):
 def _add(db, spec, role="attn", config=WINNER, bucket=32768, fingerprint=None):
     db.upsert(spec_key=spec.role_key(role), role=role, backend="triton", arch="sm_90", gpu_name="NVIDIA H200",
               bucket=bucket, dtype="bfloat16", config=config.__dict__, median_ms=0.2, tflops=None, n_trials=1,
-              fingerprint=fingerprint or current_fingerprint(template_hash(), "triton"))
+              fingerprint=fingerprint or current_fingerprint(template_hash("triton", role), "triton"))
 
 
 def test_attention_winner_is_shared_by_every_selector(user_db):
@@ -67,7 +67,7 @@ def _add_backend(db, backend, ms, config, bucket=32768):
     spec = GIVEN.replace(backend=backend)
     db.upsert(spec_key=spec.role_key("attn"), role="attn", backend=backend, arch="sm_90", gpu_name="NVIDIA H200",
               bucket=bucket, dtype="bfloat16", config=config.__dict__, median_ms=ms, tflops=None, n_trials=1,
-              fingerprint=current_fingerprint(template_hash(), backend))
+              fingerprint=current_fingerprint(template_hash(backend, "attn"), backend))
 
 
 @pytest.fixture
@@ -104,3 +104,45 @@ def test_auto_without_tilelang_or_rows(user_db, monkeypatch):
 def test_auto_with_a_pinned_config_follows_its_type():
     assert SparseAttention(AUTO, {"attn": TL_WINNER}).backend(32768, device="cpu") == "tilelang"
     assert SparseAttention(AUTO, {"attn": WINNER}).backend(32768, device="cpu") == "triton"
+
+
+def test_editing_one_template_keeps_the_other_roles_winners(tmp_path, monkeypatch):
+    """The fingerprint holds the hash of the role's own template: a new selector template makes the
+    selector's winners misses, and leaves the attention's (never lose tuning data needlessly)."""
+    import shutil
+
+    from kernelgen import render
+
+    before = {(b, r): template_hash(b, r) for b in ("triton", "tilelang") for r in ("attn", "select")}
+    assert len(set(before.values())) == 4
+    copy = tmp_path / "templates"
+    shutil.copytree(render.TEMPLATE_DIR, copy)
+    (copy / render.TEMPLATES["triton"]["select"]).write_text("# edited\n", encoding="utf-8")
+    monkeypatch.setattr(render, "TEMPLATE_DIR", copy)
+    render.template_hash.cache_clear()
+    try:
+        assert template_hash("triton", "select") != before["triton", "select"]
+        assert template_hash("triton", "attn") == before["triton", "attn"]
+        assert template_hash("tilelang", "attn") == before["tilelang", "attn"]
+    finally:
+        render.template_hash.cache_clear()
+    with pytest.raises(ValueError, match="no template"):
+        template_hash("cuda", "attn")
+
+
+def test_bundled_winners_are_feasible_configs_of_their_specs():
+    """Every shipped row parses, is keyed as dispatch looks it up, and names a point of its space."""
+    from kernelgen.config import config_from_dict, config_space
+    from kernelgen.db import BUNDLED_DB_PATH, TABLE, _open_read_only, _select
+
+    db = _open_read_only(BUNDLED_DB_PATH)
+    assert db is not None
+    rows = _select(db, {})
+    assert {r["role"] for r in rows} == {"attn", "select"} and all(r["arch"] == "sm_90" for r in rows)
+    for row in rows:
+        spec = Spec.from_json(row["spec_json"])
+        assert row["spec_key"] == spec.role_key(row["role"]) and row["backend"] == spec.backend
+        assert config_from_dict(row["role"], row["config"], row["backend"]) in config_space(spec, row["role"])
+        assert row["template_hash"] == template_hash(row["backend"], row["role"]), (
+            f"{TABLE} row {row['spec_key']}/{row['role']} was tuned with another template: re-tune it on the GPU "
+            "(tools/tune_benchmarks.py) or drop it; stale rows are only ever misses")
