@@ -57,12 +57,14 @@ class AttnConfig:
 @dataclass(frozen=True)
 class SelectConfig:
     """Scoring and top-k. tiles: Q tiles per program (they share each k_rep chunk load);
-    chunk: KV blocks scored per step."""
+    chunk: KV blocks scored per step; splits: programs that share one group of tiles, each scanning
+    a part of the blocks (their partial top-k are merged by a second kernel)."""
 
     tiles: int = 16
     chunk: int = 64
     num_warps: int = 4
     num_stages: int = 1
+    splits: int = 1
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -136,7 +138,7 @@ def select_feasible(spec: Spec, cfg: SelectConfig) -> bool:
     # tl.dot needs >= 16 rows and columns; keep the score tile within registers
     # tl.topk of a chunk needs at least next_pow2(top_k) columns
     return (rows >= 16 and cols >= 16 and rows * cols <= 64 * 256 and rows <= 256
-            and cfg.chunk >= next_pow2(spec.top_k))
+            and cfg.chunk >= next_pow2(spec.top_k) and cfg.splits in (1, 2, 4, 8))
 
 
 def default_config(spec: Spec, role: str):
@@ -185,8 +187,8 @@ def config_space(spec: Spec, role: str) -> list:
         return [c for c in space if attn_feasible(spec, c)]
     if role == "select":
         space = (
-            SelectConfig(tiles=t, chunk=c, num_warps=w, num_stages=1)
-            for t, c, w in itertools.product((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256), (4, 8))
+            SelectConfig(tiles=t, chunk=c, num_warps=w, num_stages=1, splits=n)
+            for t, c, w, n in itertools.product((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256), (4, 8), (1, 2, 4))
         )
         return [c for c in space if select_feasible(spec, c)]
     raise ValueError(f"role={role!r} is unknown; expected one of {ROLES}")

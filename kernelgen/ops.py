@@ -149,14 +149,23 @@ def select(q: torch.Tensor, k: torch.Tensor, spec: Spec, shapes: Shapes, mod, cf
     q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod)
     k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod)
     block_idx = _empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q.device, dtype=torch.int32)
-    grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), shapes.batch * shapes.heads_kv)
+    n_bh, top_k_pad = shapes.batch * shapes.heads_kv, next_pow2(spec.top_k)
+    # splits > 1: each split scans a share of the blocks (more programs in flight), then a merge
+    cand = block_idx if cfg.splits == 1 else _empty(n_bh * shapes.n_q_tiles * cfg.splits * top_k_pad,
+                                                      device=q.device, dtype=torch.int64)
+    grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), n_bh, cfg.splits)
     mod.select_topk[grid](
-        q_rep, k_rep, block_idx, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
+        q_rep, k_rep, block_idx, cand, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
         HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block,
         GROUP=spec.gqa_group, GROUPS=r, GR_PAD=next_pow2(spec.gqa_group * r),
-        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
-        TILES=cfg.tiles, CHUNK=cfg.chunk, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local,
+        TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.splits > 1:
+        tiles = max(1, min(64, 2048 // (cfg.splits * top_k_pad)))  # about 2K candidate keys per program
+        mod.merge_topk[(triton.cdiv(shapes.n_q_tiles, tiles), n_bh)](
+            cand, block_idx, shapes.n_q_tiles, shapes.heads_kv, block_idx.stride(0), block_idx.stride(1),
+            block_idx.stride(2), TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SPLITS=cfg.splits, TILES=tiles, num_warps=4)
     return block_idx
 
 

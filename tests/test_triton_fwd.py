@@ -224,6 +224,22 @@ def test_selection_over_many_tiles_and_blocks(device):
     assert_valid_selection(idx, q, k, spec)
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize("causal, selector, g", [(True, "multi:2", 1), (False, "mean", 2)])
+def test_split_selection_gives_the_same_lists(splits, causal, selector, g, device):
+    """splits > 1 (a tunable): the blocks are scanned by several programs and their partial top-k
+    merged; the lists are exactly those of one program (ties included), forced blocks too, and a
+    split with no chunk of its own (more splits than chunks for early causal tiles) is harmless."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=32, top_k=12, causal=causal, gqa_group=g, selector=selector,
+                local=1, sink=1)
+    q, k, v = make_inputs(1, 2, g, 333, 1000, 64, torch.float16, device, 43)
+    one = kernelgen.SelectConfig(tiles=8, chunk=16, num_warps=4, num_stages=1)  # 63 blocks: 4 chunks
+    expect = kernelgen.get_kernel(spec, configs={"select": one}).select(q, k)
+    assert_valid_selection(expect, q, k, spec)
+    split = kernelgen.SelectConfig(tiles=8, chunk=16, num_warps=4, num_stages=1, splits=splits)
+    assert torch.equal(kernelgen.get_kernel(spec, configs={"select": split}).select(q, k), expect)
+
+
 def test_long_given_lists_with_repeats(device):
     """top_k = 64: the list normaliser runs one list per program and drops repeats of any multiplicity."""
     spec = Spec(head_dim=64, kv_block=16, q_tile=32, top_k=64, causal=True, selector="given")

@@ -129,7 +129,7 @@ def test_selection_is_tuned_as_the_triton_twin(backend):
 
 
 def test_plan_select_and_cpu():
-    p = plan(SPEC, "select", seq=1000, trials=100, device="cpu")
+    p = plan(SPEC, "select", seq=1000, trials=1000, device="cpu")
     assert p["sampler"] == "grid" and p["trials"] == p["space_size"] > 0
     assert p["arch"] == "cpu" and p["dtype"] == "float16" and p["bucket"] == 1024
     assert p["shape"]["n_q"] == 256 and p["shape"]["heads_q"] == SPEC.gqa_group

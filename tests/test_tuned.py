@@ -138,7 +138,7 @@ def test_bundled_winners_are_feasible_configs_of_their_specs():
     db = _open_read_only(BUNDLED_DB_PATH)
     assert db is not None
     rows = _select(db, {})
-    assert {r["role"] for r in rows} == {"attn", "select"} and all(r["arch"] == "sm_90" for r in rows)
+    assert rows and all(r["arch"] == "sm_90" for r in rows)
     for row in rows:
         spec = Spec.from_json(row["spec_json"])
         assert row["spec_key"] == spec.role_key(row["role"]) and row["backend"] == spec.backend
