@@ -1,4 +1,5 @@
 """Triton kernels against the float64 reference: CPU (interpreter, fp16/fp32, small) and GPU (bf16/fp16, 4k-32k)."""
+import dataclasses
 import itertools
 
 import pytest
@@ -261,3 +262,13 @@ def test_gpu_two_blocks_per_step(case):
     o, lse = attn(q, k, v, block_idx=idx, return_lse=True)
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
     assert_close_to_reference(o, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [2, 4])
+def test_gpu_split_selection_gives_the_same_lists(splits):
+    spec, q, k, v = gpu_case(GPU_CASES[5], torch.bfloat16, seed_offset=3)  # 32k, causal, 512 blocks
+    one = kernelgen.config.default_config(spec, "select")
+    expect = kernelgen.get_kernel(spec, configs={"select": one}).select(q, k)
+    split = dataclasses.replace(one, splits=splits)
+    assert torch.equal(kernelgen.get_kernel(spec, configs={"select": split}).select(q, k), expect)

@@ -48,7 +48,7 @@ def main():
     args.add_argument("--shapes", default="a32k,b,c,c_dense")
     args.add_argument("--compare", action="store_true",
                       help="on (b): the exhaustive grid (its winner is b's) against TPE with 30%% of its trials")
-    args.add_argument("--select-shapes", default="a32k", help="shapes whose selector to tune too")
+    args.add_argument("--select-shapes", default="a32k,b,c", help="shapes whose selector to tune too")
     args.add_argument("--select-trials", type=int, default=6)
     args.add_argument("--backends", default="triton", help="attention backends to tune: triton,tilelang")
     args = args.parse_args()
