@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .spec import Spec
 
-__all__ = ["seq_bucket", "AttnConfig", "SelectConfig", "TileLangAttnConfig", "ROLES", "default_config", "config_space", "config_from_dict", "next_pow2"]
+__all__ = ["seq_bucket", "AttnConfig", "SelectConfig", "TileLangAttnConfig", "ROLES", "default_config", "config_space", "config_from_dict", "check_config", "next_pow2"]
 
 ROLES = ("attn", "select")
 
@@ -129,6 +129,27 @@ def tilelang_attn_feasible(spec: Spec, cfg: TileLangAttnConfig) -> bool:
     """Same row packing rule as Triton; 256 threads need 128 rows (two 64-row warpgroups)."""
     packing = attn_feasible(spec, AttnConfig(block_m=cfg.block_m, num_warps=cfg.threads // 32, num_stages=1))
     return packing and cfg.block_m in (64, 128) and (cfg.threads == 128 or cfg.block_m == 128)
+
+
+def check_config(spec: Spec, role: str, cfg) -> None:
+    """A config pinned by a caller: the type its backend runs (with backend="auto", either attention
+    type: it says which backend), and a feasible point (an infeasible one could leave rows unwritten).
+    Raises TypeError/ValueError naming the role."""
+    backends = ("triton", "tilelang") if spec.backend == "auto" else (spec.backend,)
+    if role not in ROLES:
+        raise ValueError(f"configs has unknown role {role!r}; expected a subset of {ROLES}")
+    types = {_CONFIG_TYPES[b, role]: b for b in backends}
+    if type(cfg) not in types:
+        raise TypeError(f"configs[{role!r}] must be a {' or '.join(t.__name__ for t in types)} for "
+                        f"backend={spec.backend!r}, got {type(cfg).__name__}")
+    if role == "select":
+        feasible = select_feasible(spec, cfg)
+    elif types[type(cfg)] == "tilelang":
+        feasible = tilelang_attn_feasible(spec, cfg)
+    else:
+        feasible = attn_feasible(spec, cfg)
+    if not feasible:
+        raise ValueError(f"configs[{role!r}] = {cfg} is not feasible for {spec} (see kernelgen.config.config_space)")
 
 
 def select_feasible(spec: Spec, cfg: SelectConfig) -> bool:

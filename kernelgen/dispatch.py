@@ -8,7 +8,7 @@ import torch
 
 from . import ops
 from .compile import load_module
-from .config import TileLangAttnConfig, default_config, seq_bucket
+from .config import TileLangAttnConfig, check_config, default_config, seq_bucket
 from .render import module_name, render
 from .spec import Spec
 from .tuned import device_arch, fastest_backend, tuned_config
@@ -36,6 +36,8 @@ class SparseAttention:
         self.spec = spec
         self.validate_lists = validate_lists
         self._fixed = dict(configs or {})
+        for role, cfg in self._fixed.items():
+            check_config(spec, role, cfg)
 
     def config(self, role: str, n_q: int, n_k: int, dtype=torch.bfloat16, device="cuda"):
         """The config a call of these lengths runs with: pinned, else the tuning DB's winner for this

@@ -37,7 +37,7 @@ from . import config as _config_module
 from . import dispatch as _dispatch_module
 from . import ops as _ops_module
 from . import spec as _spec_module
-from .config import AttnConfig, SelectConfig, attn_feasible, default_config, select_feasible
+from .config import check_config, default_config
 from .render import render
 from .spec import Spec
 
@@ -46,8 +46,7 @@ __all__ = ["export_module", "ExportError"]
 # Embedded whole, in dependency order: (module, file).
 _EMBEDDED = (("spec", _spec_module), ("config", _config_module), ("ops", _ops_module))
 _ALLOWED_ROOTS = frozenset(sys.stdlib_module_names) | {"torch", "triton"}
-# role -> (config type, feasibility check); the roles an exported module launches
-_ROLES = {"select": (SelectConfig, select_feasible), "attn": (AttnConfig, attn_feasible)}
+_ROLES = ("select", "attn")  # the roles an exported module launches
 _PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "select")
 
 
@@ -89,12 +88,9 @@ def _resolve_configs(spec: Spec, configs: dict | None) -> dict:
     if unknown:
         raise ValueError(f"configs has unknown roles {sorted(unknown)}; expected a subset of {sorted(_ROLES)}")
     out = {}
-    for role, (expected, feasible) in _ROLES.items():
+    for role in _ROLES:
         cfg = configs.get(role) or default_config(spec, role)
-        if not isinstance(cfg, expected):
-            raise TypeError(f"configs[{role!r}] must be a {expected.__name__}, got {type(cfg).__name__}")
-        if not feasible(spec, cfg):
-            raise ValueError(f"configs[{role!r}] = {cfg} is not feasible for {spec}")
+        check_config(spec, role, cfg)
         out[role] = cfg
     return out
 

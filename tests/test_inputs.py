@@ -306,6 +306,19 @@ def test_top_k_too_small_for_forced_blocks(kwargs):
     Spec(head_dim=D, **{**kwargs, "top_k": forced})  # exactly enough is fine
 
 
+@pytest.mark.parametrize("configs, error, match", [
+    ({"attn": kernelgen.SelectConfig()}, TypeError, r"configs\['attn'\] must be a AttnConfig"),
+    ({"attn": kernelgen.AttnConfig(block_m=48)}, ValueError, r"configs\['attn'\] = .* is not feasible"),
+    ({"attn": kernelgen.AttnConfig(block_m=64, kv_per_iter=3)}, ValueError, "not feasible"),
+    ({"select": kernelgen.SelectConfig(tiles=8, chunk=32, splits=3)}, ValueError, r"configs\['select'\]"),
+    ({"fwd": kernelgen.AttnConfig()}, ValueError, "unknown role 'fwd'"),
+])
+def test_pinned_configs_are_checked(configs, error, match):
+    """A pinned config outside the feasible space (one that could leave rows unwritten) is refused."""
+    with pytest.raises(error, match=match):
+        kernelgen.get_kernel(SPEC, configs=configs)
+
+
 def test_get_kernel_needs_a_spec():
     with pytest.raises(TypeError, match=r"^spec must be a kernelgen\.Spec, got str"):
         kernelgen.get_kernel("head_dim=64")
