@@ -322,9 +322,7 @@ def dispatch_overhead(n_calls: int = 200, log=print) -> dict:
     idx = torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32, device="cuda")
     attn = kernelgen.get_kernel(spec)
     shapes = ops.check_qkv(q, k, v, spec)
-    sel_mod, sel_cfg = attn._select_module(q, shapes.n_q, shapes.n_k)
-    cfg = attn.config("attn", shapes.n_q, shapes.n_k, q.dtype, q.device)
-    mod = attn.module("attn", cfg)
+    sel_mod, _, cfg, mod = attn._kernels(seq_bucket(shapes.n_k), q.dtype, q.device)  # what a call looks up
 
     def raw():
         lists = ops.prepare_block_idx(idx, spec, shapes, q.device, sel_mod)

@@ -58,8 +58,7 @@ class SparseAttention:
         return fastest_backend(self.spec, bucket, dtype, device)
 
     def _role_spec(self, role: str, backend: str) -> Spec:
-        # selection runs in Triton for every backend (the TileLang selector is not yet run on a GPU)
-        return self.spec.replace(backend="triton" if role == "select" else backend)
+        return self.spec.replace(backend=backend).for_role(role)
 
     @functools.lru_cache(maxsize=256)
     def _config(self, role: str, bucket: int, dtype, device):

@@ -153,13 +153,17 @@ class Spec:
         """Short stable hash of the spec (used in kernel names, cache paths and the tuning DB)."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
+    def for_role(self, role: str) -> "Spec":
+        """The spec whose kernel runs `role`: selection runs in Triton whatever the backend (the
+        TileLang selector has not run on a GPU yet), so it is the Triton twin's."""
+        return dataclasses.replace(self, backend="triton") if role == "select" else self
+
     def role_key(self, role: str) -> str:
         """The tuning DB's key of one kernel role. The attention kernel reads lists, whoever chose
-        them: specs that differ only in selector or forced blocks share its winners. Selection runs
-        in Triton whatever the backend: its winners are the Triton twin's."""
+        them: specs that differ only in selector or forced blocks share its winners."""
         if role == "attn":
             return dataclasses.replace(self, selector="given", local=0, sink=0).key()
-        return dataclasses.replace(self, backend="triton").key()
+        return self.for_role(role).key()
 
     def replace(self, **changes) -> "Spec":
         return dataclasses.replace(self, **changes)

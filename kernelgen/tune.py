@@ -11,7 +11,8 @@ A trial is one config: one categorical parameter per config field, over the valu
 feasible space (`config.config_space`). A sampled point outside that space is pruned before any
 compile; a point already measured returns its stored time (marked `duplicate_of`) so the sampler's
 model stays right without measuring it again. Small spaces (at most `trials` points) are searched
-exhaustively with GridSampler, larger ones with TPE, seeded with the default config.
+exhaustively with GridSampler, larger ones with TPE, seeded with the default config and its
+neighbours along each two-valued field (`_seeds`).
 
 Every measurement runs in a worker process ("spawn"): an illegal memory access poisons the CUDA
 context of the process that made it, so the worker is replaced after any crash, timeout or run-time
@@ -24,7 +25,8 @@ A config that fails to compile, runs out of resources, crashes, hangs past `tria
 computes a wrong result is a FAILED trial (user attr `error`), never a winner; the study goes on.
 
 The fastest config is written to the tuning DB (`kernelgen.db.TuningDB`), keyed by spec, role,
-backend, arch, GPU name, bucket and dtype, with the toolchain fingerprint.
+backend, arch, GPU name, bucket and dtype, with the toolchain fingerprint (the role's template hash
+included). Selection is tuned as the spec's Triton twin (`Spec.for_role`) for every backend.
 
 `device="cpu"` (tests only) runs the Triton interpreter on tiny fp16 inputs and times two calls with
 `time.perf_counter`: it exercises the plumbing; its timings mean nothing.
@@ -153,11 +155,6 @@ def _check_role(spec: Spec, role: str) -> None:
                          "get_kernel then serves the faster")
 
 
-def _role_spec(spec: Spec, role: str) -> Spec:
-    """Selection runs in Triton for every backend: its studies and winners belong to the Triton twin."""
-    return spec.replace(backend="triton") if role == "select" else spec
-
-
 def _is_cpu(device) -> bool:
     return device is not None and torch.device(device).type == "cpu"
 
@@ -203,7 +200,7 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
     `fixed` ({field: value}) restricts the space to the points with those values; `shape` sets the
     inputs timed (`tune_inputs_shape`)."""
     _check_role(spec, role)
-    spec = _role_spec(spec, role)
+    spec = spec.for_role(role)
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     cpu = _is_cpu(device)
@@ -642,7 +639,7 @@ def tune(
                    instead of the bucket's default inputs (`tune_inputs_shape`).
     """
     _check_role(spec, role)
-    spec = _role_spec(spec, role)
+    spec = spec.for_role(role)
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     worker_device, arch, gpu_name = _resolve_device(device, arch)

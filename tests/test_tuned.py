@@ -26,10 +26,11 @@ def user_db(tmp_path, monkeypatch):
     tuned._winners.cache_clear()
 
 
-def _add(db, spec, role="attn", config=WINNER, bucket=32768, fingerprint=None):
-    db.upsert(spec_key=spec.role_key(role), role=role, backend="triton", arch="sm_90", gpu_name="NVIDIA H200",
-              bucket=bucket, dtype="bfloat16", config=config.__dict__, median_ms=0.2, tflops=None, n_trials=1,
-              fingerprint=fingerprint or current_fingerprint(template_hash("triton", role), "triton"))
+def _add(db, spec, role="attn", config=WINNER, bucket=32768, fingerprint=None, ms=0.2):
+    """One H200 row for spec (its backend's) and role, fingerprinted as this stack unless told."""
+    db.upsert(spec_key=spec.role_key(role), role=role, backend=spec.backend, arch="sm_90", gpu_name="NVIDIA H200",
+              bucket=bucket, dtype="bfloat16", config=config.__dict__, median_ms=ms, tflops=None, n_trials=1,
+              fingerprint=fingerprint or current_fingerprint(template_hash(spec.backend, role), spec.backend))
 
 
 def test_attention_winner_is_shared_by_every_selector(user_db):
@@ -64,10 +65,7 @@ TL_WINNER = TileLangAttnConfig(block_m=64, num_stages=2, threads=128)
 
 
 def _add_backend(db, backend, ms, config, bucket=32768):
-    spec = GIVEN.replace(backend=backend)
-    db.upsert(spec_key=spec.role_key("attn"), role="attn", backend=backend, arch="sm_90", gpu_name="NVIDIA H200",
-              bucket=bucket, dtype="bfloat16", config=config.__dict__, median_ms=ms, tflops=None, n_trials=1,
-              fingerprint=current_fingerprint(template_hash(backend, "attn"), backend))
+    _add(db, GIVEN.replace(backend=backend), config=config, bucket=bucket, ms=ms)
 
 
 @pytest.fixture
