@@ -12,7 +12,7 @@ feasible space (`config.config_space`). A sampled point outside that space is pr
 compile; a point already measured returns its stored time (marked `duplicate_of`) so the sampler's
 model stays right without measuring it again. Small spaces (at most `trials` points) are searched
 exhaustively with GridSampler, larger ones with TPE, seeded with the default config and its
-neighbours along each two-valued field (`_seeds`).
+neighbours along each field of at most three values (`_seeds`).
 
 Every measurement runs in a worker process ("spawn"): an illegal memory access poisons the CUDA
 context of the process that made it, so the worker is replaced after any crash, timeout or run-time
@@ -181,16 +181,18 @@ def _choices(space: list[dict]) -> dict[str, list]:
     return {name: sorted({p[name] for p in space}) for name in space[0]} if space else {}
 
 
-def _seeds(default: dict, choices: dict[str, list], feasible: set[str]) -> list[dict]:
-    """The first TPE trials: the default config, then its feasible neighbours along every two-valued
-    field (a switch such as use_tma or kv_per_iter), which a short random start-up could miss."""
+def _seeds(default: dict, choices: dict[str, list], feasible: set[str], limit: int = 8) -> list[dict]:
+    """The first TPE trials (at most `limit`): the default config, then its feasible neighbours along
+    every field of at most three values, two-valued fields (switches such as use_tma or kv_per_iter)
+    first, then three-valued ones (the selector's splits), which a short random start-up could miss."""
     seeds = [default] if _config_key(default) in feasible else []
-    for field, values in choices.items():
-        if len(values) == 2:
-            other = {**default, field: values[1] if default[field] == values[0] else values[0]}
-            if _config_key(other) in feasible:
-                seeds.append(other)
-    return seeds
+    for field, values in sorted(choices.items(), key=lambda item: len(item[1])):
+        if len(values) <= 3:
+            for value in values:
+                other = {**default, field: value}
+                if value != default[field] and _config_key(other) in feasible:
+                    seeds.append(other)
+    return seeds[:limit]
 
 
 def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: int = 30,
@@ -688,7 +690,7 @@ def tune(
         _requeue_interrupted(study)
         complete, failed = _measured(study)
         if the_plan["sampler"] == "tpe" and not study.get_trials(deepcopy=False):
-            for seed_params in _seeds(default, choices, feasible):
+            for seed_params in _seeds(default, choices, feasible, limit=max(1, the_plan["trials"] // 2)):
                 study.enqueue_trial(seed_params)
         done = len(complete) + len(failed)
         log.info("tune %s: %d configs feasible, %s sampler, %d of %d trials already measured", name,

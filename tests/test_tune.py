@@ -293,3 +293,18 @@ def test_study_of_another_toolchain_starts_over(tmp_path, db, fake_worker, monke
                         lambda *args: real(*args).__class__(**{**real(*args).as_columns(), "triton_version": "x"}))
     result = run_tune(tmp_path, db, trials=2)
     assert len(fake_worker.jobs) == 4 and result.n_trials == 2
+
+
+def test_tpe_seeds_cover_every_value_of_small_fields():
+    from kernelgen.tune import _config_key, _seeds
+
+    default = {"tiles": 64, "chunk": 128, "num_warps": 4, "splits": 1}
+    choices = {"tiles": [1, 2, 4, 8, 16, 32, 64], "chunk": [16, 32, 64, 128, 256], "num_warps": [4, 8], "splits": [1, 2, 4]}
+    points = [{"tiles": 64, "chunk": 128, "num_warps": w, "splits": n} for w in (4, 8) for n in (1, 2, 4)]
+    feasible = {_config_key(p) for p in points if p["splits"] != 4 or p["num_warps"] == 4}
+    seeds = _seeds(default, choices, feasible)
+    assert _seeds(default, choices, feasible, limit=2) == seeds[:2]
+    assert seeds[0] == default
+    # the neighbours along num_warps and splits, none along the wide fields; only feasible ones
+    assert sorted((s["num_warps"], s["splits"]) for s in seeds[1:]) == [(4, 2), (4, 4), (8, 1)]
+    assert all(s["tiles"] == 64 and s["chunk"] == 128 for s in seeds)

@@ -24,11 +24,11 @@ if [ "$PART" = tests ] || [ "$PART" = tune ]; then
 fi
 if [ "$PART" = tune ]; then
   echo "== tune"
-  timeout ${TUNE_TIMEOUT:-420} python3 tools/tune_benchmarks.py --shapes a32k,b,c,c_dense --compare \
+  timeout ${TUNE_TIMEOUT:-420} python3 tools/tune_benchmarks.py ${TUNE_ARGS:---shapes a32k,b,c,c_dense --compare} \
     2>&1 | tee "$OUT/tune.log" | grep -v "^$"
 fi
 if [ "$PART" = tune-tilelang ]; then
-  timeout ${TUNE_TIMEOUT:-500} python3 tools/tune_benchmarks.py --shapes a32k,b,c,c_dense --backends tilelang \
+  timeout ${TUNE_TIMEOUT:-500} python3 tools/tune_benchmarks.py --shapes ${TUNE_SHAPES:-a32k,b,c,c_dense} --backends tilelang \
     --select-shapes "" 2>&1 | tee "$OUT/tune_tilelang.log" | grep -v "^$"
 fi
 if [ "$PART" = bench ]; then

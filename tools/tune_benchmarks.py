@@ -49,7 +49,7 @@ def main():
     args.add_argument("--compare", action="store_true",
                       help="on (b): the exhaustive grid (its winner is b's) against TPE with 30%% of its trials")
     args.add_argument("--select-shapes", default="a32k,b,c", help="shapes whose selector to tune too")
-    args.add_argument("--select-trials", type=int, default=6)
+    args.add_argument("--select-trials", type=int, default=8)
     args.add_argument("--backends", default="triton", help="attention backends to tune: triton,tilelang")
     args = args.parse_args()
     attn_trials = {"a32k": 16, "a128k": 16, "b": 12, "c": 10, "c_dense": 8}  # a32k: the largest space (72)
@@ -62,7 +62,7 @@ def main():
             tl_spec = s.spec("given").replace(backend="tilelang")
             run(f"{name} attn tilelang", tl_spec, "attn", s, trials=len(config_space(tl_spec, "attn")), timeout=150)
         if name in args.select_shapes.split(","):
-            run(f"{name} select", s.spec("mean"), "select", s, trials=args.select_trials, timeout=40)
+            run(f"{name} select", s.spec("mean"), "select", s, trials=args.select_trials, timeout=90)
 
     if args.compare:  # TPE against the exhaustive grid over the same (full) space, on shape (b)
         s = SHAPES["b"]
