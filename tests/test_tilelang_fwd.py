@@ -32,3 +32,36 @@ def test_gpu_tilelang_given_lists(causal):
                 backend="tilelang")
     q, k, v = make_inputs(1, 2, 4, 8192, 8192, 128, torch.bfloat16, "cuda", 29)
     run_and_check(spec, q, k, v, block_idx=given_lists(spec, 1, 2, 8192, 8192, 2, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selector,causal,G,forced", [("mean", False, 1, {}), ("multi:4", True, 4, dict(sink=1, local=2))])
+def test_gpu_tilelang_selector_against_reference(selector, causal, G, forced):
+    """The TileLang selector kernels (pool q, pool k, top-k) on the GPU pick the reference's blocks."""
+    from kernelgen import reference as ref
+    from kernelgen import tilelang_backend as tb
+
+    spec = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=8, causal=causal, gqa_group=G, selector=selector,
+                backend="tilelang", **forced)
+    B, Hkv, N = 2, 2, 4000  # ragged: 4000 is not a multiple of the block
+    kernels = [tb.compile_kernel(f, out_idx=o) for f, o in zip(
+        tb.build_select(spec, "bfloat16", batch=B, heads_kv=Hkv, seq_q=N, seq_k=N),
+        (tb.POOL_OUT_IDX, tb.POOL_OUT_IDX, tb.SELECT_OUT_IDX))]
+    q, k, _ = make_inputs(B, Hkv, G, N, N, 128, torch.bfloat16, "cuda", 31)
+    q_rep, k_rep = kernels[0](q), kernels[1](k)
+    block_idx = kernels[2](q_rep, k_rep)
+    expected = ref.select_blocks(q.cpu(), k.cpu(), spec)
+    assert block_idx.dtype == torch.int32 and block_idx.shape == expected.shape
+    same = (block_idx.cpu() == expected).all(-1).float().mean().item()
+    assert same >= 0.99, f"only {same:.1%} of the lists match the reference (fp32 near-ties flip a few at most)"
+
+
+@pytest.mark.gpu
+def test_gpu_auto_backend_against_reference():
+    """backend='auto' runs whichever backend the tuning DB names (Triton when nothing is tuned) correctly."""
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4, selector="given",
+                backend="auto")
+    q, k, v = make_inputs(1, 2, 4, 8192, 8192, 128, torch.bfloat16, "cuda", 37)
+    attn = kernelgen.get_kernel(spec)
+    assert attn.backend(8192, q.dtype, q.device) in ("triton", "tilelang")
+    run_and_check(spec, q, k, v, block_idx=given_lists(spec, 1, 2, 8192, 8192, 2, "cuda"))
