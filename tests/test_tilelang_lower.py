@@ -99,6 +99,9 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, nvcc_rea
     # Hopper path: TMA loads of K/V, mbarrier pipeline, warp-specialised producer, wgmma for both gemms
     assert "CUtensorMap K_desc" in src and "CUtensorMap V_desc" in src
     assert "tl::tma_load(K_desc" in src and "tl::tma_load(V_desc" in src
+    # a program holding one head copies its Q rows with TMA (an element-wise gather was one serialised
+    # load per element on the H200); programs packing several heads gather
+    assert ("tl::tma_load(Q_desc" in src) == (cfg.block_m <= q_tile)
     assert "mbarrier" in src
     assert "tl::wgmma_ss<" in src  # S = Q K^T from shared memory
     assert "tl::wgmma_rs<" in src  # O += P V with P in registers
@@ -111,3 +114,4 @@ def test_split_tile_and_sub_blocks_lower():
     # block_M < q_tile (two programs per tile) and block_N < kv_block (two sub-blocks per block)
     src = tb.lower(_build(True, 128, 1, 128, 128, block_M=64, block_N=64, threads=128, dtype="float16"))
     assert "attn_fwd_kernel" in src and "half_t" in src and "tl::wgmma_ss<" in src
+    assert "tl::tma_load(Q_desc" in src  # one head per program: Q rows by one TMA copy
