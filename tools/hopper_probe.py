@@ -48,6 +48,20 @@ def gather_kv(K, V, IDX, OUT, n_kv_blocks, heads_kv, n_tiles,
 
 
 @triton.jit
+def _flash_step(acc, l_i, m_i, q, Kd, Vd, bh, start, qk_scale, BN: tl.constexpr, D: tl.constexpr):
+    """One online-softmax step over the BN keys from `start` (inlined by Triton)."""
+    k = Kd.load([bh, start, 0]).reshape(BN, D)
+    qk = tl.dot(q, k.T)
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = Vd.load([bh, start, 0]).reshape(BN, D)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
 def flash_loop(Qd, Kd, Vd, Od, IDX, qk_scale, n_tiles,
                TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, WS: tl.constexpr):
     """Q, K, V, O: [BH, N, D] descriptors; IDX int32 [n_tiles, TOP_K]: the blocks of BN keys each BM-query tile visits."""
@@ -59,15 +73,7 @@ def flash_loop(Qd, Kd, Vd, Od, IDX, qk_scale, n_tiles,
     acc = tl.zeros([BM, D], tl.float32)
     for i in tl.range(0, TOP_K, warp_specialize=WS):
         start = tl.load(IDX + pid * TOP_K + i) * BN
-        k = Kd.load([bh, start, 0]).reshape(BN, D)
-        qk = tl.dot(q, k.T)
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = Vd.load([bh, start, 0]).reshape(BN, D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, l_i, m_i = _flash_step(acc, l_i, m_i, q, Kd, Vd, bh, start, qk_scale, BN, D)
     Od.store([bh, pid * BM, 0], (acc / l_i[:, None]).to(Od.dtype).reshape(1, BM, D))
 
 
@@ -85,15 +91,7 @@ def flash_tiles(Qd, Kd, Vd, Od, IDX, qk_scale, n_tiles,
         acc = tl.zeros([BM, D], tl.float32)
         for i in range(0, TOP_K):
             start = tl.load(IDX + tile * TOP_K + i) * BN
-            k = Kd.load([bh, start, 0]).reshape(BN, D)
-            qk = tl.dot(q, k.T)
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = Vd.load([bh, start, 0]).reshape(BN, D)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+            acc, l_i, m_i = _flash_step(acc, l_i, m_i, q, Kd, Vd, bh, start, qk_scale, BN, D)
         Od.store([bh, tile * BM, 0], (acc / l_i[:, None]).to(Od.dtype).reshape(1, BM, D))
 
 
