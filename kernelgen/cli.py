@@ -168,14 +168,19 @@ def export(
     out: Path = typer.Option(..., "--out", help="The .py file to write."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
-    sink: int = SINK,
+    sink: int = SINK, backend: str = typer.Option("triton", help="triton | tilelang (the module then needs "
+                                                   "tilelang too)."),
 ):
-    """Write one standalone module (torch + triton only) with the kernels and configs baked in."""
+    """Write one standalone module (torch + triton, and tilelang for a TileLang spec) with the kernels and
+    configs baked in."""
     from .export import export_module
 
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
-                              "triton")
-    path = export_module(spec, out)
+                              backend)
+    try:
+        path = export_module(spec, out)
+    except ValueError as error:  # e.g. backend auto
+        raise typer.BadParameter(str(error)) from None
     console.print(f"wrote {path}")
 
 

@@ -13,8 +13,6 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-import platformdirs
-
 __all__ = ["cache_dir", "load_module"]
 
 log = logging.getLogger("kernelgen")
@@ -23,7 +21,12 @@ _modules: dict[str, ModuleType] = {}
 
 def cache_dir() -> Path:
     """`$KERNELGEN_CACHE_DIR`, else the platform's user cache dir for kernelgen."""
-    path = Path(os.environ.get("KERNELGEN_CACHE_DIR") or platformdirs.user_cache_dir("kernelgen"))
+    if os.environ.get("KERNELGEN_CACHE_DIR"):
+        path = Path(os.environ["KERNELGEN_CACHE_DIR"])
+    else:  # imported here: an exported module embeds this file and always passes its directory
+        import platformdirs
+
+        path = Path(platformdirs.user_cache_dir("kernelgen"))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -38,12 +41,13 @@ def _write_once(path: Path, text: str) -> None:
     os.replace(tmp, path)  # atomic: concurrent writers of the same name write the same text
 
 
-def load_module(name: str, source: str) -> ModuleType:
-    """Import rendered `source` as module `name` (memoised per process)."""
+def load_module(name: str, source: str, directory: Path | None = None) -> ModuleType:
+    """Import rendered `source` as module `name` (memoised per process), from `directory`/<name>.py
+    (default: the cache dir's kernels/)."""
     mod = _modules.get(name)
     if mod is not None:
         return mod
-    path = cache_dir() / "kernels" / f"{name}.py"
+    path = (cache_dir() / "kernels" if directory is None else Path(directory)) / f"{name}.py"
     _write_once(path, source)
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)

@@ -11,7 +11,7 @@ from .compile import load_module
 from .config import TileLangAttnConfig, check_config, default_config, seq_bucket
 from .render import module_name, render
 from .spec import Spec
-from .tuned import device_arch, fastest_backend, tuned_config
+from .tuned import fastest_backend, tuned_config
 
 __all__ = ["get_kernel", "SparseAttention"]
 
@@ -83,11 +83,9 @@ class SparseAttention:
                              "kernelgen.tilelang_backend.lower / compile_kernel)")
         from . import tilelang_backend
 
-        arch, _ = device_arch(device.index)
-        arch = "sm_90a" if arch == "sm_90" else arch  # wgmma and warp specialisation need sm_90a
         func = tilelang_backend.build_attn(self.spec, dtype, batch=shapes.batch, heads_kv=shapes.heads_kv,
                                            seq_q=shapes.n_q, seq_k=shapes.n_k, config=config)
-        return tilelang_backend.compile_kernel(func, arch=arch)
+        return tilelang_backend.compile_kernel(func, arch=tilelang_backend.target_arch(device))
 
     def _select_module(self, q: torch.Tensor, n_q: int, n_k: int):
         cfg = self._config("select", seq_bucket(n_k), q.dtype, q.device)

@@ -1,14 +1,17 @@
 """export_module(spec, path): one standalone .py file that computes what `get_kernel(spec)` computes.
 
-The exported file needs only torch and triton (no kernelgen, jinja2 or platformdirs) and is assembled
-from kernelgen's own sources, so that nothing is written twice:
+The exported file needs only torch and triton, plus tilelang for a TileLang spec (no kernelgen, jinja2
+or platformdirs), and is assembled from kernelgen's own sources, so that nothing is written twice:
 
   header      kernelgen version, spec JSON, configs, date
   embedded    kernelgen/spec.py, config.py and ops.py verbatim, relative imports resolved in place:
               ops.py stays the one place for validation, list conversion/normalisation and launch
   ops         a namespace of what ops.py defines, taken right after it (SparseAttention calls `ops.select`;
               the module-level `select` below is the public launcher)
-  kernels     render(spec, "select", cfg) and render(spec, "attn", cfg)
+  kernels     render(spec, "select", cfg) and render(spec, "attn", cfg); for a TileLang spec the selector
+              is the Triton twin's (as get_kernel runs it), and the TileLang forward, rendered per dtype,
+              is embedded as text with kernelgen/compile.py and tilelang_backend.py, which import it from a
+              file at first use (TileLang reads kernel source with `inspect`) and compile it per shape
   dispatch    class SparseAttention from kernelgen/dispatch.py verbatim
   launcher    SPEC, CONFIGS, `kernel` (a SparseAttention whose kernel modules are this file's kernels and
               whose configs are baked in), attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)
@@ -28,23 +31,27 @@ import dataclasses
 import datetime
 import json
 import os
+import pprint
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
+from . import compile as _compile_module
 from . import config as _config_module
 from . import dispatch as _dispatch_module
 from . import ops as _ops_module
 from . import spec as _spec_module
+from . import tilelang_backend as _tilelang_module
 from .config import check_config, default_config
-from .render import render
+from .render import module_name, render
 from .spec import Spec
 
 __all__ = ["export_module", "ExportError"]
 
-# Embedded whole, in dependency order: (module, file).
+# Embedded whole, in dependency order: (module, file); TileLang specs add the module loader and backend.
 _EMBEDDED = (("spec", _spec_module), ("config", _config_module), ("ops", _ops_module))
+_EMBEDDED_TILELANG = (("compile", _compile_module), ("tilelang_backend", _tilelang_module))
 _ALLOWED_ROOTS = frozenset(sys.stdlib_module_names) | {"torch", "triton"}
 _ROLES = ("select", "attn")  # the roles an exported module launches
 _PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "select")
@@ -71,8 +78,9 @@ def export_module(spec: Spec, out_path, *, configs: dict | None = None) -> Path:
     """
     if not isinstance(spec, Spec):
         raise TypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
-    if spec.backend != "triton":
-        raise ValueError(f"export_module supports backend='triton' only, got spec.backend={spec.backend!r}")
+    if spec.backend not in ("triton", "tilelang"):
+        raise ValueError(f"export_module needs spec.backend 'triton' or 'tilelang', got {spec.backend!r}: 'auto' "
+                         "chooses per GPU from the tuning DB, which an exported module does not carry")
     out_path = Path(out_path)
     if out_path.suffix != ".py":
         raise ValueError(f"out_path must name a .py file (Triton reads kernel source from it), got {out_path}")
@@ -101,14 +109,15 @@ def assemble(spec: Spec, configs: dict) -> str:
     """The exported module's text (checked: it parses, and its sections share one namespace cleanly)."""
     from . import __version__
 
+    tilelang = spec.backend == "tilelang"
     configs_json = json.dumps({r: dataclasses.asdict(c) for r, c in configs.items()}, sort_keys=True)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     sections: list[tuple[str, str]] = [("header", _HEADER.format(
         version=__version__, spec_json=spec.to_json(), configs_json=configs_json, date=date,
-        spec_key=spec.key()))]
+        spec_key=spec.key(), needs="torch, triton and tilelang" if tilelang else "torch and triton"))]
 
     provided: dict[str, dict[str, str]] = {}  # embedded module -> {name it binds at top level: how}
-    for name, module in _EMBEDDED:
+    for name, module in _EMBEDDED + (_EMBEDDED_TILELANG if tilelang else ()):
         origin = f"kernelgen/{name}.py"
         source = _rewrite_imports(_read_source(module), origin, provided)
         provided[name] = _bindings(source, origin)
@@ -122,11 +131,20 @@ def assemble(spec: Spec, configs: dict) -> str:
 
     kernel_names = {}
     for role in _ROLES:
+        if tilelang and role == "attn":
+            continue  # below, as text
         origin = f"rendered {role} kernels"
-        source = render(spec, role, configs[role])
+        source = render(spec.for_role(role), role, configs[role])
         kernel_names[role] = sorted(n for n, sig in _bindings(source, origin).items() if sig.startswith("def "))
         _check_imports(source, origin)
         sections.append((origin, source))
+    if tilelang:
+        modules = {}
+        for dtype in _tilelang_module.DTYPES:
+            source = _tilelang_module.attn_source(spec, dtype, configs["attn"])
+            modules[dtype] = (module_name(spec, "attn", source), source)
+        sections.append(("rendered TileLang forward, one module per dtype", _TILELANG_SOURCES.format(
+            modules=pprint.pformat(modules, width=100))))
 
     dispatch_source = _rewrite_imports(_class_source(_dispatch_module, "SparseAttention"),
                                        "kernelgen/dispatch.py", provided)
@@ -138,7 +156,7 @@ def assemble(spec: Spec, configs: dict) -> str:
     sections.append(("launcher", _LAUNCHER.format(
         spec_dict=repr(spec.to_dict()),
         configs_dict=repr({r: dataclasses.asdict(c) for r, c in configs.items()}),
-        kernels=kernels, public=repr(list(_PUBLIC)))))
+        kernels=kernels, public=repr(list(_PUBLIC)), tilelang_kernel=_TILELANG_KERNEL if tilelang else "")))
 
     _check_namespace(sections)
     parts = []
@@ -319,7 +337,7 @@ _HEADER = '''\
 # spec key: {spec_key}
 # configs: {configs_json}
 """Block-sparse attention with run-time block selection for one kernelgen spec (standalone: needs only
-torch and triton).
+{needs}).
 
     import this_module as m
     o = m.attn(q, k, v)                               # select blocks with the spec's selector, then attend
@@ -329,8 +347,8 @@ torch and triton).
 q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = SPEC["gqa_group"] * Hkv; block_idx int32 (or int64)
 [B, Hkv, n_q_tiles, top_k], -1 for an empty slot. Semantics: kernelgen's docs/SEMANTICS.md.
 `kernel.validate_lists = True` makes a repeated id in a given list an error (one device sync per call).
-The sections below are kernelgen's spec.py, config.py and ops.py, the rendered Triton kernels, and
-kernelgen's SparseAttention class, each as kernelgen has them; the launcher at the end ties them together.
+The sections below are kernelgen's own files and rendered kernels, each as kernelgen has them, and
+kernelgen's SparseAttention class; the launcher at the end ties them together.
 """
 from __future__ import annotations
 
@@ -368,10 +386,10 @@ class _ExportedAttention(SparseAttention):
 
     def module(self, role, config):
         return _KERNELS[role]
-
+{tilelang_kernel}
 
 kernel = _ExportedAttention(Spec.from_dict(SPEC),
-                            {{role: config_from_dict(role, data) for role, data in CONFIGS.items()}})
+                            {{role: config_from_dict(role, data, SPEC["backend"]) for role, data in CONFIGS.items()}})
 
 
 def attn(q, k, v, *, block_idx=None, scale=None, return_lse=False):
@@ -386,4 +404,23 @@ def select(q, k):
 
 
 __all__ = {public}
+'''
+
+_TILELANG_SOURCES = '''\
+# dtype -> (module name, source) of the rendered TileLang forward; imported from a file at first use
+_TILELANG_ATTN = {modules}
+'''
+
+_TILELANG_KERNEL = '''
+    @functools.lru_cache(maxsize=64)
+    def _tilelang_kernel(self, shapes, dtype, config, device):
+        """As SparseAttention's, from this file's rendered forward (written under $KERNELGEN_CACHE_DIR,
+        else the temp dir, as <name>.py, then imported) instead of kernelgen's renderer."""
+        if device.type != "cuda":
+            raise ValueError("backend='tilelang' runs on CUDA GPUs only")
+        name, source = _TILELANG_ATTN[canonical_dtype(dtype)]
+        directory = Path(os.environ.get("KERNELGEN_CACHE_DIR") or tempfile.gettempdir()) / "kernelgen-export"
+        func = build_attn_from(load_module(name, source, directory), self.spec, dtype, batch=shapes.batch,
+                               heads_kv=shapes.heads_kv, seq_q=shapes.n_q, seq_k=shapes.n_k, config=config)
+        return compile_kernel(func, arch=target_arch(device))
 '''

@@ -154,8 +154,9 @@ class Spec:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     def for_role(self, role: str) -> "Spec":
-        """The spec whose kernel runs `role`: selection runs in Triton whatever the backend (the
-        TileLang selector has not run on a GPU yet), so it is the Triton twin's."""
+        """The spec whose kernel runs `role`: selection runs in Triton whatever the backend (its tuned
+        winners are the Triton selector's; the TileLang selector is tested, not served), so it is the
+        Triton twin's."""
         return dataclasses.replace(self, backend="triton") if role == "select" else self
 
     def role_key(self, role: str) -> str:

@@ -12,11 +12,13 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from .compile import load_module
-from .render import module_name, render
 from .spec import Spec
 
-__all__ = ["ARCH", "ATTN_OUT_IDX", "DTYPES", "canonical_dtype", "attn_source", "build_attn", "lower", "compile_kernel"]
+__all__ = ["ARCH", "ATTN_OUT_IDX", "DTYPES", "canonical_dtype", "attn_source", "attn_module", "build_attn",
+           "build_attn_from", "target_arch", "lower", "compile_kernel"]
 
 log = logging.getLogger("kernelgen")
 
@@ -34,23 +36,47 @@ def canonical_dtype(dtype: Any) -> str:
     return name
 
 
+# render (jinja2) is imported where it is used: an exported module embeds this file without it
+
 def attn_source(spec: Spec, dtype: Any, config=None) -> str:
     """Rendered forward module for a spec and dtype; its `build(**shape, **tunables)` gives the prim_func."""
+    from .render import render
+
     if spec.backend != "tilelang":
         spec = spec.replace(backend="tilelang")
     return render(spec, "attn", config, dtype=canonical_dtype(dtype))
 
 
+def attn_module(spec: Spec, dtype: Any, config=None):
+    """The rendered forward module, imported from its content-addressed file (TileLang reads the
+    kernel's source with `inspect`)."""
+    from .render import module_name
+
+    source = attn_source(spec, dtype, config)
+    return load_module(module_name(spec.replace(backend="tilelang"), "attn", source), source)
+
+
 def build_attn(spec: Spec, dtype: Any, *, batch: int, heads_kv: int, seq_q: int, seq_k: int, config=None, **tunables):
     """The prim_func for one problem shape. `config` (TileLangAttnConfig) or explicit `tunables`
     (block_M, block_N, num_stages, threads) set the tile parameters."""
-    source = attn_source(spec, dtype, config)
-    module = load_module(module_name(spec.replace(backend="tilelang"), "attn", source), source)
+    return build_attn_from(attn_module(spec, dtype, config), spec, dtype, batch=batch, heads_kv=heads_kv,
+                           seq_q=seq_q, seq_k=seq_k, config=config, **tunables)
+
+
+def build_attn_from(module, spec: Spec, dtype: Any, *, batch: int, heads_kv: int, seq_q: int, seq_k: int,
+                    config=None, **tunables):
+    """The prim_func of a rendered forward `module` (attn_module's) for one problem shape."""
     if config is not None:
         tunables = {"block_M": config.block_m, "num_stages": config.num_stages, "threads": config.threads, **tunables}
     return module.build(batch=batch, heads_q=heads_kv * spec.gqa_group, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
                         head_dim=spec.head_dim, kv_block=spec.kv_block, q_tile=spec.q_tile, top_k=spec.top_k,
                         causal=spec.causal, dtype=canonical_dtype(dtype), **tunables)
+
+
+def target_arch(device) -> str:
+    """The arch TileLang compiles for on a CUDA device: sm_90 becomes sm_90a (wgmma, warp specialisation)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
 def _target(arch: str):
@@ -105,6 +131,8 @@ def select_source(spec: Spec) -> str:
     Rendered from templates/tilelang/select.py.j2 with the same context as every other template."""
     if not spec.selects:
         raise ValueError("select_source: spec.selector='given' chooses no blocks; the caller passes block_idx")
+    from .render import render
+
     if spec.backend != "tilelang":
         spec = spec.replace(backend="tilelang")
     return render(spec, "select")
@@ -128,6 +156,8 @@ def build_select(
     [batch, heads_kv, seq_k, D] (in `dtype`) into fp32 reps (output: parameter 1, POOL_OUT_IDX);
     select_topk(QREP, KREP, BLOCK_IDX) writes int32 [batch, heads_kv, n_q_tiles, top_k] (output:
     parameter 2, SELECT_OUT_IDX), exactly reference.select_blocks up to fp32 near-ties."""
+    from .render import module_name
+
     source = select_source(spec)
     module = load_module(module_name(spec.replace(backend="tilelang"), "select", source), source)
     name = canonical_dtype(dtype)
@@ -136,8 +166,8 @@ def build_select(
                                threads=pool_threads)
     pool_k = module.build_pool(batch=batch, heads=heads_kv, seq=seq_k, head_dim=spec.head_dim, tile=spec.kv_block,
                                groups=spec.groups, dtype=name, tiles=pool_tiles, threads=pool_threads)
-    select = module.build_select(batch=batch, heads_kv=heads_kv, gqa_group=spec.gqa_group, seq_q=seq_q, seq_k=seq_k,
-                                 head_dim=spec.head_dim, q_tile=spec.q_tile, kv_block=spec.kv_block,
-                                 top_k=spec.top_k, groups=spec.groups, sink=spec.sink, n_local=spec.n_local,
-                                 causal=spec.causal, threads=threads)
-    return pool_q, pool_k, select
+    select_topk = module.build_select(batch=batch, heads_kv=heads_kv, gqa_group=spec.gqa_group, seq_q=seq_q,
+                                       seq_k=seq_k, head_dim=spec.head_dim, q_tile=spec.q_tile,
+                                       kv_block=spec.kv_block, top_k=spec.top_k, groups=spec.groups, sink=spec.sink,
+                                       n_local=spec.n_local, causal=spec.causal, threads=threads)
+    return pool_q, pool_k, select_topk

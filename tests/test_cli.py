@@ -98,6 +98,16 @@ def test_export_writes_an_importable_module(tmp_path):
     assert f"SPEC = {spec.to_dict()!r}" in text
 
 
+def test_export_backend_option(tmp_path):
+    out = tmp_path / "tl.py"
+    result = invoke("export", "--head-dim", "64", "--kv-block", "64", "--q-tile", "64", "--top-k", "4",
+                    "--backend", "tilelang", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "\n_TILELANG_ATTN = {" in out.read_text() and "'backend': 'tilelang'" in out.read_text()
+    result = invoke("export", "--backend", "auto", "--out", str(tmp_path / "auto.py"))
+    assert result.exit_code != 0 and "auto" in result.output and not (tmp_path / "auto.py").exists()
+
+
 def test_bench_cpu_smoke(tmp_path):
     result = invoke("bench", "--out", str(tmp_path / "b"))
     assert result.exit_code == 0, result.output

@@ -60,7 +60,8 @@ def run_calls(attn, select, x):
     return out, errors
 '''
 
-CHILD = CALLS + textwrap.dedent('''
+# A child process in which kernelgen, jinja2 and platformdirs cannot be imported.
+BLOCKING = textwrap.dedent('''
     import importlib.abc, importlib.util, sys
     from pathlib import Path
 
@@ -73,6 +74,9 @@ CHILD = CALLS + textwrap.dedent('''
             return None
 
     sys.meta_path.insert(0, Block())
+''')
+
+CHILD = CALLS + BLOCKING + textwrap.dedent('''
     try:
         import kernelgen  # noqa: F401
         raise SystemExit("kernelgen is importable in the child")
@@ -215,3 +219,67 @@ def test_name_clashes_and_imports_are_refused():
                                  "kernelgen/x.py", {"spec": {"Spec"}})
     assert "S = Spec" in rewritten and "raise ImportError" in rewritten
     compile(rewritten, "x", "exec")
+
+
+TILELANG_CHILD = BLOCKING + textwrap.dedent('''
+    import torch
+
+    spec = importlib.util.spec_from_file_location("kg_tl", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kg_tl"] = module
+    spec.loader.exec_module(module)
+    x = torch.load(sys.argv[2])
+    out = {"idx": module.select(x["q"], x["k"]), "spec": module.SPEC, "configs": module.CONFIGS}
+    try:
+        module.attn(x["q"], x["k"], x["v"])
+        out["cpu_error"] = None
+    except ValueError as error:
+        out["cpu_error"] = str(error)
+    # the forward the module would compile on a GPU, for this shape: its CUDA source for sm_90a
+    name, source = module._TILELANG_ATTN["float16"]
+    func = module.build_attn_from(module.load_module(name, source, Path(sys.argv[3])), module.kernel.spec,
+                                  torch.float16, batch=1, heads_kv=2, seq_q=150, seq_k=230,
+                                  config=module.kernel._fixed["attn"])
+    out["cuda_source"] = str(module.lower(func))
+    leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+    assert not leaked, leaked
+    torch.save(out, sys.argv[4])
+''')
+
+
+@pytest.mark.tilelang
+def test_exported_tilelang_module_without_kernelgen(tmp_path, device):
+    """A TileLang spec exports too: without kernelgen, the module selects as get_kernel does (Triton
+    twin), refuses a CPU forward clearly, and builds the very forward kernelgen builds (same CUDA source)."""
+    pytest.importorskip("tilelang")
+    if device != "cpu":
+        pytest.skip("the child runs the interpreter")
+    from kernelgen import tilelang_backend
+    from kernelgen.config import TileLangAttnConfig
+
+    spec = MEAN.replace(backend="tilelang")
+    configs = {"attn": TileLangAttnConfig(block_m=64, num_stages=1, threads=128), "select": MEAN_CONFIGS["select"]}
+    path = export_module(spec, tmp_path / "kg_tl.py", configs=configs)
+    assert "torch, triton and tilelang" in path.read_text().split('"""', 2)[1]
+    q, k, v = _inputs(1, 2, 2, 150, 230, 64, torch.float16, 4)
+    torch.save({"q": q, "k": k, "v": v}, tmp_path / "inputs.pt")
+    (tmp_path / "child.py").write_text(TILELANG_CHILD)
+    env = {key: val for key, val in os.environ.items() if key != "PYTHONPATH"}
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(path), str(tmp_path / "inputs.pt"),
+                           str(tmp_path / "kernels"), str(tmp_path / "outputs.pt")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = torch.load(tmp_path / "outputs.pt")
+    assert out["spec"] == spec.to_dict() and out["configs"] == {r: c.__dict__ for r, c in configs.items()}
+    attn = kernelgen.get_kernel(spec, configs=configs)
+    assert torch.equal(out["idx"], attn.select(q, k))
+    assert out["cpu_error"] is not None and "CUDA GPUs only" in out["cpu_error"]
+    expected = tilelang_backend.lower(tilelang_backend.build_attn(spec, torch.float16, batch=1, heads_kv=2, seq_q=150,
+                                                                  seq_k=230, config=configs["attn"]))
+    assert out["cuda_source"] == expected and "tl::tma_load(K_desc" in expected
+
+
+def test_auto_backend_is_not_exported(tmp_path):
+    with pytest.raises(ValueError, match="auto"):
+        export_module(MEAN.replace(backend="auto"), tmp_path / "m.py")

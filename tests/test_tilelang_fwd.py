@@ -65,3 +65,25 @@ def test_gpu_auto_backend_against_reference():
     attn = kernelgen.get_kernel(spec)
     assert attn.backend(8192, q.dtype, q.device) in ("triton", "tilelang")
     run_and_check(spec, q, k, v, block_idx=given_lists(spec, 1, 2, 8192, 8192, 2, "cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_exported_tilelang_module_matches_get_kernel(tmp_path):
+    """The exported module of a TileLang spec computes what get_kernel computes (same lists, same kernel)."""
+    import importlib.util
+    import sys
+
+    from kernelgen.export import export_module
+
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4, backend="tilelang")
+    path = export_module(spec, tmp_path / "kg_tl_gpu.py")
+    module_spec = importlib.util.spec_from_file_location("kg_tl_gpu", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules["kg_tl_gpu"] = module
+    module_spec.loader.exec_module(module)
+    q, k, v = make_inputs(1, 2, 4, 8192, 8192, 128, torch.bfloat16, "cuda", 41)
+    attn = kernelgen.get_kernel(spec, configs=dict(module.kernel._fixed))  # the configs baked in
+    o, lse = module.attn(q, k, v, return_lse=True)
+    want_o, want_lse = attn(q, k, v, return_lse=True)
+    assert torch.equal(module.select(q, k), attn.select(q, k))
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
