@@ -215,7 +215,8 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
         if unknown:
             raise ValueError(f"fixed names {sorted(unknown)}, which are not {role} config fields")
         space = [p for p in space if all(p[k] == v for k, v in fixed.items())]
-    b, hq, hkv, nq, nk = tune_inputs_shape(spec, bucket if shape is None else seq, cpu=cpu, shape=shape)  # one study, one shape: the bucket's
+    # one study, one shape: the bucket's default inputs, or the workload given
+    b, hq, hkv, nq, nk = tune_inputs_shape(spec, bucket if shape is None else seq, cpu=cpu, shape=shape)
     return {
         "study_name": study_name(spec, role, arch, bucket) if arch is not None else None,
         "spec_key": spec.role_key(role),

@@ -65,8 +65,9 @@ def _tilelang_installed() -> bool:
 
 def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device) -> str:
     """For `Spec.backend == "auto"`: the backend whose tuned attention for this bucket is fastest.
-    Only rows of the same bucket are compared (an exact bucket beats a neighbour's); TileLang needs
-    to be installed; with no tuned row at all, Triton."""
+    Each backend's row is its nearest tuned bucket; the row nearer this bucket wins (an exact bucket
+    beats a neighbour's), and between rows equally near, the faster. TileLang needs to be installed;
+    with no tuned row at all, Triton."""
     rows = {}
     for backend in ("triton", "tilelang"):
         if backend == "tilelang" and not _tilelang_installed():
