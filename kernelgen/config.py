@@ -73,11 +73,14 @@ class SelectConfig:
 @dataclass(frozen=True)
 class TileLangAttnConfig:
     """TileLang Q-centric forward. block_m: packed rows per program; threads: 128 (one consumer
-    warpgroup) or 256 (two); TileLang adds a producer warpgroup for the TMA loads."""
+    warpgroup) or 256 (two); TileLang adds a producer warpgroup for the TMA loads. overlap: issue
+    the QK gemm of the next KV sub-block and the PV gemm of the last one together and run the
+    softmax while PV runs (FlashAttention-3's intra-warpgroup pipelining; Hopper wgmma only)."""
 
     block_m: int = 128
     num_stages: int = 2
     threads: int = 256
+    overlap: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -198,8 +201,8 @@ def config_space(spec: Spec, role: str) -> list:
     """Every feasible point of a role's search space (a comprehension plus a filter)."""
     if role == "attn" and spec.backend == "tilelang":
         space = (
-            TileLangAttnConfig(block_m=m, num_stages=s, threads=t)
-            for m, s, t in itertools.product((64, 128), (1, 2, 3), (128, 256))
+            TileLangAttnConfig(block_m=m, num_stages=s, threads=t, overlap=o)
+            for m, s, t, o in itertools.product((64, 128), (1, 2, 3), (128, 256), (False, True))
         )
         return [c for c in space if tilelang_attn_feasible(spec, c)]
     if role == "attn":

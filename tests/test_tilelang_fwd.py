@@ -1,9 +1,12 @@
 """TileLang backend through get_kernel: GPU runs against the float64 reference; a clear error on CPU."""
+import dataclasses
+
 import pytest
 import torch
 
 import kernelgen
 from kernelgen import Spec
+from kernelgen.config import default_config
 from test_triton_fwd import GPU_CASES, given_lists, gpu_case, make_inputs, run_and_check
 
 pytest.importorskip("tilelang")
@@ -23,6 +26,37 @@ def test_cpu_is_a_clear_error():
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_gpu_tilelang_against_reference(case, dtype):
     run_and_check(*gpu_case(case, dtype, backend="tilelang"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_tilelang_overlap_against_reference(case):
+    """The FlashAttention-3-style loop (QK of the next sub-block and PV of the last one in flight together)
+    with the largest tile a case allows, and with one stage."""
+    spec, q, k, v = gpu_case(case, torch.bfloat16, seed_offset=3, backend="tilelang")
+    cfg = default_config(spec, "attn")
+    for stages in (2, 1):
+        run_and_check(spec, q, k, v, configs={"attn": dataclasses.replace(cfg, num_stages=stages, overlap=True)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_tilelang_empty_lists(overlap):
+    """Tiles whose list holds no valid id (all -1 or out of range) give o = 0, lse = -inf; the others are
+    still right."""
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=8, causal=True, gqa_group=2, selector="given",
+                backend="tilelang")
+    q, k, v = make_inputs(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "cuda", 43)
+    idx = given_lists(spec, 1, 2, 4096, 4096, 5, "cuda")
+    idx[:, :, ::3] = -1
+    idx[:, 1, 1::3] = 10**6
+    configs = {"attn": dataclasses.replace(default_config(spec, "attn"), overlap=overlap)}
+    run_and_check(spec, q, k, v, block_idx=idx, configs=configs)
+    o, lse = kernelgen.get_kernel(spec, configs=configs)(q, k, v, block_idx=idx, return_lse=True)
+    o, lse = o.view(1, 4, 32, 128, 128), lse.view(1, 4, 32, 128)  # [B, H, tile, row(, D)]
+    for heads, tiles in ((slice(None), slice(0, None, 3)), (slice(2, 4), slice(1, None, 3))):
+        assert (o[:, heads, tiles] == 0).all() and torch.isneginf(lse[:, heads, tiles]).all()
+    assert torch.isfinite(lse[:, :, 2::3]).any()
 
 
 @pytest.mark.gpu

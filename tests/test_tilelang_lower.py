@@ -5,6 +5,7 @@ kernel against kernelgen.reference run on a GPU elsewhere (tests marked `gpu`).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import os
@@ -26,7 +27,7 @@ from checks import cubin_bytes  # noqa: E402
 
 BUILD_PARAMS = [
     "batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "kv_block", "q_tile", "top_k",
-    "causal", "dtype", "block_M", "block_N", "num_stages", "threads",
+    "causal", "dtype", "block_M", "block_N", "num_stages", "threads", "overlap",
 ]  # fmt: skip
 
 
@@ -85,11 +86,13 @@ LOWER_GRID = list(itertools.product([False, True], [64, 128], [1, 2, 4], [64, 12
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("causal,D,G,kv_block,q_tile", LOWER_GRID)
-def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, nvcc_really_runs):
-    """Every variant of the test grid, with its default config: CUDA source for sm_90a and a cubin from nvcc."""
+def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, overlap, nvcc_really_runs):
+    """Every variant of the test grid, with its default config (and overlap on and off): CUDA source for
+    sm_90a and a cubin from nvcc."""
     spec = _spec(causal, D, G, kv_block, q_tile)
-    cfg = default_config(spec, "attn")
+    cfg = dataclasses.replace(default_config(spec, "attn"), overlap=overlap)
     assert cfg in config_space(spec, "attn")
     kernel = tb.compile_kernel(tb.build_attn(spec, "bfloat16", batch=2, heads_kv=2, seq_q=1000, seq_k=1100, config=cfg))
     cubin = cubin_bytes(kernel)
@@ -108,6 +111,14 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, nvcc_rea
     assert f"< {1100}" in src  # elementwise mask of the partial last KV block (Nk = 1100)
     assert "-CUDART_INF_F" in src
     assert "float scale" in src  # run-time softmax scale
+    if overlap:
+        # QK and PV in flight together; the K buffer is released only after QK's wait, V's after PV's
+        assert src.count("tl::wgmma_ss<") == src.count("tl::wgmma_rs<") == 1
+        for n, buf in ((1, 0), (0, 1)):
+            assert re.search(rf"tl::wait_wgmma<{n}>\(\);\s*touch\[{buf}\] = [^\n]*\n\s*mbarrier\[[^\]]*\]\.arrive\(\);",
+                             src), f"no buffer release right after wait_wgmma<{n}>"
+    else:
+        assert "wait_wgmma" not in src
 
 
 def test_split_tile_and_sub_blocks_lower():

@@ -18,8 +18,8 @@ def make_inputs(b, hkv, g, nq, nk, d, dtype, device, seed):
     return q, k, v
 
 
-def run_and_check(spec, q, k, v, block_idx=None):
-    attn = kernelgen.get_kernel(spec)
+def run_and_check(spec, q, k, v, block_idx=None, configs=None):
+    attn = kernelgen.get_kernel(spec, configs=configs)
     if block_idx is None:
         idx = attn.select(q, k)
         assert_valid_selection(idx, q, k, spec)

@@ -5,6 +5,7 @@
 #   source .device/with-site.sh && PART=tune bash tools/gpu_session.sh    # GPU tests (both backends), then tune
 #   source .device/with-site.sh && PART=tune-tilelang bash tools/gpu_session.sh  # tune the TileLang forward (grids)
 #   source .device/with-site.sh && PART=bench bash tools/gpu_session.sh   # benchmark with the anchors + overhead
+#   PART=tests-tilelang (the TileLang GPU tests, sharded), PART=probe (tools/tilelang_probe.py)
 set -u
 OUT=${OUT:-/tmp/out}
 PART=${PART:-tune}
@@ -20,6 +21,20 @@ if [ "$PART" = tests ] || [ "$PART" = tune ]; then
   timeout $T $P tests/test_triton_fwd.py > "$OUT/gpu_tests_triton.log" 2>&1
   wait
   for f in "$OUT"/gpu_tests_*.log; do echo "-- $f"; grep -E "passed|failed|FAILED|rror" "$f" | tail -8; done
+fi
+if [ "$PART" = tests-tilelang ]; then
+  # TileLang tests are nvcc-bound: ${SHARDS:-4} pytest processes share the GPU, tests dealt round-robin
+  echo "== TileLang GPU tests in ${SHARDS:-4} shards"
+  ids=$(python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/test_tilelang_fwd.py | grep "::")
+  for i in $(seq 0 $((${SHARDS:-4} - 1))); do
+    shard=$(echo "$ids" | awk -v n=${SHARDS:-4} -v i=$i 'NR % n == i')
+    timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider $shard > "$OUT/gpu_tests_tilelang_$i.log" 2>&1 &
+  done
+  wait
+  for f in "$OUT"/gpu_tests_tilelang_*.log; do echo "-- $f"; grep -E "passed|failed|FAILED|rror" "$f" | tail -8; done
+fi
+if [ "$PART" = probe ]; then
+  timeout ${PROBE_TIMEOUT:-330} python3 tools/tilelang_probe.py --out "$OUT" "$@" 2>&1 | grep -v "\[TileLang" | tee "$OUT/probe.log"
 fi
 if [ "$PART" = tune ]; then
   echo "== tune"

@@ -1,0 +1,167 @@
+"""H200 probe of TileLang forward variants (configs, e.g. overlap on/off) on the benchmark shapes and on
+dense shapes (every block listed), next to cuDNN SDPA (dense) and FlexAttention (same lists).
+
+Every kernel first compiles in a pool of worker processes (nvcc is the slow part; TileLang's disk
+cache then makes the timed process's compile instant). Each output is checked: against SDPA where
+the lists cover everything, else against the first config of its case (itself checked by the GPU
+tests); a check failure is reported in the row, never hidden.
+
+    python3 tools/tilelang_probe.py [--cases b,c_dense,...] [--out DIR]
+"""
+import argparse
+import concurrent.futures as cf
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from kernelgen.bench import SHAPES, BenchShape, dense_flops, flex_block_mask, useful_flops  # noqa: E402
+from kernelgen.config import TileLangAttnConfig as C  # noqa: E402
+
+# dense shapes of issue 4: every KV block in every list (128-blocks, so 128-row tiles at D=64 too)
+DENSE = {
+    f"dense_d{d}_{n // 1024}k_{'c' if causal else 'nc'}": BenchShape(
+        f"dense_d{d}_{n // 1024}k", 1, 32 if d == 128 else 64, 32 if d == 128 else 64, n, n, d, 128, 128, n // 128, causal)
+    for d in (128, 64) for n in (16384,) for causal in (False, True)
+}
+CASES = {"b": SHAPES["b"], "c": SHAPES["c"], "c_dense": SHAPES["c_dense"], "a32k": SHAPES["a32k"], **DENSE}
+
+
+def configs(shape):
+    if shape.q_tile * shape.heads_q // shape.heads_kv < 128:  # (a): 64 rows per program at most
+        return [C(64, 2, 128, False), C(64, 2, 128, True), C(64, 1, 128, True)]
+    return [C(128, 2, 256, False), C(128, 2, 256, True), C(128, 1, 256, True), C(128, 3, 256, True)
+            if shape.head_dim == 128 else C(128, 1, 256, False)]
+
+
+def spec_of(shape):
+    return shape.spec("given").replace(backend="tilelang")
+
+
+def compile_one(args):
+    name, cfg = args
+    from kernelgen import tilelang_backend as tb
+
+    shape = CASES[name]
+    t0 = time.perf_counter()
+    try:
+        func = tb.build_attn(spec_of(shape), "bfloat16", batch=shape.batch, heads_kv=shape.heads_kv, seq_q=shape.n_q,
+                             seq_k=shape.n_k, config=cfg)
+        tb.compile_kernel(func, arch="sm_90a")
+        return name, cfg, None, time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001  (reported in the table)
+        return name, cfg, f"{type(e).__name__}: {str(e)[:200]}", time.perf_counter() - t0
+
+
+def lists(shape, spec, device):
+    """The benchmark's lists (kernelgen's mean selector), or every block for a dense case."""
+    import kernelgen
+
+    n_tiles, n_blocks = -(-shape.n_q // shape.q_tile), -(-shape.n_k // shape.kv_block)
+    if shape.top_k >= n_blocks:
+        ids = torch.arange(n_blocks, device=device, dtype=torch.int32)
+        return ids.expand(shape.batch, shape.heads_kv, n_tiles, n_blocks).contiguous()
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(shape.batch, shape.heads_q, shape.n_q, shape.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(shape.batch, shape.heads_kv, shape.n_k, shape.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    return kernelgen.get_kernel(shape.spec("mean")).select(q, k)
+
+
+def main():
+    import triton
+
+    import kernelgen
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    p.add_argument("--flex", default="b,a32k", help="cases that also time FlexAttention")
+    p.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
+    a = p.parse_args()
+    names = [n for n in a.cases.split(",") if n]
+    jobs = [(n, c) for n in names for c in configs(CASES[n])]
+    t0 = time.perf_counter()
+    failed = {}
+    with cf.ProcessPoolExecutor(a.workers) as pool:
+        for name, cfg, err, secs in pool.map(compile_one, jobs):
+            if err:
+                failed[name, cfg] = err
+                print(f"compile failed {name} {cfg}: {err}", flush=True)
+    print(f"compiled {len(jobs)} kernels in {time.perf_counter() - t0:.0f} s ({a.workers} workers)", flush=True)
+
+    os.makedirs(a.out, exist_ok=True)
+    rows = []
+    out = open(os.path.join(a.out, "tilelang_probe.jsonl"), "a")  # noqa: SIM115
+
+    def record(**row):
+        rows.append(row)
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        print(f"{row['case']:18s} {row['impl']:44s} {row['ms']:8.3f} ms {row['tflops']:6.1f} TF/s {row.get('check', '')}",
+              flush=True)
+
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    for name in names:
+        shape = CASES[name]
+        spec = spec_of(shape)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        mk = lambda h, n: torch.randn(shape.batch, h, n, shape.head_dim, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                      generator=gen)
+        q, k, v = mk(shape.heads_q, shape.n_q), mk(shape.heads_kv, shape.n_k), mk(shape.heads_kv, shape.n_k)
+        idx = lists(shape, spec, "cuda")
+        dense = idx.shape[-1] >= -(-shape.n_k // shape.kv_block)
+        flops = useful_flops(idx, spec, shape.n_q, shape.n_k)
+        g = spec.gqa_group
+        kd, vd = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=shape.causal)  # noqa: E731
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            want = sdpa().float() if dense else None
+            record(case=name, impl="sdpa cudnn (dense)", ms=(ms := bench(sdpa)), tflops=dense_flops(shape) / ms / 1e9)
+        first = None
+        for cfg in configs(shape):
+            impl = f"tilelang m{cfg.block_m} s{cfg.num_stages} t{cfg.threads} overlap={int(cfg.overlap)}"
+            if (name, cfg) in failed:
+                record(case=name, impl=impl, ms=float("nan"), tflops=float("nan"), check="compile failed: " + failed[name, cfg])
+                continue
+            try:
+                attn = kernelgen.get_kernel(spec, configs={"attn": cfg})
+                fn = lambda: attn(q, k, v, block_idx=idx)  # noqa: E731
+                o = fn()
+                torch.cuda.synchronize()
+                ref = want if dense else first
+                if ref is None:
+                    first, check = o.float(), "baseline of this case"
+                else:
+                    err = ((o.float() - ref).norm() / ref.norm()).item()
+                    mx = (o.float() - ref).abs().max().item()
+                    ok = err < 1e-2 and not torch.isnan(o).any()
+                    check = f"{'OK' if ok else 'WRONG'} rel {err:.1e} max {mx:.1e} vs {'sdpa' if dense else 'first config'}"
+                ms = bench(fn)
+                record(case=name, impl=impl, ms=ms, tflops=flops / ms / 1e9, check=check, config=cfg.to_json())
+            except Exception as e:  # noqa: BLE001
+                record(case=name, impl=impl, ms=float("nan"), tflops=float("nan"), check=f"{type(e).__name__}: {str(e)[:200]}")
+        if name in a.flex.split(","):
+            from torch.nn.attention.flex_attention import flex_attention
+
+            flex = torch.compile(flex_attention, dynamic=False)
+            mask = flex_block_mask(idx, spec, shape)
+            opts = None
+            if min(spec.q_tile, spec.kv_block) < 128:
+                bm, bn = min(64, spec.q_tile), min(64, spec.kv_block)
+                opts = {"BLOCK_M": bm, "BLOCK_N": bn, "fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn}
+            fl = lambda: flex(q, k, v, block_mask=mask, enable_gqa=g > 1, kernel_options=opts)  # noqa: E731
+            fl()
+            record(case=name, impl="flex (same BlockMask)", ms=(ms := bench(fl)), tflops=flops / ms / 1e9)
+        q = k = v = kd = vd = want = first = None
+        torch.cuda.empty_cache()
+    out.close()
+
+
+if __name__ == "__main__":
+    main()
