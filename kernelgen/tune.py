@@ -401,6 +401,48 @@ def _worker_main(conn, device: str) -> None:
         conn.send(reply)
 
 
+def _compile_tilelang_point(job: tuple) -> str | None:
+    """Build and compile one TileLang attention config for one problem shape (a precompile process).
+    Returns the error, if any: the trial meets it again and records it."""
+    spec_json, params, shapes, arch = job
+    from . import tilelang_backend
+    from .config import TileLangAttnConfig
+
+    spec = Spec.from_json(spec_json)
+    try:
+        for batch, heads_kv, n_q, n_k in shapes:
+            func = tilelang_backend.build_attn(spec, "bfloat16", batch=batch, heads_kv=heads_kv, seq_q=n_q, seq_k=n_k,
+                                               config=TileLangAttnConfig(**params))
+            tilelang_backend.compile_kernel(func, arch=arch)
+    except Exception as error:  # noqa: BLE001
+        return _describe(error, 300)
+    return None
+
+
+def _precompile_tilelang(spec: Spec, space: list[dict], bucket: int, shape: dict | None, device: str) -> float:
+    """TileLang compiles one kernel per problem shape, and nvcc takes seconds for each: compile every
+    point of the space, for the check inputs and the timed ones, in parallel processes first. They
+    fill TileLang's disk cache, so each trial then only checks and times (on the H200 host, 16 cores:
+    2 x 24 kernels in about half a minute instead of several minutes). Returns the seconds it took."""
+    import concurrent.futures as cf
+
+    from . import tilelang_backend
+
+    t0 = time.perf_counter()
+    n_check = min(bucket, CHECK_MAX_SEQ_GPU)
+    batch, _, heads_kv, n_q, n_k = tune_inputs_shape(spec, bucket, shape=shape)
+    shapes = ((1, CHECK_HEADS_KV_GPU, n_check, n_check), (batch, heads_kv, n_q, n_k))
+    arch = tilelang_backend.target_arch(torch.device(device))
+    jobs = [(spec.to_json(), params, shapes, arch) for params in space]
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 16))
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        errors = [e for e in pool.map(_compile_tilelang_point, jobs) if e]
+    seconds = time.perf_counter() - t0
+    log.info("tune: precompiled %d TileLang configs x %d shapes in %.0f s with %d processes (%d failed)", len(jobs),
+             len(shapes), seconds, workers, len(errors))
+    return seconds
+
+
 def _describe(error: BaseException, limit: int = 4000) -> str:
     text = "".join(traceback.format_exception(error))
     head = f"{type(error).__name__}: {error}"
@@ -670,6 +712,8 @@ def tune(
                 "shape": None if cpu else shape}
     note = ("CPU interpreter run: fp16, tiny inputs, time.perf_counter over 2 calls; the timings are "
             "meaningless (plumbing only)") if cpu else ""
+    if spec.backend == "tilelang" and role == "attn" and not cpu:
+        _precompile_tilelang(spec, space, bucket, shape, worker_device)
     worker = _Worker(worker_device)
 
     def measure(params: dict) -> tuple[dict | None, str | None]:

@@ -6,7 +6,7 @@ import torch
 
 import kernelgen
 from kernelgen import Spec
-from kernelgen.config import default_config
+from kernelgen.config import config_from_dict, default_config
 from test_triton_fwd import GPU_CASES, given_lists, gpu_case, make_inputs, run_and_check
 
 pytest.importorskip("tilelang")
@@ -116,7 +116,9 @@ def test_gpu_exported_tilelang_module_matches_get_kernel(tmp_path):
     sys.modules["kg_tl_gpu"] = module
     module_spec.loader.exec_module(module)
     q, k, v = make_inputs(1, 2, 4, 8192, 8192, 128, torch.bfloat16, "cuda", 41)
-    attn = kernelgen.get_kernel(spec, configs=dict(module.kernel._fixed))  # the configs baked in
+    # the configs baked in (the module's own config classes: rebuilt as kernelgen's)
+    baked = {role: config_from_dict(role, dataclasses.asdict(cfg), "tilelang") for role, cfg in module.kernel._fixed.items()}
+    attn = kernelgen.get_kernel(spec, configs=baked)
     o, lse = module.attn(q, k, v, return_lse=True)
     want_o, want_lse = attn(q, k, v, return_lse=True)
     assert torch.equal(module.select(q, k), attn.select(q, k))

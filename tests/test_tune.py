@@ -4,6 +4,7 @@ to check the study logic without compiling anything."""
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
 
 import optuna
@@ -308,3 +309,18 @@ def test_tpe_seeds_cover_every_value_of_small_fields():
     # the neighbours along num_warps and splits, none along the wide fields; only feasible ones
     assert sorted((s["num_warps"], s["splits"]) for s in seeds[1:]) == [(4, 2), (4, 4), (8, 1)]
     assert all(s["tiles"] == 64 and s["chunk"] == 128 for s in seeds)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_tilelang_precompile_point_compiles_or_reports():
+    """The tuner's TileLang precompile step (a process per config) builds the kernels of both shapes a
+    trial runs, and returns the error of a config that cannot build instead of raising."""
+    pytest.importorskip("tilelang")
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=4, causal=True, backend="tilelang", selector="given")
+    shapes = ((1, 2, 300, 300), (1, 1, 1000, 1100))
+    ok = tune_module._compile_tilelang_point((spec.to_json(), {"block_m": 64, "num_stages": 2, "threads": 128,
+                                                                "overlap": True}, shapes, "sm_90a"))
+    assert ok is None
+    bad = tune_module._compile_tilelang_point((spec.to_json(), {"block_m": 48, "num_stages": 2, "threads": 128,
+                                                                 "overlap": False}, shapes, "sm_90a"))
+    assert bad is not None and "block_M=48" in bad
