@@ -111,6 +111,8 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, overlap,
     assert f"< {1100}" in src  # elementwise mask of the partial last KV block (Nk = 1100)
     assert "-CUDART_INF_F" in src
     assert "float scale" in src  # run-time softmax scale
+    # setmaxnreg (240 for the consumers, 24 for the producer) only with two consumer warpgroups
+    assert ("tl::warpgroup_reg_alloc<240>();" in src) == (cfg.threads == 256)
     if overlap:
         # QK and PV in flight together; the K buffer is released only after QK's wait, V's after PV's
         assert src.count("tl::wgmma_ss<") == src.count("tl::wgmma_rs<") == 1
