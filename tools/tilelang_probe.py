@@ -19,6 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 from kernelgen.bench import SHAPES, BenchShape, dense_flops, flex_block_mask, useful_flops  # noqa: E402
 from kernelgen.config import TileLangAttnConfig as C  # noqa: E402
 
@@ -31,30 +32,49 @@ DENSE = {
 CASES = {"b": SHAPES["b"], "c": SHAPES["c"], "c_dense": SHAPES["c_dense"], "a32k": SHAPES["a32k"], **DENSE}
 
 
-def configs(shape):
+def configs(shape, variants=()):
+    """(config, variant) pairs: a few product configs, then each variant on the overlapped configs of
+    two consumer warpgroups."""
     if shape.q_tile * shape.heads_q // shape.heads_kv < 128:  # (a): 64 rows per program at most
-        return [C(64, 2, 128, False), C(64, 2, 128, True), C(64, 1, 128, True)]
-    return [C(128, 2, 256, False), C(128, 2, 256, True), C(128, 1, 256, True) if shape.head_dim == 128
-            else C(128, 1, 256, False)]
+        base = [C(64, 2, 128, False), C(64, 2, 128, True), C(64, 1, 128, True)]
+    elif shape.head_dim == 128:
+        base = [C(128, 2, 256, False), C(128, 2, 256, True), C(128, 3, 256, True)]
+    else:
+        base = [C(128, 2, 256, False), C(128, 2, 256, True), C(128, 1, 256, False)]
+    return [(c, None) for c in base] + [(c, v) for v in variants for c in base if c.overlap and c.threads == 256]
 
 
 def spec_of(shape):
     return shape.spec("given").replace(backend="tilelang")
 
 
-def compile_one(args):
-    name, cfg = args
+def build(name, cfg, variant):
+    """The compiled kernel of one case, config and variant (None: the product template as it is)."""
     from kernelgen import tilelang_backend as tb
+    from kernelgen.compile import load_module
+    from kernelgen.render import module_name
 
     shape = CASES[name]
+    spec = spec_of(shape)
+    source = tb.attn_source(spec, "bfloat16")
+    if variant:
+        from tilelang_variants import patch
+
+        source = patch(source, variant)
+    module = load_module(module_name(spec, "attn", source), source)
+    func = tb.build_attn_from(module, spec, "bfloat16", batch=shape.batch, heads_kv=shape.heads_kv, seq_q=shape.n_q,
+                              seq_k=shape.n_k, config=cfg)
+    return tb.compile_kernel(func, arch="sm_90a")
+
+
+def compile_one(args):
+    name, cfg, variant = args
     t0 = time.perf_counter()
     try:
-        func = tb.build_attn(spec_of(shape), "bfloat16", batch=shape.batch, heads_kv=shape.heads_kv, seq_q=shape.n_q,
-                             seq_k=shape.n_k, config=cfg)
-        tb.compile_kernel(func, arch="sm_90a")
-        return name, cfg, None, time.perf_counter() - t0
+        build(name, cfg, variant)
+        return name, cfg, variant, None, time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001  (reported in the table)
-        return name, cfg, f"{type(e).__name__}: {str(e)[:200]}", time.perf_counter() - t0
+        return name, cfg, variant, f"{type(e).__name__}: {str(e)[:200]}", time.perf_counter() - t0
 
 
 def lists(shape, spec, device):
@@ -81,16 +101,18 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     p.add_argument("--flex", default="b", help="cases that also time FlexAttention")
     p.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
+    p.add_argument("--variants", default="", help="comma-separated tools/tilelang_variants.py variants")
     a = p.parse_args()
     names = [n for n in a.cases.split(",") if n]
-    jobs = [(n, c) for n in names for c in configs(CASES[n])]
+    variants = [v for v in a.variants.split(",") if v]
+    jobs = [(n, c, v) for n in names for c, v in configs(CASES[n], variants)]
     t0 = time.perf_counter()
     failed = {}
     with cf.ProcessPoolExecutor(a.workers) as pool:
-        for name, cfg, err, secs in pool.map(compile_one, jobs):
+        for name, cfg, variant, err, secs in pool.map(compile_one, jobs):
             if err:
-                failed[name, cfg] = err
-                print(f"compile failed {name} {cfg}: {err}", flush=True)
+                failed[name, cfg, variant] = err
+                print(f"compile failed {name} {cfg} {variant}: {err}", flush=True)
     print(f"compiled {len(jobs)} kernels in {time.perf_counter() - t0:.0f} s ({a.workers} workers)", flush=True)
 
     os.makedirs(a.out, exist_ok=True)
@@ -124,14 +146,20 @@ def main():
             want = sdpa().float() if dense else None
             record(case=name, impl="sdpa cudnn (dense)", ms=(ms := bench(sdpa)), tflops=dense_flops(shape) / ms / 1e9)
         first = None
-        for cfg in configs(shape):
+        for cfg, variant in configs(shape, variants):
             impl = f"tilelang m{cfg.block_m} s{cfg.num_stages} t{cfg.threads} overlap={int(cfg.overlap)}"
-            if (name, cfg) in failed:
-                record(case=name, impl=impl, ms=float("nan"), tflops=float("nan"), check="compile failed: " + failed[name, cfg])
+            impl += f" +{variant}" if variant else ""
+            if (name, cfg, variant) in failed:
+                record(case=name, impl=impl, ms=float("nan"), tflops=float("nan"),
+                       check="compile failed: " + failed[name, cfg, variant])
                 continue
             try:
-                attn = kernelgen.get_kernel(spec, configs={"attn": cfg})
-                fn = lambda: attn(q, k, v, block_idx=idx)  # noqa: E731
+                if variant:  # the patched kernel, launched directly (outputs O and LSE)
+                    kernel, scale = build(name, cfg, variant), 1.0 / math.sqrt(shape.head_dim)
+                    fn = lambda: kernel(q, k, v, idx, scale)[0]  # noqa: E731
+                else:
+                    attn = kernelgen.get_kernel(spec, configs={"attn": cfg})
+                    fn = lambda: attn(q, k, v, block_idx=idx)  # noqa: E731
                 o = fn()
                 torch.cuda.synchronize()
                 ref = want if dense else first
