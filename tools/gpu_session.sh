@@ -5,7 +5,8 @@
 #   source .device/with-site.sh && PART=tune bash tools/gpu_session.sh    # GPU tests (both backends), then tune
 #   source .device/with-site.sh && PART=tune-tilelang bash tools/gpu_session.sh  # tune the TileLang forward (grids)
 #   source .device/with-site.sh && PART=bench bash tools/gpu_session.sh   # benchmark with the anchors + overhead
-#   PART=tests-tilelang (the TileLang GPU tests, sharded), PART=probe (tools/tilelang_probe.py)
+#   PART=tests (the GPU tests of both backends), PART=tests-tilelang (TileLang's only),
+#   PART=probe (tools/tilelang_probe.py [--variants ...])
 set -u
 OUT=${OUT:-/tmp/out}
 PART=${PART:-tune}
@@ -13,25 +14,22 @@ mkdir -p "$OUT"
 export KERNELGEN_CACHE_DIR=/tmp/kg-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-if [ "$PART" = tests ] || [ "$PART" = tune ]; then
-  echo "== GPU tests: Triton and TileLang in two processes (their compiles overlap)"
-  T=${TEST_TIMEOUT:-150}
-  P="python3 -m pytest -q -m gpu -p no:cacheprovider"
-  timeout $T $P tests/test_tilelang_fwd.py > "$OUT/gpu_tests_tilelang.log" 2>&1 &
-  timeout $T $P tests/test_triton_fwd.py > "$OUT/gpu_tests_triton.log" 2>&1
-  wait
-  for f in "$OUT"/gpu_tests_*.log; do echo "-- $f"; grep -E "passed|failed|FAILED|rror" "$f" | tail -8; done
-fi
-if [ "$PART" = tests-tilelang ]; then
-  # TileLang tests are nvcc-bound: ${SHARDS:-4} pytest processes share the GPU, tests dealt round-robin
-  echo "== TileLang GPU tests in ${SHARDS:-4} shards"
-  ids=$(python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/test_tilelang_fwd.py | grep "::")
-  for i in $(seq 0 $((${SHARDS:-4} - 1))); do
-    shard=$(echo "$ids" | awk -v n=${SHARDS:-4} -v i=$i 'NR % n == i')
-    timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider $shard > "$OUT/gpu_tests_tilelang_$i.log" 2>&1 &
+# GPU tests of one file in $2 pytest processes sharing the GPU (TileLang's are nvcc-bound), tests dealt
+# round-robin; logs $OUT/gpu_tests_<name>_<shard>.log
+gpu_tests() {
+  local ids
+  ids=$(python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only "tests/test_$1_fwd.py" | grep "::")
+  for i in $(seq 0 $(($2 - 1))); do
+    timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
+      $(echo "$ids" | awk -v n=$2 -v i=$i 'NR % n == i') > "$OUT/gpu_tests_$1_$i.log" 2>&1 &
   done
+}
+if [ "$PART" = tests ] || [ "$PART" = tune ] || [ "$PART" = tests-tilelang ]; then
+  echo "== GPU tests (TileLang in ${SHARDS:-4} shards)"
+  gpu_tests tilelang ${SHARDS:-4}
+  [ "$PART" = tests-tilelang ] || gpu_tests triton 1
   wait
-  for f in "$OUT"/gpu_tests_tilelang_*.log; do echo "-- $f"; grep -E "passed|failed|FAILED|rror" "$f" | tail -8; done
+  for f in "$OUT"/gpu_tests_*.log; do echo "-- $f"; grep -E "passed|failed|skipped|FAILED|rror" "$f" | tail -8; done
 fi
 if [ "$PART" = probe ]; then
   timeout ${PROBE_TIMEOUT:-330} python3 tools/tilelang_probe.py --out "$OUT" "$@" 2>&1 | grep -v "\[TileLang" | tee "$OUT/probe.log"
