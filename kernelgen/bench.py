@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BenchShape", "SHAPES", "useful_flops", "run"]
+__all__ = ["BenchShape", "SHAPES", "useful_flops", "flex_block_mask", "flex_kernel_options", "run"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,15 @@ def flex_block_mask(block_idx: torch.Tensor, spec, shape: BenchShape):
                                     mask_mod=causal_mask if spec.causal else any_mask, seq_lengths=(n_q, n_k))
 
 
+def flex_kernel_options(spec) -> dict | None:
+    """FlexAttention's kernel_options for a BlockMask of spec's blocks: its kernel tile must divide the
+    BlockMask's blocks (64-blocks need 64x64 tiles); None keeps Flex's own choice."""
+    if min(spec.q_tile, spec.kv_block) >= 128:
+        return None
+    bm, bn = min(64, spec.q_tile), min(64, spec.kv_block)
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn}
+
+
 def _bench(fn, warmup=25, rep=100) -> float:
     import triton
 
@@ -226,11 +235,7 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=()) -> list[dict
             flex = torch.compile(flex_attention, dynamic=False)
             mask = flex_block_mask(idx, spec, shape)
             g = spec.gqa_group
-            # Flex's kernel tile must divide the BlockMask's blocks (64-blocks need 64x64 tiles)
-            opts = None
-            if min(spec.q_tile, spec.kv_block) < 128:
-                bm, bn = min(64, spec.q_tile), min(64, spec.kv_block)
-                opts = {"BLOCK_M": bm, "BLOCK_N": bn, "fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn}
+            opts = flex_kernel_options(spec)
             fo = flex(q, k, v, block_mask=mask, enable_gqa=g > 1, kernel_options=opts)
             diff = ((fo.float() - ours.float()).norm() / ours.float().norm()).item()
             record("flex (same BlockMask)", lambda: flex(q, k, v, block_mask=mask, enable_gqa=g > 1, kernel_options=opts),

@@ -132,8 +132,9 @@ def tilelang_attn_feasible(spec: Spec, cfg: TileLangAttnConfig) -> bool:
     """Same row packing rule as Triton; 256 threads need 128 rows (two 64-row warpgroups). Three stages
     at head_dim 64 are left out: on the H200 that kernel never finished (a32k tune, 2026-11-30)."""
     packing = attn_feasible(spec, AttnConfig(block_m=cfg.block_m, num_warps=cfg.threads // 32, num_stages=1))
-    return (packing and cfg.block_m in (64, 128) and (cfg.threads == 128 or cfg.block_m == 128)
-            and not (spec.head_dim == 64 and cfg.num_stages == 3))
+    return (packing and cfg.block_m in (64, 128) and cfg.threads in (128, 256)
+            and (cfg.threads == 128 or cfg.block_m == 128) and cfg.num_stages in (1, 2, 3)
+            and isinstance(cfg.overlap, bool) and not (spec.head_dim == 64 and cfg.num_stages == 3))
 
 
 def check_config(spec: Spec, role: str, cfg) -> None:

@@ -267,6 +267,17 @@ def _make_inputs(spec: Spec, heads_kv: int, n: int, device: str, dtype: torch.dt
     return tuple(torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in (shape_q, shape_kv, shape_kv))
 
 
+def _trial_shapes(spec: Spec, seq: int, cpu: bool, shape: dict | None) -> tuple[tuple, tuple]:
+    """(batch, heads_kv, n_q, n_k) of a trial's two inputs: the small ones checked against the
+    reference, and the ones timed (the same on the CPU)."""
+    batch, _, hkv, n, n_k = tune_inputs_shape(spec, seq, cpu=cpu, shape=shape)
+    bench = (batch, hkv, n, n_k)
+    if cpu:
+        return (1, hkv, n, n), bench
+    n_check = min(seq, CHECK_MAX_SEQ_GPU)
+    return (1, CHECK_HEADS_KV_GPU, n_check, n_check), bench
+
+
 class _Inputs:
     """Inputs of one (spec, seq, device), made once per worker: small ones to check against the
     reference, bucket-sized ones to time on (the same tensors on the CPU)."""
@@ -280,9 +291,8 @@ class _Inputs:
         self.dtype = torch.float16 if cpu else torch.bfloat16
         self.sel_spec = spec if spec.selects else spec.replace(selector="mean")
         self.given_spec = spec.replace(selector="given")
-        batch, _, hkv, n, n_k = tune_inputs_shape(spec, seq, cpu=cpu, shape=shape)
-        n_check = n if cpu else min(seq, CHECK_MAX_SEQ_GPU)
-        self.check = _make_inputs(spec, hkv if cpu else CHECK_HEADS_KV_GPU, n_check, device, self.dtype)
+        (_, check_hkv, n_check, _), (batch, hkv, n, n_k) = _trial_shapes(spec, seq, cpu, shape)
+        self.check = _make_inputs(spec, check_hkv, n_check, device, self.dtype)
         self.bench = self.check if cpu else _make_inputs(spec, hkv, n, device, self.dtype, batch, n_k)
         q, k, v = self.check
         self.check_idx = reference.select_blocks(q, k, self.sel_spec)
@@ -420,20 +430,21 @@ def _compile_tilelang_point(job: tuple) -> str | None:
 
 
 def _precompile_tilelang(spec: Spec, space: list[dict], bucket: int, shape: dict | None, device: str) -> float:
-    """TileLang compiles one kernel per problem shape, and nvcc takes seconds for each: compile every
-    point of the space, for the check inputs and the timed ones, in parallel processes first. They
-    fill TileLang's disk cache, so each trial then only checks and times (on the H200 host, 16 cores:
-    2 x 24 kernels in about half a minute instead of several minutes). Returns the seconds it took."""
+    """TileLang compiles one kernel per problem shape, and nvcc takes seconds for each: compile the
+    points of `space`, for both inputs of a trial (`_trial_shapes`), in parallel processes first. They
+    fill TileLang's disk cache, so each trial then only checks and times (H200 host, 16 cores: a
+    12-point grid tuned in 55-80 s per shape, where 6 serial trials had taken 87-144 s). Returns the
+    seconds it took."""
     import concurrent.futures as cf
 
     from . import tilelang_backend
 
     t0 = time.perf_counter()
-    n_check = min(bucket, CHECK_MAX_SEQ_GPU)
-    batch, _, heads_kv, n_q, n_k = tune_inputs_shape(spec, bucket, shape=shape)
-    shapes = ((1, CHECK_HEADS_KV_GPU, n_check, n_check), (batch, heads_kv, n_q, n_k))
+    shapes = _trial_shapes(spec, bucket, False, shape)
     arch = tilelang_backend.target_arch(torch.device(device))
     jobs = [(spec.to_json(), params, shapes, arch) for params in space]
+    if not jobs:
+        return 0.0
     workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 16))
     with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         errors = [e for e in pool.map(_compile_tilelang_point, jobs) if e]
@@ -712,8 +723,6 @@ def tune(
                 "shape": None if cpu else shape}
     note = ("CPU interpreter run: fp16, tiny inputs, time.perf_counter over 2 calls; the timings are "
             "meaningless (plumbing only)") if cpu else ""
-    if spec.backend == "tilelang" and role == "attn" and not cpu:
-        _precompile_tilelang(spec, space, bucket, shape, worker_device)
     worker = _Worker(worker_device)
 
     def measure(params: dict) -> tuple[dict | None, str | None]:
@@ -738,6 +747,9 @@ def tune(
             for seed_params in _seeds(default, choices, feasible, limit=max(1, the_plan["trials"] // 2)):
                 study.enqueue_trial(seed_params)
         done = len(complete) + len(failed)
+        if spec.backend == "tilelang" and role == "attn" and not cpu and done < trials:
+            seen = {_config_key(t.params) for t in complete + failed}
+            _precompile_tilelang(spec, [p for p in space if _config_key(p) not in seen], bucket, shape, worker_device)
         log.info("tune %s: %d configs feasible, %s sampler, %d of %d trials already measured", name,
                  len(space), the_plan["sampler"], done, trials)
         unmeasured_in_a_row = [0]

@@ -49,3 +49,19 @@ def test_seq_bucket():
 def test_a_spec_no_config_fits_is_a_clear_error():
     with pytest.raises(ValueError, match="smaller kv_block"):
         default_config(Spec(head_dim=256, kv_block=256), "attn")
+
+
+@pytest.mark.parametrize("change", [dict(threads=512), dict(threads=64), dict(num_stages=4), dict(num_stages=0),
+                                    dict(overlap="yes")])
+def test_tilelang_pinned_config_outside_the_kernel_s_range_is_refused(change):
+    """A pinned TileLang config the kernel was never built for (thread count, stages, a non-bool switch)
+    is a clear error, not a launch of an untested shape."""
+    import dataclasses
+
+    from kernelgen.config import check_config
+
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
+    cfg = default_config(spec, "attn")
+    check_config(spec, "attn", cfg)
+    with pytest.raises(ValueError, match="not feasible"):
+        check_config(spec, "attn", dataclasses.replace(cfg, **change))

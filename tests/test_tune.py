@@ -324,3 +324,16 @@ def test_tilelang_precompile_point_compiles_or_reports():
     bad = tune_module._compile_tilelang_point((spec.to_json(), {"block_m": 48, "num_stages": 2, "threads": 128,
                                                                  "overlap": False}, shapes, "sm_90a"))
     assert bad is not None and "block_M=48" in bad
+
+
+def test_trial_shapes_are_what_the_worker_checks_and_times():
+    """One place says which two shapes a trial runs (the TileLang precompile compiles exactly those)."""
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, selector="given")
+    check, bench = tune_module._trial_shapes(spec, 32768, False, None)
+    b, hq, hkv, nq, nk = tune_inputs_shape(spec, 32768)
+    assert check == (1, tune_module.CHECK_HEADS_KV_GPU, tune_module.CHECK_MAX_SEQ_GPU, tune_module.CHECK_MAX_SEQ_GPU)
+    assert bench == (b, hkv, nq, nk) and hq == hkv * 4
+    workload = {"batch": 2, "heads_kv": 1, "n_q": 4096, "n_k": 16384}
+    assert tune_module._trial_shapes(spec, 16384, False, workload)[1] == (2, 1, 4096, 16384)
+    cpu_check, cpu_bench = tune_module._trial_shapes(spec, 16384, True, None)
+    assert cpu_check == cpu_bench == (1, 1, tune_module.CPU_MAX_SEQ, tune_module.CPU_MAX_SEQ)

@@ -139,7 +139,7 @@ def bench(fn):
 
 def probe_gather(rows, log):
     import kernelgen
-    from kernelgen.bench import SHAPES, flex_block_mask, useful_flops
+    from kernelgen.bench import SHAPES, flex_block_mask, flex_kernel_options, useful_flops
 
     for name in ("a32k", "b"):
         s = SHAPES[name]
@@ -181,9 +181,7 @@ def probe_gather(rows, log):
 
             flex = torch.compile(flex_attention, dynamic=False)
             mask = flex_block_mask(idx, spec, s)
-            opts = None
-            if min(spec.q_tile, spec.kv_block) < 128:
-                opts = {"BLOCK_M": 64, "BLOCK_N": 64, "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}
+            opts = flex_kernel_options(spec)
             g = spec.gqa_group
             row("flex (same BlockMask)", bench(lambda: flex(q, k, v, block_mask=mask, enable_gqa=g > 1,
                                                             kernel_options=opts)))

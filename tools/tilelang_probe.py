@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from kernelgen.bench import SHAPES, BenchShape, dense_flops, flex_block_mask, useful_flops  # noqa: E402
+from kernelgen.bench import SHAPES, BenchShape, dense_flops, flex_block_mask, flex_kernel_options, useful_flops  # noqa: E402
 from kernelgen.config import TileLangAttnConfig as C  # noqa: E402
 
 # dense shapes of issue 4: every KV block in every list (128-blocks, so 128-row tiles at D=64 too)
@@ -179,10 +179,7 @@ def main():
 
             flex = torch.compile(flex_attention, dynamic=False)
             mask = flex_block_mask(idx, spec, shape)
-            opts = None
-            if min(spec.q_tile, spec.kv_block) < 128:
-                bm, bn = min(64, spec.q_tile), min(64, spec.kv_block)
-                opts = {"BLOCK_M": bm, "BLOCK_N": bn, "fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn}
+            opts = flex_kernel_options(spec)
             fl = lambda: flex(q, k, v, block_mask=mask, enable_gqa=g > 1, kernel_options=opts)  # noqa: E731
             fl()
             record(case=name, impl="flex (same BlockMask)", ms=(ms := bench(fl)), tflops=flops / ms / 1e9)
