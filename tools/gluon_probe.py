@@ -1,0 +1,162 @@
+"""H200 probe of the Gluon forward prototype (tools/gluon_fwd.py): correctness on the Triton GPU test grid
+against the float64 reference (outputs poisoned with NaN first), then timings next to the forward
+kernelgen serves, FlexAttention with the same BlockMask, and cuDNN SDPA on the dense cases.
+
+    python3 tools/gluon_probe.py [--out DIR] [--check-only] [--time-only]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
+import gluon_fwd  # noqa: E402
+from checks import TOLERANCE  # noqa: E402
+
+import kernelgen  # noqa: E402
+from kernelgen import ops, reference  # noqa: E402
+from kernelgen.bench import SHAPES, BenchShape, flex_block_mask, flex_kernel_options, useful_flops  # noqa: E402
+
+# (B, Hkv, G, Nq, Nk, D, kv_block, q_tile, top_k, causal): the Triton GPU grid's shapes, plus partial
+# blocks, GQA splits, Nq != Nk
+CHECKS = [
+    (1, 2, 1, 4096, 4096, 64, 64, 64, 16, True),
+    (1, 2, 4, 4096, 4096, 128, 64, 64, 16, True),
+    (2, 1, 16, 4096, 16384, 128, 128, 128, 16, False),
+    (1, 2, 4, 8192, 8192, 128, 128, 128, 16, True),
+    (1, 1, 2, 16384 + 77, 16384 + 77, 64, 64, 128, 16, True),
+    (1, 1, 4, 4000, 4096, 128, 128, 64, 64, True),
+    (1, 2, 2, 4096, 4096, 128, 128, 128, 32, True),
+    (1, 2, 1, 1000, 1500, 64, 64, 64, 8, False),
+]
+# dense (every block listed), 16k: D=128 with 128-blocks (H32), D=64 with 64-blocks and 128-query tiles (H64)
+DENSE = {f"dense_d{d}_16k_{'c' if c else 'nc'}": BenchShape("dense", 1, 4096 // d, 4096 // d, 16384, 16384, d, d, 128,
+                                                             16384 // d, c)
+         for d in (128, 64) for c in (False, True)}
+
+
+def check(case, dtype, block_m, stages, lists="select"):
+    b, hkv, g, nq, nk, d, kv_block, q_tile, top_k, causal = case
+    spec = kernelgen.Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g)
+    gen = torch.Generator(device="cuda").manual_seed(nq + d + g)
+    q = torch.randn(b, hkv * g, nq, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, generator=gen)
+    if lists == "select":
+        idx = kernelgen.get_kernel(spec).select(q, k)
+    else:  # empty lists, out-of-range and negative ids, repeats
+        n_blocks = spec.n_kv_blocks(nk)
+        idx = torch.randint(-3, n_blocks + 3, (b, hkv, spec.n_q_tiles(nq), top_k), device="cuda", generator=gen,
+                            dtype=torch.int32)
+        idx[:, :, ::3] = -1
+    shapes = ops.check_qkv(q, k, v, spec)
+    attn = kernelgen.get_kernel(spec.replace(selector="given"))
+    norm = ops.prepare_block_idx(idx, spec, shapes, q.device, attn.module("select"))
+    o, lse = gluon_fwd.attention(q, k, v, norm, spec, block_m=block_m, stages=stages, poison=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=norm)
+    rel_tol, abs_tol = TOLERANCE[dtype]
+    nan = bool(torch.isnan(o).any() or torch.isnan(lse).any())
+    rel = ((o.double() - ref_o).norm() / ref_o.norm().clamp(min=1e-30)).item()
+    max_abs = (o.double() - ref_o).abs().max().item()
+    inf = torch.isinf(ref_lse)
+    lse_ok = torch.equal(torch.isinf(lse), inf) and (
+        (lse.double()[~inf] - ref_lse[~inf]).abs().max().item() < 10 * abs_tol if (~inf).any() else True)
+    ok = (not nan) and rel < rel_tol and max_abs < abs_tol and lse_ok
+    return dict(case=list(case), dtype=str(dtype), block_m=block_m, stages=stages, lists=lists, ok=ok, nan=nan,
+                rel=rel, max_abs=max_abs, lse_ok=lse_ok)
+
+
+def timing(name, shape, configs):
+    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda h, n: torch.randn(shape.batch, h, n, shape.head_dim, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                  generator=gen)
+    q, k, v = mk(shape.heads_q, shape.n_q), mk(shape.heads_kv, shape.n_k), mk(shape.heads_kv, shape.n_k)
+    spec = shape.spec("mean")
+    dense = shape.top_k * shape.kv_block >= shape.n_k
+    if dense:  # every block in every list
+        n_tiles, n_blocks = spec.n_q_tiles(shape.n_q), spec.n_kv_blocks(shape.n_k)
+        idx = torch.arange(n_blocks, device="cuda", dtype=torch.int32).expand(
+            shape.batch, shape.heads_kv, n_tiles, n_blocks).contiguous()
+    else:
+        idx = kernelgen.get_kernel(spec).select(q, k)
+    flops = useful_flops(idx, spec, shape.n_q, shape.n_k)
+    given = kernelgen.get_kernel(spec.replace(selector="given", backend="auto"))
+    shapes = ops.check_qkv(q, k, v, spec)
+    norm = ops.prepare_block_idx(idx, spec, shapes, q.device, given.module("select"))
+    rows = []
+
+    def row(impl, ms, **extra):
+        r = dict(shape=name, impl=impl, ms=ms, tflops=flops / ms / 1e9, **extra)
+        rows.append(r)
+        print(f"{name:18s} {impl:34s} {ms:8.3f} ms {r['tflops']:6.1f} TFLOP/s {extra if extra else ''}", flush=True)
+
+    served = given(q, k, v, block_idx=idx)
+    row("kernelgen auto (served)", bench(lambda: given(q, k, v, block_idx=idx)),
+        backend=given.backend(shape.n_k), config=given.config("attn", shape.n_q, shape.n_k).to_json())
+    for block_m, stages in configs:
+        try:
+            o, _ = gluon_fwd.attention(q, k, v, norm, spec, block_m=block_m, stages=stages)
+            diff = ((o.float() - served.float()).norm() / served.float().norm()).item()
+            row(f"gluon m{block_m} s{stages}", bench(lambda: gluon_fwd.attention(q, k, v, norm, spec, block_m=block_m,
+                                                                               stages=stages)),
+                rel_diff_vs_served=f"{diff:.1e}")
+        except Exception as error:  # noqa: BLE001 (a config that fails is a row, not the end of the probe)
+            print(f"{name} gluon m{block_m} s{stages}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+    if dense:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            row("sdpa cudnn (dense)", bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=shape.causal, enable_gqa=shape.heads_q != shape.heads_kv)))
+    else:
+        flex = torch.compile(flex_attention, dynamic=False)
+        mask = flex_block_mask(idx, spec, shape)
+        opts = flex_kernel_options(spec)
+        row("flex (same BlockMask)", bench(lambda: flex(q, k, v, block_mask=mask, enable_gqa=shape.heads_q != shape.heads_kv,
+                                                        kernel_options=opts)))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--time-only", action="store_true")
+    p.add_argument("--shapes", default="a32k,b,c,c_dense," + ",".join(DENSE))
+    args = p.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    results = {"checks": [], "timings": []}
+    if not args.time_only:
+        for case in CHECKS:
+            for dtype in (torch.bfloat16, torch.float16):
+                block_m = min(128, case[2] * case[7])
+                for lists in ("select", "random"):
+                    try:
+                        r = check(case, dtype, block_m, 2, lists)
+                    except Exception as error:  # noqa: BLE001
+                        r = dict(case=list(case), dtype=str(dtype), lists=lists, ok=False,
+                                 error=f"{type(error).__name__}: {str(error)[:400]}")
+                    results["checks"].append(r)
+                    print(("PASS " if r["ok"] else "FAIL ") + json.dumps(r), flush=True)
+        n_ok = sum(r["ok"] for r in results["checks"])
+        print(f"checks: {n_ok}/{len(results['checks'])} pass", flush=True)
+    if not args.check_only:
+        for name in args.shapes.split(","):
+            shape = SHAPES.get(name) or DENSE[name]
+            rows_max = min(128, shape.heads_q // shape.heads_kv * shape.q_tile)
+            configs = [(m, s) for m in (64, 128) if m <= rows_max for s in ((2, 3, 4) if shape.head_dim == 64 else (2, 3))]
+            results["timings"] += timing(name, shape, configs)
+    if args.out:
+        with open(os.path.join(args.out, "gluon_probe.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
