@@ -19,9 +19,10 @@ import gluon_fwd  # noqa: E402
 from checks import TOLERANCE  # noqa: E402
 
 import kernelgen  # noqa: E402
-from kernelgen import ops, reference  # noqa: E402
+from kernelgen import reference  # noqa: E402
 from kernelgen.bench import SHAPES, BenchShape, flex_block_mask, flex_kernel_options, useful_flops  # noqa: E402
 
+DEVICE, DTYPE = "cuda", torch.bfloat16
 # (B, Hkv, G, Nq, Nk, D, kv_block, q_tile, top_k, causal): the Triton GPU grid's shapes, plus partial
 # blocks, GQA splits, Nq != Nk
 CHECKS = [
@@ -43,20 +44,18 @@ DENSE = {f"dense_d{d}_16k_{'c' if c else 'nc'}": BenchShape("dense", 1, 4096 // 
 def check(case, dtype, block_m, stages, lists="select"):
     b, hkv, g, nq, nk, d, kv_block, q_tile, top_k, causal = case
     spec = kernelgen.Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g)
-    gen = torch.Generator(device="cuda").manual_seed(nq + d + g)
-    q = torch.randn(b, hkv * g, nq, d, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(b, hkv, nk, d, device="cuda", dtype=dtype, generator=gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(nq + d + g)
+    q = torch.randn(b, hkv * g, nq, d, device=DEVICE, dtype=dtype, generator=gen)
+    k = torch.randn(b, hkv, nk, d, device=DEVICE, dtype=dtype, generator=gen)
+    v = torch.randn(b, hkv, nk, d, device=DEVICE, dtype=dtype, generator=gen)
     if lists == "select":
         idx = kernelgen.get_kernel(spec).select(q, k)
     else:  # empty lists, out-of-range and negative ids, repeats
         n_blocks = spec.n_kv_blocks(nk)
-        idx = torch.randint(-3, n_blocks + 3, (b, hkv, spec.n_q_tiles(nq), top_k), device="cuda", generator=gen,
-                            dtype=torch.int32)
+        keys = torch.rand(b, hkv, spec.n_q_tiles(nq), n_blocks + 6, device=DEVICE, generator=gen)
+        idx = (keys.argsort(-1)[..., :top_k] - 3).to(torch.int32)  # distinct ids, some outside [0, n_blocks)
         idx[:, :, ::3] = -1
-    shapes = ops.check_qkv(q, k, v, spec)
-    attn = kernelgen.get_kernel(spec.replace(selector="given"))
-    norm = ops.prepare_block_idx(idx, spec, shapes, q.device, attn.module("select"))
+    norm = reference.normalize_block_idx(idx, spec.n_kv_blocks(nk))  # what ops.prepare_block_idx makes
     o, lse = gluon_fwd.attention(q, k, v, norm, spec, block_m=block_m, stages=stages, poison=True)
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=norm)
     rel_tol, abs_tol = TOLERANCE[dtype]
@@ -76,22 +75,21 @@ def timing(name, shape, configs):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda h, n: torch.randn(shape.batch, h, n, shape.head_dim, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    mk = lambda h, n: torch.randn(shape.batch, h, n, shape.head_dim, device=DEVICE, dtype=DTYPE,  # noqa: E731
                                   generator=gen)
     q, k, v = mk(shape.heads_q, shape.n_q), mk(shape.heads_kv, shape.n_k), mk(shape.heads_kv, shape.n_k)
     spec = shape.spec("mean")
     dense = shape.top_k * shape.kv_block >= shape.n_k
     if dense:  # every block in every list
         n_tiles, n_blocks = spec.n_q_tiles(shape.n_q), spec.n_kv_blocks(shape.n_k)
-        idx = torch.arange(n_blocks, device="cuda", dtype=torch.int32).expand(
+        idx = torch.arange(n_blocks, device=DEVICE, dtype=torch.int32).expand(
             shape.batch, shape.heads_kv, n_tiles, n_blocks).contiguous()
     else:
         idx = kernelgen.get_kernel(spec).select(q, k)
     flops = useful_flops(idx, spec, shape.n_q, shape.n_k)
     given = kernelgen.get_kernel(spec.replace(selector="given", backend="auto"))
-    shapes = ops.check_qkv(q, k, v, spec)
-    norm = ops.prepare_block_idx(idx, spec, shapes, q.device, given.module("select"))
+    norm = reference.normalize_block_idx(idx, spec.n_kv_blocks(shape.n_k))
     rows = []
 
     def row(impl, ms, **extra):
