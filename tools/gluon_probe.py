@@ -52,7 +52,8 @@ def check(case, dtype, block_m, stages, lists="select"):
         idx = kernelgen.get_kernel(spec).select(q, k)
     else:  # empty lists, out-of-range and negative ids, repeats
         n_blocks = spec.n_kv_blocks(nk)
-        keys = torch.rand(b, hkv, spec.n_q_tiles(nq), n_blocks + 6, device=DEVICE, generator=gen)
+        width = max(top_k, n_blocks + 6)
+        keys = torch.rand(b, hkv, spec.n_q_tiles(nq), width, device=DEVICE, generator=gen)
         idx = (keys.argsort(-1)[..., :top_k] - 3).to(torch.int32)  # distinct ids, some outside [0, n_blocks)
         idx[:, :, ::3] = -1
     norm = reference.normalize_block_idx(idx, spec.n_kv_blocks(nk))  # what ops.prepare_block_idx makes
