@@ -5,7 +5,8 @@
 #   source .device/with-site.sh && PART=tune bash tools/gpu_session.sh    # GPU tests (both backends), then tune
 #   source .device/with-site.sh && PART=tune-tilelang bash tools/gpu_session.sh  # tune the TileLang forward (grids)
 #   source .device/with-site.sh && PART=bench bash tools/gpu_session.sh   # benchmark with the anchors + overhead
-#   PART=tests (the GPU tests of both backends), PART=tests-tilelang (TileLang's only),
+#   source .device/with-site.sh && PART=tune-gluon bash tools/gpu_session.sh     # tune the Gluon forward (grids)
+#   PART=tests (the GPU tests of every backend), PART=tests-tilelang (TileLang's only),
 #   PART=probe (tools/tilelang_probe.py [--variants ...])
 set -u
 OUT=${OUT:-/tmp/out}
@@ -28,6 +29,7 @@ if [ "$PART" = tests ] || [ "$PART" = tune ] || [ "$PART" = tests-tilelang ]; th
   echo "== GPU tests (TileLang in ${SHARDS:-4} shards)"
   gpu_tests tilelang ${SHARDS:-4}
   [ "$PART" = tests-tilelang ] || gpu_tests triton 1
+  [ "$PART" = tests-tilelang ] || gpu_tests gluon 2
   wait
   for f in "$OUT"/gpu_tests_*.log; do echo "-- $f"; grep -E "passed|failed|skipped|FAILED|rror" "$f" | tail -8; done
 fi
@@ -42,6 +44,10 @@ fi
 if [ "$PART" = tune-tilelang ]; then
   timeout ${TUNE_TIMEOUT:-500} python3 tools/tune_benchmarks.py --shapes ${TUNE_SHAPES:-a32k,b,c,c_dense} --backends tilelang \
     --select-shapes "" 2>&1 | tee "$OUT/tune_tilelang.log" | grep -v "^$"
+fi
+if [ "$PART" = tune-gluon ]; then
+  timeout ${TUNE_TIMEOUT:-300} python3 tools/tune_benchmarks.py --shapes ${TUNE_SHAPES:-a32k,b,c,c_dense} --backends gluon \
+    --select-shapes "" 2>&1 | tee "$OUT/tune_gluon.log" | grep -v "^$"
 fi
 if [ "$PART" = bench ]; then
   echo "== bench (rows also appended to $OUT/bench.jsonl as measured)"

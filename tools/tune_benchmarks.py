@@ -50,7 +50,7 @@ def main():
                       help="on (b): the exhaustive grid (its winner is b's) against TPE with 30%% of its trials")
     args.add_argument("--select-shapes", default="a32k,b,c", help="shapes whose selector to tune too")
     args.add_argument("--select-trials", type=int, default=8)
-    args.add_argument("--backends", default="triton", help="attention backends to tune: triton,tilelang")
+    args.add_argument("--backends", default="triton", help="attention backends to tune: triton,tilelang,gluon")
     args = args.parse_args()
     attn_trials = {"a32k": 16, "a128k": 16, "b": 12, "c": 10, "c_dense": 8}  # a32k: the largest space (72)
 
@@ -61,6 +61,9 @@ def main():
         if "tilelang" in args.backends.split(","):  # a small space: the whole grid
             tl_spec = s.spec("given").replace(backend="tilelang")
             run(f"{name} attn tilelang", tl_spec, "attn", s, trials=len(config_space(tl_spec, "attn")), timeout=150)
+        if "gluon" in args.backends.split(","):  # a small space: the whole grid
+            gl_spec = s.spec("given").replace(backend="gluon")
+            run(f"{name} attn gluon", gl_spec, "attn", s, trials=len(config_space(gl_spec, "attn")), timeout=120)
         if name in args.select_shapes.split(","):
             run(f"{name} select", s.spec("mean"), "select", s, trials=args.select_trials, timeout=90)
 
