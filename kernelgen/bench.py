@@ -155,6 +155,7 @@ def _peak_extra_bytes(fn) -> int:
 def run(shape_names, out_dir=None, sweep=(), log=print, profile=()) -> list[dict]:
     import kernelgen
     from .config import config_space, default_config
+    from .spec import gluon_unsupported
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -210,7 +211,7 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=()) -> list[dict
         record("kernelgen mean select only", lambda: attn.select(q, k), 0.0)
         auto = kernelgen.get_kernel(given.replace(backend="auto"))
         served_backend = auto.backend(shape.n_k, q.dtype, q.device)
-        if served_backend != "triton":  # the tuning DB says TileLang is faster here
+        if served_backend != "triton":  # the tuning DB says TileLang or Gluon is faster here
             record("kernelgen auto given", lambda: auto(q, k, v, block_idx=idx), flops, backend=served_backend,
                    config=auto.config("attn", shape.n_q, shape.n_k).to_json())
         else:
@@ -229,6 +230,20 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=()) -> list[dict
             log(f"{name}: tilelang not installed, TileLang backend skipped")
         except Exception as e:  # report, never hide
             log(f"{name}: TileLang backend failed: {type(e).__name__}: {str(e)[:300]}")
+        gluon_skip = gluon_unsupported(given) or (
+            None if torch.cuda.get_device_capability(q.device) == (9, 0) else "not a Hopper GPU (sm_90)")
+        if gluon_skip:
+            log(f"{name}: Gluon backend skipped: {gluon_skip}")
+        else:
+            try:  # the Gluon backend on the same lists
+                gl_given = kernelgen.get_kernel(given.replace(backend="gluon"))
+                gl_out = gl_given(q, k, v, block_idx=idx)
+                gl_diff = ((gl_out.float() - ours.float()).norm() / ours.float().norm()).item()
+                record("kernelgen gluon given", lambda: gl_given(q, k, v, block_idx=idx), flops,
+                       rel_diff_vs_kernelgen=f"{gl_diff:.1e}",
+                       config=gl_given.config("attn", shape.n_q, shape.n_k).to_json())
+            except Exception as e:  # report, never hide
+                log(f"{name}: Gluon backend failed: {type(e).__name__}: {str(e)[:300]}")
         try:
             from torch.nn.attention.flex_attention import flex_attention
 

@@ -49,7 +49,8 @@ GQA = typer.Option(1, help="Query heads per KV head.")
 SELECTOR = typer.Option("mean", help="mean | multi:r | given.")
 LOCAL = typer.Option(0, help="Local blocks forced into every list.")
 SINK = typer.Option(0, help="Sink blocks forced into every list.")
-BACKEND = typer.Option("triton", help="triton | tilelang | auto (auto: served, not tuned).")
+BACKEND = typer.Option("triton", help="triton | tilelang | gluon | auto (gluon: Hopper only; auto: served, not "
+                                      "tuned).")
 
 
 def _current_arch() -> Optional[str]:
@@ -79,8 +80,8 @@ def tune(
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local,
                               sink, backend)
     if spec.backend == "auto" and "attn" in role:
-        raise typer.BadParameter("auto is served, not tuned: tune --backend triton and --backend tilelang; "
-                                 "get_kernel then serves the faster", param_hint="--backend")
+        raise typer.BadParameter("auto is served, not tuned: tune --backend triton, --backend tilelang and "
+                                 "--backend gluon; get_kernel then serves the fastest", param_hint="--backend")
     roles = [r for r in role if r != "select" or spec.selects]
     if not dry_run:
         present = _current_arch()
@@ -168,8 +169,8 @@ def export(
     out: Path = typer.Option(..., "--out", help="The .py file to write."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
-    sink: int = SINK, backend: str = typer.Option("triton", help="triton | tilelang (the module then needs "
-                                                   "tilelang too)."),
+    sink: int = SINK, backend: str = typer.Option("triton", help="triton | tilelang | gluon (tilelang: the module "
+                                                   "then needs tilelang too)."),
 ):
     """Write one standalone module (torch + triton, and tilelang for a TileLang spec) with the kernels and
     configs baked in."""

@@ -10,9 +10,10 @@ import itertools
 import json
 from dataclasses import dataclass
 
-from .spec import Spec
+from .spec import GLUON_BLOCK_MS, Spec, gluon_unsupported
 
-__all__ = ["seq_bucket", "AttnConfig", "SelectConfig", "TileLangAttnConfig", "ROLES", "default_config", "config_space", "config_from_dict", "check_config", "next_pow2"]
+__all__ = ["seq_bucket", "AttnConfig", "SelectConfig", "TileLangAttnConfig", "GluonAttnConfig", "ROLES",
+           "default_config", "config_space", "config_from_dict", "check_config", "attn_backend_of", "next_pow2"]
 
 ROLES = ("attn", "select")
 
@@ -86,12 +87,36 @@ class TileLangAttnConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
+@dataclass(frozen=True)
+class GluonAttnConfig:
+    """Gluon Q-centric forward (Hopper). block_m: packed rows per program, 16 per warp (the kernel runs
+    block_m // 16 warps); num_stages: K blocks and V blocks in flight (the depth of the two TMA rings)."""
+
+    block_m: int = 128
+    num_stages: int = 2
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
 _CONFIG_TYPES = {
     ("triton", "attn"): AttnConfig,
     ("triton", "select"): SelectConfig,
     ("tilelang", "attn"): TileLangAttnConfig,
     ("tilelang", "select"): SelectConfig,  # TileLang specs select with the Triton selector
+    ("gluon", "attn"): GluonAttnConfig,
+    ("gluon", "select"): SelectConfig,  # so do Gluon specs
 }
+ATTN_BACKENDS = ("triton", "tilelang", "gluon")  # what backend="auto" chooses from
+
+
+def attn_backend_of(cfg) -> str:
+    """The backend an attention config is for: its type says (a pinned config picks the backend)."""
+    for backend in ATTN_BACKENDS:
+        if type(cfg) is _CONFIG_TYPES[backend, "attn"]:
+            return backend
+    raise TypeError(f"{type(cfg).__name__} is no attention config; expected one of "
+                    f"{', '.join(_CONFIG_TYPES[b, 'attn'].__name__ for b in ATTN_BACKENDS)}")
 
 
 def config_from_dict(role: str, data: dict, backend: str = "triton"):
@@ -113,13 +138,7 @@ def attn_smem_bytes(spec: Spec, cfg: AttnConfig, elem_bytes: int = 2) -> int:
 def attn_feasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90) -> bool:
     """block_m must cover whole heads of one tile (block_m > q_tile) or split a tile evenly; the
     pipeline's buffers must fit in shared memory."""
-    rows = spec.gqa_group * spec.q_tile
-    if cfg.block_m > rows or cfg.block_m < 16:
-        return False
-    if cfg.block_m <= spec.q_tile:
-        ok = spec.q_tile % cfg.block_m == 0
-    else:
-        ok = cfg.block_m % spec.q_tile == 0 and spec.gqa_group % (cfg.block_m // spec.q_tile) == 0
+    ok = cfg.block_m >= 16 and spec.packs_rows(cfg.block_m)
     # one step is at most 128 keys, and tensor descriptors load one block per step
     block_n = spec.kv_block * cfg.kv_per_iter
     ok = ok and cfg.kv_per_iter in (1, 2) and block_n <= 128 and not (cfg.use_tma and cfg.kv_per_iter > 1)
@@ -137,11 +156,32 @@ def tilelang_attn_feasible(spec: Spec, cfg: TileLangAttnConfig) -> bool:
             and isinstance(cfg.overlap, bool) and not (spec.head_dim == 64 and cfg.num_stages == 3))
 
 
+# Shared memory left beside the Gluon forward's K/V rings for its mbarriers (8 B per ring slot, aligned)
+GLUON_BARRIER_BYTES = 1024
+
+
+def gluon_attn_smem_bytes(spec: Spec, cfg: GluonAttnConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the Gluon forward: its two rings of num_stages K and V blocks (Q lives in
+    registers). Triton 3.6 asked for this plus 32 B of barriers in offline sm_90 compiles."""
+    return 2 * cfg.num_stages * spec.kv_block * spec.head_dim * elem_bytes
+
+
+def gluon_attn_feasible(spec: Spec, cfg: GluonAttnConfig) -> bool:
+    """A spec the kernel computes (`kernelgen.spec.gluon_unsupported`), the row packing rule of Triton's forward
+    with 64 or 128 rows (16 per warp, whole warpgroups), 2 to 4 stages, and rings that fit in shared memory."""
+    return (gluon_unsupported(spec) is None and cfg.block_m in GLUON_BLOCK_MS and spec.packs_rows(cfg.block_m)
+            and cfg.num_stages in (2, 3, 4)
+            and gluon_attn_smem_bytes(spec, cfg) <= SMEM_LIMIT_SM90 - GLUON_BARRIER_BYTES)
+
+
+_ATTN_FEASIBLE = {"triton": attn_feasible, "tilelang": tilelang_attn_feasible, "gluon": gluon_attn_feasible}
+
+
 def check_config(spec: Spec, role: str, cfg) -> None:
-    """A config pinned by a caller: the type its backend runs (with backend="auto", either attention
-    type: it says which backend), and a feasible point (an infeasible one could leave rows unwritten).
+    """A config pinned by a caller: the type its backend runs (with backend="auto", any attention type:
+    it says which backend), and a feasible point (an infeasible one could leave rows unwritten).
     Raises TypeError/ValueError naming the role."""
-    backends = ("triton", "tilelang") if spec.backend == "auto" else (spec.backend,)
+    backends = ATTN_BACKENDS if spec.backend == "auto" else (spec.backend,)
     if role not in ROLES:
         raise ValueError(f"configs has unknown role {role!r}; expected a subset of {ROLES}")
     types = {_CONFIG_TYPES[b, role]: b for b in backends}
@@ -150,10 +190,8 @@ def check_config(spec: Spec, role: str, cfg) -> None:
                         f"backend={spec.backend!r}, got {type(cfg).__name__}")
     if role == "select":
         feasible = select_feasible(spec, cfg)
-    elif types[type(cfg)] == "tilelang":
-        feasible = tilelang_attn_feasible(spec, cfg)
     else:
-        feasible = attn_feasible(spec, cfg)
+        feasible = _ATTN_FEASIBLE[types[type(cfg)]](spec, cfg)
     if not feasible:
         raise ValueError(f"configs[{role!r}] = {cfg} is not feasible for {spec} (see kernelgen.config.config_space)")
 
@@ -170,6 +208,12 @@ def select_feasible(spec: Spec, cfg: SelectConfig) -> bool:
 
 def default_config(spec: Spec, role: str):
     """A sound starting point per head_dim (the tuner improves on it)."""
+    if role == "attn" and spec.backend == "gluon":
+        for block_m in GLUON_BLOCK_MS[::-1]:  # the most rows a program can hold, up to 128
+            cfg = GluonAttnConfig(block_m=block_m, num_stages=2)
+            if gluon_attn_feasible(spec, cfg):
+                return cfg
+        raise ValueError(gluon_unsupported(spec) or f"no feasible Gluon attention config for {spec}")
     if role == "attn" and spec.backend == "tilelang":
         # overlap at D=128: 540 vs 514 TFLOP/s on c_dense, 0.282 vs 0.298 ms on (b); at D=64 it was
         # +3% non-causal, -3% causal (H200, 2026-11-30): off, the tuner decides
@@ -202,6 +246,9 @@ def default_config(spec: Spec, role: str):
 
 def config_space(spec: Spec, role: str) -> list:
     """Every feasible point of a role's search space (a comprehension plus a filter)."""
+    if role == "attn" and spec.backend == "gluon":
+        space = (GluonAttnConfig(block_m=m, num_stages=s) for m, s in itertools.product(GLUON_BLOCK_MS, (2, 3, 4)))
+        return [c for c in space if gluon_attn_feasible(spec, c)]
     if role == "attn" and spec.backend == "tilelang":
         space = (
             TileLangAttnConfig(block_m=m, num_stages=s, threads=t, overlap=o)

@@ -169,8 +169,9 @@ def current_fingerprint(template_hash: str, backend: str) -> Fingerprint:
 
     Only the compiler of `backend` is recorded (the other one is None): installing or upgrading
     TileLang says nothing about a Triton kernel's speed, so it must not invalidate Triton winners.
+    Gluon is part of Triton: its kernels record the Triton version.
     """
-    uses_triton = backend == "triton"
+    uses_triton = backend in ("triton", "gluon")
     uses_tilelang = backend == "tilelang"
     torch_version, cuda_version = _torch_versions()
     return Fingerprint(

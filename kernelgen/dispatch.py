@@ -8,7 +8,7 @@ import torch
 
 from . import ops
 from .compile import load_module
-from .config import TileLangAttnConfig, check_config, default_config, seq_bucket
+from .config import attn_backend_of, check_config, default_config, seq_bucket
 from .render import module_name, render
 from .spec import Spec
 from .tuned import fastest_backend, tuned_config
@@ -42,11 +42,11 @@ class SparseAttention:
     def config(self, role: str, n_q: int, n_k: int, dtype=torch.bfloat16, device="cuda"):
         """The config a call of these lengths runs with: pinned, else the tuning DB's winner for this
         device, dtype and length bucket, else the default. With backend="auto", the attention config
-        is that of the backend served (a TileLangAttnConfig means TileLang)."""
+        is that of the backend served (a TileLangAttnConfig means TileLang, a GluonAttnConfig Gluon)."""
         return self._config(role, seq_bucket(n_k), dtype, torch.device(device))
 
     def backend(self, n_k: int, dtype=torch.bfloat16, device="cuda") -> str:
-        """The backend that runs the attention of a call with n_k keys ("triton" or "tilelang")."""
+        """The backend that runs the attention of a call with n_k keys: "triton", "tilelang" or "gluon"."""
         return self._backend(seq_bucket(n_k), dtype, torch.device(device))
 
     @functools.lru_cache(maxsize=256)
@@ -54,7 +54,7 @@ class SparseAttention:
         if self.spec.backend != "auto":
             return self.spec.backend
         if "attn" in self._fixed:  # a pinned config says which backend it is for
-            return "tilelang" if isinstance(self._fixed["attn"], TileLangAttnConfig) else "triton"
+            return attn_backend_of(self._fixed["attn"])
         return fastest_backend(self.spec, bucket, dtype, device)
 
     def _role_spec(self, role: str, backend: str) -> Spec:
@@ -70,8 +70,12 @@ class SparseAttention:
 
     @functools.lru_cache(maxsize=64)
     def module(self, role: str, config):
-        """The rendered Triton module of a role (attention: the Triton backend's)."""
-        spec = self._role_spec(role, "triton")
+        """The rendered module of a role: the Triton selector, or the Triton or Gluon attention (the
+        config's type says which; TileLang kernels are built per shape by `_tilelang_kernel`)."""
+        backend = attn_backend_of(config) if role == "attn" else "triton"
+        if backend == "tilelang":
+            raise ValueError("TileLang kernels are compiled per problem shape, not loaded as a module")
+        spec = self._role_spec(role, backend)
         source = render(spec, role, config)
         return load_module(module_name(spec, role, source), source)
 
@@ -100,12 +104,15 @@ class SparseAttention:
 
     @functools.lru_cache(maxsize=256)
     def _kernels(self, bucket: int, dtype, device):
-        """(select module, select config, attention config, attention module or None for TileLang)
-        of one length bucket: a call makes this one cached lookup."""
+        """(select module, select config, attention backend, attention config, attention module or None
+        for TileLang) of one length bucket: a call makes this one cached lookup."""
         select_cfg = self._config("select", bucket, dtype, device)
         attn_cfg = self._config("attn", bucket, dtype, device)
-        attn_mod = None if self._backend(bucket, dtype, device) == "tilelang" else self.module("attn", attn_cfg)
-        return self.module("select", select_cfg), select_cfg, attn_cfg, attn_mod
+        backend = self._backend(bucket, dtype, device)
+        if backend == "gluon":
+            ops.check_gluon_device(device)  # here, once per device: never a silent fallback
+        attn_mod = None if backend == "tilelang" else self.module("attn", attn_cfg)
+        return self.module("select", select_cfg), select_cfg, backend, attn_cfg, attn_mod
 
     def __call__(self, q, k, v, *, block_idx=None, scale=None, return_lse: bool = False):
         spec = self.spec
@@ -113,18 +120,20 @@ class SparseAttention:
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             raise NotImplementedError("kernelgen has no backward pass yet: call it under torch.no_grad() "
                                       "or with inputs that do not require grad")
-        select_mod, select_cfg, attn_cfg, attn_mod = self._kernels(seq_bucket(shapes.n_k), q.dtype, q.device)
+        select_mod, select_cfg, backend, attn_cfg, attn_mod = self._kernels(seq_bucket(shapes.n_k), q.dtype, q.device)
         if block_idx is None:
             if not spec.selects:
                 raise ValueError("spec.selector='given' needs block_idx=int32 [B, Hkv, n_q_tiles, top_k]")
             block_idx = ops.select(q, k, spec, shapes, select_mod, select_cfg)
         else:
             block_idx = ops.prepare_block_idx(block_idx, spec, shapes, q.device, select_mod, self.validate_lists)
-        if attn_mod is None:
+        if backend == "triton":
+            o, lse = ops.attention(q, k, v, block_idx, spec, shapes, attn_mod, attn_cfg, scale)
+        elif backend == "gluon":
+            o, lse = ops.attention_gluon(q, k, v, block_idx, spec, shapes, attn_mod, attn_cfg, scale)
+        else:
             kernel = self._tilelang_kernel(shapes, q.dtype, attn_cfg, q.device)
             o, lse = ops.attention_tilelang(q, k, v, block_idx, spec, kernel, scale)
-        else:
-            o, lse = ops.attention(q, k, v, block_idx, spec, shapes, attn_mod, attn_cfg, scale)
         return (o, lse) if return_lse else o
 
     def __repr__(self) -> str:
@@ -137,8 +146,9 @@ def _cached(spec: Spec, validate_lists: bool) -> SparseAttention:
 
 
 def get_kernel(spec: Spec, *, configs: dict | None = None, validate_lists: bool = False) -> SparseAttention:
-    """The callable for `spec` (cached per spec). `configs` ({"attn": AttnConfig, "select": SelectConfig})
-    pins tunables instead of the tuning DB's winners or the defaults."""
+    """The callable for `spec` (cached per spec). `configs` ({"attn": AttnConfig (TileLangAttnConfig,
+    GluonAttnConfig for those backends), "select": SelectConfig}) pins tunables instead of the tuning DB's
+    winners or the defaults."""
     if not isinstance(spec, Spec):
         raise TypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
     if configs:

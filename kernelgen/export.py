@@ -1,17 +1,19 @@
 """export_module(spec, path): one standalone .py file that computes what `get_kernel(spec)` computes.
 
-The exported file needs only torch and triton, plus tilelang for a TileLang spec (no kernelgen, jinja2
-or platformdirs), and is assembled from kernelgen's own sources, so that nothing is written twice:
+The exported file needs only torch and triton (Gluon is part of Triton), plus tilelang for a TileLang spec
+(no kernelgen, jinja2 or platformdirs), and is assembled from kernelgen's own sources, so that nothing is
+written twice:
 
   header      kernelgen version, spec JSON, configs, date
   embedded    kernelgen/spec.py, config.py and ops.py verbatim, relative imports resolved in place:
               ops.py stays the one place for validation, list conversion/normalisation and launch
   ops         a namespace of what ops.py defines, taken right after it (SparseAttention calls `ops.select`;
               the module-level `select` below is the public launcher)
-  kernels     render(spec, "select", cfg) and render(spec, "attn", cfg); for a TileLang spec the selector
-              is the Triton twin's (as get_kernel runs it), and the TileLang forward, rendered per dtype,
-              is embedded as text with kernelgen/compile.py and tilelang_backend.py, which import it from a
-              file at first use (TileLang reads kernel source with `inspect`) and compile it per shape
+  kernels     render(spec, "select", cfg) and render(spec, "attn", cfg): the selector is the Triton twin's
+              for every backend (as get_kernel runs it), the forward Triton's or Gluon's; the TileLang
+              forward, rendered per dtype, is embedded as text with kernelgen/compile.py and
+              tilelang_backend.py, which import it from a file at first use (TileLang reads kernel source
+              with `inspect`) and compile it per shape
   dispatch    class SparseAttention from kernelgen/dispatch.py verbatim
   launcher    SPEC, CONFIGS, `kernel` (a SparseAttention whose kernel modules are this file's kernels and
               whose configs are baked in), attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)
@@ -64,10 +66,10 @@ class ExportError(RuntimeError):
 def export_module(spec: Spec, out_path, *, configs: dict | None = None) -> Path:
     """Write one standalone Python module for `spec` to `out_path` (a .py file) and return its path.
 
-    configs   {"attn": AttnConfig, "select": SelectConfig} baked into the module. A missing role (or
-              configs=None) gets `kernelgen.config.default_config(spec, role)`; to bake in the tuning DB's
-              winners for a length, pass `{r: get_kernel(spec).config(r, n, n, dtype, device) for r in
-              ("attn", "select")}` (on the machine whose DB holds them).
+    configs   {"attn": AttnConfig (TileLangAttnConfig, GluonAttnConfig), "select": SelectConfig} baked into
+              the module. A missing role (or configs=None) gets `kernelgen.config.default_config(spec, role)`;
+              to bake in the tuning DB's winners for a length, pass `{r: get_kernel(spec).config(r, n, n,
+              dtype, device) for r in ("attn", "select")}` (on the machine whose DB holds them).
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)`, `select(q, k)`,
     `SPEC` (the spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind
@@ -78,9 +80,9 @@ def export_module(spec: Spec, out_path, *, configs: dict | None = None) -> Path:
     """
     if not isinstance(spec, Spec):
         raise TypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
-    if spec.backend not in ("triton", "tilelang"):
-        raise ValueError(f"export_module needs spec.backend 'triton' or 'tilelang', got {spec.backend!r}: 'auto' "
-                         "chooses per GPU from the tuning DB, which an exported module does not carry")
+    if spec.backend not in ("triton", "tilelang", "gluon"):
+        raise ValueError(f"export_module needs spec.backend 'triton', 'tilelang' or 'gluon', got {spec.backend!r}: "
+                         "'auto' chooses per GPU from the tuning DB, which an exported module does not carry")
     out_path = Path(out_path)
     if out_path.suffix != ".py":
         raise ValueError(f"out_path must name a .py file (Triton reads kernel source from it), got {out_path}")

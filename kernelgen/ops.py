@@ -1,6 +1,7 @@
 """Validation, allocation and launch of the rendered kernels. No caching decisions here (dispatch)."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import NamedTuple
@@ -9,11 +10,11 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .config import AttnConfig, SelectConfig, next_pow2
+from .config import AttnConfig, GluonAttnConfig, SelectConfig, next_pow2
 from .spec import Spec
 
 __all__ = ["Shapes", "interpreting", "check_qkv", "prepare_block_idx", "select", "attention", "attention_tilelang",
-           "softmax_scale", "LOG2E"]
+           "attention_gluon", "check_gluon_device", "softmax_scale", "LOG2E"]
 
 LOG2E = 1.4426950408889634
 # Tests set KERNELGEN_POISON=1: outputs start as NaN (lists as INT32_MIN) so unwritten elements fail.
@@ -219,4 +220,69 @@ def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConf
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
         KV_PER_ITER=cfg.kv_per_iter,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o, lse
+
+
+def check_gluon_device(device: torch.device) -> None:
+    """The Gluon forward runs on Hopper GPUs only: a ValueError anywhere else (the CPU, Triton's
+    interpreter, another GPU generation), never a silent fallback to another backend."""
+    if device.type != "cuda" or interpreting():
+        where = "TRITON_INTERPRET=1" if interpreting() else f"device {device}"
+        raise ValueError(f"backend='gluon' runs on CUDA GPUs (Hopper, sm_90) only, not under {where}: Gluon kernels "
+                         "have no interpreter; use backend='triton' there")
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        raise ValueError(f"backend='gluon' runs on Hopper GPUs (sm_90) only; {torch.cuda.get_device_name(device)} is "
+                         f"sm_{capability[0]}{capability[1]} (its async wgmma, TMA and mbarriers are Hopper's); use "
+                         "backend='triton' or 'tilelang'")
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_kv_descriptor(kv_block: int, head_dim: int, dtype: torch.dtype):
+    """(TensorDescriptor class, shared layout) of the K/V blocks the Gluon forward loads. Gluon is
+    imported here, on first use: a Triton build without it still runs the other backends."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return GluonTensorDescriptor, gl.NVMMASharedLayout.get_default_for([kv_block, head_dim], gl_dtype)
+
+
+def _tma_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, Hkv, N, D] as the [B * Hkv * N, D] rows a TMA descriptor reads: contiguous with a 16-byte
+    aligned base (copied only when it is not)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    elif x.data_ptr() % 16:
+        x = x.clone()
+    return x.view(-1, x.shape[-1])
+
+
+def attention_gluon(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: GluonAttnConfig, scale: float | None):
+    """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists, by the Gluon forward.
+    Dispatch has checked the device (`check_gluon_device`); tests/sm90_offline.py compiles through this
+    launch path with CPU tensors."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q.dtype = {q.dtype} is not supported by backend='gluon'; expected float16 or bfloat16")
+    scale = softmax_scale(scale, spec)
+    descriptor, layout = _gluon_kv_descriptor(spec.kv_block, spec.head_dim, q.dtype)
+    block = [spec.kv_block, spec.head_dim]
+    k_rows, v_rows = _tma_rows(k), _tma_rows(v)
+    k_desc = descriptor(k_rows, list(k_rows.shape), list(k_rows.stride()), block, layout)
+    v_desc = descriptor(v_rows, list(v_rows.shape), list(v_rows.stride()), block, layout)
+    o = _empty(*q.shape, device=q.device, dtype=q.dtype)
+    lse = _empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
+    splits = spec.gqa_group * spec.q_tile // cfg.block_m
+    grid = (shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)
+    mod.attn_fwd[grid](
+        q, o, lse, block_idx, k_desc, v_desc,
+        q.stride(0), q.stride(1), q.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        TOP_K=spec.top_k, TOP_K_PAD=max(next_pow2(spec.top_k), 32),  # its list layout spans a warp's 32 lanes
+        BLOCK_M=cfg.block_m, CAUSAL=spec.causal, STAGES=cfg.num_stages,
+        num_warps=cfg.block_m // 16)  # one wgmma row block of 16 per warp
     return o, lse

@@ -26,10 +26,12 @@ def _find_template_dir() -> Path:
 
 TEMPLATE_DIR = _find_template_dir()
 
-# role -> template, per backend
+# role -> template, per backend (Gluon specs select with the Triton selector, as TileLang specs do in
+# get_kernel; the TileLang selector is tested, not served)
 TEMPLATES = {
     "triton": {"attn": "triton/attn_fwd.py.j2", "select": "triton/select.py.j2"},
     "tilelang": {"attn": "tilelang/attn_fwd.py.j2", "select": "tilelang/select.py.j2"},
+    "gluon": {"attn": "gluon/attn_fwd.py.j2", "select": "triton/select.py.j2"},
 }
 
 

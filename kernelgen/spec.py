@@ -10,19 +10,44 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-__all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES", "BACKENDS"]
+__all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES", "BACKENDS", "GLUON_BLOCK_MS",
+           "gluon_unsupported"]
 
 HEAD_DIMS = (64, 128, 256)
 TILE_SIZES = (16, 32, 64, 128, 256)
 SELECTORS = ("mean", "multi:r", "given")  # multi:r with r a power of two, e.g. "multi:4"
 SCHEDULES = ("q_centric",)  # "kv_centric" is planned, not built yet
-# tilelang: attention in TileLang (CUDA only), selection in Triton; auto: per GPU, dtype and length
-# bucket, the backend whose tuned attention is fastest in the tuning DB (Triton where none is tuned)
-BACKENDS = ("triton", "tilelang", "auto")
+# tilelang: attention in TileLang (CUDA only), selection in Triton; gluon: attention in Gluon (Triton's
+# explicit-layout dialect, Hopper only), selection in Triton; auto: per GPU, dtype and length bucket, the
+# backend whose tuned attention is fastest in the tuning DB (Triton where none is tuned)
+BACKENDS = ("triton", "tilelang", "gluon", "auto")
+
+# What the Gluon forward (templates/gluon/attn_fwd.py.j2) is written for: one wgmma tile of KV_BLOCK x
+# HEAD_DIM per block, and 64 or 128 packed rows per program (16 per warp, at least one warpgroup).
+GLUON_HEAD_DIMS = (64, 128)
+GLUON_KV_BLOCKS = (64, 128)
+GLUON_BLOCK_MS = (64, 128)
 
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
+
+
+def gluon_unsupported(spec: Spec) -> str | None:
+    """Why the Gluon forward cannot compute `spec` (whatever its backend field says), or None."""
+    if spec.head_dim not in GLUON_HEAD_DIMS:
+        return f"Spec.head_dim={spec.head_dim} is not supported by backend='gluon'; expected one of {GLUON_HEAD_DIMS}"
+    if spec.kv_block not in GLUON_KV_BLOCKS:
+        return f"Spec.kv_block={spec.kv_block} is not supported by backend='gluon'; expected one of {GLUON_KV_BLOCKS}"
+    rows = spec.gqa_group * spec.q_tile
+    if rows < min(GLUON_BLOCK_MS):
+        return (f"Spec.gqa_group * Spec.q_tile = {spec.gqa_group} * {spec.q_tile} = {rows} packed rows is too few "
+                f"for backend='gluon'; expected >= {min(GLUON_BLOCK_MS)} (a program holds at least 64 rows)")
+    if not any(spec.packs_rows(m) for m in GLUON_BLOCK_MS):
+        return (f"Spec.gqa_group={spec.gqa_group} with q_tile={spec.q_tile} cannot be packed into programs of "
+                f"{' or '.join(map(str, GLUON_BLOCK_MS))} rows by backend='gluon'; expected a q_tile that such a "
+                "program splits evenly, or whole tiles of a number of heads that divides gqa_group")
+    return None
 
 
 @dataclass(frozen=True)
@@ -39,7 +64,8 @@ class Spec:
                products), or "given" (the caller passes block_idx).
     local      blocks ending at the diagonal block that every list holds (with causal, at least 1).
     sink       leading blocks that every list holds (when visible).
-    backend    "triton", "tilelang", or "auto" (get_kernel serves the faster tuned one).
+    backend    "triton", "tilelang", "gluon" (Hopper only), or "auto" (get_kernel serves the fastest tuned
+               one).
     """
 
     head_dim: int
@@ -80,6 +106,9 @@ class Spec:
             raise ValueError(f"Spec.schedule={self.schedule!r} is unknown; expected one of {SCHEDULES}")
         if self.backend not in BACKENDS:
             raise ValueError(f"Spec.backend={self.backend!r} is unknown; expected one of {BACKENDS}")
+        unsupported = gluon_unsupported(self) if self.backend == "gluon" else None
+        if unsupported:
+            raise ValueError(unsupported)
         r = self._parse_selector()
         if r > 1 and (self.q_tile % r or self.kv_block % r):
             raise ValueError(
@@ -124,6 +153,17 @@ class Spec:
     def selects(self) -> bool:
         return self.selector != "given"
 
+    def packs_rows(self, block_m: int) -> bool:
+        """Whether programs of `block_m` packed rows (the G heads x q_tile queries of a tile, head-major)
+        cover the rows evenly: block_m splits one head's tile, or holds whole tiles of a number of heads
+        that divides gqa_group."""
+        rows = self.gqa_group * self.q_tile
+        if block_m < 1 or block_m > rows:
+            return False
+        if block_m <= self.q_tile:
+            return self.q_tile % block_m == 0
+        return block_m % self.q_tile == 0 and self.gqa_group % (block_m // self.q_tile) == 0
+
     def n_q_tiles(self, nq: int) -> int:
         return -(-nq // self.q_tile)
 
@@ -156,7 +196,7 @@ class Spec:
     def for_role(self, role: str) -> "Spec":
         """The spec whose kernel runs `role`: selection runs in Triton whatever the backend (its tuned
         winners are the Triton selector's; the TileLang selector is tested, not served), so it is the
-        Triton twin's."""
+        Triton twin's (valid for every spec of every backend)."""
         return dataclasses.replace(self, backend="triton") if role == "select" else self
 
     def role_key(self, role: str) -> str:

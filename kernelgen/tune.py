@@ -151,8 +151,8 @@ def _check_role(spec: Spec, role: str) -> None:
     if role == "select" and not spec.selects:
         raise ValueError("role='select' needs a spec with a selector; spec.selector='given' has none to tune")
     if spec.backend == "auto" and role == "attn":
-        raise ValueError("spec.backend='auto' is served, not tuned: tune backend='triton' and backend='tilelang'; "
-                         "get_kernel then serves the faster")
+        raise ValueError("spec.backend='auto' is served, not tuned: tune backend='triton', 'tilelang' and 'gluon'; "
+                         "get_kernel then serves the fastest")
 
 
 def _is_cpu(device) -> bool:
@@ -700,6 +700,10 @@ def tune(
         raise ValueError(f"trials must be >= 1, got {trials}")
     worker_device, arch, gpu_name = _resolve_device(device, arch)
     cpu = worker_device == "cpu"
+    if spec.backend == "gluon":  # role attn (selection is tuned as the Triton twin)
+        from .ops import check_gluon_device
+
+        check_gluon_device(torch.device(worker_device))  # a Hopper GPU, else every trial would fail
     the_plan = plan(spec, role, seq=seq, arch=arch, trials=trials, device="cpu" if cpu else None, fixed=fixed,
                     shape=shape)
     space, choices = the_plan["space"], the_plan["params"]

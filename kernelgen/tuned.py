@@ -7,7 +7,8 @@ import logging
 
 import torch
 
-from .config import config_from_dict
+from .config import ATTN_BACKENDS, config_from_dict
+from .spec import gluon_unsupported
 
 __all__ = ["tuned_config", "device_arch", "fastest_backend"]
 
@@ -63,14 +64,36 @@ def _tilelang_installed() -> bool:
     return importlib.util.find_spec("tilelang") is not None
 
 
+@functools.lru_cache(maxsize=None)
+def _gluon_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon") is not None
+    except ImportError:  # no triton.experimental at all
+        return False
+
+
+def _gluon_runs(spec, device: torch.device) -> bool:
+    """The Gluon forward can serve `spec` here: a spec it computes, Gluon importable, a Hopper GPU (sm_90)."""
+    if device.type != "cuda" or gluon_unsupported(spec) is not None or not _gluon_installed():
+        return False
+    try:
+        return device_arch(device.index)[0] == "sm_90"
+    except Exception:  # dispatch must keep working whatever the device says
+        return False
+
+
 def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device) -> str:
     """For `Spec.backend == "auto"`: the backend whose tuned attention for this bucket is fastest.
     Each backend's row is its nearest tuned bucket; the row nearer this bucket wins (an exact bucket
-    beats a neighbour's), and between rows equally near, the faster. TileLang needs to be installed;
-    with no tuned row at all, Triton."""
+    beats a neighbour's), and between rows equally near, the faster. TileLang needs to be installed,
+    Gluon a Hopper GPU (and a spec its kernel computes); with no tuned row at all, Triton."""
     rows = {}
-    for backend in ("triton", "tilelang"):
+    for backend in ATTN_BACKENDS:
         if backend == "tilelang" and not _tilelang_installed():
+            continue
+        if backend == "gluon" and not _gluon_runs(spec, device):
             continue
         row = _row(spec.replace(backend=backend), "attn", bucket, dtype, device)
         if row is not None:

@@ -1,4 +1,13 @@
-"""Checks shared by the kernel tests: errors against the float64 reference, selection validity."""
+"""Checks shared by the kernel tests: errors against the float64 reference, selection validity, and
+offline sm_90 compiles (tests/sm90_offline.py)."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import torch
 
 from kernelgen import reference
@@ -59,3 +68,41 @@ def cubin_bytes(kernel) -> bytes:
         return data.encode("latin-1") if isinstance(data, str) else bytes(data)
     except UnicodeDecodeError as e:  # the cubin is binary; tvm-ffi returns it as a string
         return e.object
+
+
+def compile_for_sm90(cases: list[dict], processes: int = 1, timeout: float = 1200) -> list[dict]:
+    """Run tests/sm90_offline.py on `cases` (its JSON case format) in up to `processes` parallel processes;
+    its result per case, in order: {"kernels": [[name, shared_bytes], ...]} or {"error": "..."}."""
+    import kernelgen
+
+    # the kernelgen this process imported, whatever the script's directory puts first on sys.path
+    root = str(Path(kernelgen.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    script = Path(__file__).with_name("sm90_offline.py")
+    chunks = [list(range(len(cases)))[i::processes] for i in range(max(1, min(processes, len(cases))))]
+    results: list = [None] * len(cases)
+    with contextlib.ExitStack() as stack:
+        runs = []
+        for chunk in chunks:  # output to files: a full pipe cannot stall a process
+            stdin, stdout, stderr = (stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(3))
+            stdin.write(json.dumps([cases[i] for i in chunk]))
+            stdin.seek(0)
+            proc = stack.enter_context(subprocess.Popen([sys.executable, str(script)], stdin=stdin, stdout=stdout,
+                                                        stderr=stderr, text=True, env=env))
+            runs.append((chunk, proc, stdout, stderr))
+        try:
+            for chunk, proc, stdout, stderr in runs:
+                proc.wait(timeout)
+                stdout.seek(0)
+                stderr.seek(0)
+                out, err = stdout.read(), stderr.read()
+                assert proc.returncode == 0, err[-3000:]
+                lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+                assert [r["case"] for r in lines] == list(range(len(chunk))), err[-3000:]
+                for i, result in zip(chunk, lines):
+                    results[i] = result
+        finally:  # a failure or a timeout leaves no compile running
+            for _, proc, _, _ in runs:
+                if proc.poll() is None:
+                    proc.kill()
+    return results

@@ -1,10 +1,13 @@
-"""Compile kernelgen's Triton kernels for sm_90 on a machine without a GPU (run as a script).
+"""Compile kernelgen's Triton and Gluon kernels for sm_90 on a machine without a GPU (run as a script).
 
 Triton is given a stand-in driver that names the target (sm_90, warp size 32) and never launches:
-every `kernel[grid](...)` that ops.py makes compiles (ptxas included) through the real launch path,
-with the argument types ops.py really passes, and returns. Reads a JSON list of cases on stdin; prints
-one JSON object per case: {"case": i, "kernels": [[name, shared_bytes], ...]} or {"case": i, "error": "..."}.
-A case: {"spec": Spec fields, "attn": AttnConfig fields, "select": SelectConfig fields, "n": seq length}.
+every `kernel[grid](...)` that ops.py makes compiles (ptxas included: a kernel without a cubin is an
+error) through the real launch path, with the argument types ops.py really passes, and returns. Gluon
+kernels go the same way (ops.attention_gluon builds its TMA descriptors from the CPU tensors; they only
+need aligned data pointers). Reads a JSON list of cases on stdin; prints one JSON object per case:
+{"case": i, "kernels": [[name, shared_bytes], ...]} or {"case": i, "error": "..."}.
+A case: {"spec": Spec fields, "attn": the attention config's fields (AttnConfig, or GluonAttnConfig for a
+spec of backend "gluon"), "select": SelectConfig fields, "n": seq length}.
 """
 import json
 import os
@@ -41,6 +44,8 @@ _run = JITFunction.run
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
     kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
+    if not kernel.asm.get("cubin"):
+        raise RuntimeError(f"{self.fn.__name__}: no cubin (ptxas did not run)")
     compiled.append([self.fn.__name__, kernel.metadata.shared])
     return kernel
 
@@ -48,7 +53,8 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 def main() -> None:
     driver.set_active(OfflineDriver())
     JITFunction.run = _compile_only
-    from kernelgen import AttnConfig, SelectConfig, Spec, get_kernel, ops
+    from kernelgen import SelectConfig, Spec, get_kernel, ops
+    from kernelgen.config import config_from_dict
 
     for i, case in enumerate(json.load(sys.stdin)):
         compiled.clear()
@@ -58,7 +64,7 @@ def main() -> None:
             q = torch.randn(1, 2 * g, n, spec.head_dim, dtype=torch.bfloat16)
             k, v = torch.randn(1, 2, n, spec.head_dim, dtype=torch.bfloat16), torch.randn(1, 2, n, spec.head_dim,
                                                                                            dtype=torch.bfloat16)
-            attn_cfg, select_cfg = AttnConfig(**case["attn"]), SelectConfig(**case["select"])
+            attn_cfg, select_cfg = config_from_dict("attn", case["attn"], spec.backend), SelectConfig(**case["select"])
             attn = get_kernel(spec, configs={"attn": attn_cfg, "select": select_cfg})
             shapes = ops.Shapes(1, 2 * g, 2, n, n, spec.n_q_tiles(n), spec.n_kv_blocks(n))
             select_mod = attn.module("select", select_cfg)
@@ -67,7 +73,8 @@ def main() -> None:
             else:
                 idx = torch.zeros(1, 2, shapes.n_q_tiles, spec.top_k, dtype=torch.int32)
                 idx = ops.prepare_block_idx(idx, spec, shapes, q.device, select_mod)
-            ops.attention(q, k, v, idx, spec, shapes, attn.module("attn", attn_cfg), attn_cfg, None)
+            attention = ops.attention_gluon if spec.backend == "gluon" else ops.attention
+            attention(q, k, v, idx, spec, shapes, attn.module("attn", attn_cfg), attn_cfg, None)
             print(json.dumps({"case": i, "kernels": compiled}), flush=True)
         except Exception as error:  # report per case; the test names it
             print(json.dumps({"case": i, "error": "".join(traceback.format_exception_only(error))[-2000:]}),

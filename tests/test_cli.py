@@ -21,6 +21,11 @@ def invoke(*args):
     return result
 
 
+def flat(output: str) -> str:
+    """The words of an output, without rich's line breaks and panel borders."""
+    return " ".join(output.replace("│", " ").split())
+
+
 @pytest.mark.parametrize("command", [[], ["tune"], ["db"], ["db", "list"], ["export"], ["bench"], ["info"]])
 def test_help(command):
     result = invoke(*command, "--help")
@@ -54,7 +59,30 @@ def test_tune_without_gpu_is_a_clear_error():
 def test_tune_auto_backend_is_a_clear_error():
     result = invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--backend", "auto", "--dry-run")
     assert result.exit_code != 0
-    assert "served, not tuned" in " ".join(result.output.split())
+    assert "served, not tuned" in flat(result.output)
+    assert all(f"--backend {b}" in flat(result.output) for b in ("triton", "tilelang", "gluon"))
+
+
+def test_tune_dry_run_gluon_prints_the_gluon_space():
+    """128 keys per block at D=128 and 2 heads of 64-query tiles: 64 or 128 rows, and 2 or 3 stages (4 do
+    not fit in shared memory)."""
+    result = invoke("tune", "--arch", "sm_90", "--seq", "8192", "--head-dim", "128", "--kv-block", "128",
+                    "--gqa-group", "2", "--backend", "gluon", "--role", "attn", "--dry-run")
+    assert result.exit_code == 0, result.output
+    spec = Spec(head_dim=128, kv_block=128, q_tile=64, top_k=16, gqa_group=2, backend="gluon")
+    assert f"kg-{spec.role_key('attn')}-attn-gluon-sm_90-8192" in result.output
+    assert "space of 4 configs" in result.output
+    for block_m in (64, 128):
+        for stages in (2, 3):
+            assert f'{{"block_m": {block_m}, "num_stages": {stages}}}' in result.output
+    assert '"num_stages": 4' not in result.output and "num_warps" not in result.output
+
+
+def test_tune_gluon_spec_the_kernel_cannot_compute_is_a_clear_error():
+    result = invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "128", "--kv-block", "32",
+                    "--backend", "gluon", "--dry-run")
+    assert result.exit_code != 0
+    assert "kv_block=32 is not supported by backend='gluon'" in flat(result.output)
 
 
 def test_bad_spec_option_is_a_clear_error():
@@ -104,6 +132,11 @@ def test_export_backend_option(tmp_path):
                     "--backend", "tilelang", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert "\n_TILELANG_ATTN = {" in out.read_text() and "'backend': 'tilelang'" in out.read_text()
+    out = tmp_path / "gl.py"
+    result = invoke("export", "--head-dim", "64", "--kv-block", "64", "--q-tile", "64", "--top-k", "4",
+                    "--backend", "gluon", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "\n@gluon.jit\ndef attn_fwd(" in out.read_text() and "'backend': 'gluon'" in out.read_text()
     result = invoke("export", "--backend", "auto", "--out", str(tmp_path / "auto.py"))
     assert result.exit_code != 0 and "auto" in result.output and not (tmp_path / "auto.py").exists()
 

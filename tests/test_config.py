@@ -65,3 +65,71 @@ def test_tilelang_pinned_config_outside_the_kernel_s_range_is_refused(change):
     check_config(spec, "attn", cfg)
     with pytest.raises(ValueError, match="not feasible"):
         check_config(spec, "attn", dataclasses.replace(cfg, **change))
+
+
+# ---- Gluon -------------------------------------------------------------------------------------------
+
+def _gluon(**fields):
+    return Spec(**{"head_dim": 128, "kv_block": 128, "q_tile": 128, "top_k": 16, "backend": "gluon", **fields})
+
+
+@pytest.mark.parametrize("spec, points, default", [
+    # D = kv_block = 128: four stages of K and V (256 KB) exceed the H200's shared memory
+    (_gluon(gqa_group=4), {(64, 2), (64, 3), (128, 2), (128, 3)}, (128, 2)),
+    (_gluon(head_dim=64, kv_block=64, q_tile=64), {(64, 2), (64, 3), (64, 4)}, (64, 2)),  # 64 rows only
+    (_gluon(kv_block=64, q_tile=64, gqa_group=2), {(m, s) for m in (64, 128) for s in (2, 3, 4)}, (128, 2)),
+    (_gluon(head_dim=64, q_tile=16, gqa_group=8), {(m, s) for m in (64, 128) for s in (2, 3, 4)}, (128, 2)),
+    (_gluon(q_tile=64, gqa_group=3), {(64, 2), (64, 3)}, (64, 2)),  # 128 rows would split a head's tile
+])
+def test_gluon_space_and_default(spec, points, default):
+    from kernelgen.config import GluonAttnConfig, gluon_attn_feasible
+
+    space = config_space(spec, "attn")
+    assert {(c.block_m, c.num_stages) for c in space} == points
+    assert all(type(c) is GluonAttnConfig and gluon_attn_feasible(spec, c) for c in space)
+    assert default_config(spec, "attn") == GluonAttnConfig(*default)
+    assert default_config(spec, "select") in config_space(spec, "select")  # the Triton selector's
+
+
+def test_gluon_shared_memory_bound():
+    from kernelgen.config import GLUON_BARRIER_BYTES, GluonAttnConfig, gluon_attn_feasible, gluon_attn_smem_bytes
+
+    spec = _gluon(gqa_group=4)
+    assert gluon_attn_smem_bytes(spec, GluonAttnConfig(128, 4)) == 262144 > SMEM_LIMIT_SM90 - GLUON_BARRIER_BYTES
+    assert not gluon_attn_feasible(spec, GluonAttnConfig(128, 4))
+    assert gluon_attn_smem_bytes(spec, GluonAttnConfig(128, 3)) == 196608
+    assert gluon_attn_feasible(spec, GluonAttnConfig(128, 3))
+
+
+@pytest.mark.parametrize("cfg", [dict(block_m=32), dict(block_m=256), dict(num_stages=1), dict(num_stages=5),
+                                 dict(block_m=128, num_stages=4)])
+def test_gluon_pinned_config_outside_the_kernel_s_range_is_refused(cfg):
+    from kernelgen.config import GluonAttnConfig, check_config
+
+    spec = _gluon(gqa_group=4)
+    check_config(spec, "attn", GluonAttnConfig())
+    with pytest.raises(ValueError, match=r"configs\['attn'\] = .* is not feasible"):
+        check_config(spec, "attn", GluonAttnConfig(**cfg))
+
+
+def test_gluon_pinned_config_types():
+    """A Gluon spec takes a GluonAttnConfig (and the Triton SelectConfig); "auto" takes any attention type,
+    a Gluon one only where the Gluon kernel computes the spec."""
+    from kernelgen.config import GluonAttnConfig, SelectConfig, attn_backend_of, check_config, config_from_dict
+
+    spec = _gluon(gqa_group=4)
+    with pytest.raises(TypeError, match=r"must be a GluonAttnConfig for backend='gluon', got AttnConfig"):
+        check_config(spec, "attn", AttnConfig())
+    with pytest.raises(TypeError, match=r"must be a AttnConfig for backend='triton', got GluonAttnConfig"):
+        check_config(spec.replace(backend="triton"), "attn", GluonAttnConfig())
+    check_config(spec, "select", SelectConfig(tiles=16))
+    auto = spec.replace(backend="auto")
+    for cfg in (AttnConfig(num_warps=8), GluonAttnConfig()):
+        check_config(auto, "attn", cfg)
+    with pytest.raises(ValueError, match="not feasible"):  # D=256: no Gluon kernel
+        check_config(auto.replace(head_dim=256, kv_block=64), "attn", GluonAttnConfig(block_m=128))
+    assert attn_backend_of(GluonAttnConfig()) == "gluon" and attn_backend_of(AttnConfig()) == "triton"
+    with pytest.raises(TypeError, match="no attention config"):
+        attn_backend_of(SelectConfig())
+    assert config_from_dict("attn", {"block_m": 64, "num_stages": 3}, "gluon") == GluonAttnConfig(64, 3)
+    assert GluonAttnConfig(64, 3).to_json() == '{"block_m": 64, "num_stages": 3}'

@@ -76,6 +76,8 @@ def test_current_fingerprint_never_raises_and_names_only_the_backend_compiler():
     assert triton_fp.kernelgen_version  # installed version, or "0+unknown" in a bare checkout
     assert triton_fp.tilelang_version is None
     assert current_fingerprint("abc", "tilelang").triton_version is None
+    gluon_fp = current_fingerprint("abc", "gluon")  # Gluon is Triton's dialect: its version matters
+    assert gluon_fp.triton_version == triton_fp.triton_version is not None and gluon_fp.tilelang_version is None
 
 
 def test_default_path_follows_env(isolated_cache_dir):

@@ -280,6 +280,59 @@ def test_exported_tilelang_module_without_kernelgen(tmp_path, device):
     assert out["cuda_source"] == expected and "tl::tma_load(K_desc" in expected
 
 
+GLUON_CHILD = BLOCKING + textwrap.dedent('''
+    import torch
+
+    spec = importlib.util.spec_from_file_location("kg_gl", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kg_gl"] = module
+    spec.loader.exec_module(module)
+    x = torch.load(sys.argv[2])
+    attn_kernels = module.kernel.module("attn", None)
+    out = {"idx": module.select(x["q"], x["k"]), "spec": module.SPEC, "configs": module.CONFIGS,
+           "attn_fwd": type(attn_kernels.attn_fwd).__name__, "backend": module.kernel.backend(x["k"].shape[2])}
+    try:
+        module.attn(x["q"], x["k"], x["v"])
+        out["cpu_error"] = None
+    except ValueError as error:
+        out["cpu_error"] = str(error)
+    leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+    assert not leaked, leaked
+    torch.save(out, sys.argv[3])
+''')
+
+
+def test_exported_gluon_module_without_kernelgen(tmp_path, device):
+    """A Gluon spec exports to a module that needs only torch and triton: without kernelgen it selects as
+    get_kernel does (the Triton twin), holds the rendered Gluon forward, and refuses a CPU forward clearly.
+    (Running the forward needs a Hopper GPU: tests/test_gluon_fwd.py.)"""
+    if device != "cpu":
+        pytest.skip("the child runs the interpreter")
+    from kernelgen.config import GluonAttnConfig
+    from kernelgen.render import render
+
+    spec = Spec(head_dim=64, kv_block=64, q_tile=32, top_k=3, causal=True, gqa_group=2, local=1, backend="gluon")
+    configs = {"attn": GluonAttnConfig(block_m=64, num_stages=3), "select": SelectConfig(tiles=8, chunk=16)}
+    path = export_module(spec, tmp_path / "kg_gl.py", configs=configs)
+    text = path.read_text()
+    assert "needs only\ntorch and triton)" in text.split('"""', 2)[1]
+    assert render(spec, "attn", configs["attn"]) in text  # the rendered kernel, verbatim
+    q, k, v = _inputs(1, 2, 2, 150, 230, 64, torch.float16, 5)
+    torch.save({"q": q, "k": k, "v": v}, tmp_path / "inputs.pt")
+    (tmp_path / "child.py").write_text(GLUON_CHILD)
+    env = {key: val for key, val in os.environ.items() if key != "PYTHONPATH"}
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(path), str(tmp_path / "inputs.pt"),
+                           str(tmp_path / "outputs.pt")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = torch.load(tmp_path / "outputs.pt")
+    assert out["spec"] == spec.to_dict() and out["configs"] == {r: c.__dict__ for r, c in configs.items()}
+    assert out["attn_fwd"] == "GluonJITFunction" and out["backend"] == "gluon"
+    assert torch.equal(out["idx"], kernelgen.get_kernel(spec, configs=configs).select(q, k))
+    assert out["cpu_error"] is not None and "runs on CUDA GPUs (Hopper, sm_90) only" in out["cpu_error"]
+
+
 def test_auto_backend_is_not_exported(tmp_path):
     with pytest.raises(ValueError, match="auto"):
         export_module(MEAN.replace(backend="auto"), tmp_path / "m.py")

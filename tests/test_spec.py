@@ -3,6 +3,7 @@ import json
 import pytest
 
 from kernelgen import Spec
+from kernelgen.spec import gluon_unsupported
 
 
 def test_defaults_and_derived():
@@ -55,3 +56,31 @@ def test_type_errors():
         Spec(head_dim=64, causal=1)
     with pytest.raises(ValueError, match="unknown fields"):
         Spec.from_dict({"head_dim": 64, "blocks": 3})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(head_dim=256), r"head_dim=256 is not supported by backend='gluon'; expected one of \(64, 128\)"),
+        (dict(head_dim=64, kv_block=32), r"kv_block=32 is not supported by backend='gluon'; expected one of "
+                                         r"\(64, 128\)"),
+        (dict(head_dim=64, q_tile=32), r"gqa_group \* Spec.q_tile = 1 \* 32 = 32 .* expected >= 64"),
+        (dict(head_dim=128, q_tile=16, gqa_group=2), r"= 32 packed rows .* expected >= 64"),
+        (dict(head_dim=64, q_tile=32, gqa_group=3), r"gqa_group=3 with q_tile=32 cannot be packed"),
+    ],
+)
+def test_gluon_rejects_what_its_kernel_cannot_compute(kwargs, match):
+    """The Gluon forward is written for D and kv_block of 64 or 128 and 64 or 128 packed rows per
+    program; any other spec is refused when it is made, naming the field, not when a kernel fails."""
+    with pytest.raises(ValueError, match=match):
+        Spec(backend="gluon", **kwargs)
+    assert gluon_unsupported(Spec(**kwargs)) is not None  # the same spec is fine for Triton
+
+
+@pytest.mark.parametrize("head_dim, kv_block, q_tile, gqa_group", [
+    (64, 64, 64, 1), (128, 128, 128, 1), (128, 64, 16, 4), (64, 128, 32, 2), (128, 128, 64, 3), (64, 64, 16, 8)])
+def test_gluon_accepts_what_its_kernel_computes(head_dim, kv_block, q_tile, gqa_group):
+    spec = Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, gqa_group=gqa_group, backend="gluon")
+    assert gluon_unsupported(spec) is None
+    assert spec.for_role("select").backend == "triton"  # selection runs the Triton selector
+    assert Spec.from_json(spec.to_json()) == spec

@@ -2,21 +2,14 @@
 launch path (tests/sm90_offline.py), and fits the H200's shared memory: what the interpreter cannot
 see (a compiler assertion, an over-full shared memory) fails here, in CI, not in the next GPU session."""
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-import kernelgen
+from checks import compile_for_sm90
 from kernelgen import AttnConfig, SelectConfig, Spec
 from kernelgen.config import SMEM_LIMIT_SM90, attn_smem_bytes, config_space, default_config
 
 pytest.importorskip("triton.backends.nvidia")
-
-SCRIPT = Path(__file__).with_name("sm90_offline.py")
 
 # (spec, attention config or None for the default, select config or None, sequence length)
 BASE = [
@@ -48,14 +41,7 @@ def _case(spec, attn, select, n):
 def test_kernels_compile_for_sm90_and_fit_shared_memory():
     cases = BASE + EDGE
     assert len(EDGE) >= 2
-    # the kernelgen this process imported, whatever the script's directory puts first on sys.path
-    root = str(Path(kernelgen.__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    run = subprocess.run([sys.executable, str(SCRIPT)], input=json.dumps([_case(*c) for c in cases]),
-                         capture_output=True, text=True, timeout=1200, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in results] == list(range(len(cases))), run.stderr[-3000:]
+    results = compile_for_sm90([_case(*c) for c in cases])
     for (spec, attn, select, n), result in zip(cases, results):
         assert "error" not in result, f"{spec} {attn} {select}: {result.get('error')}"
         kernels = dict(result["kernels"])

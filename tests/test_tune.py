@@ -117,8 +117,27 @@ def test_plan_shape_sets_the_timed_workload():
 
 
 def test_auto_backend_is_not_tuned():
-    with pytest.raises(ValueError, match="served, not tuned"):
+    with pytest.raises(ValueError, match="served, not tuned: tune backend='triton', 'tilelang' and 'gluon'"):
         plan(SPEC.replace(backend="auto"), "attn", seq=5000, arch="sm_90")
+
+
+def test_plan_gluon_attn():
+    """The Gluon forward is tuned over its own space (rows and stages; the warps follow from the rows)."""
+    spec = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=2, backend="gluon")
+    p = plan(spec, "attn", seq=5000, arch="sm_90", trials=30)
+    assert p["study_name"] == f"kg-{spec.role_key('attn')}-attn-gluon-sm_90-8192" and p["backend"] == "gluon"
+    assert p["space"] == [{"block_m": m, "num_stages": s} for m in (64, 128) for s in (2, 3, 4)]
+    assert p["default"] == {"block_m": 128, "num_stages": 2} and p["sampler"] == "grid"
+    assert plan(spec, "select", seq=5000, arch="sm_90") == plan(spec.replace(backend="triton"), "select", seq=5000,
+                                                                 arch="sm_90")  # the Triton selector's study
+
+
+def test_gluon_is_tuned_on_hopper_only(tmp_path, db):
+    """Off a Hopper GPU every Gluon trial would fail: tune says so before starting a study."""
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=2, causal=True, backend="gluon", selector="given")
+    with pytest.raises(ValueError, match=r"backend='gluon' runs on CUDA GPUs \(Hopper, sm_90\) only"):
+        tune(spec, "attn", seq=SEQ, trials=2, device="cpu", db=db, storage=tmp_path / "optuna.db")
+    assert db.rows() == [] and not (tmp_path / "optuna.db").exists()
 
 
 @pytest.mark.parametrize("backend", ["tilelang", "auto"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernelgen import Spec, tuned
-from kernelgen.config import AttnConfig, SelectConfig, TileLangAttnConfig, default_config, seq_bucket
+from kernelgen.config import AttnConfig, GluonAttnConfig, SelectConfig, TileLangAttnConfig, default_config, seq_bucket
 from kernelgen.dispatch import SparseAttention
 from kernelgen.db import TuningDB, current_fingerprint
 from kernelgen.render import template_hash
@@ -26,9 +26,9 @@ def user_db(tmp_path, monkeypatch):
     tuned._winners.cache_clear()
 
 
-def _add(db, spec, role="attn", config=WINNER, bucket=32768, fingerprint=None, ms=0.2):
+def _add(db, spec, role="attn", config=WINNER, bucket=32768, fingerprint=None, ms=0.2, arch="sm_90"):
     """One H200 row for spec (its backend's) and role, fingerprinted as this stack unless told."""
-    db.upsert(spec_key=spec.role_key(role), role=role, backend=spec.backend, arch="sm_90", gpu_name="NVIDIA H200",
+    db.upsert(spec_key=spec.role_key(role), role=role, backend=spec.backend, arch=arch, gpu_name="NVIDIA H200",
               bucket=bucket, dtype="bfloat16", config=config.__dict__, median_ms=ms, tflops=None, n_trials=1,
               fingerprint=fingerprint or current_fingerprint(template_hash(spec.backend, role), spec.backend))
 
@@ -64,8 +64,8 @@ AUTO = GIVEN.replace(backend="auto")
 TL_WINNER = TileLangAttnConfig(block_m=64, num_stages=2, threads=128)
 
 
-def _add_backend(db, backend, ms, config, bucket=32768):
-    _add(db, GIVEN.replace(backend=backend), config=config, bucket=bucket, ms=ms)
+def _add_backend(db, backend, ms, config, bucket=32768, arch="sm_90"):
+    _add(db, GIVEN.replace(backend=backend), config=config, bucket=bucket, ms=ms, arch=arch)
 
 
 @pytest.fixture
@@ -102,6 +102,46 @@ def test_auto_without_tilelang_or_rows(user_db, monkeypatch):
 def test_auto_with_a_pinned_config_follows_its_type():
     assert SparseAttention(AUTO, {"attn": TL_WINNER}).backend(32768, device="cpu") == "tilelang"
     assert SparseAttention(AUTO, {"attn": WINNER}).backend(32768, device="cpu") == "triton"
+    assert SparseAttention(AUTO, {"attn": GL_WINNER}).backend(32768, device="cpu") == "gluon"
+
+
+# ---- Gluon: served by "auto" on Hopper GPUs only -------------------------------------------------------
+
+GL_WINNER = GluonAttnConfig(block_m=64, num_stages=3)
+
+
+@pytest.fixture
+def gluon_importable(monkeypatch):
+    monkeypatch.setattr(tuned, "_gluon_installed", lambda: True)
+
+
+@pytest.mark.parametrize("gl_ms, expect", [(0.1, "gluon"), (0.3, "tilelang")])
+def test_auto_serves_gluon_when_its_row_is_fastest(user_db, tilelang_installed, gluon_importable, gl_ms, expect):
+    _add_backend(user_db, "triton", 0.2, WINNER)
+    _add_backend(user_db, "tilelang", 0.15, TL_WINNER)
+    _add_backend(user_db, "gluon", gl_ms, GL_WINNER)
+    attn = SparseAttention(AUTO)
+    assert attn.backend(32768) == expect
+    assert attn.config("attn", 32768, 32768) == (GL_WINNER if expect == "gluon" else TL_WINNER)
+    assert isinstance(attn.config("select", 32768, 32768), SelectConfig)  # selection stays in Triton
+
+
+def test_auto_skips_gluon_off_hopper_or_without_gluon(user_db, gluon_importable, monkeypatch):
+    """A Gluon row is never served where the kernel cannot run: another GPU generation (its rows say
+    nothing there), no Gluon in this Triton, or a spec the Gluon forward does not compute."""
+    for arch in ("sm_90", "sm_100"):
+        _add_backend(user_db, "triton", 0.2, WINNER, arch=arch)
+        _add_backend(user_db, "gluon", 0.1, GL_WINNER, arch=arch)
+    assert SparseAttention(AUTO).backend(32768) == "gluon"
+    monkeypatch.setattr(tuned, "device_arch", lambda index: ("sm_100", "NVIDIA B200"))
+    assert SparseAttention(AUTO).backend(32768) == "triton"
+    assert not tuned._gluon_runs(GIVEN, CUDA)
+    monkeypatch.setattr(tuned, "device_arch", lambda index: ("sm_90", "NVIDIA H200"))
+    assert tuned._gluon_runs(GIVEN, CUDA)
+    assert not tuned._gluon_runs(GIVEN, torch.device("cpu"))
+    assert not tuned._gluon_runs(GIVEN.replace(head_dim=256), CUDA)
+    monkeypatch.setattr(tuned, "_gluon_installed", lambda: False)
+    assert SparseAttention(AUTO).backend(32768) == "triton"
 
 
 def test_editing_one_template_keeps_the_other_roles_winners(tmp_path, monkeypatch):
@@ -111,8 +151,9 @@ def test_editing_one_template_keeps_the_other_roles_winners(tmp_path, monkeypatc
 
     from kernelgen import render
 
-    before = {(b, r): template_hash(b, r) for b in ("triton", "tilelang") for r in ("attn", "select")}
-    assert len(set(before.values())) == 4
+    before = {(b, r): template_hash(b, r) for b in ("triton", "tilelang", "gluon") for r in ("attn", "select")}
+    assert len(set(before.values())) == 5  # Gluon specs select with the Triton selector's template
+    assert before["gluon", "select"] == before["triton", "select"]
     copy = tmp_path / "templates"
     shutil.copytree(render.TEMPLATE_DIR, copy)
     (copy / render.TEMPLATES["triton"]["select"]).write_text("# edited\n", encoding="utf-8")
@@ -122,6 +163,8 @@ def test_editing_one_template_keeps_the_other_roles_winners(tmp_path, monkeypatc
         assert template_hash("triton", "select") != before["triton", "select"]
         assert template_hash("triton", "attn") == before["triton", "attn"]
         assert template_hash("tilelang", "attn") == before["tilelang", "attn"]
+        assert template_hash("gluon", "attn") == before["gluon", "attn"]
+        assert template_hash("gluon", "select") != before["gluon", "select"]
     finally:
         render.template_hash.cache_clear()
     with pytest.raises(ValueError, match="no template"):
