@@ -347,7 +347,8 @@ def dispatch_overhead(n_calls: int = 200, rounds: int = 9, log=print) -> dict:
     idx = torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32, device="cuda")
     attn = kernelgen.get_kernel(spec)
     shapes = ops.check_qkv(q, k, v, spec)
-    sel_mod, _, cfg, mod = attn._kernels(seq_bucket(shapes.n_k), q.dtype, q.device)  # what a call looks up
+    sel_mod, _, backend, cfg, mod = attn._kernels(seq_bucket(shapes.n_k), q.dtype, q.device)  # what a call looks up
+    assert backend == "triton", backend  # the spec's backend: the raw launches below are Triton's
 
     def raw():
         lists = ops.prepare_block_idx(idx, spec, shapes, q.device, sel_mod)
