@@ -1,11 +1,11 @@
-"""H200 probe of the Gluon forward prototype (tools/gluon_fwd.py): correctness on the Triton GPU test grid
-against the float64 reference (outputs poisoned with NaN first), then timings next to the forward
-kernelgen serves, FlexAttention with the same BlockMask, and cuDNN SDPA on the dense cases.
+"""H200 probe of the Gluon forward (backend="gluon", every config given on the command line): correctness on
+the Triton GPU test grid's shapes against the float64 reference (outputs poisoned with NaN first), then
+timings next to the forward kernelgen serves, FlexAttention with the same BlockMask, and cuDNN SDPA on
+the dense cases. (Session 5's two-blocks-per-step variant, tools/gluon_fwd2.py, is in commit 6244172.)
 
-    python3 tools/gluon_probe.py [--out DIR] [--check-only] [--time-only]
+    python3 tools/gluon_probe.py [--out DIR] [--check-only] [--time-only] [--stages 2,3]
 """
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -15,12 +15,11 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-sys.path.insert(0, os.path.dirname(__file__))
-import gluon_fwd2 as gluon_fwd  # noqa: E402  (kps=1 is tools/gluon_fwd.py's kernel)
 from checks import TOLERANCE  # noqa: E402
 
 import kernelgen  # noqa: E402
-from kernelgen import reference  # noqa: E402
+from kernelgen import ops, reference  # noqa: E402
+from kernelgen.config import GluonAttnConfig  # noqa: E402
 from kernelgen.bench import SHAPES, BenchShape, flex_block_mask, flex_kernel_options, useful_flops  # noqa: E402
 
 DEVICE, DTYPE = "cuda", torch.bfloat16
@@ -42,7 +41,13 @@ DENSE = {f"dense_d{d}_16k_{'c' if c else 'nc'}": BenchShape("dense", 1, 4096 // 
          for d in (128, 64) for c in (False, True)}
 
 
-def check(case, dtype, block_m, stages, lists="select", kps=1):
+def gluon(spec, block_m, stages):
+    """The Gluon forward of `spec` with one pinned config (lists given)."""
+    return kernelgen.get_kernel(spec.replace(selector="given", backend="gluon"),
+                                configs={"attn": GluonAttnConfig(block_m=block_m, num_stages=stages)})
+
+
+def check(case, dtype, block_m, stages, lists="select"):
     b, hkv, g, nq, nk, d, kv_block, q_tile, top_k, causal = case
     spec = kernelgen.Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g)
     gen = torch.Generator(device=DEVICE).manual_seed(nq + d + g)
@@ -58,7 +63,11 @@ def check(case, dtype, block_m, stages, lists="select", kps=1):
         idx = (keys.argsort(-1)[..., :top_k] - 3).to(torch.int32)  # distinct ids, some outside [0, n_blocks)
         idx[:, :, ::3] = -1
     norm = reference.normalize_block_idx(idx, spec.n_kv_blocks(nk))  # what ops.prepare_block_idx makes
-    o, lse = gluon_fwd.attention(q, k, v, norm, spec, block_m=block_m, stages=stages, poison=True, kps=kps)
+    ops._POISON = True  # outputs start as NaN: an unwritten element fails the check
+    try:
+        o, lse = gluon(spec, block_m, stages)(q, k, v, block_idx=idx, return_lse=True)
+    finally:
+        ops._POISON = False
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=norm)
     rel_tol, abs_tol = TOLERANCE[dtype]
     nan = bool(torch.isnan(o).any() or torch.isnan(lse).any())
@@ -68,7 +77,7 @@ def check(case, dtype, block_m, stages, lists="select", kps=1):
     lse_ok = torch.equal(torch.isinf(lse), inf) and (
         (lse.double()[~inf] - ref_lse[~inf]).abs().max().item() < 10 * abs_tol if (~inf).any() else True)
     ok = (not nan) and rel < rel_tol and max_abs < abs_tol and lse_ok
-    return dict(case=list(case), dtype=str(dtype), block_m=block_m, stages=stages, kps=kps, lists=lists, ok=ok, nan=nan,
+    return dict(case=list(case), dtype=str(dtype), block_m=block_m, stages=stages, lists=lists, ok=ok, nan=nan,
                 rel=rel, max_abs=max_abs, lse_ok=lse_ok)
 
 
@@ -91,7 +100,6 @@ def timing(name, shape, configs):
         idx = kernelgen.get_kernel(spec).select(q, k)
     flops = useful_flops(idx, spec, shape.n_q, shape.n_k)
     given = kernelgen.get_kernel(spec.replace(selector="given", backend="auto"))
-    norm = reference.normalize_block_idx(idx, spec.n_kv_blocks(shape.n_k))
     rows = []
 
     def row(impl, ms, **extra):
@@ -102,15 +110,15 @@ def timing(name, shape, configs):
     served = given(q, k, v, block_idx=idx)
     row("kernelgen auto (served)", bench(lambda: given(q, k, v, block_idx=idx)),
         backend=given.backend(shape.n_k), config=given.config("attn", shape.n_q, shape.n_k).to_json())
-    for block_m, stages, kps in configs:
+    for block_m, stages in configs:
         try:
-            o, _ = gluon_fwd.attention(q, k, v, norm, spec, block_m=block_m, stages=stages, kps=kps)
+            attn = gluon(spec, block_m, stages)
+            o = attn(q, k, v, block_idx=idx)
             diff = ((o.float() - served.float()).norm() / served.float().norm()).item()
-            row(f"gluon m{block_m} s{stages} kps{kps}",
-                bench(lambda: gluon_fwd.attention(q, k, v, norm, spec, block_m=block_m, stages=stages, kps=kps)),
+            row(f"gluon m{block_m} s{stages}", bench(lambda: attn(q, k, v, block_idx=idx)),
                 rel_diff_vs_served=f"{diff:.1e}")
         except Exception as error:  # noqa: BLE001 (a config that fails is a row, not the end of the probe)
-            print(f"{name} gluon m{block_m} s{stages} kps{kps}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            print(f"{name} gluon m{block_m} s{stages}: {type(error).__name__}: {str(error)[:300]}", flush=True)
     if dense:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             row("sdpa cudnn (dense)", bench(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -130,10 +138,8 @@ def main():
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--time-only", action="store_true")
     p.add_argument("--shapes", default="a32k,b,c,c_dense," + ",".join(DENSE))
-    p.add_argument("--kps", default="1,2", help="listed blocks per step")
     p.add_argument("--stages", default="2,3")
     args = p.parse_args()
-    args.kps = [int(x) for x in args.kps.split(",")]
     args.stages = [int(x) for x in args.stages.split(",")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     results = {"checks": [], "timings": []}
@@ -141,11 +147,9 @@ def main():
         for case in CHECKS:
             for dtype in (torch.bfloat16, torch.float16):
                 block_m = min(128, case[2] * case[7])
-                for lists, kps in itertools.product(("select", "random"), args.kps):
-                    if kps * case[6] > 128:  # two blocks per step: 64-key blocks only
-                        continue
+                for lists in ("select", "random"):
                     try:
-                        r = check(case, dtype, block_m, 2, lists, kps)
+                        r = check(case, dtype, block_m, 2, lists)
                     except Exception as error:  # noqa: BLE001
                         r = dict(case=list(case), dtype=str(dtype), lists=lists, ok=False,
                                  error=f"{type(error).__name__}: {str(error)[:400]}")
@@ -157,8 +161,8 @@ def main():
         for name in args.shapes.split(","):
             shape = SHAPES.get(name) or DENSE[name]
             rows_max = min(128, shape.heads_q // shape.heads_kv * shape.q_tile)
-            configs = [(m, s, kps) for m in (64, 128) if m <= rows_max for s in args.stages for kps in args.kps
-                       if kps * shape.kv_block <= 128 and 2 * s * kps * shape.kv_block * shape.head_dim * 2 <= 227 * 1024]
+            configs = [(m, s) for m in (64, 128) if m <= rows_max for s in args.stages
+                       if 2 * s * shape.kv_block * shape.head_dim * 2 <= 227 * 1024]
             results["timings"] += timing(name, shape, configs)
     if args.out:
         with open(os.path.join(args.out, "gluon_probe.json"), "w") as f:
