@@ -8,10 +8,10 @@ import torch
 
 import kernelgen
 from kernelgen import Spec, ops, reference, tuned
-from kernelgen.config import GluonAttnConfig, SelectConfig, config_from_dict, config_space, default_config
+from kernelgen.config import GluonAttnConfig, SelectConfig, config_space, default_config
 from kernelgen.dispatch import SparseAttention
-from checks import assert_close_to_reference
-from test_triton_fwd import GPU_CASES, given_lists, gpu_case, make_inputs, run_and_check
+from checks import assert_close_to_reference, assert_exported_module_matches_get_kernel
+from test_triton_fwd import GPU_CASES, check_empty_lists, given_lists, gpu_case, make_inputs, run_and_check
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on Hopper GPUs (sm_90) only")
@@ -138,17 +138,7 @@ def test_gpu_gluon_empty_lists(block_m):
     still right (with 64 rows, two programs share a tile)."""
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=8, causal=True, gqa_group=2, selector="given",
                 backend="gluon")
-    q, k, v = make_inputs(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "cuda", 43)
-    idx = given_lists(spec, 1, 2, 4096, 4096, 5, "cuda")
-    idx[:, :, ::3] = -1
-    idx[:, 1, 1::3] = 10**6
-    configs = {"attn": GluonAttnConfig(block_m=block_m, num_stages=2)}
-    run_and_check(spec, q, k, v, block_idx=idx, configs=configs)
-    o, lse = kernelgen.get_kernel(spec, configs=configs)(q, k, v, block_idx=idx, return_lse=True)
-    o, lse = o.view(1, 4, 32, 128, 128), lse.view(1, 4, 32, 128)  # [B, H, tile, row(, D)]
-    for heads, tiles in ((slice(None), slice(0, None, 3)), (slice(2, 4), slice(1, None, 3))):
-        assert (o[:, heads, tiles] == 0).all() and torch.isneginf(lse[:, heads, tiles]).all()
-    assert torch.isfinite(lse[:, :, 2::3]).any()
+    check_empty_lists(spec, {"attn": GluonAttnConfig(block_m=block_m, num_stages=2)})
 
 
 @pytest.mark.gpu
@@ -218,25 +208,4 @@ def test_gpu_auto_serves_gluon_when_its_row_is_fastest(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @hopper
 def test_gpu_exported_gluon_module_matches_get_kernel(tmp_path):
-    """The exported module of a Gluon spec computes what get_kernel computes (same lists, same kernel)."""
-    import importlib.util
-    import sys
-
-    from kernelgen.export import export_module
-
-    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4, backend="gluon")
-    path = export_module(spec, tmp_path / "kg_gluon_gpu.py")
-    module_spec = importlib.util.spec_from_file_location("kg_gluon_gpu", path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules["kg_gluon_gpu"] = module
-    module_spec.loader.exec_module(module)
-    q, k, v = make_inputs(1, 2, 4, 8192, 8192, 128, torch.bfloat16, "cuda", 41)
-    # the configs baked in (the module's own config classes: rebuilt as kernelgen's)
-    baked = {role: config_from_dict(role, dataclasses.asdict(cfg), "gluon")
-             for role, cfg in module.kernel._fixed.items()}
-    assert baked["attn"] == default_config(spec, "attn")
-    attn = kernelgen.get_kernel(spec, configs=baked)
-    o, lse = module.attn(q, k, v, return_lse=True)
-    want_o, want_lse = attn(q, k, v, return_lse=True)
-    assert torch.equal(module.select(q, k), attn.select(q, k))
-    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    assert_exported_module_matches_get_kernel("gluon", tmp_path)

@@ -6,8 +6,9 @@ import torch
 
 import kernelgen
 from kernelgen import Spec
-from kernelgen.config import config_from_dict, default_config
-from test_triton_fwd import GPU_CASES, given_lists, gpu_case, make_inputs, run_and_check
+from kernelgen.config import default_config
+from checks import assert_exported_module_matches_get_kernel
+from test_triton_fwd import GPU_CASES, check_empty_lists, given_lists, gpu_case, make_inputs, run_and_check
 
 pytest.importorskip("tilelang")
 
@@ -46,17 +47,7 @@ def test_gpu_tilelang_empty_lists(overlap):
     still right."""
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=8, causal=True, gqa_group=2, selector="given",
                 backend="tilelang")
-    q, k, v = make_inputs(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "cuda", 43)
-    idx = given_lists(spec, 1, 2, 4096, 4096, 5, "cuda")
-    idx[:, :, ::3] = -1
-    idx[:, 1, 1::3] = 10**6
-    configs = {"attn": dataclasses.replace(default_config(spec, "attn"), overlap=overlap)}
-    run_and_check(spec, q, k, v, block_idx=idx, configs=configs)
-    o, lse = kernelgen.get_kernel(spec, configs=configs)(q, k, v, block_idx=idx, return_lse=True)
-    o, lse = o.view(1, 4, 32, 128, 128), lse.view(1, 4, 32, 128)  # [B, H, tile, row(, D)]
-    for heads, tiles in ((slice(None), slice(0, None, 3)), (slice(2, 4), slice(1, None, 3))):
-        assert (o[:, heads, tiles] == 0).all() and torch.isneginf(lse[:, heads, tiles]).all()
-    assert torch.isfinite(lse[:, :, 2::3]).any()
+    check_empty_lists(spec, {"attn": dataclasses.replace(default_config(spec, "attn"), overlap=overlap)})
 
 
 @pytest.mark.gpu
@@ -103,23 +94,4 @@ def test_gpu_auto_backend_against_reference():
 
 @pytest.mark.gpu
 def test_gpu_exported_tilelang_module_matches_get_kernel(tmp_path):
-    """The exported module of a TileLang spec computes what get_kernel computes (same lists, same kernel)."""
-    import importlib.util
-    import sys
-
-    from kernelgen.export import export_module
-
-    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4, backend="tilelang")
-    path = export_module(spec, tmp_path / "kg_tl_gpu.py")
-    module_spec = importlib.util.spec_from_file_location("kg_tl_gpu", path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules["kg_tl_gpu"] = module
-    module_spec.loader.exec_module(module)
-    q, k, v = make_inputs(1, 2, 4, 8192, 8192, 128, torch.bfloat16, "cuda", 41)
-    # the configs baked in (the module's own config classes: rebuilt as kernelgen's)
-    baked = {role: config_from_dict(role, dataclasses.asdict(cfg), "tilelang") for role, cfg in module.kernel._fixed.items()}
-    attn = kernelgen.get_kernel(spec, configs=baked)
-    o, lse = module.attn(q, k, v, return_lse=True)
-    want_o, want_lse = attn(q, k, v, return_lse=True)
-    assert torch.equal(module.select(q, k), attn.select(q, k))
-    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    assert_exported_module_matches_get_kernel("tilelang", tmp_path)

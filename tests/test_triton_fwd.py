@@ -176,12 +176,33 @@ def gpu_case(case, dtype, seed_offset=0, **spec_changes):
     return (spec, *make_inputs(b, hkv, g, nq, nk, d, dtype, "cuda", nq + d + g + seed_offset))
 
 
+def check_empty_lists(spec, configs):
+    """Tiles whose list holds no valid id (all -1, or ids out of range) give o = 0 and lse = -inf, and the
+    other tiles still match the reference (GPU: bf16, 4k keys; spec: D=128, 128-blocks and tiles, G=2)."""
+    q, k, v = make_inputs(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "cuda", 43)
+    idx = given_lists(spec, 1, 2, 4096, 4096, 5, "cuda")
+    idx[:, :, ::3] = -1
+    idx[:, 1, 1::3] = 10**6
+    run_and_check(spec, q, k, v, block_idx=idx, configs=configs)
+    o, lse = kernelgen.get_kernel(spec, configs=configs)(q, k, v, block_idx=idx, return_lse=True)
+    o, lse = o.view(1, 4, 32, 128, 128), lse.view(1, 4, 32, 128)  # [B, H, tile, row(, D)]
+    for heads, tiles in ((slice(None), slice(0, None, 3)), (slice(2, 4), slice(1, None, 3))):
+        assert (o[:, heads, tiles] == 0).all() and torch.isneginf(lse[:, heads, tiles]).all()
+    assert torch.isfinite(lse[:, :, 2::3]).any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_gpu_against_reference(case, dtype):
     run_and_check(*gpu_case(case, dtype))
 
+
+
+@pytest.mark.gpu
+def test_gpu_empty_lists():
+    check_empty_lists(Spec(head_dim=128, kv_block=128, q_tile=128, top_k=8, causal=True, gqa_group=2,
+                           selector="given"), None)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
