@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import sys
@@ -217,33 +218,25 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=()) -> list[dict
         else:
             log(f"{name}: backend='auto' serves triton here (the rows above)")
         ours = attn_given(q, k, v, block_idx=idx)
-        try:  # the TileLang backend on the same lists, when it is installed
-            import tilelang  # noqa: F401  (ImportError: backend not installed)
 
-            tl_given = kernelgen.get_kernel(given.replace(backend="tilelang"))
-            tl_out = tl_given(q, k, v, block_idx=idx)
-            tl_diff = ((tl_out.float() - ours.float()).norm() / ours.float().norm()).item()
-            record("kernelgen tilelang given", lambda: tl_given(q, k, v, block_idx=idx), flops,
-                   rel_diff_vs_kernelgen=f"{tl_diff:.1e}",
-                   config=tl_given.config("attn", shape.n_q, shape.n_k).to_json())
-        except ImportError:
-            log(f"{name}: tilelang not installed, TileLang backend skipped")
-        except Exception as e:  # report, never hide
-            log(f"{name}: TileLang backend failed: {type(e).__name__}: {str(e)[:300]}")
-        gluon_skip = gluon_unsupported(given) or (
-            None if torch.cuda.get_device_capability(q.device) == (9, 0) else "not a Hopper GPU (sm_90)")
-        if gluon_skip:
-            log(f"{name}: Gluon backend skipped: {gluon_skip}")
-        else:
-            try:  # the Gluon backend on the same lists
-                gl_given = kernelgen.get_kernel(given.replace(backend="gluon"))
-                gl_out = gl_given(q, k, v, block_idx=idx)
-                gl_diff = ((gl_out.float() - ours.float()).norm() / ours.float().norm()).item()
-                record("kernelgen gluon given", lambda: gl_given(q, k, v, block_idx=idx), flops,
-                       rel_diff_vs_kernelgen=f"{gl_diff:.1e}",
-                       config=gl_given.config("attn", shape.n_q, shape.n_k).to_json())
+        def other_backend(backend: str, skip: str | None):
+            """A row for `backend` on the same lists (its rel_diff against the Triton output), unless `skip`
+            says why it cannot run here; a failure is a logged line, never hidden."""
+            if skip:
+                log(f"{name}: {backend} backend skipped: {skip}")
+                return
+            try:
+                other = kernelgen.get_kernel(given.replace(backend=backend))
+                out = other(q, k, v, block_idx=idx)
+                diff = ((out.float() - ours.float()).norm() / ours.float().norm()).item()
+                record(f"kernelgen {backend} given", lambda: other(q, k, v, block_idx=idx), flops,
+                       rel_diff_vs_kernelgen=f"{diff:.1e}", config=other.config("attn", shape.n_q, shape.n_k).to_json())
             except Exception as e:  # report, never hide
-                log(f"{name}: Gluon backend failed: {type(e).__name__}: {str(e)[:300]}")
+                log(f"{name}: {backend} backend failed: {type(e).__name__}: {str(e)[:300]}")
+
+        other_backend("tilelang", None if importlib.util.find_spec("tilelang") else "tilelang is not installed")
+        other_backend("gluon", gluon_unsupported(given) or (
+            None if torch.cuda.get_device_capability(q.device) == (9, 0) else "not a Hopper GPU (sm_90)"))
         try:
             from torch.nn.attention.flex_attention import flex_attention
 

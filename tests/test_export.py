@@ -74,6 +74,14 @@ BLOCKING = textwrap.dedent('''
             return None
 
     sys.meta_path.insert(0, Block())
+
+    def load(path):
+        """The exported module at `path`, imported under its file's name."""
+        spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
 ''')
 
 CHILD = CALLS + BLOCKING + textwrap.dedent('''
@@ -84,13 +92,6 @@ CHILD = CALLS + BLOCKING + textwrap.dedent('''
         pass
 
     import torch
-
-    def load(path):
-        spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
 
     inputs = torch.load(sys.argv[1])
     results = {}
@@ -224,10 +225,7 @@ def test_name_clashes_and_imports_are_refused():
 TILELANG_CHILD = BLOCKING + textwrap.dedent('''
     import torch
 
-    spec = importlib.util.spec_from_file_location("kg_tl", sys.argv[1])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kg_tl"] = module
-    spec.loader.exec_module(module)
+    module = load(sys.argv[1])
     x = torch.load(sys.argv[2])
     out = {"idx": module.select(x["q"], x["k"]), "spec": module.SPEC, "configs": module.CONFIGS}
     try:
@@ -283,10 +281,7 @@ def test_exported_tilelang_module_without_kernelgen(tmp_path, device):
 GLUON_CHILD = BLOCKING + textwrap.dedent('''
     import torch
 
-    spec = importlib.util.spec_from_file_location("kg_gl", sys.argv[1])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kg_gl"] = module
-    spec.loader.exec_module(module)
+    module = load(sys.argv[1])
     x = torch.load(sys.argv[2])
     attn_kernels = module.kernel.module("attn", None)
     out = {"idx": module.select(x["q"], x["k"]), "spec": module.SPEC, "configs": module.CONFIGS,
