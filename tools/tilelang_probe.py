@@ -57,14 +57,16 @@ def build(name, cfg, variant):
     shape = CASES[name]
     spec = spec_of(shape)
     source = tb.attn_source(spec, "bfloat16")
+    options = {}
     if variant:
-        from tilelang_variants import patch
+        from tilelang_variants import COMPILE_OPTIONS, patch
 
         source = patch(source, variant)
+        options = COMPILE_OPTIONS.get(variant, {})
     module = load_module(module_name(spec, "attn", source), source)
     func = tb.build_attn_from(module, spec, "bfloat16", batch=shape.batch, heads_kv=shape.heads_kv, seq_q=shape.n_q,
                               seq_k=shape.n_k, config=cfg)
-    return tb.compile_kernel(func, arch="sm_90a")
+    return tb.compile_kernel(func, arch="sm_90a", **options)
 
 
 def compile_one(args):

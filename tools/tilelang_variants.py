@@ -4,6 +4,8 @@ template stays as it is until a variant wins on the GPU; see tools/tilelang_prob
 pingpong  FlashAttention-3's inter-warpgroup schedule on top of `overlap`: the two consumer warpgroups
           take turns issuing their gemms (named barriers 8 and 9), so one's softmax runs while the
           other's gemms own the tensor cores.
+precise   the product kernel compiled without nvcc's fast math (tilelang_backend.FAST_MATH), as before
+          session 6: exp2f with its denormal range check.
 nowaste   `overlap` without its two wasted gemms: the first step issues no PV (P is still 0) and waits
           for its QK alone; the drain step issues no QK. On a 16-block list that is 32 gemms, not 34.
 """
@@ -70,7 +72,9 @@ NOWASTE2 = {
                         T.wait_wgmma(0)
 """,
 }
-VARIANTS = {"pingpong": PINGPONG, "nowaste": NOWASTE, "nodrainqk": NODRAINQK, "nowaste2": NOWASTE2}
+VARIANTS = {"pingpong": PINGPONG, "nowaste": NOWASTE, "nodrainqk": NODRAINQK, "nowaste2": NOWASTE2, "precise": {}}
+# compile options of a variant (keyword arguments of tilelang_backend.compile_kernel)
+COMPILE_OPTIONS = {"precise": {"pass_configs": {"tl.enable_fast_math": False}}}
 
 
 def patch(source: str, variant: str) -> str:
