@@ -79,17 +79,14 @@ def measure(shape_name, backend):
         rows = ops._tma_rows(k)
         make = lambda: descriptor(rows, list(rows.shape), list(rows.stride()), [spec.kv_block, spec.head_dim], layout)  # noqa: E731
         row["descriptor_us"] = per_call_us(make)
-        from triton.runtime import driver
-
-        fill = driver.active.utils.fill_tma_descriptor
-        row["fill_tma_us"] = per_call_us(lambda: fill(rows.data_ptr(), 2, 2, 10, [spec.kv_block, spec.head_dim],
-                                                      list(rows.shape), list(rows.stride()), 0))
-        norm = ops.prepare_block_idx(idx, spec, ops.check_qkv(q, k, v, spec), q.device,
-                                     attn._kernels(seq_bucket(shape.n_k), q.dtype, q.device)[0])
-        row["prepare_block_idx_us"] = per_call_us(lambda: ops.prepare_block_idx(
-            idx, spec, ops.check_qkv(q, k, v, spec), q.device,
-            attn._kernels(seq_bucket(shape.n_k), q.dtype, q.device)[0]), 50)
-        del norm
+        shapes = ops.check_qkv(q, k, v, spec)
+        select_mod, _, _, cfg, mod = attn._kernels(seq_bucket(shape.n_k), q.dtype, q.device)
+        row["prepare_block_idx_us"] = per_call_us(lambda: ops.prepare_block_idx(idx, spec, shapes, q.device, select_mod), 50)
+        norm = ops.prepare_block_idx(idx, spec, shapes, q.device, select_mod)
+        raw = lambda: ops.attention_gluon(q, k, v, norm, spec, shapes, mod, cfg, None)  # noqa: E731
+        row["attention_gluon_host_us"] = per_call_us(raw, 30)
+        torch.cuda.synchronize()
+        row["attention_gluon_do_bench_ms"] = triton.testing.do_bench(raw, warmup=25, rep=100, return_mode="median")
     torch.cuda.synchronize()
     print(json.dumps(row), flush=True)
     return row
