@@ -3,7 +3,10 @@ the Triton GPU test grid's shapes against the float64 reference (outputs poisone
 timings next to the forward kernelgen serves, FlexAttention with the same BlockMask, and cuDNN SDPA on
 the dense cases. (Session 5's two-blocks-per-step variant, tools/gluon_fwd2.py, is in commit 6244172.)
 
-    python3 tools/gluon_probe.py [--out DIR] [--check-only] [--time-only] [--stages 2,3]
+    python3 tools/gluon_probe.py [--out DIR] [--check-only] [--time-only] [--stages 2,3] [--baseline FILE]
+
+--baseline times another version of templates/gluon/attn_fwd.py.j2 (e.g. tools/baselines/, a template
+as it was at an earlier commit) with the same configs, next to the product kernel, in the same run.
 """
 import argparse
 import json
@@ -76,7 +79,29 @@ def check(case, dtype, block_m, stages, lists="select"):
     except AssertionError as error:
         return dict(row, ok=False, error=str(error))
 
-def timing(name, shape, configs):
+def baseline_kernel(path, spec, block_m, stages):
+    """`attn(q, k, v, idx)` by the Gluon forward rendered from the template file `path` (same contract)."""
+    import jinja2
+    from kernelgen.compile import load_module
+    from kernelgen.render import context, module_name
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(os.path.dirname(os.path.abspath(path))),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True,
+                             lstrip_blocks=True, autoescape=False)
+    gspec = spec.replace(selector="given", backend="gluon")
+    source = env.get_template(os.path.basename(path)).render(**context(gspec))
+    mod = load_module(module_name(gspec, "attn", source), source)
+    cfg = GluonAttnConfig(block_m=block_m, num_stages=stages)
+    attn = gluon(spec, block_m, stages)  # its normaliser and input checks
+
+    def run(q, k, v, idx):
+        shapes = ops.check_qkv(q, k, v, gspec)
+        norm = ops.prepare_block_idx(idx, gspec, shapes, q.device, attn.module("select", attn.config("select", 1, shapes.n_k)))
+        return ops.attention_gluon(q, k, v, norm, gspec, shapes, mod, cfg, None)[0]
+    return run
+
+
+def timing(name, shape, configs, baseline=None):
     from torch.nn.attention.flex_attention import flex_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -114,6 +139,15 @@ def timing(name, shape, configs):
                 rel_diff_vs_served=f"{diff:.1e}")
         except Exception as error:  # noqa: BLE001 (a config that fails is a row, not the end of the probe)
             print(f"{name} gluon m{block_m} s{stages}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+        if baseline:
+            try:
+                base = baseline_kernel(baseline, spec, block_m, stages)
+                o = base(q, k, v, idx)
+                diff = ((o.float() - served.float()).norm() / served.float().norm()).item()
+                row(f"baseline m{block_m} s{stages}", bench(lambda: base(q, k, v, idx)), rel_diff_vs_served=f"{diff:.1e}",
+                    template=os.path.basename(baseline))
+            except Exception as error:  # noqa: BLE001
+                print(f"{name} baseline m{block_m} s{stages}: {type(error).__name__}: {str(error)[:300]}", flush=True)
     if dense:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             row("sdpa cudnn (dense)", bench(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -134,6 +168,7 @@ def main():
     p.add_argument("--time-only", action="store_true")
     p.add_argument("--shapes", default="a32k,b,c,c_dense," + ",".join(DENSE))
     p.add_argument("--stages", default="2,3")
+    p.add_argument("--baseline", default=None, help="another Gluon forward template to time with the same configs")
     args = p.parse_args()
     args.stages = [int(x) for x in args.stages.split(",")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
@@ -158,7 +193,7 @@ def main():
             rows_max = min(128, shape.heads_q // shape.heads_kv * shape.q_tile)
             configs = [(m, s) for m in (64, 128) if m <= rows_max for s in args.stages
                        if 2 * s * shape.kv_block * shape.head_dim * 2 <= 227 * 1024]
-            results["timings"] += timing(name, shape, configs)
+            results["timings"] += timing(name, shape, configs, args.baseline)
     if args.out:
         with open(os.path.join(args.out, "gluon_probe.json"), "w") as f:
             json.dump(results, f, indent=1)
