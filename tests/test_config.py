@@ -75,11 +75,11 @@ def _gluon(**fields):
 
 @pytest.mark.parametrize("spec, points, default", [
     # D = kv_block = 128: four stages of K and V (256 KB) exceed the H200's shared memory
-    (_gluon(gqa_group=4), {(64, 2), (64, 3), (128, 2), (128, 3)}, (128, 2)),
-    (_gluon(head_dim=64, kv_block=64, q_tile=64), {(64, 2), (64, 3), (64, 4)}, (64, 2)),  # 64 rows only
-    (_gluon(kv_block=64, q_tile=64, gqa_group=2), {(m, s) for m in (64, 128) for s in (2, 3, 4)}, (128, 2)),
-    (_gluon(head_dim=64, q_tile=16, gqa_group=8), {(m, s) for m in (64, 128) for s in (2, 3, 4)}, (128, 2)),
-    (_gluon(q_tile=64, gqa_group=3), {(64, 2), (64, 3)}, (64, 2)),  # 128 rows would split a head's tile
+    (_gluon(gqa_group=4), {(64, 2), (64, 3), (128, 2), (128, 3)}, (128, 3)),
+    (_gluon(head_dim=64, kv_block=64, q_tile=64), {(64, 2), (64, 3), (64, 4)}, (64, 3)),  # 64 rows only
+    (_gluon(kv_block=64, q_tile=64, gqa_group=2), {(m, s) for m in (64, 128) for s in (2, 3, 4)}, (128, 3)),
+    (_gluon(head_dim=64, q_tile=16, gqa_group=8), {(m, s) for m in (64, 128) for s in (2, 3, 4)}, (128, 3)),
+    (_gluon(q_tile=64, gqa_group=3), {(64, 2), (64, 3)}, (64, 3)),  # 128 rows would split a head's tile
 ])
 def test_gluon_space_and_default(spec, points, default):
     from kernelgen.config import GluonAttnConfig, gluon_attn_feasible
