@@ -6,8 +6,6 @@ pingpong  FlashAttention-3's inter-warpgroup schedule on top of `overlap`: the t
           other's gemms own the tensor cores.
 precise   the product kernel compiled without nvcc's fast math (tilelang_backend.FAST_MATH), as before
           session 6: exp2f with its denormal range check.
-nowaste   `overlap` without its two wasted gemms: the first step issues no PV (P is still 0) and waits
-          for its QK alone; the drain step issues no QK. On a 16-block list that is 32 gemms, not 34.
 """
 
 PINGPONG = {
@@ -33,46 +31,7 @@ PINGPONG = {
 """,
 }
 
-NOWASTE = {
-    """                    T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                 clear_accum=True)
-                    T.wgmma_gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(1)
-""": """                    if it < n_steps:
-                        T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                     clear_accum=True)
-                    if it > 0:
-                        T.wgmma_gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(1)
-                    else:
-                        T.wait_wgmma(0)
-""",
-}
-
-_GEMMS = """                    T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                 clear_accum=True)
-"""
-NODRAINQK = {_GEMMS: """                    if it < n_steps:
-                        T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                     clear_accum=True)
-"""}
-
-NOWASTE2 = {
-    """                    T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                 clear_accum=True)
-                    T.wgmma_gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(1)
-""": """                    if it < n_steps:
-                        T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                     clear_accum=True)
-                    if it > 0:
-                        T.wgmma_gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(1)
-                    if it == 0:
-                        T.wait_wgmma(0)
-""",
-}
-VARIANTS = {"pingpong": PINGPONG, "nowaste": NOWASTE, "nodrainqk": NODRAINQK, "nowaste2": NOWASTE2, "precise": {}}
+VARIANTS = {"pingpong": PINGPONG, "precise": {}}
 # compile options of a variant (keyword arguments of tilelang_backend.compile_kernel)
 COMPILE_OPTIONS = {"precise": {"pass_configs": {"tl.enable_fast_math": False}}}
 
