@@ -61,7 +61,7 @@ from . import db as tuning_db
 from .config import config_space, default_config
 from .spec import Spec
 
-__all__ = ["TuneResult", "tune", "plan", "tune_inputs_shape", "study_name"]
+__all__ = ["TuneResult", "tune", "plan", "tune_inputs_shape", "study_name", "precompile_tilelang"]
 
 log = logging.getLogger("kernelgen")
 
@@ -435,23 +435,29 @@ def _precompile_tilelang(spec: Spec, space: list[dict], bucket: int, shape: dict
     fill TileLang's disk cache, so each trial then only checks and times (H200 host, 16 cores: a
     12-point grid tuned in 55-80 s per shape, where 6 serial trials had taken 87-144 s). Returns the
     seconds it took."""
-    import concurrent.futures as cf
-
     from . import tilelang_backend
 
-    t0 = time.perf_counter()
     shapes = _trial_shapes(spec, bucket, False, shape)
     arch = tilelang_backend.target_arch(torch.device(device))
-    jobs = [(spec.to_json(), params, shapes, arch) for params in space]
+    seconds, errors = precompile_tilelang([(spec.to_json(), params, shapes, arch) for params in space])
+    log.info("tune: precompiled %d TileLang configs x %d shapes in %.0f s (%d failed)", len(space), len(shapes),
+             seconds, len(errors))
+    return seconds
+
+
+def precompile_tilelang(jobs: list[tuple]) -> tuple[float, list[str]]:
+    """Compile TileLang attention kernels in parallel spawned processes, filling TileLang's disk cache so
+    that the same compile in this process is then instant. A job: (spec JSON, TileLangAttnConfig fields,
+    [(batch, heads_kv, n_q, n_k), ...], arch). Returns (seconds, errors)."""
+    import concurrent.futures as cf
+
     if not jobs:
-        return 0.0
+        return 0.0, []
+    t0 = time.perf_counter()
     workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 16))
     with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         errors = [e for e in pool.map(_compile_tilelang_point, jobs) if e]
-    seconds = time.perf_counter() - t0
-    log.info("tune: precompiled %d TileLang configs x %d shapes in %.0f s with %d processes (%d failed)", len(jobs),
-             len(shapes), seconds, workers, len(errors))
-    return seconds
+    return time.perf_counter() - t0, errors
 
 
 def _describe(error: BaseException, limit: int = 4000) -> str:

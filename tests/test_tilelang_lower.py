@@ -151,3 +151,19 @@ def test_softmax_exp2_is_one_mufu_each(nvcc_really_runs, tmp_path):
                           check=True).stdout
     assert sass.count("MUFU.EX2") >= 64  # the scores of one step (64 per thread), unrolled
     assert "-126" not in sass, "exp2f kept its denormal range check: built without fast math?"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_bench_precompiles_the_tilelang_forwards(monkeypatch):
+    """The bench compiles each shape's TileLang forward in parallel processes before timing anything;
+    a kernel that fails to build is reported in the log line, never dropped silently."""
+    from kernelgen import bench
+
+    monkeypatch.setattr(tb, "target_arch", lambda device: "sm_90a")  # no GPU here: the H200's arch
+    lines = []
+    bench._precompile_tilelang(["tiny", "b"], log=lines.append)
+    assert len(lines) == 1 and lines[0].startswith("precompiled 2 TileLang forwards") and "failed" not in lines[0]
+    monkeypatch.setattr(tb, "target_arch", lambda device: "sm_00")  # an arch nvcc rejects
+    lines.clear()
+    bench._precompile_tilelang(["tiny"], log=lines.append)
+    assert "failed" in lines[0]

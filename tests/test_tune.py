@@ -127,7 +127,7 @@ def test_plan_gluon_attn():
     p = plan(spec, "attn", seq=5000, arch="sm_90", trials=30)
     assert p["study_name"] == f"kg-{spec.role_key('attn')}-attn-gluon-sm_90-8192" and p["backend"] == "gluon"
     assert p["space"] == [{"block_m": m, "num_stages": s} for m in (64, 128) for s in (2, 3, 4)]
-    assert p["default"] == {"block_m": 128, "num_stages": 2} and p["sampler"] == "grid"
+    assert p["default"] == {"block_m": 128, "num_stages": 3} and p["sampler"] == "grid"
     assert plan(spec, "select", seq=5000, arch="sm_90") == plan(spec.replace(backend="triton"), "select", seq=5000,
                                                                  arch="sm_90")  # the Triton selector's study
 
