@@ -47,7 +47,7 @@ def test_selection_runs_the_triton_selector(device):
 
 def test_the_attention_module_is_the_rendered_gluon_kernel():
     attn = SparseAttention(SPEC)
-    assert attn.config("attn", 4096, 4096, device="cpu") == default_config(SPEC, "attn") == GluonAttnConfig(64, 2)
+    assert attn.config("attn", 4096, 4096, device="cpu") == default_config(SPEC, "attn") == GluonAttnConfig(64, 3)
     mod = attn.module("attn", GluonAttnConfig(64, 3))
     assert mod.__name__.startswith("kg_gluon_attn_") and type(mod.attn_fwd).__name__ == "GluonJITFunction"
     assert '"block_m": 64, "num_stages": 3' in Path(mod.__file__).read_text()  # the config, recorded
