@@ -243,16 +243,7 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=(), graph: bool 
 
         served = attn_given.config("attn", shape.n_q, shape.n_k)
         record("kernelgen given", lambda: attn_given(q, k, v, block_idx=idx), flops, config=served.to_json())
-        untuned = default_config(given, "attn")
-        if served != untuned:  # a tuned winner is served: the defaults, side by side
-            attn_default = kernelgen.get_kernel(given, configs={"attn": untuned})
-            record("kernelgen given (defaults)", lambda: attn_default(q, k, v, block_idx=idx), flops,
-                   config=untuned.to_json())
-        extra = _peak_extra_bytes(lambda: attn(q, k, v))
-        record("kernelgen mean (select+attn)", lambda: attn(q, k, v), flops,
-               peak_extra_MB=round(extra / 2**20, 1), output_MB=round(out_bytes / 2**20, 1),
-               workspace_over_output=round((extra - out_bytes) / out_bytes, 3))
-        record("kernelgen mean select only", lambda: attn.select(q, k), 0.0)
+        # the served kernels and the anchors first: a run stopped by its time limit keeps the comparison
         auto = kernelgen.get_kernel(given.replace(backend="auto"))
         served_backend = auto.backend(shape.n_k, q.dtype, q.device)
         if served_backend != "triton":  # the tuning DB says TileLang or Gluon is faster here
@@ -261,25 +252,6 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=(), graph: bool 
         else:
             log(f"{name}: backend='auto' serves triton here (the rows above)")
         ours = attn_given(q, k, v, block_idx=idx)
-
-        def other_backend(backend: str, skip: str | None):
-            """A row for `backend` on the same lists (its rel_diff against the Triton output), unless `skip`
-            says why it cannot run here; a failure is a logged line, never hidden."""
-            if skip:
-                log(f"{name}: {backend} backend skipped: {skip}")
-                return
-            try:
-                other = kernelgen.get_kernel(given.replace(backend=backend))
-                out = other(q, k, v, block_idx=idx)
-                diff = ((out.float() - ours.float()).norm() / ours.float().norm()).item()
-                record(f"kernelgen {backend} given", lambda: other(q, k, v, block_idx=idx), flops,
-                       rel_diff_vs_kernelgen=f"{diff:.1e}", config=other.config("attn", shape.n_q, shape.n_k).to_json())
-            except Exception as e:  # report, never hide
-                log(f"{name}: {backend} backend failed: {type(e).__name__}: {str(e)[:300]}")
-
-        other_backend("tilelang", None if importlib.util.find_spec("tilelang") else "tilelang is not installed")
-        other_backend("gluon", gluon_unsupported(given) or (
-            None if torch.cuda.get_device_capability(q.device) == (9, 0) else "not a Hopper GPU (sm_90)"))
         try:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -305,6 +277,35 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=(), graph: bool 
                     record(label, fn, dflops)
             except Exception as e:
                 log(f"{name}: {label} failed: {type(e).__name__}: {str(e)[:200]}")
+        untuned = default_config(given, "attn")
+        if served != untuned:  # a tuned winner is served: the defaults, side by side
+            attn_default = kernelgen.get_kernel(given, configs={"attn": untuned})
+            record("kernelgen given (defaults)", lambda: attn_default(q, k, v, block_idx=idx), flops,
+                   config=untuned.to_json())
+        extra = _peak_extra_bytes(lambda: attn(q, k, v))
+        record("kernelgen mean (select+attn)", lambda: attn(q, k, v), flops,
+               peak_extra_MB=round(extra / 2**20, 1), output_MB=round(out_bytes / 2**20, 1),
+               workspace_over_output=round((extra - out_bytes) / out_bytes, 3))
+        record("kernelgen mean select only", lambda: attn.select(q, k), 0.0)
+
+        def other_backend(backend: str, skip: str | None):
+            """A row for `backend` on the same lists (its rel_diff against the Triton output), unless `skip`
+            says why it cannot run here; a failure is a logged line, never hidden."""
+            if skip:
+                log(f"{name}: {backend} backend skipped: {skip}")
+                return
+            try:
+                other = kernelgen.get_kernel(given.replace(backend=backend))
+                out = other(q, k, v, block_idx=idx)
+                diff = ((out.float() - ours.float()).norm() / ours.float().norm()).item()
+                record(f"kernelgen {backend} given", lambda: other(q, k, v, block_idx=idx), flops,
+                       rel_diff_vs_kernelgen=f"{diff:.1e}", config=other.config("attn", shape.n_q, shape.n_k).to_json())
+            except Exception as e:  # report, never hide
+                log(f"{name}: {backend} backend failed: {type(e).__name__}: {str(e)[:300]}")
+
+        other_backend("tilelang", None if importlib.util.find_spec("tilelang") else "tilelang is not installed")
+        other_backend("gluon", gluon_unsupported(given) or (
+            None if torch.cuda.get_device_capability(q.device) == (9, 0) else "not a Hopper GPU (sm_90)"))
         if name in sweep or name in profile:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as profiler
