@@ -3,7 +3,8 @@ the Triton GPU test grid's shapes against the float64 reference (outputs poisone
 timings next to the forward kernelgen serves, FlexAttention with the same BlockMask, and cuDNN SDPA on
 the dense cases. (Session 5's two-blocks-per-step variant, tools/gluon_fwd2.py, is in commit 6244172.)
 
-    python3 tools/gluon_probe.py [--out DIR] [--check-only] [--time-only] [--stages 2,3] [--baseline FILE]
+    python3 tools/gluon_probe.py [--out DIR] [--check-only] [--time-only] [--stages 2,3] [--baseline FILE
+                                 [--baseline-maxnreg N]]
 
 --baseline times another version of templates/gluon/attn_fwd.py.j2 (e.g. tools/baselines/, a template
 as it was at an earlier commit) with the same configs, next to the product kernel, in the same run.
@@ -12,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import types
 
 import torch
 import triton
@@ -79,7 +81,18 @@ def check(case, dtype, block_m, stages, lists="select"):
     except AssertionError as error:
         return dict(row, ok=False, error=str(error))
 
-def baseline_kernel(path, spec, block_m, stages):
+class _WithMaxnreg:
+    """A Gluon kernel whose launches also pass `maxnreg` (warp-specialised kernels need it: without it
+    they assume 256 registers per thread, one program per SM)."""
+
+    def __init__(self, kernel, maxnreg):
+        self.kernel, self.maxnreg = kernel, maxnreg
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, maxnreg=self.maxnreg, **kwargs)
+
+
+def baseline_kernel(path, spec, block_m, stages, maxnreg=None):
     """`attn(q, k, v, idx)` by the Gluon forward rendered from the template file `path` (same contract)."""
     import jinja2
     from kernelgen.compile import load_module
@@ -91,6 +104,8 @@ def baseline_kernel(path, spec, block_m, stages):
     gspec = spec.replace(selector="given", backend="gluon")
     source = env.get_template(os.path.basename(path)).render(**context(gspec))
     mod = load_module(module_name(gspec, "attn", source), source)
+    if maxnreg:
+        mod = types.SimpleNamespace(attn_fwd=_WithMaxnreg(mod.attn_fwd, maxnreg))
     cfg = GluonAttnConfig(block_m=block_m, num_stages=stages)
     attn = gluon(spec, block_m, stages)  # its normaliser and input checks
 
@@ -101,7 +116,7 @@ def baseline_kernel(path, spec, block_m, stages):
     return run
 
 
-def timing(name, shape, configs, baseline=None):
+def timing(name, shape, configs, baseline=None, baseline_maxnreg=None):
     from torch.nn.attention.flex_attention import flex_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -141,7 +156,7 @@ def timing(name, shape, configs, baseline=None):
             print(f"{name} gluon m{block_m} s{stages}: {type(error).__name__}: {str(error)[:300]}", flush=True)
         if baseline:
             try:
-                base = baseline_kernel(baseline, spec, block_m, stages)
+                base = baseline_kernel(baseline, spec, block_m, stages, baseline_maxnreg)
                 o = base(q, k, v, idx)
                 diff = ((o.float() - served.float()).norm() / served.float().norm()).item()
                 row(f"baseline m{block_m} s{stages}", bench(lambda: base(q, k, v, idx)), rel_diff_vs_served=f"{diff:.1e}",
@@ -169,6 +184,7 @@ def main():
     p.add_argument("--shapes", default="a32k,b,c,c_dense," + ",".join(DENSE))
     p.add_argument("--stages", default="2,3")
     p.add_argument("--baseline", default=None, help="another Gluon forward template to time with the same configs")
+    p.add_argument("--baseline-maxnreg", type=int, default=None, help="launch the --baseline kernel with this maxnreg")
     args = p.parse_args()
     args.stages = [int(x) for x in args.stages.split(",")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
@@ -193,7 +209,7 @@ def main():
             rows_max = min(128, shape.heads_q // shape.heads_kv * shape.q_tile)
             configs = [(m, s) for m in (64, 128) if m <= rows_max for s in args.stages
                        if 2 * s * shape.kv_block * shape.head_dim * 2 <= 227 * 1024]
-            results["timings"] += timing(name, shape, configs, args.baseline)
+            results["timings"] += timing(name, shape, configs, args.baseline, args.baseline_maxnreg)
     if args.out:
         with open(os.path.join(args.out, "gluon_probe.json"), "w") as f:
             json.dump(results, f, indent=1)
