@@ -209,12 +209,7 @@ def attention(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: AttnConf
         v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
     mod.attn_fwd[grid](
         q, k_arg, v_arg, o, lse, block_idx,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
@@ -276,10 +271,7 @@ def attention_gluon(q, k, v, block_idx, spec: Spec, shapes: Shapes, mod, cfg: Gl
     grid = (shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)
     mod.attn_fwd[grid](
         q, o, lse, block_idx, k_desc, v_desc,
-        q.stride(0), q.stride(1), q.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
+        *q.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         TOP_K=spec.top_k, TOP_K_PAD=max(next_pow2(spec.top_k), 32),  # its list layout spans a warp's 32 lanes

@@ -127,6 +127,19 @@ def _inputs(b, hkv, g, nq, nk, d, dtype, seed):
             ((b, hkv * g, nq, d), (b, hkv, nk, d), (b, hkv, nk, d))]
 
 
+def _run_child(tmp_path, source: str, *args: str, timeout: float = 300):
+    """Run `source` as child.py in a fresh interpreter without PYTHONPATH (so kernelgen cannot be
+    imported), under Triton's interpreter, with `args`; the last arg is the file it saves its outputs
+    to, loaded and returned."""
+    (tmp_path / "child.py").write_text(source)
+    env = {key: val for key, val in os.environ.items() if key != "PYTHONPATH"}
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, str(tmp_path / "child.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(args[-1])
+
+
 def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
     if device != "cpu":
         pytest.skip("the child runs the interpreter")
@@ -141,14 +154,7 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
                           idx=_given_lists(GIVEN, 1, 2, 100, 140, 3),
                           configs={r: kernelgen.config.default_config(GIVEN, r).__dict__ for r in ("attn", "select")})
     torch.save(cases, tmp_path / "inputs.pt")
-    (tmp_path / "child.py").write_text(CHILD)
-    env = {key: val for key, val in os.environ.items() if key != "PYTHONPATH"}
-    env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "inputs.pt"),
-                           str(tmp_path / "outputs.pt")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    exported = torch.load(tmp_path / "outputs.pt")
+    exported = _run_child(tmp_path, CHILD, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt"))
 
     for name, spec, configs in (("mean", MEAN, MEAN_CONFIGS), ("given", GIVEN, None)):
         attn = kernelgen.get_kernel(spec, configs=configs)
@@ -261,14 +267,8 @@ def test_exported_tilelang_module_without_kernelgen(tmp_path, device):
     assert "torch, triton and tilelang" in path.read_text().split('"""', 2)[1]
     q, k, v = _inputs(1, 2, 2, 150, 230, 64, torch.float16, 4)
     torch.save({"q": q, "k": k, "v": v}, tmp_path / "inputs.pt")
-    (tmp_path / "child.py").write_text(TILELANG_CHILD)
-    env = {key: val for key, val in os.environ.items() if key != "PYTHONPATH"}
-    env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(path), str(tmp_path / "inputs.pt"),
-                           str(tmp_path / "kernels"), str(tmp_path / "outputs.pt")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = torch.load(tmp_path / "outputs.pt")
+    out = _run_child(tmp_path, TILELANG_CHILD, str(path), str(tmp_path / "inputs.pt"), str(tmp_path / "kernels"),
+                     str(tmp_path / "outputs.pt"), timeout=600)
     assert out["spec"] == spec.to_dict() and out["configs"] == {r: c.__dict__ for r, c in configs.items()}
     attn = kernelgen.get_kernel(spec, configs=configs)
     assert torch.equal(out["idx"], attn.select(q, k))
@@ -314,14 +314,7 @@ def test_exported_gluon_module_without_kernelgen(tmp_path, device):
     assert render(spec, "attn", configs["attn"]) in text  # the rendered kernel, verbatim
     q, k, v = _inputs(1, 2, 2, 150, 230, 64, torch.float16, 5)
     torch.save({"q": q, "k": k, "v": v}, tmp_path / "inputs.pt")
-    (tmp_path / "child.py").write_text(GLUON_CHILD)
-    env = {key: val for key, val in os.environ.items() if key != "PYTHONPATH"}
-    env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(path), str(tmp_path / "inputs.pt"),
-                           str(tmp_path / "outputs.pt")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = torch.load(tmp_path / "outputs.pt")
+    out = _run_child(tmp_path, GLUON_CHILD, str(path), str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt"))
     assert out["spec"] == spec.to_dict() and out["configs"] == {r: c.__dict__ for r, c in configs.items()}
     assert out["attn_fwd"] == "GluonJITFunction" and out["backend"] == "gluon"
     assert torch.equal(out["idx"], kernelgen.get_kernel(spec, configs=configs).select(q, k))
