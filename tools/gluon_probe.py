@@ -3,11 +3,14 @@ the Triton GPU test grid's shapes against the float64 reference (outputs poisone
 timings next to the forward kernelgen serves, FlexAttention with the same BlockMask, and cuDNN SDPA on
 the dense cases. (Session 5's two-blocks-per-step variant, tools/gluon_fwd2.py, is in commit 6244172.)
 
-    python3 tools/gluon_probe.py [--out DIR] [--check-only] [--time-only] [--stages 2,3] [--baseline FILE
-                                 [--baseline-maxnreg N]]
+    python3 tools/gluon_probe.py [--out DIR] [--check-only] [--time-only] [--stages 2,3] [--baseline FILE,...
+                                 [--baseline-maxnreg N] [--baseline-persistent 3,4]]
 
---baseline times another version of templates/gluon/attn_fwd.py.j2 (e.g. tools/baselines/, a template
-as it was at an earlier commit) with the same configs, next to the product kernel, in the same run.
+--baseline times other versions of templates/gluon/attn_fwd.py.j2 (tools/candidates/, a template as it
+was at an earlier commit) with the same configs, next to the product kernel, in the same run; each row
+has its output's rel. L2 difference from the served kernel's. A candidate named *persistent* is launched
+with a grid of N programs per SM and n_work (tools/candidates/gluon_attn_fwd_persistent.py.j2).
+Every timing is do_bench's median (`ms`) and a CUDA-graph replay's (`graph_ms`: GPU time, no host).
 """
 import argparse
 import json
@@ -25,7 +28,8 @@ from checks import assert_close_to_reference  # noqa: E402
 import kernelgen  # noqa: E402
 from kernelgen import ops, reference  # noqa: E402
 from kernelgen.config import GluonAttnConfig  # noqa: E402
-from kernelgen.bench import SHAPES, BenchShape, flex_block_mask, flex_kernel_options, useful_flops  # noqa: E402
+from kernelgen.bench import (SHAPES, BenchShape, _bench, _bench_graph, flex_block_mask, flex_kernel_options,  # noqa: E402
+                             useful_flops)
 
 DEVICE, DTYPE = "cuda", torch.bfloat16
 # (B, Hkv, G, Nq, Nk, D, kv_block, q_tile, top_k, causal): the Triton GPU grid's shapes, plus partial
@@ -52,7 +56,9 @@ def gluon(spec, block_m, stages):
                                 configs={"attn": GluonAttnConfig(block_m=block_m, num_stages=stages)})
 
 
-def check(case, dtype, block_m, stages, lists="select"):
+def check(case, dtype, block_m, stages, lists="select", baseline=None, maxnreg=None):
+    """One check of the product kernel, or of a candidate template (`baseline`; a persistent one runs
+    7 programs, so each walks many items of varied lengths)."""
     b, hkv, g, nq, nk, d, kv_block, q_tile, top_k, causal = case
     spec = kernelgen.Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g)
     gen = torch.Generator(device=DEVICE).manual_seed(nq + d + g)
@@ -70,29 +76,41 @@ def check(case, dtype, block_m, stages, lists="select"):
     norm = reference.normalize_block_idx(idx, spec.n_kv_blocks(nk))  # what ops.prepare_block_idx makes
     ops._POISON = True  # outputs start as NaN: an unwritten element fails the check
     try:
-        o, lse = gluon(spec, block_m, stages)(q, k, v, block_idx=idx, return_lse=True)
+        if baseline:
+            persistent = "persistent" in os.path.basename(baseline)
+            o, lse = baseline_kernel(baseline, spec, block_m, stages, None if persistent else maxnreg,
+                                     programs=7 if persistent else None)(q, k, v, idx)
+        else:
+            o, lse = gluon(spec, block_m, stages)(q, k, v, block_idx=idx, return_lse=True)
     finally:
         ops._POISON = False
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=norm)
-    row = dict(case=list(case), dtype=str(dtype), block_m=block_m, stages=stages, lists=lists)
+    row = dict(case=list(case), dtype=str(dtype), block_m=block_m, stages=stages, lists=lists,
+               kernel=os.path.basename(baseline) if baseline else "product")
     try:  # the GPU tests' check: no NaN, rel. L2 and max-abs within tolerance, lse -inf exactly where empty
         rel, max_abs = assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
         return dict(row, ok=True, rel=rel, max_abs=max_abs)
     except AssertionError as error:
         return dict(row, ok=False, error=str(error))
 
-class _WithMaxnreg:
-    """A Gluon kernel whose launches also pass `maxnreg` (warp-specialised kernels need it: without it
-    they assume 256 registers per thread, one program per SM)."""
+class _Launch:
+    """A candidate Gluon kernel launched the way it needs: with `maxnreg` (warp-specialised kernels:
+    without it they assume 256 registers per thread, one program per SM), or persistent (`per_sm`
+    programs per SM, or `programs` in all, walk ops.attention_gluon's grid as n_work items)."""
 
-    def __init__(self, kernel, maxnreg):
-        self.kernel, self.maxnreg = kernel, maxnreg
+    def __init__(self, kernel, maxnreg=None, per_sm=None, programs=None):
+        self.kernel, self.maxnreg, self.per_sm, self.programs = kernel, maxnreg, per_sm, programs
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kernel[grid](*args, maxnreg=self.maxnreg, **kwargs)
+        extra = {"maxnreg": self.maxnreg} if self.maxnreg else {}
+        if self.per_sm or self.programs:
+            n_work = grid[0] * grid[1]
+            extra["n_work"] = n_work
+            grid = (min(n_work, self.programs or self.per_sm * torch.cuda.get_device_properties(0).multi_processor_count), )
+        return lambda *args, **kwargs: self.kernel[grid](*args, **extra, **kwargs)
 
 
-def baseline_kernel(path, spec, block_m, stages, maxnreg=None):
+def baseline_kernel(path, spec, block_m, stages, maxnreg=None, per_sm=None, programs=None):
     """`attn(q, k, v, idx)` by the Gluon forward rendered from the template file `path` (same contract)."""
     import jinja2
     from kernelgen.compile import load_module
@@ -104,23 +122,25 @@ def baseline_kernel(path, spec, block_m, stages, maxnreg=None):
     gspec = spec.replace(selector="given", backend="gluon")
     source = env.get_template(os.path.basename(path)).render(**context(gspec))
     mod = load_module(module_name(gspec, "attn", source), source)
-    if maxnreg:
-        mod = types.SimpleNamespace(attn_fwd=_WithMaxnreg(mod.attn_fwd, maxnreg))
+    if maxnreg or per_sm or programs:
+        mod = types.SimpleNamespace(attn_fwd=_Launch(mod.attn_fwd, maxnreg, per_sm, programs))
     cfg = GluonAttnConfig(block_m=block_m, num_stages=stages)
     attn = gluon(spec, block_m, stages)  # its normaliser and input checks
 
     def run(q, k, v, idx):
         shapes = ops.check_qkv(q, k, v, gspec)
         norm = ops.prepare_block_idx(idx, gspec, shapes, q.device, attn.module("select", attn.config("select", 1, shapes.n_k)))
-        return ops.attention_gluon(q, k, v, norm, gspec, shapes, mod, cfg, None)[0]
+        return ops.attention_gluon(q, k, v, norm, gspec, shapes, mod, cfg, None)
     return run
 
 
-def timing(name, shape, configs, baseline=None, baseline_maxnreg=None):
+def timing(name, shape, configs, baselines=(), baseline_maxnreg=None, per_sm=(None, )):
     from torch.nn.attention.flex_attention import flex_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
+    def bench(fn):  # do_bench's median, and the same call replayed from a CUDA graph (GPU time, no host)
+        graph = _bench_graph(fn)
+        return _bench(fn), float("nan") if graph is None else graph
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     mk = lambda h, n: torch.randn(shape.batch, h, n, shape.head_dim, device=DEVICE, dtype=DTYPE,  # noqa: E731
                                   generator=gen)
@@ -137,10 +157,12 @@ def timing(name, shape, configs, baseline=None, baseline_maxnreg=None):
     given = kernelgen.get_kernel(spec.replace(selector="given", backend="auto"))
     rows = []
 
-    def row(impl, ms, **extra):
-        r = dict(shape=name, impl=impl, ms=ms, tflops=flops / ms / 1e9, **extra)
+    def row(impl, times, **extra):
+        ms, graph_ms = times
+        r = dict(shape=name, impl=impl, ms=ms, graph_ms=graph_ms, tflops=flops / ms / 1e9, **extra)
         rows.append(r)
-        print(f"{name:18s} {impl:34s} {ms:8.3f} ms {r['tflops']:6.1f} TFLOP/s {extra if extra else ''}", flush=True)
+        print(f"{name:18s} {impl:34s} {ms:8.3f} ms (graph {graph_ms:6.3f}) {r['tflops']:6.1f} TFLOP/s "
+              f"{extra if extra else ''}", flush=True)
 
     served = given(q, k, v, block_idx=idx)
     row("kernelgen auto (served)", bench(lambda: given(q, k, v, block_idx=idx)),
@@ -154,15 +176,19 @@ def timing(name, shape, configs, baseline=None, baseline_maxnreg=None):
                 rel_diff_vs_served=f"{diff:.1e}")
         except Exception as error:  # noqa: BLE001 (a config that fails is a row, not the end of the probe)
             print(f"{name} gluon m{block_m} s{stages}: {type(error).__name__}: {str(error)[:300]}", flush=True)
-        if baseline:
-            try:
-                base = baseline_kernel(baseline, spec, block_m, stages, baseline_maxnreg)
-                o = base(q, k, v, idx)
-                diff = ((o.float() - served.float()).norm() / served.float().norm()).item()
-                row(f"baseline m{block_m} s{stages}", bench(lambda: base(q, k, v, idx)), rel_diff_vs_served=f"{diff:.1e}",
-                    template=os.path.basename(baseline))
-            except Exception as error:  # noqa: BLE001
-                print(f"{name} baseline m{block_m} s{stages}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+        for baseline in baselines:
+            persistent = "persistent" in os.path.basename(baseline)
+            for n_sm in (per_sm if persistent else (None, )):
+                label = f"{os.path.basename(baseline).split('.')[0]}{f' x{n_sm}/SM' if n_sm else ''} m{block_m} s{stages}"
+                try:
+                    base = baseline_kernel(baseline, spec, block_m, stages, None if persistent else baseline_maxnreg,
+                                           n_sm)
+                    o = base(q, k, v, idx)[0]
+                    diff = ((o.float() - served.float()).norm() / served.float().norm()).item()
+                    row(label, bench(lambda: base(q, k, v, idx)), rel_diff_vs_served=f"{diff:.1e}")
+                    del base
+                except Exception as error:  # noqa: BLE001
+                    print(f"{name} {label}: {type(error).__name__}: {str(error)[:300]}", flush=True)
     if dense:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             row("sdpa cudnn (dense)", bench(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -183,21 +209,26 @@ def main():
     p.add_argument("--time-only", action="store_true")
     p.add_argument("--shapes", default="a32k,b,c,c_dense," + ",".join(DENSE))
     p.add_argument("--stages", default="2,3")
-    p.add_argument("--baseline", default=None, help="another Gluon forward template to time with the same configs")
-    p.add_argument("--baseline-maxnreg", type=int, default=None, help="launch the --baseline kernel with this maxnreg")
+    p.add_argument("--baseline", default="", help="other Gluon forward templates (comma-separated) to time with the "
+                   "same configs; a file named *persistent* is launched persistent (--baseline-persistent)")
+    p.add_argument("--baseline-maxnreg", type=int, default=None, help="launch non-persistent --baseline kernels with "
+                   "this maxnreg")
+    p.add_argument("--baseline-persistent", default="4", help="programs per SM for a persistent --baseline (list)")
+    p.add_argument("--check-baselines", action="store_true", help="run the checks on the --baseline kernels too")
     args = p.parse_args()
     args.stages = [int(x) for x in args.stages.split(",")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     results = {"checks": [], "timings": []}
     if not args.time_only:
-        for case in CHECKS:
+        kernels = [None] + ([b for b in args.baseline.split(",") if b] if args.check_baselines else [])
+        for case, kernel in ((c, k) for k in kernels for c in CHECKS):
             for dtype in (torch.bfloat16, torch.float16):
                 block_m = min(128, case[2] * case[7])
                 for lists in ("select", "random"):
                     try:
-                        r = check(case, dtype, block_m, 2, lists)
+                        r = check(case, dtype, block_m, 2, lists, kernel, args.baseline_maxnreg)
                     except Exception as error:  # noqa: BLE001
-                        r = dict(case=list(case), dtype=str(dtype), lists=lists, ok=False,
+                        r = dict(case=list(case), dtype=str(dtype), lists=lists, ok=False, kernel=str(kernel),
                                  error=f"{type(error).__name__}: {str(error)[:400]}")
                     results["checks"].append(r)
                     print(("PASS " if r["ok"] else "FAIL ") + json.dumps(r), flush=True)
@@ -209,7 +240,8 @@ def main():
             rows_max = min(128, shape.heads_q // shape.heads_kv * shape.q_tile)
             configs = [(m, s) for m in (64, 128) if m <= rows_max for s in args.stages
                        if 2 * s * shape.kv_block * shape.head_dim * 2 <= 227 * 1024]
-            results["timings"] += timing(name, shape, configs, args.baseline, args.baseline_maxnreg)
+            results["timings"] += timing(name, shape, configs, [b for b in args.baseline.split(",") if b],
+                                         args.baseline_maxnreg, [int(x) for x in args.baseline_persistent.split(",")])
     if args.out:
         with open(os.path.join(args.out, "gluon_probe.json"), "w") as f:
             json.dump(results, f, indent=1)
