@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .spec import GLUON_BLOCK_MS, Spec, gluon_unsupported
 
 __all__ = ["seq_bucket", "AttnConfig", "SelectConfig", "TileLangAttnConfig", "GluonAttnConfig", "ROLES",
-           "default_config", "config_space", "config_from_dict", "check_config", "attn_backend_of", "next_pow2"]
+           "default_config", "config_space", "config_from_dict", "check_config", "feasible", "attn_backend_of", "next_pow2"]
 
 ROLES = ("attn", "select")
 
@@ -148,11 +148,13 @@ def attn_feasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90
 
 
 def tilelang_attn_feasible(spec: Spec, cfg: TileLangAttnConfig) -> bool:
-    """Same row packing rule as Triton; 256 threads need 128 rows (two 64-row warpgroups). Three stages
-    at head_dim 64 are left out: on the H200 that kernel never finished (a32k tune, 2026-11-30)."""
+    """Same row packing rule as Triton; 256 threads need 128 rows (two 64-row warpgroups). Two or
+    three stages (two at head_dim 64): on the H200 the one-stage kernel deadlocked after some calls
+    (a32k's spec, 2026-11-30: first call right, a later one never finished), and three stages at
+    head_dim 64 never finished at all (a32k tune, 2026-11-30)."""
     packing = attn_feasible(spec, AttnConfig(block_m=cfg.block_m, num_warps=cfg.threads // 32, num_stages=1))
     return (packing and cfg.block_m in (64, 128) and cfg.threads in (128, 256)
-            and (cfg.threads == 128 or cfg.block_m == 128) and cfg.num_stages in (1, 2, 3)
+            and (cfg.threads == 128 or cfg.block_m == 128) and cfg.num_stages in (2, 3)
             and isinstance(cfg.overlap, bool) and not (spec.head_dim == 64 and cfg.num_stages == 3))
 
 
@@ -177,6 +179,14 @@ def gluon_attn_feasible(spec: Spec, cfg: GluonAttnConfig) -> bool:
 _ATTN_FEASIBLE = {"triton": attn_feasible, "tilelang": tilelang_attn_feasible, "gluon": gluon_attn_feasible}
 
 
+def feasible(spec: Spec, role: str, cfg) -> bool:
+    """A config of a known role and of a type some backend of `spec` runs, within that kernel's range."""
+    if role == "select":
+        return type(cfg) is SelectConfig and select_feasible(spec, cfg)
+    backend = {t: b for (b, r), t in _CONFIG_TYPES.items() if r == role}.get(type(cfg))
+    return backend is not None and _ATTN_FEASIBLE[backend](spec, cfg)
+
+
 def check_config(spec: Spec, role: str, cfg) -> None:
     """A config pinned by a caller: the type its backend runs (with backend="auto", any attention type:
     it says which backend), and a feasible point (an infeasible one could leave rows unwritten).
@@ -188,11 +198,7 @@ def check_config(spec: Spec, role: str, cfg) -> None:
     if type(cfg) not in types:
         raise TypeError(f"configs[{role!r}] must be a {' or '.join(t.__name__ for t in types)} for "
                         f"backend={spec.backend!r}, got {type(cfg).__name__}")
-    if role == "select":
-        feasible = select_feasible(spec, cfg)
-    else:
-        feasible = _ATTN_FEASIBLE[types[type(cfg)]](spec, cfg)
-    if not feasible:
+    if not feasible(spec, role, cfg):
         raise ValueError(f"configs[{role!r}] = {cfg} is not feasible for {spec} (see kernelgen.config.config_space)")
 
 
@@ -254,7 +260,7 @@ def config_space(spec: Spec, role: str) -> list:
     if role == "attn" and spec.backend == "tilelang":
         space = (
             TileLangAttnConfig(block_m=m, num_stages=s, threads=t, overlap=o)
-            for m, s, t, o in itertools.product((64, 128), (1, 2, 3), (128, 256), (False, True))
+            for m, s, t, o in itertools.product((64, 128), (2, 3), (128, 256), (False, True))
         )
         return [c for c in space if tilelang_attn_feasible(spec, c)]
     if role == "attn":

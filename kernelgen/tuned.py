@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from .config import ATTN_BACKENDS, config_from_dict
+from .config import ATTN_BACKENDS, config_from_dict, feasible
 from .spec import gluon_unsupported
 
 __all__ = ["tuned_config", "device_arch", "fastest_backend"]
@@ -43,9 +43,17 @@ def _row(spec, role: str, bucket: int, dtype: torch.dtype, device: torch.device)
         return None
     try:
         arch, gpu_name = device_arch(device.index)
-        return _winners().lookup(spec_key=spec.role_key(role), role=role, backend=spec.backend, arch=arch,
-                                 gpu_name=gpu_name, dtype=str(dtype).removeprefix("torch."), bucket=bucket,
-                                 fingerprint=_fingerprint(spec.backend, role))
+        row = _winners().lookup(spec_key=spec.role_key(role), role=role, backend=spec.backend, arch=arch,
+                                gpu_name=gpu_name, dtype=str(dtype).removeprefix("torch."), bucket=bucket,
+                                fingerprint=_fingerprint(spec.backend, role))
+        if row is not None and not feasible(spec, role, config_from_dict(role, row["config"], spec.backend)):
+            # tuned before this kernelgen left the point out of its space (e.g. TileLang's one-stage
+            # kernel, which deadlocked): a miss, never a launch of it
+            log.warning("tuning DB: %s %s row (bucket %d, %s) holds %s, which this kernelgen no longer runs; "
+                        "using default configs", spec.backend, role, row["bucket"], row.get("source", "db"),
+                        row["config"])
+            return None
+        return row
     except Exception as error:  # dispatch must keep working whatever the DB holds
         log.warning("tuning DB lookup failed (%s: %s); using default configs", type(error).__name__, error)
         return None
