@@ -148,13 +148,11 @@ def attn_feasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90
 
 
 def tilelang_attn_feasible(spec: Spec, cfg: TileLangAttnConfig) -> bool:
-    """Same row packing rule as Triton; 256 threads need 128 rows (two 64-row warpgroups). Two or
-    three stages (two at head_dim 64): on the H200 the one-stage kernel deadlocked after some calls
-    (a32k's spec, 2026-11-30: first call right, a later one never finished), and three stages at
-    head_dim 64 never finished at all (a32k tune, 2026-11-30)."""
+    """Same row packing rule as Triton; 256 threads need 128 rows (two 64-row warpgroups). Three stages
+    at head_dim 64 are left out: on the H200 that kernel never finished (a32k tune, 2026-11-30)."""
     packing = attn_feasible(spec, AttnConfig(block_m=cfg.block_m, num_warps=cfg.threads // 32, num_stages=1))
     return (packing and cfg.block_m in (64, 128) and cfg.threads in (128, 256)
-            and (cfg.threads == 128 or cfg.block_m == 128) and cfg.num_stages in (2, 3)
+            and (cfg.threads == 128 or cfg.block_m == 128) and cfg.num_stages in (1, 2, 3)
             and isinstance(cfg.overlap, bool) and not (spec.head_dim == 64 and cfg.num_stages == 3))
 
 
@@ -260,7 +258,7 @@ def config_space(spec: Spec, role: str) -> list:
     if role == "attn" and spec.backend == "tilelang":
         space = (
             TileLangAttnConfig(block_m=m, num_stages=s, threads=t, overlap=o)
-            for m, s, t, o in itertools.product((64, 128), (2, 3), (128, 256), (False, True))
+            for m, s, t, o in itertools.product((64, 128), (1, 2, 3), (128, 256), (False, True))
         )
         return [c for c in space if tilelang_attn_feasible(spec, c)]
     if role == "attn":

@@ -89,7 +89,7 @@ class SparseAttention:
 
         func = tilelang_backend.build_attn(self.spec, dtype, batch=shapes.batch, heads_kv=shapes.heads_kv,
                                            seq_q=shapes.n_q, seq_k=shapes.n_k, config=config)
-        return tilelang_backend.compile_kernel(func, arch=tilelang_backend.target_arch(device))
+        return tilelang_backend.compile_attn(func, config, arch=tilelang_backend.target_arch(device))
 
     def _select_module(self, q: torch.Tensor, n_q: int, n_k: int):
         cfg = self._config("select", seq_bucket(n_k), q.dtype, q.device)

@@ -424,5 +424,5 @@ _TILELANG_KERNEL = '''
         directory = Path(os.environ.get("KERNELGEN_CACHE_DIR") or tempfile.gettempdir()) / "kernelgen-export"
         func = build_attn_from(load_module(name, source, directory), self.spec, dtype, batch=shapes.batch,
                                heads_kv=shapes.heads_kv, seq_q=shapes.n_q, seq_k=shapes.n_k, config=config)
-        return compile_kernel(func, arch=target_arch(device))
+        return compile_attn(func, config, arch=target_arch(device))
 '''

@@ -18,7 +18,8 @@ from .compile import load_module
 from .spec import Spec
 
 __all__ = ["ARCH", "ATTN_OUT_IDX", "DTYPES", "canonical_dtype", "attn_source", "attn_module", "build_attn",
-           "build_attn_from", "target_arch", "lower", "compile_kernel"]
+           "build_attn_from", "target_arch", "lower", "compile_kernel",
+           "compile_attn", "attn_pass_configs"]
 
 log = logging.getLogger("kernelgen")
 
@@ -104,6 +105,21 @@ def lower(prim_func, arch: str = ARCH) -> str:
 # predicated FMUL in the SASS, 2x the loop's code). The epilogue's division and log2 are approximate too
 # (2 ulp), far below bf16's rounding.
 FAST_MATH = {"tl.enable_fast_math": True}
+
+
+def attn_pass_configs(config) -> dict:
+    """The forward's build options: fast math for the two-warpgroup forward (256 threads) only. The
+    one-warpgroup forward (128 threads, a32k's spec: D=64, 64-blocks, 32k keys) built with it hung on
+    the H200 (a call never returned; with one stage the first call returned, a later one did not),
+    while the same kernel built without it ran 300 calls and do_bench (0.284 ms). The 256-thread
+    forwards ran thousands of calls with it ((b), c_dense, dense D=64 and D=128)."""
+    return FAST_MATH if config.threads == 256 else {}
+
+
+def compile_attn(prim_func, config, arch: str = ARCH, **kwargs: Any):
+    """compile_kernel for a forward built from `config` (build_attn), with that config's build options:
+    the one place dispatch, the tuner's precompile and exported modules compile the forward."""
+    return compile_kernel(prim_func, arch=arch, **{"pass_configs": attn_pass_configs(config), **kwargs})
 
 
 def compile_kernel(prim_func, arch: str = ARCH, out_idx: list[int] | None = None, **kwargs: Any):

@@ -420,10 +420,11 @@ def _compile_tilelang_point(job: tuple) -> str | None:
 
     spec = Spec.from_json(spec_json)
     try:
+        config = TileLangAttnConfig(**params)
         for batch, heads_kv, n_q, n_k in shapes:
             func = tilelang_backend.build_attn(spec, "bfloat16", batch=batch, heads_kv=heads_kv, seq_q=n_q, seq_k=n_k,
-                                               config=TileLangAttnConfig(**params))
-            tilelang_backend.compile_kernel(func, arch=arch)
+                                               config=config)
+            tilelang_backend.compile_attn(func, config, arch=arch)
     except Exception as error:  # noqa: BLE001
         return _describe(error, 300)
     return None

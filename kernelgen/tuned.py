@@ -47,8 +47,8 @@ def _row(spec, role: str, bucket: int, dtype: torch.dtype, device: torch.device)
                                 gpu_name=gpu_name, dtype=str(dtype).removeprefix("torch."), bucket=bucket,
                                 fingerprint=_fingerprint(spec.backend, role))
         if row is not None and not feasible(spec, role, config_from_dict(role, row["config"], spec.backend)):
-            # tuned before this kernelgen left the point out of its space (e.g. TileLang's one-stage
-            # kernel, which deadlocked): a miss, never a launch of it
+            # tuned before this kernelgen left the point out of its space (a kernel seen to hang, e.g.
+            # TileLang's three stages at D=64): a miss, never a launch of it
             log.warning("tuning DB: %s %s row (bucket %d, %s) holds %s, which this kernelgen no longer runs; "
                         "using default configs", spec.backend, role, row["bucket"], row.get("source", "db"),
                         row["config"])

@@ -262,7 +262,7 @@ def test_exported_tilelang_module_without_kernelgen(tmp_path, device):
     from kernelgen.config import TileLangAttnConfig
 
     spec = MEAN.replace(backend="tilelang")
-    configs = {"attn": TileLangAttnConfig(block_m=64, num_stages=2, threads=128), "select": MEAN_CONFIGS["select"]}
+    configs = {"attn": TileLangAttnConfig(block_m=64, num_stages=1, threads=128), "select": MEAN_CONFIGS["select"]}
     path = export_module(spec, tmp_path / "kg_tl.py", configs=configs)
     assert "torch, triton and tilelang" in path.read_text().split('"""', 2)[1]
     q, k, v = _inputs(1, 2, 2, 150, 230, 64, torch.float16, 4)

@@ -66,7 +66,7 @@ def build(name, cfg, variant):
     module = load_module(module_name(spec, "attn", source), source)
     func = tb.build_attn_from(module, spec, "bfloat16", batch=shape.batch, heads_kv=shape.heads_kv, seq_q=shape.n_q,
                               seq_k=shape.n_k, config=cfg)
-    return tb.compile_kernel(func, arch="sm_90a", **options)
+    return tb.compile_attn(func, cfg, arch="sm_90a", **options)  # the product's build options unless the variant's
 
 
 def compile_one(args):
