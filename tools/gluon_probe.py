@@ -6,10 +6,11 @@ the dense cases. (Session 5's two-blocks-per-step variant, tools/gluon_fwd2.py, 
     python3 tools/gluon_probe.py [--out DIR] [--check-only] [--time-only] [--stages 2,3] [--baseline FILE,...
                                  [--baseline-maxnreg N] [--baseline-persistent 3,4]]
 
---baseline times other versions of templates/gluon/attn_fwd.py.j2 (tools/candidates/, a template as it
+--baseline times other versions of templates/gluon/attn_fwd.py.j2 (a candidate, or the template as it
 was at an earlier commit) with the same configs, next to the product kernel, in the same run; each row
 has its output's rel. L2 difference from the served kernel's. A candidate named *persistent* is launched
-with a grid of N programs per SM and n_work (tools/candidates/gluon_attn_fwd_persistent.py.j2).
+with a grid of N programs per SM and n_work. Session 7's rejected candidates (a persistent forward and
+a warp-specialised one, docs/PERF.md) are tools/candidates/ in commit d06b112.
 Every timing is do_bench's median (`ms`) and a CUDA-graph replay's (`graph_ms`: GPU time, no host).
 """
 import argparse
