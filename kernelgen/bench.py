@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import faulthandler
 import importlib.util
 import json
 import os
@@ -332,6 +333,7 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=(), graph: bool 
                     log(f"{name}: config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 rows.append(dict(shape=name, impl="sweep attn", ms=ms, tflops=flops / ms / 1e9, config=cfg.to_json()))
+                log(f"{name:8s} {'sweep attn':28s} {ms:8.3f} ms {cfg}")
                 if best is None or ms < best[0]:
                     best = (ms, cfg)
             best_sel = None
@@ -344,6 +346,7 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=(), graph: bool 
                     log(f"{name}: select config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 rows.append(dict(shape=name, impl="sweep select", ms=ms, config=cfg.to_json(), same_ids=same))
+                log(f"{name:8s} {'sweep select':28s} {ms:8.3f} ms {cfg} same_ids={same:.4f}")
                 if best_sel is None or ms < best_sel[0]:
                     best_sel = (ms, cfg, same)
             if best_sel:
@@ -460,6 +463,26 @@ def plot(out_dir) -> str | None:
     return png
 
 
+def stall_guard(seconds: float, log=print):
+    """A `log` that re-arms a watchdog at each line: when nothing is logged for `seconds` (a kernel that
+    hangs the GPU never returns, and no Python exception can interrupt the wait), every thread's stack
+    goes to the process's stderr and it exits with status 1, instead of stalling silently until killed.
+    The rows measured so far are already in bench.jsonl. 0 (or no stderr file) disables it."""
+    stderr = sys.__stderr__  # the process's own: a test runner's stand-in has no file descriptor
+    if seconds <= 0 or stderr is None:
+        return log
+
+    def arm():
+        faulthandler.dump_traceback_later(seconds, exit=True, file=stderr)
+
+    def guarded(*args, **kwargs):
+        log(*args, **kwargs)
+        arm()
+
+    arm()
+    return guarded
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=None, help="comma-separated: " + ",".join(SHAPES))
@@ -468,6 +491,9 @@ def main(argv=None):
     p.add_argument("--sweep", default="", help="comma-separated shapes on which to also time every attention config")
     p.add_argument("--profile", default="", help="comma-separated shapes whose `mean` pipeline to profile (CUDA time per kernel)")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay time of each row (graph_ms)")
+    p.add_argument("--stall-timeout", type=float, default=600.0,
+                   help="seconds without a logged line after which the bench prints every thread's stack and exits "
+                        "with status 1 (a kernel that hangs the GPU); 0: never")
     args = p.parse_args(argv)
     if args.shapes:
         names = args.shapes.split(",")
@@ -481,14 +507,18 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     else:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    if args.overhead and torch.cuda.is_available():
-        overhead = dispatch_overhead()
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "dispatch.json"), "w") as f:
-                json.dump(overhead, f, indent=1)
-    run(names, args.out, tuple(filter(None, args.sweep.split(","))), profile=tuple(filter(None, args.profile.split(","))),
-        graph=not args.no_graph)
+    log = stall_guard(args.stall_timeout)
+    try:
+        if args.overhead and torch.cuda.is_available():
+            overhead = dispatch_overhead(log=log)
+            if args.out:
+                os.makedirs(args.out, exist_ok=True)
+                with open(os.path.join(args.out, "dispatch.json"), "w") as f:
+                    json.dump(overhead, f, indent=1)
+        run(names, args.out, tuple(filter(None, args.sweep.split(","))), log=log,
+            profile=tuple(filter(None, args.profile.split(","))), graph=not args.no_graph)
+    finally:
+        faulthandler.cancel_dump_traceback_later()  # the guard ends with the bench (e.g. under `kernelgen bench`)
     return 0
 
 

@@ -145,3 +145,18 @@ def test_bench_cpu_smoke(tmp_path):
     result = invoke("bench", "--out", str(tmp_path / "b"))
     assert result.exit_code == 0, result.output
     assert "interpreter" in result.output
+
+
+def test_bench_stall_guard_ends_a_hang_with_stacks():
+    """`kernelgen bench` re-arms a watchdog at each logged line (--stall-timeout): lines every 0.6 s keep
+    a 1 s guard quiet, then a call that never returns (as a hung kernel's) ends in every thread's stack
+    on stderr and exit status 1, instead of a silent stall."""
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom kernelgen.bench import stall_guard\nlog = stall_guard(1.0)\n"
+            "for i in range(4):\n    log(f'row {i}')\n    time.sleep(0.6)\ntime.sleep(60)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert "row 3" in result.stdout  # the guard was re-armed by each line
+    assert "Timeout (0:00:01)!" in result.stderr and 'File "<string>", line 7' in result.stderr
