@@ -111,8 +111,10 @@ def attn_pass_configs(config) -> dict:
     """The forward's build options: fast math for the two-warpgroup forward (256 threads) only. The
     one-warpgroup forward (128 threads, a32k's spec: D=64, 64-blocks, 32k keys) built with it hung on
     the H200 (a call never returned; with one stage the first call returned, a later one did not),
-    while the same kernel built without it ran 300 calls and do_bench (0.284 ms). The 256-thread
-    forwards ran thousands of calls with it ((b), c_dense, dense D=64 and D=128)."""
+    while the same kernel built without it ran 300 calls and do_bench (0.284 ms). Both builds have the
+    same synchronisation instructions in their SASS, so this is most likely a race in the generated
+    pipeline that the faster build triggers, not proven absent from the slower one. The 256-thread
+    forwards ran thousands of calls with fast math ((b), c_dense, dense D=64 and D=128)."""
     return FAST_MATH if config.threads == 256 else {}
 
 
