@@ -1,0 +1,43 @@
+"""H200 probe behind docs/PERF.md session 7 (calls 5 and 6): the a32k TileLang forward with one consumer
+warpgroup (block_M 64, 128 threads, no overlap), built with or without nvcc's fast math, called once,
+then 300 times, then timed by do_bench. Run it under `timeout`: a build that hangs never returns.
+
+    timeout 40 python3 tools/tilelang_hang_probe.py precise [--stages 2] [--n 32768]
+    timeout 30 python3 tools/tilelang_hang_probe.py fast
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import kernelgen  # noqa: E402
+from kernelgen import tilelang_backend  # noqa: E402
+from kernelgen.config import TileLangAttnConfig  # noqa: E402
+
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("build", choices=["fast", "precise"])
+p.add_argument("--stages", type=int, default=2)
+p.add_argument("--n", type=int, default=32768)
+args = p.parse_args()
+# every forward of this process is built this way (compile_attn reads attn_pass_configs)
+tilelang_backend.attn_pass_configs = lambda config: {"tl.enable_fast_math": args.build == "fast"}
+t0 = time.perf_counter()
+spec = kernelgen.Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, causal=False, gqa_group=1, selector="given",
+                      backend="tilelang")
+n_tiles = args.n // 64
+q, k, v = (torch.randn(1, 8, args.n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+idx = torch.stack([torch.randperm(n_tiles, device="cuda")[:16] for _ in range(8 * n_tiles)]).view(1, 8, n_tiles, 16).int()
+kern = kernelgen.get_kernel(spec, configs={"attn": TileLangAttnConfig(64, args.stages, 128, False)})
+o = kern(q, k, v, block_idx=idx)
+torch.cuda.synchronize()
+print(f"[{time.perf_counter() - t0:.1f}s] first call ok, nan={o.isnan().any().item()}", flush=True)
+for _ in range(300):
+    kern(q, k, v, block_idx=idx)
+torch.cuda.synchronize()
+print(f"[{time.perf_counter() - t0:.1f}s] 300 calls ok", flush=True)
+print(f"do_bench {triton.testing.do_bench(lambda: kern(q, k, v, block_idx=idx), return_mode='median'):.3f} ms "
+      f"[{time.perf_counter() - t0:.1f}s]", flush=True)
