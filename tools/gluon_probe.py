@@ -99,11 +99,13 @@ class _Launch:
     without it they assume 256 registers per thread, one program per SM), or persistent (`per_sm`
     programs per SM, or `programs` in all, walk ops.attention_gluon's grid as n_work items)."""
 
-    def __init__(self, kernel, maxnreg=None, per_sm=None, programs=None):
-        self.kernel, self.maxnreg, self.per_sm, self.programs = kernel, maxnreg, per_sm, programs
+    def __init__(self, kernel, maxnreg=None, per_sm=None, programs=None, pairs=False):
+        self.kernel, self.maxnreg, self.per_sm, self.programs, self.pairs = kernel, maxnreg, per_sm, programs, pairs
 
     def __getitem__(self, grid):
         extra = {"maxnreg": self.maxnreg} if self.maxnreg else {}
+        if self.pairs:  # two work items per program (one per warpgroup)
+            grid = (triton.cdiv(grid[0], 2), *grid[1:])
         if self.per_sm or self.programs:
             n_work = grid[0] * grid[1]
             extra["n_work"] = n_work
@@ -123,8 +125,9 @@ def baseline_kernel(path, spec, block_m, stages, maxnreg=None, per_sm=None, prog
     gspec = spec.replace(selector="given", backend="gluon")
     source = env.get_template(os.path.basename(path)).render(**context(gspec))
     mod = load_module(module_name(gspec, "attn", source), source)
-    if maxnreg or per_sm or programs:
-        mod = types.SimpleNamespace(attn_fwd=_Launch(mod.attn_fwd, maxnreg, per_sm, programs))
+    pairs = any(word in os.path.basename(path) for word in ("pingpong", "pairs"))
+    if maxnreg or per_sm or programs or pairs:
+        mod = types.SimpleNamespace(attn_fwd=_Launch(mod.attn_fwd, maxnreg, per_sm, programs, pairs))
     cfg = GluonAttnConfig(block_m=block_m, num_stages=stages)
     attn = gluon(spec, block_m, stages)  # its normaliser and input checks
 
