@@ -149,10 +149,13 @@ def attn_feasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90
 
 def tilelang_attn_feasible(spec: Spec, cfg: TileLangAttnConfig) -> bool:
     """Same row packing rule as Triton; 256 threads need 128 rows (two 64-row warpgroups). Three stages
-    at head_dim 64 are left out: on the H200 that kernel never finished (a32k tune, 2026-11-30)."""
+    at head_dim 64 are left out: on the H200 that kernel never finished (a32k tune, 2026-11-30). 128
+    threads: one stage, as that forward is built without warp specialisation
+    (tilelang_backend.attn_pass_configs) and TileLang 0.1.15 generates no code for it with more."""
     packing = attn_feasible(spec, AttnConfig(block_m=cfg.block_m, num_warps=cfg.threads // 32, num_stages=1))
     return (packing and cfg.block_m in (64, 128) and cfg.threads in (128, 256)
             and (cfg.threads == 128 or cfg.block_m == 128) and cfg.num_stages in (1, 2, 3)
+            and (cfg.threads == 256 or cfg.num_stages == 1)
             and isinstance(cfg.overlap, bool) and not (spec.head_dim == 64 and cfg.num_stages == 3))
 
 
@@ -223,8 +226,8 @@ def default_config(spec: Spec, role: str):
     if role == "attn" and spec.backend == "tilelang":
         # overlap at D=128: 540 vs 514 TFLOP/s on c_dense, 0.282 vs 0.298 ms on (b); at D=64 it was
         # +3% non-causal, -3% causal (H200, 2026-11-30): off, the tuner decides
-        for block_m, threads in ((128, 256), (64, 128)):
-            cfg = TileLangAttnConfig(block_m=block_m, num_stages=2, threads=threads, overlap=spec.head_dim >= 128)
+        for block_m, threads, stages in ((128, 256, 2), (64, 128, 1)):
+            cfg = TileLangAttnConfig(block_m=block_m, num_stages=stages, threads=threads, overlap=spec.head_dim >= 128)
             if tilelang_attn_feasible(spec, cfg):
                 return cfg
         raise ValueError(f"no feasible TileLang attention config for {spec}")

@@ -19,7 +19,7 @@ from .spec import Spec
 
 __all__ = ["ARCH", "ATTN_OUT_IDX", "DTYPES", "canonical_dtype", "attn_source", "attn_module", "build_attn",
            "build_attn_from", "target_arch", "lower", "compile_kernel",
-           "compile_attn", "attn_pass_configs"]
+           "compile_attn", "attn_pass_configs", "FAST_MATH", "NO_WARP_SPECIALISATION"]
 
 log = logging.getLogger("kernelgen")
 
@@ -87,14 +87,15 @@ def _target(arch: str):
     return tvm.target.Target({"kind": "cuda", "arch": arch})
 
 
-def lower(prim_func, arch: str = ARCH) -> str:
-    """CUDA source of `prim_func` for `arch` (no nvcc, no GPU)."""
+def lower(prim_func, arch: str = ARCH, pass_configs: dict | None = None) -> str:
+    """CUDA source of `prim_func` for `arch` (no nvcc, no GPU), built with `pass_configs` (a forward's:
+    attn_pass_configs)."""
     import tilelang
     from tilelang import tvm
 
     target = _target(arch)
     t0 = time.perf_counter()
-    with tvm.transform.PassContext(opt_level=3), target:
+    with tvm.transform.PassContext(opt_level=3, config=pass_configs or {}), target:
         artifact = tilelang.lower(prim_func, target=target)
     log.debug("tilelang lower %s: %.2fs", arch, time.perf_counter() - t0)
     return artifact.kernel_source
@@ -105,17 +106,22 @@ def lower(prim_func, arch: str = ARCH) -> str:
 # predicated FMUL in the SASS, 2x the loop's code). The epilogue's division and log2 are approximate too
 # (2 ulp), far below bf16's rounding.
 FAST_MATH = {"tl.enable_fast_math": True}
+# TileLang's plain software pipeline (cp.async, one warpgroup) instead of a TMA producer warpgroup
+NO_WARP_SPECIALISATION = {"tl.disable_warp_specialized": True}
 
 
 def attn_pass_configs(config) -> dict:
-    """The forward's build options: fast math for the two-warpgroup forward (256 threads) only. The
-    one-warpgroup forward (128 threads, a32k's spec: D=64, 64-blocks, 32k keys) built with it hung on
-    the H200 (a call never returned; with one stage the first call returned, a later one did not),
-    while the same kernel built without it ran 300 calls and do_bench (0.284 ms). Both builds have the
-    same synchronisation instructions in their SASS, so this is most likely a race in the generated
-    pipeline that the faster build triggers, not proven absent from the slower one. The 256-thread
-    forwards ran thousands of calls with fast math ((b), c_dense, dense D=64 and D=128)."""
-    return FAST_MATH if config.threads == 256 else {}
+    """The forward's build options. Both forwards get fast math. The one-warpgroup forward (128
+    threads) is built without warp specialisation: with TileLang's producer warpgroup it hung on the
+    H200 (a32k's spec: D=64, 64-blocks, 32k keys; docs/PERF.md sessions 7 and 8): with fast math a
+    call never returned; without it, 300 eager calls and do_bench ran and the CUDA-graph replay of
+    the bench then never finished. Both builds have the same synchronisation in SASS, so the race is
+    TileLang's pipeline, not fast math. Without warp specialisation, with fast math, the same forward
+    ran 300 calls, do_bench and graph replay, in 0.207 ms against 0.277. TileLang 0.1.15 generates no
+    code for that pipeline with two or more stages (config.tilelang_attn_feasible keeps one). The
+    two-warpgroup forwards (256 threads) keep warp specialisation: they ran thousands of calls and
+    graph replays ((b), c, c_dense, dense D=64 and D=128)."""
+    return FAST_MATH if config.threads == 256 else {**FAST_MATH, **NO_WARP_SPECIALISATION}
 
 
 def compile_attn(prim_func, config, arch: str = ARCH, **kwargs: Any):

@@ -99,33 +99,43 @@ def test_gpu_exported_tilelang_module_matches_get_kernel(tmp_path):
 _MANY_CALLS_CHILD = """
 import sys, torch, kernelgen
 from kernelgen.config import TileLangAttnConfig
-threads, block_m, stages = (int(x) for x in sys.argv[1:4])
+threads, block_m, stages, overlap = (int(x) for x in sys.argv[1:5])
 spec = kernelgen.Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, selector="given", backend="tilelang")
 gen = torch.Generator(device="cuda").manual_seed(5)
 q, k, v = (torch.randn(1, 8, 32768, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
 idx = torch.rand(1, 8, 512, 512, device="cuda", generator=gen).argsort(-1)[..., :16].int()
-attn = kernelgen.get_kernel(spec, configs={"attn": TileLangAttnConfig(block_m, stages, threads, False)})
+attn = kernelgen.get_kernel(spec, configs={"attn": TileLangAttnConfig(block_m, stages, threads, bool(overlap))})
 first = attn(q, k, v, block_idx=idx)
 for _ in range(300):
     out = attn(q, k, v, block_idx=idx)
 torch.cuda.synchronize()
 assert torch.equal(out, first) and not first.isnan().any()
+graph = torch.cuda.CUDAGraph()  # back-to-back replays (where the warp-specialised build hung)
+with torch.cuda.graph(graph):
+    for _ in range(10):
+        out = attn(q, k, v, block_idx=idx)
+for _ in range(50):
+    graph.replay()
+torch.cuda.synchronize()
+assert torch.equal(out, first)
 print("ok")
 """
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("threads, block_m, stages", [(128, 64, 1), (128, 64, 2)])
-def test_gpu_tilelang_one_warpgroup_forward_survives_many_calls(threads, block_m, stages):
-    """a32k's spec (D=64, 64-blocks, 32k keys) with the one-warpgroup forward, 300 calls. Built with
-    nvcc's fast math it hung on the H200 (a call never returned); it runs in a child process so that a
-    hang fails this test after 240 s instead of stalling the suite."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_tilelang_one_warpgroup_forward_survives_many_calls(overlap):
+    """a32k's spec (D=64, 64-blocks, 32k keys) with the one-warpgroup forward (every point of its space):
+    300 calls, then 500 more replayed from a CUDA graph. Built with a producer warpgroup it hung on
+    the H200 (with fast math a call never returned; without it the graph replay never finished); it
+    runs in a child process so that a hang fails this test after 240 s instead of stalling the suite."""
+    threads, block_m, stages = 128, 64, 1
     import subprocess
     import sys
 
     try:
-        result = subprocess.run([sys.executable, "-c", _MANY_CALLS_CHILD, str(threads), str(block_m), str(stages)],
-                                capture_output=True, text=True, timeout=240)
+        result = subprocess.run([sys.executable, "-c", _MANY_CALLS_CHILD, str(threads), str(block_m), str(stages),
+                                 str(int(overlap))], capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{threads} threads, {stages} stage(s): 300 calls did not finish in 240 s (a hung kernel?)")
+        pytest.fail(f"overlap={overlap}: 300 calls and 500 graph replays did not finish in 240 s (a hung kernel?)")
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

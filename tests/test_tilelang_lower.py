@@ -40,8 +40,10 @@ def _kernelgen_cache(tmp_path_factory, monkeypatch):
 
 def _config(G: int, q_tile: int) -> dict:
     """Known-good defaults on TileLang 0.1.15: 128 packed rows on two warpgroups when a tile (all its
-    heads) fills them, else 64 rows on one."""
-    return dict(block_M=128, threads=256) if G * q_tile >= 128 else dict(block_M=64, threads=128)
+    heads) fills them, else 64 rows on one (one stage: config.tilelang_attn_feasible)."""
+    if G * q_tile >= 128:
+        return dict(block_M=128, threads=256, num_stages=2)
+    return dict(block_M=64, threads=128, num_stages=1)
 
 
 def _spec(causal, D, G, kv_block, q_tile):
@@ -50,7 +52,7 @@ def _spec(causal, D, G, kv_block, q_tile):
 
 def _build(causal, D, G, kv_block, q_tile, dtype="bfloat16", **config):
     # ragged lengths: a partial last Q tile and a partial last KV block, Nk != Nq (bottom-right causal)
-    tunables = dict(num_stages=2, **_config(G, q_tile))
+    tunables = _config(G, q_tile)
     tunables.update(config)
     return tb.build_attn(_spec(causal, D, G, kv_block, q_tile), dtype, batch=2, heads_kv=2, seq_q=1000, seq_k=1100,
                          **tunables)
@@ -94,25 +96,32 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, overlap,
     spec = _spec(causal, D, G, kv_block, q_tile)
     cfg = dataclasses.replace(default_config(spec, "attn"), overlap=overlap)
     assert cfg in config_space(spec, "attn")
-    kernel = tb.compile_kernel(tb.build_attn(spec, "bfloat16", batch=2, heads_kv=2, seq_q=1000, seq_k=1100, config=cfg))
+    func = tb.build_attn(spec, "bfloat16", batch=2, heads_kv=2, seq_q=1000, seq_k=1100, config=cfg)
+    kernel = tb.compile_attn(func, cfg)  # dispatch's build (its pass configs)
     cubin = cubin_bytes(kernel)
     assert cubin[:4] == b"\x7fELF" and b"sm_90a" in cubin and b"attn_fwd_kernel" in cubin
     src = kernel.get_kernel_source()
     assert re.search(r'extern "C" __global__ void __launch_bounds__\(\d+, 1\) attn_fwd_kernel\(', src)
-    # Hopper path: TMA loads of K/V, mbarrier pipeline, warp-specialised producer, wgmma for both gemms
+    assert "tl::wgmma_ss<" in src  # S = Q K^T from shared memory
+    assert "tl::wgmma_rs<" in src  # O += P V with P in registers
+    assert f"< {1100}" in src  # elementwise mask of the partial last KV block (Nk = 1100)
+    assert "-CUDART_INF_F" in src
+    assert "float scale" in src  # run-time softmax scale
+    if cfg.threads == 128:
+        # one warpgroup, no producer (tilelang_backend.attn_pass_configs): cp.async loads, no mbarrier
+        assert "__launch_bounds__(128, 1)" in src and "tl::cp_async" in src
+        assert "mbarrier" not in src and "CUtensorMap" not in src and "warpgroup_reg_alloc" not in src
+        assert ("wait_wgmma" in src) == overlap  # overlap: QK and PV in flight together, waited for apart
+        return
+    # two consumer warpgroups: TMA loads of K/V, mbarrier pipeline, a warp-specialised producer
     assert "CUtensorMap K_desc" in src and "CUtensorMap V_desc" in src
     assert "tl::tma_load(K_desc" in src and "tl::tma_load(V_desc" in src
     # a program holding one head copies its Q rows with TMA (an element-wise gather was one serialised
     # load per element on the H200); programs packing several heads gather
     assert ("tl::tma_load(Q_desc" in src) == (cfg.block_m <= q_tile)
     assert "mbarrier" in src
-    assert "tl::wgmma_ss<" in src  # S = Q K^T from shared memory
-    assert "tl::wgmma_rs<" in src  # O += P V with P in registers
-    assert f"< {1100}" in src  # elementwise mask of the partial last KV block (Nk = 1100)
-    assert "-CUDART_INF_F" in src
-    assert "float scale" in src  # run-time softmax scale
-    # setmaxnreg (240 for the consumers, 24 for the producer) only with two consumer warpgroups
-    assert ("tl::warpgroup_reg_alloc<240>();" in src) == (cfg.threads == 256)
+    # setmaxnreg: 240 for the consumers, 24 for the producer
+    assert "tl::warpgroup_reg_alloc<240>();" in src
     if overlap:
         # QK and PV in flight together; the K buffer is released only after QK's wait, V's after PV's
         assert src.count("tl::wgmma_ss<") == src.count("tl::wgmma_rs<") == 1
@@ -125,19 +134,19 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, overlap,
 
 def test_split_tile_and_sub_blocks_lower():
     # block_M < q_tile (two programs per tile) and block_N < kv_block (two sub-blocks per block)
-    src = tb.lower(_build(True, 128, 1, 128, 128, block_M=64, block_N=64, threads=128, dtype="float16"))
+    src = tb.lower(_build(True, 128, 1, 128, 128, block_M=64, block_N=64, threads=256, dtype="float16"))
     assert "attn_fwd_kernel" in src and "half_t" in src and "tl::wgmma_ss<" in src
     assert "tl::tma_load(Q_desc" in src  # one head per program: Q rows by one TMA copy
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("threads", [256, 128])
-def test_softmax_exp2_fast_math_where_it_is_safe(nvcc_really_runs, tmp_path, threads):
-    """The two-warpgroup forward (256 threads) is built with nvcc's fast math (tilelang_backend.
-    attn_pass_configs): each score's exp2 is one MUFU.EX2, with no denormal range check around it
-    (FSETP against -126 and two predicated FMUL per score, which made the (b) forward 7% slower on the
-    H200). The one-warpgroup forward (128 threads) is built without it: with it, it hung on the H200.
-    The cubin that compile_attn (dispatch's, the tuner's and exports' path) builds says which."""
+def test_forward_builds_fast_math_and_one_warpgroup_without_producer(nvcc_really_runs, tmp_path, threads):
+    """Both forwards are built with nvcc's fast math (tilelang_backend.attn_pass_configs): each score's
+    exp2 is one MUFU.EX2, with no denormal range check around it (FSETP against -126 and two
+    predicated FMUL per score, which made the (b) forward 7% slower on the H200). The one-warpgroup
+    forward (128 threads) has no producer warpgroup and no mbarrier: with one, it hung on the H200.
+    The cubin that compile_attn (dispatch's, the tuner's and exports' path) builds says so."""
     import subprocess
     from pathlib import Path
 
@@ -147,16 +156,17 @@ def test_softmax_exp2_fast_math_where_it_is_safe(nvcc_really_runs, tmp_path, thr
     if not cuobjdump.exists():
         pytest.skip("triton ships no cuobjdump here")
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=16, backend="tilelang")
-    cfg = dataclasses.replace(default_config(spec, "attn"), block_m=128 if threads == 256 else 64, threads=threads)
+    cfg = dataclasses.replace(default_config(spec, "attn"), block_m=128 if threads == 256 else 64, threads=threads,
+                              num_stages=2 if threads == 256 else 1)
     func = tb.build_attn(spec, "bfloat16", batch=1, heads_kv=1, seq_q=1024, seq_k=4096, config=cfg)
     (tmp_path / "attn.cubin").write_bytes(cubin_bytes(tb.compile_attn(func, cfg)))
     sass = subprocess.run([str(cuobjdump), "-sass", str(tmp_path / "attn.cubin")], capture_output=True, text=True,
                           check=True).stdout
     assert sass.count("MUFU.EX2") >= 64  # the scores of one step, unrolled
-    if threads == 256:
-        assert "-126" not in sass, "exp2f kept its denormal range check: built without fast math?"
-    else:
-        assert "-126" in sass, "the 128-thread forward was built with fast math (it hung on the H200)"
+    assert "-126" not in sass, "exp2f kept its denormal range check: built without fast math?"
+    # mbarrier waits (the producer/consumer handshake) only in the warp-specialised build
+    assert ("SYNCS.PHASECHK" in sass) == (threads == 256)
+    assert ("LDGSTS" in sass) == (threads == 128)  # cp.async: the one warpgroup loads K and V itself
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")

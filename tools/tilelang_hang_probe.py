@@ -1,8 +1,11 @@
 """H200 probe behind docs/PERF.md session 7 (calls 5 and 6): the a32k TileLang forward with one consumer
 warpgroup (block_M 64, 128 threads, no overlap), built with or without nvcc's fast math, called once,
-then 300 times, then timed by do_bench. Run it under `timeout`: a build that hangs never returns.
+then 300 times, then timed by do_bench, then (--graph) replayed from a CUDA graph by do_bench_cudagraph
+(where session 8's bench hung with the precise build). --no-ws builds it without TileLang's warp
+specialisation (no producer warpgroup: cp.async pipelining). Run it under `timeout`: a build that hangs
+never returns.
 
-    timeout 40 python3 tools/tilelang_hang_probe.py precise [--stages 2] [--n 32768]
+    timeout 40 python3 tools/tilelang_hang_probe.py precise [--stages 2] [--n 32768] [--graph] [--no-ws]
     timeout 30 python3 tools/tilelang_hang_probe.py fast
 """
 import argparse
@@ -22,9 +25,12 @@ p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("build", choices=["fast", "precise"])
 p.add_argument("--stages", type=int, default=2)
 p.add_argument("--n", type=int, default=32768)
+p.add_argument("--graph", action="store_true")
+p.add_argument("--no-ws", action="store_true")
 args = p.parse_args()
 # every forward of this process is built this way (compile_attn reads attn_pass_configs)
-tilelang_backend.attn_pass_configs = lambda config: {"tl.enable_fast_math": args.build == "fast"}
+tilelang_backend.attn_pass_configs = lambda config: {"tl.enable_fast_math": args.build == "fast",
+                                                     "tl.disable_warp_specialized": args.no_ws}
 t0 = time.perf_counter()
 spec = kernelgen.Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, causal=False, gqa_group=1, selector="given",
                       backend="tilelang")
@@ -41,3 +47,6 @@ torch.cuda.synchronize()
 print(f"[{time.perf_counter() - t0:.1f}s] 300 calls ok", flush=True)
 print(f"do_bench {triton.testing.do_bench(lambda: kern(q, k, v, block_idx=idx), return_mode='median'):.3f} ms "
       f"[{time.perf_counter() - t0:.1f}s]", flush=True)
+if args.graph:
+    print(f"do_bench_cudagraph {triton.testing.do_bench_cudagraph(lambda: kern(q, k, v, block_idx=idx)):.3f} ms "
+          f"[{time.perf_counter() - t0:.1f}s]", flush=True)
