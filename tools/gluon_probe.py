@@ -10,7 +10,8 @@ the dense cases. (Session 5's two-blocks-per-step variant, tools/gluon_fwd2.py, 
 was at an earlier commit) with the same configs, next to the product kernel, in the same run; each row
 has its output's rel. L2 difference from the served kernel's. A candidate named *persistent* is launched
 with a grid of N programs per SM and n_work. Session 7's rejected candidates (a persistent forward and
-a warp-specialised one, docs/PERF.md) are tools/candidates/ in commit d06b112.
+a warp-specialised one, docs/PERF.md) are tools/candidates/ in commit d06b112; session 8's ping-pong
+candidate and its control (two items per program, launched with grid[0] halved) are in commit 125c80e.
 Every timing is do_bench's median (`ms`) and a CUDA-graph replay's (`graph_ms`: GPU time, no host).
 """
 import argparse
