@@ -33,15 +33,24 @@ CASES = {"b": SHAPES["b"], "c": SHAPES["c"], "c_dense": SHAPES["c_dense"], "a32k
 
 
 def configs(shape, variants=()):
-    """(config, variant) pairs: a few product configs, then each variant on the overlapped configs of
-    two consumer warpgroups."""
-    if shape.q_tile * shape.heads_q // shape.heads_kv < 128:  # (a): 64 rows per program at most
-        base = [C(64, 2, 128, False), C(64, 2, 128, True), C(64, 1, 128, True)]
+    """(config, variant) pairs: a few product configs, then each variant on its own configs
+    (tilelang_variants.VARIANT_CONFIGS) or on the overlapped configs of two consumer warpgroups."""
+    from tilelang_variants import VARIANT_CONFIGS
+
+    rows = 64 if shape.q_tile * shape.heads_q // shape.heads_kv < 128 else 128  # (a): 64 rows per program at most
+    if rows == 64:  # one warpgroup: one stage (config.tilelang_attn_feasible)
+        base = [C(64, 1, 128, False), C(64, 1, 128, True)]
     elif shape.head_dim == 128:
         base = [C(128, 2, 256, False), C(128, 2, 256, True), C(128, 3, 256, True)]
     else:
         base = [C(128, 2, 256, False), C(128, 2, 256, True), C(128, 1, 256, False)]
-    return [(c, None) for c in base] + [(c, v) for v in variants for c in base if c.overlap and c.threads == 256]
+    pairs = [(c, None) for c in base]
+    for v in variants:
+        if v in VARIANT_CONFIGS:
+            pairs += [(C(*t), v) for t in VARIANT_CONFIGS[v](rows, shape.head_dim)]
+        else:
+            pairs += [(c, v) for c in base if c.overlap and c.threads == 256]
+    return pairs
 
 
 def spec_of(shape):

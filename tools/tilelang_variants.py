@@ -6,6 +6,10 @@ pingpong  FlashAttention-3's inter-warpgroup schedule on top of `overlap`: the t
           other's gemms own the tensor cores.
 precise   the product kernel compiled without nvcc's fast math (tilelang_backend.FAST_MATH), as before
           session 6: exp2f with its denormal range check.
+static    without warp specialisation at every thread count (TileLang's cp.async pipeline), with a
+          static loop extent: every list slot is a step, the steps past the list's sub-blocks fully
+          masked. TileLang 0.1.15 generates no code for that pipeline with 2+ stages over the dynamic
+          extent (session 8); with a static one it does. No setmaxnreg (there is no producer).
 """
 
 PINGPONG = {
@@ -31,14 +35,31 @@ PINGPONG = {
 """,
 }
 
-VARIANTS = {"pingpong": PINGPONG, "precise": {}}
+STATIC = {
+    "            if threads == 256:\n                T.annotate_producer_reg_dealloc(24)":
+        "            if False:\n                T.annotate_producer_reg_dealloc(24)",
+    "needs_mask = (n_visit == 0) |": "needs_mask = (it >= n_visit) |",
+    "visible = (n_visit > 0) &": "visible = (it < n_visit) &",
+    "for it in T.Pipelined(n_steps + 1, num_stages=num_stages):": "for it in T.Pipelined(n_slots + 1, num_stages=num_stages):",
+    "k_prev = kv_starts[T.max(it - 1, 0)]": "k_prev = kv_starts[T.min(T.max(it - 1, 0), n_steps - 1)]",
+    "for it in T.Pipelined(n_steps, num_stages=num_stages):\n                    k0 = kv_starts[it]":
+        "for it in T.Pipelined(n_slots, num_stages=num_stages):\n                    k0 = kv_starts[T.min(it, n_steps - 1)]",
+}
+
+VARIANTS = {"pingpong": PINGPONG, "precise": {}, "static": STATIC}
 # compile options of a variant (keyword arguments of tilelang_backend.compile_kernel)
-COMPILE_OPTIONS = {"precise": {"pass_configs": {"tl.enable_fast_math": False}}}
+COMPILE_OPTIONS = {"precise": {"pass_configs": {"tl.enable_fast_math": False}},
+                   "static": {"pass_configs": {"tl.enable_fast_math": True, "tl.disable_warp_specialized": True}}}
+# the configs a variant is timed with (default: the product's overlapped 256-thread ones)
+VARIANT_CONFIGS = {"static": lambda rows, head_dim: [(rows, stages, 2 * rows, overlap) for stages in (1, 2, 3)
+                                                     for overlap in (False, True) if head_dim > 64 or stages < 3]}
 
 
 def patch(source: str, variant: str) -> str:
     for old, new in VARIANTS[variant].items():
-        if source.count(old) != 1:
+        if source.count(old) != 1 and not (variant == "static" and source.count(old) > 1):  # both loops' softmax
             raise ValueError(f"variant {variant!r}: the rendered forward changed, cannot patch {old[:60]!r}")
         source = source.replace(old, new)
+    if variant == "static":  # the overlapped loop's softmax and rescale steps: every slot, then the drain
+        source = source.replace("                    if it < n_steps:\n", "                    if it < n_slots:\n")
     return source
