@@ -10,6 +10,7 @@ static    without warp specialisation at every thread count (TileLang's cp.async
           static loop extent: every list slot is a step, the steps past the list's sub-blocks fully
           masked. TileLang 0.1.15 generates no code for that pipeline with 2+ stages over the dynamic
           extent (session 8); with a static one it does. No setmaxnreg (there is no producer).
+          Rejected (docs/PERF.md, session 8, call 6): 21-29% slower at 256 threads, and no gain at 128.
 """
 
 PINGPONG = {
