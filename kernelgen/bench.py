@@ -367,16 +367,10 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=(), graph: bool 
     return rows
 
 
-def dispatch_overhead(n_calls: int = 200, rounds: int = 9, log=print) -> dict:
-    """Host time per `attn(q, k, v, block_idx=...)` call against the raw Triton launches it makes
-    (normalise + attention), on a problem small enough that the GPU waits for the host.
-
-    The two are timed in alternating rounds and the overhead is the median of the per-round
-    differences: host speed drifts between rounds (another process, clocks), and two loops timed
-    once each minutes apart measured 7.7 us on one host and 30.3 us on another for the same code."""
-    import statistics
-    import time
-
+def dispatch_problem():
+    """The problem dispatch overhead is measured on (small enough that the GPU waits for the host):
+    (spec, q, k, v, idx, attn, shapes, select module, attention config, attention module), the last
+    three what a call looks up."""
     import kernelgen
     from . import ops
     from .config import seq_bucket
@@ -387,8 +381,25 @@ def dispatch_overhead(n_calls: int = 200, rounds: int = 9, log=print) -> dict:
     idx = torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32, device="cuda")
     attn = kernelgen.get_kernel(spec)
     shapes = ops.check_qkv(q, k, v, spec)
-    sel_mod, _, backend, cfg, mod = attn._kernels(seq_bucket(shapes.n_k), q.dtype, q.device)  # what a call looks up
-    assert backend == "triton", backend  # the spec's backend: the raw launches below are Triton's
+    sel_mod, _, backend, cfg, mod = attn._kernels(seq_bucket(shapes.n_k), q.dtype, q.device)
+    assert backend == "triton", backend  # the spec's backend: the raw launches are Triton's
+    return spec, q, k, v, idx, attn, shapes, sel_mod, cfg, mod
+
+
+def dispatch_overhead(n_calls: int = 200, rounds: int = 9, log=print) -> dict:
+    """Host time per `attn(q, k, v, block_idx=...)` call against the raw Triton launches it makes
+    (normalise + attention), on a problem small enough that the GPU waits for the host.
+
+    The two are timed in alternating rounds and the overhead is the median of the per-round
+    differences: host speed drifts between rounds (another process, clocks), and two loops timed
+    once each minutes apart measured 7.7 us on one host and 30.3 us on another for the same code."""
+    import statistics
+    import time
+
+    from . import ops
+    from .config import seq_bucket
+
+    spec, q, k, v, idx, attn, shapes, sel_mod, cfg, mod = dispatch_problem()
 
     def raw():
         lists = ops.prepare_block_idx(idx, spec, shapes, q.device, sel_mod)

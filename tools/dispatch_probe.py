@@ -24,8 +24,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import kernelgen  # noqa: E402
 from kernelgen import ops  # noqa: E402
+from kernelgen.bench import dispatch_problem  # noqa: E402
 from kernelgen.config import seq_bucket  # noqa: E402
 
 
@@ -35,14 +35,8 @@ def main():
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--calls", type=int, default=300)
     args = p.parse_args()
-    spec = kernelgen.Spec(head_dim=64, kv_block=64, q_tile=64, top_k=2, selector="given")
-    q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
-    k, v = torch.randn_like(q), torch.randn_like(q)
-    idx = torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32, device="cuda")
-    attn = kernelgen.get_kernel(spec)
-    shapes = ops.check_qkv(q, k, v, spec)
-    bucket = seq_bucket(shapes.n_k)
-    sel_mod, _, backend, cfg, mod = attn._kernels(bucket, q.dtype, q.device)
+    spec, q, k, v, idx, attn, shapes, sel_mod, cfg, mod = dispatch_problem()
+    bucket, backend = seq_bucket(shapes.n_k), "triton"
     lists = ops.prepare_block_idx(idx, spec, shapes, q.device, sel_mod)
     pieces = {
         "call": lambda: attn(q, k, v, block_idx=idx),
