@@ -21,7 +21,7 @@ pytest.importorskip("tilelang")
 from kernelgen import Spec  # noqa: E402
 from kernelgen import tilelang_backend as tb  # noqa: E402
 from kernelgen.compile import load_module  # noqa: E402
-from kernelgen.config import config_space, default_config  # noqa: E402
+from kernelgen.config import TileLangAttnConfig, config_space, default_config  # noqa: E402
 from kernelgen.render import module_name  # noqa: E402
 from checks import cubin_bytes  # noqa: E402
 
@@ -134,9 +134,10 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, overlap,
 
 def test_split_tile_and_sub_blocks_lower():
     # block_M < q_tile (two programs per tile) and block_N < kv_block (two sub-blocks per block)
-    src = tb.lower(_build(True, 128, 1, 128, 128, block_M=64, block_N=64, threads=256, dtype="float16"))
-    assert "attn_fwd_kernel" in src and "half_t" in src and "tl::wgmma_ss<" in src
-    assert "tl::tma_load(Q_desc" in src  # one head per program: Q rows by one TMA copy
+    # (64 rows: one warpgroup, built as dispatch builds it: attn_pass_configs)
+    func = _build(True, 128, 1, 128, 128, block_M=64, block_N=64, threads=128, num_stages=1, dtype="float16")
+    src = tb.lower(func, pass_configs=tb.attn_pass_configs(TileLangAttnConfig(block_m=64, num_stages=1, threads=128)))
+    assert "attn_fwd_kernel" in src and "half_t" in src and "tl::wgmma_ss<" in src and "tl::cp_async" in src
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
