@@ -119,8 +119,8 @@ def attn_pass_configs(config) -> dict:
     TileLang's pipeline, not fast math. Without warp specialisation, with fast math, the same forward
     ran 300 calls, do_bench and graph replay, in 0.207 ms against 0.277. TileLang 0.1.15 generates no
     code for that pipeline with two or more stages (config.tilelang_attn_feasible keeps one). The
-    two-warpgroup forwards (256 threads) keep warp specialisation: they ran thousands of calls and
-    graph replays ((b), c, c_dense, dense D=64 and D=128)."""
+    two-warpgroup forwards (256 threads) keep warp specialisation: they ran thousands of calls ((b),
+    c, c_dense, dense D=64 and D=128) and the (b) bench's graph replays."""
     return FAST_MATH if config.threads == 256 else {**FAST_MATH, **NO_WARP_SPECIALISATION}
 
 

@@ -18,7 +18,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import kernelgen  # noqa: E402
-from kernelgen import tilelang_backend  # noqa: E402
+from kernelgen import ops, tilelang_backend  # noqa: E402
 from kernelgen.config import TileLangAttnConfig  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -28,25 +28,32 @@ p.add_argument("--n", type=int, default=32768)
 p.add_argument("--graph", action="store_true")
 p.add_argument("--no-ws", action="store_true")
 args = p.parse_args()
-# every forward of this process is built this way (compile_attn reads attn_pass_configs)
-tilelang_backend.attn_pass_configs = lambda config: {"tl.enable_fast_math": args.build == "fast",
-                                                     "tl.disable_warp_specialized": args.no_ws}
 t0 = time.perf_counter()
 spec = kernelgen.Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, causal=False, gqa_group=1, selector="given",
                       backend="tilelang")
 n_tiles = args.n // 64
 q, k, v = (torch.randn(1, 8, args.n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 idx = torch.stack([torch.randperm(n_tiles, device="cuda")[:16] for _ in range(8 * n_tiles)]).view(1, 8, n_tiles, 16).int()
-kern = kernelgen.get_kernel(spec, configs={"attn": TileLangAttnConfig(64, args.stages, 128, False)})
-o = kern(q, k, v, block_idx=idx)
+# built here, not through get_kernel: the space no longer holds the warp-specialised or multi-stage
+# one-warpgroup builds this probe compares (tilelang_backend.attn_pass_configs)
+cfg = TileLangAttnConfig(64, args.stages, 128, False)
+func = tilelang_backend.build_attn(spec, torch.bfloat16, batch=1, heads_kv=8, seq_q=args.n, seq_k=args.n, config=cfg)
+kernel = tilelang_backend.compile_kernel(func, pass_configs={"tl.enable_fast_math": args.build == "fast",
+                                                             "tl.disable_warp_specialized": args.no_ws})
+
+
+def call():
+    return ops.attention_tilelang(q, k, v, idx, spec, kernel, None)[0]
+
+
+o = call()
 torch.cuda.synchronize()
 print(f"[{time.perf_counter() - t0:.1f}s] first call ok, nan={o.isnan().any().item()}", flush=True)
 for _ in range(300):
-    kern(q, k, v, block_idx=idx)
+    call()
 torch.cuda.synchronize()
 print(f"[{time.perf_counter() - t0:.1f}s] 300 calls ok", flush=True)
-print(f"do_bench {triton.testing.do_bench(lambda: kern(q, k, v, block_idx=idx), return_mode='median'):.3f} ms "
-      f"[{time.perf_counter() - t0:.1f}s]", flush=True)
+print(f"do_bench {triton.testing.do_bench(call, return_mode='median'):.3f} ms [{time.perf_counter() - t0:.1f}s]", flush=True)
 if args.graph:
-    print(f"do_bench_cudagraph {triton.testing.do_bench_cudagraph(lambda: kern(q, k, v, block_idx=idx)):.3f} ms "
-          f"[{time.perf_counter() - t0:.1f}s]", flush=True)
+    print(f"do_bench_cudagraph {triton.testing.do_bench_cudagraph(call):.3f} ms [{time.perf_counter() - t0:.1f}s]",
+          flush=True)
