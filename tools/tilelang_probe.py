@@ -35,7 +35,7 @@ CASES = {"b": SHAPES["b"], "c": SHAPES["c"], "c_dense": SHAPES["c_dense"], "a32k
 def configs(shape, variants=()):
     """(config, variant) pairs: a few product configs, then each variant on its own configs
     (tilelang_variants.VARIANT_CONFIGS) or on the overlapped configs of two consumer warpgroups."""
-    from tilelang_variants import VARIANT_CONFIGS
+    from tilelang_variants import ON_PRODUCT_CONFIGS, VARIANT_CONFIGS
 
     rows = 64 if shape.q_tile * shape.heads_q // shape.heads_kv < 128 else 128  # (a): 64 rows per program at most
     if rows == 64:  # one warpgroup: one stage (config.tilelang_attn_feasible)
@@ -48,6 +48,8 @@ def configs(shape, variants=()):
     for v in variants:
         if v in VARIANT_CONFIGS:
             pairs += [(C(*t), v) for t in VARIANT_CONFIGS[v](rows, shape.head_dim)]
+        elif v in ON_PRODUCT_CONFIGS:
+            pairs += [(c, v) for c in base]
         else:
             pairs += [(c, v) for c in base if c.overlap and c.threads == 256]
     return pairs

@@ -11,6 +11,13 @@ static    without warp specialisation at every thread count (TileLang's cp.async
           masked. TileLang 0.1.15 generates no code for that pipeline with 2+ stages over the dynamic
           extent (session 8); with a static one it does. No setmaxnreg (there is no producer).
           Rejected (docs/PERF.md, session 8, call 6): 25-28% slower at 256 threads, and no gain at 128.
+poly1     FlashAttention-4's exp2 on the FMA pipe: in the steps that need no mask, the scores of one
+poly2     column group of 8 in every 4 (poly1) or 2 in 4 (poly2) take a degree-3 polynomial instead of
+          MUFU's ex2 (which does 16 per clock per SM: as fast as D=64 gemms consume scores).
+          2^x = 2^round(x) * P(x - round(x)); round(x) by adding 1.5 * 2^23, whose low mantissa bits
+          then hold it, shifted into the exponent by an integer add. P's max relative error 7.5e-5.
+          The column group (j // 8) of a wgmma accumulator element is fixed per register, so the choice
+          costs nothing at run time. Masked steps keep ex2 (x = -inf there must give 0).
 """
 
 PINGPONG = {
@@ -49,7 +56,39 @@ STATIC = {
         "for it in T.Pipelined(n_slots, num_stages=num_stages):\n                    k0 = kv_starts[T.min(it, n_steps - 1)]",
 }
 
-VARIANTS = {"pingpong": PINGPONG, "precise": {}, "static": STATIC}
+EXP2_POLY = r"""
+__device__ __forceinline__ float kg_exp2_poly(float x) {
+  x = fmaxf(x, -126.0f);  // finite x only; the result is ~1e-38 below this, not 0
+  float t = __fadd_rn(x, 12582912.0f);  // 1.5 * 2^23: round(x) in the low mantissa bits
+  float f = __fsub_rn(x, __fsub_rn(t, 12582912.0f));  // in [-0.5, 0.5]
+  float p = fmaf(fmaf(fmaf(0.0551716648042202f, f, 0.2426111251115799f), f, 0.6932609677314758f), f,
+                 0.9999280571937561f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+"""
+
+
+def _poly(lanes: int) -> dict:
+    exp2 = "acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - scores_shift[i])"
+    x = "acc_s[i, j] * scale_log2 - scores_shift[i]"
+    patches = {
+        "LN2 = 0.6931471805599453\n": f"LN2 = 0.6931471805599453\nEXP2_POLY = {EXP2_POLY!r}\n",
+        "threads=threads) as (bx, by, bz):": "threads=threads, prelude=EXP2_POLY) as (bx, by, bz):",
+    }
+    for indent in (20, 24):  # the softmax step in the plain and in the overlapped loop
+        pad = " " * indent
+        patches[f"{pad}for i, j in T.Parallel(block_M, block_N):\n{pad}    {exp2}\n"] = (
+            f"{pad}if needs_mask:\n{pad}    for i, j in T.Parallel(block_M, block_N):\n{pad}        {exp2}\n"
+            f"{pad}else:\n{pad}    for i, j in T.Parallel(block_M, block_N):\n"
+            f"{pad}        acc_s[i, j] = T.if_then_else((j // 8) % 4 < {lanes}, "
+            f"T.call_extern(\"float32\", \"kg_exp2_poly\", {x}), T.exp2({x}))\n")
+    return patches
+
+
+VARIANTS = {"pingpong": PINGPONG, "precise": {}, "static": STATIC, "poly1": _poly(1), "poly2": _poly(2)}
+# variants timed on the product's own configs (the others: their VARIANT_CONFIGS, else the overlapped
+# two-warpgroup configs)
+ON_PRODUCT_CONFIGS = {"poly1", "poly2"}
 # compile options of a variant (keyword arguments of tilelang_backend.compile_kernel)
 COMPILE_OPTIONS = {"precise": {"pass_configs": {"tl.enable_fast_math": False}},
                    "static": {"pass_configs": {"tl.enable_fast_math": True, "tl.disable_warp_specialized": True}}}
