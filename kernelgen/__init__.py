@@ -15,7 +15,8 @@ if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
 
 from .config import AttnConfig, SelectConfig
 from .dispatch import SparseAttention, get_kernel
+from .ops import BlockLists
 from .spec import Spec
 
-__all__ = ["Spec", "get_kernel", "SparseAttention", "AttnConfig", "SelectConfig"]
+__all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "AttnConfig", "SelectConfig"]
 __version__ = "0.1.0"

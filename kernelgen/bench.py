@@ -252,6 +252,11 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=(), graph: bool 
                    config=auto.config("attn", shape.n_q, shape.n_k).to_json())
         else:
             log(f"{name}: backend='auto' serves triton here (the rows above)")
+        # the served kernel with the lists prepared once, as Flex's BlockMask below is built once
+        served_attn = auto if served_backend != "triton" else attn_given
+        prepared = served_attn.prepare(idx, shape.n_q, shape.n_k)
+        record("kernelgen auto prepared", lambda: served_attn(q, k, v, block_idx=prepared), flops,
+               backend=served_backend)
         ours = attn_given(q, k, v, block_idx=idx)
         try:
             from torch.nn.attention.flex_attention import flex_attention
@@ -388,7 +393,8 @@ def dispatch_problem():
 
 def dispatch_overhead(n_calls: int = 200, rounds: int = 9, log=print) -> dict:
     """Host time per `attn(q, k, v, block_idx=...)` call against the raw Triton launches it makes
-    (normalise + attention), on a problem small enough that the GPU waits for the host.
+    (normalise + attention), on a problem small enough that the GPU waits for the host; and the same
+    for a call given prepared lists (`attn.prepare`) against its one raw attention launch.
 
     The two are timed in alternating rounds and the overhead is the median of the per-round
     differences: host speed drifts between rounds (another process, clocks), and two loops timed
@@ -418,23 +424,38 @@ def dispatch_overhead(n_calls: int = 200, rounds: int = 9, log=print) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n_calls * 1e6
 
+    prepared = attn.prepare(idx, shapes.n_q, shapes.n_k)
+    lists = prepared.block_idx
+
+    def call_prepared():  # lists prepared once: one launch per call
+        return attn(q, k, v, block_idx=prepared)
+
+    def raw_attention():
+        return ops.attention(q, k, v, lists, spec, shapes, mod, cfg, None)
+
     def lookups():  # what a call does beyond the raw launches, without any launch
         ops.check_qkv(q, k, v, spec)
         attn._kernels(seq_bucket(shapes.n_k), q.dtype, q.device)
 
-    calls, raws, lookup = [], [], []
+    calls, raws, lookup, calls_prepared, raws_attention = [], [], [], [], []
     for _ in range(rounds):
         calls.append(timed(call))
         raws.append(timed(raw))
         lookup.append(timed(lookups))
+        calls_prepared.append(timed(call_prepared))
+        raws_attention.append(timed(raw_attention))
     med = statistics.median
     result = {"call_us": med(calls), "raw_launches_us": med(raws), "checks_and_lookups_us": med(lookup),
               "overhead_us": med(c - r for c, r in zip(calls, raws)), "rounds": rounds,
-              "overhead_us_per_round": [round(c - r, 2) for c, r in zip(calls, raws)]}
+              "overhead_us_per_round": [round(c - r, 2) for c, r in zip(calls, raws)],
+              "prepared_call_us": med(calls_prepared), "raw_attention_us": med(raws_attention),
+              "prepared_overhead_us": med(c - r for c, r in zip(calls_prepared, raws_attention))}
     log(f"dispatch: {result['call_us']:.1f} us per call, raw launches {result['raw_launches_us']:.1f} us, "
         f"overhead {result['overhead_us']:.1f} us (median of {rounds} alternating rounds: "
         f"{min(result['overhead_us_per_round']):.1f} to {max(result['overhead_us_per_round']):.1f}; "
-        f"input checks and config/module lookups alone: {result['checks_and_lookups_us']:.1f} us)")
+        f"input checks and config/module lookups alone: {result['checks_and_lookups_us']:.1f} us); "
+        f"with prepared lists: {result['prepared_call_us']:.1f} us per call, raw attention launch "
+        f"{result['raw_attention_us']:.1f} us, overhead {result['prepared_overhead_us']:.1f} us")
     return result
 
 

@@ -23,6 +23,8 @@ class SparseAttention:
 
     attn(q, k, v)                         select blocks with the spec's selector, then attend
     attn(q, k, v, block_idx=idx)          attend over caller-given lists (int32 [B, Hkv, n_q_tiles, top_k], -1 empty)
+    lists = attn.prepare(idx, seq_q, seq_k)   the same lists checked and normalised once (ops.BlockLists);
+    attn(q, k, v, block_idx=lists)        calls with them skip that step (one launch fewer per call)
     attn(q, k, v, return_lse=True)        also return lse (float32 [B, Hq, Nq])
     attn.select(q, k)                     the lists the selector would use
 
@@ -102,6 +104,26 @@ class SparseAttention:
         mod, cfg = self._select_module(q, shapes.n_q, shapes.n_k)
         return ops.select(q, k, self.spec, shapes, mod, cfg)
 
+    def prepare(self, block_idx: torch.Tensor, seq_q: int, seq_k: int) -> ops.BlockLists:
+        """Given lists checked and normalised once, for calls with seq_q queries and seq_k keys (any
+        batch, heads and dtype that match block_idx's shape): pass the result as block_idx. Repeated
+        ids count once (an error with validate_lists=True), as in a call given the raw lists."""
+        for name, n in (("seq_q", seq_q), ("seq_k", seq_k)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if not isinstance(block_idx, torch.Tensor):
+            raise TypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
+        if block_idx.device.type != "cuda" and not ops.interpreting():
+            raise ValueError(f"block_idx is on {block_idx.device}; expected the CUDA device the calls will use")
+        if block_idx.dim() != 4:
+            raise ValueError(f"block_idx must be 4-D [B, Hkv, n_q_tiles, top_k], got shape {tuple(block_idx.shape)}")
+        b, hkv = block_idx.shape[:2]
+        spec = self.spec
+        shapes = ops.Shapes(b, hkv * spec.gqa_group, hkv, seq_q, seq_k, spec.n_q_tiles(seq_q), spec.n_kv_blocks(seq_k))
+        select_mod = self.module("select", self._config("select", seq_bucket(seq_k), torch.bfloat16, block_idx.device))
+        normalised = ops.prepare_block_idx(block_idx, spec, shapes, block_idx.device, select_mod, self.validate_lists)
+        return ops.BlockLists(normalised, spec.kv_block, spec.top_k, shapes.n_kv_blocks)
+
     @functools.lru_cache(maxsize=256)
     def _kernels(self, bucket: int, dtype, device):
         """(select module, select config, attention backend, attention config, attention module or None
@@ -125,6 +147,8 @@ class SparseAttention:
             if not spec.selects:
                 raise ValueError("spec.selector='given' needs block_idx=int32 [B, Hkv, n_q_tiles, top_k]")
             block_idx = ops.select(q, k, spec, shapes, select_mod, select_cfg)
+        elif isinstance(block_idx, ops.BlockLists):
+            block_idx = ops.check_block_lists(block_idx, spec, shapes, q.device)
         else:
             block_idx = ops.prepare_block_idx(block_idx, spec, shapes, q.device, select_mod, self.validate_lists)
         if backend == "triton":

@@ -13,7 +13,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .config import AttnConfig, GluonAttnConfig, SelectConfig, next_pow2
 from .spec import Spec
 
-__all__ = ["Shapes", "interpreting", "check_qkv", "prepare_block_idx", "select", "attention", "attention_tilelang",
+__all__ = ["Shapes", "BlockLists", "interpreting", "check_qkv", "prepare_block_idx", "check_block_lists", "select", "attention", "attention_tilelang",
            "attention_gluon", "check_gluon_device", "softmax_scale", "LOG2E"]
 
 LOG2E = 1.4426950408889634
@@ -38,6 +38,20 @@ class Shapes(NamedTuple):
     n_q: int
     n_k: int
     n_q_tiles: int
+    n_kv_blocks: int
+
+
+class BlockLists(NamedTuple):
+    """Lists already in the kernels' form, made once by `SparseAttention.prepare` and passed as `block_idx`
+    to every call that attends over them (the layers of a model, repeated steps), as FlexAttention's
+    BlockMask is built once and FlashInfer plans once: such a call skips the normalising launch.
+
+    block_idx    int32 [B, Hkv, n_q_tiles, top_k], valid ids ascending then -1: a copy, never the
+                 caller's tensor (writing into it afterwards is outside the contract)
+    kv_block, top_k, n_kv_blocks   what it was made for; a call with other values is a ValueError"""
+    block_idx: torch.Tensor
+    kv_block: int
+    top_k: int
     n_kv_blocks: int
 
 
@@ -130,6 +144,22 @@ def prepare_block_idx(block_idx, spec: Spec, shapes: Shapes, device, select_mod,
         block_idx, out, n_lists, shapes.n_kv_blocks,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), LISTS=lists, num_warps=4)
     return out
+
+
+def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> torch.Tensor:
+    """The normalised tensor of prepared lists, if they were made for this spec's blocks and this call's
+    shapes and device (a few comparisons: no launch, no copy)."""
+    made = (lists.kv_block, lists.top_k, lists.n_kv_blocks)
+    if made != (spec.kv_block, spec.top_k, shapes.n_kv_blocks):
+        raise ValueError(f"block_idx was prepared for kv_block, top_k, n_kv_blocks = {made}; this call has "
+                         f"{(spec.kv_block, spec.top_k, shapes.n_kv_blocks)} (prepare them for this spec and seq_k)")
+    expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
+    if tuple(lists.block_idx.shape) != expected:
+        raise ValueError(f"block_idx (prepared) has shape {tuple(lists.block_idx.shape)}, expected "
+                         f"[B, Hkv, n_q_tiles, top_k] = {expected}")
+    if lists.block_idx.device != device:
+        raise ValueError(f"block_idx (prepared) is on {lists.block_idx.device} but q is on {device}")
+    return lists.block_idx
 
 
 def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod) -> torch.Tensor:

@@ -7,6 +7,7 @@ in alternating rounds (median over rounds, microseconds per call):
   checks      ops.check_qkv alone;  lookup: the cached per-bucket lookup alone
   normalise   ops.prepare_block_idx alone;  attention: ops.attention alone
   empty       torch.empty of the output and lse alone (what ops.attention allocates)
+  prepared    the public call with lists prepared once (attn.prepare): one launch, compare with attention
 then profiles 2000 calls and 2000 raw launches with cProfile (top functions by own time).
 
     python3 tools/dispatch_probe.py [--out DIR]
@@ -48,7 +49,9 @@ def main():
         "attention": lambda: ops.attention(q, k, v, lists, spec, shapes, mod, cfg, None),
         "empty": lambda: (torch.empty(q.shape, device=q.device, dtype=q.dtype),
                           torch.empty(1, 1, 128, device=q.device, dtype=torch.float32)),
+        "prepared": lambda: attn(q, k, v, block_idx=prepared),
     }
+    prepared = attn.prepare(idx, shapes.n_q, shapes.n_k)
 
     def timed(fn):
         for _ in range(20):
@@ -66,6 +69,7 @@ def main():
             per_round[name].append(timed(fn))
     result = {name: statistics.median(ts) for name, ts in per_round.items()}
     result["overhead"] = statistics.median(c - r for c, r in zip(per_round["call"], per_round["raw"]))
+    result["prepared_overhead"] = statistics.median(c - r for c, r in zip(per_round["prepared"], per_round["attention"]))
     print(f"backend {backend}; us per call (median of {args.rounds} alternating rounds):")
     for name, us in result.items():
         print(f"  {name:10s} {us:7.1f}")

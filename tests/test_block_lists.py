@@ -1,0 +1,101 @@
+"""Prepared lists (`attn.prepare` -> BlockLists): normalised once, then calls skip that launch and give
+exactly what the raw lists give."""
+import pytest
+import torch
+
+import kernelgen
+from kernelgen import BlockLists, Spec, ops, reference
+from checks import assert_close_to_reference
+from test_triton_fwd import given_lists, make_inputs
+
+SPEC = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, gqa_group=2, selector="given")
+
+
+def _no_normalising(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a call with prepared lists normalised them again")
+    monkeypatch.setattr(ops, "prepare_block_idx", fail)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_prepared_lists_give_what_raw_lists_give(index_dtype, device, monkeypatch):
+    q, k, v = make_inputs(2, 2, 2, 150, 200, 64, torch.float16, device, 41)
+    idx = given_lists(SPEC, 2, 2, 150, 200, 5, device, index_dtype)  # empty, out-of-range and repeated ids
+    idx[0, 1, 2, :2] = 3  # a repeat: counts once
+    attn = kernelgen.get_kernel(SPEC)
+    raw_o, raw_lse = attn(q, k, v, block_idx=idx, return_lse=True)
+    lists = attn.prepare(idx, 150, 200)
+    assert isinstance(lists, BlockLists) and lists.block_idx.dtype == torch.int32
+    assert lists.block_idx.data_ptr() != idx.data_ptr()
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, SPEC, block_idx=idx)
+    _no_normalising(monkeypatch)
+    for _ in range(2):  # reused as they are
+        o, lse = attn(q, k, v, block_idx=lists, return_lse=True)
+        assert torch.equal(o, raw_o) and torch.equal(lse, raw_lse)
+        assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float16)
+    # other inputs of the same shape (another layer), in another dtype
+    q2, k2, v2 = make_inputs(2, 2, 2, 150, 200, 64, torch.float32, device, 43)
+    o2, lse2 = attn(q2, k2, v2, block_idx=lists, return_lse=True)
+    ref_o2, ref_lse2, _ = reference.sparse_attention(q2, k2, v2, SPEC, block_idx=idx)
+    assert_close_to_reference(o2, lse2, ref_o2, ref_lse2, torch.float32)
+
+
+def test_prepared_lists_are_a_copy(device):
+    q, k, v = make_inputs(1, 2, 2, 96, 128, 64, torch.float32, device, 47)
+    idx = given_lists(SPEC, 1, 2, 96, 128, 6, device)
+    attn = kernelgen.get_kernel(SPEC)
+    want = attn(q, k, v, block_idx=idx)
+    lists = attn.prepare(idx, 96, 128)
+    idx.fill_(0)  # the caller reuses its buffer
+    assert torch.equal(attn(q, k, v, block_idx=lists), want)
+
+
+def test_prepared_lists_for_another_problem_are_refused(device):
+    q, k, v = make_inputs(1, 2, 2, 96, 128, 64, torch.float32, device, 53)
+    attn = kernelgen.get_kernel(SPEC)
+    idx = given_lists(SPEC, 1, 2, 96, 128, 7, device)
+    with pytest.raises(ValueError, match="n_kv_blocks"):  # made for 256 keys, called with 128
+        attn(q, k, v, block_idx=attn.prepare(idx, 96, 256))
+    with pytest.raises(ValueError, match="shape"):  # made for 2 KV heads, called with 1
+        attn(q[:, :2], k[:, :1], v[:, :1], block_idx=attn.prepare(idx, 96, 128))
+    with pytest.raises(ValueError, match="kv_block"):  # made for other blocks
+        other = kernelgen.get_kernel(SPEC.replace(kv_block=64, top_k=4))
+        attn(q, k, v, block_idx=other.prepare(given_lists(SPEC.replace(kv_block=64), 1, 2, 96, 128, 7, device), 96, 128))
+    with pytest.raises(ValueError, match="validate_lists|repeated"):
+        rep = idx.clone()
+        rep[..., 1] = rep[..., 0] = 0
+        kernelgen.get_kernel(SPEC, validate_lists=True).prepare(rep, 96, 128)
+
+
+def test_prepare_names_bad_arguments(device):
+    attn = kernelgen.get_kernel(SPEC)
+    idx = given_lists(SPEC, 1, 2, 96, 128, 7, device)
+    with pytest.raises(ValueError, match="seq_k"):
+        attn.prepare(idx, 96, 0)
+    with pytest.raises(ValueError, match="seq_q"):
+        attn.prepare(idx, 96.0, 128)
+    with pytest.raises(TypeError, match="block_idx"):
+        attn.prepare(idx.tolist(), 96, 128)
+    with pytest.raises(ValueError, match="4-D"):
+        attn.prepare(idx[0], 96, 128)
+    with pytest.raises(TypeError, match="int32"):
+        attn.prepare(idx.to(torch.int16), 96, 128)
+    with pytest.raises(ValueError, match="shape"):  # 3 Q tiles for 96 queries, not 4
+        attn.prepare(torch.cat([idx, idx[:, :, :1]], 2), 96, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "gluon", "tilelang"])
+def test_gpu_prepared_lists_every_backend(backend, monkeypatch):
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=2, selector="given",
+                backend=backend)
+    q, k, v = make_inputs(1, 2, 2, 4096, 4096, 64, torch.bfloat16, "cuda", 59)
+    idx = given_lists(spec, 1, 2, 4096, 4096, 8, "cuda")
+    attn = kernelgen.get_kernel(spec)
+    raw_o, raw_lse = attn(q, k, v, block_idx=idx, return_lse=True)
+    lists = attn.prepare(idx, 4096, 4096)
+    _no_normalising(monkeypatch)
+    o, lse = attn(q, k, v, block_idx=lists, return_lse=True)
+    assert torch.equal(o, raw_o) and torch.equal(lse, raw_lse)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, torch.bfloat16)
