@@ -6,7 +6,7 @@
 #   source .device/with-site.sh && PART=tune-tilelang bash tools/gpu_session.sh  # tune the TileLang forward (grids)
 #   source .device/with-site.sh && PART=bench bash tools/gpu_session.sh   # benchmark with the anchors + overhead
 #   source .device/with-site.sh && PART=tune-gluon bash tools/gpu_session.sh     # tune the Gluon forward (grids)
-#   PART=tests (the GPU tests of every backend), PART=tests-tilelang (TileLang's only),
+#   PART=tests (every GPU test: each backend's, and the prepared-lists tests), PART=tests-tilelang (TileLang's only),
 #   PART=probe (tools/tilelang_probe.py [--variants ...])
 set -u
 OUT=${OUT:-/tmp/out}
@@ -15,11 +15,11 @@ mkdir -p "$OUT"
 export KERNELGEN_CACHE_DIR=/tmp/kg-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-# GPU tests of one file in $2 pytest processes sharing the GPU (TileLang's are nvcc-bound), tests dealt
-# round-robin; logs $OUT/gpu_tests_<name>_<shard>.log
+# GPU tests of tests/test_$1.py in $2 pytest processes sharing the GPU (TileLang's are nvcc-bound), tests
+# dealt round-robin; logs $OUT/gpu_tests_<name>_<shard>.log
 gpu_tests() {
   local ids
-  ids=$(python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only "tests/test_$1_fwd.py" | grep "::")
+  ids=$(python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only "tests/test_$1.py" | grep "::")
   for i in $(seq 0 $(($2 - 1))); do
     timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
       $(echo "$ids" | awk -v n=$2 -v i=$i 'NR % n == i') > "$OUT/gpu_tests_$1_$i.log" 2>&1 &
@@ -27,9 +27,10 @@ gpu_tests() {
 }
 if [ "$PART" = tests ] || [ "$PART" = tune ] || [ "$PART" = tests-tilelang ]; then
   echo "== GPU tests (TileLang in ${SHARDS:-4} shards)"
-  gpu_tests tilelang ${SHARDS:-4}
-  [ "$PART" = tests-tilelang ] || gpu_tests triton 1
-  [ "$PART" = tests-tilelang ] || gpu_tests gluon 2
+  gpu_tests tilelang_fwd ${SHARDS:-4}
+  [ "$PART" = tests-tilelang ] || gpu_tests triton_fwd 1
+  [ "$PART" = tests-tilelang ] || gpu_tests gluon_fwd 2
+  [ "$PART" = tests-tilelang ] || gpu_tests block_lists 1
   wait
   for f in "$OUT"/gpu_tests_*.log; do echo "-- $f"; grep -E "passed|failed|skipped|FAILED|rror" "$f" | tail -8; done
 fi
