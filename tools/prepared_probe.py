@@ -7,6 +7,8 @@ reads, so they are in L2, while prepared lists are read cold. Rows (do_bench med
   prepared     auto(q, k, v, block_idx=lists)
   prepared+touch   the same after a copy of the prepared lists into a scratch tensor (brings them into L2)
   touch        that copy alone
+  prepared+alloc   the same with an allocation of the lists' size alive during the call (a normalising
+                   call allocates its lists before the output: the output's address then differs)
 
     python3 tools/prepared_probe.py [--shapes a32k,b]
 """
@@ -39,8 +41,10 @@ def main():
         rows = {"given": lambda: auto(q, k, v, block_idx=idx),
                 "prepared": lambda: auto(q, k, v, block_idx=lists),
                 "prepared+touch": lambda: (touch(), auto(q, k, v, block_idx=lists)),
-                "touch": touch}
+                "touch": touch,
+                "prepared+alloc": lambda: (torch.empty_like(lists.block_idx), auto(q, k, v, block_idx=lists))}
         assert torch.equal(rows["given"](), rows["prepared"]())
+        rows = dict(rows, **{"given ": rows["given"], "prepared ": rows["prepared"]})  # again, after the others
         for label, fn in rows.items():
             print(f"{name:6s} {auto.backend(shape.n_k):8s} {label:16s} {_bench(fn):7.3f} ms (graph {_bench_graph(fn):7.3f})",
                   flush=True)
