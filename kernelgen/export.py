@@ -16,8 +16,8 @@ written twice:
               with `inspect`) and compile it per shape
   dispatch    class SparseAttention from kernelgen/dispatch.py verbatim
   launcher    SPEC, CONFIGS, `kernel` (a SparseAttention whose kernel modules are this file's kernels and
-              whose configs are baked in), attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)
-              and select(q, k)
+              whose configs are baked in), attn(q, k, v, *, block_idx=None, scale=None, return_lse=False),
+              select(q, k) and prepare(block_idx, seq_q, seq_k)
 
 All sections share one namespace (Triton's @jit resolves a kernel's globals in its module and reads its
 source from a real file); export refuses a file in which two sections bind one name differently, or in
@@ -56,7 +56,7 @@ _EMBEDDED = (("spec", _spec_module), ("config", _config_module), ("ops", _ops_mo
 _EMBEDDED_TILELANG = (("compile", _compile_module), ("tilelang_backend", _tilelang_module))
 _ALLOWED_ROOTS = frozenset(sys.stdlib_module_names) | {"torch", "triton"}
 _ROLES = ("select", "attn")  # the roles an exported module launches
-_PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "select")
+_PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "select", "prepare")
 
 
 class ExportError(RuntimeError):
@@ -72,7 +72,7 @@ def export_module(spec: Spec, out_path, *, configs: dict | None = None) -> Path:
               dtype, device) for r in ("attn", "select")}` (on the machine whose DB holds them).
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)`, `select(q, k)`,
-    `SPEC` (the spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind
+    `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `SPEC` (the spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind
     them; `kernel.validate_lists = True` makes repeated ids in given lists an error). Its inputs are checked
     exactly as get_kernel's are (the same code). Without a CUDA device it selects Triton's interpreter
     itself, as `import kernelgen` does. Import it like any module; with importlib, put it in sys.modules
@@ -345,6 +345,8 @@ _HEADER = '''\
     o = m.attn(q, k, v)                               # select blocks with the spec's selector, then attend
     o, lse = m.attn(q, k, v, block_idx=idx, return_lse=True)   # caller-given lists
     idx = m.select(q, k)                              # the lists the selector would use
+    lists = m.prepare(idx, seq_q, seq_k)              # lists for many calls, normalised once:
+    o = m.attn(q, k, v, block_idx=lists)              # these calls skip that launch
 
 q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = SPEC["gqa_group"] * Hkv; block_idx int32 (or int64)
 [B, Hkv, n_q_tiles, top_k], -1 for an empty slot. Semantics: kernelgen's docs/SEMANTICS.md.
@@ -403,6 +405,12 @@ def attn(q, k, v, *, block_idx=None, scale=None, return_lse=False):
 def select(q, k):
     """The block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) the selector chooses."""
     return kernel.select(q, k)
+
+
+def prepare(block_idx, seq_q, seq_k):
+    """block_idx checked and normalised once for calls with seq_q queries and seq_k keys: pass the result
+    as attn's block_idx (those calls skip the normalising launch)."""
+    return kernel.prepare(block_idx, seq_q, seq_k)
 
 
 __all__ = {public}

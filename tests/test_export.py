@@ -26,9 +26,10 @@ GIVEN = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, gqa_grou
 
 # The same calls run on get_kernel(spec) here and on the exported module in the child (one source).
 CALLS = '''
-def run_calls(attn, select, x):
+def run_calls(attn, select, prepare, x):
     """Outputs by name, and (exception type, message) or None for each bad call."""
     q, k, v, idx = x["q"], x["k"], x["v"], x.get("idx")
+    n_q, n_k = q.shape[2], k.shape[2]
     out = {}
     if idx is None:
         out["idx"] = select(q, k)
@@ -36,6 +37,7 @@ def run_calls(attn, select, x):
     else:
         out["o"], out["lse"] = attn(q, k, v, block_idx=idx, return_lse=True)  # int64: converted exactly
         out["o_int32_scaled"] = attn(q, k, v, block_idx=idx.clamp(-1, 2**31 - 1).int(), scale=0.3)
+        out["o_prepared"], out["lse_prepared"] = attn(q, k, v, block_idx=prepare(idx, n_q, n_k), return_lse=True)
     bad = {
         "q.dtype": lambda: attn(q.double(), k, v, block_idx=idx),
         "v.dtype": lambda: attn(q, k, v.int(), block_idx=idx),
@@ -50,6 +52,7 @@ def run_calls(attn, select, x):
         bad["block_idx.dtype"] = lambda: attn(q, k, v, block_idx=idx.short())
         bad["block_idx.shape"] = lambda: attn(q, k, v, block_idx=idx[..., :1])
         bad["no block_idx"] = lambda: attn(q, k, v)
+        bad["prepared for other keys"] = lambda: attn(q, k, v, block_idx=prepare(idx, n_q, 2 * n_k))
     errors = {}
     for name, call in bad.items():
         try:
@@ -99,7 +102,7 @@ CHILD = CALLS + BLOCKING + textwrap.dedent('''
         module = load(x["path"])
         assert module.CONFIGS == x["configs"], (module.CONFIGS, x["configs"])
         assert module.SPEC == x["spec"], (module.SPEC, x["spec"])
-        results[name] = run_calls(module.attn, module.select, x)
+        results[name] = run_calls(module.attn, module.select, module.prepare, x)
     leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
     assert not leaked, leaked
     torch.save(results, sys.argv[2])
@@ -158,7 +161,7 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
 
     for name, spec, configs in (("mean", MEAN, MEAN_CONFIGS), ("given", GIVEN, None)):
         attn = kernelgen.get_kernel(spec, configs=configs)
-        expect_out, expect_errors = run_calls(attn, attn.select, cases[name])
+        expect_out, expect_errors = run_calls(attn, attn.select, attn.prepare, cases[name])
         out, errors = exported[name]
         assert out.keys() == expect_out.keys()
         for key, want in expect_out.items():
@@ -169,6 +172,8 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
             else:
                 assert not torch.isnan(got).any(), (name, key)
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{name} {key}")
+        if "o_prepared" in out:  # prepared lists give exactly what the raw lists give
+            assert torch.equal(out["o_prepared"], out["o"]) and torch.equal(out["lse_prepared"], out["lse"])
         assert errors == expect_errors
         for call, error in errors.items():
             assert error is not None, f"{name}: {call} raised nothing"
