@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .spec import GLUON_BLOCK_MS, Spec, gluon_unsupported
 
 __all__ = ["seq_bucket", "AttnConfig", "SelectConfig", "TileLangAttnConfig", "GluonAttnConfig", "ROLES",
-           "default_config", "config_space", "config_from_dict", "check_config", "feasible", "attn_backend_of", "next_pow2"]
+           "default_config", "config_space", "config_from_dict", "check_config", "feasible", "infeasible", "attn_backend_of", "next_pow2"]
 
 ROLES = ("attn", "select")
 
@@ -135,28 +135,61 @@ def attn_smem_bytes(spec: Spec, cfg: AttnConfig, elem_bytes: int = 2) -> int:
     return (cfg.num_stages * 2 * spec.kv_block * cfg.kv_per_iter + cfg.block_m) * spec.head_dim * elem_bytes
 
 
-def attn_feasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90) -> bool:
-    """block_m must cover whole heads of one tile (block_m > q_tile) or split a tile evenly; the
-    pipeline's buffers must fit in shared memory."""
-    ok = cfg.block_m >= 16 and spec.packs_rows(cfg.block_m)
-    # one step is at most 128 keys, and tensor descriptors load one block per step
-    block_n = spec.kv_block * cfg.kv_per_iter
-    ok = ok and cfg.kv_per_iter in (1, 2) and block_n <= 128 and not (cfg.use_tma and cfg.kv_per_iter > 1)
+def attn_infeasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90) -> str | None:
+    """Why the Triton forward cannot run `cfg` for `spec`, or None. block_m must cover whole heads of one
+    tile (block_m > q_tile) or split a tile evenly; the pipeline's buffers must fit in shared memory."""
+    if cfg.block_m < 16 or not spec.packs_rows(cfg.block_m):
+        return (f"block_m={cfg.block_m} must be >= 16 and either split a Q tile evenly (q_tile={spec.q_tile}) or "
+                f"hold whole tiles of a number of heads that divides gqa_group={spec.gqa_group}")
+    if cfg.kv_per_iter not in (1, 2):
+        return f"kv_per_iter={cfg.kv_per_iter}; expected 1 or 2"
+    block_n = spec.kv_block * cfg.kv_per_iter  # one step is at most 128 keys
+    if block_n > 128:
+        return f"kv_block * kv_per_iter = {block_n} keys per step; at most 128"
+    if cfg.use_tma and cfg.kv_per_iter > 1:
+        return "use_tma loads one block per step: kv_per_iter must be 1"
     # registers: the fp32 accumulator and scores of one program (Triton spills badly past this)
     regs = cfg.block_m * (spec.head_dim + block_n) // (32 * cfg.num_warps)
-    return ok and regs <= 192 and attn_smem_bytes(spec, cfg) <= smem_limit
+    if regs > 192:
+        return (f"block_m * (head_dim + keys per step) / (32 * num_warps) = {regs} fp32 registers per thread for "
+                "the scores and the accumulator; at most 192 (Triton spills past it): more warps or fewer rows")
+    smem = attn_smem_bytes(spec, cfg)
+    if smem > smem_limit:
+        return f"{smem} B of shared memory (num_stages K and V blocks and the Q tile); at most {smem_limit}"
+    return None
+
+
+def attn_feasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90) -> bool:
+    return attn_infeasible(spec, cfg, smem_limit) is None
+
+
+def tilelang_attn_infeasible(spec: Spec, cfg: TileLangAttnConfig) -> str | None:
+    """Why the TileLang forward cannot run `cfg` for `spec`, or None. The row packing rule of Triton's;
+    256 threads need 128 rows (two 64-row warpgroups). Three stages at head_dim 64 are left out: on the
+    H200 that kernel never finished (a32k tune, 2026-11-30). 128 threads: one stage, as that forward is
+    built without warp specialisation (tilelang_backend.attn_pass_configs) and TileLang 0.1.15 generates
+    no code for it with more."""
+    if cfg.block_m not in (64, 128) or cfg.threads not in (128, 256):
+        return f"block_m={cfg.block_m}, threads={cfg.threads}; expected block_m 64 or 128 and threads 128 or 256"
+    packing = attn_infeasible(spec, AttnConfig(block_m=cfg.block_m, num_warps=cfg.threads // 32, num_stages=1))
+    if packing:
+        return packing
+    if cfg.threads == 256 and cfg.block_m != 128:
+        return "threads=256 (two consumer warpgroups of 64 rows) needs block_m=128"
+    if cfg.num_stages not in (1, 2, 3):
+        return f"num_stages={cfg.num_stages}; expected 1, 2 or 3"
+    if cfg.threads == 128 and cfg.num_stages != 1:
+        return ("threads=128 allows num_stages=1 only: that forward is built without warp specialisation (it hung "
+                "with it on the H200), and TileLang 0.1.15 generates no code for that pipeline with more stages")
+    if not isinstance(cfg.overlap, bool):
+        return f"overlap={cfg.overlap!r}; expected a bool"
+    if spec.head_dim == 64 and cfg.num_stages == 3:
+        return "num_stages=3 at head_dim=64 is left out: on the H200 that kernel never finished"
+    return None
 
 
 def tilelang_attn_feasible(spec: Spec, cfg: TileLangAttnConfig) -> bool:
-    """Same row packing rule as Triton; 256 threads need 128 rows (two 64-row warpgroups). Three stages
-    at head_dim 64 are left out: on the H200 that kernel never finished (a32k tune, 2026-11-30). 128
-    threads: one stage, as that forward is built without warp specialisation
-    (tilelang_backend.attn_pass_configs) and TileLang 0.1.15 generates no code for it with more."""
-    packing = attn_feasible(spec, AttnConfig(block_m=cfg.block_m, num_warps=cfg.threads // 32, num_stages=1))
-    return (packing and cfg.block_m in (64, 128) and cfg.threads in (128, 256)
-            and (cfg.threads == 128 or cfg.block_m == 128) and cfg.num_stages in (1, 2, 3)
-            and (cfg.threads == 256 or cfg.num_stages == 1)
-            and isinstance(cfg.overlap, bool) and not (spec.head_dim == 64 and cfg.num_stages == 3))
+    return tilelang_attn_infeasible(spec, cfg) is None
 
 
 # Shared memory left beside the Gluon forward's K/V rings for its mbarriers (8 B per ring slot, aligned)
@@ -169,23 +202,44 @@ def gluon_attn_smem_bytes(spec: Spec, cfg: GluonAttnConfig, elem_bytes: int = 2)
     return 2 * cfg.num_stages * spec.kv_block * spec.head_dim * elem_bytes
 
 
+def gluon_attn_infeasible(spec: Spec, cfg: GluonAttnConfig) -> str | None:
+    """Why the Gluon forward cannot run `cfg` for `spec`, or None: a spec the kernel computes
+    (`kernelgen.spec.gluon_unsupported`), the row packing rule of Triton's forward with 64 or 128 rows
+    (16 per warp, whole warpgroups), 2 to 4 stages, and rings that fit in shared memory."""
+    unsupported = gluon_unsupported(spec)
+    if unsupported:
+        return unsupported
+    if cfg.block_m not in GLUON_BLOCK_MS or not spec.packs_rows(cfg.block_m):
+        return (f"block_m={cfg.block_m}; expected one of {GLUON_BLOCK_MS} that splits a Q tile evenly "
+                f"(q_tile={spec.q_tile}) or holds whole tiles of a number of heads dividing gqa_group={spec.gqa_group}")
+    if cfg.num_stages not in (2, 3, 4):
+        return f"num_stages={cfg.num_stages}; expected 2, 3 or 4"
+    smem, limit = gluon_attn_smem_bytes(spec, cfg), SMEM_LIMIT_SM90 - GLUON_BARRIER_BYTES
+    if smem > limit:
+        return f"a ring of {cfg.num_stages} K and V blocks is {smem} B of shared memory; at most {limit}"
+    return None
+
+
 def gluon_attn_feasible(spec: Spec, cfg: GluonAttnConfig) -> bool:
-    """A spec the kernel computes (`kernelgen.spec.gluon_unsupported`), the row packing rule of Triton's forward
-    with 64 or 128 rows (16 per warp, whole warpgroups), 2 to 4 stages, and rings that fit in shared memory."""
-    return (gluon_unsupported(spec) is None and cfg.block_m in GLUON_BLOCK_MS and spec.packs_rows(cfg.block_m)
-            and cfg.num_stages in (2, 3, 4)
-            and gluon_attn_smem_bytes(spec, cfg) <= SMEM_LIMIT_SM90 - GLUON_BARRIER_BYTES)
+    return gluon_attn_infeasible(spec, cfg) is None
 
 
-_ATTN_FEASIBLE = {"triton": attn_feasible, "tilelang": tilelang_attn_feasible, "gluon": gluon_attn_feasible}
+_ATTN_INFEASIBLE = {"triton": attn_infeasible, "tilelang": tilelang_attn_infeasible, "gluon": gluon_attn_infeasible}
+
+
+def infeasible(spec: Spec, role: str, cfg) -> str | None:
+    """Why `cfg` is no config of `role` that some backend of `spec` runs within its kernel's range, or None."""
+    if role == "select":
+        return select_infeasible(spec, cfg) if type(cfg) is SelectConfig else f"{type(cfg).__name__} is no SelectConfig"
+    backend = {t: b for (b, r), t in _CONFIG_TYPES.items() if r == role}.get(type(cfg))
+    if backend is None:
+        return f"{type(cfg).__name__} is no config of role {role!r}"
+    return _ATTN_INFEASIBLE[backend](spec, cfg)
 
 
 def feasible(spec: Spec, role: str, cfg) -> bool:
     """A config of a known role and of a type some backend of `spec` runs, within that kernel's range."""
-    if role == "select":
-        return type(cfg) is SelectConfig and select_feasible(spec, cfg)
-    backend = {t: b for (b, r), t in _CONFIG_TYPES.items() if r == role}.get(type(cfg))
-    return backend is not None and _ATTN_FEASIBLE[backend](spec, cfg)
+    return infeasible(spec, role, cfg) is None
 
 
 def check_config(spec: Spec, role: str, cfg) -> None:
@@ -199,18 +253,31 @@ def check_config(spec: Spec, role: str, cfg) -> None:
     if type(cfg) not in types:
         raise TypeError(f"configs[{role!r}] must be a {' or '.join(t.__name__ for t in types)} for "
                         f"backend={spec.backend!r}, got {type(cfg).__name__}")
-    if not feasible(spec, role, cfg):
-        raise ValueError(f"configs[{role!r}] = {cfg} is not feasible for {spec} (see kernelgen.config.config_space)")
+    reason = infeasible(spec, role, cfg)
+    if reason:
+        raise ValueError(f"configs[{role!r}] = {cfg} is not feasible for {spec}: {reason} "
+                         "(kernelgen.config.config_space lists the feasible points)")
 
 
-def select_feasible(spec: Spec, cfg: SelectConfig) -> bool:
+def select_infeasible(spec: Spec, cfg: SelectConfig) -> str | None:
+    """Why the selector cannot run `cfg` for `spec`, or None."""
     gr_pad = next_pow2(spec.gqa_group * spec.groups)
     rows = cfg.tiles * gr_pad
     cols = cfg.chunk * spec.groups
     # tl.dot needs >= 16 rows and columns; keep the score tile within registers
+    if rows < 16 or cols < 16 or rows * cols > 64 * 256 or rows > 256:
+        return (f"a score tile of tiles * next_pow2(gqa_group * groups) = {rows} rows and chunk * groups = {cols} "
+                "columns; expected 16 to 256 rows, at least 16 columns and at most 16384 scores")
     # tl.topk of a chunk needs at least next_pow2(top_k) columns
-    return (rows >= 16 and cols >= 16 and rows * cols <= 64 * 256 and rows <= 256
-            and cfg.chunk >= next_pow2(spec.top_k) and cfg.splits in (1, 2, 4, 8))
+    if cfg.chunk < next_pow2(spec.top_k):
+        return f"chunk={cfg.chunk} blocks is fewer than next_pow2(top_k) = {next_pow2(spec.top_k)}"
+    if cfg.splits not in (1, 2, 4, 8):
+        return f"splits={cfg.splits}; expected 1, 2, 4 or 8"
+    return None
+
+
+def select_feasible(spec: Spec, cfg: SelectConfig) -> bool:
+    return select_infeasible(spec, cfg) is None
 
 
 def default_config(spec: Spec, role: str):

@@ -133,3 +133,33 @@ def test_gluon_pinned_config_types():
         attn_backend_of(SelectConfig())
     assert config_from_dict("attn", {"block_m": 64, "num_stages": 3}, "gluon") == GluonAttnConfig(64, 3)
     assert GluonAttnConfig(64, 3).to_json() == '{"block_m": 64, "num_stages": 3}'
+
+
+@pytest.mark.parametrize("backend, role, cfg, why", [
+    ("tilelang", "attn", "TileLangAttnConfig(64, 2, 128, False)", "threads=128 allows num_stages=1 only"),
+    ("tilelang", "attn", "TileLangAttnConfig(64, 2, 256, True)", "needs block_m=128"),
+    ("tilelang", "attn", "TileLangAttnConfig(128, 3, 256, True)", "num_stages=3 at head_dim=64"),
+    ("triton", "attn", "AttnConfig(block_m=128, num_warps=2)", r"256 fp32 registers per thread"),
+    ("triton", "attn", "AttnConfig(block_m=48)", "block_m=48 must be >= 16 and either split a Q tile"),
+    ("triton", "attn", "AttnConfig(use_tma=True, kv_per_iter=2, block_m=64)", "use_tma loads one block per step"),
+    ("triton", "attn", "AttnConfig(block_m=64, num_stages=40)", "B of shared memory"),
+    ("gluon", "attn", "GluonAttnConfig(64, 5)", "num_stages=5; expected 2, 3 or 4"),
+    ("triton", "select", "SelectConfig(chunk=8)", "chunk \\* groups = 8 columns; expected 16 to 256 rows, at least 16"),
+    ("triton", "select", "SelectConfig(splits=3)", "splits=3"),
+])
+def test_an_infeasible_pinned_config_says_why(backend, role, cfg, why):
+    from kernelgen.config import (AttnConfig, GluonAttnConfig, SelectConfig, TileLangAttnConfig,  # noqa: F401
+                                  check_config, infeasible)
+
+    spec = Spec(head_dim=64, kv_block=64, q_tile=128, top_k=16, backend=backend)
+    cfg = eval(cfg)
+    assert infeasible(spec, role, cfg)
+    with pytest.raises(ValueError, match=rf"configs\['{role}'\] = .* is not feasible for .*{why}"):
+        check_config(spec, role, cfg)
+
+
+def test_a_selector_chunk_narrower_than_top_k_says_why():
+    from kernelgen.config import SelectConfig, infeasible
+
+    assert "chunk=16 blocks is fewer than next_pow2(top_k) = 32" in infeasible(
+        Spec(head_dim=64, kv_block=64, q_tile=64, top_k=32), "select", SelectConfig(tiles=16, chunk=16))
