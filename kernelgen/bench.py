@@ -41,6 +41,12 @@ class BenchShape:
     top_k: int
     causal: bool
 
+    def inputs(self, device="cuda", dtype=torch.bfloat16, seed=0):
+        """q, k, v of this shape: randn from one generator seeded `seed` on `device`, in that order."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return [torch.randn(self.batch, h, n, self.head_dim, device=device, dtype=dtype, generator=gen)
+                for h, n in ((self.heads_q, self.n_q), (self.heads_kv, self.n_k), (self.heads_kv, self.n_k))]
+
     def spec(self, selector="mean"):
         from .spec import Spec
 
@@ -211,10 +217,7 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=(), graph: bool 
         shape = SHAPES[name]
         spec = shape.spec("mean")
         given = shape.spec("given")
-        gen = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(shape.batch, shape.heads_q, shape.n_q, shape.head_dim, device=device, dtype=dtype, generator=gen)
-        k = torch.randn(shape.batch, shape.heads_kv, shape.n_k, shape.head_dim, device=device, dtype=dtype, generator=gen)
-        v = torch.randn(shape.batch, shape.heads_kv, shape.n_k, shape.head_dim, device=device, dtype=dtype, generator=gen)
+        q, k, v = shape.inputs(device, dtype)
         attn = kernelgen.get_kernel(spec)
         attn_given = kernelgen.get_kernel(given)
         idx = attn.select(q, k)

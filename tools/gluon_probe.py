@@ -146,10 +146,7 @@ def timing(name, shape, configs, baselines=(), baseline_maxnreg=None, per_sm=(No
     def bench(fn):  # do_bench's median, and the same call replayed from a CUDA graph (GPU time, no host)
         graph = _bench_graph(fn)
         return _bench(fn), float("nan") if graph is None else graph
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    mk = lambda h, n: torch.randn(shape.batch, h, n, shape.head_dim, device=DEVICE, dtype=DTYPE,  # noqa: E731
-                                  generator=gen)
-    q, k, v = mk(shape.heads_q, shape.n_q), mk(shape.heads_kv, shape.n_k), mk(shape.heads_kv, shape.n_k)
+    q, k, v = shape.inputs(DEVICE, DTYPE)
     spec = shape.spec("mean")
     dense = shape.top_k * shape.kv_block >= shape.n_k
     if dense:  # every block in every list

@@ -30,10 +30,7 @@ def per_call_us(fn, number=200):
 
 def measure(shape_name, backend):
     shape = SHAPES[shape_name]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda h, n: torch.randn(shape.batch, h, n, shape.head_dim, device="cuda", dtype=torch.bfloat16,  # noqa: E731
-                                  generator=gen)
-    q, k, v = mk(shape.heads_q, shape.n_q), mk(shape.heads_kv, shape.n_k), mk(shape.heads_kv, shape.n_k)
+    q, k, v = shape.inputs("cuda", torch.bfloat16)
     idx = kernelgen.get_kernel(shape.spec("mean")).select(q, k)
     attn = kernelgen.get_kernel(shape.spec("given").replace(backend=backend))
     fn = lambda: attn(q, k, v, block_idx=idx)  # noqa: E731

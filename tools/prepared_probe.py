@@ -29,10 +29,7 @@ def main():
     args = p.parse_args()
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        mk = lambda h, n: torch.randn(shape.batch, h, n, shape.head_dim, device="cuda", dtype=torch.bfloat16,  # noqa: E731
-                                      generator=gen)
-        q, k, v = mk(shape.heads_q, shape.n_q), mk(shape.heads_kv, shape.n_k), mk(shape.heads_kv, shape.n_k)
+        q, k, v = shape.inputs("cuda", torch.bfloat16)
         idx = kernelgen.get_kernel(shape.spec("mean")).select(q, k)
         auto = kernelgen.get_kernel(shape.spec("given").replace(backend="auto"))
         lists = auto.prepare(idx, shape.n_q, shape.n_k)

@@ -30,10 +30,7 @@ def main():
     p.add_argument("--iters", type=int, default=4)
     a = p.parse_args()
     shape = SHAPES[a.shape]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda h, n: torch.randn(shape.batch, h, n, shape.head_dim, device="cuda", dtype=torch.bfloat16,  # noqa: E731
-                                  generator=gen)
-    q, k, v = mk(shape.heads_q, shape.n_q), mk(shape.heads_kv, shape.n_k), mk(shape.heads_kv, shape.n_k)
+    q, k, v = shape.inputs("cuda", torch.bfloat16)
     idx = kernelgen.get_kernel(shape.spec("mean")).select(q, k)
     spec = shape.spec("given").replace(backend=a.backend)
     configs = {"attn": config_from_dict("attn", json.loads(a.config), a.backend)} if a.config else None

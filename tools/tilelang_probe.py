@@ -143,10 +143,7 @@ def main():
     for name in names:
         shape = CASES[name]
         spec = spec_of(shape)
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        mk = lambda h, n: torch.randn(shape.batch, h, n, shape.head_dim, device="cuda", dtype=torch.bfloat16,  # noqa: E731
-                                      generator=gen)
-        q, k, v = mk(shape.heads_q, shape.n_q), mk(shape.heads_kv, shape.n_k), mk(shape.heads_kv, shape.n_k)
+        q, k, v = shape.inputs("cuda", torch.bfloat16, seed=1)
         idx = lists(shape, spec, "cuda")
         dense = idx.shape[-1] >= -(-shape.n_k // shape.kv_block)
         flops = useful_flops(idx, spec, shape.n_q, shape.n_k)
