@@ -122,7 +122,7 @@ class SparseAttention:
         shapes = ops.Shapes(b, hkv * spec.gqa_group, hkv, seq_q, seq_k, spec.n_q_tiles(seq_q), spec.n_kv_blocks(seq_k))
         select_mod = self.module("select", self._config("select", seq_bucket(seq_k), torch.bfloat16, block_idx.device))
         normalised = ops.prepare_block_idx(block_idx, spec, shapes, block_idx.device, select_mod, self.validate_lists)
-        return ops.BlockLists(normalised, spec.kv_block, spec.top_k, shapes.n_kv_blocks)
+        return ops.BlockLists._made_by_prepare(normalised, spec.kv_block, spec.top_k, shapes.n_kv_blocks)
 
     @functools.lru_cache(maxsize=256)
     def _kernels(self, bucket: int, dtype, device):

@@ -41,18 +41,35 @@ class Shapes(NamedTuple):
     n_kv_blocks: int
 
 
-class BlockLists(NamedTuple):
+class BlockLists:
     """Lists already in the kernels' form, made once by `SparseAttention.prepare` and passed as `block_idx`
     to every call that attends over them (the layers of a model, repeated steps), as FlexAttention's
     BlockMask is built once and FlashInfer plans once: such a call skips the normalising launch.
 
     block_idx    int32 [B, Hkv, n_q_tiles, top_k], valid ids ascending then -1: a copy, never the
                  caller's tensor (writing into it afterwards is outside the contract)
-    kv_block, top_k, n_kv_blocks   what it was made for; a call with other values is a ValueError"""
-    block_idx: torch.Tensor
-    kv_block: int
-    top_k: int
-    n_kv_blocks: int
+    kv_block, top_k, n_kv_blocks   what it was made for; a call with other values is a ValueError
+
+    Only `prepare` makes them (the kernels trust their order: a hand-made one could name a block the
+    kernels would read out of bounds), so the constructor refuses."""
+    __slots__ = ("block_idx", "kv_block", "top_k", "n_kv_blocks")
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("BlockLists are made by SparseAttention.prepare(block_idx, seq_q, seq_k), not by hand")
+
+    @classmethod
+    def _made_by_prepare(cls, block_idx: torch.Tensor, kv_block: int, top_k: int, n_kv_blocks: int) -> BlockLists:
+        lists = object.__new__(cls)
+        for name, value in zip(cls.__slots__, (block_idx, kv_block, top_k, n_kv_blocks)):
+            object.__setattr__(lists, name, value)
+        return lists
+
+    def __setattr__(self, name, value):
+        raise AttributeError("BlockLists are read-only")
+
+    def __repr__(self) -> str:
+        return (f"BlockLists(shape={tuple(self.block_idx.shape)}, kv_block={self.kv_block}, top_k={self.top_k}, "
+                f"n_kv_blocks={self.n_kv_blocks}, device={self.block_idx.device})")
 
 
 def interpreting() -> bool:

@@ -99,3 +99,14 @@ def test_gpu_prepared_lists_every_backend(backend, monkeypatch):
     assert torch.equal(o, raw_o) and torch.equal(lse, raw_lse)
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
     assert_close_to_reference(o, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+def test_block_lists_are_made_by_prepare_only(device):
+    attn = kernelgen.get_kernel(SPEC)
+    idx = given_lists(SPEC, 1, 2, 96, 128, 7, device)
+    with pytest.raises(TypeError, match="prepare"):
+        BlockLists(idx, 32, 4, 4)  # unnormalised lists the kernels would trust
+    lists = attn.prepare(idx, 96, 128)
+    with pytest.raises(AttributeError, match="read-only"):
+        lists.block_idx = idx
+    assert "kv_block=32" in repr(lists) and lists.n_kv_blocks == 4 and lists.top_k == 4
