@@ -18,6 +18,11 @@ poly2     column group of 8 in every 4 (poly1) or 2 in 4 (poly2) take a degree-3
           then hold it, shifted into the exponent by an integer add. P's max relative error 7.5e-5.
           The column group (j // 8) of a wgmma accumulator element is fixed per register, so the choice
           costs nothing at run time. Masked steps keep ex2 (x = -inf there must give 0).
+          Rejected (docs/PERF.md, session 9, calls 1 and 2): slower in every config.
+lazy      FlashAttention-4's conditional rescaling: a row keeps its running max until a block's max
+          exceeds it by more than 8 (log2 units; P then stays <= 256, exact in fp32 and as exact in
+          bf16), so alpha is exactly 1 for most steps; a thread skips the O rescale (head_dim * rows /
+          threads multiplies) when both its rows have alpha 1.
 """
 
 PINGPONG = {
@@ -85,10 +90,30 @@ def _poly(lanes: int) -> dict:
     return patches
 
 
-VARIANTS = {"pingpong": PINGPONG, "precise": {}, "static": STATIC, "poly1": _poly(1), "poly2": _poly(2)}
+def _lazy() -> dict:
+    rescale = "acc_o[i, d] *= scores_scale[i]"
+    patches = {
+        '            n_visit = T.alloc_var("int32")\n':
+            '            n_visit = T.alloc_var("int32")\n            rescale = T.alloc_var("int32")\n',
+        "scores_shift[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i] * scale_log2)":
+            "scores_max[i] = T.if_then_else(scores_max[i] * scale_log2 > scores_max_prev[i] * scale_log2 + 8.0, "
+            "scores_max[i], scores_max_prev[i]); "
+            "scores_shift[i] = T.if_then_else(scores_max[i] == neg_inf, 0, scores_max[i] * scale_log2)",
+    }
+    for indent in (20, 24):  # the rescale in the plain and in the overlapped loop
+        pad = " " * indent
+        patches[f"{pad}for i, d in T.Parallel(block_M, head_dim):\n{pad}    {rescale}\n"] = (
+            f"{pad}rescale = 0\n{pad}for i in T.Parallel(block_M):\n{pad}    if scores_scale[i] != 1.0:\n"
+            f"{pad}        rescale = 1\n{pad}if rescale != 0:\n"
+            f"{pad}    for i, d in T.Parallel(block_M, head_dim):\n{pad}        {rescale}\n")
+    return patches
+
+
+VARIANTS = {"pingpong": PINGPONG, "precise": {}, "static": STATIC, "poly1": _poly(1), "poly2": _poly(2),
+            "lazy": _lazy()}
 # variants timed on the product's own configs (the others: their VARIANT_CONFIGS, else the overlapped
 # two-warpgroup configs)
-ON_PRODUCT_CONFIGS = {"poly1", "poly2"}
+ON_PRODUCT_CONFIGS = {"poly1", "poly2", "lazy"}
 # compile options of a variant (keyword arguments of tilelang_backend.compile_kernel)
 COMPILE_OPTIONS = {"precise": {"pass_configs": {"tl.enable_fast_math": False}},
                    "static": {"pass_configs": {"tl.enable_fast_math": True, "tl.disable_warp_specialized": True}}}
