@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from .spec import GLUON_BLOCK_MS, Spec, gluon_unsupported
 
 __all__ = ["seq_bucket", "AttnConfig", "SelectConfig", "TileLangAttnConfig", "GluonAttnConfig", "ROLES",
-           "default_config", "config_space", "config_from_dict", "check_config", "feasible", "infeasible", "attn_backend_of", "next_pow2"]
+           "default_config", "config_space", "config_from_dict", "check_config", "feasible", "infeasible",
+           "attn_backend_of", "next_pow2"]
 
 ROLES = ("attn", "select")
 

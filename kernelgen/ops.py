@@ -13,8 +13,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .config import AttnConfig, GluonAttnConfig, SelectConfig, next_pow2
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "interpreting", "check_qkv", "prepare_block_idx", "check_block_lists", "select", "attention", "attention_tilelang",
-           "attention_gluon", "check_gluon_device", "softmax_scale", "LOG2E"]
+__all__ = ["Shapes", "BlockLists", "interpreting", "check_qkv", "prepare_block_idx", "check_block_lists", "select",
+           "attention", "attention_tilelang", "attention_gluon", "check_gluon_device", "softmax_scale", "LOG2E"]
 
 LOG2E = 1.4426950408889634
 # Tests set KERNELGEN_POISON=1: outputs start as NaN (lists as INT32_MIN) so unwritten elements fail.
