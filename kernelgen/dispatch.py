@@ -120,6 +120,7 @@ class SparseAttention:
         b, hkv = block_idx.shape[:2]
         spec = self.spec
         shapes = ops.Shapes(b, hkv * spec.gqa_group, hkv, seq_q, seq_k, spec.n_q_tiles(seq_q), spec.n_kv_blocks(seq_k))
+        # the normaliser lives in the selector's module, whose config (any dtype's) does not change it
         select_mod = self.module("select", self._config("select", seq_bucket(seq_k), torch.bfloat16, block_idx.device))
         normalised = ops.prepare_block_idx(block_idx, spec, shapes, block_idx.device, select_mod, self.validate_lists)
         return ops.BlockLists._made_by_prepare(normalised, spec.kv_block, spec.top_k, shapes.n_kv_blocks)

@@ -72,7 +72,8 @@ def export_module(spec: Spec, out_path, *, configs: dict | None = None) -> Path:
               dtype, device) for r in ("attn", "select")}` (on the machine whose DB holds them).
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)`, `select(q, k)`,
-    `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `SPEC` (the spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind
+    `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `SPEC` (the
+    spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind
     them; `kernel.validate_lists = True` makes repeated ids in given lists an error). Its inputs are checked
     exactly as get_kernel's are (the same code). Without a CUDA device it selects Triton's interpreter
     itself, as `import kernelgen` does. Import it like any module; with importlib, put it in sys.modules

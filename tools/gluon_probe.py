@@ -12,6 +12,7 @@ has its output's rel. L2 difference from the served kernel's. A candidate named 
 with a grid of N programs per SM and n_work. Session 7's rejected candidates (a persistent forward and
 a warp-specialised one, docs/PERF.md) are tools/candidates/ in commit d06b112; session 8's ping-pong
 candidate and its control (two items per program, launched with grid[0] halved) are in commit 125c80e.
+Session 9's polynomial-exp2 candidates (tools/candidates/gluon_attn_fwd_poly*.py.j2) are in commit 427b46b.
 Every timing is do_bench's median (`ms`) and a CUDA-graph replay's (`graph_ms`: GPU time, no host).
 """
 import argparse

@@ -22,7 +22,9 @@ poly2     column group of 8 in every 4 (poly1) or 2 in 4 (poly2) take a degree-3
 lazy      FlashAttention-4's conditional rescaling: a row keeps its running max until a block's max
           exceeds it by more than 8 (log2 units; P then stays <= 256, exact in fp32 and as exact in
           bf16), so alpha is exactly 1 for most steps; a thread skips the O rescale (head_dim * rows /
-          threads multiplies) when both its rows have alpha 1.
+          threads multiplies) when both its rows have alpha 1. Rejected (docs/PERF.md, session 9, call 7):
+          within 1% of the product best against best; TileLang 0.1.15 does not compile it in the
+          one-warpgroup cp.async loop.
 """
 
 PINGPONG = {
