@@ -103,9 +103,10 @@ class _Launch:
 
     def __init__(self, kernel, maxnreg=None, per_sm=None, programs=None, pairs=False):
         self.kernel, self.maxnreg, self.per_sm, self.programs, self.pairs = kernel, maxnreg, per_sm, programs, pairs
+        self.kwargs = {}  # more launch arguments (a prefetch candidate's K and V, set per call)
 
     def __getitem__(self, grid):
-        extra = {"maxnreg": self.maxnreg} if self.maxnreg else {}
+        extra = dict(self.kwargs, **({"maxnreg": self.maxnreg} if self.maxnreg else {}))
         if self.pairs:  # two work items per program (one per warpgroup)
             grid = (triton.cdiv(grid[0], 2), *grid[1:])
         if self.per_sm or self.programs:
@@ -128,19 +129,22 @@ def baseline_kernel(path, spec, block_m, stages, maxnreg=None, per_sm=None, prog
     source = env.get_template(os.path.basename(path)).render(**context(gspec))
     mod = load_module(module_name(gspec, "attn", source), source)
     pairs = any(word in os.path.basename(path) for word in ("pingpong", "pairs"))
-    if maxnreg or per_sm or programs or pairs:
+    prefetch = "prefetch" in os.path.basename(path)  # takes K and V as raw pointers too
+    if maxnreg or per_sm or programs or pairs or prefetch:
         mod = types.SimpleNamespace(attn_fwd=_Launch(mod.attn_fwd, maxnreg, per_sm, programs, pairs))
     cfg = GluonAttnConfig(block_m=block_m, num_stages=stages)
     attn = gluon(spec, block_m, stages)  # its normaliser and input checks
 
     def run(q, k, v, idx):
+        if prefetch:
+            mod.attn_fwd.kwargs = dict(K=k, V=v, PF_EVICT_LAST="last" in os.path.basename(path))
         shapes = ops.check_qkv(q, k, v, gspec)
         norm = ops.prepare_block_idx(idx, gspec, shapes, q.device, attn.module("select", attn.config("select", 1, shapes.n_k)))
         return ops.attention_gluon(q, k, v, norm, gspec, shapes, mod, cfg, None)
     return run
 
 
-def timing(name, shape, configs, baselines=(), baseline_maxnreg=None, per_sm=(None, )):
+def timing(name, shape, configs, baselines=(), baseline_maxnreg=None, per_sm=(None, ), hot=False):
     from torch.nn.attention.flex_attention import flex_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -177,6 +181,9 @@ def timing(name, shape, configs, baselines=(), baseline_maxnreg=None, per_sm=(No
             diff = ((o.float() - served.float()).norm() / served.float().norm()).item()
             row(f"gluon m{block_m} s{stages}", bench(lambda: attn(q, k, v, block_idx=idx)),
                 rel_diff_vs_served=f"{diff:.1e}")
+            if hot:  # every list the first top_k blocks: K and V in L2 after the first touch (an upper bound)
+                idx_hot = torch.arange(shape.top_k, device=DEVICE, dtype=torch.int32).expand_as(idx).contiguous()
+                row(f"gluon m{block_m} s{stages} hot lists", bench(lambda: attn(q, k, v, block_idx=idx_hot)))
         except Exception as error:  # noqa: BLE001 (a config that fails is a row, not the end of the probe)
             print(f"{name} gluon m{block_m} s{stages}: {type(error).__name__}: {str(error)[:300]}", flush=True)
         for baseline in baselines:
@@ -218,6 +225,8 @@ def main():
                    "this maxnreg")
     p.add_argument("--baseline-persistent", default="4", help="programs per SM for a persistent --baseline (list)")
     p.add_argument("--check-baselines", action="store_true", help="run the checks on the --baseline kernels too")
+    p.add_argument("--hot", action="store_true", help="also time the product kernel with every list the first top_k "
+                   "blocks (always in L2): how much the K/V reads' misses cost")
     args = p.parse_args()
     args.stages = [int(x) for x in args.stages.split(",")]
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
@@ -244,7 +253,8 @@ def main():
             configs = [(m, s) for m in (64, 128) if m <= rows_max for s in args.stages
                        if 2 * s * shape.kv_block * shape.head_dim * 2 <= 227 * 1024]
             results["timings"] += timing(name, shape, configs, [b for b in args.baseline.split(",") if b],
-                                         args.baseline_maxnreg, [int(x) for x in args.baseline_persistent.split(",")])
+                                         args.baseline_maxnreg, [int(x) for x in args.baseline_persistent.split(",")],
+                                         args.hot)
     if args.out:
         with open(os.path.join(args.out, "gluon_probe.json"), "w") as f:
             json.dump(results, f, indent=1)
