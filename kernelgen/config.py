@@ -77,12 +77,15 @@ class TileLangAttnConfig:
     """TileLang Q-centric forward. block_m: packed rows per program; threads: 128 (one consumer
     warpgroup) or 256 (two); TileLang adds a producer warpgroup for the TMA loads. overlap: issue
     the QK gemm of the next KV sub-block and the PV gemm of the last one together and run the
-    softmax while PV runs (FlashAttention-3's intra-warpgroup pipelining; Hopper wgmma only)."""
+    softmax while PV runs (FlashAttention-3's intra-warpgroup pipelining; Hopper wgmma only). pingpong
+    (with overlap and 256 threads): the two consumer warpgroups take turns issuing their gemms
+    (FlashAttention-3's inter-warpgroup schedule)."""
 
     block_m: int = 128
     num_stages: int = 2
     threads: int = 256
     overlap: bool = False
+    pingpong: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -182,8 +185,10 @@ def tilelang_attn_infeasible(spec: Spec, cfg: TileLangAttnConfig) -> str | None:
     if cfg.threads == 128 and cfg.num_stages != 1:
         return ("threads=128 allows num_stages=1 only: that forward is built without warp specialisation (it hung "
                 "with it on the H200), and TileLang 0.1.15 generates no code for that pipeline with more stages")
-    if not isinstance(cfg.overlap, bool):
-        return f"overlap={cfg.overlap!r}; expected a bool"
+    if not isinstance(cfg.overlap, bool) or not isinstance(cfg.pingpong, bool):
+        return f"overlap={cfg.overlap!r}, pingpong={cfg.pingpong!r}; expected bools"
+    if cfg.pingpong and not (cfg.overlap and cfg.threads == 256):
+        return "pingpong=True needs overlap=True and threads=256 (two consumer warpgroups taking turns)"
     if spec.head_dim == 64 and cfg.num_stages == 3:
         return "num_stages=3 at head_dim=64 is left out: on the H200 that kernel never finished"
     return None
@@ -328,8 +333,8 @@ def config_space(spec: Spec, role: str) -> list:
         return [c for c in space if gluon_attn_feasible(spec, c)]
     if role == "attn" and spec.backend == "tilelang":
         space = (
-            TileLangAttnConfig(block_m=m, num_stages=s, threads=t, overlap=o)
-            for m, s, t, o in itertools.product((64, 128), (1, 2, 3), (128, 256), (False, True))
+            TileLangAttnConfig(block_m=m, num_stages=s, threads=t, overlap=o, pingpong=p)
+            for m, s, t, o, p in itertools.product((64, 128), (1, 2, 3), (128, 256), (False, True), (False, True))
         )
         return [c for c in space if tilelang_attn_feasible(spec, c)]
     if role == "attn":

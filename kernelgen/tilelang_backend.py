@@ -59,7 +59,7 @@ def attn_module(spec: Spec, dtype: Any, config=None):
 
 def build_attn(spec: Spec, dtype: Any, *, batch: int, heads_kv: int, seq_q: int, seq_k: int, config=None, **tunables):
     """The prim_func for one problem shape. `config` (TileLangAttnConfig) or explicit `tunables`
-    (block_M, block_N, num_stages, threads, overlap) set the tile parameters."""
+    (block_M, block_N, num_stages, threads, overlap, pingpong) set the tile parameters."""
     return build_attn_from(attn_module(spec, dtype, config), spec, dtype, batch=batch, heads_kv=heads_kv,
                            seq_q=seq_q, seq_k=seq_k, config=config, **tunables)
 
@@ -69,7 +69,7 @@ def build_attn_from(module, spec: Spec, dtype: Any, *, batch: int, heads_kv: int
     """The prim_func of a rendered forward `module` (attn_module's) for one problem shape."""
     if config is not None:
         tunables = {"block_M": config.block_m, "num_stages": config.num_stages, "threads": config.threads,
-                    "overlap": config.overlap, **tunables}
+                    "overlap": config.overlap, "pingpong": config.pingpong, **tunables}
     return module.build(batch=batch, heads_q=heads_kv * spec.gqa_group, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
                         head_dim=spec.head_dim, kv_block=spec.kv_block, q_tile=spec.q_tile, top_k=spec.top_k,
                         causal=spec.causal, dtype=canonical_dtype(dtype), **tunables)

@@ -52,7 +52,8 @@ def test_a_spec_no_config_fits_is_a_clear_error():
 
 
 @pytest.mark.parametrize("change", [dict(threads=512), dict(threads=64), dict(num_stages=4), dict(num_stages=0),
-                                    dict(overlap="yes")])
+                                    dict(overlap="yes"), dict(pingpong=1), dict(overlap=False, pingpong=True),
+                                    dict(block_m=64, threads=128, num_stages=1, pingpong=True)])
 def test_tilelang_pinned_config_outside_the_kernel_s_range_is_refused(change):
     """A pinned TileLang config the kernel was never built for (thread count, stages, a non-bool switch)
     is a clear error, not a launch of an untested shape."""
@@ -63,8 +64,21 @@ def test_tilelang_pinned_config_outside_the_kernel_s_range_is_refused(change):
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
     cfg = default_config(spec, "attn")
     check_config(spec, "attn", cfg)
+    check_config(spec, "attn", dataclasses.replace(cfg, pingpong=True))  # overlap with two warpgroups: allowed
     with pytest.raises(ValueError, match="not feasible"):
         check_config(spec, "attn", dataclasses.replace(cfg, **change))
+
+
+def test_tilelang_pingpong_needs_overlap_and_two_warpgroups():
+    from kernelgen.config import TileLangAttnConfig, tilelang_attn_infeasible
+
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
+    space = config_space(spec, "attn")
+    assert all(c.overlap and c.threads == 256 for c in space if c.pingpong)
+    assert sum(c.pingpong for c in space) == sum(c.overlap and c.threads == 256 and not c.pingpong for c in space) > 0
+    why = tilelang_attn_infeasible(spec, TileLangAttnConfig(block_m=128, num_stages=2, threads=256, overlap=False,
+                                                            pingpong=True))
+    assert "pingpong=True needs overlap=True and threads=256" in why
 
 
 # ---- Gluon -------------------------------------------------------------------------------------------

@@ -44,13 +44,27 @@ def test_gpu_tilelang_overlap_against_reference(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True])
-def test_gpu_tilelang_empty_lists(overlap):
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[1] * c[7] >= 128], ids=lambda c: "-".join(map(str, c)))
+def test_gpu_tilelang_pingpong_against_reference(case):
+    """FlashAttention-3's ping-pong (two consumer warpgroups taking turns issuing their gemms), with one
+    and two stages, on every case whose tile fills two warpgroups."""
+    spec, q, k, v = gpu_case(case, torch.bfloat16, seed_offset=5, backend="tilelang")
+    cfg = default_config(spec, "attn")
+    assert cfg.threads == 256
+    for stages in (1, 2):
+        run_and_check(spec, q, k, v, configs={"attn": dataclasses.replace(cfg, num_stages=stages, overlap=True,
+                                                                          pingpong=True)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["plain", "overlap", "pingpong"])
+def test_gpu_tilelang_empty_lists(loop):
     """Tiles whose list holds no valid id (all -1 or out of range) give o = 0, lse = -inf; the others are
     still right."""
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=8, causal=True, gqa_group=2, selector="given",
                 backend="tilelang")
-    check_empty_lists(spec, {"attn": dataclasses.replace(default_config(spec, "attn"), overlap=overlap)})
+    cfg = dataclasses.replace(default_config(spec, "attn"), overlap=loop != "plain", pingpong=loop == "pingpong")
+    check_empty_lists(spec, {"attn": cfg})
 
 
 @pytest.mark.gpu

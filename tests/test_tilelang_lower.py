@@ -27,7 +27,7 @@ from checks import cubin_bytes  # noqa: E402
 
 BUILD_PARAMS = [
     "batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "kv_block", "q_tile", "top_k",
-    "causal", "dtype", "block_M", "block_N", "num_stages", "threads", "overlap",
+    "causal", "dtype", "block_M", "block_N", "num_stages", "threads", "overlap", "pingpong",
 ]  # fmt: skip
 
 
@@ -81,6 +81,8 @@ def test_build_rejects_bad_tiles():
         _build(False, 64, 1, 64, 64, block_N=48)
     with pytest.raises(ValueError, match="one must divide"):
         _build(False, 64, 1, 64, 64, block_M=48)
+    with pytest.raises(ValueError, match="pingpong needs overlap"):
+        _build(False, 64, 2, 64, 64, overlap=False, pingpong=True)
 
 
 # every variant of the Triton CPU test grid (causal x G x D x kv_block x q_tile), with its default config
@@ -88,13 +90,16 @@ LOWER_GRID = list(itertools.product([False, True], [64, 128], [1, 2, 4], [64, 12
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("loop", ["plain", "overlap", "pingpong"])
 @pytest.mark.parametrize("causal,D,G,kv_block,q_tile", LOWER_GRID)
-def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, overlap, nvcc_really_runs):
-    """Every variant of the test grid, with its default config (and overlap on and off): CUDA source for
-    sm_90a and a cubin from nvcc."""
+def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, loop, nvcc_really_runs):
+    """Every variant of the test grid, with its default config (overlap off and on, and, with two consumer
+    warpgroups, ping-pong): CUDA source for sm_90a and a cubin from nvcc."""
     spec = _spec(causal, D, G, kv_block, q_tile)
-    cfg = dataclasses.replace(default_config(spec, "attn"), overlap=overlap)
+    overlap = loop != "plain"
+    cfg = dataclasses.replace(default_config(spec, "attn"), overlap=overlap, pingpong=loop == "pingpong")
+    if cfg.pingpong and cfg.threads != 256:
+        pytest.skip("ping-pong needs two consumer warpgroups; this variant's tile has one")
     assert cfg in config_space(spec, "attn")
     func = tb.build_attn(spec, "bfloat16", batch=2, heads_kv=2, seq_q=1000, seq_k=1100, config=cfg)
     kernel = tb.compile_attn(func, cfg)  # dispatch's build (its pass configs)
@@ -130,6 +135,13 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, overlap,
                              src), f"no buffer release right after wait_wgmma<{n}>"
     else:
         assert "wait_wgmma" not in src
+    # ping-pong: in the loop, each consumer warpgroup (threads 128-255 and 256-383: TileLang's producer is
+    # warpgroup 0) waits on its own named barrier (8, 9) before its gemms and arrives on the other's after
+    turns = re.search(r"__sync_thread_partial\(\(\(\(\(int\)threadIdx\.x\) >> 7\) \+ 7\), 256\);"
+                      r".*?tl::wgmma_ss<.*?tl::wgmma_rs<.*?__named_barrier_arrive\(\(10 - \(\(\(int\)threadIdx\.x\) >> 7\)\), 256\);"
+                      r".*?tl::wait_wgmma<1>", src, re.S)
+    assert bool(turns) == cfg.pingpong
+    assert ("__named_barrier_arrive(8, 256);" in src) == cfg.pingpong  # warpgroup 1 lets warpgroup 0 start
 
 
 def test_split_tile_and_sub_blocks_lower():
