@@ -44,7 +44,7 @@ def test_gpu_tilelang_overlap_against_reference(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[1] * c[7] >= 128], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[2] * c[7] >= 128], ids=lambda c: "-".join(map(str, c)))
 def test_gpu_tilelang_pingpong_against_reference(case):
     """FlashAttention-3's ping-pong (two consumer warpgroups taking turns issuing their gemms), with one
     and two stages, on every case whose tile fills two warpgroups."""
