@@ -12,7 +12,9 @@ has its output's rel. L2 difference from the served kernel's. A candidate named 
 with a grid of N programs per SM and n_work. Session 7's rejected candidates (a persistent forward and
 a warp-specialised one, docs/PERF.md) are tools/candidates/ in commit d06b112; session 8's ping-pong
 candidate and its control (two items per program, launched with grid[0] halved) are in commit 125c80e.
-Session 9's polynomial-exp2 candidates (tools/candidates/gluon_attn_fwd_poly*.py.j2) are in commit 427b46b.
+Session 9's polynomial-exp2 candidates (tools/candidates/gluon_attn_fwd_poly*.py.j2) are in commit 427b46b;
+session 10's L2-prefetch candidates (tools/candidates/gluon_attn_fwd_prefetch*.py.j2, launched with K and V
+as raw pointers too) in commit dcf15b5. `--hot` also times the product with lists that always hit L2.
 Every timing is do_bench's median (`ms`) and a CUDA-graph replay's (`graph_ms`: GPU time, no host).
 """
 import argparse
