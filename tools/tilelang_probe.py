@@ -41,9 +41,11 @@ def configs(shape, variants=()):
     if rows == 64:  # one warpgroup: one stage (config.tilelang_attn_feasible)
         base = [C(64, 1, 128, False), C(64, 1, 128, True)]
     elif shape.head_dim == 128:
-        base = [C(128, 2, 256, False), C(128, 2, 256, True), C(128, 3, 256, True)]
+        base = [C(128, 2, 256, False), C(128, 2, 256, True), C(128, 3, 256, True), C(128, 2, 256, True, True),
+                C(128, 3, 256, True, True)]
     else:
-        base = [C(128, 2, 256, False), C(128, 2, 256, True), C(128, 1, 256, False)]
+        base = [C(128, 2, 256, False), C(128, 2, 256, True), C(128, 1, 256, False), C(128, 2, 256, True, True),
+                C(128, 1, 256, True, True)]
     pairs = [(c, None) for c in base]
     for v in variants:
         if v in VARIANT_CONFIGS:
@@ -51,7 +53,7 @@ def configs(shape, variants=()):
         elif v in ON_PRODUCT_CONFIGS:
             pairs += [(c, v) for c in base]
         else:
-            pairs += [(c, v) for c in base if c.overlap and c.threads == 256]
+            pairs += [(c, v) for c in base if c.overlap and c.threads == 256 and not c.pingpong]
     return pairs
 
 
@@ -158,6 +160,7 @@ def main():
         first = None
         for cfg, variant in configs(shape, variants):
             impl = f"tilelang m{cfg.block_m} s{cfg.num_stages} t{cfg.threads} overlap={int(cfg.overlap)}"
+            impl += " pingpong" if cfg.pingpong else ""
             impl += f" +{variant}" if variant else ""
             if (name, cfg, variant) in failed:
                 record(case=name, impl=impl, ms=float("nan"), tflops=float("nan"),

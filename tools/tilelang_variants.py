@@ -1,9 +1,7 @@
 """Experimental variants of the TileLang forward, as source patches of the rendered module (the product
 template stays as it is until a variant wins on the GPU; see tools/tilelang_probe.py --variant).
 
-pingpong  FlashAttention-3's inter-warpgroup schedule on top of `overlap`: the two consumer warpgroups
-          take turns issuing their gemms (named barriers 8 and 9), so one's softmax runs while the
-          other's gemms own the tensor cores.
+(pingpong, session 4's variant, is the product's `pingpong` tunable since session 10.)
 precise   the product kernel compiled without nvcc's fast math (tilelang_backend.FAST_MATH), as before
           session 6: exp2f with its denormal range check.
 static    without warp specialisation at every thread count (TileLang's cp.async pipeline), with a
@@ -26,29 +24,6 @@ lazy      FlashAttention-4's conditional rescaling: a row keeps its running max 
           within 1% of the product best against best; TileLang 0.1.15 does not compile it in the
           one-warpgroup cp.async loop.
 """
-
-PINGPONG = {
-    # the consumer warpgroup of each thread; warpgroup 1 lets warpgroup 0 issue first
-    """            n_steps = T.max(n_visit, 1)
-""": """            n_steps = T.max(n_visit, 1)
-            wg = T.get_thread_binding(0) // 128
-""",
-    """                    T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                 clear_accum=True)
-                    T.wgmma_gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-""": """                    if threads == 256:
-                        if (wg == 1) & (it == 0):
-                            T.named_barrier_arrive(8, 256)  # warpgroup 0 goes first
-                        # my turn (an extern call: the pipeline pass leaves it in the consumer's loop)
-                        T.call_extern("handle", "tl::__sync_thread_partial", 8 + wg, 256)
-                    T.wgmma_gemm(Q_shared, K_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                 clear_accum=True)
-                    T.wgmma_gemm(acc_s_cast, V_shared, acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    if threads == 256:
-                        if (wg == 0) | (it < n_steps):  # the other's turn (warpgroup 1's last one is unmatched)
-                            T.named_barrier_arrive(9 - wg, 256)
-""",
-}
 
 STATIC = {
     "            if threads == 256:\n                T.annotate_producer_reg_dealloc(24)":
@@ -111,7 +86,7 @@ def _lazy() -> dict:
     return patches
 
 
-VARIANTS = {"pingpong": PINGPONG, "precise": {}, "static": STATIC, "poly1": _poly(1), "poly2": _poly(2),
+VARIANTS = {"precise": {}, "static": STATIC, "poly1": _poly(1), "poly2": _poly(2),
             "lazy": _lazy()}
 # variants timed on the product's own configs (the others: their VARIANT_CONFIGS, else the overlapped
 # two-warpgroup configs)
