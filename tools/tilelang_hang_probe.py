@@ -7,6 +7,9 @@ never returns.
 
     timeout 40 python3 tools/tilelang_hang_probe.py precise [--stages 2] [--n 32768] [--graph] [--no-ws]
     timeout 30 python3 tools/tilelang_hang_probe.py fast
+
+--case NAME --config JSON (session 10) runs instead a tools/tilelang_probe.py case (its inputs and lists)
+with a product config, built as the product builds it (fast math, warp-specialised at 256 threads).
 """
 import argparse
 import os
@@ -27,8 +30,32 @@ p.add_argument("--stages", type=int, default=2)
 p.add_argument("--n", type=int, default=32768)
 p.add_argument("--graph", action="store_true")
 p.add_argument("--no-ws", action="store_true")
+p.add_argument("--case", default=None, help="a tools/tilelang_probe.py case (then --config is the product config)")
+p.add_argument("--config", default=None, help="TileLangAttnConfig fields as JSON, with --case")
 args = p.parse_args()
 t0 = time.perf_counter()
+if args.case:
+    import json
+    import math
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import tilelang_probe
+
+    shape = tilelang_probe.CASES[args.case]
+    cfg = TileLangAttnConfig(**json.loads(args.config))
+    q, k, v = shape.inputs("cuda", torch.bfloat16, seed=1)
+    idx = tilelang_probe.lists(shape, tilelang_probe.spec_of(shape), "cuda")
+    kernel = tilelang_probe.build(args.case, cfg, None)
+    print(f"[{time.perf_counter() - t0:.1f}s] {args.case} {cfg} built", flush=True)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    for n in (1, 20):
+        for _ in range(n):
+            o = kernel(q, k, v, idx, scale)[0]
+        torch.cuda.synchronize()
+        print(f"[{time.perf_counter() - t0:.1f}s] {n} calls ok, nan={o.isnan().any().item()}", flush=True)
+    print(f"do_bench {triton.testing.do_bench(lambda: kernel(q, k, v, idx, scale), return_mode='median'):.3f} ms "
+          f"[{time.perf_counter() - t0:.1f}s]", flush=True)
+    sys.exit(0)
 spec = kernelgen.Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, causal=False, gqa_group=1, selector="given",
                       backend="tilelang")
 n_tiles = args.n // 64
