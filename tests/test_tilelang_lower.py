@@ -142,6 +142,8 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, loop, nv
                       r".*?tl::wait_wgmma<1>", src, re.S)
     assert bool(turns) == cfg.pingpong
     assert ("__named_barrier_arrive(8, 256);" in src) == cfg.pingpong  # warpgroup 1 lets warpgroup 0 start
+    # TileLang numbers its own named barriers from 3 up (0-2 reserved): they must stay below ping-pong's 8
+    assert all(int(n) < 8 for n in re.findall(r"__sync_thread_partial\((\d+),", src))
 
 
 def test_split_tile_and_sub_blocks_lower():
