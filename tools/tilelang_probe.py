@@ -100,9 +100,7 @@ def lists(shape, spec, device):
     if shape.top_k >= n_blocks:
         ids = torch.arange(n_blocks, device=device, dtype=torch.int32)
         return ids.expand(shape.batch, shape.heads_kv, n_tiles, n_blocks).contiguous()
-    gen = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(shape.batch, shape.heads_q, shape.n_q, shape.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(shape.batch, shape.heads_kv, shape.n_k, shape.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    q, k, _ = shape.inputs(device, torch.bfloat16, seed=0)  # the bench's inputs: its lists
     return kernelgen.get_kernel(shape.spec("mean")).select(q, k)
 
 
