@@ -67,13 +67,28 @@ def test_prepared_lists_for_another_problem_are_refused(device):
         kernelgen.get_kernel(SPEC, validate_lists=True).prepare(rep, 96, 128)
 
 
+def test_prepare_takes_any_integer_type(device):
+    """numpy integers and 0-d integer tensors (lengths read off arrays and shapes) are lengths too."""
+    import numpy as np
+
+    attn = kernelgen.get_kernel(SPEC)
+    idx = given_lists(SPEC, 1, 2, 96, 128, 7, device)
+    want = attn.prepare(idx, 96, 128).block_idx
+    for seq_q, seq_k in ((np.int64(96), np.int32(128)), (torch.tensor(96), torch.tensor(128, dtype=torch.int32))):
+        got = attn.prepare(idx, seq_q, seq_k)
+        assert torch.equal(got.block_idx, want)
+        assert type(got.n_kv_blocks) is int and got.n_kv_blocks == 128 // SPEC.kv_block
+
+
 def test_prepare_names_bad_arguments(device):
     attn = kernelgen.get_kernel(SPEC)
     idx = given_lists(SPEC, 1, 2, 96, 128, 7, device)
     with pytest.raises(ValueError, match="seq_k"):
         attn.prepare(idx, 96, 0)
-    with pytest.raises(ValueError, match="seq_q"):
+    with pytest.raises(TypeError, match="seq_q"):
         attn.prepare(idx, 96.0, 128)
+    with pytest.raises(TypeError, match="seq_k"):
+        attn.prepare(idx, 96, True)
     with pytest.raises(TypeError, match="block_idx"):
         attn.prepare(idx.tolist(), 96, 128)
     with pytest.raises(ValueError, match="4-D"):
