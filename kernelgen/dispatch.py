@@ -109,17 +109,18 @@ class SparseAttention:
         """Given lists checked and normalised once, for calls with seq_q queries and seq_k keys (any
         batch, heads and dtype that match block_idx's shape): pass the result as block_idx. Repeated
         ids count once (an error with validate_lists=True), as in a call given the raw lists."""
-        lengths = {}
+        lengths = []
         for name, n in (("seq_q", seq_q), ("seq_k", seq_k)):
-            try:  # any integer type (numpy, a 0-d integer tensor), as range() takes; not bool or float
-                if isinstance(n, bool):
-                    raise TypeError
-                lengths[name] = operator.index(n)
+            try:  # any integer type (numpy, a 0-d integer tensor), as range() takes; bool and float are not
+                length = None if isinstance(n, bool) else operator.index(n)
             except TypeError:
-                raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}") from None
-            if lengths[name] < 1:
+                length = None
+            if length is None:
+                raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
+            if length < 1:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
-        seq_q, seq_k = lengths["seq_q"], lengths["seq_k"]
+            lengths.append(length)
+        seq_q, seq_k = lengths
         if not isinstance(block_idx, torch.Tensor):
             raise TypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
         if block_idx.device.type != "cuda" and not ops.interpreting():
