@@ -22,6 +22,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4. Each worker holds torch, Triton and TileLang (about 1.5 GB),
+    and the sm_90 compile tests start processes of their own."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 @pytest.fixture
 def device():
     return "cuda" if HAS_CUDA else "cpu"
