@@ -103,17 +103,23 @@ def _structure(spec, cfg):
             cfg.block_m > spec.q_tile)
 
 
+def _grid_variants():
+    """(grid point, loop, spec, config) of every variant of the grid: 136."""
+    for point in LOWER_GRID:
+        spec = _spec(*point)
+        for loop in LOOPS:
+            cfg = _variant_config(spec, loop)
+            if cfg is not None:
+                yield point, loop, spec, cfg
+
+
 def _one_variant_per_structure():
     """The grid's variants, one per kernel structure (64 of 136): each lowers and nvcc-compiles in 10-20 s of
     CPU, so compiling every variant would make CI twice as long for no more code covered. The variant kept
     is the one with the most heads packed."""
     kept = {}
-    for causal, D, G, kv_block, q_tile in sorted(LOWER_GRID, key=lambda v: -v[2]):
-        spec = _spec(causal, D, G, kv_block, q_tile)
-        for loop in LOOPS:
-            cfg = _variant_config(spec, loop)
-            if cfg is not None:
-                kept.setdefault(_structure(spec, cfg), (causal, D, G, kv_block, q_tile, loop))
+    for point, loop, spec, cfg in sorted(_grid_variants(), key=lambda v: -v[2].gqa_group):
+        kept.setdefault(_structure(spec, cfg), (*point, loop))
     return sorted(kept.values())
 
 
@@ -122,12 +128,13 @@ COMPILE_GRID = _one_variant_per_structure()
 
 def test_compile_grid_holds_every_structure_of_the_grid():
     """Every (grid point, loop) has a compiled variant with its structure, and every template branch occurs."""
-    compiled = {_structure(_spec(*v[:5]), _variant_config(_spec(*v[:5]), v[5])) for v in COMPILE_GRID}
-    every = {_structure(_spec(*v), cfg) for v in LOWER_GRID for loop in LOOPS
-             if (cfg := _variant_config(_spec(*v), loop)) is not None}
+    kept = [(spec, cfg) for point, loop, spec, cfg in _grid_variants() if (*point, loop) in COMPILE_GRID]
+    compiled = {_structure(spec, cfg) for spec, cfg in kept}
+    every = {_structure(spec, cfg) for _, _, spec, cfg in _grid_variants()}
     assert compiled == every and len(COMPILE_GRID) == len(every) < len(LOWER_GRID) * len(LOOPS)
     assert {v[5] for v in COMPILE_GRID} == set(LOOPS) and {v[0] for v in COMPILE_GRID} == {False, True}
-    assert {(s[3][2], s[5]) for s in compiled} == {(128, False), (256, False), (256, True)}  # threads, packed heads
+    # one and two warpgroups, and two warpgroups packing heads
+    assert {(cfg.threads, cfg.block_m > spec.q_tile) for spec, cfg in kept} == {(128, False), (256, False), (256, True)}
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
