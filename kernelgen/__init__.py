@@ -13,10 +13,15 @@ import torch as _torch
 if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
     _os.environ["TRITON_INTERPRET"] = "1"
 
-from .config import AttnConfig, SelectConfig
-from .dispatch import SparseAttention, get_kernel
-from .ops import BlockLists
-from .spec import Spec
+from . import backends, reference  # noqa: E402
+from .backends.gluon import GluonAttnConfig  # noqa: E402
+from .backends.tilelang import TileLangAttnConfig  # noqa: E402
+from .backends.triton import AttnConfig, SelectConfig  # noqa: E402
+from .dispatch import SparseAttention, get_kernel  # noqa: E402
+from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError  # noqa: E402
+from .inputs import BlockLists  # noqa: E402
+from .spec import Spec  # noqa: E402
 
-__all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "AttnConfig", "SelectConfig"]
+__all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "AttnConfig", "SelectConfig", "TileLangAttnConfig",
+           "GluonAttnConfig", "KernelgenError", "KernelgenValueError", "KernelgenTypeError", "backends", "reference"]
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """Float64 reference of everything kernelgen computes: the oracle of every test.
 
-Plain PyTorch, dense, slow and obvious. Semantics: shared/DESIGN.md and docs/SEMANTICS.md.
+Plain PyTorch, dense, slow and obvious. The semantics it implements: docs/SEMANTICS.md.
 """
 from __future__ import annotations
 

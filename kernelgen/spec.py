@@ -1,4 +1,4 @@
-"""`Spec`: what sparse attention to compute (shared/DESIGN.md fixes the semantics).
+"""`Spec`: what sparse attention to compute (docs/SEMANTICS.md gives the semantics).
 
 A spec is frozen, hashable, validated on construction and round-trips through JSON. Everything a
 kernel needs at compile time that is not a tunable lives here; tunables live in `config.py`.
@@ -10,44 +10,18 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-__all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES", "BACKENDS", "GLUON_BLOCK_MS",
-           "gluon_unsupported"]
+from .errors import KernelgenTypeError, KernelgenValueError
+
+__all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES"]
 
 HEAD_DIMS = (64, 128, 256)
 TILE_SIZES = (16, 32, 64, 128, 256)
 SELECTORS = ("mean", "multi:r", "given")  # multi:r with r a power of two, e.g. "multi:4"
 SCHEDULES = ("q_centric",)  # "kv_centric" is planned, not built yet
-# tilelang: attention in TileLang (CUDA only), selection in Triton; gluon: attention in Gluon (Triton's
-# explicit-layout dialect, Hopper only), selection in Triton; auto: per GPU, dtype and length bucket, the
-# backend whose tuned attention is fastest in the tuning DB (Triton where none is tuned)
-BACKENDS = ("triton", "tilelang", "gluon", "auto")
-
-# What the Gluon forward (templates/gluon/attn_fwd.py.j2) is written for: one wgmma tile of KV_BLOCK x
-# HEAD_DIM per block, and 64 or 128 packed rows per program (16 per warp, at least one warpgroup).
-GLUON_HEAD_DIMS = (64, 128)
-GLUON_KV_BLOCKS = (64, 128)
-GLUON_BLOCK_MS = (64, 128)
 
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
-
-
-def gluon_unsupported(spec: Spec) -> str | None:
-    """Why the Gluon forward cannot compute `spec` (whatever its backend field says), or None."""
-    if spec.head_dim not in GLUON_HEAD_DIMS:
-        return f"Spec.head_dim={spec.head_dim} is not supported by backend='gluon'; expected one of {GLUON_HEAD_DIMS}"
-    if spec.kv_block not in GLUON_KV_BLOCKS:
-        return f"Spec.kv_block={spec.kv_block} is not supported by backend='gluon'; expected one of {GLUON_KV_BLOCKS}"
-    rows = spec.gqa_group * spec.q_tile
-    if rows < min(GLUON_BLOCK_MS):
-        return (f"Spec.gqa_group * Spec.q_tile = {spec.gqa_group} * {spec.q_tile} = {rows} packed rows is too few "
-                f"for backend='gluon'; expected >= {min(GLUON_BLOCK_MS)} (a program holds at least 64 rows)")
-    if not any(spec.packs_rows(m) for m in GLUON_BLOCK_MS):
-        return (f"Spec.gqa_group={spec.gqa_group} with q_tile={spec.q_tile} cannot be packed into programs of "
-                f"{' or '.join(map(str, GLUON_BLOCK_MS))} rows by backend='gluon'; expected a q_tile that such a "
-                "program splits evenly, or whole tiles of a number of heads that divides gqa_group")
-    return None
 
 
 @dataclass(frozen=True)
@@ -64,8 +38,9 @@ class Spec:
                products), or "given" (the caller passes block_idx).
     local      blocks ending at the diagonal block that every list holds (with causal, at least 1).
     sink       leading blocks that every list holds (when visible).
-    backend    "triton", "tilelang", "gluon" (Hopper only), or "auto" (get_kernel serves the fastest tuned
-               one).
+    backend    a registered backend ("triton", "tilelang", "gluon"; `kernelgen.backends.names()`), or "auto"
+               (get_kernel serves the fastest tuned one). Whether the backend can compute the spec is
+               checked where it is served (get_kernel, tune, export), against the registry.
     """
 
     head_dim: int
@@ -84,38 +59,35 @@ class Spec:
         for name in ("head_dim", "kv_block", "q_tile", "top_k", "gqa_group", "local", "sink"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"Spec.{name} must be an int, got {type(value).__name__} {value!r}")
+                raise KernelgenTypeError(f"Spec.{name} must be an int, got {type(value).__name__} {value!r}")
         if not isinstance(self.causal, bool):
-            raise TypeError(f"Spec.causal must be a bool, got {type(self.causal).__name__}")
+            raise KernelgenTypeError(f"Spec.causal must be a bool, got {type(self.causal).__name__}")
         if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"Spec.head_dim={self.head_dim} is not supported; expected one of {HEAD_DIMS}")
+            raise KernelgenValueError(f"Spec.head_dim={self.head_dim} is not supported; expected one of {HEAD_DIMS}")
         for name in ("kv_block", "q_tile"):
             if getattr(self, name) not in TILE_SIZES:
-                raise ValueError(
+                raise KernelgenValueError(
                     f"Spec.{name}={getattr(self, name)} is not supported; expected a power of two in {TILE_SIZES}"
                 )
         if self.gqa_group < 1:
-            raise ValueError(f"Spec.gqa_group must be >= 1, got {self.gqa_group}")
+            raise KernelgenValueError(f"Spec.gqa_group must be >= 1, got {self.gqa_group}")
         if self.top_k < 1:
-            raise ValueError(f"Spec.top_k must be >= 1, got {self.top_k}")
+            raise KernelgenValueError(f"Spec.top_k must be >= 1, got {self.top_k}")
         if self.local < 0 or self.sink < 0:
-            raise ValueError(f"Spec.local and Spec.sink must be >= 0, got local={self.local}, sink={self.sink}")
+            raise KernelgenValueError(f"Spec.local and Spec.sink must be >= 0, got local={self.local}, sink={self.sink}")
         if self.schedule not in SCHEDULES:
             if self.schedule == "kv_centric":
-                raise ValueError("Spec.schedule='kv_centric' is not implemented yet; use 'q_centric'")
-            raise ValueError(f"Spec.schedule={self.schedule!r} is unknown; expected one of {SCHEDULES}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"Spec.backend={self.backend!r} is unknown; expected one of {BACKENDS}")
-        unsupported = gluon_unsupported(self) if self.backend == "gluon" else None
-        if unsupported:
-            raise ValueError(unsupported)
+                raise KernelgenValueError("Spec.schedule='kv_centric' is not implemented yet; use 'q_centric'")
+            raise KernelgenValueError(f"Spec.schedule={self.schedule!r} is unknown; expected one of {SCHEDULES}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise KernelgenTypeError(f"Spec.backend must be a backend's name, got {self.backend!r}")
         r = self._parse_selector()
         if r > 1 and (self.q_tile % r or self.kv_block % r):
-            raise ValueError(
+            raise KernelgenValueError(
                 f"Spec.selector={self.selector!r}: r={r} must divide q_tile={self.q_tile} and kv_block={self.kv_block}"
             )
         if self.top_k < self.n_forced:
-            raise ValueError(
+            raise KernelgenValueError(
                 f"Spec.top_k={self.top_k} cannot hold its forced blocks: sink={self.sink} + local={self.n_local} "
                 f"= {self.n_forced} (top_k is the whole budget, forced blocks included)"
             )
@@ -131,8 +103,8 @@ class Spec:
                 r = 0
             if r >= 2 and _is_pow2(r):
                 return r
-            raise ValueError(f"Spec.selector={sel!r}: r must be a power of two >= 2, e.g. 'multi:4'")
-        raise ValueError(f"Spec.selector={sel!r} is unknown; expected 'mean', 'multi:r' (e.g. 'multi:4') or 'given'")
+            raise KernelgenValueError(f"Spec.selector={sel!r}: r must be a power of two >= 2, e.g. 'multi:4'")
+        raise KernelgenValueError(f"Spec.selector={sel!r} is unknown; expected 'mean', 'multi:r' (e.g. 'multi:4') or 'given'")
 
     # ---- derived ---------------------------------------------------------------------------------
     @property
@@ -182,7 +154,7 @@ class Spec:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"Spec: unknown fields {sorted(unknown)}; expected a subset of {sorted(known)}")
+            raise KernelgenValueError(f"Spec: unknown fields {sorted(unknown)}; expected a subset of {sorted(known)}")
         return cls(**data)
 
     @classmethod
@@ -192,19 +164,6 @@ class Spec:
     def key(self) -> str:
         """Short stable hash of the spec (used in kernel names, cache paths and the tuning DB)."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
-
-    def for_role(self, role: str) -> "Spec":
-        """The spec whose kernel runs `role`: selection runs in Triton whatever the backend (its tuned
-        winners are the Triton selector's; the TileLang selector is tested, not served), so it is the
-        Triton twin's (valid for every spec of every backend)."""
-        return dataclasses.replace(self, backend="triton") if role == "select" else self
-
-    def role_key(self, role: str) -> str:
-        """The tuning DB's key of one kernel role. The attention kernel reads lists, whoever chose
-        them: specs that differ only in selector or forced blocks share its winners."""
-        if role == "attn":
-            return dataclasses.replace(self, selector="given", local=0, sink=0).key()
-        return self.for_role(role).key()
 
     def replace(self, **changes) -> "Spec":
         return dataclasses.replace(self, **changes)

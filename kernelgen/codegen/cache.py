@@ -1,4 +1,4 @@
-"""Load rendered kernel modules from a content-addressed cache directory.
+"""The content-addressed cache of rendered kernel modules, and where kernelgen keeps its files.
 
 Triton's @jit reads its function's source from the file, so rendered text is written to
 `<cache>/kernels/<name>.py` (name = hash of the text; written once, atomically) and imported from there.

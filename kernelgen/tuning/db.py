@@ -18,7 +18,7 @@ of two (`seq_bucket`); a lookup for an untuned bucket falls back to the nearest 
 Example::
 
     db = TuningDB()
-    fp = current_fingerprint(template_hash("triton", "attn"), "triton")
+    fp = current_fingerprint(backends.get("triton"), "attn")
     db.upsert(spec_key=spec.role_key("attn"), role="attn", backend="triton", arch="sm_90", gpu_name="NVIDIA H200",
               bucket=seq_bucket(n), dtype="bf16", config={"BLOCK_M": 128, "num_warps": 8},
               median_ms=0.41, tflops=512.0, n_trials=64, fingerprint=fp)
@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib.metadata
 import json
 import logging
 import math
@@ -48,7 +47,7 @@ from typing import Any, TypeVar
 import platformdirs
 import sqlite_utils
 
-from .config import seq_bucket  # the DB keys winners by it; re-exported here
+from .buckets import seq_bucket  # the DB keys winners by it; re-exported here
 
 try:  # POSIX only; elsewhere recovery of a corrupted file simply runs unserialised
     import fcntl
@@ -104,7 +103,7 @@ _T = TypeVar("_T")
 def _find_bundled_db() -> Path:
     # An installed wheel carries tuning_db/ inside the package (pyproject's force-include); a source
     # checkout keeps it at the repository root, one level above the package.
-    package_dir = Path(__file__).resolve().parent
+    package_dir = Path(__file__).resolve().parent.parent
     installed = package_dir / "tuning_db" / "winners.db"
     return installed if installed.exists() else package_dir.parent / "tuning_db" / "winners.db"
 
@@ -144,17 +143,6 @@ class Fingerprint:
         return cls(**{name: row.get(name) for name in FINGERPRINT_COLUMNS})
 
 
-def _distribution_version(*names: str) -> str | None:
-    # Package metadata, not an import: importing triton or tilelang is slow, may initialise CUDA and
-    # may fail on a machine without a GPU; a fingerprint must never raise.
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 @functools.lru_cache(maxsize=None)
 def _torch_versions() -> tuple[str | None, str | None]:
     try:
@@ -164,22 +152,22 @@ def _torch_versions() -> tuple[str | None, str | None]:
     return str(torch.__version__), torch.version.cuda
 
 
-def current_fingerprint(template_hash: str, backend: str) -> Fingerprint:
-    """The fingerprint of this process for kernels rendered from templates hashing to `template_hash`.
+def current_fingerprint(backend, role: str) -> Fingerprint:
+    """The fingerprint of this process for `backend`'s kernels of `role` (a `kernelgen.backends.Backend`).
 
-    Only the compiler of `backend` is recorded (the other one is None): installing or upgrading
-    TileLang says nothing about a Triton kernel's speed, so it must not invalidate Triton winners.
-    Gluon is part of Triton: its kernels record the Triton version.
+    Only the backend's own compilers are recorded (the others are None): installing or upgrading TileLang
+    says nothing about a Triton kernel's speed, so it must not invalidate Triton winners.
     """
-    uses_triton = backend in ("triton", "gluon")
-    uses_tilelang = backend == "tilelang"
+    from ..backends.base import distribution_version
+
+    versions = {column: None for column in ("triton_version", "tilelang_version")}
+    versions.update(backend.compiler_versions())
     torch_version, cuda_version = _torch_versions()
     return Fingerprint(
-        kernelgen_version=_distribution_version("kernelgen") or "0+unknown",
-        template_hash=template_hash,
-        # PyTorch nightlies ship Triton as "pytorch-triton"; the module is `triton` either way.
-        triton_version=_distribution_version("triton", "pytorch-triton") if uses_triton else None,
-        tilelang_version=_distribution_version("tilelang") if uses_tilelang else None,
+        kernelgen_version=distribution_version("kernelgen") or "0+unknown",
+        template_hash=backend.template_hash(role),
+        triton_version=versions["triton_version"],
+        tilelang_version=versions["tilelang_version"],
         torch_version=torch_version,
         cuda_version=cuda_version,
     )

@@ -1,0 +1,95 @@
+"""The backend registry: every backend kernelgen can serve, and which one runs a role for a spec.
+
+    from kernelgen import backends
+    backends.names()                  # ("triton", "tilelang", "gluon")
+    backends.get("gluon").unsupported(spec, device)   # why it cannot serve, or None
+    backends.register(MyBackend())    # a plug-in: served, tuned, listed and exported like the others
+
+Everything else in kernelgen iterates over this registry; no other module compares a backend's name.
+`Spec(backend="auto")` is served by the registry's choice: the fastest tuned backend that can run the
+spec here (`kernelgen.tuning.lookup.fastest_backend`), else the fallback.
+"""
+from __future__ import annotations
+
+from ..errors import KernelgenValueError
+from .base import Backend, Problem, RoleImpl, Shapes
+from .gluon import GluonBackend
+from .tilelang import TileLangBackend
+from .triton import TritonBackend
+
+__all__ = ["Backend", "RoleImpl", "Problem", "Shapes", "AUTO", "FALLBACK", "register", "unregister", "get", "names",
+           "all_backends", "runner", "check_spec", "of_config", "config_types"]
+
+AUTO = "auto"
+# Runs the roles a spec's backend lacks (selection, list normalising) and serves `auto` where nothing is
+# tuned: Triton runs on every CUDA GPU and, through its interpreter, on the CPU.
+FALLBACK = "triton"
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Add a backend; its name must be new (and not "auto")."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a kernelgen.backends.Backend, got {type(backend).__name__}")
+    if not backend.name or backend.name == AUTO or backend.name in _REGISTRY:
+        raise KernelgenValueError(f"backend name {backend.name!r} is empty, reserved or taken; registered: {names()}")
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def unregister(name: str) -> None:
+    """Remove a plug-in backend (tests)."""
+    if name == FALLBACK:
+        raise KernelgenValueError(f"the fallback backend {FALLBACK!r} cannot be removed")
+    _REGISTRY.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def all_backends() -> tuple[Backend, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def get(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise KernelgenValueError(f"backend={name!r} is unknown; expected one of {names() + (AUTO,)}") from None
+
+
+def check_spec(spec) -> None:
+    """A spec whose backend exists and can compute it ("auto" always can: the fallback computes every spec)."""
+    if spec.backend == AUTO:
+        return
+    reason = get(spec.backend).spec_unsupported(spec)
+    if reason:
+        raise KernelgenValueError(reason)
+
+
+def runner(backend: str, role: str) -> Backend:
+    """The backend that runs `role` for a spec served by `backend`: that backend if it has the role, else
+    the fallback (selection and list normalising run in Triton for the TileLang and Gluon forwards)."""
+    chosen = get(backend)
+    return chosen if role in chosen.roles else get(FALLBACK)
+
+
+def of_config(role: str, config) -> Backend:
+    """The backend whose `role` takes configs of this type (a pinned config says which backend serves)."""
+    for backend in _REGISTRY.values():
+        impl = backend.roles.get(role)
+        if impl is not None and impl.config_type is not None and type(config) is impl.config_type:
+            return backend
+    raise KernelgenValueError(f"{type(config).__name__} is no config of role {role!r}; expected one of "
+                              f"{', '.join(t.__name__ for t in config_types(role))}")
+
+
+def config_types(role: str) -> list[type]:
+    return [b.roles[role].config_type for b in _REGISTRY.values()
+            if role in b.roles and b.roles[role].config_type is not None]
+
+
+for _backend in (TritonBackend(), TileLangBackend(), GluonBackend()):
+    register(_backend)

@@ -1,0 +1,199 @@
+"""The interface every backend implements, and `RoleImpl`: how a backend runs one kernel role."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from ..errors import KernelgenTypeError, KernelgenValueError
+from ..spec import Spec
+
+__all__ = ["Backend", "RoleImpl", "Problem", "Shapes", "distribution_version"]
+
+
+class Shapes(NamedTuple):
+    """The sizes of one call, checked (`kernelgen.inputs.check_qkv`)."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    n_q: int
+    n_k: int
+    n_q_tiles: int
+    n_kv_blocks: int
+
+
+class Problem(NamedTuple):
+    """What a kernel compiled for one problem (TileLang's) is built for."""
+
+    dtype: torch.dtype
+    shapes: Shapes
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class RoleImpl:
+    """How one backend runs one role.
+
+    template     templates/<backend>/<role>.py.j2 (a path relative to templates/, or absolute); None when
+                 the backend renders nothing (the float64 reference, say)
+    config_type  the frozen dataclass of its tunables; None: nothing to tune
+    default      spec -> the config served when nothing is tuned
+    space        spec -> candidate configs (the feasible ones are kept: `Backend.config_space`)
+    infeasible   (spec, config) -> why the kernel cannot run that config, or None
+    launch       (kernel, spec, config, shapes, *args) -> the role's output (`kernelgen.roles` lists the args)
+    """
+
+    launch: Callable[..., Any]
+    template: str | Path | None = None
+    config_type: type | None = None
+    default: Callable[[Spec], Any] = lambda spec: None
+    space: Callable[[Spec], Iterable] = lambda spec: [None]
+    infeasible: Callable[[Spec, Any], str | None] = lambda spec, config: None
+
+
+def distribution_version(*names: str) -> str | None:
+    """An installed distribution's version from its metadata (no import: importing a compiler can be slow
+    or touch CUDA), or None."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+class Backend:
+    """A code generator and runtime for some kernel roles. Subclasses set the class attributes and `roles`,
+    and implement `build`; the rest has sound defaults.
+
+    name        what Spec.backend says to choose it
+    archs       CUDA archs its kernels run on (None: any that its compiler supports)
+    devices     device types it runs on ("cuda"; "cpu" for the interpreter or a reference)
+    per_shape   its kernels are compiled for one problem shape (`build` gets the Problem)
+    compilers   fingerprint column -> distribution names: the compiler versions its winners are tied to
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    archs: ClassVar[tuple[str, ...] | None] = None
+    devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    per_shape: ClassVar[bool] = False
+    compilers: ClassVar[dict[str, tuple[str, ...]]] = {}
+    roles: dict[str, RoleImpl] = {}
+
+    # ---- what it supports ------------------------------------------------------------------------
+    def not_installed(self) -> str | None:
+        """Why this backend cannot run in this environment (a package missing), or None."""
+        return None
+
+    def spec_unsupported(self, spec: Spec) -> str | None:
+        """Why this backend's kernels cannot compute `spec` at all, or None."""
+        return None
+
+    def device_unsupported(self, device: torch.device) -> str | None:
+        """Why this backend cannot run on `device`, or None."""
+        device = torch.device(device)
+        if device.type not in self.devices:
+            return f"backend={self.name!r} runs on {' and '.join(self.devices)} devices only, not on {device}"
+        if device.type == "cuda" and self.archs is not None:
+            from ..device import device_arch
+
+            arch = device_arch(device)
+            if arch not in self.archs:
+                return f"backend={self.name!r} runs on {', '.join(self.archs)} only; this GPU is {arch}"
+        return None
+
+    def unsupported(self, spec: Spec, device=None) -> str | None:
+        """Why this backend cannot serve `spec` (on `device`, when given), or None."""
+        return self.not_installed() or self.spec_unsupported(spec) or (
+            None if device is None else self.device_unsupported(device))
+
+    def arch_unsupported(self, arch: str) -> str | None:
+        """Why this backend's kernels cannot run on `arch` ("sm_89", or "cpu"), or None."""
+        if arch == "cpu":
+            return None if "cpu" in self.devices else f"backend={self.name!r} does not run on the CPU"
+        if "cuda" not in self.devices:
+            return f"backend={self.name!r} does not run on CUDA GPUs"
+        if self.archs is not None and arch not in self.archs:
+            return f"backend={self.name!r} runs on {', '.join(self.archs)} only, not {arch}"
+        return None
+
+    # ---- configs ---------------------------------------------------------------------------------
+    def role(self, role: str) -> RoleImpl:
+        try:
+            return self.roles[role]
+        except KeyError:
+            raise KernelgenValueError(f"backend={self.name!r} does not run role {role!r}; it runs "
+                                      f"{sorted(self.roles)}") from None
+
+    def config_type(self, role: str) -> type | None:
+        return self.role(role).config_type
+
+    def default_config(self, spec: Spec, role: str):
+        return self.role(role).default(spec)
+
+    def infeasible(self, spec: Spec, role: str, config) -> str | None:
+        """Why `config` is no point `role`'s kernel runs for `spec`, or None (its type included)."""
+        impl = self.role(role)
+        if impl.config_type is None:
+            return None if config is None else f"role {role!r} of backend={self.name!r} takes no config"
+        if type(config) is not impl.config_type:
+            return f"{type(config).__name__} is no {impl.config_type.__name__}"
+        return impl.infeasible(spec, config)
+
+    def config_space(self, spec: Spec, role: str) -> list:
+        """Every feasible point of the role's search space."""
+        impl = self.role(role)
+        return [c for c in impl.space(spec) if c is None or impl.infeasible(spec, c) is None]
+
+    def check_config(self, spec: Spec, role: str, config) -> None:
+        """A config a caller pins: of the role's type, and feasible (an infeasible point could leave rows
+        unwritten). Raises naming the role."""
+        impl = self.role(role)
+        if impl.config_type is not None and type(config) is not impl.config_type:
+            raise KernelgenTypeError(f"configs[{role!r}] must be a {impl.config_type.__name__} for "
+                                     f"backend={self.name!r}, got {type(config).__name__}")
+        reason = self.infeasible(spec, role, config)
+        if reason:
+            raise KernelgenValueError(f"configs[{role!r}] = {config} is not feasible for {spec}: {reason} "
+                                      "(Backend.config_space lists the feasible points)")
+
+    def config_from_dict(self, role: str, data: dict | None):
+        impl = self.role(role)
+        return None if impl.config_type is None else impl.config_type(**(data or {}))
+
+    @staticmethod
+    def config_to_dict(config) -> dict | None:
+        return None if config is None else dataclasses.asdict(config)
+
+    # ---- building and fingerprints ---------------------------------------------------------------
+    def build(self, spec: Spec, role: str, config, problem: Problem | None = None):
+        """The kernel that `RoleImpl.launch` runs: a loaded module, a compiled kernel. `spec` is the
+        role's kernel spec (`Role.kernel_spec`); `problem` is given when `per_shape`."""
+        raise NotImplementedError
+
+    def compiler_versions(self) -> dict[str, str | None]:
+        """Fingerprint columns of its compilers (`compilers`), from package metadata."""
+        return {column: distribution_version(*names) for column, names in self.compilers.items()}
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - backends live as long as the process
+    def template_hash(self, role: str) -> str:
+        """Hash of the role's template text (its rendered kernels' source), part of its winners'
+        fingerprint: editing one role's template leaves the other roles' winners valid."""
+        from ..codegen.render import template_path
+
+        template = self.role(role).template
+        if template is None:
+            return "none"
+        return hashlib.sha256(template_path(template).read_bytes()).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"<kernelgen backend {self.name!r}>"

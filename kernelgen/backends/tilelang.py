@@ -1,0 +1,260 @@
+"""The TileLang backend: the attention forward, compiled per problem shape (wgmma, TMA and warp
+specialisation on Hopper). Selection and list normalising run on the fallback backend.
+
+Build the forward prim_func from the rendered template, lower it to CUDA source, compile it to a cubin.
+
+Nothing here needs a GPU: lowering is pure TVM, and `tilelang.compile` only runs nvcc and builds a
+host wrapper (launching the kernel is what needs a device). TileLang's front end reads a kernel's
+Python source with `inspect`, so the rendered module is imported from its content-addressed file
+(`compile.load_module`, like the Triton kernels).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import dataclasses
+import functools
+import importlib.util
+import itertools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..codegen.cache import load_module
+from ..errors import KernelgenValueError
+from ..inputs import softmax_scale
+from ..spec import Spec
+from .base import Backend, Problem, RoleImpl, Shapes
+from .triton import pack_infeasible
+
+__all__ = ["TileLangBackend", "TileLangAttnConfig", "ARCH", "ATTN_OUT_IDX", "DTYPES", "canonical_dtype", "attn_source",
+           "attn_module", "build_attn", "build_attn_from", "target_arch", "lower", "compile_kernel", "compile_attn",
+           "attn_pass_configs", "FAST_MATH", "NO_WARP_SPECIALISATION"]
+
+log = logging.getLogger("kernelgen")
+
+TEMPLATE = "tilelang/attn.py.j2"
+ARCH = "sm_90a"  # warp specialisation and wgmma need the "a" target
+# attn_fwd(Q, K, V, block_idx, scale, O, LSE): O and LSE are allocated and returned by the kernel
+ATTN_OUT_IDX = [5, 6]
+DTYPES = ("bfloat16", "float16")
+
+
+def canonical_dtype(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(name, name)
+    if name not in DTYPES:
+        raise KernelgenValueError(f"TileLang attention supports dtype in {DTYPES}, got {dtype!r}")
+    return name
+
+
+# render (jinja2) is imported where it is used: an exported module embeds this file without it
+
+def attn_source(spec: Spec, dtype: Any, config=None) -> str:
+    """Rendered forward module for a spec and dtype; its `build(**shape, **tunables)` gives the prim_func."""
+    from ..codegen.render import render
+
+    return render(TEMPLATE, spec, config, dtype=canonical_dtype(dtype))
+
+
+def attn_module(spec: Spec, dtype: Any, config=None):
+    """The rendered forward module, imported from its content-addressed file (TileLang reads the
+    kernel's source with `inspect`)."""
+    from ..codegen.render import module_name
+
+    source = attn_source(spec, dtype, config)
+    return load_module(module_name("tilelang", "attn", source), source)
+
+
+def build_attn(spec: Spec, dtype: Any, *, batch: int, heads_kv: int, seq_q: int, seq_k: int, config=None, **tunables):
+    """The prim_func for one problem shape. `config` (TileLangAttnConfig) or explicit `tunables`
+    (block_M, block_N, num_stages, threads, overlap, pingpong) set the tile parameters."""
+    return build_attn_from(attn_module(spec, dtype, config), spec, dtype, batch=batch, heads_kv=heads_kv,
+                           seq_q=seq_q, seq_k=seq_k, config=config, **tunables)
+
+
+def build_attn_from(module, spec: Spec, dtype: Any, *, batch: int, heads_kv: int, seq_q: int, seq_k: int,
+                    config=None, **tunables):
+    """The prim_func of a rendered forward `module` (attn_module's) for one problem shape."""
+    if config is not None:
+        tunables = {"block_M": config.block_m, "num_stages": config.num_stages, "threads": config.threads,
+                    "overlap": config.overlap, "pingpong": config.pingpong, **tunables}
+    return module.build(batch=batch, heads_q=heads_kv * spec.gqa_group, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
+                        head_dim=spec.head_dim, kv_block=spec.kv_block, q_tile=spec.q_tile, top_k=spec.top_k,
+                        causal=spec.causal, dtype=canonical_dtype(dtype), **tunables)
+
+
+def target_arch(device) -> str:
+    """The arch TileLang compiles for on a CUDA device: sm_90 becomes sm_90a (wgmma, warp specialisation)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+def _target(arch: str):
+    from tilelang import tvm
+
+    return tvm.target.Target({"kind": "cuda", "arch": arch})
+
+
+def lower(prim_func, arch: str = ARCH, pass_configs: dict | None = None) -> str:
+    """CUDA source of `prim_func` for `arch` (no nvcc, no GPU), built with `pass_configs` (a forward's:
+    attn_pass_configs)."""
+    import tilelang
+    from tilelang import tvm
+
+    target = _target(arch)
+    t0 = time.perf_counter()
+    with tvm.transform.PassContext(opt_level=3, config=pass_configs or {}), target:
+        artifact = tilelang.lower(prim_func, target=target)
+    log.debug("tilelang lower %s: %.2fs", arch, time.perf_counter() - t0)
+    return artifact.kernel_source
+
+
+# nvcc --use_fast_math, as FlashAttention-3 and Triton compile the softmax: exp2f becomes one MUFU.EX2
+# (ex2.approx.ftz). Without it every score's exp2 also gets a denormal range check (FSETP and two
+# predicated FMUL in the SASS, 2x the loop's code). The epilogue's division and log2 are approximate too
+# (2 ulp), far below bf16's rounding.
+FAST_MATH = {"tl.enable_fast_math": True}
+# TileLang's plain software pipeline (cp.async, one warpgroup) instead of a TMA producer warpgroup
+NO_WARP_SPECIALISATION = {"tl.disable_warp_specialized": True}
+
+
+def attn_pass_configs(config) -> dict:
+    """The forward's build options. Both forwards get fast math. The one-warpgroup forward (128
+    threads) is built without warp specialisation: with TileLang's producer warpgroup it hung on the
+    H200 (a32k's spec: D=64, 64-blocks, 32k keys; docs/PERF.md sessions 7 and 8): with fast math a
+    call never returned; without it, 300 eager calls and do_bench ran and the CUDA-graph replay of
+    the bench then never finished. Both builds have the same synchronisation in SASS, so the race is
+    TileLang's pipeline, not fast math. Without warp specialisation, with fast math, the same forward
+    ran 300 calls, do_bench and graph replay, in 0.207 ms against 0.277. TileLang 0.1.15 generates no
+    code for that pipeline with two or more stages (config.tilelang_attn_feasible keeps one). The
+    two-warpgroup forwards (256 threads) keep warp specialisation: they ran thousands of calls ((b),
+    c, c_dense, dense D=64 and D=128) and the (b) bench's graph replays."""
+    return FAST_MATH if config.threads == 256 else {**FAST_MATH, **NO_WARP_SPECIALISATION}
+
+
+def compile_attn(prim_func, config, arch: str = ARCH, **kwargs: Any):
+    """compile_kernel for a forward built from `config` (build_attn), with that config's build options:
+    the one place dispatch, the tuner's precompile and exported modules compile the forward."""
+    return compile_kernel(prim_func, arch=arch, **{"pass_configs": attn_pass_configs(config), **kwargs})
+
+
+def compile_kernel(prim_func, arch: str = ARCH, out_idx: list[int] | None = None, **kwargs: Any):
+    """`tilelang.JITKernel` with the cubin built by nvcc for `arch`.
+
+    Works on a machine without a GPU: TileLang only needs nvcc to build and a GPU to launch. Its
+    own on-disk cache (TILELANG_CACHE_DIR, ~/.tilelang/cache by default) makes a repeat instant.
+    """
+    import tilelang
+
+    t0 = time.perf_counter()
+    kernel = tilelang.compile(
+        prim_func,
+        out_idx=ATTN_OUT_IDX if out_idx is None else out_idx,
+        target={"kind": "cuda", "arch": arch},
+        **{"pass_configs": FAST_MATH, **kwargs},
+    )
+    log.debug("tilelang compile %s: %.2fs", arch, time.perf_counter() - t0)
+    return kernel
+
+
+# ---- configs ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TileLangAttnConfig:
+    """TileLang Q-centric forward. block_m: packed rows per program; threads: 128 (one consumer
+    warpgroup) or 256 (two); TileLang adds a producer warpgroup for the TMA loads. overlap: issue
+    the QK gemm of the next KV sub-block and the PV gemm of the last one together and run the
+    softmax while PV runs (FlashAttention-3's intra-warpgroup pipelining; Hopper wgmma only). pingpong
+    (with overlap and 256 threads): the two consumer warpgroups take turns issuing their gemms
+    (FlashAttention-3's inter-warpgroup schedule)."""
+
+    block_m: int = 128
+    num_stages: int = 2
+    threads: int = 256
+    overlap: bool = False
+    pingpong: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig) -> str | None:
+    """Why the TileLang forward cannot run `cfg` for `spec`, or None. The row packing rule of every
+    backend; 256 threads need 128 rows (two 64-row warpgroups). Three stages at head_dim 64 are left
+    out: on the H200 that kernel never finished (a32k tune, 2026-11-30). 128 threads: one stage, as that
+    forward is built without warp specialisation (attn_pass_configs) and TileLang 0.1.15 generates no
+    code for it with more."""
+    if cfg.block_m not in (64, 128) or cfg.threads not in (128, 256):
+        return f"block_m={cfg.block_m}, threads={cfg.threads}; expected block_m 64 or 128 and threads 128 or 256"
+    packing = pack_infeasible(spec, cfg.block_m)
+    if packing:
+        return packing
+    if cfg.threads == 256 and cfg.block_m != 128:
+        return "threads=256 (two consumer warpgroups of 64 rows) needs block_m=128"
+    if cfg.num_stages not in (1, 2, 3):
+        return f"num_stages={cfg.num_stages}; expected 1, 2 or 3"
+    if cfg.threads == 128 and cfg.num_stages != 1:
+        return ("threads=128 allows num_stages=1 only: that forward is built without warp specialisation (it hung "
+                "with it on the H200), and TileLang 0.1.15 generates no code for that pipeline with more stages")
+    if not isinstance(cfg.overlap, bool) or not isinstance(cfg.pingpong, bool):
+        return f"overlap={cfg.overlap!r}, pingpong={cfg.pingpong!r}; expected bools"
+    if cfg.pingpong and not (cfg.overlap and cfg.threads == 256):
+        return "pingpong=True needs overlap=True and threads=256 (two consumer warpgroups taking turns)"
+    if spec.head_dim == 64 and cfg.num_stages == 3:
+        return "num_stages=3 at head_dim=64 is left out: on the H200 that kernel never finished"
+    return None
+
+
+def attn_default(spec: Spec) -> TileLangAttnConfig:
+    # overlap at D=128: 540 vs 514 TFLOP/s on c_dense, 0.282 vs 0.298 ms on (b); at D=64 it was
+    # +3% non-causal, -3% causal (H200, 2026-11-30): off, the tuner decides
+    for block_m, threads, stages in ((128, 256, 2), (64, 128, 1)):
+        cfg = TileLangAttnConfig(block_m=block_m, num_stages=stages, threads=threads, overlap=spec.head_dim >= 128)
+        if attn_infeasible(spec, cfg) is None:
+            return cfg
+    raise KernelgenValueError(f"no feasible TileLang attention config for {spec}")
+
+
+def attn_space(spec: Spec):
+    return (TileLangAttnConfig(block_m=m, num_stages=s, threads=t, overlap=o, pingpong=p)
+            for m, s, t, o, p in itertools.product((64, 128), (1, 2, 3), (128, 256), (False, True), (False, True)))
+
+
+def launch_attn(kernel, spec: Spec, config, shapes: Shapes, q, k, v, block_idx, scale):
+    """The forward compiled for this exact shape, over normalised lists; it reads dense [B, H, N, D]
+    tensors, so strided inputs are copied first."""
+    scale = softmax_scale(scale, spec)
+    return kernel(q.contiguous(), k.contiguous(), v.contiguous(), block_idx, scale)
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_attn(spec: Spec, config: TileLangAttnConfig, problem: Problem):
+    """The forward for one problem shape (cached here and on disk by TileLang)."""
+    shapes = problem.shapes
+    func = build_attn(spec, problem.dtype, batch=shapes.batch, heads_kv=shapes.heads_kv, seq_q=shapes.n_q,
+                      seq_k=shapes.n_k, config=config)
+    return compile_attn(func, config, arch=target_arch(problem.device))
+
+
+class TileLangBackend(Backend):
+    name = "tilelang"
+    summary = "the attention forward in TileLang, compiled per problem shape (CUDA GPUs; wgmma and TMA on Hopper)"
+    per_shape = True
+    compilers = {"tilelang_version": ("tilelang",)}
+    roles = {"attn": RoleImpl(launch=launch_attn, template=TEMPLATE, config_type=TileLangAttnConfig,
+                              default=attn_default, space=attn_space, infeasible=attn_infeasible)}
+
+    def not_installed(self) -> str | None:
+        if importlib.util.find_spec("tilelang") is None:
+            return "backend='tilelang' needs TileLang: pip install 'kernelgen[tilelang]'"
+        return None
+
+    def build(self, spec: Spec, role: str, config, problem: Problem | None = None):
+        self.role(role)
+        if problem is None or problem.device.type != "cuda":
+            raise KernelgenValueError("backend='tilelang' runs on CUDA GPUs only (lowering and compiling work without "
+                                      "one: kernelgen.backends.tilelang.lower / compile_kernel)")
+        return compiled_attn(spec, config, problem)

@@ -1,0 +1,273 @@
+"""The Triton backend: every role, on any GPU Triton supports and on the CPU through its interpreter.
+
+Its kernels are rendered once per (spec, role, config) from templates/triton/<role>.py.j2 and loaded
+from the content-addressed cache; Triton compiles them per device on first launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..errors import KernelgenValueError
+from ..inputs import LOG2E, empty, next_pow2, softmax_scale
+from ..spec import Spec
+from .base import Backend, Problem, RoleImpl, Shapes
+
+__all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "SMEM_LIMIT_SM90", "attn_smem_bytes", "pack_infeasible",
+           "rendered_module"]
+
+# Shared memory a program may use on sm_90 (H100/H200): 227 KB.
+SMEM_LIMIT_SM90 = 232448
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Q-centric forward. block_m: packed rows (G heads x Q_TILE queries) per program; use_tma: load
+    K/V blocks through tensor descriptors (TMA on Hopper) instead of pointers; kv_per_iter: listed
+    blocks per loop step (2: two 64-key blocks make one 128-key MMA). (Triton 3.6's automatic warp
+    specialisation of the loop is no tunable: on the H200 its Hopper pass asserts on this kernel.)"""
+
+    block_m: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+    use_tma: bool = False
+    kv_per_iter: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """Scoring and top-k. tiles: Q tiles per program (they share each k_rep chunk load);
+    chunk: KV blocks scored per step; splits: programs that share one group of tiles, each scanning
+    a part of the blocks (their partial top-k are merged by a second kernel)."""
+
+    tiles: int = 16
+    chunk: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+    splits: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+# ---- attention: feasibility, defaults, space -------------------------------------------------------
+
+def pack_infeasible(spec: Spec, block_m: int) -> str | None:
+    """Why programs of `block_m` packed rows cannot cover a spec's tiles, or None: block_m must split a Q
+    tile evenly or hold whole tiles of a number of heads that divides gqa_group (every backend's rule)."""
+    if block_m < 16 or not spec.packs_rows(block_m):
+        return (f"block_m={block_m} must be >= 16 and either split a Q tile evenly (q_tile={spec.q_tile}) or "
+                f"hold whole tiles of a number of heads that divides gqa_group={spec.gqa_group}")
+    return None
+
+
+def attn_smem_bytes(spec: Spec, cfg: AttnConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the forward: num_stages buffers of one K and one V block, plus the Q tile.
+    (Matches what Triton 3.6 asked for on the H200: 278528 B for D=128, 128-blocks, block_m=64, 4 stages.)"""
+    return (cfg.num_stages * 2 * spec.kv_block * cfg.kv_per_iter + cfg.block_m) * spec.head_dim * elem_bytes
+
+
+def attn_infeasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90) -> str | None:
+    """Why the Triton forward cannot run `cfg` for `spec`, or None: the row packing rule, at most 128 keys
+    per step, registers for the scores and accumulator, and buffers that fit in shared memory."""
+    packing = pack_infeasible(spec, cfg.block_m)
+    if packing:
+        return packing
+    if cfg.kv_per_iter not in (1, 2):
+        return f"kv_per_iter={cfg.kv_per_iter}; expected 1 or 2"
+    block_n = spec.kv_block * cfg.kv_per_iter  # one step is at most 128 keys
+    if block_n > 128:
+        return f"kv_block * kv_per_iter = {block_n} keys per step; at most 128"
+    if cfg.use_tma and cfg.kv_per_iter > 1:
+        return "use_tma loads one block per step: kv_per_iter must be 1"
+    # registers: the fp32 accumulator and scores of one program (Triton spills badly past this)
+    regs = cfg.block_m * (spec.head_dim + block_n) // (32 * cfg.num_warps)
+    if regs > 192:
+        return (f"block_m * (head_dim + keys per step) / (32 * num_warps) = {regs} fp32 registers per thread for "
+                "the scores and the accumulator; at most 192 (Triton spills past it): more warps or fewer rows")
+    smem = attn_smem_bytes(spec, cfg)
+    if smem > smem_limit:
+        return f"{smem} B of shared memory (num_stages K and V blocks and the Q tile); at most {smem_limit}"
+    return None
+
+
+def attn_default(spec: Spec) -> AttnConfig:
+    warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
+    stages = {64: 2, 128: 2, 256: 1}[spec.head_dim]  # H200 sweep, shape (a): 2 stages beat 3
+    for block_m in (128, 64, 32, 16):
+        cfg = AttnConfig(block_m=block_m, num_warps=warps, num_stages=stages)
+        if attn_infeasible(spec, cfg) is None:
+            return cfg
+    raise KernelgenValueError(
+        f"no attention config fits {spec}: one K and one V block of kv_block x head_dim = {spec.kv_block} x "
+        f"{spec.head_dim} plus a Q tile exceed the {SMEM_LIMIT_SM90} B of shared memory of sm_90; use a smaller kv_block")
+
+
+def attn_space(spec: Spec):
+    return (AttnConfig(block_m=m, num_warps=w, num_stages=s, use_tma=t, kv_per_iter=n)
+            for m, w, s, t, n in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4), (False, True), (1, 2)))
+
+
+# ---- selection: feasibility, defaults, space -------------------------------------------------------
+
+def select_infeasible(spec: Spec, cfg: SelectConfig) -> str | None:
+    """Why the selector cannot run `cfg` for `spec`, or None."""
+    gr_pad = next_pow2(spec.gqa_group * spec.groups)
+    rows = cfg.tiles * gr_pad
+    cols = cfg.chunk * spec.groups
+    # tl.dot needs >= 16 rows and columns; keep the score tile within registers
+    if rows < 16 or cols < 16 or rows * cols > 64 * 256 or rows > 256:
+        return (f"a score tile of tiles * next_pow2(gqa_group * groups) = {rows} rows and chunk * groups = {cols} "
+                "columns; expected 16 to 256 rows, at least 16 columns and at most 16384 scores")
+    # tl.topk of a chunk needs at least next_pow2(top_k) columns
+    if cfg.chunk < next_pow2(spec.top_k):
+        return f"chunk={cfg.chunk} blocks is fewer than next_pow2(top_k) = {next_pow2(spec.top_k)}"
+    if cfg.splits not in (1, 2, 4, 8):
+        return f"splits={cfg.splits}; expected 1, 2, 4 or 8"
+    return None
+
+
+def select_default(spec: Spec) -> SelectConfig:
+    gr_pad = next_pow2(spec.gqa_group * spec.groups)
+    # 64 q_rep rows against >= 128 k_rep columns per step (H200 sweep, shape (a): 0.087 ms vs
+    # 0.147 ms with 16 rows: each program reads k_rep once for more tiles)
+    chunk = max(next_pow2(spec.top_k), 128 // spec.groups)
+    # long lists: fewer tiles per program keep the running top-k lists in registers
+    tiles = max(1, (64 if next_pow2(spec.top_k) <= 64 else 16) // gr_pad)
+    cfg = SelectConfig(tiles=tiles, chunk=chunk, num_warps=4, num_stages=1)
+    return cfg if select_infeasible(spec, cfg) is None else dataclasses.replace(cfg, tiles=max(1, 16 // gr_pad))
+
+
+def select_space(spec: Spec):
+    return (SelectConfig(tiles=t, chunk=c, num_warps=w, num_stages=1, splits=n)
+            for t, c, w, n in itertools.product((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256), (4, 8), (1, 2, 4)))
+
+
+# ---- launchers --------------------------------------------------------------------------------------
+
+def launch_lists(mod, spec: Spec, config, shapes: Shapes, block_idx: torch.Tensor) -> torch.Tensor:
+    """Checked int32 lists (`inputs.check_block_idx`) in the kernels' form, on the device, no host sync."""
+    out = empty(like=block_idx)
+    n_lists = shapes.batch * shapes.heads_kv * shapes.n_q_tiles
+    lists = max(1, min(16, 2048 // next_pow2(spec.top_k)))  # lists per program: about 2K ids in registers
+    mod.normalize_lists[(triton.cdiv(n_lists, lists),)](
+        block_idx, out, n_lists, shapes.n_kv_blocks,
+        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), LISTS=lists, num_warps=4)
+    return out
+
+
+def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod) -> torch.Tensor:
+    b, h, n, d = x.shape
+    rep = empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
+    # one tile per program: on the H200 (a32k) pooling took 15 us per tensor so, and 3x that with 4
+    # tiles per program (the template keeps TILES for a later tunable)
+    tiles = 1
+    mod.pool[(triton.cdiv(n_tiles, tiles), b * h)](x, rep, x.stride(0), x.stride(1), x.stride(2), n, h, n_tiles,
+                                                   TILE=tile, GROUPS=groups, HEAD_DIM=d, TILES=tiles,
+                                                   num_warps=8 if tiles * tile * d >= 8192 else 4)
+    return rep
+
+
+def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1), chosen on the device."""
+    r = spec.groups
+    q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod)
+    k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod)
+    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q.device, dtype=torch.int32)
+    n_bh, top_k_pad = shapes.batch * shapes.heads_kv, next_pow2(spec.top_k)
+    # splits > 1: each split scans a share of the blocks (more programs in flight), then a merge
+    cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q_tiles * cfg.splits * top_k_pad,
+                                                   device=q.device, dtype=torch.int64)
+    grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), n_bh, cfg.splits)
+    mod.select_topk[grid](
+        q_rep, k_rep, block_idx, cand, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
+        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
+        HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block,
+        GROUP=spec.gqa_group, GROUPS=r, GR_PAD=next_pow2(spec.gqa_group * r),
+        TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local,
+        TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.splits > 1:
+        tiles = max(1, min(64, 2048 // (cfg.splits * top_k_pad)))  # about 2K candidate keys per program
+        mod.merge_topk[(triton.cdiv(shapes.n_q_tiles, tiles), n_bh)](
+            cand, block_idx, shapes.n_q_tiles, shapes.heads_kv, block_idx.stride(0), block_idx.stride(1),
+            block_idx.stride(2), TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SPLITS=cfg.splits, TILES=tiles, num_warps=4)
+    return block_idx
+
+
+def _tma_ok(x: torch.Tensor) -> bool:
+    """Tensor descriptors need a 16-byte aligned base and 16-byte aligned strides (but the last, 1)."""
+    size = x.element_size()
+    return x.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in x.stride()[:-1])
+
+
+def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale):
+    """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists."""
+    scale = softmax_scale(scale, spec)
+    o = empty(*q.shape, device=q.device, dtype=q.dtype)
+    lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
+    splits = spec.gqa_group * spec.q_tile // cfg.block_m
+    grid = (shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)
+    k_arg, v_arg = k, v
+    use_tma = cfg.use_tma and _tma_ok(k) and _tma_ok(v)  # else the pointer path: same result
+    if use_tma:
+        block = [1, 1, spec.kv_block, spec.head_dim]
+        k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), block)
+        v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
+    mod.attn_fwd[grid](
+        q, k_arg, v_arg, o, lse, block_idx,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
+        KV_PER_ITER=cfg.kv_per_iter, CAUSAL=spec.causal,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o, lse
+
+
+# ---- the backend ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=256)
+def rendered_module(backend: str, role: str, template: str, spec: Spec, config):
+    """The module rendered from `template` for (spec, config), imported from the content-addressed cache.
+    Rendering (jinja2) is imported here: an exported module embeds this file without it."""
+    from ..codegen.cache import load_module
+    from ..codegen.render import module_name, render
+
+    source = render(template, spec, config)
+    return load_module(module_name(backend, role, source), source)
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    summary = "Triton kernels for every role; any CUDA GPU Triton supports, and the CPU through its interpreter"
+    devices = ("cuda", "cpu")
+    compilers = {"triton_version": ("triton", "pytorch-triton")}
+    roles = {
+        "lists": RoleImpl(launch=launch_lists, template="triton/lists.py.j2"),
+        "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
+                           default=select_default, space=select_space, infeasible=select_infeasible),
+        "attn": RoleImpl(launch=launch_attn, template="triton/attn.py.j2", config_type=AttnConfig,
+                         default=attn_default, space=attn_space, infeasible=attn_infeasible),
+    }
+
+    def device_unsupported(self, device) -> str | None:
+        from ..device import interpreting
+
+        device = torch.device(device)
+        if device.type == "cpu" and not interpreting():
+            return "backend='triton' runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1)"
+        return super().device_unsupported(device)
+
+    def build(self, spec: Spec, role: str, config, problem: Problem | None = None):
+        return rendered_module(self.name, role, str(self.role(role).template), spec, config)

@@ -1,0 +1,180 @@
+"""Input checks every call makes, whatever the backend: shapes, dtypes, devices, strides, block lists.
+
+Each bad input is a KernelgenValueError or KernelgenTypeError (ValueError, TypeError) that names the
+argument and what was expected. Also the pieces every launcher shares: poisoned allocation for tests,
+`BlockLists`, the softmax scale.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .backends.base import Shapes
+from .device import interpreting
+from .errors import KernelgenTypeError, KernelgenValueError
+from .spec import Spec
+
+__all__ = ["Shapes", "BlockLists", "check_qkv", "check_block_idx", "check_block_lists", "softmax_scale",
+           "empty", "next_pow2", "LOG2E", "LAYOUT"]
+
+LOG2E = 1.4426950408889634
+LAYOUT = "q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] (heads before sequence, as SDPA and FlexAttention)"
+# Tests set KERNELGEN_POISON=1: outputs start as NaN (lists as INT32_MIN) so unwritten elements fail.
+_POISON = os.environ.get("KERNELGEN_POISON", "0") == "1"
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def empty(*shape, like=None, device=None, dtype=None) -> torch.Tensor:
+    """torch.empty, or under KERNELGEN_POISON=1 a tensor of NaN (INT_MIN for integers)."""
+    if like is not None:
+        shape, device, dtype = like.shape, like.device, like.dtype
+    if not _POISON:
+        return torch.empty(*shape, device=device, dtype=dtype)
+    fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+    return torch.full(shape, fill, device=device, dtype=dtype)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+class BlockLists:
+    """Lists already in the kernels' form, made once by `SparseAttention.prepare` and passed as `block_idx`
+    to every call that attends over them (the layers of a model, repeated steps), as FlexAttention's
+    BlockMask is built once and FlashInfer plans once: such a call skips the normalising launch.
+
+    block_idx    int32 [B, Hkv, n_q_tiles, top_k], valid ids ascending then -1: a copy, never the
+                 caller's tensor (writing into it afterwards is outside the contract)
+    kv_block, top_k, n_kv_blocks   what it was made for; a call with other values is a ValueError
+
+    Only `prepare` makes them (the kernels trust their order: a hand-made one could name a block the
+    kernels would read out of bounds), so the constructor refuses."""
+    __slots__ = ("block_idx", "kv_block", "top_k", "n_kv_blocks")
+
+    def __init__(self, *args, **kwargs):
+        raise KernelgenTypeError("BlockLists are made by SparseAttention.prepare(block_idx, seq_q, seq_k), not by hand")
+
+    @classmethod
+    def _made_by_prepare(cls, block_idx: torch.Tensor, kv_block: int, top_k: int, n_kv_blocks: int) -> BlockLists:
+        lists = object.__new__(cls)
+        for name, value in zip(cls.__slots__, (block_idx, kv_block, top_k, n_kv_blocks)):
+            object.__setattr__(lists, name, value)
+        return lists
+
+    def __setattr__(self, name, value):
+        raise AttributeError("BlockLists are read-only")
+
+    def __repr__(self) -> str:
+        return (f"BlockLists(shape={tuple(self.block_idx.shape)}, kv_block={self.kv_block}, top_k={self.top_k}, "
+                f"n_kv_blocks={self.n_kv_blocks}, device={self.block_idx.device})")
+
+
+def check_qkv(q, k, v, spec: Spec) -> Shapes:
+    """Reject anything the kernels cannot compute, naming the argument and what was expected."""
+    try:  # the common case in one expression (this runs on every call); details only on failure
+        fine = (q.dim() == 4 and k.dim() == 4 and q.dtype in _DTYPES and q.dtype == k.dtype == v.dtype
+                and q.shape[-1] == spec.head_dim and k.shape == v.shape and k.shape[-1] == spec.head_dim
+                and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+                and q.is_cuda and k.device == q.device and v.device == q.device and not interpreting())
+    except (AttributeError, TypeError):  # not tensors
+        fine = False
+    if not fine:
+        _explain_qkv(q, k, v, spec)
+    b, hq, nq, _ = q.shape
+    bk, hkv, nk, _ = k.shape
+    if bk != b:
+        raise KernelgenValueError(f"k.shape[0] = {bk} does not match q.shape[0] = {b} (batch)")
+    if hq != hkv * spec.gqa_group:
+        raise KernelgenValueError(f"q has {hq} heads (dim 1) but k has {hkv} and spec.gqa_group = {spec.gqa_group}: "
+                                  f"expected {hkv * spec.gqa_group}; the layout is {LAYOUT}")
+    if nq < 1 or nk < 1 or b < 1 or hkv < 1:
+        raise KernelgenValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return Shapes(b, hq, hkv, nq, nk, spec.n_q_tiles(nq), spec.n_kv_blocks(nk))
+
+
+def _explain_qkv(q, k, v, spec: Spec) -> None:
+    """Raise the precise error for inputs that failed check_qkv's fast test (returns if they are
+    fine after all: CPU tensors under the interpreter)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise KernelgenTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise KernelgenValueError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise KernelgenTypeError(f"{name}.dtype must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.shape[-1] != spec.head_dim:
+            raise KernelgenValueError(f"{name}.shape[-1] = {t.shape[-1]} does not match spec.head_dim = {spec.head_dim}")
+        if t.stride(-1) != 1:
+            raise KernelgenValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {t.stride()}")
+        if t.dtype != q.dtype:
+            raise KernelgenTypeError(f"{name}.dtype = {t.dtype} differs from q.dtype = {q.dtype}")
+        if t.device != q.device:
+            raise KernelgenValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if q.device.type == "cuda":
+        if interpreting():
+            raise KernelgenValueError("CUDA tensors with TRITON_INTERPRET=1: unset it to run the kernels on the GPU")
+    elif q.device.type == "cpu":
+        if not interpreting():
+            raise KernelgenValueError("q is on the CPU: kernelgen runs on CUDA, or on the CPU only under TRITON_INTERPRET=1")
+        if q.dtype == torch.bfloat16:
+            raise KernelgenTypeError("bfloat16 is not supported by the Triton CPU interpreter (it computes garbage); "
+                            "use float16 or float32 on the CPU")
+    else:
+        raise KernelgenValueError(f"q is on {q.device}; expected a CUDA device (or the CPU under TRITON_INTERPRET=1)")
+    if k.shape != v.shape:
+        raise KernelgenValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def check_block_idx(block_idx, spec: Spec, shapes: Shapes, device, validate: bool = False) -> torch.Tensor:
+    """A caller's lists checked on the host, as contiguous int32 (the "lists" role then puts them in the
+    kernels' form). int64 lists are converted exactly: values outside [0, n_kv_blocks) become empty
+    slots, never wrapped ids. With `validate`, a repeated id is an error (this reads the lists back)."""
+    if not isinstance(block_idx, torch.Tensor):
+        raise KernelgenTypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
+    expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
+    if tuple(block_idx.shape) != expected:
+        raise KernelgenValueError(f"block_idx.shape = {tuple(block_idx.shape)}, expected [B, Hkv, n_q_tiles, top_k] = {expected}")
+    if block_idx.device != device:
+        raise KernelgenValueError(f"block_idx is on {block_idx.device} but q is on {device}")
+    if block_idx.dtype == torch.int64:
+        block_idx = torch.where((block_idx >= 0) & (block_idx < shapes.n_kv_blocks), block_idx, -1).to(torch.int32)
+    elif block_idx.dtype != torch.int32:
+        raise KernelgenTypeError(f"block_idx.dtype must be torch.int32 (or int64, converted), got {block_idx.dtype}")
+    block_idx = block_idx.contiguous()
+    if validate:
+        ids = block_idx.long()
+        ids = torch.where((ids >= 0) & (ids < shapes.n_kv_blocks), ids, -1).sort(-1).values
+        if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
+            raise KernelgenValueError("block_idx holds a repeated block id in some list; each list must be a set")
+    return block_idx
+
+
+def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> torch.Tensor:
+    """The normalised tensor of prepared lists, if they were made for this spec's blocks and this call's
+    shapes and device (a few comparisons: no launch, no copy)."""
+    made = (lists.kv_block, lists.top_k, lists.n_kv_blocks)
+    if made != (spec.kv_block, spec.top_k, shapes.n_kv_blocks):
+        raise KernelgenValueError(f"block_idx was prepared for kv_block, top_k, n_kv_blocks = {made}; this call has "
+                         f"{(spec.kv_block, spec.top_k, shapes.n_kv_blocks)} (prepare them for this spec and seq_k)")
+    expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
+    if tuple(lists.block_idx.shape) != expected:
+        raise KernelgenValueError(f"block_idx (prepared) has shape {tuple(lists.block_idx.shape)}, expected "
+                         f"[B, Hkv, n_q_tiles, top_k] = {expected}")
+    if lists.block_idx.device != device:
+        raise KernelgenValueError(f"block_idx (prepared) is on {lists.block_idx.device} but q is on {device}")
+    return lists.block_idx
+
+
+def softmax_scale(scale, spec: Spec) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(spec.head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise KernelgenTypeError(f"scale must be a finite float (default 1/sqrt(head_dim)), got {scale!r}")
+    if scale <= 0:
+        # the kernels take each row's running max on unscaled scores (as FlashAttention does)
+        raise KernelgenValueError(f"scale must be > 0 (default 1/sqrt(head_dim)), got {scale!r}")
+    return float(scale)
+
+

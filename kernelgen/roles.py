@@ -1,0 +1,170 @@
+"""Kernel roles: what each kind of kernel computes, how its launch is called, and what it is tuned on.
+
+A role is data. Each backend that runs it supplies a template and a launcher for it (`RoleImpl` in
+`kernelgen.backends.base`); a backend that lacks a role has it run by the registry's fallback
+backend (`kernelgen.backends.fallback_for`). Adding a role is one `Role` here (or `register_role`)
+plus one `RoleImpl` per backend that runs it.
+
+Launch signatures, after (kernel, spec, config, shapes):
+  lists    (block_idx, validate)        caller-given lists -> int32 lists in the kernels' form
+  select   (q, k)                       lists chosen by spec.selector: int32 [B, Hkv, n_q_tiles, top_k]
+  attn     (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from . import reference
+from .errors import KernelgenValueError
+from .spec import Spec
+from .workloads import useful_flops
+
+__all__ = ["Role", "ROLES", "register_role", "get_role", "Workload", "WorkloadShape", "valid_top_k", "REL_L2_TOL"]
+
+# what a tuned config must reproduce: rel. L2 error of o against the float64 reference
+REL_L2_TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4}
+SELECT_SCORE_TOL = 1e-3  # relative slack at near-ties between chosen and unchosen blocks
+
+
+class WorkloadShape(NamedTuple):
+    batch: int
+    heads_kv: int
+    n_q: int
+    n_k: int
+
+
+@dataclass
+class Workload:
+    """Inputs of one role's launch, and how to judge its output (the tuner's trial)."""
+
+    args: tuple                                  # the launch's arguments after (kernel, spec, config, shapes)
+    check: Callable[[Any], str | None]           # why the output is wrong, or None
+    flops: float | None = None                   # useful FLOPs of one launch (attention roles)
+
+
+@dataclass(frozen=True)
+class Role:
+    """One kind of kernel.
+
+    name        its key in configs, the tuning DB and templates/<backend>/<name>.py.j2
+    summary     what it computes
+    canonical   spec fields its kernels do not read, with the value that stands for all of them: specs
+                that differ only there share the role's kernels and tuned winners
+    workload    (spec, shape, device, dtype, check) -> Workload that the tuner times; None: not tuned
+    """
+
+    name: str
+    summary: str
+    canonical: dict = dataclasses.field(default_factory=dict)
+    workload: Callable[..., Workload] | None = None
+
+    @property
+    def tuned(self) -> bool:
+        return self.workload is not None
+
+    def kernel_spec(self, spec: Spec, backend: str) -> Spec:
+        """The spec whose kernels run this role on `backend`."""
+        return spec.replace(backend=backend, **self.canonical)
+
+    def key(self, spec: Spec, backend: str) -> str:
+        """The tuning DB's key of this role's winners for `spec` on `backend`."""
+        return self.kernel_spec(spec, backend).key()
+
+
+# ---- workloads -----------------------------------------------------------------------------------
+
+def _inputs(spec: Spec, shape: WorkloadShape, device, dtype, seed: int = 0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape_q = (shape.batch, shape.heads_kv * spec.gqa_group, shape.n_q, spec.head_dim)
+    shape_kv = (shape.batch, shape.heads_kv, shape.n_k, spec.head_dim)
+    return tuple(torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in (shape_q, shape_kv, shape_kv))
+
+
+def _lists(q, k, spec: Spec) -> torch.Tensor:
+    """The reference selector's lists (a `given` spec is timed on the `mean` selector's)."""
+    chooser = spec if spec.selects else spec.replace(selector="mean")
+    return reference.select_blocks(q, k, chooser).to(torch.int32)
+
+
+def attention_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    q, k, v = _inputs(spec, shape, device, dtype)
+    lists = _lists(q, k, spec)
+    flops = useful_flops(lists, spec, shape.n_q, shape.n_k)
+    if not check:
+        return Workload((q, k, v, lists, None), lambda out: None, flops)
+    ref = reference.sparse_attention(q, k, v, spec.replace(selector="given"), block_idx=lists)[0]
+
+    def judge(out) -> str | None:
+        o = out[0]
+        err = ((o.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+        tol = REL_L2_TOL[o.dtype]
+        return None if err < tol else f"o differs from the reference: rel. L2 error {err:.3e} >= {tol}"
+
+    return Workload((q, k, v, lists, None), judge, flops)
+
+
+def valid_top_k(lists: torch.Tensor, q, k, spec: Spec) -> bool:
+    """Forced blocks present, eligible blocks only, as many as the budget allows, and no unchosen block
+    scoring clearly higher than a chosen one (float64 reference scores): fp32 near-ties may differ."""
+    nq, nk = q.shape[2], k.shape[2]
+    n_blocks = spec.n_kv_blocks(nk)
+    if lists.dtype != torch.int32 or not torch.equal(lists, reference.normalize_block_idx(lists, n_blocks)):
+        return False
+    scores = reference.block_scores(q, k, spec)
+    eligible, forced = reference.tile_eligibility(spec, nq, nk, device=q.device)
+    idx = lists.long()
+    chosen = torch.zeros(*scores.shape[:-1], n_blocks + 1, dtype=torch.bool, device=q.device)
+    chosen.scatter_(-1, torch.where(idx >= 0, idx, n_blocks), True)
+    chosen = chosen[..., :n_blocks]
+    count_ok = torch.equal(chosen.sum(-1), torch.clamp(eligible.sum(-1), max=spec.top_k).expand_as(chosen.sum(-1)))
+    free = eligible & ~forced
+    worst_chosen = torch.where(chosen & free, scores, torch.inf).amin(-1)
+    best_unchosen = torch.where(~chosen & free, scores, -torch.inf).amax(-1)
+    scale = scores[torch.isfinite(scores)].abs().max().clamp(min=1.0)
+    return bool(count_ok and not (chosen & ~eligible).any() and not (forced & ~chosen).any()
+                and (best_unchosen <= worst_chosen + SELECT_SCORE_TOL * scale).all())
+
+
+def select_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    q, k, _ = _inputs(spec, shape, device, dtype)
+
+    def judge(lists) -> str | None:
+        if valid_top_k(lists, q, k, spec):
+            return None
+        return "the block lists are not a valid top-k under the float64 scores"
+
+    return Workload((q, k), judge if check else (lambda out: None))
+
+
+# ---- the registry --------------------------------------------------------------------------------
+
+_KERNEL_READS_LISTS = {"selector": "given", "local": 0, "sink": 0}  # forced blocks are in the lists
+
+ROLES: dict[str, Role] = {}
+
+
+def register_role(role: Role) -> Role:
+    """Add a role (a plug-in, or a test's); its name must be new."""
+    if role.name in ROLES:
+        raise KernelgenValueError(f"a role named {role.name!r} is registered already")
+    ROLES[role.name] = role
+    return role
+
+
+def get_role(name: str) -> Role:
+    try:
+        return ROLES[name]
+    except (KeyError, TypeError):
+        raise KernelgenValueError(f"role={name!r} is unknown; expected one of {sorted(ROLES)}") from None
+
+
+register_role(Role("lists", "caller-given block lists to the kernels' form (ids ascending, then -1; out-of-range "
+                   "and repeated ids empty)", canonical=_KERNEL_READS_LISTS))
+register_role(Role("select", "block lists chosen by the spec's selector", workload=select_workload))
+register_role(Role("attn", "attention over block lists: o and lse", canonical=_KERNEL_READS_LISTS,
+                   workload=attention_workload))

@@ -1,0 +1,87 @@
+"""Workloads measured in numbers: the benchmark shapes, and the useful-FLOP count every TFLOP/s figure
+uses (bench and tuning alike).
+
+Useful FLOPs: 4 * D * (visible (query, key) pairs inside the listed blocks), summed over batch and query
+heads (docs/SEMANTICS.md); selection and softmax work are not counted. Dense anchors count every visible
+pair.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .spec import Spec
+
+__all__ = ["BenchShape", "SHAPES", "visible_pairs", "useful_flops", "dense_flops"]
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    name: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    n_q: int
+    n_k: int
+    head_dim: int
+    kv_block: int
+    q_tile: int
+    top_k: int
+    causal: bool
+
+    def inputs(self, device="cuda", dtype=torch.bfloat16, seed=0):
+        """q, k, v of this shape: randn from one generator seeded `seed` on `device`, in that order."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return [torch.randn(self.batch, h, n, self.head_dim, device=device, dtype=dtype, generator=gen)
+                for h, n in ((self.heads_q, self.n_q), (self.heads_kv, self.n_k), (self.heads_kv, self.n_k))]
+
+    def spec(self, selector="mean"):
+        return Spec(head_dim=self.head_dim, kv_block=self.kv_block, q_tile=self.q_tile, top_k=self.top_k,
+                    causal=self.causal, gqa_group=self.heads_q // self.heads_kv, selector=selector)
+
+
+SHAPES = {
+    s.name: s
+    for s in [
+        BenchShape("a32k", 1, 8, 8, 32768, 32768, 64, 64, 64, 16, False),
+        BenchShape("a128k", 1, 8, 8, 131072, 131072, 64, 64, 64, 16, False),
+        BenchShape("b", 2, 16, 1, 4096, 16384, 128, 128, 128, 16, False),
+        BenchShape("c", 1, 32, 8, 32768, 32768, 128, 128, 128, 16, True),
+        BenchShape("c_dense", 1, 32, 8, 32768, 32768, 128, 128, 128, 256, True),
+        # the CPU smoke size (interpreter)
+        BenchShape("tiny", 1, 2, 1, 256, 256, 64, 64, 64, 2, True),
+    ]
+}
+
+
+def visible_pairs(block_idx: torch.Tensor, spec: Spec, n_q: int, n_k: int) -> torch.Tensor:
+    """Visible (query, key) pairs inside the listed blocks, per (batch, KV head): int64 [B, Hkv]."""
+    n_blocks = spec.n_kv_blocks(n_k)
+    idx = block_idx.long()
+    valid = (idx >= 0) & (idx < n_blocks)
+    start = idx.clamp(0, n_blocks - 1) * spec.kv_block
+    end = torch.clamp(start + spec.kv_block, max=n_k)
+    tiles = torch.arange(block_idx.shape[2], device=idx.device)
+    q = tiles[:, None] * spec.q_tile + torch.arange(spec.q_tile, device=idx.device)[None, :]  # [T, q_tile]
+    q_ok = q < n_q
+    if spec.causal:
+        last = q + (n_k - n_q)  # last visible key of each query
+        seen = (torch.minimum(end[..., None], last[None, None, :, None, :] + 1) - start[..., None]).clamp(min=0)
+    else:
+        seen = (end - start)[..., None].expand(*idx.shape, spec.q_tile)
+    seen = seen * q_ok[None, None, :, None, :] * valid[..., None]
+    return seen.sum(dim=(2, 3, 4))
+
+
+def useful_flops(block_idx: torch.Tensor, spec: Spec, n_q: int, n_k: int) -> float:
+    """4 * D * (visible query-key pairs inside the listed blocks), over batch and query heads."""
+    return 4.0 * spec.head_dim * spec.gqa_group * float(visible_pairs(block_idx, spec, n_q, n_k).sum())
+
+
+def dense_flops(shape: BenchShape) -> float:
+    if shape.causal:
+        pairs = sum(max(0, min(shape.n_k, i + 1 + shape.n_k - shape.n_q)) for i in range(shape.n_q))
+    else:
+        pairs = shape.n_q * shape.n_k
+    return 4.0 * shape.head_dim * shape.batch * shape.heads_q * pairs
