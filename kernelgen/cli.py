@@ -1,11 +1,14 @@
 """`kernelgen` command line: tune, db, export, bench, info (typer + rich).
 
-The library never configures logging; this module does, for the commands it runs.
+The library never configures logging; this module does, for the commands it runs. Bad input gets one
+line on stderr and exit status 2, never a traceback.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -15,9 +18,28 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 app = typer.Typer(help="Compiler and autotuner for run-time block-sparse attention kernels.", no_args_is_help=True)
-db_app = typer.Typer(help="The tuning database (winners per spec, role, GPU and length bucket).", no_args_is_help=True)
+db_app = typer.Typer(help="The tuning databases (winners per spec, role, backend, GPU and length bucket).",
+                     no_args_is_help=True)
 app.add_typer(db_app, name="db")
 console = Console()
+
+
+def _fail(message: str) -> None:
+    """One line on stderr, exit status 2 (bad input: the command did nothing)."""
+    print(f"kernelgen: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+def clean_errors(command):
+    """Bad input raised inside a command (a kernelgen error, a ValueError or TypeError, a file that cannot be
+    read) becomes one line and exit status 2."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (ValueError, TypeError, OSError) as error:
+            _fail(error)
+    return run
 
 
 @app.callback()
@@ -27,15 +49,16 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kerne
 
 
 def _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink, backend):
+    from . import backends
     from .spec import Spec
 
-    try:
-        if spec_file is not None:
-            return Spec.from_json(Path(spec_file).read_text())
-        return Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal,
+    if spec_file is not None:
+        spec = Spec.from_json(Path(spec_file).read_text())
+    else:
+        spec = Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal,
                     gqa_group=gqa_group, selector=selector, local=local, sink=sink, backend=backend)
-    except (ValueError, TypeError, OSError) as error:
-        raise typer.BadParameter(str(error)) from None
+    backends.check_spec(spec)
+    return spec
 
 
 # options shared by the commands that take a spec
@@ -49,167 +72,226 @@ GQA = typer.Option(1, help="Query heads per KV head.")
 SELECTOR = typer.Option("mean", help="mean | multi:r | given.")
 LOCAL = typer.Option(0, help="Local blocks forced into every list.")
 SINK = typer.Option(0, help="Sink blocks forced into every list.")
-BACKEND = typer.Option("triton", help="triton | tilelang | gluon | auto (gluon: Hopper only; auto: served, not "
-                                      "tuned).")
+BACKEND = typer.Option("triton", help="A registered backend (see `kernelgen info`), or auto (served, not tuned).")
 
 
-def _current_arch() -> Optional[str]:
-    import torch
+def _print_plan(p: dict) -> None:
+    console.print(f"[bold]{p['role']}[/bold] ({p['backend']}): study {p['study_name']}, bucket {p['bucket']}, "
+                  f"sampler {p['sampler']}, {p['trials']} trials over a space of {p['space_size']} configs, "
+                  f"benchmark shape {p['shape']}")
+    table = Table("#", "config")
+    for i, cfg in enumerate(p["space"]):
+        table.add_row(str(i), json.dumps(cfg, sort_keys=True))
+    console.print(table)
 
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}"
+
+def _tune_one(spec, role, seq, arch, trials, timeout, shape=None, label=None):
+    from rich.progress import Progress
+
+    from .tuning import tune as run_tune
+
+    with Progress(console=console) as bar:
+        task = bar.add_task(f"tuning {label or role}", total=trials)
+        result = run_tune(spec, role, seq=seq, arch=arch, trials=trials, timeout=timeout, shape=shape,
+                          progress=lambda i, n, value: bar.update(task, completed=i + 1, total=n))
+    table = Table("study", "default ms", "tuned ms", "speed-up", "trials", "failed", "config")
+
+    def ms(value):
+        return "failed" if value is None else f"{value:.4f}"
+
+    speedup = "-" if not (result.default_ms and result.best_ms) else f"{result.default_ms / result.best_ms:.2f}x"
+    table.add_row(label or role, ms(result.default_ms), ms(result.best_ms), speedup, str(result.n_trials),
+                  str(result.n_failed), json.dumps(result.best_config, sort_keys=True))
+    console.print(table)
+    if result.note:
+        console.print(result.note)
 
 
 @app.command()
+@clean_errors
 def tune(
     arch: str = typer.Option(..., help="GPU architecture to tune for, e.g. sm_90 (must be the GPU present)."),
-    seq: int = typer.Option(..., help="Sequence length; tuned for its power-of-two bucket."),
-    role: List[str] = typer.Option(["attn", "select"], help="Kernel roles to tune."),
+    seq: Optional[int] = typer.Option(None, help="Sequence length; tuned for its power-of-two bucket."),
+    role: Optional[List[str]] = typer.Option(None, help="Kernel roles to tune (default: every tuned role)."),
     trials: int = typer.Option(30, help="Trials per role (Optuna)."),
     timeout: Optional[float] = typer.Option(None, help="Seconds per role's study."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the search space and the trials; run nothing."),
+    preset: Optional[str] = typer.Option(None, help="A named set of studies instead of one spec: bench (the "
+                                                    "benchmark shapes, each backend's attention and the selector)."),
+    shapes: Optional[str] = typer.Option(None, help="With --preset bench: comma-separated shape names."),
+    backends_option: Optional[str] = typer.Option(None, "--backends", help="With --preset: comma-separated backends."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
     sink: int = SINK, backend: str = BACKEND,
 ):
-    """Search tile, warp and stage parameters on this GPU and store the winners in the tuning DB."""
-    from . import tune as tuning
+    """Search tile, warp and stage parameters on this GPU and store the winners in the user tuning DB."""
+    from . import backends as registry
+    from .device import current_arch
+    from .roles import ROLES
+    from .tuning.plan import check_arch, plan
+    from .tuning.presets import studies
 
+    check_arch(arch)
+    if not dry_run:
+        present = current_arch()
+        if present is None:
+            _fail("no CUDA GPU here: tuning needs the GPU it tunes for (use --dry-run to see the plan)")
+        if present != arch:
+            _fail(f"--arch {arch} does not match the GPU present ({present}); tune on a GPU of that arch")
+    if preset is not None:
+        chosen = [s for s in (shapes or "").split(",") if s] or None
+        names = [b for b in (backends_option or "").split(",") if b] or None
+        for name in names or ():
+            registry.get(name)
+        for study in studies(preset, chosen, names):
+            if registry.get(study.spec.backend).arch_unsupported(arch):
+                continue  # this arch cannot run that backend: plan only what it can
+            if dry_run:
+                _print_plan(plan(study.spec, study.role, seq=study.seq, arch=arch, trials=study.trials,
+                                 shape=study.shape))
+            else:
+                _tune_one(study.spec, study.role, study.seq, arch, study.trials, timeout, study.shape, study.label)
+        return
+    if seq is None:
+        _fail("--seq is required (or --preset)")
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local,
                               sink, backend)
-    if spec.backend == "auto" and "attn" in role:
-        raise typer.BadParameter("auto is served, not tuned: tune --backend triton, --backend tilelang and "
-                                 "--backend gluon; get_kernel then serves the fastest", param_hint="--backend")
-    roles = [r for r in role if r != "select" or spec.selects]
-    if not dry_run:
-        present = _current_arch()
-        if present is None:
-            raise typer.BadParameter("no CUDA GPU here: tuning needs the GPU it tunes for (use --dry-run to see the plan)",
-                                     param_hint="--arch")
-        if present != arch:
-            raise typer.BadParameter(f"--arch {arch} does not match the GPU present ({present})", param_hint="--arch")
+    roles = role or [name for name, r in ROLES.items() if r.tuned]
+    for name in roles:
+        if name not in ROLES or not ROLES[name].tuned:
+            _fail(f"--role {name!r} is not a tuned role; expected some of {[n for n, r in ROLES.items() if r.tuned]}")
+    roles = [r for r in roles if r != "select" or spec.selects]
     for r in roles:
-        p = tuning.plan(spec, r, seq=seq, arch=arch, trials=trials)
+        p = plan(spec, r, seq=seq, arch=arch, trials=trials)
         if dry_run:
-            console.print(f"[bold]{r}[/bold]: study {p['study_name']}, bucket {p['bucket']}, sampler {p['sampler']}, "
-                          f"{min(trials, len(p['space']))} trials over a space of {len(p['space'])} configs, "
-                          f"benchmark shape {p['shape']}")
-            table = Table("#", "config")
-            for i, cfg in enumerate(p["space"]):
-                table.add_row(str(i), json.dumps(cfg, sort_keys=True))
-            console.print(table)
-            continue
-        from rich.progress import Progress
+            _print_plan(p)
+        else:
+            _tune_one(spec, r, seq, arch, trials, timeout)
 
-        with Progress(console=console) as bar:
-            task = bar.add_task(f"tuning {r}", total=trials)
-            result = tuning.tune(spec, r, seq=seq, arch=arch, trials=trials, timeout=timeout,
-                                 progress=lambda i, n, value: bar.update(task, completed=i + 1, total=n))
-        table = Table("role", "default ms", "tuned ms", "speed-up", "trials", "failed", "config")
 
-        def ms(value):
-            return "failed" if value is None else f"{value:.4f}"
+def _all_rows(path: Optional[Path], **filters) -> list[dict]:
+    """Rows of the user DB and the bundled DB with their source, or of one DB file (`path`)."""
+    from .tuning.db import BUNDLED_DB_PATH, TuningDB, read_only_rows
 
-        speedup = "-" if not (result.default_ms and result.best_ms) else f"{result.default_ms / result.best_ms:.2f}x"
-        table.add_row(r, ms(result.default_ms), ms(result.best_ms), speedup, str(result.n_trials),
-                      str(result.n_failed), json.dumps(result.best_config, sort_keys=True))
-        console.print(table)
-        if result.note:
-            console.print(result.note)
+    if path is not None:
+        return [{**r, "source": str(path)} for r in read_only_rows(path, **filters)]
+    with TuningDB() as user:
+        rows = [{**r, "source": "user"} for r in user.rows(**filters)]
+    return rows + [{**r, "source": "bundled"} for r in read_only_rows(BUNDLED_DB_PATH, **filters)]
 
 
 @db_app.command("list")
+@clean_errors
 def db_list(spec_key: Optional[str] = typer.Option(None, help="Only this spec key."),
-            path: Optional[Path] = typer.Option(None, help="DB file (default: the user DB).")):
-    """List the tuned winners."""
-    from .db import TuningDB
-
-    filters = {"spec_key": spec_key} if spec_key else {}
-    rows = TuningDB(path).rows(**filters)
-    table = Table("spec_key", "role", "backend", "arch", "gpu", "bucket", "dtype", "ms", "TFLOP/s", "trials")
+            path: Optional[Path] = typer.Option(None, help="Only this DB file, opened read-only (default: the user "
+                                                           "DB and the bundled DB).")):
+    """List the tuned winners of the user DB and the bundled DB (full spec keys, one row each)."""
+    rows = _all_rows(path, **({"spec_key": spec_key} if spec_key else {}))
+    table = Table("source", "spec_key", "role", "backend", "arch", "bucket", "dtype", "ms", "TFLOP/s",
+                  "trials", box=None)
     for row in rows:
         tf = row.get("tflops")
-        table.add_row(row["spec_key"], row["role"], row["backend"], row["arch"], row["gpu_name"], str(row["bucket"]),
-                      row["dtype"], f"{row['median_ms']:.4f}", "-" if tf is None else f"{tf:.1f}", str(row["n_trials"]))
-    console.print(table)
-    console.print(f"{len(rows)} rows in {TuningDB(path).path}")
+        table.add_row(row["source"], row["spec_key"], row["role"], row["backend"], row["arch"], str(row["bucket"]),
+                      row["dtype"], f"{row['median_ms']:.4f}", "-" if tf is None else f"{tf:.1f}",
+                      str(row["n_trials"]))
+    Console(width=max(console.width, 160)).print(table)
+    console.print(f"{len(rows)} rows")
 
 
 @db_app.command("show")
+@clean_errors
 def db_show(spec_key: str = typer.Argument(..., help="Spec key (see `kernelgen db list`)."),
-            path: Optional[Path] = typer.Option(None, help="DB file (default: the user DB).")):
-    """Every stored field of a spec's winners, as JSON."""
-    from .db import TuningDB
-
-    rows = TuningDB(path).rows(spec_key=spec_key)
+            path: Optional[Path] = typer.Option(None, help="Only this DB file (default: the user DB and the bundled DB).")):
+    """Every stored field of a spec key's winners, as JSON."""
+    rows = _all_rows(path, spec_key=spec_key)
     if not rows:
-        console.print(f"no rows for spec key {spec_key}")
-        raise typer.Exit(1)
+        _fail(f"no rows for spec key {spec_key} (see `kernelgen db list`)")
     console.print_json(json.dumps(rows, default=str))
 
 
 @db_app.command("clear")
+@clean_errors
 def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec key."),
-             path: Optional[Path] = typer.Option(None, help="DB file (default: the user DB)."),
              yes: bool = typer.Option(False, "--yes", help="Do not ask.")):
     """Delete winners from the user DB (the bundled DB is read-only)."""
-    from .db import TuningDB
+    from .tuning.db import TuningDB
 
-    db = TuningDB(path)
-    if not yes:
-        typer.confirm(f"Delete {'all rows' if not spec_key else 'rows of ' + spec_key} in {db.path}?", abort=True)
-    n = db.clear(**({"spec_key": spec_key} if spec_key else {}))
+    with TuningDB() as db:
+        if not yes:
+            typer.confirm(f"Delete {'all rows' if not spec_key else 'rows of ' + spec_key} in {db.path}?", abort=True)
+        n = db.clear(**({"spec_key": spec_key} if spec_key else {}))
     console.print(f"deleted {n} rows")
 
 
+@db_app.command("bundle")
+@clean_errors
+def db_bundle(files: List[Path] = typer.Argument(..., help="DB files whose winners to merge (a GPU machine's "
+                                                         "user DB)."),
+              into: Optional[Path] = typer.Option(None, help="The bundled DB file (default: tuning_db/winners.db).")):
+    """Merge tuned winners into the bundled DB that ships with kernelgen (maintainers): a merged row replaces
+    the bundled row of the same key; every other row is kept."""
+    from .tuning.db import BUNDLED_DB_PATH, merge_into_bundled
+
+    for file in files:
+        if not file.is_file():
+            _fail(f"{file} is not a file")
+    target = into or BUNDLED_DB_PATH
+    rows = merge_into_bundled(files, target)
+    console.print(f"{len(rows)} rows in {target}")
+
+
 @app.command()
+@clean_errors
 def export(
     out: Path = typer.Option(..., "--out", help="The .py file to write."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
-    sink: int = SINK, backend: str = typer.Option("triton", help="triton | tilelang | gluon (tilelang: the module "
-                                                   "then needs tilelang too)."),
+    sink: int = SINK, backend: str = typer.Option("triton", help="A registered backend (not auto): its kernels are "
+                                                   "baked in."),
 ):
-    """Write one standalone module (torch + triton, and tilelang for a TileLang spec) with the kernels and
-    configs baked in."""
+    """Write one standalone module (torch + triton, and the backend's compiler) with the kernels and configs
+    baked in."""
     from .export import export_module
 
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
                               backend)
-    try:
-        path = export_module(spec, out)
-    except ValueError as error:  # e.g. backend auto
-        raise typer.BadParameter(str(error)) from None
+    path = export_module(spec, out)
     console.print(f"wrote {path}")
 
 
 @app.command()
+@clean_errors
 def bench(
-    shapes: Optional[str] = typer.Option(None, help="Comma-separated shape names (default: all on a GPU, tiny on CPU)."),
+    shapes: Optional[str] = typer.Option(None, help="Comma-separated shape names (default: all on a GPU; on a CPU "
+                                                    "only the tiny interpreter smoke run)."),
     out: Path = typer.Option(Path("bench-out"), help="Directory for bench.csv, bench.json and bench.png."),
-    sweep: str = typer.Option("", help="Shapes on which to also sweep every attention and select config."),
+    overhead: bool = typer.Option(False, "--overhead", help="Also measure dispatch overhead per call."),
+    sweep: str = typer.Option("", help="Shapes on which to also time every attention and select config."),
+    graph: bool = typer.Option(True, "--graph/--no-graph", help="Also time each row replayed from a CUDA graph."),
+    stall_timeout: float = typer.Option(600.0, help="Seconds without output after which the bench prints every "
+                                                    "thread's stack and exits 1 (a hung kernel); 0: never."),
 ):
     """kernelgen next to FlexAttention (same BlockMask) and SDPA flash / cuDNN: ms and useful TFLOP/s."""
     from . import bench as benchmark
 
-    args = ["--out", str(out)] + (["--shapes", shapes] if shapes else []) + (["--sweep", sweep] if sweep else [])
-    benchmark.main(args)
-    png = benchmark.plot(out)
+    benchmark.main(shapes=shapes, out=str(out), overhead=overhead, sweep=sweep, graph=graph,
+                   stall_timeout=stall_timeout)
+    png = benchmark.plot(str(out))
     if png:
         console.print(f"plot: {png}")
 
 
 @app.command()
 def info():
-    """Versions, GPU, cache and tuning-DB paths."""
+    """Versions, GPU, backends, cache and tuning-DB paths."""
     import importlib.metadata as md
 
     import torch
 
-    from .compile import cache_dir
-    from .db import BUNDLED_DB_PATH, TuningDB
+    from . import backends
+    from .codegen.cache import cache_dir
+    from .device import current_arch, gpu_name
+    from .tuning.db import BUNDLED_DB_PATH, default_user_db_path, read_only_rows
 
     table = Table("what", "value")
 
@@ -223,13 +305,20 @@ def info():
         table.add_row(name, version(name))
     table.add_row("CUDA (torch)", str(torch.version.cuda))
     if torch.cuda.is_available():
-        table.add_row("GPU", f"{torch.cuda.get_device_name()} ({_current_arch()})")
+        table.add_row("GPU", f"{gpu_name()} ({current_arch()})")
     else:
         table.add_row("GPU", "none: kernels run in the Triton interpreter (TRITON_INTERPRET=1)")
-    table.add_row("cache dir", str(cache_dir()))
-    user = TuningDB()
-    table.add_row("user tuning DB", f"{user.path} ({len(user.rows())} rows)")
-    table.add_row("bundled tuning DB", str(BUNDLED_DB_PATH))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for backend in backends.all_backends():
+        why = backend.not_installed() or backend.device_unsupported(device)
+        table.add_row(f"backend {backend.name}", f"{'runs here' if not why else why}; {backend.summary}")
+    try:
+        table.add_row("cache dir", str(cache_dir()))
+    except OSError as error:
+        table.add_row("cache dir", f"unusable: {error}")
+    user = default_user_db_path()
+    table.add_row("user tuning DB", f"{user} ({len(read_only_rows(user))} rows)" if user.exists() else f"{user} (none yet)")
+    table.add_row("bundled tuning DB", f"{BUNDLED_DB_PATH} ({len(read_only_rows(BUNDLED_DB_PATH))} rows)")
     console.print(table)
 
 

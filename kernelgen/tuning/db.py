@@ -62,6 +62,8 @@ __all__ = [
     "current_fingerprint",
     "default_user_db_path",
     "write_bundled_db",
+    "merge_into_bundled",
+    "read_only_rows",
     "BUNDLED_DB_PATH",
 ]
 
@@ -520,11 +522,25 @@ class TuningDB:
 # The bundled DB and the two together
 
 
-def _open_read_only(path: Path) -> sqlite_utils.Database | None:
+def read_only_rows(path: str | Path, **filters: Any) -> list[dict]:
+    """Rows of a DB file opened read-only (nothing is written, not even its journal mode); [] when the file
+    is missing or unreadable (with a warning)."""
+    db = _open_read_only(Path(path), what="tuning database")
+    if db is None:
+        return []
+    try:
+        return _select(db, filters)
+    except sqlite3.DatabaseError as error:
+        logger.warning("tuning database %s is unreadable (%s)", path, error)
+        return []
+    finally:
+        db.conn.close()
+
+
+def _open_read_only(path: Path, what: str = "bundled tuning database") -> sqlite_utils.Database | None:
     """The bundled DB, opened so that nothing can write to it; None (with a warning) if unusable."""
     if not path.is_file():
-        logger.warning("bundled tuning database %s is missing; using tuned winners from the user "
-                       "database only", path)
+        logger.warning("%s %s is missing", what, path)
         return None
     # mode=ro in a URI: SQLite itself refuses writes, and a missing file is not created.
     conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
@@ -536,7 +552,7 @@ def _open_read_only(path: Path) -> sqlite_utils.Database | None:
         return db
     except sqlite3.DatabaseError as error:
         conn.close()
-        logger.warning("bundled tuning database %s is unreadable (%s); skipping it", path, error)
+        logger.warning("%s %s is unreadable (%s); skipping it", what, path, error)
         return None
 
 
@@ -610,3 +626,28 @@ def write_bundled_db(path: str | Path, rows: Iterable[dict] = ()) -> Path:
         db.close()
     os.replace(partial, path)
     return path
+
+
+def _rows_of_copy(path: str | Path) -> list[dict]:
+    """Rows of a DB file read from a scratch copy: opening a DB may write to it (WAL, schema), and a
+    fetched file may be read-only."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        copy = Path(scratch) / "copy.db"
+        shutil.copyfile(path, copy)
+        with TuningDB(copy) as db:
+            return db.rows()
+
+
+def merge_into_bundled(paths: Iterable[str | Path], bundled: str | Path = BUNDLED_DB_PATH) -> list[dict]:
+    """Merge the winners of other DB files (a GPU machine's user DB) into the bundled DB file: a row of
+    theirs replaces the bundled row of the same key, every other bundled row is kept. Returns the rows."""
+    bundled = Path(bundled)
+    rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in (_rows_of_copy(bundled) if bundled.exists() else [])}
+    for path in paths:
+        for row in _rows_of_copy(path):
+            rows[tuple(row[c] for c in KEY_COLUMNS)] = row
+    write_bundled_db(bundled, rows.values())
+    return list(rows.values())

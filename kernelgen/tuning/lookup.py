@@ -33,8 +33,6 @@ def _fingerprint(backend: str, role: str):
 def tuned_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, device: torch.device) -> dict | None:
     """The DB row of `backend`'s winner for `role` of `spec` (its kernel spec or any spec with the same
     key) in the nearest tuned bucket, or None. A row whose config has left the search space is a miss."""
-    if device.type != "cuda":
-        return None
     try:
         row = _winners().lookup(spec_key=get_role(role).key(spec, backend.name), role=role, backend=backend.name,
                                 arch=device_arch(device), gpu_name=gpu_name(device),

@@ -1,0 +1,62 @@
+"""Named sets of studies: `kernelgen tune --preset NAME` tunes each of them.
+
+  bench   the benchmark shapes (kernelgen/workloads.py SHAPES): each registered backend's attention
+          (the whole space when it is small) and the selector, timed on the shape's own workload,
+          as the bundled winners are made.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .. import backends
+from ..errors import KernelgenValueError
+from ..spec import Spec
+from ..workloads import SHAPES
+
+__all__ = ["Study", "PRESETS", "studies"]
+
+ATTN_TRIALS = {"a32k": 16, "a128k": 16, "b": 12, "c": 10, "c_dense": 8}  # TPE budgets of the large Triton spaces
+SELECT_TRIALS = 8
+GRID_MAX = 24  # spaces up to this many points are searched whole
+
+
+@dataclass(frozen=True)
+class Study:
+    label: str
+    spec: Spec
+    role: str
+    seq: int
+    trials: int
+    shape: dict  # the workload timed: batch, heads_kv, n_q, n_k
+
+
+def _bench(shape_names, backend_names) -> Iterator[Study]:
+    for name in shape_names:
+        if name not in SHAPES or name == "tiny":
+            raise KernelgenValueError(f"shape {name!r} is unknown; expected some of "
+                                      f"{[n for n in SHAPES if n != 'tiny']}")
+        shape = SHAPES[name]
+        workload = {"batch": shape.batch, "heads_kv": shape.heads_kv, "n_q": shape.n_q, "n_k": shape.n_k}
+        for backend_name in backend_names:
+            backend = backends.get(backend_name)
+            spec = shape.spec("given").replace(backend=backend.name)
+            if "attn" not in backend.roles or backend.spec_unsupported(spec):
+                continue
+            space = len(backend.config_space(spec, "attn"))
+            trials = space if space <= GRID_MAX else min(space, ATTN_TRIALS.get(name, 12))
+            yield Study(f"{name} attn {backend.name}", spec, "attn", shape.n_k, trials, workload)
+        if name != "c_dense":  # its lists hold every block: the selector's choice is fixed
+            yield Study(f"{name} select", shape.spec("mean"), "select", shape.n_k, SELECT_TRIALS, workload)
+
+
+PRESETS = {"bench": _bench}
+
+
+def studies(preset: str, shape_names=None, backend_names=None) -> list[Study]:
+    """The studies of a preset, for some shapes (default: all but the CPU smoke size) and backends
+    (default: every registered one)."""
+    if preset not in PRESETS:
+        raise KernelgenValueError(f"preset {preset!r} is unknown; expected one of {sorted(PRESETS)}")
+    shape_names = shape_names or ["a32k", "b", "c", "c_dense"]
+    return list(PRESETS[preset](shape_names, backend_names or backends.names()))
