@@ -79,8 +79,10 @@ class Spec:
             if self.schedule == "kv_centric":
                 raise KernelgenValueError("Spec.schedule='kv_centric' is not implemented yet; use 'q_centric'")
             raise KernelgenValueError(f"Spec.schedule={self.schedule!r} is unknown; expected one of {SCHEDULES}")
-        if not isinstance(self.backend, str) or not self.backend:
-            raise KernelgenTypeError(f"Spec.backend must be a backend's name, got {self.backend!r}")
+        if not isinstance(self.backend, str):
+            raise KernelgenTypeError(f"Spec.backend must be a backend's name (a str), got {self.backend!r}")
+        if not self.backend:
+            raise KernelgenValueError("Spec.backend is empty; expected a backend's name or 'auto'")
         r = self._parse_selector()
         if r > 1 and (self.q_tile % r or self.kv_block % r):
             raise KernelgenValueError(

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kernelgen
-from kernelgen import BlockLists, Spec, ops, reference
+from kernelgen import BlockLists, Spec, reference
 from checks import assert_close_to_reference
 from test_triton_fwd import given_lists, make_inputs
 
@@ -14,7 +14,7 @@ SPEC = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, gqa_group
 def _no_normalising(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a call with prepared lists normalised them again")
-    monkeypatch.setattr(ops, "prepare_block_idx", fail)
+    monkeypatch.setattr(kernelgen.dispatch, "check_block_idx", fail)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])

@@ -167,7 +167,8 @@ def test_batch_mismatch(attn, device):
 def test_heads_not_gqa_group_times_kv_heads(attn, device, hq, hkv):
     q = torch.zeros(1, hq, 64, D, device=device, dtype=torch.float16)
     k = torch.zeros(1, hkv, 96, D, device=device, dtype=torch.float16)
-    with pytest.raises(ValueError, match=rf"^q has {hq} heads, expected heads_kv \* spec\.gqa_group = {hkv} \* 2"):
+    with pytest.raises(ValueError, match=rf"^q has {hq} heads \(dim 1\) but k has {hkv} and spec\.gqa_group = 2: "
+                                         rf"expected {2 * hkv}; the layout is q \[B, Hq, Nq, D\]"):
         attn(q, k, k)
     with pytest.raises(ValueError, match=rf"^q has {hq} heads"):
         attn.select(q, k)
@@ -311,7 +312,7 @@ def test_top_k_too_small_for_forced_blocks(kwargs):
     ({"attn": kernelgen.AttnConfig(block_m=48)}, ValueError, r"configs\['attn'\] = .* is not feasible"),
     ({"attn": kernelgen.AttnConfig(block_m=64, kv_per_iter=3)}, ValueError, "not feasible"),
     ({"select": kernelgen.SelectConfig(tiles=8, chunk=32, splits=3)}, ValueError, r"configs\['select'\]"),
-    ({"fwd": kernelgen.AttnConfig()}, ValueError, "unknown role 'fwd'"),
+    ({"fwd": kernelgen.AttnConfig()}, ValueError, r"role='fwd' is unknown; expected one of \['attn', 'lists', 'select'\]"),
 ])
 def test_pinned_configs_are_checked(configs, error, match):
     """A pinned config outside the feasible space (one that could leave rows unwritten) is refused."""

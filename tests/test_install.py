@@ -27,7 +27,8 @@ CHECK = textwrap.dedent(
 
     import torch
     import kernelgen
-    from kernelgen import Spec, reference, render
+    from kernelgen import Spec, backends, reference
+    from kernelgen.codegen import render
 
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
     venv = Path(sys.prefix).resolve()
@@ -36,14 +37,15 @@ CHECK = textwrap.dedent(
     assert sys.prefix != sys.base_prefix, "not running inside the venv"
     assert pkg.is_relative_to(site), f"kernelgen imported from {pkg}, not from the venv's {site}"
     assert tdir.is_relative_to(site) and tdir.is_dir(), f"TEMPLATE_DIR {tdir} is not inside {site}"
-    for rel in render.TEMPLATES["triton"].values():
-        assert (tdir / rel).is_file(), f"missing template {rel} in {tdir}"
+    for backend in backends.all_backends():
+        for role, impl in backend.roles.items():
+            assert (tdir / impl.template).is_file(), f"missing template {impl.template} in {tdir}"
+            assert len(backend.template_hash(role)) == 16
 
     spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2, local=1, sink=1)
-    for role in ("attn", "select"):
-        src = render.render(spec, role)
+    for role, impl in backends.get("triton").roles.items():
+        src = render.render(impl.template, spec)
         assert "@triton.jit" in src and spec.to_json() in src, role
-    assert len(render.template_hash()) == 16
 
     bundled = pkg / "tuning_db" / "winners.db"
     assert bundled.is_file(), f"bundled tuning DB missing: {bundled}"

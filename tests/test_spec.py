@@ -2,8 +2,9 @@ import json
 
 import pytest
 
-from kernelgen import Spec
-from kernelgen.spec import gluon_unsupported
+import kernelgen
+from kernelgen import Spec, backends
+from kernelgen.roles import get_role
 
 
 def test_defaults_and_derived():
@@ -38,7 +39,7 @@ def test_frozen_hashable_json_round_trip():
         (dict(head_dim=64, top_k=1, sink=1, causal=True), "forced"),
         (dict(head_dim=64, schedule="kv_centric"), "not implemented"),
         (dict(head_dim=64, schedule="foo"), "schedule"),
-        (dict(head_dim=64, backend="cuda"), "backend"),
+        (dict(head_dim=64, backend=""), "backend"),
         (dict(head_dim=64, gqa_group=0), "gqa_group"),
         (dict(head_dim=64, top_k=0), "top_k"),
         (dict(head_dim=64, local=-1), "local"),
@@ -47,6 +48,21 @@ def test_frozen_hashable_json_round_trip():
 def test_rejects_what_it_cannot_compute(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Spec(**kwargs)
+
+
+def test_errors_are_kernelgen_errors():
+    with pytest.raises(kernelgen.KernelgenValueError):
+        Spec(head_dim=96)
+    with pytest.raises(kernelgen.KernelgenTypeError):
+        Spec(head_dim="64")
+
+
+def test_unknown_backend_is_refused_where_it_is_served():
+    spec = Spec(head_dim=64, backend="cuda")  # any name: plug-ins register theirs later
+    with pytest.raises(ValueError, match=r"backend='cuda' is unknown; expected one of"):
+        backends.check_spec(spec)
+    with pytest.raises(ValueError, match="backend='cuda' is unknown"):
+        kernelgen.get_kernel(spec)
 
 
 def test_type_errors():
@@ -71,16 +87,19 @@ def test_type_errors():
 )
 def test_gluon_rejects_what_its_kernel_cannot_compute(kwargs, match):
     """The Gluon forward is written for D and kv_block of 64 or 128 and 64 or 128 packed rows per
-    program; any other spec is refused when it is made, naming the field, not when a kernel fails."""
+    program; any other spec is refused where it is served, naming the field, not when a kernel fails."""
     with pytest.raises(ValueError, match=match):
-        Spec(backend="gluon", **kwargs)
-    assert gluon_unsupported(Spec(**kwargs)) is not None  # the same spec is fine for Triton
+        kernelgen.get_kernel(Spec(backend="gluon", **kwargs))
+    assert backends.get("gluon").spec_unsupported(Spec(**kwargs)) is not None
+    backends.check_spec(Spec(**kwargs))  # the same spec is fine for Triton
 
 
 @pytest.mark.parametrize("head_dim, kv_block, q_tile, gqa_group", [
     (64, 64, 64, 1), (128, 128, 128, 1), (128, 64, 16, 4), (64, 128, 32, 2), (128, 128, 64, 3), (64, 64, 16, 8)])
 def test_gluon_accepts_what_its_kernel_computes(head_dim, kv_block, q_tile, gqa_group):
     spec = Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, gqa_group=gqa_group, backend="gluon")
-    assert gluon_unsupported(spec) is None
-    assert spec.for_role("select").backend == "triton"  # selection runs the Triton selector
+    assert backends.get("gluon").spec_unsupported(spec) is None
+    backends.check_spec(spec)
+    assert backends.runner("gluon", "select").name == "triton"  # selection runs the Triton selector
+    assert get_role("select").kernel_spec(spec, "triton").backend == "triton"
     assert Spec.from_json(spec.to_json()) == spec
