@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     if on_gpu:
         import triton
 
-        from kernelgen.bench import useful_flops
+        from kernelgen.workloads import useful_flops
 
         def bench(fn) -> float:
             return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
