@@ -124,12 +124,12 @@ NO_WARP_SPECIALISATION = {"tl.disable_warp_specialized": True}
 def attn_pass_configs(config) -> dict:
     """The forward's build options. Both forwards get fast math. The one-warpgroup forward (128
     threads) is built without warp specialisation: with TileLang's producer warpgroup it hung on the
-    H200 (a32k's spec: D=64, 64-blocks, 32k keys; docs/PERF.md sessions 7 and 8): with fast math a
+    H200 (a32k's spec: D=64, 64-blocks, 32k keys; docs/DESIGN.md): with fast math a
     call never returned; without it, 300 eager calls and do_bench ran and the CUDA-graph replay of
     the bench then never finished. Both builds have the same synchronisation in SASS, so the race is
     TileLang's pipeline, not fast math. Without warp specialisation, with fast math, the same forward
     ran 300 calls, do_bench and graph replay, in 0.207 ms against 0.277. TileLang 0.1.15 generates no
-    code for that pipeline with two or more stages (config.tilelang_attn_feasible keeps one). The
+    code for that pipeline with two or more stages (attn_infeasible keeps one). The
     two-warpgroup forwards (256 threads) keep warp specialisation: they ran thousands of calls ((b),
     c, c_dense, dense D=64 and D=128) and the (b) bench's graph replays."""
     return FAST_MATH if config.threads == 256 else {**FAST_MATH, **NO_WARP_SPECIALISATION}
