@@ -1,0 +1,51 @@
+"""bench.png from a bench run's bench.json: time and useful TFLOP/s per shape (matplotlib, optional)."""
+from __future__ import annotations
+
+import json
+import os
+
+from ..workloads import SHAPES
+
+__all__ = ["plot"]
+
+
+def plot(out_dir) -> str | None:
+    """bench.png next to bench.json: time and useful TFLOP/s per shape (ordered by N), one series per
+    implementation; sweep rows and rows without a time (the CPU smoke run) are left out. Needs matplotlib
+    (optional); without it, says so and returns None. Returns the path, or None when there is nothing
+    to plot."""
+    path = os.path.join(out_dir, "bench.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        rows = [r for r in json.load(f) if not r["impl"].startswith("sweep") and r["ms"] == r["ms"]]
+    if not rows:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    names = sorted({r["shape"] for r in rows}, key=lambda n: (SHAPES[n].n_k, n) if n in SHAPES else (0, n))
+    impls = sorted({r["impl"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for i, impl in enumerate(impls):
+        pts = sorted((names.index(r["shape"]), r["ms"], r["tflops"]) for r in rows if r["impl"] == impl)
+        style = dict(marker="o", label=impl, color=f"C{i % 10}", linestyle="-" if i < 10 else "--")  # one per impl
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], **style)
+        if "select only" not in impl:
+            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], **style)
+    for ax, label in zip(axes, ("ms (median)", "useful TFLOP/s")):
+        ax.set_xticks(range(len(names)), [f"{n}\nN={SHAPES[n].n_k}" if n in SHAPES else n for n in names])
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=7)  # every series (selection alone has no useful FLOPs)
+    fig.tight_layout()
+    png = os.path.join(out_dir, "bench.png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png

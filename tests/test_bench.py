@@ -1,0 +1,145 @@
+"""kernelgen.bench on the CPU: the interpreter smoke run, shape-name errors, FlexAttention's BlockMask
+holding exactly the lists, and the FLOP counts."""
+import importlib
+import itertools
+
+import pytest
+import torch
+
+import kernelgen
+from kernelgen import bench, reference
+from kernelgen.bench.anchors import flex_block_mask, flex_kernel_options, flex_token_mask
+from kernelgen.errors import KernelgenValueError
+from kernelgen.workloads import SHAPES, BenchShape, dense_flops, useful_flops, visible_pairs
+
+needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU behaviour of kernelgen.bench")
+runner = importlib.import_module("kernelgen.bench.run")  # the module (kernelgen.bench.run is its function)
+
+
+@needs_cpu
+def test_main_tiny_smoke_run(tmp_path, capsys):
+    assert bench.main(shapes="tiny", out=tmp_path, stall_timeout=0) == 0
+    printed = capsys.readouterr().out
+    assert bench.NO_GPU_MESSAGE in printed and "smoke run OK" in printed
+    import json
+
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    impls = {r["impl"] for r in rows}
+    assert {"kernelgen given", "kernelgen mean (select+attn)"} <= impls
+    given = next(r for r in rows if r["impl"] == "kernelgen given")
+    assert given["backend"] in kernelgen.backends.names() and given["config_source"]
+    assert all(r["rel_err_vs_reference"] < 1e-2 for r in rows)
+    assert (tmp_path / "bench.csv").exists() and (tmp_path / "bench.jsonl").exists()
+
+
+def test_unknown_shape_is_one_clear_error():
+    with pytest.raises(KernelgenValueError, match="nope") as info:
+        bench.main(shapes="nope,a32k", stall_timeout=0)
+    message = str(info.value)
+    assert "\n" not in message and "a32k" in message and "tiny" in message  # names the known shapes
+    with pytest.raises(KernelgenValueError, match="nada"):
+        bench.main(shapes="tiny", sweep="nada", stall_timeout=0)
+
+
+@needs_cpu
+def test_gpu_shapes_are_skipped_on_the_cpu(monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(runner, "run", lambda names, *args, **kwargs: ran.append(list(names)) or [])
+    assert bench.main(shapes=["a32k", "b"], overhead=True, stall_timeout=0) == 0
+    assert ran == [["tiny"]]  # the smoke shape only: a32k is never run in the interpreter
+    printed = capsys.readouterr().out
+    assert "a32k" in printed and "b" in printed and "skipped" in printed
+
+
+def _lists_example():
+    """Lists with empty slots, an out-of-range id, a repeated id and blocks above the causal diagonal."""
+    shape = BenchShape("t", 1, 4, 2, 200, 256, 64, 64, 64, 3, True)
+    spec = shape.spec("given")
+    idx = torch.tensor([[[[0, -1, 7], [1, 0, 0], [2, 3, -1], [3, 1, 2]],
+                         [[0, 3, -1], [1, -1, -1], [0, 2, 2], [-1, 0, 9]]]], dtype=torch.int32)
+    return shape, spec, idx
+
+
+def test_flex_block_mask_holds_exactly_the_lists():
+    shape, spec, idx = _lists_example()
+    mask = flex_block_mask(idx, spec, shape)
+    n_blocks = spec.n_kv_blocks(shape.n_k)
+    # its blocks (full and partial together) are the lists' valid ids, per query head
+    want = torch.zeros(1, 2, idx.shape[2], n_blocks, dtype=torch.bool)
+    for b, h, t, j in itertools.product(*(range(s) for s in idx.shape)):
+        block = int(idx[b, h, t, j])
+        if 0 <= block < n_blocks:
+            want[b, h, t, block] = True
+    want = want.repeat_interleave(spec.gqa_group, 1)
+    assert torch.equal(mask.to_dense().bool(), want)
+    # and the pairs its fused kernel sees are the lists' visible pairs (bottom-right causal, n_q < n_k)
+    pairs = reference.token_mask(idx, spec, shape.n_q, shape.n_k).repeat_interleave(spec.gqa_group, 1)
+    assert torch.equal(flex_token_mask(mask), pairs)
+    # a repeated id counts once, as in kernelgen's lists
+    assert int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) == int(want.sum())
+
+
+def test_flex_block_mask_of_the_selector_lists():
+    shape = SHAPES["tiny"]
+    spec = shape.spec("mean")
+    q, k, _ = shape.inputs("cpu", torch.float16)
+    idx = kernelgen.get_kernel(spec).select(q, k)
+    pairs = reference.token_mask(idx, spec, shape.n_q, shape.n_k).repeat_interleave(spec.gqa_group, 1)
+    assert torch.equal(flex_token_mask(flex_block_mask(idx, spec, shape)), pairs)
+    assert flex_kernel_options(spec) == {"BLOCK_M": 64, "BLOCK_N": 64, "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}
+    assert flex_kernel_options(SHAPES["c"].spec()) is None
+
+
+@pytest.mark.parametrize("n_q,n_k,causal", [(7, 7, True), (5, 9, True), (9, 5, True), (6, 11, False)])
+def test_dense_flops_counts_every_visible_pair(n_q, n_k, causal):
+    shape = BenchShape("s", 2, 3, 1, n_q, n_k, 64, 64, 64, 1, causal)
+    pairs = sum(1 for i in range(n_q) for j in range(n_k) if not causal or j <= i + n_k - n_q)
+    assert dense_flops(shape) == 4.0 * 64 * 2 * 3 * pairs
+
+
+def test_useful_flops_counts_the_listed_visible_pairs():
+    shape, spec, _ = _lists_example()
+    idx = torch.tensor([[[[0, -1, 7], [1, 0, -1], [2, 3, -1], [3, 1, 2]],  # no repeated ids
+                         [[0, 3, -1], [1, -1, -1], [0, 2, -1], [-1, 0, 9]]]], dtype=torch.int32)
+    pairs = reference.token_mask(idx, spec, shape.n_q, shape.n_k)  # [B, Hkv, n_q, n_k]
+    assert torch.equal(visible_pairs(idx, spec, shape.n_q, shape.n_k), pairs.sum(dim=(2, 3)))
+    assert useful_flops(idx, spec, shape.n_q, shape.n_k) == 4.0 * spec.head_dim * spec.gqa_group * float(pairs.sum())
+    # every block of every tile listed: the dense causal count
+    full = BenchShape("f", 1, 1, 1, 256, 256, 64, 64, 64, 4, True)
+    every = torch.arange(4, dtype=torch.int32).expand(1, 1, 4, 4)
+    assert useful_flops(every, full.spec("given"), 256, 256) == dense_flops(full)
+
+
+def test_per_shape_backends_are_precompiled_with_their_served_config(monkeypatch):
+    """Every registered backend compiled per problem shape that can serve a shape gets its served attention
+    config built first (`kernelgen.tuning.worker.precompile`), on the role's kernel spec."""
+    from dataclasses import dataclass
+
+    from kernelgen import backends
+    from kernelgen.backends import Backend, RoleImpl
+    from kernelgen.roles import get_role
+    from kernelgen.tuning import worker
+
+    @dataclass(frozen=True)
+    class PlugConfig:
+        block_m: int = 32
+
+    class PerShapePlugin(Backend):
+        name = "bench-test-per-shape"
+        devices = ("cuda", "cpu")
+        per_shape = True
+        roles = {"attn": RoleImpl(launch=lambda *args: None, config_type=PlugConfig, default=lambda spec: PlugConfig())}
+
+    jobs, lines = [], []
+    monkeypatch.setattr(worker, "precompile", lambda batch: (jobs.extend(batch), (0.5, []))[1])
+    backends.register(PerShapePlugin())
+    try:
+        runner._precompile_per_shape(["tiny"], torch.device("cpu"), torch.float16, log=lines.append)
+    finally:
+        backends.unregister(PerShapePlugin.name)
+    shape = SHAPES["tiny"]
+    spec = get_role("attn").kernel_spec(shape.spec("given"), PerShapePlugin.name)
+    assert (PerShapePlugin.name, spec.to_json(), "attn", {"block_m": 32},
+            [(shape.batch, shape.heads_kv, shape.n_q, shape.n_k)], "float16", "cpu") in jobs
+    assert all(backends.get(job[0]).per_shape for job in jobs if job[0] != PerShapePlugin.name)
+    assert lines and lines[0].startswith(f"precompiled {len(jobs)} per-shape forwards")
