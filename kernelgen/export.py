@@ -1,338 +1,426 @@
 """export_module(spec, path): one standalone .py file that computes what `get_kernel(spec)` computes.
 
-The exported file needs only torch and triton (Gluon is part of Triton), plus tilelang for a TileLang spec
-(no kernelgen, jinja2 or platformdirs), and is assembled from kernelgen's own sources, so that nothing is
-written twice:
+The exported file needs only torch and triton (Gluon is part of Triton), plus the compilers of the spec's
+backend (`Backend.compilers`: tilelang for a TileLang spec); no kernelgen, jinja2 or platformdirs. It is
+assembled from kernelgen's own sources, so that nothing is written twice:
 
-  header      kernelgen version, spec JSON, configs, date
-  embedded    kernelgen/spec.py, config.py and ops.py verbatim, relative imports resolved in place:
-              ops.py stays the one place for validation, list conversion/normalisation and launch
-  ops         a namespace of what ops.py defines, taken right after it (SparseAttention calls `ops.select`;
-              the module-level `select` below is the public launcher)
-  kernels     render(spec, "select", cfg) and render(spec, "attn", cfg): the selector is the Triton twin's
-              for every backend (as get_kernel runs it), the forward Triton's or Gluon's; the TileLang
-              forward, rendered per dtype, is embedded as text with kernelgen/compile.py and
-              tilelang_backend.py, which import it from a file at first use (TileLang reads kernel source
-              with `inspect`) and compile it per shape
-  dispatch    class SparseAttention from kernelgen/dispatch.py verbatim
-  launcher    SPEC, CONFIGS, `kernel` (a SparseAttention whose kernel modules are this file's kernels and
-              whose configs are baked in), attn(q, k, v, *, block_idx=None, scale=None, return_lse=False),
-              select(q, k) and prepare(block_idx, seq_q, seq_k)
+  header     kernelgen version, spec JSON, configs, date; chooses Triton's interpreter without CUDA
+  sources    kernelgen's modules, each verbatim as a string: `dispatch` and every module it imports at
+             module level, found by following the imports (errors, spec, device, inputs, roles, the
+             backends package with every registered backend, codegen/cache, tuning/buckets and lookup, ...)
+  renders    the kernels kernelgen renders for this spec and these configs, verbatim, keyed by the
+             arguments of `codegen.render.render` (a per-shape backend's template per dtype)
+  loader     imports those sources as one private package (`_kernelgen_export_<digest>`) through a finder
+             on sys.meta_path, so that each module keeps its own namespace and its relative imports work
+             unchanged; `codegen.render` is a stand-in that returns the renders above (kernelgen's
+             `module_name` verbatim); a part of kernelgen that is not embedded is a ModuleNotFoundError
+             when (if ever) a function imports it
+  launcher   SPEC, CONFIGS, `kernel` (kernelgen's own SparseAttention with every role's config pinned, so
+             that nothing is tuned or looked up), attn(q, k, v, *, block_idx=None, scale=None,
+             return_lse=False), select(q, k) and prepare(block_idx, seq_q, seq_k)
 
-All sections share one namespace (Triton's @jit resolves a kernel's globals in its module and reads its
-source from a real file); export refuses a file in which two sections bind one name differently, or in
-which an embedded module imports anything beyond the standard library, torch and triton.
+Kernels are built by the backends' own code (`Backend.build`): rendered modules are written, as kernelgen
+writes them, to `codegen.cache.load_module`'s directory (Triton and TileLang read a kernel's source from
+its file): $KERNELGEN_CACHE_DIR/kernels, else <temp dir>/kernelgen-export-<uid>/kernels.
 
-The skeleton (header, launcher) lives here rather than in templates/, which hold kernels only: each
-kernel template's hash (render.template_hash(backend, role)) is part of its tuned winners' fingerprint.
+Export refuses (ExportError) sources in which a module-level import needs anything beyond the standard
+library, torch, triton and the embedded modules. The skeleton (header, loader, launcher) lives here rather
+than in templates/, which hold kernels only (each template's hash is part of its winners' fingerprint).
 """
 from __future__ import annotations
 
 import ast
-import dataclasses
 import datetime
+import hashlib
+import inspect
 import json
 import os
-import pprint
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
-from . import compile as _compile_module
-from . import config as _config_module
-from . import dispatch as _dispatch_module
-from . import ops as _ops_module
-from . import spec as _spec_module
-from . import tilelang_backend as _tilelang_module
-from .config import check_config, default_config
-from .render import module_name, render
+import jinja2
+import jinja2.meta
+
+from . import backends
+from .backends.base import distribution_version
+from .codegen import render as _render_module
+from .codegen.render import render, template_path
+from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
+from .roles import get_role
 from .spec import Spec
 
-__all__ = ["export_module", "ExportError"]
+__all__ = ["export_module", "ExportError", "assemble", "call_roles"]
 
-# Embedded whole, in dependency order: (module, file); TileLang specs add the module loader and backend.
-_EMBEDDED = (("spec", _spec_module), ("config", _config_module), ("ops", _ops_module))
-_EMBEDDED_TILELANG = (("compile", _compile_module), ("tilelang_backend", _tilelang_module))
+_PACKAGE_DIR = Path(__file__).resolve().parent
+# What the exported module runs: kernelgen's SparseAttention, and the cache its backends load kernels from.
+_ROOTS = ("dispatch", "codegen.cache")
 _ALLOWED_ROOTS = frozenset(sys.stdlib_module_names) | {"torch", "triton"}
-_ROLES = ("select", "attn")  # the roles an exported module launches
+# The dtypes a template that takes a `dtype` (a per-shape backend's: its kernel is compiled per problem) is
+# rendered for: the half-precision dtypes a GPU call takes (float32 runs in Triton's interpreter only).
+_RENDER_DTYPES = ("bfloat16", "float16")
 _PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "select", "prepare")
 
 
-class ExportError(RuntimeError):
-    """kernelgen's sources cannot be assembled into a standalone module (an import or a name clash)."""
+class ExportError(KernelgenError, RuntimeError):
+    """kernelgen's sources cannot be assembled into a standalone module (an import it cannot satisfy)."""
 
 
-def export_module(spec: Spec, out_path, *, configs: dict | None = None) -> Path:
+def call_roles(spec: Spec) -> tuple[str, ...]:
+    """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector),
+    `attn`."""
+    return ("lists", "select", "attn") if spec.selects else ("lists", "attn")
+
+
+def export_module(spec: Spec, out_path, configs: dict | None = None) -> Path:
     """Write one standalone Python module for `spec` to `out_path` (a .py file) and return its path.
 
-    configs   {"attn": AttnConfig (TileLangAttnConfig, GluonAttnConfig), "select": SelectConfig} baked into
-              the module. A missing role (or configs=None) gets `kernelgen.config.default_config(spec, role)`;
-              to bake in the tuning DB's winners for a length, pass `{r: get_kernel(spec).config(r, n, n,
-              dtype, device) for r in ("attn", "select")}` (on the machine whose DB holds them).
+    configs   {role: config} baked into the module, for the roles a call runs (`call_roles`: "select"
+              only for a spec with a selector; "lists" takes None). A missing role (or configs=None) gets
+              the backend's default (`backends.runner(spec.backend, role).default_config`); to bake in the
+              tuning DB's winners for a length, pass `{r: get_kernel(spec).config(r, n, n, dtype, device)
+              for r in ("attn", "select")}` (on the machine whose DB holds them).
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)`, `select(q, k)`,
     `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `SPEC` (the
-    spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind
-    them; `kernel.validate_lists = True` makes repeated ids in given lists an error). Its inputs are checked
+    spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind them;
+    `kernel.validate_lists = True` makes repeated ids in given lists an error). Its inputs are checked
     exactly as get_kernel's are (the same code). Without a CUDA device it selects Triton's interpreter
-    itself, as `import kernelgen` does. Import it like any module; with importlib, put it in sys.modules
-    before exec_module (its dataclasses need that, as kernelgen's compile.load_module does).
+    itself, as `import kernelgen` does. Import it like any module (with importlib: spec_from_file_location,
+    module_from_spec, exec_module).
     """
     if not isinstance(spec, Spec):
-        raise TypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
-    if spec.backend not in ("triton", "tilelang", "gluon"):
-        raise ValueError(f"export_module needs spec.backend 'triton', 'tilelang' or 'gluon', got {spec.backend!r}: "
-                         "'auto' chooses per GPU from the tuning DB, which an exported module does not carry")
+        raise KernelgenTypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
+    if spec.backend == backends.AUTO:
+        raise KernelgenValueError(
+            f"export_module needs a registered backend ({', '.join(backends.names())}), got {spec.backend!r}: "
+            f"{backends.AUTO!r} chooses per GPU from the tuning DB, which an exported module does not carry")
+    backends.check_spec(spec)
     out_path = Path(out_path)
     if out_path.suffix != ".py":
-        raise ValueError(f"out_path must name a .py file (Triton reads kernel source from it), got {out_path}")
-    cfgs = _resolve_configs(spec, configs)
-    text = assemble(spec, cfgs)
+        raise KernelgenValueError(f"out_path must name a .py file, got {out_path}")
+    text = assemble(spec, resolve_configs(spec, configs))
     _write_atomic(out_path, text)
     return out_path
 
 
-def _resolve_configs(spec: Spec, configs: dict | None) -> dict:
+def resolve_configs(spec: Spec, configs: dict | None) -> dict:
+    """{role: config} for every role a call of `spec` runs: the given ones checked, the others the default."""
+    if configs is not None and not isinstance(configs, dict):
+        raise KernelgenTypeError(f"configs must be a dict {{role: config}}, got {type(configs).__name__}")
     configs = dict(configs or {})
-    unknown = set(configs) - set(_ROLES)
+    roles = call_roles(spec)
+    unknown = sorted(r for r in configs if r not in roles)
     if unknown:
-        raise ValueError(f"configs has unknown roles {sorted(unknown)}; expected a subset of {sorted(_ROLES)}")
+        raise KernelgenValueError(f"configs has unknown roles {unknown} for {spec}: a call of it runs "
+                                  f"{list(roles)}")
     out = {}
-    for role in _ROLES:
-        cfg = configs.get(role) or default_config(spec, role)
-        check_config(spec, role, cfg)
+    for role in roles:
+        backend, kernel_spec = _runner(spec, role)
+        cfg = configs.get(role)
+        if cfg is None:
+            cfg = backend.default_config(kernel_spec, role)
+        backend.check_config(kernel_spec, role, cfg)
         out[role] = cfg
     return out
+
+
+def _runner(spec: Spec, role: str):
+    backend = backends.runner(spec.backend, role)
+    return backend, get_role(role).kernel_spec(spec, backend.name)
 
 
 # ---- assembly ------------------------------------------------------------------------------------
 
 def assemble(spec: Spec, configs: dict) -> str:
-    """The exported module's text (checked: it parses, and its sections share one namespace cleanly)."""
-    from . import __version__
-
-    tilelang = spec.backend == "tilelang"
-    configs_json = json.dumps({r: dataclasses.asdict(c) for r, c in configs.items()}, sort_keys=True)
+    """The exported module's text for `spec` and its resolved configs (`resolve_configs`); checked: every
+    embedded module's module-level imports are satisfied, and the text compiles."""
+    needs = _needs(spec)
+    rendered = _renders(spec, configs, allowed=_ALLOWED_ROOTS | set(needs))
+    sources, packages, stand_ins = _embedded_sources()
+    digest = hashlib.sha256(json.dumps([sources, sorted(rendered.items())], sort_keys=True).encode()).hexdigest()
+    configs_dict = {role: backends.Backend.config_to_dict(cfg) for role, cfg in configs.items()}
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    sections: list[tuple[str, str]] = [("header", _HEADER.format(
-        version=__version__, spec_json=spec.to_json(), configs_json=configs_json, date=date,
-        spec_key=spec.key(), needs="torch, triton and tilelang" if tilelang else "torch and triton"))]
 
-    provided: dict[str, dict[str, str]] = {}  # embedded module -> {name it binds at top level: how}
-    for name, module in _EMBEDDED + (_EMBEDDED_TILELANG if tilelang else ()):
-        origin = f"kernelgen/{name}.py"
-        source = _rewrite_imports(_read_source(module), origin, provided)
-        provided[name] = _bindings(source, origin)
-        sections.append((origin, source))
+    parts = [_HEADER.format(
+        version=distribution_version("kernelgen") or "0+unknown", date=date, spec_json=spec.to_json(),
+        spec_key=spec.key(), configs_json=json.dumps(configs_dict, sort_keys=True),
+        needs=", ".join(needs[:-1]) + " and " + needs[-1], package=f"_kernelgen_export_{digest[:16]}")]
+    parts.append(_section("kernelgen's sources, verbatim: dotted module path (relative to kernelgen) -> source"))
+    parts.append("_SOURCES = {}\n")
+    for key, source in sources.items():
+        title = _origin(key, key in packages) + (" (a stand-in)" if key in stand_ins else "")
+        parts.append(f"\n# {'-' * 20} {title}\n_SOURCES[{key!r}] = {_literal(source)}\n")
+    parts.append(f"\n_PACKAGES = {tuple(sorted(packages))!r}\n")
 
-    ops_names = sorted(n for n, how in provided["ops"].items()
-                       if not n.startswith("__") and not how.startswith("import"))
-    sections.append(("ops namespace", _OPS_NAMESPACE.format(
-        fields=textwrap.fill(", ".join(f"{n}={n}" for n in ops_names), 100,
-                             initial_indent="    ", subsequent_indent="    "))))
+    parts.append(_section("the kernels kernelgen renders for this spec and configs, verbatim: "
+                          "(template, kernel spec, config, extra) -> source"))
+    parts.append("_RENDERED = {}\n")
+    for key, source in rendered.items():
+        parts.append(f"\n_RENDERED[{key!r}] = {_literal(source)}\n")
 
-    kernel_names = {}
-    for role in _ROLES:
-        if tilelang and role == "attn":
-            continue  # below, as text
-        origin = f"rendered {role} kernels"
-        source = render(spec.for_role(role), role, configs[role])
-        kernel_names[role] = sorted(n for n, sig in _bindings(source, origin).items() if sig.startswith("def "))
-        _check_imports(source, origin)
-        sections.append((origin, source))
-    if tilelang:
-        modules = {}
-        for dtype in _tilelang_module.DTYPES:
-            source = _tilelang_module.attn_source(spec, dtype, configs["attn"])
-            modules[dtype] = (module_name(spec, "attn", source), source)
-        sections.append(("rendered TileLang forward, one module per dtype", _TILELANG_SOURCES.format(
-            modules=pprint.pformat(modules, width=100))))
-
-    dispatch_source = _rewrite_imports(_class_source(_dispatch_module, "SparseAttention"),
-                                       "kernelgen/dispatch.py", provided)
-    sections.append(("kernelgen/dispatch.py: SparseAttention", dispatch_source))
-
-    kernels = ",\n".join(
-        f"    {role!r}: types.SimpleNamespace({', '.join(f'{n}={n}' for n in names)})"
-        for role, names in kernel_names.items())
-    sections.append(("launcher", _LAUNCHER.format(
-        spec_dict=repr(spec.to_dict()),
-        configs_dict=repr({r: dataclasses.asdict(c) for r, c in configs.items()}),
-        kernels=kernels, public=repr(list(_PUBLIC)), tilelang_kernel=_TILELANG_KERNEL if tilelang else "")))
-
-    _check_namespace(sections)
-    parts = []
-    for title, source in sections:
-        if title != "header":
-            parts.append(f"\n\n# {'=' * 98}\n# {title}\n# {'=' * 98}\n")
-        parts.append(source if source.endswith("\n") else source + "\n")
+    parts.append(_section("loader: the sources above as one private package"))
+    parts.append(_LOADER.format(import_order=_import_order(sources)))
+    parts.append(_section("launcher"))
+    parts.append(_LAUNCHER.format(spec_dict=repr(spec.to_dict()), configs_dict=repr(configs_dict),
+                                  public=repr(list(_PUBLIC))))
     text = "".join(parts)
     compile(text, "<exported module>", "exec")  # a syntax error here is a bug in this file
     return text
 
 
-def _read_source(module) -> str:
-    return Path(module.__file__).read_text()
+def _section(title: str) -> str:
+    return f"\n\n# {'=' * 98}\n# {title}\n# {'=' * 98}\n"
 
 
-def _class_source(module, name: str) -> str:
-    """The class `name` of `module`, after the module's imports of the standard library, torch and triton
-    (its relative imports stay behind: `ops` is the namespace above; the rest is kernelgen-only)."""
-    source = _read_source(module)
-    lines = source.splitlines(keepends=True)
-    imports = []
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0):
-            roots = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
-            if all(r.split(".")[0] in _ALLOWED_ROOTS for r in roots) and roots != ["__future__"]:
-                imports.append(ast.unparse(node) + "\n")
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            return "".join(imports) + "\n\n" + "".join(lines[first - 1:node.end_lineno])
-    raise ExportError(f"{module.__name__} defines no class {name}")
+def _needs(spec: Spec) -> list[str]:
+    """The distributions the exported module needs: torch, and the compilers of the backends its roles run
+    on (each backend's `compilers`, by their first distribution name)."""
+    needs = ["torch", "triton"]  # the header and the launchers import them whatever the backend
+    for role in call_roles(spec):
+        for names in _runner(spec, role)[0].compilers.values():
+            if names and names[0] not in needs:
+                needs.append(names[0])
+    return needs
 
 
-def _rewrite_imports(source: str, origin: str, provided: dict) -> str:
-    """`source` with `from __future__` dropped (the module has one at its top) and each relative import
-    resolved in the shared namespace: a name from an embedded module is already bound (an `as` becomes an
-    assignment); a module-level import of anything else is an ExportError, and one inside a function
-    becomes `raise ImportError` (that code path needs kernelgen)."""
-    tree = ast.parse(source)
-    lines = source.splitlines(keepends=True)
-    top = {id(node) for node in tree.body}
-    edits = []
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)):
-            continue
-        is_top = id(node) in top
-        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
-            new = ["# from __future__ import ... (at the top of this file)"]
-        elif isinstance(node, ast.ImportFrom) and node.level > 0:
-            target = node.module if node.level == 1 else None
-            if target in provided and node.names[0].name != "*":
-                missing = [a.name for a in node.names if a.name not in provided[target]]
-                if missing:
-                    raise ExportError(f"{origin} imports {missing} from .{target}, which does not bind them")
-                new = [f"{a.asname} = {a.name}" for a in node.names if a.asname and a.asname != a.name]
-                new = new or [f"{'pass  ' if not is_top else ''}# {ast.unparse(node)} (embedded above)"]
-            elif is_top:
-                raise ExportError(f"{origin}: module-level `{ast.unparse(node)}` needs a part of kernelgen that "
-                                  f"the exported module does not embed; embed it in kernelgen/export.py or move "
-                                  f"the import into the function that needs it")
-            else:
-                new = [f"raise ImportError({ast.unparse(node) + ' needs kernelgen (not in this exported module)'!r})"]
-        else:
-            if is_top:
-                _check_import(node, origin)
-            continue
-        start, end = node.lineno - 1, node.end_lineno - 1
-        head, tail = lines[start][:node.col_offset], lines[end][node.end_col_offset:]
-        if head.strip() or tail.split("#")[0].strip():
-            raise ExportError(f"{origin}:{node.lineno}: an import that shares its line cannot be rewritten")
-        edits.append((start, end, [head + s + "\n" for s in new]))
-    for start, end, new in sorted(edits, reverse=True):
-        lines[start:end + 1] = new
-    return "".join(lines)
+def _literal(text: str) -> str:
+    """A Python literal of `text` that shows it verbatim (a raw triple-quoted string) where one can."""
+    for quote in ("'''", '"""'):
+        literal = f"r{quote}{text}{quote}"
+        if quote not in text:
+            try:
+                if ast.literal_eval(literal) == text:
+                    return literal
+            except (SyntaxError, ValueError):
+                pass
+    return repr(text)
 
 
-def _check_import(node, origin: str) -> None:
-    roots = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else [node.module.split(".")[0]]
-    for root in roots:
-        if root not in _ALLOWED_ROOTS:
-            raise ExportError(f"{origin} imports {root!r} at module level; the exported module may need only the "
-                              f"standard library, torch and triton")
+# ---- kernelgen's modules: which, and their imports -------------------------------------------------
+
+def _module_file(key: str) -> tuple[Path, bool] | None:
+    """(file, is_package) of kernelgen module `key` ("backends.triton"; "" is kernelgen itself), or None."""
+    base = _PACKAGE_DIR.joinpath(*key.split(".")) if key else _PACKAGE_DIR
+    if (base / "__init__.py").is_file():
+        return base / "__init__.py", True
+    if key and base.with_suffix(".py").is_file():
+        return base.with_suffix(".py"), False
+    return None
 
 
-def _check_imports(source: str, origin: str) -> None:
-    for node in ast.parse(source).body:
+def _origin(key: str, is_package: bool) -> str:
+    """kernelgen/backends/triton.py for "backends.triton"."""
+    path = "/".join(["kernelgen", *(key.split(".") if key else [])])
+    return path + "/__init__.py" if is_package else path + ".py"
+
+
+def resolve_import(node: ast.ImportFrom, key: str, is_package: bool) -> str:
+    """The module (relative to kernelgen) that a relative import in module `key` names: in
+    "backends.triton", `from ..inputs import X` is "inputs" and `from .base import Y` "backends.base"."""
+    package = key.split(".") if is_package else key.split(".")[:-1]
+    if key == "":
+        package = []
+    up = node.level - 1
+    if up > len(package):
+        raise ExportError(f"{_origin(key, is_package)}: `{ast.unparse(node)}` reaches beyond kernelgen")
+    parts = package[:len(package) - up] + (node.module.split(".") if node.module else [])
+    return ".".join(parts)
+
+
+def _top_level_imports(tree: ast.Module):
+    """Import statements that run when the module is imported (not those inside functions)."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop(0)
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            if isinstance(node, ast.ImportFrom) and (node.level > 0 or node.module == "__future__"):
-                raise ExportError(f"{origin}: unexpected `{ast.unparse(node)}`")
-            _check_import(node, origin)
+            yield node
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
 
 
-def _bindings(source: str, origin: str) -> dict[str, str]:
-    """Top-level name -> what binds it: imports and assignments by their text (so that one section may
-    repeat another's `import triton`), definitions by a tag unique to the section."""
-    out = {}
+def _bound_names(source: str) -> set[str] | None:
+    """Names a module binds at top level; None when it has a module `__getattr__` (it may provide any)."""
+    names = set()
+    todo = list(ast.parse(source).body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
+    return None if "__getattr__" in names else names
 
-    def bind(name, sig):
-        out[name] = sig
 
-    def visit(body):
-        for node in body:
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for a in node.names:
-                    name = a.asname or a.name.split(".")[0]
-                    bind(name, f"import {getattr(node, 'module', None)}:{a.name}:{a.asname}")
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                bind(node.name, f"def {node.name} in {origin}")
-            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for name in _target_names(targets):
-                    bind(name, f"assign {ast.dump(node)}")
-            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
-                for field in ("body", "orelse", "finalbody"):
-                    visit(getattr(node, field, []))
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body)
-
-    visit(ast.parse(source).body)
+def module_imports(source: str, key: str, is_package: bool, exists, allowed=_ALLOWED_ROOTS,
+                   origin: str | None = None) -> list[tuple[str, list]]:
+    """The kernelgen modules that importing module `key` imports, as (module key, names imported from it):
+    a module-level import of anything beyond the standard library, `allowed` and kernelgen modules for
+    which `exists(key)` holds is an ExportError."""
+    origin = origin or _origin(key, is_package)
+    out = []
+    for node in _top_level_imports(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            target = resolve_import(node, key, is_package)
+            if not exists(target):
+                raise ExportError(f"{origin}: module-level `{ast.unparse(node)}` needs kernelgen.{target}, which "
+                                  "the exported module does not embed (it imports more than torch and triton); "
+                                  "move the import into the function that needs it")
+            names = [a.name for a in node.names]
+            out.append((target, names))
+            for name in names:  # `from . import backends`: a submodule
+                sub = f"{target}.{name}" if target else name
+                if exists(sub):
+                    out.append((sub, []))
+            continue
+        roots = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+        for root in (r.split(".")[0] for r in roots):
+            if root not in allowed:
+                raise ExportError(f"{origin} imports {root!r} at module level; the exported module may need only "
+                                  f"the standard library, {', '.join(sorted(allowed - set(sys.stdlib_module_names)))}"
+                                  " and the kernelgen modules it embeds")
     return out
 
 
-def _target_names(targets) -> list[str]:
-    """Names an assignment binds (`x = ...`, `a, b = ...`; not `x[i] = ...` or `x.y = ...`)."""
-    names = []
-    for target in targets:
-        if isinstance(target, ast.Name):
-            names.append(target.id)
-        elif isinstance(target, (ast.Tuple, ast.List)):
-            names += _target_names(target.elts)
-        elif isinstance(target, ast.Starred):
-            names += _target_names([target.value])
-    return names
+def _embedded_sources() -> tuple[dict[str, str], set[str], set[str]]:
+    """{module key: source} of every module the exported module embeds (the roots and what they import at
+    module level, with their packages), in dependency order; the package keys; the stand-ins' keys."""
+    # kernelgen modules the exported module replaces: the package itself (kernelgen/__init__.py imports what
+    # an exported module leaves out), and the renderer (jinja2 and the templates) by the renders baked in
+    stand_ins = {"": _ROOT_STAND_IN, "codegen.render": _render_stand_in()}
+    packages = {""}
+    sources: dict[str, str] = {}
+    imports: dict[str, list] = {}
+
+    def exists(key: str) -> bool:
+        return key in stand_ins or _module_file(key) is not None
+
+    def visit(key: str) -> None:
+        if key in sources or key in imports:
+            return
+        found = _module_file(key)
+        is_package = found[1] if key not in stand_ins else key in packages
+        source = stand_ins[key] if key in stand_ins else found[0].read_text()
+        if is_package:
+            packages.add(key)
+        imports[key] = module_imports(source, key, is_package, exists)
+        parent = key.rpartition(".")[0]
+        if key:  # importing a module imports its package first
+            visit(parent)
+        for target, _ in imports[key]:
+            visit(target)
+        sources[key] = source
+
+    for key in _ROOTS + tuple(stand_ins):
+        visit(key)
+    # every name imported at module level from an embedded module is bound there (an import inside a
+    # function is checked when it runs: Backend.template_hash, say, needs kernelgen's templates)
+    for key, found in imports.items():
+        for target, names in found:
+            bound = _bound_names(sources[target])
+            missing = [n for n in names if bound is not None and n not in bound and n != "*"
+                       and f"{target}.{n}".lstrip(".") not in sources]
+            if missing:
+                raise ExportError(f"{_origin(key, key in packages)} imports {missing} from kernelgen.{target}, "
+                                  "which does not bind them in the exported module")
+    return sources, packages, set(stand_ins)
 
 
-def _deferred_loads(source: str) -> set[str]:
-    """Global names read inside function bodies: they see the module's last binding of the name, whereas
-    module-level code (the `ops` namespace, class bodies) runs in order and sees the binding before it."""
-    names = set()
-    for fn in ast.walk(ast.parse(source)):
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            body = [fn.body] if isinstance(fn, ast.Lambda) else fn.body
-            names |= {n.id for stmt in body for n in ast.walk(stmt)
-                      if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    return names
+def _import_order(sources: dict[str, str]) -> tuple[str, ...]:
+    """The embedded modules in the order `import kernelgen` imports them (its __init__ imports the backends
+    package before the modules that import a backend's base), then the rest."""
+    init = _PACKAGE_DIR / "__init__.py"
+    order = []
+    for node in _top_level_imports(ast.parse(init.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            target = resolve_import(node, "", True)
+            for key in [target] + [f"{target}.{a.name}".lstrip(".") for a in node.names]:
+                if key and key in sources and key not in order:
+                    order.append(key)
+    return tuple(order + [k for k in sources if k not in order and k])
 
 
-def _check_namespace(sections: list[tuple[str, str]]) -> None:
-    """No two sections bind one name differently. The one exception: the launcher may rebind a name that no
-    earlier function reads as a global (ops.select is reached through the `ops` namespace only)."""
-    seen: dict[str, tuple[str, str]] = {}
-    read: set[str] = set()
-    for title, source in sections:
-        for name, sig in _bindings(source, title).items():
-            if name == "__all__" or name not in seen or seen[name][1] == sig:
-                seen[name] = (title, sig)
-                continue
-            if title == "launcher" and name not in read:
-                continue
-            raise ExportError(f"name clash in the exported module: {name!r} is bound by {seen[name][0]} and "
-                              f"again, differently, by {title}")
-        read |= _deferred_loads(source)
+# ---- renders ---------------------------------------------------------------------------------------
 
+def _renders(spec: Spec, configs: dict, allowed) -> dict[tuple, str]:
+    """{(template, kernel spec JSON, config JSON or None, extra): source} of every kernel a call of `spec`
+    builds: each role's template on the backend that runs it. A template that takes a `dtype` (a per-shape
+    backend's) is rendered for each of _RENDER_DTYPES; other variables beside spec_json are an ExportError."""
+    out = {}
+    for role, cfg in configs.items():
+        backend, kernel_spec = _runner(spec, role)
+        template = backend.role(role).template
+        if template is None:  # a backend that renders nothing for this role
+            continue
+        variables = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(
+            template_path(template).read_text())) - {"spec_json"}
+        if variables - {"dtype"}:
+            raise ExportError(f"template {template} takes {sorted(variables - {'dtype'})}, which export_module "
+                              "cannot supply")
+        extras = [{"dtype": d} for d in _RENDER_DTYPES] if variables else [{}]
+        for extra in extras:
+            key = (str(template), kernel_spec.to_json(), None if cfg is None else cfg.to_json(),
+                   tuple(sorted(extra.items())))
+            source = render(str(template), kernel_spec, cfg, **extra)
+            module_imports(source, "", False, lambda key: False, allowed, origin=f"{template} rendered for {role}")
+            out[key] = source
+    return out
+
+
+def _render_stand_in() -> str:
+    """codegen/render.py as the exported module has it: `render` returns the text kernelgen rendered for
+    the same arguments (RENDERED, set by the loader); `module_name` is kernelgen's, verbatim."""
+    return _RENDER_STAND_IN.format(module_name=inspect.getsource(_render_module.module_name))
+
+
+# ---- writing ---------------------------------------------------------------------------------------
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (a temp file in the same directory, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            os.fchmod(f.fileno(), 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 # ---- the parts of the exported module that are not kernelgen's own files ------------------------
+
+_ROOT_STAND_IN = '''\
+"""kernelgen's modules as an exported module embeds them (kernelgen/__init__.py itself is not embedded)."""
+'''
+
+_RENDER_STAND_IN = '''\
+"""kernelgen/codegen/render.py as an exported module has it: no templates and no jinja2, but the kernels
+kernelgen rendered for it (RENDERED, set by the exported module's loader), and kernelgen's module_name."""
+from __future__ import annotations
+
+import hashlib
+
+__all__ = ["render", "module_name"]
+
+
+def render(template, spec, config=None, **extra) -> str:
+    """The source kernelgen's render(template, spec, config, **extra) gave when the module was exported."""
+    key = (str(template), spec.to_json(), None if config is None else config.to_json(), tuple(sorted(extra.items())))
+    try:
+        return RENDERED[key]
+    except KeyError:
+        raise ModuleNotFoundError(f"this exported module holds no kernel rendered from {{template}} for {{spec}} "
+                                  f"with config {{config}} and {{extra}}: export the module for it") from None
+
+
+{module_name}'''
 
 _HEADER = '''\
 # Generated by kernelgen {version} on {date} -- do not edit; regenerate with kernelgen.export.export_module.
@@ -352,13 +440,22 @@ _HEADER = '''\
 q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = SPEC["gqa_group"] * Hkv; block_idx int32 (or int64)
 [B, Hkv, n_q_tiles, top_k], -1 for an empty slot. Semantics: kernelgen's docs/SEMANTICS.md.
 `kernel.validate_lists = True` makes a repeated id in a given list an error (one device sync per call).
-The sections below are kernelgen's own files and rendered kernels, each as kernelgen has them, and
-kernelgen's SparseAttention class; the launcher at the end ties them together.
+
+Below: kernelgen's own modules verbatim (_SOURCES) and the kernels it renders for this spec (_RENDERED),
+imported as the private package {package} by a finder on sys.meta_path; the launcher at the end serves
+this spec with kernelgen's SparseAttention, every config pinned. Rendered kernels are written at first use
+to $KERNELGEN_CACHE_DIR/kernels, else <temp dir>/kernelgen-export-<uid>/kernels (Triton and TileLang read
+a kernel's source from its file), and imported from there, as kernelgen does.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
 import os
-import types
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -366,35 +463,96 @@ import torch
 # triton.language is first imported (as `import kernelgen` does).
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+_PACKAGE = "{package}"
 '''
 
-_OPS_NAMESPACE = '''\
-# kernelgen.ops as SparseAttention reads it (`ops.check_qkv`, `ops.select`, ...), taken before the
-# launcher's public select(q, k) rebinds the module-level name `select`.
-ops = types.SimpleNamespace(
-{fields}
-)
+_LOADER = '''\
+class _EmbeddedKernelgen(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
+    """Imports _SOURCES as the package _PACKAGE: each module in its own namespace, its relative imports
+    resolved inside the package; tracebacks and `inspect` show its lines (get_source). A part of kernelgen
+    that is not embedded is a ModuleNotFoundError (a function that needs it needs kernelgen)."""
+
+    def __init__(self, package, sources, packages, preset, where):
+        self.package, self.sources, self.packages, self.preset, self.where = package, sources, packages, preset, where
+
+    def _key(self, fullname):
+        if fullname == self.package:
+            return ""
+        if fullname.startswith(self.package + "."):
+            return fullname[len(self.package) + 1:]
+        return None
+
+    def find_spec(self, fullname, path=None, target=None):
+        key = self._key(fullname)
+        if key is None:
+            return None
+        if key not in self.sources:
+            raise ModuleNotFoundError(f"kernelgen.{{key}} is not part of this exported module: the code that imports "
+                                      "it needs kernelgen itself", name=fullname)
+        is_package = key in self.packages
+        path = os.path.join(self.where, "kernelgen", *(key.split(".") if key else []))
+        origin = os.path.join(path, "__init__.py") if is_package else path + ".py"
+        spec = importlib.machinery.ModuleSpec(fullname, self, origin=origin, is_package=is_package)
+        spec.has_location = True
+        return spec
+
+    def is_package(self, fullname):
+        return self._key(fullname) in self.packages
+
+    def get_source(self, fullname):
+        return self.sources[self._key(fullname)]
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        key = self._key(module.__name__)
+        module.__dict__.update(self.preset.get(key, {{}}))
+        code = compile(self.sources[key], module.__spec__.origin, "exec", dont_inherit=True)
+        exec(code, module.__dict__)
+
+
+if not any(getattr(finder, "package", None) == _PACKAGE for finder in sys.meta_path):
+    sys.meta_path.insert(0, _EmbeddedKernelgen(_PACKAGE, _SOURCES, frozenset(_PACKAGES),
+                                               {{"codegen.render": {{"RENDERED": _RENDERED}}}},
+                                               globals().get("__file__") or "<kernelgen export>"))
+
+
+def _embedded(key):
+    """The embedded kernelgen module `key` ("dispatch", "backends.triton"), imported."""
+    return importlib.import_module(f"{{_PACKAGE}}.{{key}}" if key else _PACKAGE)
+
+
+# as `import kernelgen` imports them (the backends package before the modules that import a backend's base)
+for _key in {import_order!r}:
+    _embedded(_key)
+
+
+def _cache_dir(kernelgen_cache_dir=_embedded("codegen.cache").cache_dir):
+    """kernelgen's cache dir where $KERNELGEN_CACHE_DIR names one, else <temp dir>/kernelgen-export-<uid>
+    (kernelgen's default, the user cache dir, needs platformdirs)."""
+    if os.environ.get("KERNELGEN_CACHE_DIR"):
+        return kernelgen_cache_dir()
+    path = Path(tempfile.gettempdir()) / f"kernelgen-export-{{os.getuid() if hasattr(os, 'getuid') else 'user'}}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+if _embedded("codegen.cache").cache_dir.__name__ == "cache_dir":  # not yet replaced (by an identical export)
+    _embedded("codegen.cache").cache_dir = _cache_dir
 '''
 
 _LAUNCHER = '''\
 SPEC = {spec_dict}
 CONFIGS = {configs_dict}
 
-# role -> the kernels SparseAttention launches for it (kernelgen loads one rendered module per role)
-_KERNELS = {{
-{kernels},
-}}
-
-
-class _ExportedAttention(SparseAttention):
-    """SparseAttention over this file's kernels: configs baked in, nothing rendered, cached or tuned."""
-
-    def module(self, role, config):
-        return _KERNELS[role]
-{tilelang_kernel}
-
-kernel = _ExportedAttention(Spec.from_dict(SPEC),
-                            {{role: config_from_dict(role, data, SPEC["backend"]) for role, data in CONFIGS.items()}})
+# kernelgen's SparseAttention with every role a call runs pinned to the config above: nothing is tuned or
+# looked up; kernels are built by the backends' own code from the renders above.
+kernel = _embedded("dispatch").SparseAttention(
+    _embedded("spec").Spec.from_dict(SPEC),
+    {{role: _embedded("backends").runner(SPEC["backend"], role).config_from_dict(role, data)
+     for role, data in CONFIGS.items()}})
 
 
 def attn(q, k, v, *, block_idx=None, scale=None, return_lse=False):
@@ -415,23 +573,4 @@ def prepare(block_idx, seq_q, seq_k):
 
 
 __all__ = {public}
-'''
-
-_TILELANG_SOURCES = '''\
-# dtype -> (module name, source) of the rendered TileLang forward; imported from a file at first use
-_TILELANG_ATTN = {modules}
-'''
-
-_TILELANG_KERNEL = '''
-    @functools.lru_cache(maxsize=64)
-    def _tilelang_kernel(self, shapes, dtype, config, device):
-        """As SparseAttention's, from this file's rendered forward (written under $KERNELGEN_CACHE_DIR,
-        else the temp dir, as <name>.py, then imported) instead of kernelgen's renderer."""
-        if device.type != "cuda":
-            raise ValueError("backend='tilelang' runs on CUDA GPUs only")
-        name, source = _TILELANG_ATTN[canonical_dtype(dtype)]
-        directory = Path(os.environ.get("KERNELGEN_CACHE_DIR") or tempfile.gettempdir()) / "kernelgen-export"
-        func = build_attn_from(load_module(name, source, directory), self.spec, dtype, batch=shapes.batch,
-                               heads_kv=shapes.heads_kv, seq_q=shapes.n_q, seq_k=shapes.n_k, config=config)
-        return compile_attn(func, config, arch=target_arch(device))
 '''

@@ -5,17 +5,22 @@ cannot be imported; their outputs, block lists, lse and error messages are compa
 kernelgen's on the same inputs.
 """
 import ast
+import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 import kernelgen
-from kernelgen import AttnConfig, SelectConfig, Spec
-from kernelgen.export import ExportError, _check_namespace, _rewrite_imports, export_module
+from kernelgen import AttnConfig, GluonAttnConfig, SelectConfig, Spec, TileLangAttnConfig, backends
+from kernelgen.codegen.render import render
+from kernelgen.export import ExportError, export_module, module_imports, resolve_import
+from kernelgen.roles import get_role
 
 # causal, GQA 2, local and sink, Nq != Nk; exported with non-default configs (baked in)
 MEAN = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=5, causal=True, gqa_group=2, local=2, sink=1)
@@ -112,6 +117,21 @@ _namespace = {}
 exec(CALLS, _namespace)
 run_calls = _namespace["run_calls"]
 
+STDLIB_TORCH_TRITON = frozenset(sys.stdlib_module_names) | {"torch", "triton"}
+
+
+def _default_config(spec, role):
+    """The config get_kernel serves `role` of `spec` with when nothing is pinned or tuned."""
+    backend = backends.runner(spec.backend, role)
+    return backend.default_config(get_role(role).kernel_spec(spec, backend.name), role)
+
+
+def _configs_dict(spec, configs):
+    """What the exported module's CONFIGS holds: every role a call runs, the given configs or the defaults."""
+    roles = ("lists", "select", "attn") if spec.selects else ("lists", "attn")
+    configs = {r: configs.get(r) or _default_config(spec, r) for r in roles}
+    return {r: None if c is None else dataclasses.asdict(c) for r, c in configs.items()}
+
 
 def _given_lists(spec, b, hkv, nq, nk, seed):
     """int64 lists with -1, negative and too-large ids, a repeat, and one id that wraps in a careless cast."""
@@ -132,15 +152,37 @@ def _inputs(b, hkv, g, nq, nk, d, dtype, seed):
 
 def _run_child(tmp_path, source: str, *args: str, timeout: float = 300):
     """Run `source` as child.py in a fresh interpreter without PYTHONPATH (so kernelgen cannot be
-    imported), under Triton's interpreter, with `args`; the last arg is the file it saves its outputs
+    imported) and without KERNELGEN_CACHE_DIR (the exported modules write kernels under the temp dir,
+    here tmp_path), under Triton's interpreter, with `args`; the last arg is the file it saves its outputs
     to, loaded and returned."""
     (tmp_path / "child.py").write_text(source)
-    env = {key: val for key, val in os.environ.items() if key != "PYTHONPATH"}
+    env = {key: val for key, val in os.environ.items() if key not in ("PYTHONPATH", "KERNELGEN_CACHE_DIR")}
     env["TRITON_INTERPRET"] = "1"
+    env["TMPDIR"] = str(tmp_path)
     proc = subprocess.run([sys.executable, str(tmp_path / "child.py"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(args[-1])
+
+
+def _load(path, name=None):
+    """The exported module at `path`, imported in this process (kernelgen is importable here)."""
+    name = name or Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _assignments(text: str, name: str) -> dict:
+    """{key: str} of the exported file's `name[key] = "..."` statements (its _SOURCES and _RENDERED)."""
+    out = {}
+    for node in ast.parse(text).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript)
+                and getattr(node.targets[0].value, "id", None) == name):
+            out[ast.literal_eval(node.targets[0].slice)] = ast.literal_eval(node.value)
+    return out
 
 
 def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
@@ -149,15 +191,19 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
     cases = {}
     q, k, v = _inputs(2, 2, 2, 150, 230, 64, torch.float32, 1)
     path = export_module(MEAN, tmp_path / "kg_mean.py", configs=MEAN_CONFIGS)
-    cases["mean"] = dict(path=str(path), spec=MEAN.to_dict(), q=q, k=k, v=v,
-                         configs={r: c.__dict__ for r, c in MEAN_CONFIGS.items()})
+    cases["mean"] = dict(path=str(path), spec=MEAN.to_dict(), q=q, k=k, v=v, configs=_configs_dict(MEAN, MEAN_CONFIGS))
     q, k, v = _inputs(1, 2, 2, 100, 140, 64, torch.float16, 2)
     path = export_module(GIVEN, tmp_path / "kg_given.py")
     cases["given"] = dict(path=str(path), spec=GIVEN.to_dict(), q=q, k=k, v=v,
-                          idx=_given_lists(GIVEN, 1, 2, 100, 140, 3),
-                          configs={r: kernelgen.config.default_config(GIVEN, r).__dict__ for r in ("attn", "select")})
+                          idx=_given_lists(GIVEN, 1, 2, 100, 140, 3), configs=_configs_dict(GIVEN, {}))
+    assert set(cases["given"]["configs"]) == {"lists", "attn"}  # no selector, no select config
     torch.save(cases, tmp_path / "inputs.pt")
     exported = _run_child(tmp_path, CHILD, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt"))
+    # without KERNELGEN_CACHE_DIR the rendered kernels went to <temp dir>/kernelgen-export-<uid>/kernels
+    written = sorted(p.name for p in tmp_path.glob("kernelgen-export-*/kernels/*.py"))
+    assert any(n.startswith("kg_triton_attn_") for n in written), written
+    assert any(n.startswith("kg_triton_select_") for n in written), written
+    assert any(n.startswith("kg_triton_lists_") for n in written), written
 
     for name, spec, configs in (("mean", MEAN, MEAN_CONFIGS), ("given", GIVEN, None)):
         attn = kernelgen.get_kernel(spec, configs=configs)
@@ -179,25 +225,107 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
             assert error is not None, f"{name}: {call} raised nothing"
         for call in ("q.dtype", "v.dtype", "block_idx.dtype", "block_idx.shape"):
             if call in errors:
-                assert errors[call][0] in ("TypeError", "ValueError") and call in errors[call][1], errors[call]
+                assert errors[call][0] in ("KernelgenTypeError", "KernelgenValueError") and call in errors[call][1], \
+                    errors[call]
 
 
-def test_header_imports_and_configs(tmp_path):
+def test_header_sources_and_imports(tmp_path):
     path = export_module(MEAN, tmp_path / "kg_mean.py", configs={"attn": MEAN_CONFIGS["attn"]})
     text = path.read_text()
     header = text.split('"""', 1)[0]
     assert f"kernelgen {kernelgen.__version__}" in header and MEAN.to_json() in header
     assert MEAN_CONFIGS["attn"].to_json().strip("{}") in header  # given config baked in
-    default_select = kernelgen.config.default_config(MEAN, "select")
-    assert default_select.to_json().strip("{}") in header  # missing role: the default
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.Import):
-            roots = {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            roots = {node.module.split(".")[0]}
-        else:
-            continue
-        assert not roots & {"kernelgen", "jinja2", "platformdirs"}, ast.unparse(node)
+    assert _default_config(MEAN, "select").to_json().strip("{}") in header  # missing role: the default
+    assert "needs only\ntorch and triton)" in text.split('"""', 2)[1]
+    assert f"SPEC = {MEAN.to_dict()!r}" in text
+    assert "\ndef attn(q, k, v, *, block_idx=None" in text and "\ndef select(q, k)" in text
+
+    sources, rendered = _assignments(text, "_SOURCES"), _assignments(text, "_RENDERED")
+    package_dir = Path(kernelgen.__file__).parent
+    # kernelgen's own modules, verbatim: dispatch and what it imports (each backend's module included)
+    for key in ("errors", "spec", "device", "inputs", "roles", "dispatch", "backends", "backends.base",
+                "backends.triton", "backends.gluon", "backends.tilelang", "codegen.cache", "tuning.buckets"):
+        assert key in sources, key
+    stand_ins = {"", "codegen.render"}  # the package itself, and the renderer (its renders baked in)
+    for key, source in sources.items():
+        if key not in stand_ins:
+            file = package_dir.joinpath(*key.split("."))
+            file = file / "__init__.py" if file.is_dir() else file.with_suffix(".py")
+            assert source == file.read_text(), key
+    assert "export" not in sources and "codegen.render" in sources and "import jinja2" not in sources["codegen.render"]
+    # every kernel a call builds, verbatim: lists (kernel spec: selector given, no forced blocks), select, attn
+    for role, cfg in (("lists", None), ("select", _default_config(MEAN, "select")), ("attn", MEAN_CONFIGS["attn"])):
+        kernel_spec = get_role(role).kernel_spec(MEAN, "triton")
+        template = str(backends.get("triton").role(role).template)
+        source = rendered[(template, kernel_spec.to_json(), None if cfg is None else cfg.to_json(), ())]
+        assert source == render(template, kernel_spec, cfg)
+    assert len(rendered) == 3
+
+    # nothing beyond the standard library, torch and triton at module level, and relative imports only of
+    # embedded modules: in the file's own code, in each embedded module and in each rendered kernel
+    packages = set(ast.literal_eval(next(n.value for n in ast.parse(text).body if isinstance(n, ast.Assign)
+                                         and getattr(n.targets[0], "id", None) == "_PACKAGES")))
+    modules = [("<file>", text, False)] + [(k, s, k in packages) for k, s in sources.items()] + \
+              [("<kernel>", s, False) for s in rendered.values()]
+    for key, source, is_package in modules:
+        tree = ast.parse(source)
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        for node in top:
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                assert resolve_import(node, key, is_package) in sources, (key, ast.unparse(node))
+                continue
+            roots = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            assert {r.split(".")[0] for r in roots} <= STDLIB_TORCH_TRITON, (key, ast.unparse(node))
+
+
+def test_imports_resolve_inside_the_package():
+    def rel(code, key, is_package=False):
+        return resolve_import(ast.parse(code).body[0], key, is_package)
+
+    assert rel("from ..inputs import X", "backends.triton") == "inputs"
+    assert rel("from .base import Y", "backends.triton") == "backends.base"
+    assert rel("from ..codegen.render import render", "backends.triton") == "codegen.render"
+    assert rel("from .base import Y", "backends", is_package=True) == "backends.base"
+    assert rel("from ..errors import E", "backends", is_package=True) == "errors"
+    assert rel("from . import backends", "dispatch") == ""
+    assert rel("from .. import backends", "tuning.lookup") == ""
+    assert rel("from .buckets import seq_bucket", "tuning", is_package=True) == "tuning.buckets"
+    with pytest.raises(ExportError, match="beyond kernelgen"):
+        rel("from ...x import y", "tuning.lookup")
+
+    exists = {"", "inputs", "backends", "backends.base", "spec"}.__contains__
+    source = ("import torch\nfrom . import backends\nfrom .spec import Spec as S\n"
+              "def f():\n    from .tuning.db import W\n    import jinja2\n    return W\n")
+    assert module_imports(source, "dispatch", False, exists) == [("", ["backends"]), ("backends", []),
+                                                                  ("spec", ["Spec"])]
+    with pytest.raises(ExportError, match="does not embed"):
+        module_imports("from .tuning.db import Winners\n", "tuning.lookup", False, exists)
+    with pytest.raises(ExportError, match="jinja2"):
+        module_imports("import jinja2\n", "codegen.render", False, exists)
+    with pytest.raises(ExportError, match="kernelgen"):
+        module_imports("try:\n    import kernelgen.spec\nexcept ImportError:\n    pass\n", "x", False, exists)
+
+
+def test_exported_package_is_private_and_refuses_what_it_lacks(tmp_path):
+    """Loaded here, next to kernelgen: the exported module's kernelgen is a package of its own (its own
+    registry, its own Spec), and a part of kernelgen it does not embed is a ModuleNotFoundError on use."""
+    module = _load(export_module(GIVEN, tmp_path / "kg_given_here.py"), "kg_given_here")
+    package = module._PACKAGE
+    assert package.startswith("_kernelgen_export_") and package in sys.modules
+    assert type(module.kernel).__module__ == f"{package}.dispatch"
+    assert module._embedded("backends") is not backends and module._embedded("backends").names() == backends.names()
+    assert module.kernel.spec.to_dict() == GIVEN.to_dict()
+    with pytest.raises(ModuleNotFoundError, match="not part of this exported module"):
+        importlib.import_module(f"{package}.tuning.db")
+    with pytest.raises(ImportError):  # the stand-in renderer has no templates
+        module._embedded("backends").get("triton").template_hash("attn")
+    render_stand_in = module._embedded("codegen.render")
+    with pytest.raises(ModuleNotFoundError, match="holds no kernel"):
+        render_stand_in.render("triton/attn.py.j2", module.kernel.spec.replace(top_k=7))
+    # a second export of the same spec and configs is the same package; another spec's is another
+    again = _load(export_module(GIVEN, tmp_path / "kg_given_again.py"), "kg_given_again")
+    other = _load(export_module(MEAN, tmp_path / "kg_mean_here.py"), "kg_mean_here")
+    assert again._PACKAGE == package and other._PACKAGE != package
 
 
 def test_bad_arguments(tmp_path):
@@ -211,26 +339,45 @@ def test_bad_arguments(tmp_path):
         export_module(MEAN, tmp_path / "m.py", configs={"attn": AttnConfig(block_m=128)})
     with pytest.raises(ValueError, match="unknown roles"):
         export_module(MEAN, tmp_path / "m.py", configs={"backward": MEAN_CONFIGS["attn"]})
-    assert not (tmp_path / "m.py").exists()
+    with pytest.raises(ValueError, match="unknown roles \\['select'\\]"):  # a given spec runs no selector
+        export_module(GIVEN, tmp_path / "m.py", configs={"select": MEAN_CONFIGS["select"]})
+    with pytest.raises(TypeError, match="configs must be a dict"):
+        export_module(MEAN, tmp_path / "m.py", configs=[MEAN_CONFIGS["attn"]])
+    with pytest.raises(ValueError, match="nope"):  # unknown backend: the registry says
+        export_module(MEAN.replace(backend="nope"), tmp_path / "m.py")
+    with pytest.raises(ValueError, match="gluon"):  # a spec the Gluon forward does not compute
+        export_module(MEAN.replace(backend="gluon"), tmp_path / "m.py")
+    with pytest.raises(TypeError, match="configs\\['attn'\\]"):  # another backend's config type
+        export_module(MEAN.replace(backend="tilelang"), tmp_path / "m.py", configs={"attn": MEAN_CONFIGS["attn"]})
+    assert not list(tmp_path.iterdir())
 
 
-def test_name_clashes_and_imports_are_refused():
-    with pytest.raises(ExportError, match="'f'"):
-        _check_namespace([("a", "def f(): pass\n"), ("b", "f = 1\n")])
-    _check_namespace([("a", "import triton\n"), ("b", "import triton\n")])  # the same binding twice is fine
-    # the launcher may rebind a name no earlier function reads (ops.select, reached through `ops`)...
-    _check_namespace([("ops", "def select(): pass\nns = select\n"), ("launcher", "def select(): pass\n")])
-    # ...but not one that an earlier function would then call
-    with pytest.raises(ExportError, match="'select'"):
-        _check_namespace([("ops", "def select(): pass\ndef g(): return select()\n"), ("launcher", "select = 1\n")])
-    with pytest.raises(ExportError, match="does not embed"):
-        _rewrite_imports("from .db import Winners\n", "kernelgen/x.py", {})
-    with pytest.raises(ExportError, match="jinja2"):
-        _rewrite_imports("import jinja2\n", "kernelgen/x.py", {})
-    rewritten = _rewrite_imports("from .spec import Spec as S\ndef f():\n    from .db import W\n    return W\n",
-                                 "kernelgen/x.py", {"spec": {"Spec"}})
-    assert "S = Spec" in rewritten and "raise ImportError" in rewritten
-    compile(rewritten, "x", "exec")
+def test_auto_backend_is_not_exported(tmp_path):
+    with pytest.raises(ValueError, match="auto"):
+        export_module(MEAN.replace(backend="auto"), tmp_path / "m.py")
+    assert not list(tmp_path.iterdir())
+
+
+def test_write_is_atomic(tmp_path, monkeypatch):
+    """The file is replaced whole or not at all: a failed export leaves the old file and no temp file."""
+    out = tmp_path / "sub" / "kg.py"
+    export_module(GIVEN, out)
+    first = out.read_text()
+    assert os.stat(out).st_mode & 0o777 == 0o644
+    with pytest.raises(ValueError):
+        export_module(GIVEN, out, configs={"attn": AttnConfig(block_m=128)})
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        export_module(MEAN, out)
+    monkeypatch.undo()
+    assert out.read_text() == first and sorted(p.name for p in out.parent.iterdir()) == ["kg.py"]
+    export_module(MEAN, out)
+    assert out.read_text() != first and f"SPEC = {MEAN.to_dict()!r}" in out.read_text()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["kg.py"]
 
 
 TILELANG_CHILD = BLOCKING + textwrap.dedent('''
@@ -242,44 +389,66 @@ TILELANG_CHILD = BLOCKING + textwrap.dedent('''
     try:
         module.attn(x["q"], x["k"], x["v"])
         out["cpu_error"] = None
-    except ValueError as error:
-        out["cpu_error"] = str(error)
-    # the forward the module would compile on a GPU, for this shape: its CUDA source for sm_90a
-    name, source = module._TILELANG_ATTN["float16"]
-    func = module.build_attn_from(module.load_module(name, source, Path(sys.argv[3])), module.kernel.spec,
-                                  torch.float16, batch=1, heads_kv=2, seq_q=150, seq_k=230,
-                                  config=module.kernel._fixed["attn"])
-    out["cuda_source"] = str(module.lower(func))
+    except Exception as error:
+        out["cpu_error"] = (type(error).__name__, str(error))
+    if sys.argv[3] == "lower":  # the forward the module would compile on a GPU, for this shape: CUDA for sm_90a
+        tilelang = module._embedded("backends.tilelang")
+        kernel_spec = module._embedded("roles").get_role("attn").kernel_spec(module.kernel.spec, module.SPEC["backend"])
+        func = tilelang.build_attn(kernel_spec, torch.float16, batch=1, heads_kv=2, seq_q=150, seq_k=230,
+                                   config=module.kernel._fixed["attn"])
+        out["cuda_source"] = str(tilelang.lower(func))
     leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
     assert not leaked, leaked
     torch.save(out, sys.argv[4])
 ''')
 
+TILELANG_SPEC = MEAN.replace(backend="tilelang")
+TILELANG_CONFIGS = {"attn": TileLangAttnConfig(block_m=64, num_stages=1, threads=128), "select": MEAN_CONFIGS["select"]}
+
+
+def _tilelang_child(tmp_path, lower: bool):
+    """Export TILELANG_SPEC, check the file, run TILELANG_CHILD on it; returns (outputs, q, k)."""
+    from kernelgen.backends import tilelang as tilelang_backend
+
+    path = export_module(TILELANG_SPEC, tmp_path / "kg_tl.py", configs=TILELANG_CONFIGS)
+    text = path.read_text()
+    assert "needs only\ntorch, triton and tilelang)" in text.split('"""', 2)[1]
+    kernel_spec = get_role("attn").kernel_spec(TILELANG_SPEC, "tilelang")
+    for dtype in (torch.float16, torch.bfloat16):  # the rendered forward, verbatim, per dtype
+        assert tilelang_backend.attn_source(kernel_spec, dtype, TILELANG_CONFIGS["attn"]) in text
+    q, k, v = _inputs(1, 2, 2, 150, 230, 64, torch.float16, 4)
+    torch.save({"q": q, "k": k, "v": v}, tmp_path / "inputs.pt")
+    out = _run_child(tmp_path, TILELANG_CHILD, str(path), str(tmp_path / "inputs.pt"), "lower" if lower else "-",
+                     str(tmp_path / "outputs.pt"), timeout=600)
+    assert out["spec"] == TILELANG_SPEC.to_dict() and out["configs"] == _configs_dict(TILELANG_SPEC, TILELANG_CONFIGS)
+    attn = kernelgen.get_kernel(TILELANG_SPEC, configs=TILELANG_CONFIGS)
+    assert torch.equal(out["idx"], attn.select(q, k))  # selection runs in Triton, as get_kernel runs it
+    with pytest.raises(ValueError) as expected:  # no TileLang forward on the CPU: the error get_kernel gives
+        attn(q, k, v)
+    assert out["cpu_error"] == (type(expected.value).__name__, str(expected.value))
+    return out, kernel_spec
+
+
+def test_exported_tilelang_module_without_kernelgen(tmp_path, device):
+    """A TileLang spec exports to a module that needs torch, triton and tilelang (only on use): without
+    kernelgen it holds the rendered forward, selects as get_kernel does (the Triton twin) and refuses a CPU
+    forward as get_kernel does."""
+    if device != "cpu":
+        pytest.skip("the child runs the interpreter")
+    _tilelang_child(tmp_path, lower=False)
+
 
 @pytest.mark.tilelang
-def test_exported_tilelang_module_without_kernelgen(tmp_path, device):
-    """A TileLang spec exports too: without kernelgen, the module selects as get_kernel does (Triton
-    twin), refuses a CPU forward clearly, and builds the very forward kernelgen builds (same CUDA source)."""
+def test_exported_tilelang_module_builds_kernelgens_forward(tmp_path, device):
+    """...and builds the very forward kernelgen builds (same CUDA source), from its baked render."""
     pytest.importorskip("tilelang")
     if device != "cpu":
         pytest.skip("the child runs the interpreter")
-    from kernelgen import tilelang_backend
-    from kernelgen.config import TileLangAttnConfig
+    from kernelgen.backends import tilelang as tilelang_backend
 
-    spec = MEAN.replace(backend="tilelang")
-    configs = {"attn": TileLangAttnConfig(block_m=64, num_stages=1, threads=128), "select": MEAN_CONFIGS["select"]}
-    path = export_module(spec, tmp_path / "kg_tl.py", configs=configs)
-    assert "torch, triton and tilelang" in path.read_text().split('"""', 2)[1]
-    q, k, v = _inputs(1, 2, 2, 150, 230, 64, torch.float16, 4)
-    torch.save({"q": q, "k": k, "v": v}, tmp_path / "inputs.pt")
-    out = _run_child(tmp_path, TILELANG_CHILD, str(path), str(tmp_path / "inputs.pt"), str(tmp_path / "kernels"),
-                     str(tmp_path / "outputs.pt"), timeout=600)
-    assert out["spec"] == spec.to_dict() and out["configs"] == {r: c.__dict__ for r, c in configs.items()}
-    attn = kernelgen.get_kernel(spec, configs=configs)
-    assert torch.equal(out["idx"], attn.select(q, k))
-    assert out["cpu_error"] is not None and "CUDA GPUs only" in out["cpu_error"]
-    expected = tilelang_backend.lower(tilelang_backend.build_attn(spec, torch.float16, batch=1, heads_kv=2, seq_q=150,
-                                                                  seq_k=230, config=configs["attn"]))
+    out, kernel_spec = _tilelang_child(tmp_path, lower=True)
+    expected = tilelang_backend.lower(tilelang_backend.build_attn(
+        kernel_spec, torch.float16, batch=1, heads_kv=2, seq_q=150, seq_k=230, config=TILELANG_CONFIGS["attn"]))
     assert out["cuda_source"] == expected and "tl::tma_load(K_desc" in expected
 
 
@@ -288,14 +457,16 @@ GLUON_CHILD = BLOCKING + textwrap.dedent('''
 
     module = load(sys.argv[1])
     x = torch.load(sys.argv[2])
-    attn_kernels = module.kernel.module("attn", None)
+    backend = module._embedded("backends").get(module.SPEC["backend"])
+    kernel_spec = module._embedded("roles").get_role("attn").kernel_spec(module.kernel.spec, backend.name)
+    attn_kernels = backend.build(kernel_spec, "attn", module.kernel._fixed["attn"])  # from the baked render
     out = {"idx": module.select(x["q"], x["k"]), "spec": module.SPEC, "configs": module.CONFIGS,
            "attn_fwd": type(attn_kernels.attn_fwd).__name__, "backend": module.kernel.backend(x["k"].shape[2])}
     try:
         module.attn(x["q"], x["k"], x["v"])
         out["cpu_error"] = None
-    except ValueError as error:
-        out["cpu_error"] = str(error)
+    except Exception as error:
+        out["cpu_error"] = (type(error).__name__, str(error))
     leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
     assert not leaked, leaked
     torch.save(out, sys.argv[3])
@@ -304,28 +475,26 @@ GLUON_CHILD = BLOCKING + textwrap.dedent('''
 
 def test_exported_gluon_module_without_kernelgen(tmp_path, device):
     """A Gluon spec exports to a module that needs only torch and triton: without kernelgen it selects as
-    get_kernel does (the Triton twin), holds the rendered Gluon forward, and refuses a CPU forward clearly.
-    (Running the forward needs a Hopper GPU: tests/test_gluon_fwd.py.)"""
+    get_kernel does (the Triton twin), holds and loads the rendered Gluon forward, and refuses a CPU forward
+    as get_kernel does. (Running the forward needs a Hopper GPU: tests/test_gluon_fwd.py.)"""
     if device != "cpu":
         pytest.skip("the child runs the interpreter")
-    from kernelgen.config import GluonAttnConfig
-    from kernelgen.render import render
-
     spec = Spec(head_dim=64, kv_block=64, q_tile=32, top_k=3, causal=True, gqa_group=2, local=1, backend="gluon")
     configs = {"attn": GluonAttnConfig(block_m=64, num_stages=3), "select": SelectConfig(tiles=8, chunk=16)}
     path = export_module(spec, tmp_path / "kg_gl.py", configs=configs)
     text = path.read_text()
     assert "needs only\ntorch and triton)" in text.split('"""', 2)[1]
-    assert render(spec, "attn", configs["attn"]) in text  # the rendered kernel, verbatim
+    kernel_spec = get_role("attn").kernel_spec(spec, "gluon")
+    assert render("gluon/attn.py.j2", kernel_spec, configs["attn"]) in text  # the rendered kernel, verbatim
+    assert "\n@gluon.jit\ndef attn_fwd(" in text
     q, k, v = _inputs(1, 2, 2, 150, 230, 64, torch.float16, 5)
     torch.save({"q": q, "k": k, "v": v}, tmp_path / "inputs.pt")
     out = _run_child(tmp_path, GLUON_CHILD, str(path), str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt"))
-    assert out["spec"] == spec.to_dict() and out["configs"] == {r: c.__dict__ for r, c in configs.items()}
+    assert out["spec"] == spec.to_dict() and out["configs"] == _configs_dict(spec, configs)
     assert out["attn_fwd"] == "GluonJITFunction" and out["backend"] == "gluon"
-    assert torch.equal(out["idx"], kernelgen.get_kernel(spec, configs=configs).select(q, k))
-    assert out["cpu_error"] is not None and "runs on CUDA GPUs (Hopper, sm_90) only" in out["cpu_error"]
-
-
-def test_auto_backend_is_not_exported(tmp_path):
-    with pytest.raises(ValueError, match="auto"):
-        export_module(MEAN.replace(backend="auto"), tmp_path / "m.py")
+    attn = kernelgen.get_kernel(spec, configs=configs)
+    assert torch.equal(out["idx"], attn.select(q, k))
+    with pytest.raises(ValueError) as expected:
+        attn(q, k, v)
+    assert out["cpu_error"] == (type(expected.value).__name__, str(expected.value))
+    assert "runs on CUDA GPUs (Hopper, sm_90) only" in out["cpu_error"][1]
