@@ -1,4 +1,4 @@
-"""Tests for kernelgen.db: the tuning database (CPU only, no GPU needed)."""
+"""Tests for kernelgen.tuning.db: the tuning database (CPU only, no GPU needed)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +9,8 @@ import sqlite3
 
 import pytest
 
-from kernelgen.db import (
+from kernelgen import backends
+from kernelgen.tuning.db import (
     BUNDLED_DB_PATH,
     Fingerprint,
     TuningDB,
@@ -71,13 +72,38 @@ def test_seq_bucket_rejects_negative():
 
 
 def test_current_fingerprint_never_raises_and_names_only_the_backend_compiler():
-    triton_fp = current_fingerprint("abc", "triton")
-    assert triton_fp.template_hash == "abc"
+    triton = backends.get("triton")
+    triton_fp = current_fingerprint(triton, "attn")
+    assert triton_fp.template_hash == triton.template_hash("attn")
+    assert len(triton_fp.template_hash) == 16 and int(triton_fp.template_hash, 16) >= 0  # sha256 prefix
     assert triton_fp.kernelgen_version  # installed version, or "0+unknown" in a bare checkout
     assert triton_fp.tilelang_version is None
-    assert current_fingerprint("abc", "tilelang").triton_version is None
-    gluon_fp = current_fingerprint("abc", "gluon")  # Gluon is Triton's dialect: its version matters
+    tilelang_fp = current_fingerprint(backends.get("tilelang"), "attn")
+    assert tilelang_fp.triton_version is None
+    assert tilelang_fp.template_hash == backends.get("tilelang").template_hash("attn")
+    gluon_fp = current_fingerprint(backends.get("gluon"), "attn")  # Gluon is Triton's dialect: its version matters
     assert gluon_fp.triton_version == triton_fp.triton_version is not None and gluon_fp.tilelang_version is None
+    assert gluon_fp.template_hash != triton_fp.template_hash  # each backend's own template
+
+
+def test_current_fingerprint_holds_the_role_s_template():
+    """Each role's winners are tied to its own template: the selector's and the forward's differ."""
+    triton = backends.get("triton")
+    attn, select = current_fingerprint(triton, "attn"), current_fingerprint(triton, "select")
+    assert select.template_hash == triton.template_hash("select") != attn.template_hash
+    assert {**attn.as_columns(), "template_hash": None} == {**select.as_columns(), "template_hash": None}
+
+
+def test_current_fingerprint_of_a_plug_in_without_compilers():
+    """A backend that names no compiler records none (and its template-less role hashes to "none")."""
+
+    class NoCompiler(backends.Backend):
+        name = "no-compiler"
+        roles = {"attn": backends.RoleImpl(launch=lambda *args: None)}
+
+    fp = current_fingerprint(NoCompiler(), "attn")
+    assert (fp.template_hash, fp.triton_version, fp.tilelang_version) == ("none", None, None)
+    assert fp.torch_version and fp.kernelgen_version
 
 
 def test_default_path_follows_env(isolated_cache_dir):

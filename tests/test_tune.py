@@ -1,9 +1,13 @@
-"""Tests for kernelgen.tune (CPU: the worker runs the Triton interpreter on tiny inputs; timings are
-meaningless, the plumbing is what is checked). Some tests replace the worker process by a fake one
-to check the study logic without compiling anything."""
+"""Tests for kernelgen.tuning (plan, worker, study). CPU: the worker runs the Triton interpreter on tiny
+inputs; timings are meaningless, the plumbing is what is checked. Some tests replace the worker process by
+a fake one to check the study logic without compiling anything."""
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import importlib.util
 import json
+import re
 import shutil
 import zlib
 
@@ -12,24 +16,36 @@ import pytest
 import torch
 from optuna.trial import TrialState
 
-import kernelgen.tune as tune_module
-from kernelgen import Spec
-from kernelgen.config import attn_feasible, config_from_dict, config_space, default_config
-from kernelgen.db import TuningDB, Winners, current_fingerprint, seq_bucket
-from kernelgen.render import template_hash
-from kernelgen.tune import TuneResult, plan, tune, tune_inputs_shape
+import kernelgen.device
+import kernelgen.roles
+from kernelgen import KernelgenTypeError, KernelgenValueError, Spec, backends, reference
+from kernelgen.roles import get_role, valid_top_k
+from kernelgen.tuning import TuneResult, plan, tune, tune_inputs_shape
+from kernelgen.tuning import study as study_module
+from kernelgen.tuning import worker as worker_module
+from kernelgen.tuning.buckets import seq_bucket
+from kernelgen.tuning.db import TuningDB, Winners, current_fingerprint
+from kernelgen.tuning.plan import check_arch, tuned_backend
 
+# the module (`kernelgen.tuning.plan` is the function `plan`, as `from kernelgen.tuning import plan` gives)
+plan_module = importlib.import_module("kernelgen.tuning.plan")
+TRITON, TILELANG, GLUON = (backends.get(name) for name in ("triton", "tilelang", "gluon"))
 # 16 feasible attention configs; small enough for the interpreter to run a trial in well under a second
 SPEC = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True, gqa_group=2)
+ATTN_SPEC = get_role("attn").kernel_spec(SPEC, "triton")  # what the attention tune measures and records
 SEQ = 128
+
+
+def asdicts(configs):
+    return [dataclasses.asdict(c) for c in configs]
 
 
 @pytest.fixture(autouse=True)
 def isolated_cache_dir(tmp_path, monkeypatch):
     """No test may touch the real user cache dir (the Optuna storage and the user DB default there)."""
     monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(tune_module.SABOTAGE_ENV, raising=False)
-    monkeypatch.delenv(tune_module.SABOTAGE_MODE_ENV, raising=False)
+    monkeypatch.delenv(worker_module.SABOTAGE_ENV, raising=False)
+    monkeypatch.delenv(worker_module.SABOTAGE_MODE_ENV, raising=False)
 
 
 @pytest.fixture
@@ -40,7 +56,7 @@ def db(tmp_path):
 
 def measured(storage, name):
     """(complete, failed) trials that measured a config, as tune() counts them."""
-    return tune_module._measured(optuna.load_study(study_name=name, storage=f"sqlite:///{storage}"))
+    return study_module._measured(optuna.load_study(study_name=name, storage=f"sqlite:///{storage}"))
 
 
 def run_tune(tmp_path, db, **kwargs):
@@ -50,9 +66,11 @@ def run_tune(tmp_path, db, **kwargs):
 
 
 class FakeWorker:
-    """Stands in for the worker process: a deterministic time per config, no compile. Records jobs."""
+    """Stands in for the worker process: a deterministic time per config, no compile. Records the jobs'
+    configs (and the whole jobs)."""
 
     jobs: list = []
+    full_jobs: list = []
     interrupt_at: int | None = None
 
     def __init__(self, device):
@@ -60,6 +78,7 @@ class FakeWorker:
 
     def run(self, job, timeout):
         FakeWorker.jobs.append(job["params"])
+        FakeWorker.full_jobs.append(job)
         if FakeWorker.interrupt_at is not None and len(FakeWorker.jobs) == FakeWorker.interrupt_at:
             raise KeyboardInterrupt
         ms = 1.0 + zlib.crc32(json.dumps(job["params"], sort_keys=True).encode()) % 1000 / 100
@@ -72,29 +91,50 @@ class FakeWorker:
 @pytest.fixture
 def fake_worker(monkeypatch):
     FakeWorker.jobs = []
+    FakeWorker.full_jobs = []
     FakeWorker.interrupt_at = None
-    monkeypatch.setattr(tune_module, "_Worker", FakeWorker)
+    monkeypatch.setattr(study_module, "Worker", FakeWorker)
     return FakeWorker
 
 
 # -- plan ------------------------------------------------------------------------------------------
 
 
+def test_the_package_exports_the_functions():
+    """`from kernelgen.tuning import plan` is the function, also once its module (and the study's) is imported."""
+    import kernelgen.tuning
+
+    assert plan is plan_module.plan and callable(plan) and kernelgen.tuning.plan is plan_module.plan
+    assert tune is study_module.tune and TuneResult is study_module.TuneResult
+    assert tune_inputs_shape is plan_module.tune_inputs_shape
+
+
 def test_plan_attn():
     p = plan(SPEC, "attn", seq=5000, arch="sm_90", trials=3)
     assert p["bucket"] == seq_bucket(5000) == 8192
-    assert p["study_name"] == f"kg-{SPEC.role_key('attn')}-attn-triton-sm_90-8192"
-    assert p["space"] and p["space_size"] == len(p["space"]) == len(config_space(SPEC, "attn"))
-    assert all(attn_feasible(SPEC, config_from_dict("attn", c)) for c in p["space"])
+    assert p["study_name"] == f"kg-{get_role('attn').key(SPEC, 'triton')}-attn-triton-sm_90-8192"
+    assert p["spec_key"] == ATTN_SPEC.key() and p["backend"] == "triton" and p["arch"] == "sm_90"
+    space = TRITON.config_space(ATTN_SPEC, "attn")
+    assert p["space"] and p["space_size"] == len(p["space"]) == len(space)
+    assert p["space"] == asdicts(space)
+    assert all(TRITON.infeasible(ATTN_SPEC, "attn", TRITON.config_from_dict("attn", c)) is None for c in p["space"])
     assert p["sampler"] == "tpe" and p["trials"] == 3
     assert p["default"] == {"block_m": 64, "num_warps": 4, "num_stages": 2, "use_tma": False, "kv_per_iter": 1}
+    assert p["default"] == dataclasses.asdict(TRITON.default_config(ATTN_SPEC, "attn"))
     assert set(p["params"]) == {"block_m", "num_warps", "num_stages", "use_tma", "kv_per_iter"}
     # timed at the bucket's size: every seq of a bucket shares one study
     assert p["shape"] == {"batch": 1, "heads_q": 32, "heads_kv": 16, "n_q": 8192, "n_k": 8192, "head_dim": 64}
-    assert p["dtype"] == "bfloat16"
-    n_space = len(config_space(SPEC, "attn"))
-    assert plan(SPEC, "attn", seq=5000, arch="sm_90", trials=n_space)["sampler"] == "grid"
+    assert p["dtype"] == "bfloat16" and p["device"] == "cuda"
+    assert plan(SPEC, "attn", seq=5000, arch="sm_90", trials=len(space))["sampler"] == "grid"
     json.dumps(p)  # plain data, fit for `kernelgen tune --dry-run`
+
+
+def test_attention_tune_is_shared_by_every_selector():
+    """The attention kernel reads lists only: specs differing in selector or forced blocks share its study."""
+    p = plan(SPEC, "attn", seq=5000, arch="sm_90")
+    for other in (SPEC.replace(selector="given"), SPEC.replace(selector="multi:2", local=1, sink=1)):
+        assert plan(other, "attn", seq=5000, arch="sm_90") == p
+    assert plan(SPEC.replace(top_k=1), "attn", seq=5000, arch="sm_90")["study_name"] != p["study_name"]
 
 
 def test_plan_fixed_restricts_the_space():
@@ -102,7 +142,7 @@ def test_plan_fixed_restricts_the_space():
     sub = plan(SPEC, "attn", seq=5000, arch="sm_90", fixed={"use_tma": False, "kv_per_iter": 2})
     assert sub["space"] == [c for c in full if not c["use_tma"] and c["kv_per_iter"] == 2]
     assert 0 < sub["space_size"] < len(full) and sub["params"]["kv_per_iter"] == [2]
-    with pytest.raises(ValueError, match="not attn config fields"):
+    with pytest.raises(KernelgenValueError, match="not attn config fields"):
         plan(SPEC, "attn", seq=5000, arch="sm_90", fixed={"threads": 128})
 
 
@@ -110,14 +150,56 @@ def test_plan_shape_sets_the_timed_workload():
     p = plan(SPEC, "attn", seq=5000, arch="sm_90", shape={"batch": 2, "heads_kv": 1, "n_q": 1000, "n_k": 5000})
     assert p["bucket"] == 8192
     assert p["shape"] == {"batch": 2, "heads_q": SPEC.gqa_group, "heads_kv": 1, "n_q": 1000, "n_k": 5000, "head_dim": 64}
-    with pytest.raises(ValueError, match="outside the bucket"):
+    with pytest.raises(KernelgenValueError, match="outside the bucket"):
         plan(SPEC, "attn", seq=5000, arch="sm_90", shape={"batch": 1, "heads_kv": 1, "n_q": 64, "n_k": 20000})
-    with pytest.raises(ValueError, match="shape must map"):
+    with pytest.raises(KernelgenValueError, match="shape must map"):
         plan(SPEC, "attn", seq=5000, arch="sm_90", shape={"batch": 1, "heads_kv": 1, "n_q": 64})
 
 
+@pytest.mark.parametrize("seq", [0, -1, -5000, True, 2.5, "4096", plan_module.MAX_SEQ + 1])
+def test_plan_rejects_a_seq_that_is_no_length(seq):
+    with pytest.raises(KernelgenValueError, match=rf"seq must be an int from 1 to {plan_module.MAX_SEQ}"):
+        plan(SPEC, "attn", seq=seq, arch="sm_90")
+
+
+@pytest.mark.parametrize("trials", [0, -1, True, 2.0, None])
+def test_plan_rejects_trials_that_are_no_count(trials):
+    with pytest.raises(KernelgenValueError, match="trials must be an int >= 1"):
+        plan(SPEC, "attn", seq=5000, arch="sm_90", trials=trials)
+
+
+@pytest.mark.parametrize("arch", ["banana", "sm_999", "sm_9", "sm_49", "sm_90b", "SM_90", "", "90", "cuda"])
+def test_plan_rejects_a_malformed_arch(arch):
+    with pytest.raises(KernelgenValueError, match=rf"arch={re.escape(repr(arch))} is not a CUDA arch"):
+        check_arch(arch)
+    with pytest.raises(KernelgenValueError, match="is not a CUDA arch"):
+        plan(SPEC, "attn", seq=5000, arch=arch)
+
+
+@pytest.mark.parametrize("arch", ["cpu", "sm_80", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120"])
+def test_check_arch_accepts_cuda_archs(arch):
+    assert check_arch(arch) == arch
+    assert plan(SPEC, "attn", seq=5000, arch=arch)["arch"] == arch
+
+
+def test_plan_rejects_an_arch_the_backend_cannot_run():
+    """Gluon runs on sm_90 only, TileLang on CUDA GPUs only: a tune for another arch would fail every trial."""
+    spec = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=2, backend="gluon")
+    for arch in ("sm_89", "sm_80", "sm_100"):
+        with pytest.raises(KernelgenValueError, match=rf"backend='gluon' runs on sm_90 only, not {arch}"):
+            plan(spec, "attn", seq=5000, arch=arch)
+    with pytest.raises(KernelgenValueError, match="backend='gluon' does not run on the CPU"):
+        plan(spec, "attn", seq=5000, arch="cpu")
+    assert plan(spec, "attn", seq=5000, arch="sm_90")["arch"] == "sm_90"
+    assert plan(spec, "select", seq=5000, arch="sm_89")["backend"] == "triton"  # the selector runs anywhere
+    with pytest.raises(KernelgenValueError, match="backend='tilelang' does not run on the CPU"):
+        plan(spec.replace(backend="tilelang"), "attn", seq=5000, device="cpu")
+    assert plan(spec.replace(backend="tilelang"), "attn", seq=5000, arch="sm_89")["backend"] == "tilelang"
+
+
 def test_auto_backend_is_not_tuned():
-    with pytest.raises(ValueError, match="served, not tuned: tune backend='triton', 'tilelang' and 'gluon'"):
+    with pytest.raises(KernelgenValueError,
+                       match=rf"served, not tuned: tune each of {re.escape(str(backends.names()))}"):
         plan(SPEC.replace(backend="auto"), "attn", seq=5000, arch="sm_90")
 
 
@@ -125,38 +207,68 @@ def test_plan_gluon_attn():
     """The Gluon forward is tuned over its own space (rows and stages; the warps follow from the rows)."""
     spec = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=2, backend="gluon")
     p = plan(spec, "attn", seq=5000, arch="sm_90", trials=30)
-    assert p["study_name"] == f"kg-{spec.role_key('attn')}-attn-gluon-sm_90-8192" and p["backend"] == "gluon"
+    assert p["study_name"] == f"kg-{get_role('attn').key(spec, 'gluon')}-attn-gluon-sm_90-8192" and p["backend"] == "gluon"
     assert p["space"] == [{"block_m": m, "num_stages": s} for m in (64, 128) for s in (2, 3, 4)]
     assert p["default"] == {"block_m": 128, "num_stages": 3} and p["sampler"] == "grid"
     assert plan(spec, "select", seq=5000, arch="sm_90") == plan(spec.replace(backend="triton"), "select", seq=5000,
                                                                  arch="sm_90")  # the Triton selector's study
 
 
+def test_a_spec_the_backend_cannot_compute_is_not_planned():
+    with pytest.raises(KernelgenValueError, match="Spec.head_dim=256 is not supported by backend='gluon'"):
+        plan(Spec(head_dim=256, backend="gluon"), "attn", seq=5000, arch="sm_90")
+    with pytest.raises(KernelgenValueError, match="backend='cuda' is unknown"):
+        plan(Spec(head_dim=64, backend="cuda"), "attn", seq=5000, arch="sm_90")
+    with pytest.raises(KernelgenTypeError, match="spec must be a kernelgen.Spec"):
+        plan(SPEC.to_dict(), "attn", seq=5000, arch="sm_90")
+
+
 def test_gluon_is_tuned_on_hopper_only(tmp_path, db):
     """Off a Hopper GPU every Gluon trial would fail: tune says so before starting a study."""
     spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=2, causal=True, backend="gluon", selector="given")
-    with pytest.raises(ValueError, match=r"backend='gluon' runs on CUDA GPUs \(Hopper, sm_90\) only"):
+    with pytest.raises(KernelgenValueError, match=r"backend='gluon' runs on CUDA GPUs \(Hopper, sm_90\) only"):
         tune(spec, "attn", seq=SEQ, trials=2, device="cpu", db=db, storage=tmp_path / "optuna.db")
     assert db.rows() == [] and not (tmp_path / "optuna.db").exists()
 
 
-@pytest.mark.parametrize("backend", ["tilelang", "auto"])
+@pytest.mark.parametrize("backend", ["tilelang", "gluon", "auto"])
 def test_selection_is_tuned_as_the_triton_twin(backend):
     """Every backend selects with the Triton kernels: one study and one DB row serve them all."""
-    p = plan(SPEC.replace(backend=backend), "select", seq=5000, arch="sm_90")
-    assert p == plan(SPEC, "select", seq=5000, arch="sm_90")
-    assert p["spec_key"] == SPEC.replace(backend=backend).role_key("select") == SPEC.role_key("select")
+    spec = SPEC.replace(backend=backend, head_dim=128, kv_block=64, q_tile=64)  # one Gluon computes too
+    p = plan(spec, "select", seq=5000, arch="sm_90")
+    assert p == plan(spec.replace(backend="triton"), "select", seq=5000, arch="sm_90")
+    assert p["backend"] == "triton"
+    assert p["spec_key"] == get_role("select").key(spec, "triton") == spec.replace(backend="triton").key()
+
+
+@pytest.mark.parametrize("backend", ["tilelang", "gluon", "auto"])
+def test_tuned_backend_of_the_selector_is_triton(backend):
+    spec = SPEC.replace(backend=backend, head_dim=128, kv_block=64, q_tile=64)
+    runner, kernel_spec = tuned_backend(spec, "select")
+    assert runner is TRITON and kernel_spec == spec.replace(backend="triton")
+
+
+def test_tuned_backend_of_the_attention():
+    for backend in ("triton", "tilelang"):
+        runner, kernel_spec = tuned_backend(SPEC.replace(backend=backend), "attn")
+        assert runner is backends.get(backend)
+        assert kernel_spec == SPEC.replace(backend=backend, selector="given", local=0, sink=0)
+    with pytest.raises(KernelgenValueError, match="has no tunables"):
+        tuned_backend(SPEC, "lists")
 
 
 def test_plan_select_and_cpu():
     p = plan(SPEC, "select", seq=1000, trials=1000, device="cpu")
     assert p["sampler"] == "grid" and p["trials"] == p["space_size"] > 0
-    assert p["arch"] == "cpu" and p["dtype"] == "float16" and p["bucket"] == 1024
+    assert p["space"] == asdicts(TRITON.config_space(SPEC, "select"))
+    assert p["arch"] == "cpu" and p["dtype"] == "float16" and p["bucket"] == 1024 and p["device"] == "cpu"
     assert p["shape"]["n_q"] == 256 and p["shape"]["heads_q"] == SPEC.gqa_group
-    with pytest.raises(ValueError, match="selector='given'"):
+    with pytest.raises(KernelgenValueError, match="selector='given'"):
         plan(SPEC.replace(selector="given"), "select", seq=1000)
-    with pytest.raises(ValueError, match="role="):
+    with pytest.raises(KernelgenValueError, match="role='bwd' is unknown"):
         plan(SPEC, "bwd", seq=1000)
+    with pytest.raises(KernelgenValueError, match="role='lists' has no tunables"):
+        plan(SPEC, "lists", seq=1000)
 
 
 @pytest.mark.parametrize("g, heads", [(1, 32), (2, 32), (3, 33), (8, 32), (64, 64)])
@@ -169,6 +281,14 @@ def test_tune_inputs_shape(g, heads):
 # -- errors before any work --------------------------------------------------------------------------
 
 
+@pytest.fixture
+def no_cached_gpu():
+    """device_arch caches what CUDA says per device: a pretend GPU must not outlive its test."""
+    kernelgen.device._cuda_arch.cache_clear()
+    yield
+    kernelgen.device._cuda_arch.cache_clear()
+
+
 def test_no_cuda_needs_device_cpu(monkeypatch, tmp_path, db):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="tuning needs a CUDA GPU"):
@@ -176,17 +296,29 @@ def test_no_cuda_needs_device_cpu(monkeypatch, tmp_path, db):
     assert plan(SPEC, "attn", seq=SEQ)["study_name"] is None  # a dry run still works
 
 
-def test_arch_mismatch(monkeypatch, tmp_path, db):
-    with pytest.raises(ValueError, match="sm_90.*cpu"):
+def test_arch_mismatch(monkeypatch, tmp_path, db, no_cached_gpu):
+    with pytest.raises(KernelgenValueError, match="sm_90.*cpu"):
         run_tune(tmp_path, db, arch="sm_90")
     # a pretend sm_90 GPU, asked to tune for sm_80
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Pretend H200")
-    with pytest.raises(ValueError, match=r"arch='sm_80'.*Pretend H200 is sm_90"):
+    with pytest.raises(KernelgenValueError, match=r"arch='sm_80'.*Pretend H200 is sm_90"):
         tune(SPEC, seq=SEQ, arch="sm_80", db=db, storage=tmp_path / "optuna.db")
     assert not (tmp_path / "optuna.db").exists()
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(trials=0), "trials must be an int >= 1"),
+    (dict(seq=0), "seq must be an int from 1"),
+    (dict(arch="banana"), "does not match the device"),
+    (dict(device="meta"), "expected a CUDA device"),
+])
+def test_tune_refuses_bad_arguments_before_any_work(tmp_path, db, kwargs, error):
+    with pytest.raises(KernelgenValueError, match=error):
+        run_tune(tmp_path, db, **kwargs)
+    assert db.rows() == [] and not (tmp_path / "optuna.db").exists()
 
 
 # -- real worker processes (interpreter) --------------------------------------------------------------
@@ -196,28 +328,31 @@ def test_tune_cpu_writes_one_winner(tmp_path, db):
     calls = []
     result = run_tune(tmp_path, db, progress=lambda *args: calls.append(args))
     assert isinstance(result, TuneResult)
-    assert result.study_name == f"kg-{SPEC.role_key('attn')}-attn-triton-cpu-1024"
+    assert result.study_name == f"kg-{get_role('attn').key(SPEC, 'triton')}-attn-triton-cpu-1024"
     assert (result.arch, result.gpu_name, result.dtype, result.bucket) == ("cpu", "cpu", "float16", 1024)
     assert result.n_trials == 3 and result.n_failed == 0
     assert result.best_ms > 0 and result.default_ms >= result.best_ms and result.tflops > 0
     assert "meaningless" in result.note
     assert [c[:2] for c in calls] == [(0, 3), (1, 3), (2, 3)] and all(c[2] > 0 for c in calls)
-    space = [json.dumps(c.__dict__, sort_keys=True) for c in config_space(SPEC, "attn")]
+    space = [json.dumps(c, sort_keys=True) for c in asdicts(TRITON.config_space(ATTN_SPEC, "attn"))]
     assert json.dumps(result.best_config, sort_keys=True) in space
 
     rows = db.rows()
     assert len(rows) == 1
     row = rows[0]
     assert row["config"] == result.best_config and row["median_ms"] == result.best_ms
-    assert (row["role"], row["n_trials"], json.loads(row["spec_json"])) == ("attn", 3, SPEC.to_dict())
-    fp = current_fingerprint(template_hash("triton", "attn"), "triton")
-    found = Winners(db).lookup(spec_key=SPEC.role_key("attn"), role="attn", backend="triton", arch="cpu", gpu_name="cpu",
-                               dtype="float16", bucket=seq_bucket(SEQ), fingerprint=fp)
+    assert (row["role"], row["backend"], row["n_trials"]) == ("attn", "triton", 3)
+    assert json.loads(row["spec_json"]) == ATTN_SPEC.to_dict()  # the kernel spec that was measured
+    fp = current_fingerprint(TRITON, "attn")
+    assert {k: row[k] for k in fp.as_columns()} == fp.as_columns()
+    found = Winners(db).lookup(spec_key=get_role("attn").key(SPEC, "triton"), role="attn", backend="triton",
+                               arch="cpu", gpu_name="cpu", dtype="float16", bucket=seq_bucket(SEQ), fingerprint=fp)
     assert found["config"] == result.best_config and found["source"] == "user"
     # the first trial was the default config (TPE is seeded with it)
     complete, _ = measured(tmp_path / "optuna.db", result.study_name)
     first = min(complete, key=lambda t: t.number)
-    assert first.params == default_config(SPEC, "attn").__dict__ and first.value == result.default_ms
+    assert first.params == dataclasses.asdict(TRITON.default_config(ATTN_SPEC, "attn"))
+    assert first.value == result.default_ms
 
 
 HANG_TIMEOUT_S = 20
@@ -230,13 +365,14 @@ HANG_TIMEOUT_S = 20
 ])
 def test_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, db, monkeypatch, mode, error):
     # the default config (trial 0) fails; the next trials run in a fresh worker process
-    monkeypatch.setenv(tune_module.SABOTAGE_ENV, json.dumps(default_config(SPEC, "attn").__dict__))
-    monkeypatch.setenv(tune_module.SABOTAGE_MODE_ENV, mode)
+    default = dataclasses.asdict(TRITON.default_config(ATTN_SPEC, "attn"))
+    monkeypatch.setenv(worker_module.SABOTAGE_ENV, json.dumps(default))
+    monkeypatch.setenv(worker_module.SABOTAGE_MODE_ENV, mode)
     # the healthy trials must fit the timeout too, also on a loaded machine (tests run in parallel):
     # a short one only where the hang is what is tested
     result = run_tune(tmp_path, db, trial_timeout=HANG_TIMEOUT_S if mode == "hang" else 300)
     assert result.n_failed == 1 and result.n_trials == 2  # failures count toward `trials`
-    assert result.default_ms is None and result.best_config != default_config(SPEC, "attn").__dict__
+    assert result.default_ms is None and result.best_config != default
     complete, failed = measured(tmp_path / "optuna.db", result.study_name)
     assert failed[0].state == TrialState.FAIL and failed[0].number == 0
     assert error in failed[0].user_attrs["error"]
@@ -251,31 +387,44 @@ def test_resume_reuses_completed_trials(tmp_path, db, monkeypatch):
     assert (first.n_trials, second.n_trials) == (2, 3)
     assert {t.number: t.value for t in before}.items() <= {t.number: t.value for t in after}.items()
     # nothing left to measure: no worker may start
-    monkeypatch.setattr(tune_module._Worker, "_start", lambda self: pytest.fail("a worker was started"))
+    monkeypatch.setattr(worker_module.Worker, "_start", lambda self: pytest.fail("a worker was started"))
     third = run_tune(tmp_path, db, trials=3)
     assert third.n_trials == 3 and third.best_ms == min(t.value for t in after)
     assert len(db.rows()) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the interpreter in this process")
-def test_worker_checks_against_the_reference():
-    job = {"spec_json": SPEC.to_json(), "seq": SEQ, "device": "cpu"}
+def test_worker_checks_against_the_reference(monkeypatch):
+    job = {"backend": "triton", "seq": SEQ, "device": "cpu"}
     cache = {}
-    attn = {**job, "role": "attn", "params": {"block_m": 32, "num_warps": 4, "num_stages": 1}}
-    assert tune_module._measure(attn, cache)["ms"] > 0
+    attn = {**job, "spec_json": ATTN_SPEC.to_json(), "role": "attn",
+            "params": {"block_m": 32, "num_warps": 4, "num_stages": 1}}
+    assert worker_module._measure(attn, cache)["ms"] > 0
     inputs = next(iter(cache.values()))
-    inputs.ref_o = inputs.ref_o * 1.1  # as if the kernel computed something else
-    with pytest.raises(tune_module._Rejected, match="rel. L2 error"):
-        tune_module._measure(attn, cache)
+    q, k, v, lists, scale = inputs.check.args
+    # as if the kernel computed something else: it is given other values than the reference was
+    inputs.check = dataclasses.replace(inputs.check, args=(q, k, v * 1.1, lists, scale))
+    with pytest.raises(worker_module._Rejected, match="rel. L2 error"):
+        worker_module._measure(attn, cache)
 
-    select = {**job, "role": "select", "params": {"tiles": 8, "chunk": 16, "num_warps": 4, "num_stages": 1}}
-    assert tune_module._measure(select, cache)["flops"] is None
-    q, k, _ = inputs.check
-    lists = inputs.default_lists
-    assert tune_module._valid_top_k(lists, q, k, SPEC)
-    inputs.default_lists = torch.full_like(lists, -1)  # other lists than the default's: a valid top-k still passes
-    tune_module._measure(select, cache)
-    assert not tune_module._valid_top_k(inputs.default_lists, q, k, SPEC)  # forced blocks missing
+    select = {**job, "spec_json": SPEC.to_json(), "role": "select",
+              "params": {"tiles": 8, "chunk": 16, "num_warps": 4, "num_stages": 1}}
+    assert worker_module._measure(select, cache)["flops"] is None
+    [inputs] = cache.values()  # the attention's inputs were dropped
+    q, k = inputs.check.args
+    lists = reference.select_blocks(q, k, SPEC).to(torch.int32)
+    assert valid_top_k(lists, q, k, SPEC) and inputs.check.check(lists) is None
+    empty_lists = torch.full_like(lists, -1)
+    assert not valid_top_k(empty_lists, q, k, SPEC)  # forced blocks missing
+    assert "not a valid top-k" in inputs.check.check(empty_lists)
+    # the lists of the kernel scoring -k pick the lowest-scoring blocks: rejected
+    inputs.check = dataclasses.replace(inputs.check, args=(q, -k))
+    with pytest.raises(worker_module._Rejected, match="not a valid top-k"):
+        worker_module._measure(select, cache)
+    # valid_top_k is the whole judgement (no comparison with the default config's lists)
+    monkeypatch.setattr(kernelgen.roles, "valid_top_k", lambda *args: True)
+    assert inputs.check.check(empty_lists) is None
+    assert worker_module._measure(select, cache)["ms"] > 0
 
 
 # -- the study logic, with a fake worker ---------------------------------------------------------------
@@ -284,7 +433,7 @@ def test_worker_checks_against_the_reference():
 def test_grid_measures_each_feasible_point_once(tmp_path, db, fake_worker):
     # head_dim 256, kv_block 128: registers and shared memory make some products of the choices infeasible
     spec = Spec(head_dim=256, kv_block=128, q_tile=64, top_k=2, gqa_group=2)
-    space = [c.__dict__ for c in config_space(spec, "attn")]
+    space = asdicts(TRITON.config_space(get_role("attn").kernel_spec(spec, "triton"), "attn"))
     p = plan(spec, "attn", seq=SEQ, trials=len(space), device="cpu")
     n_product = 1
     for values in p["params"].values():
@@ -297,6 +446,26 @@ def test_grid_measures_each_feasible_point_once(tmp_path, db, fake_worker):
     # the study stops once every feasible point is measured, maybe before the grid reaches the last infeasible one
     assert 0 < len(pruned) <= n_product - len(space) and all(t.user_attrs["pruned"] == "infeasible" for t in pruned)
     assert result.n_trials == len(space) and result.best_ms == min(t.value for t in study.trials if t.value)
+
+
+def test_jobs_name_the_backend_and_kernel_spec_measured(tmp_path, db, fake_worker):
+    run_tune(tmp_path, db, trials=2)
+    assert len(fake_worker.full_jobs) == 2
+    for job in fake_worker.full_jobs:
+        assert (job["backend"], job["role"], job["device"], job["seq"]) == ("triton", "attn", "cpu", 1024)
+        assert Spec.from_json(job["spec_json"]) == ATTN_SPEC
+
+
+def test_a_tilelang_spec_s_selector_is_tuned_on_triton(tmp_path, db, fake_worker):
+    """A role the spec's backend lacks is tuned (and recorded) on the backend that runs it."""
+    spec = SPEC.replace(backend="tilelang")
+    result = tune(spec, "select", seq=SEQ, trials=2, device="cpu", db=db, storage=tmp_path / "optuna.db")
+    assert result.study_name == f"kg-{SPEC.key()}-select-triton-cpu-1024"
+    assert {job["backend"] for job in fake_worker.full_jobs} == {"triton"}
+    assert {job["spec_json"] for job in fake_worker.full_jobs} == {SPEC.to_json()}
+    [row] = db.rows()
+    assert (row["backend"], row["role"], row["spec_key"]) == ("triton", "select", get_role("select").key(spec, "triton"))
+    assert row["template_hash"] == TRITON.template_hash("select")
 
 
 def test_interrupted_trial_is_requeued(tmp_path, db, fake_worker):
@@ -313,51 +482,69 @@ def test_interrupted_trial_is_requeued(tmp_path, db, fake_worker):
 def test_study_of_another_toolchain_starts_over(tmp_path, db, fake_worker, monkeypatch):
     run_tune(tmp_path, db, trials=2)
     assert len(fake_worker.jobs) == 2
-    real = tune_module.tuning_db.current_fingerprint
-    monkeypatch.setattr(tune_module.tuning_db, "current_fingerprint",
+    real = study_module.tuning_db.current_fingerprint
+    monkeypatch.setattr(study_module.tuning_db, "current_fingerprint",
                         lambda *args: real(*args).__class__(**{**real(*args).as_columns(), "triton_version": "x"}))
     result = run_tune(tmp_path, db, trials=2)
     assert len(fake_worker.jobs) == 4 and result.n_trials == 2
 
 
 def test_tpe_seeds_cover_every_value_of_small_fields():
-    from kernelgen.tune import _config_key, _seeds
+    from kernelgen.tuning.plan import config_key, seeds
 
     default = {"tiles": 64, "chunk": 128, "num_warps": 4, "splits": 1}
     choices = {"tiles": [1, 2, 4, 8, 16, 32, 64], "chunk": [16, 32, 64, 128, 256], "num_warps": [4, 8], "splits": [1, 2, 4]}
     points = [{"tiles": 64, "chunk": 128, "num_warps": w, "splits": n} for w in (4, 8) for n in (1, 2, 4)]
-    feasible = {_config_key(p) for p in points if p["splits"] != 4 or p["num_warps"] == 4}
-    seeds = _seeds(default, choices, feasible)
-    assert _seeds(default, choices, feasible, limit=2) == seeds[:2]
-    assert seeds[0] == default
+    feasible = {config_key(p) for p in points if p["splits"] != 4 or p["num_warps"] == 4}
+    found = seeds(default, choices, feasible)
+    assert seeds(default, choices, feasible, limit=2) == found[:2]
+    assert found[0] == default
     # the neighbours along num_warps and splits, none along the wide fields; only feasible ones
-    assert sorted((s["num_warps"], s["splits"]) for s in seeds[1:]) == [(4, 2), (4, 4), (8, 1)]
-    assert all(s["tiles"] == 64 and s["chunk"] == 128 for s in seeds)
+    assert sorted((s["num_warps"], s["splits"]) for s in found[1:]) == [(4, 2), (4, 4), (8, 1)]
+    assert all(s["tiles"] == 64 and s["chunk"] == 128 for s in found)
+    assert config_key({"b": 1, "a": 2}) == config_key({"a": 2, "b": 1})
+    assert seeds(default, choices, set()) == []  # nothing feasible: no seeds, not even the default
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-def test_tilelang_precompile_point_compiles_or_reports():
-    """The tuner's TileLang precompile step (a process per config) builds the kernels of both shapes a
-    trial runs, and returns the error of a config that cannot build instead of raising."""
-    pytest.importorskip("tilelang")
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="needs tilelang")
+def test_tilelang_precompile_point_compiles_or_reports(monkeypatch, nvcc_really_runs):
+    """The tuner's precompile step (a process per config) builds the TileLang kernels of both shapes a
+    trial runs, and returns the error of a config that cannot build instead of raising. nvcc needs no
+    GPU: the arch a GPU would report is given."""
+    from kernelgen.backends import tilelang as tilelang_backend
+
+    monkeypatch.setattr(tilelang_backend, "target_arch", lambda device: "sm_90a")
     spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=4, causal=True, backend="tilelang", selector="given")
     shapes = ((1, 2, 300, 300), (1, 1, 1000, 1100))
-    ok = tune_module._compile_tilelang_point((spec.to_json(), {"block_m": 64, "num_stages": 1, "threads": 128,
-                                                                "overlap": True}, shapes, "sm_90a"))
+    ok = worker_module._build_point(("tilelang", spec.to_json(), "attn", {"block_m": 64, "num_stages": 1,
+                                     "threads": 128, "overlap": True}, shapes, "bfloat16", "cuda"))
     assert ok is None
-    bad = tune_module._compile_tilelang_point((spec.to_json(), {"block_m": 48, "num_stages": 2, "threads": 128,
-                                                                 "overlap": False}, shapes, "sm_90a"))
+    bad = worker_module._build_point(("tilelang", spec.to_json(), "attn", {"block_m": 48, "num_stages": 2,
+                                      "threads": 128, "overlap": False}, shapes, "bfloat16", "cuda"))
     assert bad is not None and "block_M=48" in bad
+
+
+def test_precompile_points_builds_both_shapes_of_each_point(monkeypatch):
+    """precompile_points hands precompile one job per point with the two shapes of a trial (trial_shapes)."""
+    assert worker_module.precompile([]) == (0.0, [])  # nothing to build: no process pool
+    seen = []
+    monkeypatch.setattr(worker_module, "precompile", lambda jobs: (seen.extend(jobs), (1.5, []))[1])
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=4, causal=True, backend="tilelang", selector="given")
+    space = [{"block_m": 64, "num_stages": 1, "threads": 128, "overlap": o, "pingpong": False} for o in (False, True)]
+    assert worker_module.precompile_points(TILELANG, spec, "attn", space, 16384, None, "cuda:0") == 1.5
+    shapes = plan_module.trial_shapes(spec, 16384, False, None)
+    assert seen == [("tilelang", spec.to_json(), "attn", p, shapes, "bfloat16", "cuda:0") for p in space]
 
 
 def test_trial_shapes_are_what_the_worker_checks_and_times():
     """One place says which two shapes a trial runs (the TileLang precompile compiles exactly those)."""
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, selector="given")
-    check, bench = tune_module._trial_shapes(spec, 32768, False, None)
+    check, bench = plan_module.trial_shapes(spec, 32768, False, None)
     b, hq, hkv, nq, nk = tune_inputs_shape(spec, 32768)
-    assert check == (1, tune_module.CHECK_HEADS_KV_GPU, tune_module.CHECK_MAX_SEQ_GPU, tune_module.CHECK_MAX_SEQ_GPU)
+    assert check == (1, plan_module.CHECK_HEADS_KV_GPU, plan_module.CHECK_MAX_SEQ_GPU, plan_module.CHECK_MAX_SEQ_GPU)
     assert bench == (b, hkv, nq, nk) and hq == hkv * 4
     workload = {"batch": 2, "heads_kv": 1, "n_q": 4096, "n_k": 16384}
-    assert tune_module._trial_shapes(spec, 16384, False, workload)[1] == (2, 1, 4096, 16384)
-    cpu_check, cpu_bench = tune_module._trial_shapes(spec, 16384, True, None)
-    assert cpu_check == cpu_bench == (1, 1, tune_module.CPU_MAX_SEQ, tune_module.CPU_MAX_SEQ)
+    assert plan_module.trial_shapes(spec, 16384, False, workload)[1] == (2, 1, 4096, 16384)
+    cpu_check, cpu_bench = plan_module.trial_shapes(spec, 16384, True, None)
+    assert cpu_check == cpu_bench == (1, 1, plan_module.CPU_MAX_SEQ, plan_module.CPU_MAX_SEQ)

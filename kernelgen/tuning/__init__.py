@@ -7,17 +7,20 @@
   db        the SQLite winners tables: the user DB and the bundled, read-only one
   lookup    from the DB to dispatch: a role's winner, and `auto`'s choice of backend
 
-`tune`, `plan` and `TuneResult` are loaded on first use: dispatch reads the DB without importing Optuna.
+`tune` and `TuneResult` are loaded on first use: dispatch reads the DB without importing Optuna. `plan`
+(no Optuna) is imported here: the function shares its name with its module, and a lazy attribute would be
+replaced by the module as soon as `kernelgen.tuning.plan` is first imported.
 """
 from __future__ import annotations
 
 import importlib
 
 from .buckets import seq_bucket
+from .plan import plan, tune_inputs_shape
 
 __all__ = ["tune", "plan", "TuneResult", "seq_bucket", "tune_inputs_shape"]
 
-_LAZY = {"tune": "study", "TuneResult": "study", "plan": "plan", "tune_inputs_shape": "plan"}
+_LAZY = {"tune": "study", "TuneResult": "study"}
 
 
 def __getattr__(name: str):

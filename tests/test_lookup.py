@@ -1,0 +1,342 @@
+"""Dispatch's view of the tuning DB (`kernelgen.tuning.lookup`): which row a spec, role, device, dtype and
+length are served, from which DB, and which backend `backend="auto"` serves. The GPU is faked (arch and
+name); nothing launches."""
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+import kernelgen.device
+from kernelgen import AttnConfig, GluonAttnConfig, SelectConfig, Spec, TileLangAttnConfig, backends
+from kernelgen.codegen import render
+from kernelgen.dispatch import SparseAttention
+from kernelgen.errors import KernelgenValueError
+from kernelgen.roles import get_role
+from kernelgen.tuning import lookup
+from kernelgen.tuning.buckets import seq_bucket
+from kernelgen.tuning.db import Fingerprint, TuningDB, Winners, current_fingerprint, write_bundled_db
+
+TRITON, TILELANG, GLUON = (backends.get(name) for name in ("triton", "tilelang", "gluon"))
+GIVEN = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, selector="given")
+CUDA = torch.device("cuda", 0)
+WINNER = AttnConfig(block_m=64, num_warps=4, num_stages=2, use_tma=True)
+
+
+def _fake_gpu(monkeypatch, arch="sm_90", name="NVIDIA H200"):
+    """CUDA devices report `arch` and `name` (the CPU stays the CPU), as seen by the lookup and by the
+    backends' device checks; Triton is not interpreting (as in a GPU process)."""
+    def device_arch(device="cuda"):
+        return arch if torch.device(device).type == "cuda" else "cpu"
+
+    def gpu_name(device="cuda"):
+        return name if torch.device(device).type == "cuda" else "cpu"
+
+    for module in (lookup, kernelgen.device):
+        monkeypatch.setattr(module, "device_arch", device_arch)
+        monkeypatch.setattr(module, "gpu_name", gpu_name)
+    monkeypatch.setattr(kernelgen.device, "interpreting", lambda: False)
+
+
+@pytest.fixture
+def user_db(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    _fake_gpu(monkeypatch)
+    winners = lookup._winners  # (a test may replace it)
+    winners.cache_clear()
+    db = TuningDB(tmp_path / "tuning.db")
+    yield db
+    db.close()
+    winners.cache_clear()
+
+
+def _key(spec, role):
+    """(backend name, DB key) of `role`'s winners for `spec`: the backend that runs the role."""
+    backend = backends.runner(spec.backend, role)
+    return backend.name, get_role(role).key(spec, backend.name)
+
+
+def _row(spec, role="attn", config=WINNER, bucket=32768, fingerprint=None, ms=0.2, arch="sm_90"):
+    """One H200 row for spec (its backend's) and role, fingerprinted as this stack unless told."""
+    backend, spec_key = _key(spec, role)
+    return dict(spec_key=spec_key, role=role, backend=backend, arch=arch, gpu_name="NVIDIA H200", bucket=bucket,
+                dtype="bfloat16", config=dataclasses.asdict(config), median_ms=ms, tflops=None, n_trials=1,
+                fingerprint=fingerprint or current_fingerprint(backends.get(backend), role))
+
+
+def _add(db, spec, **kwargs):
+    db.upsert(**_row(spec, **kwargs))
+
+
+def test_attention_winner_is_shared_by_every_selector(user_db):
+    """The attention kernel only reads lists: a winner tuned with given lists serves `mean`,
+    `multi:2` and forced-block specs of the same shape too; the selector's own role does not."""
+    _add(user_db, GIVEN)
+    for spec in (GIVEN, GIVEN.replace(selector="mean"), GIVEN.replace(selector="multi:2", local=1, sink=1)):
+        assert lookup.tuned_config(TRITON, spec, "attn", seq_bucket(32768), torch.bfloat16, CUDA) == (WINNER, "user DB")
+        assert lookup.tuned_config(TRITON, spec, "select", seq_bucket(32768), torch.bfloat16, CUDA) == (None, None)
+        served = SparseAttention(spec).served("attn", 32768, device=CUDA)
+        assert (served.backend, served.config, served.source) == (TRITON, WINNER, "user DB")
+    # a different attention shape is another kernel
+    assert lookup.tuned_config(TRITON, GIVEN.replace(top_k=8), "attn", 32768, torch.bfloat16, CUDA) == (None, None)
+
+
+def test_misses(user_db):
+    _add(user_db, GIVEN)
+    assert lookup.tuned_config(TRITON, GIVEN, "attn", 32768, torch.float16, CUDA) == (None, None)  # dtype
+    assert lookup.tuned_config(TRITON, GIVEN, "attn", 32768, torch.bfloat16, torch.device("cpu")) == (None, None)  # no GPU
+    assert lookup.tuned_row(TRITON, GIVEN, "attn", 32768, torch.bfloat16, CUDA)["config"] == dataclasses.asdict(WINNER)
+    # another backend's winners are not this one's
+    assert lookup.tuned_config(TILELANG, GIVEN.replace(backend="tilelang"), "attn", 32768, torch.bfloat16,
+                               CUDA) == (None, None)
+    # a row from other templates is a miss (its bucket's neighbours included)
+    stale = Fingerprint(**{**current_fingerprint(TRITON, "attn").as_columns(), "template_hash": "0" * 16})
+    _add(user_db, GIVEN.replace(top_k=8), fingerprint=stale)
+    assert lookup.tuned_config(TRITON, GIVEN.replace(top_k=8), "attn", 32768, torch.bfloat16, CUDA) == (None, None)
+    served = SparseAttention(GIVEN.replace(top_k=8)).served("attn", 32768, device=CUDA)
+    assert (served.config, served.source) == (TRITON.default_config(GIVEN.replace(top_k=8), "attn"), "default")
+
+
+def test_nearest_tuned_bucket(user_db):
+    _add(user_db, GIVEN)
+    assert lookup.tuned_config(TRITON, GIVEN, "attn", 131072, torch.bfloat16, CUDA) == (WINNER, "user DB")
+
+
+def test_a_winner_s_source_names_its_db(user_db, tmp_path, monkeypatch):
+    """A user row is served as "user DB" (and over a bundled row of the same key), a shipped one as
+    "bundled DB"; with neither, dispatch says "default", and a caller's config "pinned"."""
+    select_winner = SelectConfig(tiles=32, chunk=64)
+    mean = GIVEN.replace(selector="mean")
+    rows = [_row(GIVEN, config=AttnConfig(block_m=32)), _row(mean, role="select", config=select_winner)]
+    bundled = write_bundled_db(tmp_path / "winners.db", [
+        {**{k: v for k, v in r.items() if k != "fingerprint"}, **r["fingerprint"].as_columns(),
+         "timestamp": "2026-01-01T00:00:00+00:00"} for r in rows])
+    monkeypatch.setattr(lookup, "_winners", lambda: Winners(user_db, bundled_path=bundled))
+    assert lookup.tuned_config(TRITON, mean, "select", 32768, torch.bfloat16, CUDA) == (select_winner, "bundled DB")
+    assert lookup.tuned_row(TRITON, mean, "select", 32768, torch.bfloat16, CUDA)["source"] == "bundled"
+    assert lookup.tuned_config(TRITON, GIVEN, "attn", 32768, torch.bfloat16, CUDA) == (AttnConfig(block_m=32),
+                                                                                        "bundled DB")
+    _add(user_db, GIVEN)  # measured here: it shadows the shipped row
+    assert lookup.tuned_config(TRITON, GIVEN, "attn", 32768, torch.bfloat16, CUDA) == (WINNER, "user DB")
+    attn = SparseAttention(mean)
+    assert [(s.config, s.source) for s in (attn.served("select", 32768, device=CUDA),
+                                           attn.served("attn", 32768, device=CUDA))] == [
+        (select_winner, "bundled DB"), (WINNER, "user DB")]
+    assert SparseAttention(mean).served("select", 32768, torch.float16, CUDA).source == "default"
+    pinned = SparseAttention(mean, {"select": SelectConfig(tiles=16)}).served("select", 32768, device=CUDA)
+    assert (pinned.config, pinned.source) == (SelectConfig(tiles=16), "pinned")
+
+
+def test_a_broken_db_is_a_miss_never_a_crash(user_db, monkeypatch, caplog):
+    _add(user_db, GIVEN)
+
+    class Broken:
+        def lookup(self, **key):
+            raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(lookup, "_winners", lambda: Broken())
+    with caplog.at_level("WARNING", logger="kernelgen"):
+        assert lookup.tuned_config(TRITON, GIVEN, "attn", 32768, torch.bfloat16, CUDA) == (None, None)
+    assert "disk on fire" in caplog.text
+    assert SparseAttention(GIVEN).served("attn", 32768, device=CUDA).source == "default"
+
+
+# ---- backend="auto": the faster tuned backend per bucket ---------------------------------------------
+
+AUTO = GIVEN.replace(backend="auto")
+TL_WINNER = TileLangAttnConfig(block_m=64, num_stages=1, threads=128)
+
+
+def _add_backend(db, backend, ms, config, bucket=32768, arch="sm_90"):
+    _add(db, GIVEN.replace(backend=backend), config=config, bucket=bucket, ms=ms, arch=arch)
+
+
+@pytest.fixture
+def tilelang_installed(monkeypatch):
+    monkeypatch.setattr(TILELANG, "not_installed", lambda: None)
+
+
+@pytest.mark.parametrize("tl_ms, expect", [(0.15, "tilelang"), (0.25, "triton")])
+def test_auto_serves_the_faster_backend(user_db, tilelang_installed, tl_ms, expect):
+    _add_backend(user_db, "triton", 0.2, WINNER)
+    _add_backend(user_db, "tilelang", tl_ms, TL_WINNER)
+    attn = SparseAttention(AUTO)
+    assert attn.backend(32768) == expect
+    assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == expect
+    assert attn.config("attn", 32768, 32768) == (TL_WINNER if expect == "tilelang" else WINNER)
+    assert attn.served("attn", 32768).source == "user DB"
+    assert attn.backend(32768, torch.float16) == "triton"  # nothing tuned for fp16
+    assert isinstance(attn.config("select", 32768, 32768), SelectConfig)  # selection stays in Triton
+    assert attn.served("select", 32768).backend is TRITON
+
+
+def test_auto_compares_the_same_bucket_first(user_db, tilelang_installed):
+    _add_backend(user_db, "triton", 0.2, WINNER, bucket=32768)
+    _add_backend(user_db, "tilelang", 0.1, TL_WINNER, bucket=65536)  # faster, but measured on longer inputs
+    assert SparseAttention(AUTO).backend(32768) == "triton"
+    assert SparseAttention(AUTO).backend(65536) == "tilelang"
+
+
+def test_a_row_outside_the_current_space_is_a_miss(user_db, tilelang_installed, caplog):
+    """A row whose point is outside the current space (a point left out because its kernel hung, e.g.
+    TileLang's three stages at D=64) is never served: dispatch warns and uses the defaults, and `auto`
+    does not pick its backend."""
+    left_out = TileLangAttnConfig(block_m=64, num_stages=3, threads=128, overlap=False)
+    tilelang_spec = GIVEN.replace(backend="tilelang")
+    _add_backend(user_db, "triton", 0.2, WINNER)
+    _add_backend(user_db, "tilelang", 0.1, left_out)  # faster, so auto would pick it
+    with caplog.at_level("WARNING", logger="kernelgen"):
+        assert lookup.tuned_config(TILELANG, tilelang_spec, "attn", 32768, torch.bfloat16, CUDA) == (None, None)
+    assert "no longer runs" in caplog.text
+    served = SparseAttention(tilelang_spec).served("attn", 32768)
+    assert (served.config, served.source) == (TILELANG.default_config(tilelang_spec, "attn"), "default")
+    assert SparseAttention(AUTO).backend(32768) == "triton"
+    assert SparseAttention(AUTO).config("attn", 32768, 32768) == WINNER
+
+
+def test_auto_without_tilelang_or_rows(user_db, monkeypatch):
+    assert SparseAttention(AUTO).backend(32768) == "triton"  # no rows: Triton and its defaults
+    assert SparseAttention(AUTO).config("attn", 32768, 32768) == TRITON.default_config(GIVEN, "attn")
+    _add_backend(user_db, "tilelang", 0.1, TL_WINNER)
+    monkeypatch.setattr(TILELANG, "not_installed", lambda: "no TileLang here")
+    assert SparseAttention(AUTO).backend(32768) == "triton"
+
+
+@pytest.mark.parametrize("reason", ["cannot serve this", RuntimeError("the device said something odd")])
+def test_fastest_backend_skips_backends_that_cannot_serve(user_db, tilelang_installed, monkeypatch, reason):
+    """`auto` asks each backend `unsupported(spec, device)`: one with a reason (or whose answer raises)
+    is never chosen, however fast its row."""
+    _add_backend(user_db, "triton", 0.2, WINNER)
+    _add_backend(user_db, "tilelang", 0.1, TL_WINNER)
+    assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == "tilelang"
+    asked = []
+
+    def unsupported(spec, device=None):
+        asked.append((spec, device))
+        if isinstance(reason, Exception):
+            raise reason
+        return reason
+
+    monkeypatch.setattr(TILELANG, "unsupported", unsupported)
+    assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == "triton"
+    assert asked == [(AUTO, CUDA)]
+    assert SparseAttention(AUTO).backend(32768) == "triton"
+    monkeypatch.setattr(TRITON, "unsupported", unsupported)  # then no backend has a row it may serve
+    assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == backends.FALLBACK
+
+
+def test_auto_with_a_pinned_config_follows_its_type():
+    assert SparseAttention(AUTO, {"attn": TL_WINNER}).backend(32768, device="cpu") == "tilelang"
+    assert SparseAttention(AUTO, {"attn": WINNER}).backend(32768, device="cpu") == "triton"
+    assert SparseAttention(AUTO, {"attn": GL_WINNER}).backend(32768, device="cpu") == "gluon"
+
+
+# ---- Gluon: served by "auto" on Hopper GPUs only -------------------------------------------------------
+
+GL_WINNER = GluonAttnConfig(block_m=64, num_stages=3)
+
+
+@pytest.fixture
+def gluon_importable(monkeypatch):
+    monkeypatch.setattr(GLUON, "not_installed", lambda: None)
+
+
+@pytest.mark.parametrize("gl_ms, expect", [(0.1, "gluon"), (0.3, "tilelang")])
+def test_auto_serves_gluon_when_its_row_is_fastest(user_db, tilelang_installed, gluon_importable, gl_ms, expect):
+    _add_backend(user_db, "triton", 0.2, WINNER)
+    _add_backend(user_db, "tilelang", 0.15, TL_WINNER)
+    _add_backend(user_db, "gluon", gl_ms, GL_WINNER)
+    attn = SparseAttention(AUTO)
+    assert attn.backend(32768) == expect
+    assert attn.config("attn", 32768, 32768) == (GL_WINNER if expect == "gluon" else TL_WINNER)
+    assert isinstance(attn.config("select", 32768, 32768), SelectConfig)  # selection stays in Triton
+
+
+def test_auto_skips_gluon_off_hopper_or_without_gluon(user_db, gluon_importable, monkeypatch):
+    """A Gluon row is never served where the kernel cannot run: another GPU generation (its rows say
+    nothing there), no Gluon in this Triton, or a spec the Gluon forward does not compute."""
+    for arch in ("sm_90", "sm_100"):
+        _add_backend(user_db, "triton", 0.2, WINNER, arch=arch)
+        _add_backend(user_db, "gluon", 0.1, GL_WINNER, arch=arch)
+    assert SparseAttention(AUTO).backend(32768) == "gluon"
+    assert GLUON.unsupported(GIVEN, CUDA) is None
+    _fake_gpu(monkeypatch, "sm_100", "NVIDIA B200")
+    assert SparseAttention(AUTO).backend(32768) == "triton"
+    assert "runs on sm_90 only" in GLUON.unsupported(GIVEN, CUDA)
+    _fake_gpu(monkeypatch, "sm_90", "NVIDIA H200")
+    assert GLUON.unsupported(GIVEN, CUDA) is None
+    assert GLUON.unsupported(GIVEN, torch.device("cpu"))
+    assert GLUON.unsupported(GIVEN.replace(head_dim=256), CUDA)
+    monkeypatch.setattr(GLUON, "not_installed", lambda: "no Gluon in this Triton")
+    assert GLUON.unsupported(GIVEN, CUDA) == "no Gluon in this Triton"
+    assert SparseAttention(AUTO).backend(32768) == "triton"
+
+
+def test_editing_one_template_keeps_the_other_roles_winners(user_db, tmp_path):
+    """The fingerprint holds the hash of the role's own template: a new selector template makes the
+    selector's winners misses, and leaves the attention's (never lose tuning data needlessly)."""
+    mean = GIVEN.replace(selector="mean")
+    select_winner = SelectConfig(tiles=32, chunk=64)
+    _add(user_db, mean)
+    _add(user_db, mean, role="select", config=select_winner)
+    before = {(b.name, r): current_fingerprint(backends.runner(b.name, r), r).template_hash
+              for b in backends.all_backends() for r in ("attn", "select")}
+    assert len(set(before.values())) == 4  # Gluon and TileLang specs select with the Triton selector's template
+    assert before["gluon", "select"] == before["tilelang", "select"] == before["triton", "select"]
+    copy = tmp_path / "templates"
+    shutil.copytree(render.TEMPLATE_DIR, copy)
+    (copy / TRITON.role("select").template).write_text("# edited\n", encoding="utf-8")
+
+    def clear():
+        backends.Backend.template_hash.cache_clear()
+        lookup._fingerprint.cache_clear()
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(render, "TEMPLATE_DIR", copy)
+            clear()
+            after = {(b.name, r): current_fingerprint(backends.runner(b.name, r), r).template_hash
+                     for b in backends.all_backends() for r in ("attn", "select")}
+            for backend in ("triton", "tilelang", "gluon"):
+                assert after[backend, "select"] != before[backend, "select"]
+                assert after[backend, "attn"] == before[backend, "attn"]
+            assert lookup.tuned_config(TRITON, mean, "select", 32768, torch.bfloat16, CUDA) == (None, None)
+            assert lookup.tuned_config(TRITON, mean, "attn", 32768, torch.bfloat16, CUDA) == (WINNER, "user DB")
+    finally:
+        clear()
+    assert lookup.tuned_config(TRITON, mean, "select", 32768, torch.bfloat16, CUDA) == (select_winner, "user DB")
+    with pytest.raises(KernelgenValueError, match="backend='cuda' is unknown"):
+        backends.get("cuda").template_hash("attn")
+    with pytest.raises(KernelgenValueError, match="does not run role 'select'"):
+        TILELANG.template_hash("select")
+
+
+def _bundled_rows():
+    from kernelgen.tuning.db import BUNDLED_DB_PATH, _open_read_only, _select
+
+    db = _open_read_only(BUNDLED_DB_PATH)
+    assert db is not None
+    return _select(db, {})
+
+
+def test_bundled_winners_are_feasible_configs_of_their_specs():
+    """Every shipped row parses, is keyed as dispatch looks it up, and names a point of its space."""
+    rows = _bundled_rows()
+    assert rows and all(r["arch"] == "sm_90" for r in rows)
+    for row in rows:
+        spec = Spec.from_json(row["spec_json"])
+        backend = backends.get(row["backend"])
+        assert backends.runner(spec.backend, row["role"]) is backend
+        assert row["spec_key"] == get_role(row["role"]).key(spec, backend.name)
+        assert backend.config_from_dict(row["role"], row["config"]) in backend.config_space(spec, row["role"])
+
+
+def test_bundled_winners_were_tuned_with_the_current_templates():
+    """A shipped row whose template has changed since is only ever a miss: re-tune it or drop it."""
+    from kernelgen.tuning.db import TABLE
+
+    for row in _bundled_rows():
+        backend = backends.get(row["backend"])
+        assert row["template_hash"] == backend.template_hash(row["role"]), (
+            f"{TABLE} row {row['spec_key']}/{row['role']}/{row['backend']} was tuned with another template: re-tune "
+            "it on the GPU (kernelgen tune --preset bench) or drop it; stale rows are only ever misses")
