@@ -56,10 +56,12 @@ SHAPES = {
 
 
 def visible_pairs(block_idx: torch.Tensor, spec: Spec, n_q: int, n_k: int) -> torch.Tensor:
-    """Visible (query, key) pairs inside the listed blocks, per (batch, KV head): int64 [B, Hkv]."""
+    """Visible (query, key) pairs inside the listed blocks, per (batch, KV head): int64 [B, Hkv]. Empty,
+    out-of-range and repeated ids count as the kernels treat them: not at all, and once."""
     n_blocks = spec.n_kv_blocks(n_k)
-    idx = block_idx.long()
+    idx = block_idx.long().sort(-1).values
     valid = (idx >= 0) & (idx < n_blocks)
+    valid[..., 1:] &= idx[..., 1:] != idx[..., :-1]  # a repeated id is one block, attended once
     start = idx.clamp(0, n_blocks - 1) * spec.kv_block
     end = torch.clamp(start + spec.kv_block, max=n_k)
     tiles = torch.arange(block_idx.shape[2], device=idx.device)

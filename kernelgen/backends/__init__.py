@@ -11,7 +11,7 @@ spec here (`kernelgen.tuning.lookup.fastest_backend`), else the fallback.
 """
 from __future__ import annotations
 
-from ..errors import KernelgenValueError
+from ..errors import KernelgenTypeError, KernelgenValueError
 from .base import Backend, Problem, RoleImpl, Shapes
 from .gluon import GluonBackend
 from .tilelang import TileLangBackend
@@ -82,7 +82,7 @@ def of_config(role: str, config) -> Backend:
         impl = backend.roles.get(role)
         if impl is not None and impl.config_type is not None and type(config) is impl.config_type:
             return backend
-    raise KernelgenValueError(f"{type(config).__name__} is no config of role {role!r}; expected one of "
+    raise KernelgenTypeError(f"{type(config).__name__} is no config of role {role!r}; expected one of "
                               f"{', '.join(t.__name__ for t in config_types(role))}")
 
 

@@ -19,10 +19,11 @@ Example::
 
     db = TuningDB()
     fp = current_fingerprint(backends.get("triton"), "attn")
-    db.upsert(spec_key=spec.role_key("attn"), role="attn", backend="triton", arch="sm_90", gpu_name="NVIDIA H200",
+    key = get_role("attn").key(spec, "triton")
+    db.upsert(spec_key=key, role="attn", backend="triton", arch="sm_90", gpu_name="NVIDIA H200",
               bucket=seq_bucket(n), dtype="bf16", config={"BLOCK_M": 128, "num_warps": 8},
               median_ms=0.41, tflops=512.0, n_trials=64, fingerprint=fp)
-    Winners(db).lookup(spec_key=spec.role_key("attn"), role="attn", backend="triton", arch="sm_90",
+    Winners(db).lookup(spec_key=key, role="attn", backend="triton", arch="sm_90",
                        gpu_name="NVIDIA H200", dtype="bf16", bucket=seq_bucket(n), fingerprint=fp)
 """
 from __future__ import annotations

@@ -90,11 +90,11 @@ def tuned_backend(spec: Spec, role: str) -> tuple[Backend, Spec]:
 
 def check_arch(arch: str) -> str:
     """An arch string: "sm_XY" (XY the compute capability, as CUDA's nvcc names it) or "cpu"."""
-    if arch == "cpu" or (isinstance(arch, str) and re.fullmatch(r"sm_[1-9][0-9]{1,2}a?", arch)
-                         and 50 <= int(arch[3:].rstrip("a")) <= 129):
+    if arch == "cpu" or (isinstance(arch, str) and re.fullmatch(r"sm_[1-9][0-9]{1,2}", arch)
+                         and 50 <= int(arch[3:]) <= 129):
         return arch
-    raise KernelgenValueError(f"arch={arch!r} is not a CUDA arch; expected sm_XY such as sm_80, sm_89 or sm_90 "
-                              "(or 'cpu' for the interpreter)")
+    raise KernelgenValueError(f"arch={arch!r} is not a CUDA arch as the GPU reports it; expected sm_XY such as sm_80, "
+                              "sm_89 or sm_90 (or 'cpu' for the interpreter)")
 
 
 def _is_cpu(device) -> bool:
