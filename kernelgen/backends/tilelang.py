@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..codegen.cache import load_module
+from ..device import device_arch
 from ..errors import KernelgenValueError
 from ..inputs import softmax_scale
 from ..spec import Spec
@@ -88,8 +89,8 @@ def build_attn_from(module, spec: Spec, dtype: Any, *, batch: int, heads_kv: int
 
 def target_arch(device) -> str:
     """The arch TileLang compiles for on a CUDA device: sm_90 becomes sm_90a (wgmma, warp specialisation)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+    arch = device_arch(device)
+    return "sm_90a" if arch == "sm_90" else arch
 
 
 def _target(arch: str):
