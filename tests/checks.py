@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from kernelgen import reference
+from kernelgen import backends, reference
+from kernelgen.roles import get_role
 
 # relative L2 error, max-abs error (inputs are randn; outputs are O(0.1..1))
 TOLERANCE = {
@@ -18,6 +19,30 @@ TOLERANCE = {
     torch.float16: (3e-3, 2e-2),
     torch.bfloat16: (1e-2, 6e-2),
 }
+
+
+def served_backend(spec, role):
+    """(backend, kernel spec) that get_kernel runs `role` of `spec` with: the spec's backend when it has
+    the role, else the fallback (`backends.runner`), and the role's canonical spec for it."""
+    backend = backends.runner(spec.backend, role)
+    return backend, get_role(role).kernel_spec(spec, backend.name)
+
+
+def default_config(spec, role):
+    """The config get_kernel serves `role` of `spec` with when nothing is pinned or tuned."""
+    backend, kernel_spec = served_backend(spec, role)
+    return backend.default_config(kernel_spec, role)
+
+
+def config_space(spec, role):
+    """The feasible points of the search space of `role` for `spec`."""
+    backend, kernel_spec = served_backend(spec, role)
+    return backend.config_space(kernel_spec, role)
+
+
+def feasible(spec, role, config) -> bool:
+    backend, kernel_spec = served_backend(spec, role)
+    return backend.infeasible(kernel_spec, role, config) is None
 
 
 def assert_close_to_reference(o, lse, ref_o, ref_lse, dtype):
@@ -117,7 +142,6 @@ def assert_exported_module_matches_get_kernel(backend: str, tmp_path) -> None:
 
     import kernelgen
     from kernelgen import Spec
-    from kernelgen.config import config_from_dict, default_config
     from kernelgen.export import export_module
 
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4, backend=backend)
@@ -132,7 +156,8 @@ def assert_exported_module_matches_get_kernel(backend: str, tmp_path) -> None:
     k, v = (torch.randn(1, 2, 8192, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     # the configs baked in (the module's own config classes: rebuilt as kernelgen's); no configs given to
     # export_module: the defaults
-    baked = {role: config_from_dict(role, dataclasses.asdict(cfg), backend) for role, cfg in module.kernel._fixed.items()}
+    baked = {role: backends.runner(backend, role).config_from_dict(role, cfg and dataclasses.asdict(cfg))
+             for role, cfg in module.kernel._fixed.items()}
     assert baked["attn"] == default_config(spec, "attn")
     attn = kernelgen.get_kernel(spec, configs=baked)
     o, lse = module.attn(q, k, v, return_lse=True)

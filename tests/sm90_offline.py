@@ -1,10 +1,13 @@
 """Compile kernelgen's Triton and Gluon kernels for sm_90 on a machine without a GPU (run as a script).
 
 Triton is given a stand-in driver that names the target (sm_90, warp size 32) and never launches:
-every `kernel[grid](...)` that ops.py makes compiles (ptxas included: a kernel without a cubin is an
-error) through the real launch path, with the argument types ops.py really passes, and returns. Gluon
-kernels go the same way (ops.attention_gluon builds its TMA descriptors from the CPU tensors; they only
-need aligned data pointers). Reads a JSON list of cases on stdin; prints one JSON object per case:
+every `kernel[grid](...)` that the backends' launchers (`RoleImpl.launch`: kernelgen.backends.triton's
+launch_select, launch_lists, launch_attn) make compiles (ptxas included: a kernel without a cubin is an
+error) through the real launch path, with the argument types the launchers really pass, and returns.
+Each role's kernel is built and launched as dispatch does it (`SparseAttention._run`): by the backend
+that runs the role for the spec (`backends.runner`), for the role's kernel spec. Gluon kernels go the
+same way (kernelgen.backends.gluon.launch_attn builds its TMA descriptors from the CPU tensors; they
+only need aligned data pointers). Reads a JSON list of cases on stdin; prints one JSON object per case:
 {"case": i, "kernels": [[name, shared_bytes], ...]} or {"case": i, "error": "..."}.
 A case: {"spec": Spec fields, "attn": the attention config's fields (AttnConfig, or GluonAttnConfig for a
 spec of backend "gluon"), "select": SelectConfig fields, "n": seq length}.
@@ -53,8 +56,16 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 def main() -> None:
     driver.set_active(OfflineDriver())
     JITFunction.run = _compile_only
-    from kernelgen import SelectConfig, Spec, get_kernel, ops
-    from kernelgen.config import config_from_dict
+    from kernelgen import Spec, backends, get_kernel
+    from kernelgen.inputs import Shapes, check_block_idx
+    from kernelgen.roles import get_role
+
+    def run(spec, role, config, shapes, *args):
+        """Build and launch `role` as dispatch does: the backend that runs it, its kernel spec."""
+        backend = backends.runner(spec.backend, role)
+        kernel_spec = get_role(role).kernel_spec(spec, backend.name)
+        kernel = backend.build(kernel_spec, role, config)
+        return backend.role(role).launch(kernel, kernel_spec, config, shapes, *args)
 
     for i, case in enumerate(json.load(sys.stdin)):
         compiled.clear()
@@ -64,17 +75,19 @@ def main() -> None:
             q = torch.randn(1, 2 * g, n, spec.head_dim, dtype=torch.bfloat16)
             k, v = torch.randn(1, 2, n, spec.head_dim, dtype=torch.bfloat16), torch.randn(1, 2, n, spec.head_dim,
                                                                                            dtype=torch.bfloat16)
-            attn_cfg, select_cfg = config_from_dict("attn", case["attn"], spec.backend), SelectConfig(**case["select"])
-            attn = get_kernel(spec, configs={"attn": attn_cfg, "select": select_cfg})
-            shapes = ops.Shapes(1, 2 * g, 2, n, n, spec.n_q_tiles(n), spec.n_kv_blocks(n))
-            select_mod = attn.module("select", select_cfg)
+            configs = {"attn": backends.runner(spec.backend, "attn").config_from_dict("attn", case["attn"]),
+                       "select": backends.runner(spec.backend, "select").config_from_dict("select", case["select"])}
+            get_kernel(spec, configs=configs)  # the spec and the pinned configs pass dispatch's checks
+            shapes = Shapes(1, 2 * g, 2, n, n, spec.n_q_tiles(n), spec.n_kv_blocks(n))
             if spec.selects:
-                idx = ops.select(q, k, spec, shapes, select_mod, select_cfg)
+                idx = run(spec, "select", configs["select"], shapes, q, k)
             else:
                 idx = torch.zeros(1, 2, shapes.n_q_tiles, spec.top_k, dtype=torch.int32)
-                idx = ops.prepare_block_idx(idx, spec, shapes, q.device, select_mod)
-            attention = ops.attention_gluon if spec.backend == "gluon" else ops.attention
-            attention(q, k, v, idx, spec, shapes, attn.module("attn", attn_cfg), attn_cfg, None)
+                idx = check_block_idx(idx, spec, shapes, q.device)
+                lists = backends.runner(spec.backend, "lists")
+                idx = run(spec, "lists", lists.default_config(get_role("lists").kernel_spec(spec, lists.name), "lists"),
+                          shapes, idx)
+            run(spec, "attn", configs["attn"], shapes, q, k, v, idx, None)
             print(json.dumps({"case": i, "kernels": compiled}), flush=True)
         except Exception as error:  # report per case; the test names it
             print(json.dumps({"case": i, "error": "".join(traceback.format_exception_only(error))[-2000:]}),

@@ -1,17 +1,17 @@
 """Every feasible config of the Gluon forward compiles for sm_90 (ptxas included) on this GPU-less machine,
-through ops.attention_gluon's real launch path (tests/sm90_offline.py: TMA descriptors over CPU tensors),
-and asks for the shared memory the tuner's estimate says: what only a Hopper GPU would otherwise show (a
-layout the compiler refuses, an over-full shared memory) fails here, in CI."""
+through its real launch path (kernelgen.backends.gluon.launch_attn, run by tests/sm90_offline.py: TMA
+descriptors over CPU tensors), and asks for the shared memory the tuner's estimate says: what only a Hopper
+GPU would otherwise show (a layout the compiler refuses, an over-full shared memory) fails here, in CI."""
 import dataclasses
 import itertools
 import os
 
 import pytest
 
-from checks import compile_for_sm90
+from checks import compile_for_sm90, config_space, default_config
 from kernelgen import Spec
-from kernelgen.config import (GLUON_BARRIER_BYTES, SMEM_LIMIT_SM90, config_space, default_config,
-                              gluon_attn_smem_bytes)
+from kernelgen.backends.gluon import GLUON_BARRIER_BYTES, gluon_attn_smem_bytes
+from kernelgen.backends.triton import SMEM_LIMIT_SM90
 
 pytest.importorskip("triton.backends.nvidia")
 pytest.importorskip("triton.experimental.gluon")

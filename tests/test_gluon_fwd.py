@@ -7,10 +7,14 @@ import pytest
 import torch
 
 import kernelgen
-from kernelgen import Spec, ops, reference, tuned
-from kernelgen.config import GluonAttnConfig, SelectConfig, config_space, default_config
+from kernelgen import Spec, backends, reference
+from kernelgen.backends import Shapes, gluon
+from kernelgen.backends.gluon import GluonAttnConfig
+from kernelgen.backends.triton import SelectConfig
 from kernelgen.dispatch import SparseAttention
-from checks import assert_close_to_reference, assert_exported_module_matches_get_kernel
+from kernelgen.roles import get_role
+from checks import (assert_close_to_reference, assert_exported_module_matches_get_kernel, config_space,
+                    default_config, served_backend)
 from test_triton_fwd import GPU_CASES, check_empty_lists, given_lists, gpu_case, make_inputs, run_and_check
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -46,47 +50,71 @@ def test_selection_runs_the_triton_selector(device):
 
 
 def test_the_attention_module_is_the_rendered_gluon_kernel():
-    attn = SparseAttention(SPEC)
-    assert attn.config("attn", 4096, 4096, device="cpu") == default_config(SPEC, "attn") == GluonAttnConfig(64, 3)
-    mod = attn.module("attn", GluonAttnConfig(64, 3))
+    """The attention role of a Gluon spec is Gluon's, built from its rendered template; selection and list
+    normalising are the fallback's (Triton's) rendered kernels."""
+    backend, kernel_spec = served_backend(SPEC, "attn")
+    assert backend is backends.get("gluon") and kernel_spec.backend == "gluon"
+    assert default_config(SPEC, "attn") == GluonAttnConfig(64, 3)
+    mod = backend.build(kernel_spec, "attn", GluonAttnConfig(64, 3))
     assert mod.__name__.startswith("kg_gluon_attn_") and type(mod.attn_fwd).__name__ == "GluonJITFunction"
     assert '"block_m": 64, "num_stages": 3' in Path(mod.__file__).read_text()  # the config, recorded
-    select = attn.module("select", default_config(SPEC, "select"))
-    assert select.__name__.startswith("kg_triton_select_") and hasattr(select, "select_topk")
+    for role, kernel in (("select", "select_topk"), ("lists", "normalize_lists")):
+        backend, kernel_spec = served_backend(SPEC, role)
+        assert backend is backends.get("triton") and kernel_spec.backend == "triton"
+        mod = backend.build(kernel_spec, role, default_config(SPEC, role))
+        assert mod.__name__.startswith(f"kg_triton_{role}_") and hasattr(mod, kernel)
 
 
 def test_float32_is_a_type_error():
     q, k, v = make_inputs(1, 1, 1, 64, 64, 64, torch.float32, "cpu", 0)
-    shapes = ops.Shapes(1, 1, 1, 64, 64, 1, 1)
+    shapes = Shapes(1, 1, 1, 64, 64, 1, 1)
+    launch = backends.get("gluon").role("attn").launch
+    assert launch is gluon.launch_attn
     with pytest.raises(TypeError, match=r"q.dtype = torch.float32 is not supported by backend='gluon'; expected "
                                         "float16 or bfloat16"):
-        ops.attention_gluon(q, k, v, None, SPEC, shapes, None, GluonAttnConfig(64), None)
+        launch(None, SPEC, GluonAttnConfig(64), shapes, q, k, v, None, None)
 
 
-def test_another_gpu_generation_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(ops, "interpreting", lambda: False)
+@pytest.fixture
+def fresh_device_arch():
+    """device_arch caches each GPU's arch and name: a test that fakes them starts and ends with none cached."""
+    from kernelgen import device
+
+    device._cuda_arch.cache_clear()
+    yield
+    device._cuda_arch.cache_clear()
+
+
+def test_another_gpu_generation_is_a_clear_error(monkeypatch, fresh_device_arch):
+    from kernelgen import device
+
+    gluon_backend = backends.get("gluon")
+    monkeypatch.setattr(device, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
-    with pytest.raises(ValueError, match="Hopper GPUs \\(sm_90\\) only; NVIDIA A100 is sm_80"):
-        ops.check_gluon_device(torch.device("cuda", 0))
+    reason = gluon_backend.device_unsupported(torch.device("cuda", 0))
+    assert reason is not None and "backend='gluon' runs on sm_90 only" in reason and "sm_80" in reason, reason
+    assert gluon_backend.unsupported(SPEC, torch.device("cuda", 0)) == reason
+    with pytest.raises(ValueError, match="backend='gluon' runs on sm_90 only; this GPU is sm_80"):
+        kernelgen.get_kernel(SPEC).served("attn", 4096, device="cuda:0")
+    device._cuda_arch.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    ops.check_gluon_device(torch.device("cuda", 0))
-    with pytest.raises(ValueError, match="not under device cpu"):
-        ops.check_gluon_device(torch.device("cpu"))
+    assert gluon_backend.device_unsupported(torch.device("cuda", 0)) is None
+    assert "not under device cpu" in gluon_backend.device_unsupported(torch.device("cpu"))
 
 
 def test_kv_rows_are_copied_only_when_tma_needs_it():
     """TMA reads K/V as [B * Hkv * N, D] rows from a 16-byte aligned base: a contiguous aligned tensor is
     used as it is; a strided one or one whose base is off by an element is copied."""
     x = torch.randn(2, 3, 50, 64, dtype=torch.float16)
-    rows = ops._tma_rows(x)
+    rows = gluon._tma_rows(x)
     assert rows.shape == (300, 64) and rows.data_ptr() == x.data_ptr()
     strided = torch.randn(2, 50, 3, 64, dtype=torch.float16).transpose(1, 2)
-    rows = ops._tma_rows(strided)
+    rows = gluon._tma_rows(strided)
     assert rows.shape == (300, 64) and torch.equal(rows.view(2, 3, 50, 64), strided)
     off = torch.randn(2 * 3 * 50 * 64 + 1, dtype=torch.float16)[1:].view(2, 3, 50, 64)
     assert off.is_contiguous() and off.data_ptr() % 16
-    rows = ops._tma_rows(off)
+    rows = gluon._tma_rows(off)
     assert rows.data_ptr() % 16 == 0 and torch.equal(rows.view(2, 3, 50, 64), off)
 
 
@@ -173,24 +201,25 @@ def test_gpu_gluon_float32_is_a_type_error():
 def test_gpu_auto_serves_gluon_when_its_row_is_fastest(tmp_path, monkeypatch):
     """backend='auto' with a tuning DB whose Gluon row is the fastest runs the Gluon forward (the very
     output of a pinned Gluon config), correctly."""
-    from kernelgen.db import TuningDB, current_fingerprint
-    from kernelgen.render import template_hash
+    from kernelgen.device import device_arch, gpu_name
+    from kernelgen.tuning import lookup
+    from kernelgen.tuning.db import TuningDB, current_fingerprint
 
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4, selector="given",
                 backend="auto")
     winner = GluonAttnConfig(block_m=64, num_stages=3)
     monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
-    tuned._winners.cache_clear()
-    arch, gpu_name = tuned.device_arch(torch.cuda.current_device())
+    lookup._winners.cache_clear()
+    device = torch.device("cuda", torch.cuda.current_device())
     try:
         with TuningDB(tmp_path / "tuning.db") as db:
             # rows of this exact bucket (the bundled DB's for this shape are 32k's, farther away)
             for backend, config, ms in (("triton", default_config(spec.replace(backend="triton"), "attn"), 0.2),
                                         ("gluon", winner, 0.1)):
-                db.upsert(spec_key=spec.replace(backend=backend).role_key("attn"), role="attn", backend=backend,
-                          arch=arch, gpu_name=gpu_name,
+                db.upsert(spec_key=get_role("attn").key(spec, backend), role="attn", backend=backend,
+                          arch=device_arch(device), gpu_name=gpu_name(device),
                           bucket=8192, dtype="bfloat16", config=dataclasses.asdict(config), median_ms=ms, tflops=None,
-                          n_trials=1, fingerprint=current_fingerprint(template_hash(backend, "attn"), backend))
+                          n_trials=1, fingerprint=current_fingerprint(backends.get(backend), "attn"))
         q, k, v = make_inputs(1, 2, 4, 8192, 8192, 128, torch.bfloat16, "cuda", 37)
         idx = given_lists(spec, 1, 2, 8192, 8192, 2, "cuda")
         attn = SparseAttention(spec)
@@ -202,7 +231,7 @@ def test_gpu_auto_serves_gluon_when_its_row_is_fastest(tmp_path, monkeypatch):
         pinned = kernelgen.get_kernel(spec.replace(backend="gluon"), configs={"attn": winner})
         assert torch.equal(o, pinned(q, k, v, block_idx=idx))
     finally:
-        tuned._winners.cache_clear()
+        lookup._winners.cache_clear()
 
 
 @pytest.mark.gpu

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.tilelang
 pytest.importorskip("tilelang")
 
 from kernelgen import Spec  # noqa: E402
-from kernelgen import tilelang_backend as tb  # noqa: E402
-from kernelgen.compile import load_module  # noqa: E402
-from kernelgen.config import TileLangAttnConfig, config_space, default_config  # noqa: E402
-from kernelgen.render import module_name  # noqa: E402
-from checks import cubin_bytes  # noqa: E402
+from kernelgen.backends import tilelang as tb  # noqa: E402
+from kernelgen.backends.tilelang import TileLangAttnConfig  # noqa: E402
+from kernelgen.codegen.cache import load_module  # noqa: E402
+from kernelgen.codegen.render import module_name  # noqa: E402
+from checks import config_space, cubin_bytes, default_config  # noqa: E402
 
 BUILD_PARAMS = [
     "batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "kv_block", "q_tile", "top_k",
@@ -40,7 +40,7 @@ def _kernelgen_cache(tmp_path_factory, monkeypatch):
 
 def _config(G: int, q_tile: int) -> dict:
     """Known-good defaults on TileLang 0.1.15: 128 packed rows on two warpgroups when a tile (all its
-    heads) fills them, else 64 rows on one (one stage: config.tilelang_attn_feasible)."""
+    heads) fills them, else 64 rows on one (one stage: backends.tilelang.attn_infeasible)."""
     if G * q_tile >= 128:
         return dict(block_M=128, threads=256, num_stages=2)
     return dict(block_M=64, threads=128, num_stages=1)
@@ -64,16 +64,22 @@ def test_render_and_build_signature(causal, dtype):
     spec = _spec(causal, 64, 1, 64, 64)
     source = tb.attn_source(spec, dtype)
     assert "{{" not in source and "{%" not in source
-    assert f"CAUSAL = {causal}" in source and f'DTYPE = "{dtype}"' in source
-    name = module_name(spec, "attn", source)
+    assert f'DTYPE = "{dtype}"' in source and f'"causal": {str(causal).lower()}' in source  # the spec, recorded
+    # causal is an argument of build(), not a Jinja branch: the other causal renders the same code
+    other = tb.attn_source(spec.replace(causal=not causal), dtype)
+    code = [[line for line in text.splitlines() if not line.startswith("# spec: ")] for text in (source, other)]
+    assert other != source and code[0] == code[1]
+    name = module_name("tilelang", "attn", source)
+    assert name.startswith("kg_tilelang_attn_")
     module = load_module(name, source)
     assert load_module(name, source) is module  # content-addressed: same text, same module
     params = inspect.signature(module.build).parameters
     assert list(params) == BUILD_PARAMS
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values())
     shape = dict(batch=1, heads_q=1, heads_kv=1, seq_q=64, seq_k=64, head_dim=64, kv_block=64, q_tile=64, top_k=1)
-    with pytest.raises(ValueError, match="rendered for"):
-        module.build(**shape, causal=not causal, dtype=dtype, block_M=64, num_stages=2, threads=128)
+    other_dtype = next(d for d in tb.DTYPES if d != dtype)
+    with pytest.raises(ValueError, match="rendered for"):  # the dtype is the one thing rendered in
+        module.build(**shape, causal=causal, dtype=other_dtype, block_M=64, num_stages=1, threads=128)
 
 
 def test_build_rejects_bad_tiles():
@@ -96,9 +102,10 @@ def _variant_config(spec, loop):
 
 
 def _structure(spec, cfg):
-    """What decides the kernel's code: the template's branches (causal, one or two warpgroups, the loop,
-    a split tile or packed heads) and the tile shapes its layouts and wgmmas follow. Variants that agree on
-    it differ only in integer constants (G, rows per program), not in what TileLang lays out or nvcc builds."""
+    """What decides the kernel's code: the branches of build() that TileLang takes when it parses the kernel
+    (causal, an argument of build(); one or two warpgroups, the loop, a split tile or packed heads) and the
+    tile shapes its layouts and wgmmas follow. Variants that agree on it differ only in integer constants
+    (G, rows per program), not in what TileLang lays out or nvcc builds."""
     return (spec.causal, spec.head_dim, spec.kv_block, dataclasses.astuple(cfg), cfg.block_m < spec.q_tile,
             cfg.block_m > spec.q_tile)
 
@@ -158,7 +165,7 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, loop, nv
     assert "-CUDART_INF_F" in src
     assert "float scale" in src  # run-time softmax scale
     if cfg.threads == 128:
-        # one warpgroup, no producer (tilelang_backend.attn_pass_configs): cp.async loads, no mbarrier
+        # one warpgroup, no producer (backends.tilelang.attn_pass_configs): cp.async loads, no mbarrier
         assert "__launch_bounds__(128, 1)" in src and "tl::cp_async" in src
         assert "mbarrier" not in src and "CUtensorMap" not in src and "warpgroup_reg_alloc" not in src
         assert ("wait_wgmma" in src) == overlap  # overlap: QK and PV in flight together, waited for apart
@@ -202,11 +209,11 @@ def test_split_tile_and_sub_blocks_lower():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("threads", [256, 128])
 def test_forward_builds_fast_math_and_one_warpgroup_without_producer(nvcc_really_runs, tmp_path, threads):
-    """Both forwards are built with nvcc's fast math (tilelang_backend.attn_pass_configs): each score's
+    """Both forwards are built with nvcc's fast math (backends.tilelang.attn_pass_configs): each score's
     exp2 is one MUFU.EX2, with no denormal range check around it (FSETP against -126 and two
     predicated FMUL per score, which made the (b) forward 7% slower on the H200). The one-warpgroup
     forward (128 threads) has no producer warpgroup and no mbarrier: with one, it hung on the H200.
-    The cubin that compile_attn (dispatch's, the tuner's and exports' path) builds says so."""
+    The cubin that compile_attn (the path of TileLangBackend.build, the tuner's and exports') builds says so."""
     import subprocess
     from pathlib import Path
 
@@ -231,15 +238,28 @@ def test_forward_builds_fast_math_and_one_warpgroup_without_producer(nvcc_really
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_bench_precompiles_the_tilelang_forwards(monkeypatch):
-    """The bench compiles each shape's TileLang forward in parallel processes before timing anything;
-    a kernel that fails to build is reported in the log line, never dropped silently."""
-    from kernelgen import bench
+    """The bench compiles each shape's TileLang forward (a per-shape backend's) in parallel processes before
+    timing anything; a kernel that fails to build is reported in the log line, never dropped silently."""
+    import importlib
+    import multiprocessing
+    import types
 
-    monkeypatch.setattr(tb, "target_arch", lambda device: "sm_90a")  # no GPU here: the H200's arch
+    import torch
+
+    from kernelgen.tuning import worker
+
+    bench_run = importlib.import_module("kernelgen.bench.run")  # the package's `run` is the function
+
+    # no GPU here: the H200's arch, in precompile processes forked from this one (spawned ones would not
+    # see the stand-in)
+    monkeypatch.setattr(worker, "multiprocessing",
+                        types.SimpleNamespace(get_context=lambda method=None: multiprocessing.get_context("fork")))
+    monkeypatch.setattr(tb, "target_arch", lambda device: "sm_90a")
     lines = []
-    bench._precompile_tilelang(["tiny", "b"], log=lines.append)
-    assert len(lines) == 1 and lines[0].startswith("precompiled 2 TileLang forwards") and "failed" not in lines[0]
+    bench_run._precompile_per_shape(["tiny", "b"], torch.device("cuda"), log=lines.append)
+    assert len(lines) == 1 and lines[0].startswith("precompiled 2 per-shape forwards (tilelang)"), lines
+    assert "failed" not in lines[0], lines
     monkeypatch.setattr(tb, "target_arch", lambda device: "sm_00")  # an arch nvcc rejects
     lines.clear()
-    bench._precompile_tilelang(["tiny"], log=lines.append)
-    assert "failed" in lines[0]
+    bench_run._precompile_per_shape(["tiny"], torch.device("cuda"), log=lines.append)
+    assert len(lines) == 1 and "failed" in lines[0], lines

@@ -7,7 +7,7 @@ import torch
 
 import kernelgen
 from kernelgen import Spec, reference
-from checks import assert_close_to_reference, assert_valid_selection
+from checks import assert_close_to_reference, assert_valid_selection, default_config
 
 
 def make_inputs(b, hkv, g, nq, nk, d, dtype, device, seed):
@@ -229,7 +229,7 @@ def test_tma_descriptor_path(causal, device):
 @pytest.mark.parametrize("case", GPU_CASES[:4], ids=lambda c: "-".join(map(str, c)))
 def test_gpu_tma_against_reference(case):
     spec, q, k, v = gpu_case(case, torch.bfloat16, seed_offset=1)
-    cfg = kernelgen.config.default_config(spec, "attn")
+    cfg = default_config(spec, "attn")
     attn = kernelgen.get_kernel(spec, configs={"attn": kernelgen.AttnConfig(cfg.block_m, cfg.num_warps, cfg.num_stages, True)})
     idx = attn.select(q, k)
     o, lse = attn(q, k, v, block_idx=idx, return_lse=True)
@@ -289,7 +289,7 @@ def test_gpu_two_blocks_per_step(case):
 @pytest.mark.parametrize("splits", [2, 4])
 def test_gpu_split_selection_gives_the_same_lists(splits):
     spec, q, k, v = gpu_case(GPU_CASES[5], torch.bfloat16, seed_offset=3)  # 32k, causal, 512 blocks
-    one = kernelgen.config.default_config(spec, "select")
+    one = default_config(spec, "select")
     expect = kernelgen.get_kernel(spec, configs={"select": one}).select(q, k)
     split = dataclasses.replace(one, splits=splits)
     assert torch.equal(kernelgen.get_kernel(spec, configs={"select": split}).select(q, k), expect)

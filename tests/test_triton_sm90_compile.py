@@ -1,13 +1,13 @@
-"""Every Triton kernel compiles for sm_90 (ptxas included) on this GPU-less machine, through ops.py's real
-launch path (tests/sm90_offline.py), and fits the H200's shared memory: what the interpreter cannot
-see (a compiler assertion, an over-full shared memory) fails here, in CI, not in the next GPU session."""
+"""Every Triton kernel compiles for sm_90 (ptxas included) on this GPU-less machine, through the Triton
+backend's real launchers (tests/sm90_offline.py), and fits the H200's shared memory: what the interpreter
+cannot see (a compiler assertion, an over-full shared memory) fails here, in CI, not on the next GPU run."""
 import dataclasses
 
 import pytest
 
-from checks import compile_for_sm90
+from checks import compile_for_sm90, config_space, default_config
 from kernelgen import AttnConfig, SelectConfig, Spec
-from kernelgen.config import SMEM_LIMIT_SM90, attn_smem_bytes, config_space, default_config
+from kernelgen.backends.triton import SMEM_LIMIT_SM90, attn_smem_bytes
 
 pytest.importorskip("triton.backends.nvidia")
 
@@ -50,7 +50,7 @@ def test_kernels_compile_for_sm90_and_fit_shared_memory():
             expected.add("merge_topk")
         assert expected <= set(kernels), kernels
         assert all(shared <= SMEM_LIMIT_SM90 for shared in kernels.values()), kernels
-        # the tuner's estimate (config.attn_smem_bytes) bounds what Triton asks for (give or take its
+        # the tuner's estimate (backends.triton.attn_smem_bytes) bounds what Triton asks for (give or take its
         # barriers), and is exact near the limit, where it decides which configs the tuner may try
         estimate = attn_smem_bytes(spec, attn or default_config(spec, "attn"))
         assert kernels["attn_fwd"] <= estimate + 1024, (estimate, kernels)
