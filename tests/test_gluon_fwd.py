@@ -95,7 +95,7 @@ def test_another_gpu_generation_is_a_clear_error(monkeypatch, fresh_device_arch)
     reason = gluon_backend.device_unsupported(torch.device("cuda", 0))
     assert reason is not None and "backend='gluon' runs on sm_90 only" in reason and "sm_80" in reason, reason
     assert gluon_backend.unsupported(SPEC, torch.device("cuda", 0)) == reason
-    with pytest.raises(ValueError, match="backend='gluon' runs on sm_90 only; this GPU is sm_80"):
+    with pytest.raises(ValueError, match="backend=.gluon. runs on sm_90 only; NVIDIA A100 is sm_80: use another backend"):
         kernelgen.get_kernel(SPEC).served("attn", 4096, device="cuda:0")
     device._cuda_arch.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

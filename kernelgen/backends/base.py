@@ -104,11 +104,12 @@ class Backend:
         if device.type not in self.devices:
             return f"backend={self.name!r} runs on {' and '.join(self.devices)} devices only, not on {device}"
         if device.type == "cuda" and self.archs is not None:
-            from ..device import device_arch
+            from ..device import device_arch, gpu_name
 
             arch = device_arch(device)
             if arch not in self.archs:
-                return f"backend={self.name!r} runs on {', '.join(self.archs)} only; this GPU is {arch}"
+                return (f"backend={self.name!r} runs on {', '.join(self.archs)} only; {gpu_name(device)} is {arch}: "
+                        "use another backend (kernelgen.backends.names()) or 'auto'")
         return None
 
     def unsupported(self, spec: Spec, device=None) -> str | None:
