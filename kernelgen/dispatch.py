@@ -122,8 +122,8 @@ class SparseAttention:
         """The kernel of a role (an exported module overrides this with its own embedded kernels)."""
         return backend.build(spec, role, config, problem)
 
-    def _run(self, role: str, like: torch.Tensor, shapes: Shapes, *args):
-        served = self._served(role, seq_bucket(shapes.n_k), like.dtype, like.device)
+    def _run(self, role: str, like: torch.Tensor, shapes: Shapes, *args, bucket: int | None = None):
+        served = self._served(role, seq_bucket(shapes.n_k) if bucket is None else bucket, like.dtype, like.device)
         kernel = served.kernel
         if kernel is None:
             kernel = self._build(served.backend, served.spec, role, served.config, Problem(like.dtype, shapes, like.device))
@@ -173,16 +173,17 @@ class SparseAttention:
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             raise NotImplementedError("kernelgen has no backward pass yet: call it under torch.no_grad() "
                                       "or with inputs that do not require grad")
+        bucket = seq_bucket(shapes.n_k)
         if block_idx is None:
             if not spec.selects:
                 raise KernelgenValueError("spec.selector='given' needs block_idx=int32 [B, Hkv, n_q_tiles, top_k]")
-            block_idx = self._run("select", q, shapes, q, k)
+            block_idx = self._run("select", q, shapes, q, k, bucket=bucket)
         elif isinstance(block_idx, BlockLists):
             block_idx = check_block_lists(block_idx, spec, shapes, q.device)
         else:
             checked = check_block_idx(block_idx, spec, shapes, q.device, self.validate_lists)
-            block_idx = self._run("lists", q, shapes, checked)
-        o, lse = self._run("attn", q, shapes, q, k, v, block_idx, scale)
+            block_idx = self._run("lists", q, shapes, checked, bucket=bucket)
+        o, lse = self._run("attn", q, shapes, q, k, v, block_idx, scale, bucket=bucket)
         return (o, lse) if return_lse else o
 
     def __repr__(self) -> str:
