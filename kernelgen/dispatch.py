@@ -122,12 +122,23 @@ class SparseAttention:
         """The kernel of a role (an exported module overrides this with its own embedded kernels)."""
         return backend.build(spec, role, config, problem)
 
-    def _run(self, role: str, like: torch.Tensor, shapes: Shapes, *args, bucket: int | None = None):
-        served = self._served(role, seq_bucket(shapes.n_k) if bucket is None else bucket, like.dtype, like.device)
+    @functools.lru_cache(maxsize=256)
+    def _plan(self, bucket: int, dtype, device) -> tuple[Served, Served | None, Served]:
+        """(lists, select or None, attn): the roles a call may run, in one lookup per call."""
+        return (self._served("lists", bucket, dtype, device),
+                self._served("select", bucket, dtype, device) if self.spec.selects else None,
+                self._served("attn", bucket, dtype, device))
+
+    def _launch(self, served: Served, like: torch.Tensor, shapes: Shapes, *args):
         kernel = served.kernel
-        if kernel is None:
-            kernel = self._build(served.backend, served.spec, role, served.config, Problem(like.dtype, shapes, like.device))
+        if kernel is None:  # compiled per problem shape (and cached by the backend)
+            kernel = self._build(served.backend, served.spec, served.role, served.config,
+                                 Problem(like.dtype, shapes, like.device))
         return served.impl.launch(kernel, served.spec, served.config, shapes, *args)
+
+    def _run(self, role: str, like: torch.Tensor, shapes: Shapes, *args):
+        """Launch any role's kernels for a call of these shapes."""
+        return self._launch(self._served(role, seq_bucket(shapes.n_k), like.dtype, like.device), like, shapes, *args)
 
     # ---- the calls -----------------------------------------------------------------------------------
     def select(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -173,17 +184,17 @@ class SparseAttention:
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             raise NotImplementedError("kernelgen has no backward pass yet: call it under torch.no_grad() "
                                       "or with inputs that do not require grad")
-        bucket = seq_bucket(shapes.n_k)
+        lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device)
         if block_idx is None:
-            if not spec.selects:
+            if select is None:
                 raise KernelgenValueError("spec.selector='given' needs block_idx=int32 [B, Hkv, n_q_tiles, top_k]")
-            block_idx = self._run("select", q, shapes, q, k, bucket=bucket)
+            block_idx = self._launch(select, q, shapes, q, k)
         elif isinstance(block_idx, BlockLists):
             block_idx = check_block_lists(block_idx, spec, shapes, q.device)
         else:
             checked = check_block_idx(block_idx, spec, shapes, q.device, self.validate_lists)
-            block_idx = self._run("lists", q, shapes, checked, bucket=bucket)
-        o, lse = self._run("attn", q, shapes, q, k, v, block_idx, scale, bucket=bucket)
+            block_idx = self._launch(lists, q, shapes, checked)
+        o, lse = self._launch(attn, q, shapes, q, k, v, block_idx, scale)
         return (o, lse) if return_lse else o
 
     def __repr__(self) -> str:

@@ -397,13 +397,10 @@ def dispatch_overhead(n_calls: int = 200, rounds: int = 9, log=print) -> dict:
     def raw_attention():
         return attn_launch(kernel, served_attn.spec, served_attn.config, shapes, q, k, v, prepared_lists, None)
 
-    bucket = seq_bucket(shapes.n_k)
-
     def lookups():  # what a call does beyond the raw launches, without any launch
         check_qkv(q, k, v, spec)
         check_block_idx(idx, spec, shapes, q.device)
-        attn._served("lists", bucket, q.dtype, q.device)
-        attn._served("attn", bucket, q.dtype, q.device)
+        attn._plan(seq_bucket(shapes.n_k), q.dtype, q.device)
 
     def timed(fn):
         for _ in range(20):
