@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
-from .backends.base import Shapes
 from .device import interpreting
 from .errors import KernelgenTypeError, KernelgenValueError
 from .spec import Spec
@@ -24,6 +24,18 @@ LAYOUT = "q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] (heads before sequence, as S
 # Tests set KERNELGEN_POISON=1: outputs start as NaN (lists as INT32_MIN) so unwritten elements fail.
 _POISON = os.environ.get("KERNELGEN_POISON", "0") == "1"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class Shapes(NamedTuple):
+    """The sizes of one call, checked (`check_qkv`)."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    n_q: int
+    n_k: int
+    n_q_tiles: int
+    n_kv_blocks: int
 
 
 def empty(*shape, like=None, device=None, dtype=None) -> torch.Tensor:

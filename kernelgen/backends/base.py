@@ -13,21 +13,10 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from ..errors import KernelgenTypeError, KernelgenValueError
+from ..inputs import Shapes
 from ..spec import Spec
 
 __all__ = ["Backend", "RoleImpl", "Problem", "Shapes", "distribution_version"]
-
-
-class Shapes(NamedTuple):
-    """The sizes of one call, checked (`kernelgen.inputs.check_qkv`)."""
-
-    batch: int
-    heads_q: int
-    heads_kv: int
-    n_q: int
-    n_k: int
-    n_q_tiles: int
-    n_kv_blocks: int
 
 
 class Problem(NamedTuple):
