@@ -13,7 +13,7 @@ from kernelgen.errors import KernelgenValueError
 from kernelgen.workloads import SHAPES, BenchShape, dense_flops, useful_flops, visible_pairs
 
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU behaviour of kernelgen.bench")
-runner = importlib.import_module("kernelgen.bench.run")  # the module (kernelgen.bench.run is its function)
+runner = importlib.import_module("kernelgen.bench.measure")
 
 
 @needs_cpu

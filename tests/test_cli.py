@@ -227,7 +227,7 @@ def test_bench_stall_guard_ends_a_hang_with_stacks():
     import subprocess
     import sys
 
-    code = ("import time\nfrom kernelgen.bench.run import stall_guard\nlog = stall_guard(1.0)\n"
+    code = ("import time\nfrom kernelgen.bench.measure import stall_guard\nlog = stall_guard(1.0)\n"
             "for i in range(4):\n    log(f'row {i}')\n    time.sleep(0.6)\ntime.sleep(60)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, (result.returncode, result.stderr[-2000:])

@@ -248,7 +248,7 @@ def test_bench_precompiles_the_tilelang_forwards(monkeypatch):
 
     from kernelgen.tuning import worker
 
-    bench_run = importlib.import_module("kernelgen.bench.run")  # the package's `run` is the function
+    bench_run = importlib.import_module("kernelgen.bench.measure")
 
     # no GPU here: the H200's arch, in precompile processes forked from this one (spawned ones would not
     # see the stand-in)

@@ -23,13 +23,12 @@ implementation that runs on the CPU checked against the float64 reference), no t
     bench.main(shapes="a32k,b", out="bench-out")   # rows to bench-out/bench.{jsonl,csv,json}
     bench.plot("bench-out")                          # bench-out/bench.png (needs matplotlib)
 
-Modules: `run` (the measurements, the dispatch overhead, the stall watchdog), `anchors` (FlexAttention's
+Modules: `measure` (the measurements, the dispatch overhead, the stall watchdog), `anchors` (FlexAttention's
 BlockMask, SDPA), `plot`.
 """
 from __future__ import annotations
 
 import faulthandler
-import importlib
 import json
 import os
 from collections.abc import Iterable
@@ -39,12 +38,10 @@ import torch
 from ..errors import KernelgenValueError
 from ..workloads import SHAPES
 from .plot import plot
-from .run import dispatch_overhead, run, stall_guard
+from . import measure
+from .measure import dispatch_overhead, run, stall_guard
 
 __all__ = ["main", "run", "plot", "dispatch_overhead", "stall_guard", "SMOKE_SHAPE", "NO_GPU_MESSAGE"]
-
-# the package's `run` is the function; main calls it through its module (which tests may patch)
-_runner = importlib.import_module(__name__ + ".run")
 
 SMOKE_SHAPE = "tiny"  # the one shape the Triton interpreter runs
 NO_GPU_MESSAGE = "No CUDA GPU: running the Triton interpreter at a tiny size (correctness smoke run, no timings)."
@@ -106,7 +103,7 @@ def main(shapes: str | Iterable[str] | None = None, out: str | os.PathLike | Non
                         json.dump(result, f, indent=1)
             else:
                 log("dispatch overhead needs a CUDA GPU: skipped.")
-        _runner.run(names, out, sweep_names, log=log, profile=profile_names, graph=graph)
+        measure.run(names, out, sweep_names, log=log, profile=profile_names, graph=graph)  # patchable
     finally:
         faulthandler.cancel_dump_traceback_later()  # the guard ends with the bench
     return 0
