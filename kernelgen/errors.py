@@ -5,7 +5,7 @@ Every one derives from `KernelgenError`, and from ValueError or TypeError where 
 """
 from __future__ import annotations
 
-__all__ = ["KernelgenError", "KernelgenValueError", "KernelgenTypeError"]
+__all__ = ["KernelgenError", "KernelgenValueError", "KernelgenTypeError", "KernelgenRuntimeError"]
 
 
 class KernelgenError(Exception):
@@ -18,3 +18,7 @@ class KernelgenValueError(KernelgenError, ValueError):
 
 class KernelgenTypeError(KernelgenError, TypeError):
     """An argument of the wrong type or dtype; the message names it and what was expected."""
+
+
+class KernelgenRuntimeError(KernelgenError, RuntimeError):
+    """What this machine lacks for the request (a GPU to tune on, a worker process that starts)."""

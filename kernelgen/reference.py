@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from .errors import KernelgenValueError
 from .spec import Spec
 
 __all__ = [
@@ -77,7 +78,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
     """The block lists the selector chooses: int32 `[B, Hkv, n_q_tiles, top_k]`, valid ids ascending,
     then -1. Forced blocks first, then the highest scores; ties go to the lower block id."""
     if not spec.selects:
-        raise ValueError("select_blocks: spec.selector='given' chooses no blocks; the caller passes block_idx")
+        raise KernelgenValueError("select_blocks: spec.selector='given' chooses no blocks; the caller passes block_idx")
     nq, nk = q.shape[2], k.shape[2]
     scores = block_scores(q, k, spec)
     eligible, forced = tile_eligibility(spec, nq, nk, device=q.device)

@@ -264,3 +264,15 @@ def test_every_public_config_type_is_exported():
         for role, impl in backend.roles.items():
             if impl.config_type is not None:
                 assert getattr(kernelgen, impl.config_type.__name__) is impl.config_type, (backend.name, role)
+
+
+def test_kernelgen_raises_its_own_errors():
+    """Every deliberate error is a KernelgenError (still a ValueError, TypeError or RuntimeError), so that
+    `except kernelgen.KernelgenError` catches kernelgen's alone; the tuner's sabotage hook is a test's."""
+    plain = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
+                if node.exc.func.id in ("ValueError", "TypeError", "RuntimeError"):
+                    plain.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert plain == ["tuning/worker.py:60"], plain

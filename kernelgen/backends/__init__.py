@@ -31,7 +31,7 @@ _REGISTRY: dict[str, Backend] = {}
 def register(backend: Backend) -> Backend:
     """Add a backend; its name must be new (and not "auto")."""
     if not isinstance(backend, Backend):
-        raise TypeError(f"backend must be a kernelgen.backends.Backend, got {type(backend).__name__}")
+        raise KernelgenTypeError(f"backend must be a kernelgen.backends.Backend, got {type(backend).__name__}")
     if not backend.name or backend.name == AUTO or backend.name in _REGISTRY:
         raise KernelgenValueError(f"backend name {backend.name!r} is empty, reserved or taken; registered: {names()}")
     _REGISTRY[backend.name] = backend

@@ -1,6 +1,8 @@
 """Length buckets: tunables are chosen per power-of-two bucket of the number of keys."""
 from __future__ import annotations
 
+from ..errors import KernelgenValueError
+
 __all__ = ["seq_bucket", "MIN_BUCKET"]
 
 MIN_BUCKET = 1024  # shorter sequences share the 1024 bucket
@@ -14,5 +16,5 @@ def seq_bucket(n: int) -> int:
     """
     n = int(n)
     if n < 0:
-        raise ValueError(f"seq_bucket expects a sequence length >= 0, got {n}")
+        raise KernelgenValueError(f"seq_bucket expects a sequence length >= 0, got {n}")
     return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())

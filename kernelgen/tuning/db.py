@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 import platformdirs
 import sqlite_utils
 
+from ..errors import KernelgenTypeError, KernelgenValueError
 from .buckets import seq_bucket  # the DB keys winners by it; re-exported here
 
 try:  # POSIX only; elsewhere recovery of a corrupted file simply runs unserialised
@@ -238,7 +239,7 @@ def _where(filters: dict[str, Any]) -> tuple[str, list[Any]]:
     unknown = sorted(set(filters) - filterable)
     if unknown:
         allowed = ", ".join(name for name in SCHEMA if name != "config")
-        raise ValueError(f"cannot filter tuning rows on {unknown}; filter on: fingerprint, {allowed}")
+        raise KernelgenValueError(f"cannot filter tuning rows on {unknown}; filter on: fingerprint, {allowed}")
     if not filters:
         return "1", []
     clause = " AND ".join(f"[{name}] IS ?" for name in filters)
@@ -268,7 +269,7 @@ def _nearest_bucket_row(rows: list[dict[str, Any]], bucket: int) -> dict[str, An
 
 def _lookup(db: sqlite_utils.Database, *, bucket: int, fingerprint: Fingerprint, **key: Any) -> dict | None:
     if bucket <= 0:
-        raise ValueError(f"bucket must be a positive sequence bucket (see seq_bucket), got {bucket}")
+        raise KernelgenValueError(f"bucket must be a positive sequence bucket (see seq_bucket), got {bucket}")
     # Filtering on the fingerprint first means a stale exact-bucket row never shadows a fresh
     # neighbouring bucket.
     return _nearest_bucket_row(_select(db, {**key, "fingerprint": fingerprint}), bucket)
@@ -348,9 +349,9 @@ class TuningDB:
         """
         if not (math.isfinite(median_ms) and median_ms > 0):
             # A NaN would make every later comparison false and pin a bogus row forever.
-            raise ValueError(f"median_ms must be a finite positive time, got {median_ms}")
+            raise KernelgenValueError(f"median_ms must be a finite positive time, got {median_ms}")
         if not isinstance(config, dict):
-            raise TypeError(f"config must be a dict of tunables, got {type(config).__name__}")
+            raise KernelgenTypeError(f"config must be a dict of tunables, got {type(config).__name__}")
         key = dict(spec_key=spec_key, role=role, backend=backend, arch=arch, gpu_name=gpu_name,
                    bucket=int(bucket), dtype=dtype)
         record = {

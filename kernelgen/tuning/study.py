@@ -33,7 +33,7 @@ import torch
 from optuna.trial import TrialState
 
 from ..device import device_arch
-from ..errors import KernelgenValueError
+from ..errors import KernelgenRuntimeError, KernelgenValueError
 from ..spec import Spec
 from . import db as tuning_db
 from .plan import config_key, plan, seeds, tuned_backend
@@ -169,7 +169,7 @@ def _resolve_device(device, arch: str | None) -> tuple[str, str, str]:
     if dev.type != "cuda":
         raise KernelgenValueError(f"device={device!r}: expected a CUDA device (or 'cpu' for the interpreter, tests only)")
     if not torch.cuda.is_available():
-        raise RuntimeError("tuning needs a CUDA GPU, and none is available here; plan(spec, role, seq=..., "
+        raise KernelgenRuntimeError("tuning needs a CUDA GPU, and none is available here; plan(spec, role, seq=..., "
                            "arch=...) shows what a tune would do on any machine")
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -178,7 +178,7 @@ def _resolve_device(device, arch: str | None) -> tuple[str, str, str]:
         raise KernelgenValueError(f"arch={arch!r} does not match the GPU present: {torch.cuda.get_device_name(dev)} "
                          f"is {present}; tune for {arch} on a GPU of that arch")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("TRITON_INTERPRET=1 is set: unset it to tune on the GPU")
+        raise KernelgenRuntimeError("TRITON_INTERPRET=1 is set: unset it to tune on the GPU")
     return str(dev), present, torch.cuda.get_device_name(dev)
 
 

@@ -29,6 +29,7 @@ import torch
 
 from .. import backends
 from ..backends import Backend, Problem, Shapes
+from ..errors import KernelgenRuntimeError
 from ..roles import WorkloadShape, get_role
 from ..spec import Spec
 from .plan import trial_shapes
@@ -244,7 +245,7 @@ class Worker:
         status, payload = self._receive(self.startup_timeout, "starting")
         if status != "ready":
             self.close(graceful=False)
-            raise RuntimeError(f"tune worker failed to start: {payload}")
+            raise KernelgenRuntimeError(f"tune worker failed to start: {payload}")
         log.debug("tune worker %s ready on %s", payload, self.device)
 
     def _receive(self, timeout: float, doing: str) -> tuple[str, Any]:
