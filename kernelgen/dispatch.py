@@ -66,6 +66,7 @@ class SparseAttention:
         self.spec = spec
         self.validate_lists = validate_lists
         self._fixed = dict(configs or {})
+        self._shape_kernels: dict = {}  # per-shape kernels (TileLang's) of this spec
         for role, cfg in self._fixed.items():
             get_role(role)
             backend = self._pinned_backend(role, cfg)
@@ -101,6 +102,7 @@ class SparseAttention:
     @functools.lru_cache(maxsize=256)
     def _served(self, role: str, bucket: int, dtype, device) -> Served:
         # cached per length bucket: the DB is read once per (role, bucket, dtype, device)
+        get_role(role)  # an unknown role is named as such, not as one a backend lacks
         backend = backends.runner(self._backend(bucket, dtype, device), role)
         reason = backend.unsupported(self.spec, device)
         if reason:  # never a silent fallback to another backend
@@ -131,9 +133,12 @@ class SparseAttention:
 
     def _launch(self, served: Served, like: torch.Tensor, shapes: Shapes, *args):
         kernel = served.kernel
-        if kernel is None:  # compiled per problem shape (and cached by the backend)
-            kernel = self._build(served.backend, served.spec, served.role, served.config,
-                                 Problem(like.dtype, shapes, like.device))
+        if kernel is None:  # compiled per problem shape: one dict hit per call once built
+            key = (served.role, served.config, shapes, like.dtype, like.device)
+            kernel = self._shape_kernels.get(key)
+            if kernel is None:
+                kernel = self._shape_kernels[key] = self._build(served.backend, served.spec, served.role,
+                                                                served.config, Problem(like.dtype, shapes, like.device))
         return served.impl.launch(kernel, served.spec, served.config, shapes, *args)
 
     def _run(self, role: str, like: torch.Tensor, shapes: Shapes, *args):

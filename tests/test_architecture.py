@@ -278,3 +278,9 @@ def test_kernelgen_raises_its_own_errors():
                         and "sabotaged" not in ast.get_source_segment(source, node):
                     plain.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not plain, f"plain errors raised by kernelgen: {plain}"
+
+
+def test_an_unknown_role_is_named_as_such():
+    attn = kernelgen.get_kernel(Spec(head_dim=64))
+    with pytest.raises(kernelgen.KernelgenValueError, match=r"role='foo' is unknown; expected one of"):
+        attn.served("foo", 100, torch.float32, "cpu")
