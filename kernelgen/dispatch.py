@@ -4,7 +4,11 @@ launches them.
 A call's roles and who runs them: `lists` (caller-given lists to the kernels' form) or `select` (the
 spec's selector), then `attn`. The spec's backend runs each role it has; the registry's fallback runs the
 others (`backends.runner`). A role's config is, in this order: pinned by the caller, the tuning DB's
-winner (user DB, then the bundled one; `kernelgen.tuning.lookup`), or the backend's default.
+winner for the spec, the nearest tuned spec's winner (user DB, then the bundled one;
+`kernelgen.tuning.lookup.served_config`), or the backend's default. A winner measured under another
+torch or CUDA runtime is re-checked against the reference once before it is served. With
+KERNELGEN_AUTOTUNE=1 a role served anything but its own winner is tuned in the background
+(`kernelgen.tuning.autotune`).
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ from .device import interpreting
 from .roles import get_role
 from .spec import Spec
 from .tuning.buckets import seq_bucket
-from .tuning.lookup import fastest_backend, tuned_config
+from .tuning import autotune
+from .tuning.lookup import fastest_backend, recheck, served_config
 
 __all__ = ["get_kernel", "SparseAttention", "Served"]
 
@@ -67,6 +72,7 @@ class SparseAttention:
         self.validate_lists = validate_lists
         self._fixed = dict(configs or {})
         self._shape_kernels: dict = {}  # per-shape kernels (TileLang's) of this spec
+        self._generation = autotune.generation  # what the served configs were read under
         for role, cfg in self._fixed.items():
             get_role(role)
             backend = self._pinned_backend(role, cfg)
@@ -112,13 +118,25 @@ class SparseAttention:
         if role in self._fixed:
             config, source = self._fixed[role], "pinned"
         else:
-            config, source = tuned_config(backend, spec, role, bucket, dtype, device)
-            if source is None:
-                config, source = backend.default_config(spec, role), "default"
+            config, source = self._tuned(backend, spec, role, bucket, dtype, device)
         log.debug("kernelgen serves %s of %s (bucket %d, %s, %s): backend %s, config %s (%s)", role, self.spec,
                   bucket, str(dtype).removeprefix("torch."), device, backend.name, config, source)
         kernel = None if backend.per_shape else self._build(backend, spec, role, config, None)
         return Served(role, backend, impl, spec, config, source, kernel)
+
+    @staticmethod
+    def _tuned(backend: Backend, spec: Spec, role: str, bucket: int, dtype, device) -> tuple[Any, str]:
+        """(config, source) of a role that is not pinned: tuned (re-checked where measured under another
+        runtime), else the default."""
+        tuned = served_config(backend, spec, role, bucket, dtype, device)
+        if tuned is not None and tuned.soft_mismatch and not recheck(backend, spec, role, tuned.config, bucket,
+                                                                     dtype, device, tuned.soft_mismatch):
+            tuned = None
+        if autotune.enabled() and (tuned is None or tuned.transferred_from is not None):
+            autotune.request(spec, role, bucket, device)
+        if tuned is None:
+            return backend.default_config(spec, role), "default"
+        return tuned.config, tuned.source
 
     def _build(self, backend: Backend, spec: Spec, role: str, config, problem: Problem | None):
         """The kernel of a role (an exported module overrides this with its own embedded kernels)."""
@@ -183,9 +201,20 @@ class SparseAttention:
         lists = self._run("lists", torch.empty(0, dtype=torch.bfloat16, device=block_idx.device), shapes, checked)
         return BlockLists._made_by_prepare(lists, spec.kv_block, spec.top_k, shapes.n_kv_blocks)
 
+    def _forget_served(self) -> None:
+        """Read the tuning DB again on the next call (a background tune has stored a winner)."""
+        for cached in (self._backend, self._served, self._plan):
+            cached.cache_clear()
+        self._shape_kernels.clear()
+        self._generation = autotune.generation
+
     def __call__(self, q, k, v, *, block_idx=None, scale=None, return_lse: bool = False):
         spec = self.spec
         shapes = check_qkv(q, k, v, spec)
+        if autotune.running():
+            autotune.poll()
+        if self._generation != autotune.generation:
+            self._forget_served()
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             raise NotImplementedError("kernelgen has no backward pass yet: call it under torch.no_grad() "
                                       "or with inputs that do not require grad")

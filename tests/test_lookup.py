@@ -16,6 +16,7 @@ from kernelgen.roles import get_role
 from kernelgen.tuning import lookup
 from kernelgen.tuning.buckets import seq_bucket
 from kernelgen.tuning.db import Fingerprint, TuningDB, Winners, current_fingerprint, write_bundled_db
+from kernelgen.tuning.rule import rule_backend
 
 TRITON, TILELANG, GLUON = (backends.get(name) for name in ("triton", "tilelang", "gluon"))
 GIVEN = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, selector="given")
@@ -42,12 +43,13 @@ def _fake_gpu(monkeypatch, arch="sm_90", name="NVIDIA H200"):
 def user_db(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
     _fake_gpu(monkeypatch)
-    winners = lookup._winners  # (a test may replace it)
-    winners.cache_clear()
     db = TuningDB(tmp_path / "tuning.db")
+    # the shipped winners would serve these specs too: each test says what its bundled DB holds
+    empty_bundled = write_bundled_db(tmp_path / "empty-bundled.db")
+    monkeypatch.setattr(lookup, "_winners", lambda: Winners(db, bundled_path=empty_bundled))
+    lookup.recheck.cache_clear()
     yield db
     db.close()
-    winners.cache_clear()
 
 
 def _key(spec, role):
@@ -61,7 +63,8 @@ def _row(spec, role="attn", config=WINNER, bucket=32768, fingerprint=None, ms=0.
     backend, spec_key = _key(spec, role)
     return dict(spec_key=spec_key, role=role, backend=backend, arch=arch, gpu_name="NVIDIA H200", bucket=bucket,
                 dtype="bfloat16", config=dataclasses.asdict(config), median_ms=ms, tflops=None, n_trials=1,
-                fingerprint=fingerprint or current_fingerprint(backends.get(backend), role))
+                fingerprint=fingerprint or current_fingerprint(backends.get(backend), role),
+                spec_json=get_role(role).kernel_spec(spec, backend).to_json())
 
 
 def _add(db, spec, **kwargs):
@@ -94,7 +97,7 @@ def test_misses(user_db):
     _add(user_db, GIVEN.replace(top_k=8), fingerprint=stale)
     assert lookup.tuned_config(TRITON, GIVEN.replace(top_k=8), "attn", 32768, torch.bfloat16, CUDA) == (None, None)
     served = SparseAttention(GIVEN.replace(top_k=8)).served("attn", 32768, device=CUDA)
-    assert (served.config, served.source) == (TRITON.default_config(GIVEN.replace(top_k=8), "attn"), "default")
+    assert (served.config, served.source) == (WINNER, "user DB, nearest tuned spec")  # GIVEN's, not the stale one
 
 
 def test_nearest_tuned_bucket(user_db):
@@ -165,7 +168,7 @@ def test_auto_serves_the_faster_backend(user_db, tilelang_installed, tl_ms, expe
     assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == expect
     assert attn.config("attn", 32768, 32768) == (TL_WINNER if expect == "tilelang" else WINNER)
     assert attn.served("attn", 32768).source == "user DB"
-    assert attn.backend(32768, torch.float16) == "triton"  # nothing tuned for fp16
+    assert attn.backend(32768, torch.float16) == rule_backend(AUTO, "sm_90")  # nothing tuned for fp16: the rule
     assert isinstance(attn.config("select", 32768, 32768), SelectConfig)  # selection stays in Triton
     assert attn.served("select", 32768).backend is TRITON
 
@@ -187,19 +190,37 @@ def test_a_row_outside_the_current_space_is_a_miss(user_db, tilelang_installed, 
     _add_backend(user_db, "tilelang", 0.1, left_out)  # faster, so auto would pick it
     with caplog.at_level("WARNING", logger="kernelgen"):
         assert lookup.tuned_config(TILELANG, tilelang_spec, "attn", 32768, torch.bfloat16, CUDA) == (None, None)
-    assert "no longer runs" in caplog.text
+    assert "does not run" in caplog.text
     served = SparseAttention(tilelang_spec).served("attn", 32768)
     assert (served.config, served.source) == (TILELANG.default_config(tilelang_spec, "attn"), "default")
     assert SparseAttention(AUTO).backend(32768) == "triton"
     assert SparseAttention(AUTO).config("attn", 32768, 32768) == WINNER
 
 
-def test_auto_without_tilelang_or_rows(user_db, monkeypatch):
-    assert SparseAttention(AUTO).backend(32768) == "triton"  # no rows: Triton and its defaults
-    assert SparseAttention(AUTO).config("attn", 32768, 32768) == TRITON.default_config(GIVEN, "attn")
+def test_auto_without_rows_follows_the_measured_rule(user_db, tilelang_installed, monkeypatch):
+    """No winner for the spec: the backend the rule measured fastest for its block size on this arch,
+    among those that can serve it, with its default config; Triton where the rule knows nothing."""
+    monkeypatch.setattr(GLUON, "not_installed", lambda: None)
+    assert SparseAttention(AUTO).backend(32768) == "gluon"  # 64-key blocks on sm_90
+    assert SparseAttention(AUTO).config("attn", 32768, 32768) == GLUON.default_config(GIVEN, "attn")
+    blocks128 = AUTO.replace(kv_block=128, q_tile=128)
+    assert SparseAttention(blocks128).backend(32768) == "tilelang"
+    monkeypatch.setattr(TILELANG, "not_installed", lambda: "no TileLang here")
+    assert SparseAttention(blocks128).backend(32768) == "gluon"  # the rule's next choice
+    monkeypatch.setattr(GLUON, "not_installed", lambda: "no Gluon here")
+    assert SparseAttention(blocks128).backend(32768) == "triton"
+    _fake_gpu(monkeypatch, "sm_89", "NVIDIA L40S")
+    monkeypatch.setattr(TILELANG, "not_installed", lambda: None)
+    assert SparseAttention(blocks128).backend(32768) == "triton"  # not measured there: the fallback
+    assert lookup.fastest_backend(blocks128, 32768, torch.bfloat16, torch.device("cpu")) == "triton"
+
+
+def test_auto_with_rows_of_one_backend_serves_it(user_db, monkeypatch):
     _add_backend(user_db, "tilelang", 0.1, TL_WINNER)
     monkeypatch.setattr(TILELANG, "not_installed", lambda: "no TileLang here")
-    assert SparseAttention(AUTO).backend(32768) == "triton"
+    assert SparseAttention(AUTO).backend(32768) == rule_backend(AUTO, "sm_90", lambda b: b != "tilelang")
+    monkeypatch.setattr(TILELANG, "not_installed", lambda: None)
+    assert SparseAttention(AUTO).backend(32768) == "tilelang"
 
 
 @pytest.mark.parametrize("reason", ["cannot serve this", RuntimeError("the device said something odd")])
@@ -221,7 +242,9 @@ def test_fastest_backend_skips_backends_that_cannot_serve(user_db, tilelang_inst
     assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == "triton"
     assert asked == [(AUTO, CUDA)]
     assert SparseAttention(AUTO).backend(32768) == "triton"
-    monkeypatch.setattr(TRITON, "unsupported", unsupported)  # then no backend has a row it may serve
+    monkeypatch.setattr(TRITON, "unsupported", unsupported)  # then no backend has a row it may serve: the rule's
+    assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == rule_backend(AUTO, "sm_90", {"gluon"}.__contains__)
+    monkeypatch.setattr(GLUON, "unsupported", unsupported)
     assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == backends.FALLBACK
 
 
@@ -340,3 +363,121 @@ def test_bundled_winners_were_tuned_with_the_current_templates():
         assert row["template_hash"] == backend.template_hash(row["role"]), (
             f"{TABLE} row {row['spec_key']}/{row['role']}/{row['backend']} was tuned with another template: re-tune "
             "it on the GPU (kernelgen tune --preset bench) or drop it; stale rows are only ever misses")
+
+
+# ---- another torch or CUDA runtime: served, re-checked first ------------------------------------------
+
+def _other_runtime(fingerprint: Fingerprint, **columns) -> Fingerprint:
+    return Fingerprint(**{**fingerprint.as_columns(), "torch_version": "2.11.0+cu130", "cuda_version": "13.0",
+                          "kernelgen_version": "0.0.1", **columns})
+
+
+def test_a_winner_of_another_runtime_is_served_after_its_recheck(user_db, monkeypatch, caplog):
+    checked = []
+
+    def check_config(backend, spec, role, config, seq, dtype, device):
+        checked.append((backend.name, role, config, seq))
+        return None
+
+    monkeypatch.setattr("kernelgen.tuning.worker.check_config", check_config)
+    _add(user_db, GIVEN, fingerprint=_other_runtime(current_fingerprint(TRITON, "attn")))
+    row = lookup.tuned_row(TRITON, GIVEN, "attn", 32768, torch.bfloat16, CUDA)
+    assert set(row["soft_mismatch"]) == {"torch_version", "cuda_version", "kernelgen_version"}
+    with caplog.at_level("DEBUG", logger="kernelgen"):
+        served = SparseAttention(GIVEN).served("attn", 32768, device=CUDA)
+        assert (served.config, served.source) == (WINNER, "user DB")
+        SparseAttention(GIVEN.replace(selector="mean")).served("attn", 32768, device=CUDA)
+    assert checked == [("triton", "attn", WINNER, 32768)]  # once per process
+    assert "measured under another kernelgen_version, torch_version, cuda_version; re-checked here" in caplog.text
+
+
+def test_a_winner_of_another_runtime_that_fails_its_recheck_is_not_served(user_db, monkeypatch, caplog):
+    monkeypatch.setattr("kernelgen.tuning.worker.check_config", lambda *args: "o differs from the reference")
+    _add(user_db, GIVEN, fingerprint=_other_runtime(current_fingerprint(TRITON, "attn")))
+    with caplog.at_level("WARNING", logger="kernelgen"):
+        served = SparseAttention(GIVEN).served("attn", 32768, device=CUDA)
+    assert (served.config, served.source) == (TRITON.default_config(GIVEN, "attn"), "default")
+    assert "fails its check here (o differs from the reference)" in caplog.text
+
+
+@pytest.mark.parametrize("column", ["template_hash", "triton_version"])
+def test_a_winner_of_another_kernel_generator_is_a_miss(user_db, column):
+    _add(user_db, GIVEN, fingerprint=_other_runtime(current_fingerprint(TRITON, "attn"), **{column: "other"}))
+    assert lookup.tuned_row(TRITON, GIVEN, "attn", 32768, torch.bfloat16, CUDA) is None
+    assert lookup.served_config(TRITON, GIVEN, "attn", 32768, torch.bfloat16, CUDA) is None
+
+
+def test_recheck_runs_the_tuner_s_check_in_the_interpreter(tmp_path, monkeypatch, caplog):
+    """No fake: a CPU winner recorded under another torch is checked against the reference in the
+    interpreter before dispatch serves it, and the call's output is right."""
+    from kernelgen import reference
+
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=2, causal=True, selector="given")
+    winner = AttnConfig(block_m=32, num_warps=4, num_stages=1)
+    row = {**_row(spec, config=winner, bucket=1024, arch="cpu"), "gpu_name": "cpu", "dtype": "float32",
+           "timestamp": "2026-01-01T00:00:00+00:00"}
+    fingerprint = row.pop("fingerprint")
+    bundled = write_bundled_db(tmp_path / "winners.db", [{**row, **_other_runtime(fingerprint).as_columns()}])
+    db = TuningDB(tmp_path / "tuning.db")
+    monkeypatch.setattr(lookup, "_winners", lambda: Winners(db, bundled_path=bundled))
+    lookup.recheck.cache_clear()
+    q, k, v = (torch.randn(1, 1, 200, 64) for _ in range(3))
+    idx = torch.tensor([[[[0, 1], [1, 0], [2, 3], [3, -1]]]], dtype=torch.int32)
+    attn = SparseAttention(spec)
+    with caplog.at_level("DEBUG", logger="kernelgen"):
+        o = attn(q, k, v, block_idx=idx)
+    served = attn.served("attn", 200, torch.float32, "cpu")
+    assert (served.config, served.source) == (winner, "bundled DB")
+    assert "re-checked here: correct" in caplog.text
+    ref = reference.sparse_attention(q.double(), k.double(), v.double(), spec, block_idx=idx)[0]
+    assert ((o.double() - ref).norm() / ref.norm()).item() < 1e-4
+    db.close()
+
+
+# ---- a spec nobody tuned: the nearest tuned spec's winner ------------------------------------------------
+
+def test_the_nearest_tuned_spec_s_winner_is_served(user_db):
+    near, far = AttnConfig(block_m=64, num_warps=4, num_stages=3), AttnConfig(block_m=32, num_warps=4, num_stages=1)
+    _add(user_db, GIVEN.replace(gqa_group=2), config=near)  # one doubling of the group away
+    _add(user_db, GIVEN.replace(causal=True), config=far)  # causal differs: two
+    _add(user_db, GIVEN.replace(head_dim=128), config=AttnConfig(block_m=16))  # another head_dim: never
+    served = SparseAttention(GIVEN).served("attn", 32768, device=CUDA)
+    assert (served.config, served.source) == (near, "user DB, nearest tuned spec")
+    assert lookup.served_config(TRITON, GIVEN, "attn", 32768, torch.bfloat16, CUDA).transferred_from == \
+        GIVEN.replace(gqa_group=2, backend="triton")
+    other_dim = GIVEN.replace(head_dim=256)
+    assert SparseAttention(other_dim).served("attn", 32768, device=CUDA).source == "default"
+    other_blocks = GIVEN.replace(kv_block=128, q_tile=128)
+    assert SparseAttention(other_blocks).served("attn", 32768, device=CUDA).source == "default"
+    _add(user_db, GIVEN, config=WINNER)  # the spec's own winner beats any neighbour's
+    lookup_again = SparseAttention(GIVEN.replace(local=1))  # (same attention kernel, a fresh cache)
+    assert lookup_again.served("attn", 32768, device=CUDA).source == "user DB"
+
+
+def test_distance_weighs_group_length_density_and_causality():
+    base = GIVEN
+    assert lookup.spec_distance(base, 32768, base, 32768) == 0
+    assert lookup.spec_distance(base, 32768, base.replace(gqa_group=4), 32768) == 2
+    assert lookup.spec_distance(base, 32768, base.replace(causal=True), 32768) == 2
+    # twice the length at the same top_k: one doubling of length, one of density
+    assert lookup.spec_distance(base, 65536, base, 32768) == 2
+    assert lookup.spec_distance(base.replace(top_k=32), 65536, base, 32768) == 1
+
+
+def test_a_nearest_winner_infeasible_for_this_spec_is_skipped(user_db):
+    """block_m=128 holds whole 64-query tiles of two heads at G=2; at G=1 it is no valid packing."""
+    packed = AttnConfig(block_m=128, num_warps=8, num_stages=2)
+    _add(user_db, GIVEN.replace(gqa_group=2), config=packed)
+    assert TRITON.infeasible(GIVEN.replace(backend="triton"), "attn", packed)
+    assert SparseAttention(GIVEN).served("attn", 32768, device=CUDA).source == "default"
+    _add(user_db, GIVEN.replace(gqa_group=8), config=WINNER)  # farther, but feasible
+    assert SparseAttention(GIVEN.replace(sink=1)).served("attn", 32768, device=CUDA).config == WINNER
+
+
+def test_the_selector_s_winner_transfers_only_within_its_selector(user_db):
+    mean = GIVEN.replace(selector="mean")
+    winner = SelectConfig(tiles=32, chunk=64)
+    _add(user_db, mean.replace(gqa_group=2), role="select", config=winner)
+    assert SparseAttention(mean).served("select", 32768, device=CUDA).config == winner
+    assert SparseAttention(GIVEN.replace(selector="multi:2")).served("select", 32768, device=CUDA).source == "default"

@@ -11,9 +11,12 @@ numbers, never pickles, so a DB written by one version can be read (and inspecte
 `sqlite-utils`) by any other.
 
 A row remembers what produced it (`Fingerprint`: kernelgen, template, compiler, torch and CUDA
-versions). A lookup with a different fingerprint is a miss, never a crash: a winner measured with
-another compiler or template is no evidence about this one. Sequence lengths are bucketed to powers
-of two (`seq_bucket`); a lookup for an untuned bucket falls back to the nearest tuned one.
+versions). What generates the kernel (template hash, the backend's compiler) must match: a winner
+measured with another compiler or template is no evidence about this one, so that is a miss, never a
+crash. Another kernelgen, torch or CUDA runtime is a soft mismatch: the row is served, marked with the
+columns that differ (`soft_mismatch`), and dispatch re-checks it for correctness before first use.
+Sequence lengths are bucketed to powers of two (`seq_bucket`); a lookup for an untuned bucket falls
+back to the nearest tuned one.
 
 Example::
 
@@ -81,6 +84,10 @@ FINGERPRINT_COLUMNS = (
     "torch_version",
     "cuda_version",
 )
+# what generates the kernel: a row is served only where these match
+HARD_FINGERPRINT_COLUMNS = ("template_hash", "triton_version", "tilelang_version")
+# what runs around it: a row is served across these, re-checked first (`Fingerprint.soft_mismatch`)
+SOFT_FINGERPRINT_COLUMNS = ("kernelgen_version", "torch_version", "cuda_version")
 SCHEMA: dict[str, type] = {
     "spec_key": str,
     "role": str,
@@ -127,7 +134,8 @@ def default_user_db_path() -> Path:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What produced a tuning result; a row is only reused under an identical fingerprint.
+    """What produced a tuning result. A row is reused where its hard columns (template, compiler) are
+    this process's; the soft ones (kernelgen, torch, CUDA runtime) may differ.
 
     Versions of packages that are absent (or irrelevant to the backend) are None.
     """
@@ -145,6 +153,13 @@ class Fingerprint:
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Fingerprint:
         return cls(**{name: row.get(name) for name in FINGERPRINT_COLUMNS})
+
+    def hard_columns(self) -> dict[str, str | None]:
+        return {name: getattr(self, name) for name in HARD_FINGERPRINT_COLUMNS}
+
+    def soft_mismatch(self, row: dict[str, Any]) -> tuple[str, ...]:
+        """The soft columns in which `row` was measured under another version than this fingerprint's."""
+        return tuple(name for name in SOFT_FINGERPRINT_COLUMNS if row.get(name) != getattr(self, name))
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,16 +245,21 @@ def _check_integrity(conn: sqlite3.Connection) -> None:
 
 
 def _where(filters: dict[str, Any]) -> tuple[str, list[Any]]:
-    """A WHERE clause of equality filters over known columns; None matches NULL, as `IS` does."""
+    """A WHERE clause of equality filters over known columns; None matches NULL, as `IS` does.
+    `fingerprint=` matches every fingerprint column, `servable_under=` only the hard ones."""
     filters = dict(filters)
     fingerprint = filters.pop("fingerprint", None)
     if fingerprint is not None:
         filters.update(fingerprint.as_columns())
+    servable_under = filters.pop("servable_under", None)
+    if servable_under is not None:
+        filters.update(servable_under.hard_columns())
     filterable = set(SCHEMA) - {"config"}  # config is JSON text; equality on it would be fragile
     unknown = sorted(set(filters) - filterable)
     if unknown:
         allowed = ", ".join(name for name in SCHEMA if name != "config")
-        raise KernelgenValueError(f"cannot filter tuning rows on {unknown}; filter on: fingerprint, {allowed}")
+        raise KernelgenValueError(f"cannot filter tuning rows on {unknown}; filter on: fingerprint, servable_under, "
+                                  f"{allowed}")
     if not filters:
         return "1", []
     clause = " AND ".join(f"[{name}] IS ?" for name in filters)
@@ -267,12 +287,18 @@ def _nearest_bucket_row(rows: list[dict[str, Any]], bucket: int) -> dict[str, An
     return min(rows, key=lambda row: (abs(math.log2(row["bucket"]) - target), -row["bucket"]))
 
 
+def _servable(db: sqlite_utils.Database, fingerprint: Fingerprint, **key: Any) -> list[dict[str, Any]]:
+    """Rows matching `key` that this fingerprint may serve, each with its `soft_mismatch`."""
+    return [{**row, "soft_mismatch": fingerprint.soft_mismatch(row)}
+            for row in _select(db, {**key, "servable_under": fingerprint})]
+
+
 def _lookup(db: sqlite_utils.Database, *, bucket: int, fingerprint: Fingerprint, **key: Any) -> dict | None:
     if bucket <= 0:
         raise KernelgenValueError(f"bucket must be a positive sequence bucket (see seq_bucket), got {bucket}")
     # Filtering on the fingerprint first means a stale exact-bucket row never shadows a fresh
     # neighbouring bucket.
-    return _nearest_bucket_row(_select(db, {**key, "fingerprint": fingerprint}), bucket)
+    return _nearest_bucket_row(_servable(db, fingerprint, **key), bucket)
 
 
 def _create_schema(db: sqlite_utils.Database) -> None:
@@ -396,6 +422,11 @@ class TuningDB:
         return self._run(lambda: _lookup(
             self._db, spec_key=spec_key, role=role, backend=backend, arch=arch, gpu_name=gpu_name,
             dtype=dtype, bucket=bucket, fingerprint=fingerprint))
+
+    def servable(self, fingerprint: Fingerprint, **key: Any) -> list[dict]:
+        """Rows equal to `key` (columns, any subset) that `fingerprint` may serve, each with its
+        `soft_mismatch`: the candidates of a nearest-spec transfer."""
+        return self._run(lambda: _servable(self._db, fingerprint, **key))
 
     def rows(self, **filters: Any) -> list[dict]:
         """All rows (config decoded), optionally only those equal to `filters` (column=value, or
@@ -601,6 +632,19 @@ class Winners:
                 self._bundled = None
                 return None
         return None if row is None else {**row, "source": "bundled"}
+
+    def servable(self, fingerprint: Fingerprint, **key: Any) -> list[dict]:
+        """As `TuningDB.servable`, over both DBs: the user's rows first, each with its `source`."""
+        rows = [{**row, "source": "user"} for row in self.user.servable(fingerprint, **key)]
+        with self._lock:
+            if self._bundled is None:
+                return rows
+            try:
+                bundled = _servable(self._bundled, fingerprint, **key)
+            except sqlite3.DatabaseError as error:
+                logger.warning("bundled tuning database %s is unreadable (%s); skipping it", self.bundled_path, error)
+                return rows
+        return rows + [{**row, "source": "bundled"} for row in bundled]
 
 
 def write_bundled_db(path: str | Path, rows: Iterable[dict] = ()) -> Path:

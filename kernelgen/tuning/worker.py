@@ -34,7 +34,8 @@ from ..roles import WorkloadShape, get_role
 from ..spec import Spec
 from .plan import trial_shapes
 
-__all__ = ["Worker", "precompile", "precompile_points", "STARTUP_TIMEOUT_S", "SABOTAGE_ENV", "SABOTAGE_MODE_ENV"]
+__all__ = ["Worker", "precompile", "precompile_points", "check_config", "STARTUP_TIMEOUT_S", "SABOTAGE_ENV",
+           "SABOTAGE_MODE_ENV"]
 
 log = logging.getLogger("kernelgen")
 
@@ -80,6 +81,24 @@ def _shapes(spec: Spec, shape: WorkloadShape) -> Shapes:
                   spec.n_q_tiles(shape.n_q), spec.n_kv_blocks(shape.n_k))
 
 
+def _launcher(backend: Backend, spec: Spec, role: str, config, workload, shapes: Shapes, dtype, device):
+    """A call of `config`'s kernel on a workload's inputs."""
+    problem = Problem(dtype, shapes, torch.device(device)) if backend.per_shape else None
+    kernel = backend.build(spec, role, config, problem)
+    impl = backend.role(role)
+    return lambda: impl.launch(kernel, spec, config, shapes, *workload.args)
+
+
+def check_config(backend: Backend, spec: Spec, role: str, config, seq: int, dtype: torch.dtype, device) -> str | None:
+    """Why `config` computes `role` of `spec` wrongly, or None: the tuner's own check (small inputs against
+    the float64 reference), run in this process. Dispatch runs it once before serving a winner measured
+    under another torch or CUDA runtime."""
+    device = torch.device(device)
+    check, _ = (WorkloadShape(*s) for s in trial_shapes(spec, seq, device.type == "cpu", None))
+    workload = get_role(role).workload(spec, check, device, dtype, check=True)
+    return workload.check(_launcher(backend, spec, role, config, workload, _shapes(spec, check), dtype, device)())
+
+
 def _measure(job: dict, cache: dict) -> dict:
     """Check one config against the reference, then time it. Runs in the worker."""
     spec, role, params, seq, device = (Spec.from_json(job["spec_json"]), job["role"], job["params"],
@@ -93,17 +112,11 @@ def _measure(job: dict, cache: dict) -> dict:
         cache[key] = _Inputs(spec, role, seq, device, shape)
     inputs: _Inputs = cache[key]
     config = backend.config_from_dict(role, params)
-    impl = backend.role(role)
-
-    def call(workload, shapes):
-        problem = Problem(inputs.dtype, shapes, torch.device(device)) if backend.per_shape else None
-        kernel = backend.build(spec, role, config, problem)
-        return lambda: impl.launch(kernel, spec, config, shapes, *workload.args)
-
-    error = inputs.check.check(call(inputs.check, inputs.check_shapes)())
+    error = inputs.check.check(_launcher(backend, spec, role, config, inputs.check, inputs.check_shapes,
+                                         inputs.dtype, device)())
     if error:  # NaN (an unwritten, poisoned element) fails too
         raise _Rejected(error)
-    fn = call(inputs.bench, inputs.bench_shapes)
+    fn = _launcher(backend, spec, role, config, inputs.bench, inputs.bench_shapes, inputs.dtype, device)
     if device == "cpu":
         fn()
         times = []
