@@ -119,7 +119,11 @@ def tune(
     preset: Optional[str] = typer.Option(None, help="A named set of studies instead of one spec: bench (the "
                                                     "benchmark shapes, each backend's attention and the selector)."),
     shapes: Optional[str] = typer.Option(None, help="With --preset bench: comma-separated shape names."),
-    backends_option: Optional[str] = typer.Option(None, "--backends", help="With --preset: comma-separated backends."),
+    backends_option: Optional[str] = typer.Option(None, "--backends", help="With --preset or --model: comma-separated "
+                                                                           "backends."),
+    model: Optional[Path] = typer.Option(None, help="A Hugging Face config.json: tune every distinct attention spec "
+                                                    "of the model (heads, KV heads, head_dim from it; sparse options "
+                                                    "from its \"kernelgen\" object, else the spec options)."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
     sink: int = SINK, backend: str = BACKEND,
@@ -129,6 +133,8 @@ def tune(
     from .device import current_arch
     from .roles import ROLES
     from .tuning.plan import check_arch, plan
+    from .tuning.model import model_studies, read_model_config
+    from .tuning.plan import check_seq
     from .tuning.presets import studies
 
     check_arch(arch)
@@ -138,12 +144,23 @@ def tune(
             _fail("no CUDA GPU here: tuning needs the GPU it tunes for (use --dry-run to see the plan)")
         if present != arch:
             _fail(f"--arch {arch} does not match the GPU present ({present}); tune on a GPU of that arch")
-    if preset is not None:
-        chosen = [s for s in (shapes or "").split(",") if s] or None
-        names = [b for b in (backends_option or "").split(",") if b] or None
-        for name in names or ():
-            registry.get(name)
-        for study in studies(preset, chosen, names):
+    names = [b for b in (backends_option or "").split(",") if b] or None
+    for name in names or ():
+        registry.get(name)
+    if preset is not None and model is not None:
+        _fail("--preset and --model are two sets of studies: give one")
+    if preset is not None or model is not None:
+        if model is not None:
+            if seq is None:
+                _fail("--model needs --seq: the sequence length to tune the model's attention for")
+            sparse = dict(kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, selector=selector,
+                          local=local, sink=sink)
+            chosen_studies = list(model_studies(read_model_config(model), check_seq(seq), trials, arch, sparse,
+                                                names))
+        else:
+            chosen = [s for s in (shapes or "").split(",") if s] or None
+            chosen_studies = studies(preset, chosen, names)
+        for study in chosen_studies:
             if registry.get(study.spec.backend).arch_unsupported(arch):
                 continue  # this arch cannot run that backend: plan only what it can
             if dry_run:

@@ -22,8 +22,8 @@ from ..roles import ROLES, get_role
 from ..spec import Spec
 from .buckets import seq_bucket
 
-__all__ = ["trial_shapes", "plan", "tune_inputs_shape", "study_name", "tuned_backend", "check_arch", "config_key", "seeds",
-           "MAX_SEQ"]
+__all__ = ["trial_shapes", "plan", "tune_inputs_shape", "study_name", "tuned_backend", "check_arch", "check_seq",
+           "config_key", "seeds", "MAX_SEQ"]
 
 CPU_MAX_SEQ = 256  # interpreter inputs: seq capped here, one KV head
 CHECK_MAX_SEQ_GPU = 1000  # correctness inputs on the GPU: small, and not a multiple of any tile
@@ -31,7 +31,7 @@ CHECK_HEADS_KV_GPU = 2
 MAX_SEQ = 1 << 24  # 16M tokens: past any one GPU's memory for these inputs
 
 
-def _check_seq(seq) -> int:
+def check_seq(seq) -> int:
     if isinstance(seq, bool) or not isinstance(seq, int) or not 1 <= seq <= MAX_SEQ:
         raise KernelgenValueError(f"seq must be an int from 1 to {MAX_SEQ}, got {seq!r}")
     return seq
@@ -46,7 +46,7 @@ def tune_inputs_shape(spec: Spec, seq: int, *, cpu: bool = False,
     in seq's bucket.
     CPU (interpreter): B=1, Hq = G, Hkv = 1, Nq = Nk = min(seq, 256).
     """
-    seq = _check_seq(seq)
+    seq = check_seq(seq)
     g = spec.gqa_group
     if shape is not None and not cpu:
         if set(shape) != {"batch", "heads_kv", "n_q", "n_k"} or not all(
@@ -137,7 +137,7 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
     backend, spec = tuned_backend(spec, role)
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise KernelgenValueError(f"trials must be an int >= 1, got {trials!r}")
-    seq = _check_seq(seq)
+    seq = check_seq(seq)
     cpu = _is_cpu(device)
     if arch is None:
         arch = "cpu" if cpu else current_arch()

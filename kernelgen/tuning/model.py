@@ -1,0 +1,113 @@
+"""A whole model's attention specs, from its Hugging Face `config.json`: `kernelgen tune --model`.
+
+The heads, KV heads and head_dim come from the model's config (a multimodal model's `text_config`);
+the sparse options (kv_block, q_tile, top_k, causal, selector, local, sink) from a `"kernelgen"` object
+in the same file, or, without one, from the command line. A model whose layers differ (`layer_types`,
+e.g. "sliding_attention" and "full_attention") gets one spec per layer type that has sparse options:
+`"kernelgen": {"top_k": 16, "layer_types": {"sliding_attention": {"top_k": 4, "local": 4}}}`; the
+options of "full_attention" are the top-level ones, and a layer type without options is not tuned.
+
+    {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "num_hidden_layers": 32,
+     "kernelgen": {"kv_block": 128, "q_tile": 128, "top_k": 16, "causal": true}}
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .. import backends
+from ..errors import KernelgenValueError
+from ..spec import Spec
+from .presets import GRID_MAX, Study
+
+__all__ = ["read_model_config", "model_specs", "model_studies", "SPARSE_OPTIONS"]
+
+SPARSE_OPTIONS = ("kv_block", "q_tile", "top_k", "causal", "selector", "local", "sink")
+FULL = "full_attention"
+
+
+def read_model_config(path: str | Path) -> dict:
+    """The model config (JSON object) at `path`."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise KernelgenValueError(f"--model {path}: not JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise KernelgenValueError(f"--model {path}: expected a JSON object (a Hugging Face config.json)")
+    return config
+
+
+def _positive_int(config: dict, name: str, default: Any = None) -> int:
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise KernelgenValueError(f"model config: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _sparse_options(options: Any, where: str) -> dict:
+    if not isinstance(options, dict):
+        raise KernelgenValueError(f"model config: {where} must be an object of sparse options, got {options!r}")
+    unknown = sorted(set(options) - set(SPARSE_OPTIONS) - {"layer_types"})
+    if unknown:
+        raise KernelgenValueError(f"model config: {where} has {unknown}; expected some of {list(SPARSE_OPTIONS)}")
+    return {k: v for k, v in options.items() if k != "layer_types"}
+
+
+def model_specs(config: dict, sparse: dict | None = None) -> list[tuple[str, Spec]]:
+    """(layer type, spec) for each distinct attention spec of the model, in layer order. `sparse` holds the
+    sparse options the config's own "kernelgen" object does not give (the command line's)."""
+    text = config.get("text_config", config)
+    if not isinstance(text, dict):
+        raise KernelgenValueError("model config: text_config must be an object")
+    heads = _positive_int(text, "num_attention_heads")
+    heads_kv = _positive_int(text, "num_key_value_heads", heads)
+    if heads % heads_kv:
+        raise KernelgenValueError(f"model config: num_attention_heads={heads} is not a multiple of "
+                                  f"num_key_value_heads={heads_kv}")
+    if "head_dim" in text and text["head_dim"] is not None:
+        head_dim = _positive_int(text, "head_dim")
+    else:
+        hidden = _positive_int(text, "hidden_size")
+        head_dim = hidden // heads
+    ours = config.get("kernelgen", text.get("kernelgen"))
+    top = _sparse_options(ours, "kernelgen") if ours is not None else dict(sparse or {})
+    per_type = (ours or {}).get("layer_types", {})
+    if not isinstance(per_type, dict):
+        raise KernelgenValueError("model config: kernelgen.layer_types must map layer types to sparse options")
+    layer_types = text.get("layer_types") or [FULL]
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise KernelgenValueError("model config: layer_types must be a list of layer type names")
+    specs: dict[Spec, str] = {}
+    for layer_type in dict.fromkeys(layer_types):
+        if layer_type != FULL and layer_type not in per_type:
+            continue  # no sparse options for it: not kernelgen's layer
+        options = {**top, **_sparse_options(per_type.get(layer_type, {}), f"kernelgen.layer_types.{layer_type}")}
+        spec = Spec(head_dim=head_dim, gqa_group=heads // heads_kv, **options)
+        specs.setdefault(spec, layer_type)
+    if not specs:
+        raise KernelgenValueError(f"model config: no layer type has sparse options (layer types: "
+                                  f"{sorted(set(layer_types))}); add them under kernelgen.layer_types")
+    return [(layer_type, spec) for spec, layer_type in specs.items()]
+
+
+def model_studies(config: dict, seq: int, trials: int, arch: str, sparse: dict | None = None,
+                  backend_names=None) -> Iterator[Study]:
+    """Each distinct spec's attention on every backend that runs on `arch`, and its selector, timed on the
+    model's heads at `seq` tokens (batch 1)."""
+    text = config.get("text_config", config)
+    for layer_type, spec in model_specs(config, sparse):
+        heads_kv = text.get("num_key_value_heads") or text["num_attention_heads"]
+        workload = {"batch": 1, "heads_kv": heads_kv, "n_q": seq, "n_k": seq}
+        label = f"{layer_type} (D{spec.head_dim} G{spec.gqa_group} top{spec.top_k})"
+        for name in backend_names or backends.names():
+            backend = backends.get(name)
+            given = spec.replace(selector="given", backend=name)
+            if "attn" not in backend.roles or backend.spec_unsupported(given) or backend.arch_unsupported(arch):
+                continue
+            space = len(backend.config_space(given, "attn"))  # a small space is searched whole
+            yield Study(f"{label} attn {name}", given, "attn", seq, space if space <= GRID_MAX else min(space, trials),
+                        workload)
+        if spec.selects:
+            yield Study(f"{label} select", spec, "select", seq, trials, workload)
