@@ -263,16 +263,42 @@ def export(
     out: Path = typer.Option(..., "--out", help="The .py file to write."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
-    sink: int = SINK, backend: str = typer.Option("triton", help="A registered backend (not auto): its kernels are "
-                                                   "baked in."),
+    sink: int = SINK, backend: str = typer.Option("triton", help="A registered backend, or auto with --arch: its "
+                                                   "kernels are baked in."),
+    arch: Optional[str] = typer.Option(None, help="Bake in the tuning DBs' winners for this GPU arch (e.g. sm_90); "
+                                                  "without it, the default configs."),
+    seq: Optional[int] = typer.Option(None, help="With --arch: the sequence length whose bucket's winners are baked."),
+    gpu: Optional[str] = typer.Option(None, help="With --arch: the GPU's name as CUDA reports it (default: any GPU "
+                                                 "of the arch)."),
+    dtype: str = typer.Option("bfloat16", help="With --arch: the dtype whose winners are baked (bfloat16, float16)."),
 ):
     """Write one standalone module (torch + triton, and the backend's compiler) with the kernels and configs
-    baked in."""
-    from .export import export_module
+    baked in: the tuning DBs' winners for --arch and --seq, or the defaults. Says which it baked."""
+    import torch
+
+    from .export import export_module, tuned_configs
 
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
                               backend)
-    path = export_module(spec, out)
+    if (seq is not None or gpu is not None) and arch is None:
+        _fail("--seq and --gpu choose tuned winners: give --arch too (the GPU arch the module is for)")
+    configs, sources = None, None
+    if arch is not None:
+        if seq is None:
+            _fail("--arch needs --seq: the sequence length whose tuned winners are baked in")
+        if dtype not in ("bfloat16", "float16"):
+            _fail(f"--dtype must be bfloat16 or float16, got {dtype!r}")
+        spec, configs, sources = tuned_configs(spec, arch=arch, seq=seq, gpu_name=gpu, dtype=getattr(torch, dtype))
+    path = export_module(spec, out, configs, sources)
+    from .export import resolve_configs
+
+    from . import backends as registry
+
+    for role, cfg in resolve_configs(spec, configs).items():
+        if cfg is not None:
+            where = (sources or {}).get(role, "default (give --arch and --seq to bake in tuned winners)")
+            console.print(f"{role}: {registry.runner(spec.backend, role).name} "
+                          f"{json.dumps(registry.Backend.config_to_dict(cfg), sort_keys=True)} ({where})")
     console.print(f"wrote {path}")
 
 

@@ -72,14 +72,15 @@ def call_roles(spec: Spec) -> tuple[str, ...]:
     return ("lists", "select", "attn") if spec.selects else ("lists", "attn")
 
 
-def export_module(spec: Spec, out_path, configs: dict | None = None) -> Path:
+def export_module(spec: Spec, out_path, configs: dict | None = None, sources: dict | None = None) -> Path:
     """Write one standalone Python module for `spec` to `out_path` (a .py file) and return its path.
 
     configs   {role: config} baked into the module, for the roles a call runs (`call_roles`: "select"
               only for a spec with a selector; "lists" takes None). A missing role (or configs=None) gets
               the backend's default (`backends.runner(spec.backend, role).default_config`); to bake in the
-              tuning DB's winners for a length, pass `{r: get_kernel(spec).config(r, n, n, dtype, device)
-              for r in ("attn", "select")}` (on the machine whose DB holds them).
+              tuning DB's winners for an arch and length, pass `tuned_configs(...)`'s.
+    sources   {role: where its config came from}, written in the module's header (roles left out:
+              "default" when the default was baked, else "given").
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)`, `select(q, k)`,
     `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `SPEC` (the
@@ -99,9 +100,46 @@ def export_module(spec: Spec, out_path, configs: dict | None = None) -> Path:
     out_path = Path(out_path)
     if out_path.suffix != ".py":
         raise KernelgenValueError(f"out_path must name a .py file, got {out_path}")
-    text = assemble(spec, resolve_configs(spec, configs))
+    resolved = resolve_configs(spec, configs)
+    given = dict(configs or {})
+    sources = {role: (sources or {}).get(role) or ("given" if given.get(role) is not None else "default")
+               for role, cfg in resolved.items() if cfg is not None}
+    text = assemble(spec, resolved, sources)
     _write_atomic(out_path, text)
     return out_path
+
+
+def tuned_configs(spec: Spec, *, arch: str, seq: int, gpu_name: str | None = None,
+                  dtype=None) -> tuple[Spec, dict, dict]:
+    """(spec, {role: config}, {role: source}): what get_kernel would serve a call of `seq` keys on a GPU of
+    `arch` (named `gpu_name`, or any of the arch) from the tuning DBs here: the spec's own winner, else
+    the nearest tuned spec's, else the default. `backend="auto"` becomes the backend it would serve.
+    `dtype`: the calls' (default bfloat16)."""
+    import torch
+
+    from .tuning.buckets import seq_bucket
+    from .tuning.lookup import Target, fastest_backend, served_config
+    from .tuning.plan import check_arch, check_seq
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    target = Target(check_arch(arch), gpu_name)
+    bucket = seq_bucket(check_seq(seq))
+    if spec.backend == backends.AUTO:
+        spec = spec.replace(backend=fastest_backend(spec, bucket, dtype, target))
+    configs, sources = {}, {}
+    for role in call_roles(spec):
+        backend, kernel_spec = _runner(spec, role)
+        if backend.config_type(role) is None:
+            continue
+        tuned = served_config(backend, kernel_spec, role, bucket, dtype, target)
+        if tuned is None:
+            sources[role] = f"default (nothing tuned for {arch})"
+            continue
+        row = tuned.row
+        measured = "; measured under another " + ", ".join(tuned.soft_mismatch) if tuned.soft_mismatch else ""
+        configs[role] = tuned.config
+        sources[role] = f"{tuned.source}: {row['gpu_name']} {row['arch']}, bucket {row['bucket']}{measured}"
+    return spec, configs, sources
 
 
 def resolve_configs(spec: Spec, configs: dict | None) -> dict:
@@ -132,7 +170,7 @@ def _runner(spec: Spec, role: str):
 
 # ---- assembly ------------------------------------------------------------------------------------
 
-def assemble(spec: Spec, configs: dict) -> str:
+def assemble(spec: Spec, configs: dict, config_sources: dict | None = None) -> str:
     """The exported module's text for `spec` and its resolved configs (`resolve_configs`); checked: every
     embedded module's module-level imports are satisfied, and the text compiles."""
     needs = _needs(spec)
@@ -145,6 +183,7 @@ def assemble(spec: Spec, configs: dict) -> str:
     parts = [_HEADER.format(
         version=distribution_version("kernelgen") or "0+unknown", date=date, spec_json=spec.to_json(),
         spec_key=spec.key(), configs_json=json.dumps(configs_dict, sort_keys=True),
+        sources_json=json.dumps(config_sources or {}, sort_keys=True),
         needs=", ".join(needs[:-1]) + " and " + needs[-1], package=f"_kernelgen_export_{digest[:16]}")]
     parts.append(_section("kernelgen's sources, verbatim: dotted module path (relative to kernelgen) -> source"))
     parts.append("_SOURCES = {}\n")
@@ -427,6 +466,7 @@ _HEADER = '''\
 # spec: {spec_json}
 # spec key: {spec_key}
 # configs: {configs_json}
+# config sources: {sources_json}
 """Block-sparse attention with run-time block selection for one kernelgen spec (standalone: needs only
 {needs}).
 

@@ -210,6 +210,34 @@ def test_export_backend_option(tmp_path):
     assert not (tmp_path / "auto.py").exists()
 
 
+def test_export_bakes_the_tuned_winners_for_arch_and_seq_and_says_so(tmp_path):
+    """Shape (c) on sm_90: the bundled winners (measured under another torch, which the module's header
+    says), `auto` resolved to the backend it would serve; without --arch the defaults, said as much."""
+    from kernelgen.export import tuned_configs
+    from kernelgen.workloads import SHAPES
+
+    spec = SHAPES["c"].spec("mean")
+    options = ["--head-dim", "128", "--kv-block", "128", "--q-tile", "128", "--top-k", "16", "--causal",
+               "--gqa-group", "4"]
+    out = tmp_path / "c.py"
+    result = invoke("export", *options, "--backend", "auto", "--arch", "sm_90", "--seq", "32768", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    resolved, configs, sources = tuned_configs(spec.replace(backend="auto"), arch="sm_90", seq=32768)
+    rows = {(r["role"], r["backend"]): r for r in read_only_rows(BUNDLED_DB_PATH)
+            if r["spec_key"] == get_role(r["role"]).key(spec, r["backend"]) and r["bucket"] == 32768}
+    assert resolved.backend == min((b for r, b in rows if r == "attn"), key=lambda b: rows["attn", b]["median_ms"])
+    assert backends.Backend.config_to_dict(configs["attn"]) == rows["attn", resolved.backend]["config"]
+    assert backends.Backend.config_to_dict(configs["select"]) == rows["select", "triton"]["config"]
+    text = out.read_text()
+    assert f"'backend': '{resolved.backend}'" in text and "# config sources: " in text
+    assert "bundled DB: NVIDIA H200 sm_90, bucket 32768" in flat(result.output)
+    default = invoke("export", *options, "--out", str(tmp_path / "d.py"))
+    assert default.exit_code == 0 and "default (give --arch and --seq" in flat(default.output)
+    one_line_error(invoke("export", *options, "--arch", "sm_90", "--out", str(out)), "--seq")
+    one_line_error(invoke("export", *options, "--seq", "4096", "--out", str(out)), "--arch")
+    one_line_error(invoke("export", *options, "--arch", "sm_9000", "--seq", "4096", "--out", str(out)), "arch")
+
+
 def test_bench_cpu_smoke(tmp_path):
     result = invoke("bench", "--out", str(tmp_path / "b"))
     assert result.exit_code == 0, result.output

@@ -69,6 +69,7 @@ __all__ = [
     "write_bundled_db",
     "merge_into_bundled",
     "read_only_rows",
+    "nearest_bucket_row",
     "BUNDLED_DB_PATH",
 ]
 
@@ -278,7 +279,7 @@ def _select(db: sqlite_utils.Database, filters: dict[str, Any]) -> list[dict[str
     return [_decode(row) for row in db.table(TABLE).rows_where(clause, params, order_by=order)]
 
 
-def _nearest_bucket_row(rows: list[dict[str, Any]], bucket: int) -> dict[str, Any] | None:
+def nearest_bucket_row(rows: list[dict[str, Any]], bucket: int) -> dict[str, Any] | None:
     """The row of `bucket`, else of the bucket nearest in log2 distance (ties go to the larger bucket:
     a config tuned for longer sequences is the safer guess, it was not chosen for a short grid)."""
     if not rows:
@@ -298,7 +299,7 @@ def _lookup(db: sqlite_utils.Database, *, bucket: int, fingerprint: Fingerprint,
         raise KernelgenValueError(f"bucket must be a positive sequence bucket (see seq_bucket), got {bucket}")
     # Filtering on the fingerprint first means a stale exact-bucket row never shadows a fresh
     # neighbouring bucket.
-    return _nearest_bucket_row(_servable(db, fingerprint, **key), bucket)
+    return nearest_bucket_row(_servable(db, fingerprint, **key), bucket)
 
 
 def _create_schema(db: sqlite_utils.Database) -> None:

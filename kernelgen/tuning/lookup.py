@@ -25,10 +25,29 @@ from ..roles import get_role
 from ..spec import Spec
 from .rule import rule_backend
 
-__all__ = ["Tuned", "tuned_config", "tuned_row", "nearest_spec_row", "served_config", "recheck", "fastest_backend",
+__all__ = ["Target", "Tuned", "cannot_serve", "tuned_config", "tuned_row", "nearest_spec_row", "served_config", "recheck", "fastest_backend",
            "spec_distance"]
 
 log = logging.getLogger("kernelgen")
+
+
+class Target(NamedTuple):
+    """What a lookup is for without a device at hand (an export for another machine): an arch and, if
+    known, the GPU's name (None: the rows of any GPU of the arch)."""
+
+    arch: str
+    gpu_name: str | None = None
+
+
+def _target(device) -> Target:
+    return device if isinstance(device, Target) else Target(device_arch(device), gpu_name(device))
+
+
+def cannot_serve(backend, spec: Spec, device) -> str | None:
+    """Why `backend` cannot serve `spec` on `device` (a torch device, or a `Target`), or None."""
+    if isinstance(device, Target):
+        return backend.unsupported(spec) or backend.arch_unsupported(device.arch)
+    return backend.unsupported(spec, device)
 
 
 class Tuned:
@@ -82,9 +101,16 @@ def tuned_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, device:
     """The DB row of `backend`'s winner for `role` of `spec` (its kernel spec or any spec with the same
     key) on this GPU in the nearest tuned bucket, or None. Carries `source` and `soft_mismatch`."""
     try:
-        row = _winners().lookup(spec_key=get_role(role).key(spec, backend.name), role=role, backend=backend.name,
-                                arch=device_arch(device), gpu_name=gpu_name(device), dtype=_dtype_name(dtype),
-                                bucket=bucket, fingerprint=_fingerprint(backend.name, role))
+        target = _target(device)
+        key = dict(spec_key=get_role(role).key(spec, backend.name), role=role, backend=backend.name,
+                   arch=target.arch, dtype=_dtype_name(dtype))
+        fingerprint = _fingerprint(backend.name, role)
+        if target.gpu_name is None:  # any GPU of the arch
+            from .db import nearest_bucket_row
+
+            row = nearest_bucket_row(_winners().servable(fingerprint, **key), bucket)
+        else:
+            row = _winners().lookup(**key, gpu_name=target.gpu_name, bucket=bucket, fingerprint=fingerprint)
         return row if row is not None and _feasible(backend, spec, role, row, bucket, "own") else None
     except Exception as error:  # dispatch must keep working whatever the DB holds
         log.warning("tuning DB lookup failed (%s: %s); using default configs", type(error).__name__, error)
@@ -126,10 +152,11 @@ def nearest_spec_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, 
     shares its kernel's shape fields, on this arch (this GPU's rows first), whose config is feasible for
     `spec`; None if there is none."""
     try:
+        target = _target(device)
         rows = _winners().servable(_fingerprint(backend.name, role), role=role, backend=backend.name,
-                                   arch=device_arch(device), dtype=_dtype_name(dtype))
+                                   arch=target.arch, dtype=_dtype_name(dtype))
         same = _SAME_FIELDS_SELECT if role == "select" else _SAME_FIELDS
-        this_gpu = gpu_name(device)
+        this_gpu = target.gpu_name or ""
         candidates = []
         for row in rows:
             try:
@@ -138,7 +165,7 @@ def nearest_spec_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, 
                 continue
             if any(getattr(other, f) != getattr(spec, f) for f in same):
                 continue
-            rank = (row["gpu_name"] != this_gpu, spec_distance(spec, bucket, other, row["bucket"]),
+            rank = (row["gpu_name"] != this_gpu and bool(this_gpu), spec_distance(spec, bucket, other, row["bucket"]),
                     row.get("source") != "user", row["median_ms"])
             candidates.append((rank, row, other))
         for _, row, other in sorted(candidates, key=lambda c: c[0]):
@@ -160,7 +187,8 @@ def served_config(backend, spec, role: str, bucket: int, dtype: torch.dtype, dev
     if nearest is None:
         return None
     row, other = nearest
-    return Tuned(backend.config_from_dict(role, row["config"]), row, transferred_from=other)
+    own = other.key() == spec.key()  # (found this way when no GPU name was given)
+    return Tuned(backend.config_from_dict(role, row["config"]), row, transferred_from=None if own else other)
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,7 +223,7 @@ def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device)
         if "attn" not in backend.roles:
             continue
         try:
-            servable[backend.name] = not backend.unsupported(spec, device)
+            servable[backend.name] = not cannot_serve(backend, spec, device)
         except Exception:  # dispatch must keep working whatever the device says
             servable[backend.name] = False
     rows = {}
@@ -209,7 +237,7 @@ def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device)
         return min(rows, key=lambda b: (abs(rows[b]["bucket"].bit_length() - int(bucket).bit_length()),
                                         rows[b]["median_ms"]))
     try:
-        arch = device_arch(device)
+        arch = _target(device).arch
     except Exception:
         return backends.FALLBACK
     return rule_backend(spec, arch, lambda name: servable.get(name, False))
