@@ -313,9 +313,22 @@ def bench(
     graph: bool = typer.Option(True, "--graph/--no-graph", help="Also time each row replayed from a CUDA graph."),
     stall_timeout: float = typer.Option(600.0, help="Seconds without output after which the bench prints every "
                                                     "thread's stack and exits 1 (a hung kernel); 0: never."),
+    untuned: bool = typer.Option(False, "--untuned", help="On shapes the bundled DB does not hold (or --shapes): "
+                                                          "time what is served untuned, tune every backend in a "
+                                                          "scratch DB, time it again (GPU only)."),
 ):
     """kernelgen next to FlexAttention (same BlockMask) and SDPA flash / cuDNN: ms and useful TFLOP/s."""
     from . import bench as benchmark
+
+    if untuned:
+        import torch
+
+        from .bench.untuned import run_untuned
+
+        if not torch.cuda.is_available():
+            _fail("bench --untuned needs a CUDA GPU: it times and tunes kernels")
+        run_untuned(benchmark._names(shapes, "bench shapes"), str(out))
+        return
 
     benchmark.main(shapes=shapes, out=str(out), overhead=overhead, sweep=sweep, graph=graph,
                    stall_timeout=stall_timeout)

@@ -13,7 +13,7 @@ import torch
 
 from .spec import Spec
 
-__all__ = ["BenchShape", "SHAPES", "visible_pairs", "useful_flops", "dense_flops"]
+__all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "visible_pairs", "useful_flops", "dense_flops"]
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,20 @@ SHAPES = {
         BenchShape("b", 2, 16, 1, 4096, 16384, 128, 128, 128, 16, False),
         BenchShape("c", 1, 32, 8, 32768, 32768, 128, 128, 128, 16, True),
         BenchShape("c_dense", 1, 32, 8, 32768, 32768, 128, 128, 128, 256, True),
+        # shapes the bundled DB does not hold: `kernelgen bench --untuned` weighs what is served untuned
+        # against what a tune then reaches
+        BenchShape("dense16k_d128", 1, 16, 16, 16384, 16384, 128, 128, 128, 128, False),
+        BenchShape("dense16k_d64", 1, 16, 16, 16384, 16384, 64, 128, 128, 128, False),
+        BenchShape("c_g8", 1, 32, 4, 32768, 32768, 128, 128, 128, 16, True),
+        BenchShape("c_g1", 1, 32, 32, 32768, 32768, 128, 128, 128, 16, True),
+        BenchShape("a64k_top32", 1, 8, 8, 65536, 65536, 64, 64, 64, 32, False),
+        BenchShape("b_q8k", 2, 16, 1, 8192, 16384, 128, 128, 128, 16, False),
         # the CPU smoke size (interpreter)
         BenchShape("tiny", 1, 2, 1, 256, 256, 64, 64, 64, 2, True),
     ]
 }
+BENCH_SHAPES = ("a32k", "a128k", "b", "c", "c_dense")  # `kernelgen bench`'s default: the tuned benchmark
+UNTUNED_SHAPES = ("dense16k_d128", "dense16k_d64", "c_g8", "c_g1", "a64k_top32", "b_q8k")
 
 
 def visible_pairs(block_idx: torch.Tensor, spec: Spec, n_q: int, n_k: int) -> torch.Tensor:

@@ -238,6 +238,11 @@ def test_export_bakes_the_tuned_winners_for_arch_and_seq_and_says_so(tmp_path):
     one_line_error(invoke("export", *options, "--arch", "sm_9000", "--seq", "4096", "--out", str(out)), "arch")
 
 
+def test_bench_untuned_needs_a_gpu(tmp_path):
+    one_line_error(invoke("bench", "--untuned", "--out", str(tmp_path / "u")), "CUDA GPU")
+    one_line_error(invoke("bench", "--untuned", "--shapes", "c_g9"), "c_g9")
+
+
 def test_bench_cpu_smoke(tmp_path):
     result = invoke("bench", "--out", str(tmp_path / "b"))
     assert result.exit_code == 0, result.output

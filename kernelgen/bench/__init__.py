@@ -36,7 +36,7 @@ from collections.abc import Iterable
 import torch
 
 from ..errors import KernelgenValueError
-from ..workloads import SHAPES
+from ..workloads import BENCH_SHAPES, SHAPES
 from .plot import plot
 from . import measure
 from .measure import dispatch_overhead, run, stall_guard
@@ -91,7 +91,7 @@ def main(shapes: str | Iterable[str] | None = None, out: str | os.PathLike | Non
     else:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
         if names is None:
-            names = [n for n in SHAPES if n != SMOKE_SHAPE]
+            names = list(BENCH_SHAPES)
     log = stall_guard(stall_timeout)
     try:
         if overhead:
