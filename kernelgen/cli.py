@@ -325,9 +325,10 @@ def bench(
 
         from .bench.untuned import run_untuned
 
+        names = benchmark._names(shapes, "bench shapes")
         if not torch.cuda.is_available():
             _fail("bench --untuned needs a CUDA GPU: it times and tunes kernels")
-        run_untuned(benchmark._names(shapes, "bench shapes"), str(out))
+        run_untuned(names, str(out))
         return
 
     benchmark.main(shapes=shapes, out=str(out), overhead=overhead, sweep=sweep, graph=graph,
