@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -15,7 +16,9 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.table import Table
+from rich.table import Column, Table
+
+from .errors import KernelgenError
 
 app = typer.Typer(help="Compiler and autotuner for run-time block-sparse attention kernels.", no_args_is_help=True)
 db_app = typer.Typer(help="The tuning databases (winners per spec, role, backend, GPU and length bucket).",
@@ -37,7 +40,7 @@ def clean_errors(command):
     def run(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (ValueError, TypeError, OSError) as error:
+        except (KernelgenError, ValueError, TypeError, OSError) as error:
             _fail(error)
     return run
 
@@ -217,6 +220,7 @@ def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec k
     from .tuning.db import TuningDB
 
     with TuningDB() as db:
+        db.check_writable()
         if not yes:
             typer.confirm(f"Delete {'all rows' if not spec_key else 'rows of ' + spec_key} in {db.path}?", abort=True)
         n = db.clear(**({"spec_key": spec_key} if spec_key else {}))
@@ -289,11 +293,11 @@ def info():
     import torch
 
     from . import backends
-    from .codegen.cache import cache_dir
+    from .codegen.cache import cache_dir, unwritable
     from .device import current_arch, gpu_name
     from .tuning.db import BUNDLED_DB_PATH, default_user_db_path, read_only_rows
 
-    table = Table("what", "value")
+    table = Table("what", Column("value", overflow="fold"))  # a path is folded, never cut short
 
     def version(name):
         try:
@@ -312,12 +316,22 @@ def info():
     for backend in backends.all_backends():
         why = backend.not_installed() or backend.device_unsupported(device)
         table.add_row(f"backend {backend.name}", f"{'runs here' if not why else why}; {backend.summary}")
-    try:
-        table.add_row("cache dir", str(cache_dir()))
-    except OSError as error:
-        table.add_row("cache dir", f"unusable: {error}")
+    cache = cache_dir()
+    read_only = unwritable(cache)
+    if read_only is None:
+        table.add_row("cache dir", str(cache))
+        table.add_row("kernel modules", str(cache / "kernels"))
+    else:
+        table.add_row("cache dir", f"{cache} (read-only: {read_only})")
+        table.add_row("kernel modules", "a private temporary directory per process (the cache dir is read-only)")
     user = default_user_db_path()
-    table.add_row("user tuning DB", f"{user} ({len(read_only_rows(user))} rows)" if user.exists() else f"{user} (none yet)")
+    if user.is_file():
+        writable = read_only is None and os.access(user, os.W_OK)
+        table.add_row("user tuning DB", f"{user} ({len(read_only_rows(user))} rows{'' if writable else ', read-only'})")
+    elif read_only is None:
+        table.add_row("user tuning DB", f"{user} (none yet)")
+    else:
+        table.add_row("user tuning DB", f"{user} (none, and the read-only cache dir cannot hold one)")
     table.add_row("bundled tuning DB", f"{BUNDLED_DB_PATH} ({len(read_only_rows(BUNDLED_DB_PATH))} rows)")
     console.print(table)
 

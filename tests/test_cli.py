@@ -1,6 +1,7 @@
 """Every `kernelgen` command through typer's test runner (CPU)."""
 import pytest
 import torch
+from checks import read_only
 from typer.testing import CliRunner
 
 from kernelgen import Spec, backends
@@ -148,6 +149,34 @@ def test_db_list_show_clear(tmp_path):
     result = runner.invoke(app, ["db", "clear"], input="n\n")
     assert result.exit_code != 0 and len(TuningDB(path).rows()) == 1  # declined: nothing deleted
     assert len(read_only_rows(BUNDLED_DB_PATH)) == len(bundled)
+
+
+def test_a_read_only_cache_dir(tmp_path):
+    """info says the cache is read-only and where kernels and the DB live; db list and show read the user DB;
+    db clear is one line naming the file, before it asks."""
+    _add_row(tmp_path / "cache" / "tuning.db", "abc")
+    with read_only(tmp_path / "cache"):
+        result = invoke("info")
+        assert result.exit_code == 0, result.output
+        info = "".join(flat(result.output).split())  # rich folds long paths anywhere
+        assert f"{tmp_path / 'cache'}(read-only:" in info and "kernelmodulesaprivatetemporarydirectory" in info
+        assert f"{tmp_path / 'cache' / 'tuning.db'}(1rows,read-only)" in info
+        result = invoke("db", "list")
+        assert result.exit_code == 0 and "abc" in result.output, result.output
+        assert invoke("db", "show", "abc").exit_code == 0
+        one_line_error(runner.invoke(app, ["db", "clear"], input="y\n"), "read-only", str(tmp_path / "cache"))
+    assert [r["spec_key"] for r in read_only_rows(tmp_path / "cache" / "tuning.db")] == ["abc"]
+
+
+def test_a_cache_dir_that_cannot_be_created(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    assert "(none,andtheread-onlycachedircannotholdone)" in "".join(flat(result.output).split())
+    result = invoke("db", "list")
+    assert result.exit_code == 0 and f"{len(read_only_rows(BUNDLED_DB_PATH))} rows" in result.output, result.output
+    one_line_error(invoke("db", "clear", "--yes"), "read-only", "file/cache/tuning.db")
 
 
 def test_db_list_path_reads_without_writing(tmp_path):

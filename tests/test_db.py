@@ -8,8 +8,9 @@ import multiprocessing
 import sqlite3
 
 import pytest
+from checks import read_only
 
-from kernelgen import backends
+from kernelgen import KernelgenRuntimeError, backends
 from kernelgen.tuning.db import (
     BUNDLED_DB_PATH,
     Fingerprint,
@@ -335,3 +336,63 @@ def test_winners_default_user_db_lives_in_cache_dir(isolated_cache_dir):
     winners = Winners()
     assert winners.user.path == isolated_cache_dir / "tuning.db"
     winners.user.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# A read-only cache dir
+
+
+def test_a_read_only_cache_dir_opens_the_user_db_read_only(isolated_cache_dir):
+    """An existing user DB in a directory that cannot be written (root included) is read, never written:
+    lookups and rows work; upsert and clear are one clear error naming the file, before any write."""
+    with TuningDB() as tuned:
+        upsert(tuned, median_ms=1.0)
+    path = isolated_cache_dir / "tuning.db"
+    before = path.read_bytes()
+    with read_only(isolated_cache_dir):
+        with TuningDB() as db:
+            assert db.read_only is not None
+            assert lookup(db)["median_ms"] == 1.0 and len(db.rows()) == 1
+            assert Winners(db).lookup(**KEY, bucket=2048, fingerprint=FP)["source"] == "user"
+            for write in (lambda: upsert(db, median_ms=0.5), db.clear, db.check_writable):
+                with pytest.raises(KernelgenRuntimeError, match="read-only") as error:
+                    write()
+                assert str(path) in str(error.value) and "\n" not in str(error.value)
+            assert len(db.rows()) == 1
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in isolated_cache_dir.iterdir()) == ["tuning.db"]
+
+
+def test_a_read_only_wal_db_is_read_without_its_shm_file(tmp_path):
+    """A WAL DB in a read-only directory whose -shm file is gone (SQLite cannot create it) is still read."""
+    path = tmp_path / "ro" / "tuning.db"
+    with TuningDB(path) as tuned:
+        upsert(tuned)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tuning.db"]  # the last close removed -wal, -shm
+    with read_only(path.parent), TuningDB(path) as db:
+        assert db.read_only is not None and lookup(db) is not None
+
+
+def test_a_user_db_that_cannot_be_created_is_empty(tmp_path, monkeypatch):
+    """The cache dir's parent is a regular file (no one can create the dir, root included): the user DB is
+    absent; lookups miss, bundled winners are still served, and writes are one clear error."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with TuningDB() as db:
+        assert db.read_only and db.rows() == [] and lookup(db) is None
+        with pytest.raises(KernelgenRuntimeError, match=r"tuning database .*file/cache/tuning.db is read-only"):
+            upsert(db)
+    assert Winners().user.read_only  # dispatch's DB opens too
+
+
+def test_a_read_only_db_file_in_a_writable_dir_refuses_writes_clearly(tmp_path):
+    """A DB file that may only be read, in a directory that may be written: read, and writes refused clearly."""
+    path = tmp_path / "tuning.db"
+    with TuningDB(path) as tuned:
+        upsert(tuned)
+    with read_only(path), TuningDB(path) as db:
+        assert db.read_only is not None and lookup(db) is not None
+        with pytest.raises(KernelgenRuntimeError, match="read-only"):
+            upsert(db, median_ms=0.1)

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import platformdirs
 import sqlite_utils
 
-from ..errors import KernelgenTypeError, KernelgenValueError
+from ..errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .buckets import seq_bucket  # the DB keys winners by it; re-exported here
 
 try:  # POSIX only; elsewhere recovery of a corrupted file simply runs unserialised
@@ -204,6 +204,16 @@ def _is_locked(error: sqlite3.OperationalError) -> bool:
     return "locked" in message or "busy" in message
 
 
+def _cannot_write(error: sqlite3.OperationalError) -> bool:
+    """SQLite refused to create or write the file (a read-only file, directory or mount), as opposed to a
+    lock, which passes, or damage, which recovery handles."""
+    code = getattr(error, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM)
+    message = str(error).lower()
+    return "readonly" in message or "unable to open" in message
+
+
 def _retry_while_locked(operation: Callable[[], _T]) -> _T:
     """Run `operation`, again after a short random sleep while SQLite reports a lock, up to a deadline.
 
@@ -299,16 +309,35 @@ class TuningDB:
     writes inside one `BEGIN IMMEDIATE` transaction, so concurrent tuners cannot lose a faster row.
     A corrupted file is moved aside to `<name>.corrupt-<timestamp>` (kept for inspection) and an
     empty DB takes its place. One instance may be shared between threads.
+
+    Where the file or its directory cannot be written (a read-only cache), the DB is opened read-only, or is
+    empty when the file does not exist: lookups and `rows` work (or miss), and `upsert` and `clear` raise a
+    KernelgenRuntimeError naming the path (`read_only` says why; `check_writable` asks up front).
     """
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path is not None else default_user_db_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._conn = self._open_healthy()
+        self.read_only: str | None = None  # why writes are refused; None: the DB is writable
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists() and not os.access(self.path, os.W_OK):
+                raise PermissionError("the file is not writable")
+            self._conn = self._open_healthy()
+        except (OSError, sqlite3.OperationalError) as error:
+            if isinstance(error, sqlite3.OperationalError) and not _cannot_write(error):
+                raise
+            self._open_for_reading(error)
+            return
         self._db = sqlite_utils.Database(self._conn)
-        _retry_while_locked(self._enable_wal)
-        _retry_while_locked(self._ensure_schema)
+        try:
+            _retry_while_locked(self._enable_wal)
+            _retry_while_locked(self._ensure_schema)
+        except sqlite3.OperationalError as error:
+            self._conn.close()
+            if not _cannot_write(error):
+                raise
+            self._open_for_reading(error)
 
     def __repr__(self) -> str:
         return f"TuningDB({str(self.path)!r})"
@@ -322,6 +351,15 @@ class TuningDB:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+    def check_writable(self) -> None:
+        """Raise KernelgenRuntimeError, naming the file, when results cannot be written to this DB."""
+        if self.read_only is not None:
+            raise self._read_only_error()
+
+    def _read_only_error(self) -> KernelgenRuntimeError:
+        return KernelgenRuntimeError(f"the tuning database {self.path} is read-only ({self.read_only}); set "
+                                     "KERNELGEN_CACHE_DIR to a writable directory to tune or clear")
 
     # -- public API ----------------------------------------------------------------------------------
 
@@ -375,7 +413,7 @@ class TuningDB:
                     return
                 self._db.table(TABLE).upsert(record, pk=KEY_COLUMNS)
 
-        self._run(compare_and_write)
+        self._write(compare_and_write)
 
     def lookup(
         self,
@@ -410,7 +448,7 @@ class TuningDB:
             with self._write_transaction():
                 return self._conn.execute(f"DELETE FROM [{TABLE}] WHERE {clause}", params).rowcount
 
-        return self._run(delete)
+        return self._write(delete)
 
     # -- connection, transactions, recovery ---------------------------------------------------------
 
@@ -419,6 +457,32 @@ class TuningDB:
         # sqlite-utils nests its own as savepoints inside them.
         return sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                check_same_thread=False)
+
+    def _open_for_reading(self, error: Exception) -> None:
+        """Open the file read-only after `error` showed it cannot be written; an empty in-memory DB when the
+        file does not exist or cannot be read (lookups miss)."""
+        self.read_only = " ".join(str(error).split()) or type(error).__name__
+        db = _open_read_only(self.path, what="user tuning database") if self.path.is_file() else None
+        if db is None:
+            logger.debug("user tuning database %s cannot be created (%s); it holds no winners", self.path,
+                         self.read_only)
+            db = sqlite_utils.Database(sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False))
+            _create_schema(db)
+        else:
+            logger.debug("user tuning database %s is read-only (%s)", self.path, self.read_only)
+        self._db, self._conn = db, db.conn
+
+    def _write(self, operation: Callable[[], _T]) -> _T:
+        """Run a write operation, or raise check_writable's error: SQLite may learn only now that the file is
+        read-only."""
+        self.check_writable()
+        try:
+            return self._run(operation)
+        except sqlite3.OperationalError as error:
+            if not _cannot_write(error):
+                raise
+            self.read_only = " ".join(str(error).split())
+            raise self._read_only_error() from error
 
     def _open_healthy(self) -> sqlite3.Connection:
         conn = self._connect()
@@ -471,7 +535,7 @@ class TuningDB:
             try:
                 return _retry_while_locked(operation)
             except sqlite3.DatabaseError as error:
-                if not _is_corruption(error):
+                if not _is_corruption(error) or self.read_only is not None:  # read-only: nothing to recover into
                     raise
                 self._conn.close()
                 self._recover(error)
@@ -547,7 +611,17 @@ def _open_read_only(path: Path, what: str = "bundled tuning database") -> sqlite
     # mode=ro in a URI: SQLite itself refuses writes, and a missing file is not created.
     conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
     try:
-        _check_integrity(conn)
+        try:
+            _check_integrity(conn)
+        except sqlite3.OperationalError as error:
+            if not _cannot_write(error):
+                raise
+            # A WAL file in a directory we cannot write: reading needs its -shm file, which SQLite cannot
+            # create. immutable=1 reads the main file alone (results still only in the -wal are not seen).
+            conn.close()
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True,
+                                   check_same_thread=False)
+            _check_integrity(conn)
         db = sqlite_utils.Database(conn)
         if not db.table(TABLE).exists():
             raise sqlite3.DatabaseError(f"no {TABLE!r} table")

@@ -83,9 +83,13 @@ def _storage(storage) -> optuna.storages.BaseStorage:
     if isinstance(storage, optuna.storages.BaseStorage):
         return storage
     if storage is None:
-        from ..codegen.cache import cache_dir
+        from ..codegen.cache import cache_dir, unwritable
 
         storage = cache_dir() / "optuna.db"
+        problem = unwritable(storage.parent)
+        if problem is not None:
+            raise KernelgenRuntimeError(f"the tuner's study storage {storage} cannot be written ({problem}); set "
+                                        "KERNELGEN_CACHE_DIR to a writable directory")
     url = str(storage)
     if "://" not in url:
         path = Path(url).expanduser().resolve()
@@ -230,6 +234,11 @@ def tune(
     if not space:
         raise KernelgenValueError(f"no feasible {role} config in the search space of {spec} "
                                   "(Backend.config_space); nothing to tune")
+    if db is not None:  # a read-only DB fails now, not after the trials
+        db.check_writable()
+    else:
+        with tuning_db.TuningDB() as user_db:
+            user_db.check_writable()
     name, bucket, dtype = the_plan["study_name"], the_plan["bucket"], the_plan["dtype"]
     feasible = {config_key(p) for p in space}
     default = the_plan["default"]
