@@ -235,7 +235,7 @@ def test_a_read_only_cache_dir_fails_before_the_first_trial(tmp_path, monkeypatc
     """The user DB (or the Optuna storage) cannot be written: one clear error naming it, before any trial."""
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "file" / "cache"))
-    with pytest.raises(KernelgenRuntimeError, match=r"tuning database .*/file/cache/tuning.db is read-only"):
+    with pytest.raises(KernelgenRuntimeError, match=r"tuning database .*/file/cache/tuning.db cannot be written"):
         tune(SPEC, "attn", seq=SEQ, trials=2, device="cpu")
     with TuningDB(tmp_path / "tuning.db") as db, \
             pytest.raises(KernelgenRuntimeError, match=r"study storage .*/file/cache/optuna.db cannot be written"):

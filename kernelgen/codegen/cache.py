@@ -43,6 +43,8 @@ def unwritable(directory: Path) -> str | None:
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".kernelgen-probe-")
+    except FileExistsError:
+        return "not a directory"
     except OSError as error:
         return error.strerror or str(error)
     os.close(fd)

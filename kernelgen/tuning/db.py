@@ -66,6 +66,8 @@ __all__ = [
     "write_bundled_db",
     "merge_into_bundled",
     "read_only_rows",
+    "rows_of_file",
+    "UnreadableDatabase",
     "BUNDLED_DB_PATH",
 ]
 
@@ -97,6 +99,9 @@ SCHEMA: dict[str, type] = {
     **{name: str for name in FINGERPRINT_COLUMNS},
     "spec_json": str,
 }
+
+# what kernelgen reads from a row: a winners table without them is another program's (or is damaged)
+REQUIRED_COLUMNS = (*KEY_COLUMNS, "config", "median_ms", "n_trials", *FINGERPRINT_COLUMNS)
 
 BUSY_TIMEOUT_S = 30.0  # SQLite's own wait for a lock, per statement
 LOCKED_RETRY_DEADLINE_S = 120.0  # our retries on top of it, for a whole transaction
@@ -311,8 +316,9 @@ class TuningDB:
     empty DB takes its place. One instance may be shared between threads.
 
     Where the file or its directory cannot be written (a read-only cache), the DB is opened read-only, or is
-    empty when the file does not exist: lookups and `rows` work (or miss), and `upsert` and `clear` raise a
-    KernelgenRuntimeError naming the path (`read_only` says why; `check_writable` asks up front).
+    empty when the file does not exist or holds another program's table: lookups and `rows` work (or miss),
+    and `upsert` and `clear` raise a KernelgenRuntimeError naming the path (`read_only` says why;
+    `check_writable` asks up front).
     """
 
     def __init__(self, path: str | Path | None = None):
@@ -331,11 +337,14 @@ class TuningDB:
             return
         self._db = sqlite_utils.Database(self._conn)
         try:
+            # before WAL mode, which rewrites the file's header: another program's file stays as it is
+            _retry_while_locked(self._check_existing_schema)
             _retry_while_locked(self._enable_wal)
             _retry_while_locked(self._ensure_schema)
-        except sqlite3.OperationalError as error:
+        except BaseException as error:
             self._conn.close()
-            if not _cannot_write(error):
+            if not (isinstance(error, _ForeignSchema)
+                    or isinstance(error, sqlite3.OperationalError) and _cannot_write(error)):
                 raise
             self._open_for_reading(error)
 
@@ -358,8 +367,8 @@ class TuningDB:
             raise self._read_only_error()
 
     def _read_only_error(self) -> KernelgenRuntimeError:
-        return KernelgenRuntimeError(f"the tuning database {self.path} is read-only ({self.read_only}); set "
-                                     "KERNELGEN_CACHE_DIR to a writable directory to tune or clear")
+        return KernelgenRuntimeError(f"the tuning database {self.path} cannot be written ({self.read_only}); to "
+                                     "tune or clear, set KERNELGEN_CACHE_DIR to another, writable directory")
 
     # -- public API ----------------------------------------------------------------------------------
 
@@ -459,8 +468,8 @@ class TuningDB:
                                check_same_thread=False)
 
     def _open_for_reading(self, error: Exception) -> None:
-        """Open the file read-only after `error` showed it cannot be written; an empty in-memory DB when the
-        file does not exist or cannot be read (lookups miss)."""
+        """Open the file read-only after `error` showed it cannot be written (or holds another program's table);
+        an empty in-memory DB when the file does not exist or cannot be read as a tuning DB (lookups miss)."""
         self.read_only = " ".join(str(error).split()) or type(error).__name__
         db = _open_read_only(self.path, what="user tuning database") if self.path.is_file() else None
         if db is None:
@@ -502,6 +511,10 @@ class TuningDB:
         # In WAL mode NORMAL cannot corrupt the file; a power cut may only lose the last few results,
         # which a cache can afford, and it saves an fsync per upsert while many tuners write at once.
         self._conn.execute("PRAGMA synchronous=NORMAL")
+
+    def _check_existing_schema(self) -> None:
+        if self._db.table(TABLE).exists():
+            _check_schema(self._db)  # another program's table: not damage, never moved aside nor written
 
     def _ensure_schema(self) -> None:
         if self._db.table(TABLE).exists():
@@ -591,23 +604,39 @@ class TuningDB:
 def read_only_rows(path: str | Path, **filters: Any) -> list[dict]:
     """Rows of a DB file opened read-only (nothing is written, not even its journal mode); [] when the file
     is missing or unreadable (with a warning)."""
-    db = _open_read_only(Path(path), what="tuning database")
-    if db is None:
+    try:
+        return rows_of_file(path, **filters)
+    except UnreadableDatabase as error:
+        logger.warning("%s", error)
         return []
+
+
+class UnreadableDatabase(KernelgenValueError):
+    """A file that is not a readable kernelgen tuning DB: missing, not a file, not SQLite, damaged, or with
+    another schema."""
+
+
+def rows_of_file(path: str | Path, **filters: Any) -> list[dict]:
+    """Rows of the tuning DB file at `path`, opened read-only, optionally only those equal to `filters` (as
+    `TuningDB.rows`); UnreadableDatabase naming the file and why when it is not one."""
+    path = Path(path)
+    try:
+        db = _connect_read_only(path)
+    except sqlite3.DatabaseError as error:
+        raise UnreadableDatabase(f"tuning database {path} is unreadable ({error})") from None
     try:
         return _select(db, filters)
     except sqlite3.DatabaseError as error:
-        logger.warning("tuning database %s is unreadable (%s)", path, error)
-        return []
+        raise UnreadableDatabase(f"tuning database {path} is unreadable ({error})") from None
     finally:
         db.conn.close()
 
 
-def _open_read_only(path: Path, what: str = "bundled tuning database") -> sqlite_utils.Database | None:
-    """The bundled DB, opened so that nothing can write to it; None (with a warning) if unusable."""
+def _connect_read_only(path: Path) -> sqlite_utils.Database:
+    """The tuning DB at `path`, opened so that nothing can write to it; sqlite3.DatabaseError saying why when
+    it cannot be read as one."""
     if not path.is_file():
-        logger.warning("%s %s is missing", what, path)
-        return None
+        raise sqlite3.DatabaseError("no such file" if not path.exists() else "not a file")
     # mode=ro in a URI: SQLite itself refuses writes, and a missing file is not created.
     conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
     try:
@@ -623,11 +652,31 @@ def _open_read_only(path: Path, what: str = "bundled tuning database") -> sqlite
                                    check_same_thread=False)
             _check_integrity(conn)
         db = sqlite_utils.Database(conn)
-        if not db.table(TABLE).exists():
-            raise sqlite3.DatabaseError(f"no {TABLE!r} table")
+        _check_schema(db)
         return db
-    except sqlite3.DatabaseError as error:
+    except BaseException:
         conn.close()
+        raise
+
+
+class _ForeignSchema(sqlite3.DatabaseError):
+    """A healthy SQLite file that is not a kernelgen tuning DB (another program's, or another layout)."""
+
+
+def _check_schema(db: sqlite_utils.Database) -> None:
+    """_ForeignSchema unless the DB has a winners table with the columns kernelgen reads."""
+    if not db.table(TABLE).exists():
+        raise _ForeignSchema(f"no {TABLE!r} table")
+    missing = [name for name in REQUIRED_COLUMNS if name not in db.table(TABLE).columns_dict]
+    if missing:
+        raise _ForeignSchema(f"its {TABLE!r} table lacks the columns {missing}: not a kernelgen tuning DB")
+
+
+def _open_read_only(path: Path, what: str = "bundled tuning database") -> sqlite_utils.Database | None:
+    """The bundled DB, opened so that nothing can write to it; None (with a warning) if unusable."""
+    try:
+        return _connect_read_only(path)
+    except sqlite3.DatabaseError as error:
         logger.warning("%s %s is unreadable (%s); skipping it", what, path, error)
         return None
 
@@ -704,26 +753,14 @@ def write_bundled_db(path: str | Path, rows: Iterable[dict] = ()) -> Path:
     return path
 
 
-def _rows_of_copy(path: str | Path) -> list[dict]:
-    """Rows of a DB file read from a scratch copy: opening a DB may write to it (WAL, schema), and a
-    fetched file may be read-only."""
-    import shutil
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as scratch:
-        copy = Path(scratch) / "copy.db"
-        shutil.copyfile(path, copy)
-        with TuningDB(copy) as db:
-            return db.rows()
-
-
 def merge_into_bundled(paths: Iterable[str | Path], bundled: str | Path = BUNDLED_DB_PATH) -> list[dict]:
     """Merge the winners of other DB files (a GPU machine's user DB) into the bundled DB file: a row of
     theirs replaces the bundled row of the same key, every other bundled row is kept. Returns the rows."""
     bundled = Path(bundled)
-    rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in (_rows_of_copy(bundled) if bundled.exists() else [])}
+    # read-only, and strictly: a file that is not a tuning DB is an error, never merged as empty or overwritten
+    rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in (rows_of_file(bundled) if bundled.exists() else [])}
     for path in paths:
-        for row in _rows_of_copy(path):
+        for row in rows_of_file(path):
             rows[tuple(row[c] for c in KEY_COLUMNS)] = row
     write_bundled_db(bundled, rows.values())
     return list(rows.values())

@@ -36,7 +36,7 @@ from ..device import device_arch
 from ..errors import KernelgenRuntimeError, KernelgenValueError
 from ..spec import Spec
 from . import db as tuning_db
-from .plan import config_key, plan, seeds, tuned_backend
+from .plan import check_budget, config_key, plan, seeds, tuned_backend
 from .worker import Worker, precompile_points
 
 __all__ = ["TuneResult", "tune", "TRIAL_TIMEOUT_S"]
@@ -220,8 +220,7 @@ def tune(
                    instead of the bucket's default inputs (`tune_inputs_shape`).
     """
     backend, kernel_spec = tuned_backend(spec, role)
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise KernelgenValueError(f"trials must be an int >= 1, got {trials!r}")
+    check_budget(trials, timeout)
     worker_device, arch, gpu_name = _resolve_device(device, arch)
     cpu = worker_device == "cpu"
     unsupported = backend.unsupported(kernel_spec, torch.device(worker_device))
