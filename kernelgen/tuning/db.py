@@ -209,6 +209,10 @@ def _is_locked(error: sqlite3.OperationalError) -> bool:
     return "locked" in message or "busy" in message
 
 
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def _cannot_write(error: sqlite3.OperationalError) -> bool:
     """SQLite refused to create or write the file (a read-only file, directory or mount), as opposed to a
     lock, which passes, or damage, which recovery handles."""
@@ -325,15 +329,16 @@ class TuningDB:
         self.path = Path(path) if path is not None else default_user_db_path()
         self._lock = threading.RLock()
         self.read_only: str | None = None  # why writes are refused; None: the DB is writable
+        if self.path.exists() and not os.access(self.path, os.W_OK):  # root too, on a read-only mount or inode
+            self._open_for_reading("the file is not writable")
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self.path.exists() and not os.access(self.path, os.W_OK):
-                raise PermissionError("the file is not writable")
             self._conn = self._open_healthy()
         except (OSError, sqlite3.OperationalError) as error:
             if isinstance(error, sqlite3.OperationalError) and not _cannot_write(error):
                 raise
-            self._open_for_reading(error)
+            self._open_for_reading(_one_line(error))
             return
         self._db = sqlite_utils.Database(self._conn)
         try:
@@ -346,7 +351,7 @@ class TuningDB:
             if not (isinstance(error, _ForeignSchema)
                     or isinstance(error, sqlite3.OperationalError) and _cannot_write(error)):
                 raise
-            self._open_for_reading(error)
+            self._open_for_reading(_one_line(error))
 
     def __repr__(self) -> str:
         return f"TuningDB({str(self.path)!r})"
@@ -467,10 +472,10 @@ class TuningDB:
         return sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                check_same_thread=False)
 
-    def _open_for_reading(self, error: Exception) -> None:
-        """Open the file read-only after `error` showed it cannot be written (or holds another program's table);
-        an empty in-memory DB when the file does not exist or cannot be read as a tuning DB (lookups miss)."""
-        self.read_only = " ".join(str(error).split()) or type(error).__name__
+    def _open_for_reading(self, reason: str) -> None:
+        """Open the file read-only, as it cannot be written (or holds another program's table) for `reason`; an
+        empty in-memory DB when the file does not exist or cannot be read as a tuning DB (lookups miss)."""
+        self.read_only = reason
         db = _open_read_only(self.path, what="user tuning database") if self.path.is_file() else None
         if db is None:
             logger.debug("user tuning database %s cannot be created (%s); it holds no winners", self.path,
@@ -490,7 +495,7 @@ class TuningDB:
         except sqlite3.OperationalError as error:
             if not _cannot_write(error):
                 raise
-            self.read_only = " ".join(str(error).split())
+            self.read_only = _one_line(error)
             raise self._read_only_error() from error
 
     def _open_healthy(self) -> sqlite3.Connection:
