@@ -36,6 +36,8 @@ def interpret_triton_language() -> None:
     with _language_lock:
         if _language_interpreted:
             return
+        import triton
+        import triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
@@ -50,17 +52,17 @@ def interpret_triton_language() -> None:
                     launch_metadata=jit_function.launch_metadata)
             return interpreted[id(jit_function)]
 
+        package = triton.__name__
+
         def triton_own(value) -> bool:  # exactly JITFunction: Gluon's subclass has an interpreter of its own
-            return type(value) is JITFunction and value.fn.__module__.startswith("triton.")
+            return type(value) is JITFunction and value.fn.__module__.startswith(package + ".")
 
         modules = [m for name, m in list(sys.modules.items())
-                   if m is not None and (name == "triton" or name.startswith("triton."))]
+                   if m is not None and (name == package or name.startswith(package + "."))]
         for module in modules:
             for name, value in list(vars(module).items()):
                 if triton_own(value):
                     setattr(module, name, as_interpreted(value))
-        import triton.language as tl
-
         for name, value in list(vars(tl.tensor).items()):
             if triton_own(value):
                 # a plain function, as triton's _tensor_member_fn binds a non-JIT helper: `x.sum(0)` passes x
