@@ -5,19 +5,54 @@ line on stderr and exit status 2, never a traceback.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.table import Table
+from rich.table import Column, Table
 
-app = typer.Typer(help="Compiler and autotuner for run-time block-sparse attention kernels.", no_args_is_help=True)
+from .errors import KernelgenError
+
+
+# The exceptions module of the click that typer runs on (recent typer vendors click as typer._click).
+_click_errors = sys.modules[typer.BadParameter.__module__]
+
+
+class _OneLineUsageErrors(typer.core.TyperGroup):
+    """The root command: a usage error of any command (an unknown option or command, a missing argument, a
+    value of the wrong type) is one line naming that command's --help and exit status 2, not a usage block."""
+
+    def make_context(self, *args, **kwargs):
+        with _usage_errors_as_one_line():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _usage_errors_as_one_line():  # subcommands parse their arguments inside the root's invoke
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _usage_errors_as_one_line():
+    try:
+        yield
+    except getattr(_click_errors, "NoArgsIsHelpError", ()):
+        raise  # `kernelgen` or `kernelgen db` alone: the help is the answer
+    except _click_errors.UsageError as error:
+        see = f" (see `{error.ctx.command_path} --help`)" if error.ctx is not None else ""
+        _fail(f"{error.format_message()}{see}")
+
+
+app = typer.Typer(name="kernelgen", cls=_OneLineUsageErrors, no_args_is_help=True,
+                  help="Compiler and autotuner for run-time block-sparse attention kernels.")
 db_app = typer.Typer(help="The tuning databases (winners per spec, role, backend, GPU and length bucket).",
                      no_args_is_help=True)
 app.add_typer(db_app, name="db")
@@ -37,7 +72,7 @@ def clean_errors(command):
     def run(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (ValueError, TypeError, OSError) as error:
+        except (KernelgenError, ValueError, TypeError, OSError) as error:
             _fail(error)
     return run
 
@@ -53,7 +88,18 @@ def _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa
     from .spec import Spec
 
     if spec_file is not None:
-        spec = Spec.from_json(Path(spec_file).read_text())
+        try:
+            data = json.loads(Path(spec_file).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            _fail(f"--spec {spec_file}: {getattr(error, 'strerror', None) or error}: expected a Spec's JSON "
+                  "(Spec.to_json())")
+        if not isinstance(data, dict):
+            _fail(f"--spec {spec_file}: expected a JSON object of Spec fields (Spec.to_json()), got "
+                  f"{type(data).__name__}")
+        try:
+            spec = Spec.from_dict(data)
+        except KernelgenError as error:
+            _fail(f"--spec {spec_file}: {error}")
     else:
         spec = Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal,
                     gqa_group=gqa_group, selector=selector, local=local, sink=sink, backend=backend)
@@ -75,7 +121,19 @@ SINK = typer.Option(0, help="Sink blocks forced into every list.")
 BACKEND = typer.Option("triton", help="A registered backend (see `kernelgen info`), or auto (served, not tuned).")
 
 
+def _check_out_dir(directory: Path) -> None:
+    """Fail now, naming the option, when --out's directory cannot be written (made when missing)."""
+    from .codegen.cache import unwritable
+
+    problem = unwritable(directory)
+    if problem is not None:
+        _fail(f"--out: cannot write to {directory} ({problem})")
+
+
 def _print_plan(p: dict) -> None:
+    if not p["space"]:  # as tune() would say: nothing to try
+        _fail(f"no feasible {p['role']} config for this spec on {p['backend']} (study {p['study_name']}): the "
+              "search space is empty; nothing to tune")
     console.print(f"[bold]{p['role']}[/bold] ({p['backend']}): study {p['study_name']}, bucket {p['bucket']}, "
                   f"sampler {p['sampler']}, {p['trials']} trials over a space of {p['space_size']} configs, "
                   f"benchmark shape {p['shape']}")
@@ -132,12 +190,12 @@ def tune(
     from . import backends as registry
     from .device import current_arch
     from .roles import ROLES
-    from .tuning.plan import check_arch, plan
     from .tuning.model import model_studies, read_model_config
-    from .tuning.plan import check_seq
+    from .tuning.plan import check_arch, check_budget, check_seq, plan
     from .tuning.presets import studies
 
     check_arch(arch)
+    check_budget(trials, timeout)
     if not dry_run:
         present = current_arch()
         if present is None:
@@ -188,10 +246,10 @@ def tune(
 
 def _all_rows(path: Optional[Path], **filters) -> list[dict]:
     """Rows of the user DB and the bundled DB with their source, or of one DB file (`path`)."""
-    from .tuning.db import BUNDLED_DB_PATH, TuningDB, read_only_rows
+    from .tuning.db import BUNDLED_DB_PATH, TuningDB, read_only_rows, rows_of_file
 
-    if path is not None:
-        return [{**r, "source": str(path)} for r in read_only_rows(path, **filters)]
+    if path is not None:  # named on the command line: a file that is not a tuning DB is an error
+        return [{**r, "source": str(path)} for r in rows_of_file(path, **filters)]
     with TuningDB() as user:
         rows = [{**r, "source": "user"} for r in user.rows(**filters)]
     return rows + [{**r, "source": "bundled"} for r in read_only_rows(BUNDLED_DB_PATH, **filters)]
@@ -234,6 +292,7 @@ def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec k
     from .tuning.db import TuningDB
 
     with TuningDB() as db:
+        db.check_writable()
         if not yes:
             typer.confirm(f"Delete {'all rows' if not spec_key else 'rows of ' + spec_key} in {db.path}?", abort=True)
         n = db.clear(**({"spec_key": spec_key} if spec_key else {}))
@@ -289,6 +348,7 @@ def export(
         if dtype not in ("bfloat16", "float16"):
             _fail(f"--dtype must be bfloat16 or float16, got {dtype!r}")
         spec, configs, sources = tuned_configs(spec, arch=arch, seq=seq, gpu_name=gpu, dtype=getattr(torch, dtype))
+    _check_out_dir(out.parent)
     path = export_module(spec, out, configs, sources)
     from .export import resolve_configs
 
@@ -328,9 +388,11 @@ def bench(
         names = benchmark._names(shapes, "bench shapes")
         if not torch.cuda.is_available():
             _fail("bench --untuned needs a CUDA GPU: it times and tunes kernels")
+        _check_out_dir(out)
         run_untuned(names, str(out))
         return
 
+    _check_out_dir(out)
     benchmark.main(shapes=shapes, out=str(out), overhead=overhead, sweep=sweep, graph=graph,
                    stall_timeout=stall_timeout)
     png = benchmark.plot(str(out))
@@ -346,11 +408,11 @@ def info():
     import torch
 
     from . import backends
-    from .codegen.cache import cache_dir
+    from .codegen.cache import cache_dir, unwritable
     from .device import current_arch, gpu_name
-    from .tuning.db import BUNDLED_DB_PATH, default_user_db_path, read_only_rows
+    from .tuning.db import BUNDLED_DB_PATH, UnreadableDatabase, default_user_db_path, read_only_rows, rows_of_file
 
-    table = Table("what", "value")
+    table = Table("what", Column("value", overflow="fold"))  # a path is folded, never cut short
 
     def version(name):
         try:
@@ -369,12 +431,26 @@ def info():
     for backend in backends.all_backends():
         why = backend.not_installed() or backend.device_unsupported(device)
         table.add_row(f"backend {backend.name}", f"{'runs here' if not why else why}; {backend.summary}")
-    try:
-        table.add_row("cache dir", str(cache_dir()))
-    except OSError as error:
-        table.add_row("cache dir", f"unusable: {error}")
+    cache = cache_dir()
+    read_only = unwritable(cache)
+    if read_only is None:
+        table.add_row("cache dir", str(cache))
+        table.add_row("kernel modules", str(cache / "kernels"))
+    else:
+        table.add_row("cache dir", f"{cache} (read-only: {read_only})")
+        table.add_row("kernel modules", "a private temporary directory per process (the cache dir is read-only)")
     user = default_user_db_path()
-    table.add_row("user tuning DB", f"{user} ({len(read_only_rows(user))} rows)" if user.exists() else f"{user} (none yet)")
+    if user.is_file():
+        writable = read_only is None and os.access(user, os.W_OK)
+        try:
+            state = f"{user} ({len(rows_of_file(user))} rows{'' if writable else ', read-only'})"
+        except UnreadableDatabase as error:  # says which file and why
+            state = str(error)
+        table.add_row("user tuning DB", state)
+    elif read_only is None:
+        table.add_row("user tuning DB", f"{user} (none yet)")
+    else:
+        table.add_row("user tuning DB", f"{user} (none, and the read-only cache dir cannot hold one)")
     table.add_row("bundled tuning DB", f"{BUNDLED_DB_PATH} ({len(read_only_rows(BUNDLED_DB_PATH))} rows)")
     console.print(table)
 

@@ -3,15 +3,79 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+import threading
 
 import torch
 
-__all__ = ["interpreting", "device_arch", "gpu_name", "current_arch"]
+__all__ = ["interpreting", "interpret_triton_language", "device_arch", "gpu_name", "current_arch"]
 
 
 def interpreting() -> bool:
     """Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_language_interpreted = False
+_language_lock = threading.Lock()
+
+
+def interpret_triton_language() -> None:
+    """Make triton.language's own @jit helpers (tl.sum, tl.max, tl.cdiv, tl.zeros, tl.rand, ...) run in the
+    interpreter, once per process; a no-op unless kernels run in the interpreter.
+
+    `triton.jit` picks JITFunction or InterpretedFunction when each function is defined, from TRITON_INTERPRET
+    at that moment. When triton.language was imported before TRITON_INTERPRET=1 was set (`import torch._dynamo`
+    imports it), its helpers are JITFunctions, and an interpreted kernel that calls one fails with "Cannot call
+    @triton.jit'd outside of the scope of a kernel". Each is rebound, in every triton module that binds it and
+    as a method of tl.tensor, to the InterpretedFunction `triton.jit` would have made of the same function.
+    """
+    global _language_interpreted
+    if _language_interpreted or not interpreting():
+        return
+    with _language_lock:
+        if _language_interpreted:
+            return
+        import triton
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        interpreted = {}  # id(JITFunction) -> its InterpretedFunction (one per function, however often bound)
+
+        def as_interpreted(jit_function):
+            if id(jit_function) not in interpreted:
+                interpreted[id(jit_function)] = InterpretedFunction(
+                    jit_function.fn, version=jit_function.version, do_not_specialize=jit_function.do_not_specialize,
+                    do_not_specialize_on_alignment=jit_function.do_not_specialize_on_alignment,
+                    debug=jit_function.debug, noinline=jit_function.noinline, repr=jit_function._repr,
+                    launch_metadata=jit_function.launch_metadata)
+            return interpreted[id(jit_function)]
+
+        package = triton.__name__
+
+        def triton_own(value) -> bool:  # exactly JITFunction: Gluon's subclass has an interpreter of its own
+            return type(value) is JITFunction and value.fn.__module__.startswith(package + ".")
+
+        modules = [m for name, m in list(sys.modules.items())
+                   if m is not None and (name == package or name.startswith(package + "."))]
+        for module in modules:
+            for name, value in list(vars(module).items()):
+                if triton_own(value):
+                    setattr(module, name, as_interpreted(value))
+        for name, value in list(vars(tl.tensor).items()):
+            if triton_own(value):
+                # a plain function, as triton's _tensor_member_fn binds a non-JIT helper: `x.sum(0)` passes x
+                setattr(tl.tensor, name, _tensor_method(as_interpreted(value)))
+        _language_interpreted = True
+
+
+def _tensor_method(function):
+    def method(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = function.__name__
+    return method
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,8 @@ assembled from kernelgen's own sources, so that nothing is written twice:
 
 Kernels are built by the backends' own code (`Backend.build`): rendered modules are written, as kernelgen
 writes them, to `codegen.cache.load_module`'s directory (Triton and TileLang read a kernel's source from
-its file): $KERNELGEN_CACHE_DIR/kernels, else <temp dir>/kernelgen-export-<uid>/kernels.
+its file): $KERNELGEN_CACHE_DIR/kernels, else <temp dir>/kernelgen-export-<uid>/kernels, or a private
+temporary directory of the process where that cannot be written.
 
 Export refuses (ExportError) sources in which a module-level import needs anything beyond the standard
 library, torch, triton and the embedded modules. The skeleton (header, loader, launcher) lives here rather
@@ -484,8 +485,9 @@ q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = SPEC["gqa_group"] * Hkv; block_idx 
 Below: kernelgen's own modules verbatim (_SOURCES) and the kernels it renders for this spec (_RENDERED),
 imported as the private package {package} by a finder on sys.meta_path; the launcher at the end serves
 this spec with kernelgen's SparseAttention, every config pinned. Rendered kernels are written at first use
-to $KERNELGEN_CACHE_DIR/kernels, else <temp dir>/kernelgen-export-<uid>/kernels (Triton and TileLang read
-a kernel's source from its file), and imported from there, as kernelgen does.
+to $KERNELGEN_CACHE_DIR/kernels, else <temp dir>/kernelgen-export-<uid>/kernels (a private temporary
+directory where that cannot be written; Triton and TileLang read a kernel's source from its file), and
+imported from there, as kernelgen does.
 """
 from __future__ import annotations
 
@@ -574,9 +576,7 @@ def _cache_dir(kernelgen_cache_dir=_embedded("codegen.cache").cache_dir):
     (kernelgen's default, the user cache dir, needs platformdirs)."""
     if os.environ.get("KERNELGEN_CACHE_DIR"):
         return kernelgen_cache_dir()
-    path = Path(tempfile.gettempdir()) / f"kernelgen-export-{{os.getuid() if hasattr(os, 'getuid') else 'user'}}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return Path(tempfile.gettempdir()) / f"kernelgen-export-{{os.getuid() if hasattr(os, 'getuid') else 'user'}}"
 
 
 if _embedded("codegen.cache").cache_dir.__name__ == "cache_dir":  # not yet replaced (by an identical export)

@@ -97,7 +97,7 @@ def check_qkv(q, k, v, spec: Spec) -> Shapes:
     b, hq, nq, _ = q.shape
     bk, hkv, nk, _ = k.shape
     if bk != b:
-        raise KernelgenValueError(f"k.shape[0] = {bk} does not match q.shape[0] = {b} (batch)")
+        raise KernelgenValueError(f"k.shape[0] = {bk} does not match q.shape[0] = {b} (batch); the layout is {LAYOUT}")
     if hq != hkv * spec.gqa_group:
         raise KernelgenValueError(f"q has {hq} heads (dim 1) but k has {hkv} and spec.gqa_group = {spec.gqa_group}: "
                                   f"expected {hkv * spec.gqa_group}; the layout is {LAYOUT}")
@@ -136,7 +136,8 @@ def _explain_qkv(q, k, v, spec: Spec) -> None:
     else:
         raise KernelgenValueError(f"q is on {q.device}; expected a CUDA device (or the CPU under TRITON_INTERPRET=1)")
     if k.shape != v.shape:
-        raise KernelgenValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise KernelgenValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}; "
+                                  f"the layout is {LAYOUT}")
 
 
 def check_block_idx(block_idx, spec: Spec, shapes: Shapes, device, validate: bool = False) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""Checks shared by the kernel tests: errors against the float64 reference, selection validity, and
-offline sm_90 compiles (tests/sm90_offline.py)."""
+"""Checks shared by the kernel tests: errors against the float64 reference, selection validity, offline
+sm_90 compiles (tests/sm90_offline.py), and a read-only directory."""
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -164,3 +165,26 @@ def assert_exported_module_matches_get_kernel(backend: str, tmp_path) -> None:
     want_o, want_lse = attn(q, k, v, return_lse=True)
     assert torch.equal(module.select(q, k), attn.select(q, k))
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """`path` (a file or a directory) refuses writes, and a directory new files, for the duration, root
+    included: chmod, and as root `chattr +i` (root ignores permission bits, not an immutable inode). Skips
+    the test where neither takes effect."""
+    import pytest
+
+    from kernelgen.codegen.cache import unwritable
+
+    mode = path.stat().st_mode & 0o777
+    path.chmod(0o555 if path.is_dir() else 0o444)
+    immutable = (os.geteuid() == 0 and shutil.which("chattr") is not None
+                 and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0)
+    try:
+        if (unwritable(path) is None) if path.is_dir() else os.access(path, os.W_OK):
+            pytest.skip(f"cannot make {path} read-only here (root without chattr)")
+        yield path
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        path.chmod(mode)

@@ -1,6 +1,10 @@
 """Every `kernelgen` command through typer's test runner (CPU)."""
+import contextlib
+from pathlib import Path
+
 import pytest
 import torch
+from checks import read_only
 from typer.testing import CliRunner
 
 from kernelgen import Spec, backends
@@ -150,6 +154,34 @@ def test_db_list_show_clear(tmp_path):
     assert len(read_only_rows(BUNDLED_DB_PATH)) == len(bundled)
 
 
+def test_a_read_only_cache_dir(tmp_path):
+    """info says the cache is read-only and where kernels and the DB live; db list and show read the user DB;
+    db clear is one line naming the file, before it asks."""
+    _add_row(tmp_path / "cache" / "tuning.db", "abc")
+    with read_only(tmp_path / "cache"):
+        result = invoke("info")
+        assert result.exit_code == 0, result.output
+        info = "".join(flat(result.output).split())  # rich folds long paths anywhere
+        assert f"{tmp_path / 'cache'}(read-only:" in info and "kernelmodulesaprivatetemporarydirectory" in info
+        assert f"{tmp_path / 'cache' / 'tuning.db'}(1rows,read-only)" in info
+        result = invoke("db", "list")
+        assert result.exit_code == 0 and "abc" in result.output, result.output
+        assert invoke("db", "show", "abc").exit_code == 0
+        one_line_error(runner.invoke(app, ["db", "clear"], input="y\n"), "cannot be written", str(tmp_path / "cache"))
+    assert [r["spec_key"] for r in read_only_rows(tmp_path / "cache" / "tuning.db")] == ["abc"]
+
+
+def test_a_cache_dir_that_cannot_be_created(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    assert "(none,andtheread-onlycachedircannotholdone)" in "".join(flat(result.output).split())
+    result = invoke("db", "list")
+    assert result.exit_code == 0 and f"{len(read_only_rows(BUNDLED_DB_PATH))} rows" in result.output, result.output
+    one_line_error(invoke("db", "clear", "--yes"), "cannot be written", "file/cache/tuning.db")
+
+
 def test_db_list_path_reads_without_writing(tmp_path):
     """--path opens the file read-only: a shipped DB in a read-only directory stays as it is."""
     path = tmp_path / "shipped.db"
@@ -251,6 +283,127 @@ def test_bench_cpu_smoke(tmp_path):
 
 def test_bench_unknown_shape_is_a_one_line_error(tmp_path):
     one_line_error(invoke("bench", "--shapes", "nope", "--out", str(tmp_path / "b")), "nope")
+
+
+def _bad_files(root: Path) -> None:
+    """Files that are not what a command expects, under `root`."""
+    import sqlite3
+
+    (root / "text.db").write_text("not a database\n")
+    (root / "corrupt.json").write_text('{"head_dim": 64, ')
+    (root / "list.json").write_text("[64, 64]")
+    (root / "fields.json").write_text('{"head_dim": 64, "banana": 1}')
+    (root / "a_dir").mkdir()
+    for name, table in (("foreign.db", "winners (role TEXT, backend TEXT)"), ("no_winners.db", "other (x)")):
+        with contextlib.closing(sqlite3.connect(root / name)) as conn:
+            conn.execute(f"CREATE TABLE {table}")
+            conn.commit()
+
+
+DRY = ["tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--dry-run"]
+BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, words of the one line)
+    # typer's own usage errors: one line naming the command's --help
+    (["banana"], ["No such command 'banana'", "kernelgen --help"]),
+    (["--banana"], ["No such option: --banana"]),
+    (["db", "banana"], ["No such command 'banana'", "kernelgen db --help"]),
+    (["tune", "--seq", "4096"], ["Missing option '--arch'", "kernelgen tune --help"]),
+    (DRY + ["--seq", "abc"], ["'--seq'", "integer"]),
+    (DRY + ["--timeout", "soon"], ["'--timeout'"]),
+    (DRY + ["--banana", "1"], ["No such option: --banana"]),
+    (["db", "show"], ["Missing argument", "kernelgen db show --help"]),
+    (["db", "clear", "--spec-key"], ["--spec-key", "requires an argument"]),
+    (["db", "bundle"], ["Missing argument"]),
+    (["export"], ["Missing option '--out'"]),
+    (["info", "extra"], ["unexpected extra argument", "kernelgen info --help"]),
+    # numbers: negative, zero, huge
+    (DRY + ["--seq", "0"], ["seq must be an int from 1"]),
+    (DRY + ["--seq", str(10**30)], ["seq must be an int from 1"]),
+    (DRY + ["--trials", "-1"], ["trials must be an int >= 1"]),
+    (["tune", "--arch", "sm_90", "--preset", "bench", "--trials", "0", "--dry-run"], ["trials must be an int >= 1"]),
+    (DRY + ["--timeout", "-5"], ["timeout must be a number of seconds > 0"]),
+    (DRY + ["--timeout", "nan"], ["timeout must be a number of seconds > 0"]),
+    (DRY + ["--head-dim", "0"], ["head_dim=0"]),
+    (DRY + ["--head-dim", "-64"], ["head_dim=-64"]),
+    (DRY + ["--kv-block", str(2**40)], ["kv_block="]),
+    (DRY + ["--q-tile", "-1"], ["q_tile=-1"]),
+    (DRY + ["--top-k", "0"], ["top_k must be >= 1"]),
+    (DRY + ["--top-k", str(10**10)], ["search space is empty"]),
+    (DRY + ["--gqa-group", "0"], ["gqa_group must be >= 1"]),
+    (DRY + ["--gqa-group", str(10**11)], ["search space is empty"]),
+    (DRY + ["--local", "-1"], ["local=-1"]),
+    (DRY + ["--local", str(10**12)], ["cannot hold its forced blocks"]),
+    (DRY + ["--sink", "-1"], ["sink=-1"]),
+    (["bench", "--stall-timeout", "-1", "--out", "{FILES}/b"], ["stall_timeout must be"]),
+    (["bench", "--stall-timeout", "nan", "--out", "{FILES}/b"], ["stall_timeout must be"]),
+    (["bench", "--stall-timeout", "1e300", "--out", "{FILES}/b"], ["stall_timeout must be"]),
+    # unknown names
+    (DRY + ["--selector", "banana"], ["selector='banana' is unknown"]),
+    (DRY + ["--selector", "multi:x"], ["selector='multi:x'"]),
+    (DRY + ["--role", "banana"], ["--role 'banana' is not a tuned role"]),
+    (["tune", "--arch", "sm_90", "--preset", "bench", "--shapes", "banana", "--dry-run"], ["shape 'banana'"]),
+    (["tune", "--arch", "sm_90", "--preset", "bench", "--backends", "banana", "--dry-run"], ["backend='banana'"]),
+    (["export", "--out", "{FILES}/m.py", "--backend", "banana"], ["backend='banana' is unknown"]),
+    (["bench", "--shapes", "banana", "--out", "{FILES}/b"], ["unknown bench shapes 'banana'"]),
+    (["bench", "--shapes", ",", "--out", "{FILES}/b"], ["no bench shape named"]),
+    (["bench", "--sweep", "banana", "--out", "{FILES}/b"], ["unknown sweep shapes 'banana'"]),
+    # files: missing, a directory, not JSON, JSON of another shape, not SQLite, SQLite of another schema
+    (DRY + ["--spec", "{FILES}/missing.json"], ["--spec", "missing.json", "No such file"]),
+    (DRY + ["--spec", "{FILES}/a_dir"], ["--spec", "a_dir", "Is a directory"]),
+    (DRY + ["--spec", "{FILES}/corrupt.json"], ["--spec", "corrupt.json", "Expecting"]),
+    (DRY + ["--spec", "{FILES}/list.json"], ["--spec", "list.json", "JSON object", "got list"]),
+    (DRY + ["--spec", "{FILES}/fields.json"], ["--spec", "fields.json", "unknown fields ['banana']"]),
+    (["export", "--out", "{FILES}/m.py", "--spec", "{FILES}/text.db"], ["--spec", "text.db"]),
+    (["export", "--out", "{FILES}/a_dir"], [".py file"]),
+    (["export", "--out", "{FILES}/corrupt.json/m.py"], ["--out", "corrupt.json", "not a directory"]),
+    (["bench", "--out", "{FILES}/text.db"], ["--out", "text.db", "not a directory"]),
+    (["db", "list", "--path", "{FILES}/missing.db"], ["missing.db is unreadable (no such file)"]),
+    (["db", "list", "--path", "{FILES}/a_dir"], ["a_dir is unreadable (not a file)"]),
+    (["db", "list", "--path", "{FILES}/text.db"], ["text.db is unreadable", "not a database"]),
+    (["db", "list", "--path", "{FILES}/corrupt.json"], ["corrupt.json is unreadable"]),
+    (["db", "list", "--path", "{FILES}/foreign.db"], ["foreign.db is unreadable", "lacks the columns ['spec_key'"]),
+    (["db", "list", "--path", "{FILES}/no_winners.db"], ["no_winners.db is unreadable (no 'winners' table)"]),
+    (["db", "show", "abc", "--path", "{FILES}/foreign.db"], ["foreign.db is unreadable"]),
+    (["db", "show", "abc", "--path", "{FILES}/text.db"], ["text.db is unreadable"]),
+    (["db", "bundle", "{FILES}/missing.db"], ["missing.db is not a file"]),
+    (["db", "bundle", "{FILES}/a_dir"], ["a_dir is not a file"]),
+    (["db", "bundle", "{FILES}/text.db", "--into", "{FILES}/into.db"], ["text.db is unreadable"]),
+    (["db", "bundle", "{FILES}/foreign.db", "--into", "{FILES}/into.db"], ["foreign.db is unreadable"]),
+    (["db", "bundle", "{FILES}/no_winners.db", "--into", "{FILES}/into.db"], ["no_winners.db is unreadable"]),
+    (["db", "bundle", "{FILES}/gpu.db", "--into", "{FILES}/corrupt.json"], ["corrupt.json is unreadable"]),
+    (["db", "bundle", "{FILES}/gpu.db", "--into", "{FILES}/a_dir"], ["a_dir is unreadable (not a file)"]),
+]
+
+
+@pytest.mark.parametrize("args, words", BAD_INPUT, ids=[" ".join(a[len(DRY) if a[:len(DRY)] == DRY else 0:])
+                                                         for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_and_status_2(tmp_path, args, words):
+    """Every command, with bad values of its options: one line on stderr, exit status 2, and nothing written
+    where the command would write (a file that is not a tuning DB is never merged as empty nor overwritten)."""
+    files = tmp_path / "files"
+    files.mkdir()
+    _bad_files(files)
+    _add_row(files / "gpu.db", "gpu-key")
+    before = {p: p.read_bytes() for p in files.rglob("*") if p.is_file()}
+    one_line_error(invoke(*[a.replace("{FILES}", str(files)) for a in args]), *words)
+    assert {p: p.read_bytes() for p in files.rglob("*") if p.is_file()} == before
+    assert not (files / "into.db").exists() and not (files / "m.py").exists()
+
+
+@pytest.mark.parametrize("user_db", ["foreign.db", "no_winners.db"])
+def test_a_user_db_of_another_schema_is_never_written(tmp_path, user_db):
+    """A user DB that holds another program's table: db list warns and lists the bundled rows, db clear is one
+    line, and the file is left as it was."""
+    _bad_files(tmp_path)
+    path = tmp_path / "cache" / "tuning.db"
+    path.parent.mkdir()
+    path.write_bytes((tmp_path / user_db).read_bytes())
+    if user_db == "foreign.db":  # no table at all is a fresh DB: kernelgen makes its own table in it
+        result = invoke("db", "list")
+        assert result.exit_code == 0 and f"{len(read_only_rows(BUNDLED_DB_PATH))} rows" in result.output
+        one_line_error(invoke("db", "clear", "--yes"), "cannot be written", str(path), "lacks the columns")
+        assert path.read_bytes() == (tmp_path / user_db).read_bytes()
+    else:
+        assert invoke("db", "clear", "--yes").exit_code == 0
 
 
 def test_bench_stall_guard_ends_a_hang_with_stacks():

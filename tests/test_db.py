@@ -8,8 +8,9 @@ import multiprocessing
 import sqlite3
 
 import pytest
+from checks import read_only
 
-from kernelgen import backends
+from kernelgen import KernelgenRuntimeError, backends
 from kernelgen.tuning.db import (
     BUNDLED_DB_PATH,
     Fingerprint,
@@ -147,13 +148,21 @@ def test_new_fingerprint_replaces_even_a_faster_row(db):
     assert row["config"] == {"BLOCK_M": 128} and Fingerprint.from_row(row) == new_fp
 
 
-@pytest.mark.parametrize("field", ["kernelgen_version", "template_hash", "triton_version",
-                                   "tilelang_version", "torch_version", "cuda_version"])
-def test_fingerprint_mismatch_is_a_miss(db, field):
+@pytest.mark.parametrize("field", ["template_hash", "triton_version", "tilelang_version"])
+def test_a_mismatch_of_what_generates_the_kernel_is_a_miss(db, field):
     upsert(db)
     other = Fingerprint(**{**FP.as_columns(), field: "something else"})
     assert lookup(db, fingerprint=other) is None
-    assert lookup(db) is not None
+    assert lookup(db)["soft_mismatch"] == ()
+
+
+@pytest.mark.parametrize("field", ["kernelgen_version", "torch_version", "cuda_version"])
+def test_a_mismatch_of_the_runtime_is_served_and_named(db, field):
+    upsert(db)
+    other = Fingerprint(**{**FP.as_columns(), field: "something else"})
+    row = lookup(db, fingerprint=other)
+    assert row["config"] == {"BLOCK_M": 64} and row["soft_mismatch"] == (field,)
+    assert db.servable(other, role=KEY["role"])[0]["soft_mismatch"] == (field,)
 
 
 def test_nearest_bucket(db):
@@ -302,7 +311,11 @@ def test_user_db_overrides_bundled(tmp_path):
         assert (row["config"], row["source"]) == ({"from": "bundled"}, "bundled")
         assert lookup(winners, spec_key="nowhere") is None
         assert lookup(winners, spec_key="only-bundled", fingerprint=Fingerprint(
-            **{**FP.as_columns(), "cuda_version": "13.0"})) is None
+            **{**FP.as_columns(), "template_hash": "another"})) is None
+        row = lookup(winners, spec_key="only-bundled", fingerprint=Fingerprint(**{**FP.as_columns(),
+                                                                                 "cuda_version": "13.0"}))
+        assert (row["source"], row["soft_mismatch"]) == ("bundled", ("cuda_version",))
+        assert [r["source"] for r in winners.servable(FP, role=KEY["role"])] == ["user", "bundled", "bundled"]
     # Read-only means read-only: no byte changed, no WAL or journal left next to it.
     assert hashlib.sha256(bundled_path.read_bytes()).hexdigest() == bundled_digest
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("winners")) == ["winners.db"]
@@ -335,3 +348,63 @@ def test_winners_default_user_db_lives_in_cache_dir(isolated_cache_dir):
     winners = Winners()
     assert winners.user.path == isolated_cache_dir / "tuning.db"
     winners.user.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# A read-only cache dir
+
+
+def test_a_read_only_cache_dir_opens_the_user_db_read_only(isolated_cache_dir):
+    """An existing user DB in a directory that cannot be written (root included) is read, never written:
+    lookups and rows work; upsert and clear are one clear error naming the file, before any write."""
+    with TuningDB() as tuned:
+        upsert(tuned, median_ms=1.0)
+    path = isolated_cache_dir / "tuning.db"
+    before = path.read_bytes()
+    with read_only(isolated_cache_dir):
+        with TuningDB() as db:
+            assert db.read_only is not None
+            assert lookup(db)["median_ms"] == 1.0 and len(db.rows()) == 1
+            assert Winners(db).lookup(**KEY, bucket=2048, fingerprint=FP)["source"] == "user"
+            for write in (lambda: upsert(db, median_ms=0.5), db.clear, db.check_writable):
+                with pytest.raises(KernelgenRuntimeError, match="cannot be written") as error:
+                    write()
+                assert str(path) in str(error.value) and "\n" not in str(error.value)
+            assert len(db.rows()) == 1
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in isolated_cache_dir.iterdir()) == ["tuning.db"]
+
+
+def test_a_read_only_wal_db_is_read_without_its_shm_file(tmp_path):
+    """A WAL DB in a read-only directory whose -shm file is gone (SQLite cannot create it) is still read."""
+    path = tmp_path / "ro" / "tuning.db"
+    with TuningDB(path) as tuned:
+        upsert(tuned)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tuning.db"]  # the last close removed -wal, -shm
+    with read_only(path.parent), TuningDB(path) as db:
+        assert db.read_only is not None and lookup(db) is not None
+
+
+def test_a_user_db_that_cannot_be_created_is_empty(tmp_path, monkeypatch):
+    """The cache dir's parent is a regular file (no one can create the dir, root included): the user DB is
+    absent; lookups miss, bundled winners are still served, and writes are one clear error."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with TuningDB() as db:
+        assert db.read_only and db.rows() == [] and lookup(db) is None
+        with pytest.raises(KernelgenRuntimeError, match=r"tuning database .*file/cache/tuning.db cannot be written"):
+            upsert(db)
+    assert Winners().user.read_only  # dispatch's DB opens too
+
+
+def test_a_read_only_db_file_in_a_writable_dir_refuses_writes_clearly(tmp_path):
+    """A DB file that may only be read, in a directory that may be written: read, and writes refused clearly."""
+    path = tmp_path / "tuning.db"
+    with TuningDB(path) as tuned:
+        upsert(tuned)
+    with read_only(path), TuningDB(path) as db:
+        assert db.read_only is not None and lookup(db) is not None
+        with pytest.raises(KernelgenRuntimeError, match="cannot be written"):
+            upsert(db, median_ms=0.1)

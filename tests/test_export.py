@@ -150,15 +150,15 @@ def _inputs(b, hkv, g, nq, nk, d, dtype, seed):
             ((b, hkv * g, nq, d), (b, hkv, nk, d), (b, hkv, nk, d))]
 
 
-def _run_child(tmp_path, source: str, *args: str, timeout: float = 300):
+def _run_child(tmp_path, source: str, *args: str, timeout: float = 300, env: dict | None = None):
     """Run `source` as child.py in a fresh interpreter without PYTHONPATH (so kernelgen cannot be
     imported) and without KERNELGEN_CACHE_DIR (the exported modules write kernels under the temp dir,
     here tmp_path), under Triton's interpreter, with `args`; the last arg is the file it saves its outputs
-    to, loaded and returned."""
+    to, loaded and returned. `env` overrides those variables (None: unset)."""
     (tmp_path / "child.py").write_text(source)
-    env = {key: val for key, val in os.environ.items() if key not in ("PYTHONPATH", "KERNELGEN_CACHE_DIR")}
-    env["TRITON_INTERPRET"] = "1"
-    env["TMPDIR"] = str(tmp_path)
+    env = {**{key: val for key, val in os.environ.items() if key not in ("PYTHONPATH", "KERNELGEN_CACHE_DIR")},
+           "TRITON_INTERPRET": "1", "TMPDIR": str(tmp_path), **(env or {})}
+    env = {key: val for key, val in env.items() if val is not None}
     proc = subprocess.run([sys.executable, str(tmp_path / "child.py"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -498,3 +498,46 @@ def test_exported_gluon_module_without_kernelgen(tmp_path, device):
         attn(q, k, v)
     assert out["cpu_error"] == (type(expected.value).__name__, str(expected.value))
     assert "runs on CUDA GPUs (Hopper, sm_90) only" in out["cpu_error"][1]
+
+
+# torch._dynamo imports triton.language while TRITON_INTERPRET is unset: Triton's own @jit helpers (tl.sum,
+# tl.max, ...) are then JITFunctions, which an interpreted kernel cannot call unless kernelgen rebinds them.
+DYNAMO_FIRST = textwrap.dedent('''
+    import torch._dynamo  # noqa: F401
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    assert type(tl.sum) is JITFunction, type(tl.sum)  # the case under test
+    import torch
+
+    if sys.argv[1] == "kernelgen":
+        import kernelgen
+
+        attn = kernelgen.get_kernel(kernelgen.Spec.from_json(sys.argv[2]))
+    else:
+        attn = load(sys.argv[1]).attn
+    x = torch.load(sys.argv[3])
+    torch.save(attn(x["q"], x["k"], x["v"]), sys.argv[4])
+''')
+
+
+@pytest.mark.parametrize("how", ["kernelgen", "exported"])
+def test_interpreter_works_when_torch_dynamo_imported_triton_first(tmp_path, device, how):
+    """`import torch._dynamo` before kernelgen (or an exported module) on a CPU: kernels still run in the
+    interpreter and match the reference."""
+    if device != "cpu":
+        pytest.skip("the child runs the interpreter")
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=2, causal=True, selector="mean")
+    q, k, v = _inputs(1, 1, 1, 128, 128, 64, torch.float32, 6)
+    torch.save({"q": q, "k": k, "v": v}, tmp_path / "inputs.pt")
+    if how == "kernelgen":
+        source = "import sys\n" + DYNAMO_FIRST
+        where = {"PYTHONPATH": str(Path(kernelgen.__file__).resolve().parent.parent),
+                 "KERNELGEN_CACHE_DIR": str(tmp_path / "cache")}
+    else:
+        source, where = BLOCKING + DYNAMO_FIRST, {}
+        how = str(export_module(spec, tmp_path / "kg_dynamo_first.py"))
+    o = _run_child(tmp_path, source, how, spec.to_json(), str(tmp_path / "inputs.pt"), str(tmp_path / "o.pt"),
+                   env={"TRITON_INTERPRET": None, **where})
+    expected = kernelgen.reference.sparse_attention(q, k, v, spec)[0]
+    assert ((o.double() - expected).norm() / expected.norm()).item() < 1e-4

@@ -174,6 +174,29 @@ def test_heads_not_gqa_group_times_kv_heads(attn, device, hq, hkv):
         attn.select(q, k)
 
 
+@pytest.mark.parametrize("kv_layout", ["[B, H, N, D]", "[B, N, H, D]"])
+def test_sequence_first_q_names_the_layout(attn, device, kv_layout):
+    """q as [B, N, H, D] (FlashAttention's layout), k and v in either: an error naming kernelgen's layout."""
+    q, k, v = qkv(device, hkv=2)
+    q = q.transpose(1, 2).contiguous()
+    if kv_layout == "[B, N, H, D]":
+        k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    layout = re.escape(kernelgen.inputs.LAYOUT)
+    with pytest.raises(kernelgen.KernelgenValueError, match=rf"^q has 64 heads \(dim 1\) .*; the layout is {layout}"):
+        attn(q, k, v)
+    with pytest.raises(kernelgen.KernelgenValueError, match=rf"the layout is {layout}"):
+        attn.select(q, k)
+
+
+def test_batch_and_kv_mismatch_name_the_layout(attn, device):
+    q, k, v = qkv(device)
+    layout = re.escape(kernelgen.inputs.LAYOUT)
+    with pytest.raises(kernelgen.KernelgenValueError, match=rf"\(batch\); the layout is {layout}$"):
+        attn(q, torch.cat([k, k]), torch.cat([v, v]))
+    with pytest.raises(kernelgen.KernelgenValueError, match=rf"same shape.*; the layout is {layout}$"):
+        attn(q, k, v.transpose(1, 2).contiguous())
+
+
 @pytest.mark.parametrize("which", ["q", "k"])
 def test_empty_sequence(attn, device, which):
     q, k, v = qkv(device, nq=0 if which == "q" else 64, nk=0 if which == "k" else 96)

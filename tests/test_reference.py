@@ -1,8 +1,14 @@
 """The oracle itself: against SDPA where they must agree, and the properties DESIGN.md fixes."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import kernelgen
 from kernelgen import Spec, reference
 
 
@@ -96,3 +102,13 @@ def test_normalize_and_token_mask_ignore_bad_ids():
     spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=6)
     mask = reference.token_mask(idx, spec, 16, 96)
     assert mask[0, 0, 0].view(6, 16).all(-1).tolist() == [False, False, True, False, False, True]
+
+
+def test_a_plain_import_kernelgen_gives_the_reference():
+    """As the README uses it, in a fresh process: `import kernelgen`, then `kernelgen.reference.sparse_attention`."""
+    code = ("import torch, kernelgen\nq = k = v = torch.zeros(1, 1, 64, 64)\n"
+            "o, lse, idx = kernelgen.reference.sparse_attention(q, k, v, kernelgen.Spec(head_dim=64, top_k=1))\n"
+            "assert o.shape == q.shape\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(kernelgen.__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 
 import kernelgen.device
 import kernelgen.roles
-from kernelgen import KernelgenTypeError, KernelgenValueError, Spec, backends, reference
+from kernelgen import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError, Spec, backends, reference
 from kernelgen.roles import get_role, valid_top_k
 from kernelgen.tuning import TuneResult, plan, tune, tune_inputs_shape
 from kernelgen.tuning import study as study_module
@@ -229,6 +229,18 @@ def test_gluon_is_tuned_on_hopper_only(tmp_path, db):
     with pytest.raises(KernelgenValueError, match=r"backend='gluon' runs on CUDA GPUs \(Hopper, sm_90\) only"):
         tune(spec, "attn", seq=SEQ, trials=2, device="cpu", db=db, storage=tmp_path / "optuna.db")
     assert db.rows() == [] and not (tmp_path / "optuna.db").exists()
+
+
+def test_a_read_only_cache_dir_fails_before_the_first_trial(tmp_path, monkeypatch, fake_worker):
+    """The user DB (or the Optuna storage) cannot be written: one clear error naming it, before any trial."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with pytest.raises(KernelgenRuntimeError, match=r"tuning database .*/file/cache/tuning.db cannot be written"):
+        tune(SPEC, "attn", seq=SEQ, trials=2, device="cpu")
+    with TuningDB(tmp_path / "tuning.db") as db, \
+            pytest.raises(KernelgenRuntimeError, match=r"study storage .*/file/cache/optuna.db cannot be written"):
+        tune(SPEC, "attn", seq=SEQ, trials=2, device="cpu", db=db)
+    assert fake_worker.jobs == []
 
 
 @pytest.mark.parametrize("backend", ["tilelang", "gluon", "auto"])

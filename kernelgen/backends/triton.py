@@ -243,8 +243,10 @@ def rendered_module(backend: str, role: str, template: str, spec: Spec, config):
     Rendering (jinja2) is imported here: an exported module embeds this file without it."""
     from ..codegen.cache import load_module
     from ..codegen.render import module_name, render
+    from ..device import interpret_triton_language
 
     source = render(template, spec, config)
+    interpret_triton_language()  # before the kernel's first call, whatever imported triton first
     return load_module(module_name(backend, role, source), source)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -77,6 +78,11 @@ def main(shapes: str | Iterable[str] | None = None, out: str | os.PathLike | Non
     Unknown shape names raise KernelgenValueError. Without a CUDA GPU only the smoke shape runs (in the
     interpreter), whatever `shapes` says; the others are reported as skipped."""
     names = _names(shapes, "bench shapes")
+    if names == []:
+        raise KernelgenValueError(f"no bench shape named in {shapes!r}; known shapes: {', '.join(SHAPES)}")
+    if isinstance(stall_timeout, bool) or not isinstance(stall_timeout, (int, float)) \
+            or not 0 <= stall_timeout <= threading.TIMEOUT_MAX:  # faulthandler's limit
+        raise KernelgenValueError(f"stall_timeout must be a number of seconds >= 0 (0: never), got {stall_timeout!r}")
     sweep_names = tuple(_names(sweep, "sweep shapes") or ())
     profile_names = tuple(_names(profile, "profile shapes") or ())
     on_gpu = torch.cuda.is_available()

@@ -2,33 +2,71 @@
 
 Triton's @jit reads its function's source from the file, so rendered text is written to
 `<cache>/kernels/<name>.py` (name = hash of the text; written once, atomically) and imported from there.
+When the cache cannot be written (a read-only home, a read-only container image), the modules go to a
+private temporary directory instead, one per process, removed at exit.
 """
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["cache_dir", "load_module"]
+__all__ = ["cache_dir", "kernels_dir", "unwritable", "load_module"]
 
 log = logging.getLogger("kernelgen")
 _modules: dict[str, ModuleType] = {}
+_private_kernels: Path | None = None  # this process's own kernels directory, once made
+_private_lock = threading.Lock()
 
 
 def cache_dir() -> Path:
-    """`$KERNELGEN_CACHE_DIR`, else the platform's user cache dir for kernelgen."""
+    """`$KERNELGEN_CACHE_DIR`, else the platform's user cache dir for kernelgen (not created here: it may
+    be read-only, see `unwritable`)."""
     if os.environ.get("KERNELGEN_CACHE_DIR"):
-        path = Path(os.environ["KERNELGEN_CACHE_DIR"])
-    else:  # imported here: an exported module embeds this file and always passes its directory
-        import platformdirs
+        return Path(os.environ["KERNELGEN_CACHE_DIR"])
+    import platformdirs  # here: an exported module embeds this file and replaces cache_dir
 
-        path = Path(platformdirs.user_cache_dir("kernelgen"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return Path(platformdirs.user_cache_dir("kernelgen"))
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why no file can be created in `directory` (made when missing), or None when one can. Tried rather than
+    read from permission bits: root ignores those, while a read-only mount or an immutable directory refuses
+    root too."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".kernelgen-probe-")
+    except FileExistsError:
+        return "not a directory"
+    except OSError as error:
+        return error.strerror or str(error)
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def kernels_dir() -> Path:
+    """Where rendered kernel modules are written: the cache dir's kernels/, else, when that cannot be written,
+    this process's private temporary directory (made once, with one warning, and removed at exit)."""
+    global _private_kernels
+    shared = cache_dir() / "kernels"
+    problem = unwritable(shared)
+    if problem is None:
+        return shared
+    with _private_lock:
+        if _private_kernels is None:
+            _private_kernels = Path(tempfile.mkdtemp(prefix="kernelgen-kernels-"))
+            atexit.register(shutil.rmtree, _private_kernels, ignore_errors=True)
+            log.warning("kernelgen cannot write kernel modules to %s (%s); this process writes them to %s",
+                        shared, problem, _private_kernels)
+    return _private_kernels
 
 
 def _write_once(path: Path, text: str) -> None:
@@ -43,11 +81,11 @@ def _write_once(path: Path, text: str) -> None:
 
 def load_module(name: str, source: str, directory: Path | None = None) -> ModuleType:
     """Import rendered `source` as module `name` (memoised per process), from `directory`/<name>.py
-    (default: the cache dir's kernels/)."""
+    (default: `kernels_dir()`)."""
     mod = _modules.get(name)
     if mod is not None:
         return mod
-    path = (cache_dir() / "kernels" if directory is None else Path(directory)) / f"{name}.py"
+    path = (kernels_dir() if directory is None else Path(directory)) / f"{name}.py"
     _write_once(path, source)
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)

@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 import platformdirs
 import sqlite_utils
 
-from ..errors import KernelgenTypeError, KernelgenValueError
+from ..errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .buckets import seq_bucket  # the DB keys winners by it; re-exported here
 
 try:  # POSIX only; elsewhere recovery of a corrupted file simply runs unserialised
@@ -70,6 +70,8 @@ __all__ = [
     "merge_into_bundled",
     "read_only_rows",
     "nearest_bucket_row",
+    "rows_of_file",
+    "UnreadableDatabase",
     "BUNDLED_DB_PATH",
 ]
 
@@ -105,6 +107,9 @@ SCHEMA: dict[str, type] = {
     **{name: str for name in FINGERPRINT_COLUMNS},
     "spec_json": str,
 }
+
+# what kernelgen reads from a row: a winners table without them is another program's (or is damaged)
+REQUIRED_COLUMNS = (*KEY_COLUMNS, "config", "median_ms", "n_trials", *FINGERPRINT_COLUMNS)
 
 BUSY_TIMEOUT_S = 30.0  # SQLite's own wait for a lock, per statement
 LOCKED_RETRY_DEADLINE_S = 120.0  # our retries on top of it, for a whole transaction
@@ -220,6 +225,20 @@ def _is_locked(error: sqlite3.OperationalError) -> bool:
     return "locked" in message or "busy" in message
 
 
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _cannot_write(error: sqlite3.OperationalError) -> bool:
+    """SQLite refused to create or write the file (a read-only file, directory or mount), as opposed to a
+    lock, which passes, or damage, which recovery handles."""
+    code = getattr(error, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM)
+    message = str(error).lower()
+    return "readonly" in message or "unable to open" in message
+
+
 def _retry_while_locked(operation: Callable[[], _T]) -> _T:
     """Run `operation`, again after a short random sleep while SQLite reports a lock, up to a deadline.
 
@@ -326,16 +345,40 @@ class TuningDB:
     writes inside one `BEGIN IMMEDIATE` transaction, so concurrent tuners cannot lose a faster row.
     A corrupted file is moved aside to `<name>.corrupt-<timestamp>` (kept for inspection) and an
     empty DB takes its place. One instance may be shared between threads.
+
+    Where the file or its directory cannot be written (a read-only cache), the DB is opened read-only, or is
+    empty when the file does not exist or holds another program's table: lookups and `rows` work (or miss),
+    and `upsert` and `clear` raise a KernelgenRuntimeError naming the path (`read_only` says why;
+    `check_writable` asks up front).
     """
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path is not None else default_user_db_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._conn = self._open_healthy()
+        self.read_only: str | None = None  # why writes are refused; None: the DB is writable
+        if self.path.exists() and not os.access(self.path, os.W_OK):  # root too, on a read-only mount or inode
+            self._open_for_reading("the file is not writable")
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = self._open_healthy()
+        except (OSError, sqlite3.OperationalError) as error:
+            if isinstance(error, sqlite3.OperationalError) and not _cannot_write(error):
+                raise
+            self._open_for_reading(_one_line(error))
+            return
         self._db = sqlite_utils.Database(self._conn)
-        _retry_while_locked(self._enable_wal)
-        _retry_while_locked(self._ensure_schema)
+        try:
+            # before WAL mode, which rewrites the file's header: another program's file stays as it is
+            _retry_while_locked(self._check_existing_schema)
+            _retry_while_locked(self._enable_wal)
+            _retry_while_locked(self._ensure_schema)
+        except BaseException as error:
+            self._conn.close()
+            if not (isinstance(error, _ForeignSchema)
+                    or isinstance(error, sqlite3.OperationalError) and _cannot_write(error)):
+                raise
+            self._open_for_reading(_one_line(error))
 
     def __repr__(self) -> str:
         return f"TuningDB({str(self.path)!r})"
@@ -349,6 +392,15 @@ class TuningDB:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+    def check_writable(self) -> None:
+        """Raise KernelgenRuntimeError, naming the file, when results cannot be written to this DB."""
+        if self.read_only is not None:
+            raise self._read_only_error()
+
+    def _read_only_error(self) -> KernelgenRuntimeError:
+        return KernelgenRuntimeError(f"the tuning database {self.path} cannot be written ({self.read_only}); to "
+                                     "tune or clear, set KERNELGEN_CACHE_DIR to another, writable directory")
 
     # -- public API ----------------------------------------------------------------------------------
 
@@ -402,7 +454,7 @@ class TuningDB:
                     return
                 self._db.table(TABLE).upsert(record, pk=KEY_COLUMNS)
 
-        self._run(compare_and_write)
+        self._write(compare_and_write)
 
     def lookup(
         self,
@@ -442,7 +494,7 @@ class TuningDB:
             with self._write_transaction():
                 return self._conn.execute(f"DELETE FROM [{TABLE}] WHERE {clause}", params).rowcount
 
-        return self._run(delete)
+        return self._write(delete)
 
     # -- connection, transactions, recovery ---------------------------------------------------------
 
@@ -451,6 +503,32 @@ class TuningDB:
         # sqlite-utils nests its own as savepoints inside them.
         return sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                check_same_thread=False)
+
+    def _open_for_reading(self, reason: str) -> None:
+        """Open the file read-only, as it cannot be written (or holds another program's table) for `reason`; an
+        empty in-memory DB when the file does not exist or cannot be read as a tuning DB (lookups miss)."""
+        self.read_only = reason
+        db = _open_read_only(self.path, what="user tuning database") if self.path.is_file() else None
+        if db is None:
+            logger.debug("user tuning database %s cannot be created (%s); it holds no winners", self.path,
+                         self.read_only)
+            db = sqlite_utils.Database(sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False))
+            _create_schema(db)
+        else:
+            logger.debug("user tuning database %s is read-only (%s)", self.path, self.read_only)
+        self._db, self._conn = db, db.conn
+
+    def _write(self, operation: Callable[[], _T]) -> _T:
+        """Run a write operation, or raise check_writable's error: SQLite may learn only now that the file is
+        read-only."""
+        self.check_writable()
+        try:
+            return self._run(operation)
+        except sqlite3.OperationalError as error:
+            if not _cannot_write(error):
+                raise
+            self.read_only = _one_line(error)
+            raise self._read_only_error() from error
 
     def _open_healthy(self) -> sqlite3.Connection:
         conn = self._connect()
@@ -470,6 +548,10 @@ class TuningDB:
         # In WAL mode NORMAL cannot corrupt the file; a power cut may only lose the last few results,
         # which a cache can afford, and it saves an fsync per upsert while many tuners write at once.
         self._conn.execute("PRAGMA synchronous=NORMAL")
+
+    def _check_existing_schema(self) -> None:
+        if self._db.table(TABLE).exists():
+            _check_schema(self._db)  # another program's table: not damage, never moved aside nor written
 
     def _ensure_schema(self) -> None:
         if self._db.table(TABLE).exists():
@@ -503,7 +585,7 @@ class TuningDB:
             try:
                 return _retry_while_locked(operation)
             except sqlite3.DatabaseError as error:
-                if not _is_corruption(error):
+                if not _is_corruption(error) or self.read_only is not None:  # read-only: nothing to recover into
                     raise
                 self._conn.close()
                 self._recover(error)
@@ -559,33 +641,79 @@ class TuningDB:
 def read_only_rows(path: str | Path, **filters: Any) -> list[dict]:
     """Rows of a DB file opened read-only (nothing is written, not even its journal mode); [] when the file
     is missing or unreadable (with a warning)."""
-    db = _open_read_only(Path(path), what="tuning database")
-    if db is None:
+    try:
+        return rows_of_file(path, **filters)
+    except UnreadableDatabase as error:
+        logger.warning("%s", error)
         return []
+
+
+class UnreadableDatabase(KernelgenValueError):
+    """A file that is not a readable kernelgen tuning DB: missing, not a file, not SQLite, damaged, or with
+    another schema."""
+
+
+def rows_of_file(path: str | Path, **filters: Any) -> list[dict]:
+    """Rows of the tuning DB file at `path`, opened read-only, optionally only those equal to `filters` (as
+    `TuningDB.rows`); UnreadableDatabase naming the file and why when it is not one."""
+    path = Path(path)
+    try:
+        db = _connect_read_only(path)
+    except sqlite3.DatabaseError as error:
+        raise UnreadableDatabase(f"tuning database {path} is unreadable ({error})") from None
     try:
         return _select(db, filters)
     except sqlite3.DatabaseError as error:
-        logger.warning("tuning database %s is unreadable (%s)", path, error)
-        return []
+        raise UnreadableDatabase(f"tuning database {path} is unreadable ({error})") from None
     finally:
         db.conn.close()
 
 
-def _open_read_only(path: Path, what: str = "bundled tuning database") -> sqlite_utils.Database | None:
-    """The bundled DB, opened so that nothing can write to it; None (with a warning) if unusable."""
+def _connect_read_only(path: Path) -> sqlite_utils.Database:
+    """The tuning DB at `path`, opened so that nothing can write to it; sqlite3.DatabaseError saying why when
+    it cannot be read as one."""
     if not path.is_file():
-        logger.warning("%s %s is missing", what, path)
-        return None
+        raise sqlite3.DatabaseError("no such file" if not path.exists() else "not a file")
     # mode=ro in a URI: SQLite itself refuses writes, and a missing file is not created.
     conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
     try:
-        _check_integrity(conn)
+        try:
+            _check_integrity(conn)
+        except sqlite3.OperationalError as error:
+            if not _cannot_write(error):
+                raise
+            # A WAL file in a directory we cannot write: reading needs its -shm file, which SQLite cannot
+            # create. immutable=1 reads the main file alone (results still only in the -wal are not seen).
+            conn.close()
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True,
+                                   check_same_thread=False)
+            _check_integrity(conn)
         db = sqlite_utils.Database(conn)
-        if not db.table(TABLE).exists():
-            raise sqlite3.DatabaseError(f"no {TABLE!r} table")
+        _check_schema(db)
         return db
-    except sqlite3.DatabaseError as error:
+    except BaseException:
         conn.close()
+        raise
+
+
+class _ForeignSchema(sqlite3.DatabaseError):
+    """A healthy SQLite file that is not a kernelgen tuning DB (another program's, or another layout)."""
+
+
+def _check_schema(db: sqlite_utils.Database) -> None:
+    """_ForeignSchema unless the DB has a winners table with the columns kernelgen reads."""
+    if not db.table(TABLE).exists():
+        raise _ForeignSchema(f"no {TABLE!r} table")
+    missing = [name for name in REQUIRED_COLUMNS if name not in db.table(TABLE).columns_dict]
+    if missing:
+        raise _ForeignSchema(f"its {TABLE!r} table lacks the columns {missing}: not a kernelgen tuning DB")
+
+
+def _open_read_only(path: Path, what: str = "bundled tuning database") -> sqlite_utils.Database | None:
+    """The bundled DB, opened so that nothing can write to it; None (with a warning) if unusable."""
+    try:
+        return _connect_read_only(path)
+    except sqlite3.DatabaseError as error:
         logger.warning("%s %s is unreadable (%s); skipping it", what, path, error)
         return None
 
@@ -675,26 +803,14 @@ def write_bundled_db(path: str | Path, rows: Iterable[dict] = ()) -> Path:
     return path
 
 
-def _rows_of_copy(path: str | Path) -> list[dict]:
-    """Rows of a DB file read from a scratch copy: opening a DB may write to it (WAL, schema), and a
-    fetched file may be read-only."""
-    import shutil
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as scratch:
-        copy = Path(scratch) / "copy.db"
-        shutil.copyfile(path, copy)
-        with TuningDB(copy) as db:
-            return db.rows()
-
-
 def merge_into_bundled(paths: Iterable[str | Path], bundled: str | Path = BUNDLED_DB_PATH) -> list[dict]:
     """Merge the winners of other DB files (a GPU machine's user DB) into the bundled DB file: a row of
     theirs replaces the bundled row of the same key, every other bundled row is kept. Returns the rows."""
     bundled = Path(bundled)
-    rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in (_rows_of_copy(bundled) if bundled.exists() else [])}
+    # read-only, and strictly: a file that is not a tuning DB is an error, never merged as empty or overwritten
+    rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in (rows_of_file(bundled) if bundled.exists() else [])}
     for path in paths:
-        for row in _rows_of_copy(path):
+        for row in rows_of_file(path):
             rows[tuple(row[c] for c in KEY_COLUMNS)] = row
     write_bundled_db(bundled, rows.values())
     return list(rows.values())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 
 import torch
@@ -22,13 +23,22 @@ from ..roles import ROLES, get_role
 from ..spec import Spec
 from .buckets import seq_bucket
 
-__all__ = ["trial_shapes", "plan", "tune_inputs_shape", "study_name", "tuned_backend", "check_arch", "check_seq",
-           "config_key", "seeds", "MAX_SEQ"]
+__all__ = ["trial_shapes", "plan", "tune_inputs_shape", "study_name", "tuned_backend", "check_arch", "check_budget",
+           "check_seq", "config_key", "seeds", "MAX_SEQ"]
 
 CPU_MAX_SEQ = 256  # interpreter inputs: seq capped here, one KV head
 CHECK_MAX_SEQ_GPU = 1000  # correctness inputs on the GPU: small, and not a multiple of any tile
 CHECK_HEADS_KV_GPU = 2
 MAX_SEQ = 1 << 24  # 16M tokens: past any one GPU's memory for these inputs
+
+
+def check_budget(trials, timeout=None) -> None:
+    """A tune's budget: trials an int >= 1; timeout None or a finite number of seconds > 0."""
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise KernelgenValueError(f"trials must be an int >= 1, got {trials!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < math.inf):
+        raise KernelgenValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
 
 
 def check_seq(seq) -> int:
@@ -135,8 +145,7 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
     `fixed` ({field: value}) restricts the space to the points with those values; `shape` sets the
     inputs timed (`tune_inputs_shape`)."""
     backend, spec = tuned_backend(spec, role)
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise KernelgenValueError(f"trials must be an int >= 1, got {trials!r}")
+    check_budget(trials)
     seq = check_seq(seq)
     cpu = _is_cpu(device)
     if arch is None:

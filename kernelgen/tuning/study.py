@@ -36,7 +36,7 @@ from ..device import device_arch
 from ..errors import KernelgenRuntimeError, KernelgenValueError
 from ..spec import Spec
 from . import db as tuning_db
-from .plan import config_key, plan, seeds, tuned_backend
+from .plan import check_budget, config_key, plan, seeds, tuned_backend
 from .worker import Worker, precompile_points
 
 __all__ = ["TuneResult", "tune", "TRIAL_TIMEOUT_S"]
@@ -83,9 +83,13 @@ def _storage(storage) -> optuna.storages.BaseStorage:
     if isinstance(storage, optuna.storages.BaseStorage):
         return storage
     if storage is None:
-        from ..codegen.cache import cache_dir
+        from ..codegen.cache import cache_dir, unwritable
 
         storage = cache_dir() / "optuna.db"
+        problem = unwritable(storage.parent)
+        if problem is not None:
+            raise KernelgenRuntimeError(f"the tuner's study storage {storage} cannot be written ({problem}); set "
+                                        "KERNELGEN_CACHE_DIR to a writable directory")
     url = str(storage)
     if "://" not in url:
         path = Path(url).expanduser().resolve()
@@ -216,8 +220,7 @@ def tune(
                    instead of the bucket's default inputs (`tune_inputs_shape`).
     """
     backend, kernel_spec = tuned_backend(spec, role)
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise KernelgenValueError(f"trials must be an int >= 1, got {trials!r}")
+    check_budget(trials, timeout)
     worker_device, arch, gpu_name = _resolve_device(device, arch)
     cpu = worker_device == "cpu"
     unsupported = backend.unsupported(kernel_spec, torch.device(worker_device))
@@ -230,6 +233,11 @@ def tune(
     if not space:
         raise KernelgenValueError(f"no feasible {role} config in the search space of {spec} "
                                   "(Backend.config_space); nothing to tune")
+    if db is not None:  # a read-only DB fails now, not after the trials
+        db.check_writable()
+    else:
+        with tuning_db.TuningDB() as user_db:
+            user_db.check_writable()
     name, bucket, dtype = the_plan["study_name"], the_plan["bucket"], the_plan["dtype"]
     feasible = {config_key(p) for p in space}
     default = the_plan["default"]

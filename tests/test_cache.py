@@ -1,0 +1,68 @@
+"""Where rendered kernel modules go: the cache dir's kernels/, or, where that cannot be written, a private
+temporary directory of the process (CPU: the kernels run in the interpreter, in a child process so that
+nothing is memoised from other tests)."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from checks import read_only
+
+import kernelgen
+from kernelgen.codegen.cache import cache_dir, kernels_dir, unwritable
+
+CHILD = textwrap.dedent('''
+    import logging
+
+    import torch
+
+    import kernelgen
+    from kernelgen.codegen.cache import kernels_dir
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    spec = kernelgen.Spec(head_dim=64, kv_block=64, q_tile=64, top_k=2, causal=True, selector="mean")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 128, 64, generator=gen) for _ in range(3))
+    o = kernelgen.get_kernel(spec)(q, k, v)  # three kernel modules: lists, select, attn
+    expected = kernelgen.reference.sparse_attention(q, k, v, spec)[0]
+    assert ((o.double() - expected).norm() / expected.norm()).item() < 1e-4
+    print(kernels_dir())
+''')
+
+
+def _run(tmp_path, cache):
+    """CHILD with KERNELGEN_CACHE_DIR=cache and its temp dir in tmp_path/tmp: (kernels dir, stderr)."""
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "KERNELGEN_CACHE_DIR": str(cache), "TMPDIR": str(tmp_path / "tmp"),
+           "PYTHONPATH": str(Path(kernelgen.__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return Path(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.parametrize("where", ["read-only dir", "under a regular file"])
+def test_kernels_run_when_the_cache_dir_cannot_be_written(tmp_path, where):
+    """get_kernel(spec)(q, k, v) works; its modules go to one private temporary directory, with one warning,
+    removed at exit; nothing is written to the cache dir."""
+    if where == "read-only dir":
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        with read_only(cache):
+            private, stderr = _run(tmp_path, cache)
+        assert list(cache.iterdir()) == []
+    else:
+        (tmp_path / "file").write_text("")
+        private, stderr = _run(tmp_path, tmp_path / "file" / "cache")
+    warnings = [line for line in stderr.splitlines() if "cannot write kernel modules" in line]
+    assert len(warnings) == 1 and str(private) in warnings[0], stderr
+    assert private.parent == tmp_path / "tmp" and private.name.startswith("kernelgen-kernels-")
+    assert not private.exists()  # removed at exit
+
+
+def test_kernels_go_to_the_cache_dir_when_it_can_be_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
+    assert cache_dir() == tmp_path / "cache" and not cache_dir().exists()  # cache_dir() creates nothing
+    assert kernels_dir() == tmp_path / "cache" / "kernels" and unwritable(kernels_dir()) is None
+    assert list(kernels_dir().iterdir()) == []  # the write probe leaves nothing behind
