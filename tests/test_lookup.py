@@ -481,3 +481,39 @@ def test_the_selector_s_winner_transfers_only_within_its_selector(user_db):
     _add(user_db, mean.replace(gqa_group=2), role="select", config=winner)
     assert SparseAttention(mean).served("select", 32768, device=CUDA).config == winner
     assert SparseAttention(GIVEN.replace(selector="multi:2")).served("select", 32768, device=CUDA).source == "default"
+
+
+@pytest.mark.gpu
+def test_bundled_winners_are_served_under_another_torch_on_the_gpu(monkeypatch, caplog):
+    """The shipped DB, no fakes but the running torch's version: shape (c)'s bundled winners are served
+    (after the re-check on this GPU, logged at debug) and compute the right result."""
+    from kernelgen import reference
+    from kernelgen.tuning import db as tuning_db
+    from kernelgen.workloads import SHAPES
+
+    monkeypatch.setattr(tuning_db, "_torch_versions", lambda: ("9.9.9+other", "99.9"))
+    lookup._fingerprint.cache_clear()
+    lookup._winners.cache_clear()
+    lookup.recheck.cache_clear()
+    try:
+        shape = SHAPES["c"]
+        spec = shape.spec("given").replace(backend="triton")
+        rows = [r for r in _bundled_rows() if r["backend"] == "triton" and r["role"] == "attn"
+                and r["spec_key"] == get_role("attn").key(spec, "triton")]
+        assert rows and rows[0]["torch_version"] != "9.9.9+other"
+        attn = SparseAttention(spec)
+        with caplog.at_level("DEBUG", logger="kernelgen"):
+            served = attn.served("attn", shape.n_k, torch.bfloat16, "cuda")
+        assert served.source == "bundled DB"
+        assert TRITON.config_to_dict(served.config) == rows[0]["config"]
+        assert "measured under another torch_version, cuda_version; re-checked here: correct" in caplog.text
+        q = torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 8 // spec.gqa_group, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        idx = SparseAttention(spec.replace(selector="mean")).select(q, k)
+        o = attn(q, k, v, block_idx=idx)
+        ref = reference.sparse_attention(q.double(), k.double(), v.double(), spec, block_idx=idx)[0]
+        assert ((o.double() - ref).norm() / ref.norm()).item() < 1e-2
+    finally:
+        lookup._fingerprint.cache_clear()
+        lookup._winners.cache_clear()
+        lookup.recheck.cache_clear()
