@@ -117,7 +117,7 @@ def test_tilelang_pingpong_needs_overlap_and_two_warpgroups():
     assert all(c.overlap and c.threads == 256 for c in space if c.pingpong)
     assert sum(c.pingpong for c in space) == sum(c.overlap and c.threads == 256 and not c.pingpong for c in space) > 0
     why = tilelang_backend.attn_infeasible(spec, TileLangAttnConfig(block_m=128, num_stages=2, threads=256,
-                                                                    overlap=False, pingpong=True))
+                                                                    overlap=False, pingpong=True), "sm_90")
     assert "pingpong=True needs overlap=True and threads=256" in why
 
 

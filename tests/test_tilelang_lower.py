@@ -154,7 +154,7 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, loop, nv
     overlap = cfg.overlap
     assert cfg in config_space(spec, "attn")
     func = tb.build_attn(spec, "bfloat16", batch=2, heads_kv=2, seq_q=1000, seq_k=1100, config=cfg)
-    kernel = tb.compile_attn(func, cfg)  # dispatch's build (its pass configs)
+    kernel = tb.compile_attn(func, cfg, "sm_90a")  # dispatch's build (its pass configs)
     cubin = cubin_bytes(kernel)
     assert cubin[:4] == b"\x7fELF" and b"sm_90a" in cubin and b"attn_fwd_kernel" in cubin
     src = kernel.get_kernel_source()
@@ -202,7 +202,8 @@ def test_split_tile_and_sub_blocks_lower():
     # block_M < q_tile (two programs per tile) and block_N < kv_block (two sub-blocks per block)
     # (64 rows: one warpgroup, built as dispatch builds it: attn_pass_configs)
     func = _build(True, 128, 1, 128, 128, block_M=64, block_N=64, threads=128, num_stages=1, dtype="float16")
-    src = tb.lower(func, pass_configs=tb.attn_pass_configs(TileLangAttnConfig(block_m=64, num_stages=1, threads=128)))
+    cfg = TileLangAttnConfig(block_m=64, num_stages=1, threads=128)
+    src = tb.lower(func, "sm_90a", pass_configs=tb.attn_pass_configs(cfg, "sm_90a"))
     assert "attn_fwd_kernel" in src and "half_t" in src and "tl::wgmma_ss<" in src and "tl::cp_async" in src
 
 
@@ -226,7 +227,7 @@ def test_forward_builds_fast_math_and_one_warpgroup_without_producer(nvcc_really
     cfg = dataclasses.replace(default_config(spec, "attn"), block_m=128 if threads == 256 else 64, threads=threads,
                               num_stages=2 if threads == 256 else 1)
     func = tb.build_attn(spec, "bfloat16", batch=1, heads_kv=1, seq_q=1024, seq_k=4096, config=cfg)
-    (tmp_path / "attn.cubin").write_bytes(cubin_bytes(tb.compile_attn(func, cfg)))
+    (tmp_path / "attn.cubin").write_bytes(cubin_bytes(tb.compile_attn(func, cfg, "sm_90a")))
     sass = subprocess.run([str(cuobjdump), "-sass", str(tmp_path / "attn.cubin")], capture_output=True, text=True,
                           check=True).stdout
     assert sass.count("MUFU.EX2") >= 64  # the scores of one step, unrolled
@@ -246,6 +247,7 @@ def test_bench_precompiles_the_tilelang_forwards(monkeypatch):
 
     import torch
 
+    import kernelgen.device
     from kernelgen.tuning import worker
 
     bench_run = importlib.import_module("kernelgen.bench.measure")
@@ -255,6 +257,7 @@ def test_bench_precompiles_the_tilelang_forwards(monkeypatch):
     monkeypatch.setattr(worker, "multiprocessing",
                         types.SimpleNamespace(get_context=lambda method=None: multiprocessing.get_context("fork")))
     monkeypatch.setattr(tb, "target_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(kernelgen.device, "device_arch", lambda device: "sm_90")  # TileLangBackend.archs asks it
     lines = []
     bench_run._precompile_per_shape(["tiny", "b"], torch.device("cuda"), log=lines.append)
     assert len(lines) == 1 and lines[0].startswith("precompiled 2 per-shape forwards (tilelang)"), lines
