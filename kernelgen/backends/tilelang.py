@@ -290,9 +290,10 @@ def attn_default(spec: Spec, arch: str) -> TileLangAttnConfig:
         candidates = [TileLangAttnConfig(block_m=block_m, num_stages=stages, threads=threads)
                       for block_m, threads in ((128, warps_128), (64, 128)) for stages in (2, 1)]
     for cfg in candidates:
-        if attn_infeasible(spec, cfg, arch) is None:
+        why = attn_infeasible(spec, cfg, arch)
+        if why is None:
             return cfg
-    raise KernelgenValueError(f"no feasible TileLang attention config for {spec} on {arch}")
+    raise KernelgenValueError(f"no feasible TileLang attention config for {spec} on {arch}; the smallest: {why}")
 
 
 def attn_space(spec: Spec, arch: str):
