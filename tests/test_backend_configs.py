@@ -3,6 +3,7 @@ defaults inside, pinned configs checked (`kernelgen.backends`: Backend.default_c
 infeasible, check_config, config_from_dict)."""
 import dataclasses
 import itertools
+import re
 
 import pytest
 
@@ -117,7 +118,7 @@ def test_tilelang_pingpong_needs_overlap_and_two_warpgroups():
     assert all(c.overlap and c.threads == 256 for c in space if c.pingpong)
     assert sum(c.pingpong for c in space) == sum(c.overlap and c.threads == 256 and not c.pingpong for c in space) > 0
     why = tilelang_backend.attn_infeasible(spec, TileLangAttnConfig(block_m=128, num_stages=2, threads=256,
-                                                                    overlap=False, pingpong=True))
+                                                                    overlap=False, pingpong=True), "sm_90")
     assert "pingpong=True needs overlap=True and threads=256" in why
 
 
@@ -258,3 +259,80 @@ def test_an_infeasible_pinned_config_says_why(backend, role, cfg, why):
 def test_a_selector_chunk_narrower_than_top_k_says_why():
     assert "chunk=16 blocks is fewer than next_pow2(top_k) = 32" in TRITON.infeasible(
         Spec(head_dim=64, kv_block=64, q_tile=64, top_k=32), "select", SelectConfig(tiles=16, chunk=16))
+
+
+# ---- TileLang per arch: Hopper's forward (wgmma, TMA) and the mma.sync / cp.async one of sm_80 to sm_89 --------
+
+TILELANG_SPECS = [s for s in SPECS if s.backend == "tilelang" and s.selector == "mean" and s.top_k == 16]
+OFF_HOPPER = ("sm_80", "sm_86", "sm_89")
+
+
+def _tilelang_feasible(spec, arch):
+    space = tilelang_backend.attn_space(spec, arch)
+    return [c for c in space if tilelang_backend.attn_infeasible(spec, c, arch) is None]
+
+
+@pytest.mark.parametrize("arch", OFF_HOPPER)
+def test_tilelang_space_off_hopper_has_no_wgmma_schedule_and_fits_the_shared_memory(arch):
+    """Off Hopper: no overlap or ping-pong (they schedule asynchronous wgmma), 1 to 3 stages at either thread count,
+    every point within the arch's shared memory; the default is a feasible point, or, where no point fits (D=256
+    with 128-key blocks on sm_86/sm_89), a clear error saying how much the smallest needs."""
+    limit = tilelang_backend.SMEM_PER_BLOCK[arch]
+    for spec in TILELANG_SPECS:
+        space = _tilelang_feasible(spec, arch)
+        assert not any(c.overlap or c.pingpong for c in space)
+        assert all(tilelang_backend.attn_smem_bytes(spec, c) <= limit for c in space)
+        if not space:
+            with pytest.raises(KernelgenValueError, match=rf"no feasible TileLang attention config .* on {arch}; "
+                                                          rf"the smallest: \d+ B of shared memory"):
+                tilelang_backend.attn_default(spec, arch)
+            continue
+        assert tilelang_backend.attn_default(spec, arch) in space
+    small = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, backend="tilelang")
+    assert {(c.threads, c.num_stages) for c in _tilelang_feasible(small, arch)} == {(128, 1), (128, 2), (128, 3)}
+
+
+def test_tilelang_spaces_per_arch_nest_and_hopper_is_unchanged():
+    """sm_86 and sm_89 (99 KB) hold the points of sm_80 (163 KB) that fit; Hopper's space and default are the ones
+    served through Backend (whose RoleImpl passes no arch on this branch: Hopper's)."""
+    for spec in TILELANG_SPECS:
+        sm80, sm86, sm89 = (_tilelang_feasible(spec, arch) for arch in OFF_HOPPER)
+        assert sm86 == sm89 and set(sm89) <= set(sm80)
+        assert set(sm89) == {c for c in sm80 if tilelang_backend.attn_smem_bytes(spec, c) <= 101376}
+        assert TILELANG.config_space(spec, "attn") == _tilelang_feasible(spec, "sm_90")
+        assert TILELANG.default_config(spec, "attn") == tilelang_backend.attn_default(spec, "sm_90")
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
+    assert [tilelang_backend.attn_default(spec, arch) for arch in ("sm_80", "sm_89", "sm_90")] == [
+        TileLangAttnConfig(128, 2, 256), TileLangAttnConfig(128, 1, 256), TileLangAttnConfig(128, 2, 256, overlap=True)]
+
+
+@pytest.mark.parametrize("cfg, why", [
+    (TileLangAttnConfig(128, 2, 256, overlap=True), "overlap=True, pingpong=False on sm_89: both schedule Hopper's"),
+    (TileLangAttnConfig(128, 2, 256, overlap=True, pingpong=True), "expected overlap=False, pingpong=False"),
+    (TileLangAttnConfig(128, 2, 256), r"163840 B of shared memory .* sm_89 allows at most 101376 B per block"),
+    (TileLangAttnConfig(64, 3, 256), "threads=256 .* needs block_m=128"),
+    (TileLangAttnConfig(128, 1, 256, overlap="yes"), "expected bools"),
+])
+def test_tilelang_config_infeasible_on_sm89_says_why(cfg, why):
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
+    assert re.search(why, tilelang_backend.attn_infeasible(spec, cfg, "sm_89"))
+    assert tilelang_backend.attn_infeasible(spec, TileLangAttnConfig(128, 2, 256), "sm_80") is None  # 160 KB fit
+
+
+@pytest.mark.parametrize("arch", ["cpu", "sm_75", "sm_100", "sm_90b", ""])
+def test_tilelang_config_functions_name_an_arch_they_do_not_build_for(arch, monkeypatch):
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, backend="tilelang")
+    expected = rf"arch={arch!r}: the TileLang forward builds for sm_80, sm_86, sm_89, sm_90 only"
+    for call in (lambda: tilelang_backend.attn_default(spec, arch),
+                 lambda: list(tilelang_backend.attn_space(spec, arch)),
+                 lambda: tilelang_backend.attn_infeasible(spec, TileLangAttnConfig(64, 1, 128), arch)):
+        with pytest.raises(KernelgenValueError, match=re.escape(expected)):
+            call()
+    assert TILELANG.archs == ("sm_80", "sm_86", "sm_89", "sm_90") and TILELANG.arch_unsupported(arch)
+    # the arch TileLang compiles for on a device: sm_90 as sm_90a (wgmma, TMA), the others as they are
+    for device, target in (("sm_80", "sm_80"), ("sm_86", "sm_86"), ("sm_89", "sm_89"), ("sm_90", "sm_90a")):
+        monkeypatch.setattr(tilelang_backend, "device_arch", lambda _device, arch=device: arch)
+        assert tilelang_backend.target_arch("cuda") == target
+    monkeypatch.setattr(tilelang_backend, "device_arch", lambda _device: arch)
+    with pytest.raises(KernelgenValueError, match=re.escape(expected)):
+        tilelang_backend.target_arch("cuda")

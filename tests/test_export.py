@@ -396,7 +396,7 @@ TILELANG_CHILD = BLOCKING + textwrap.dedent('''
         kernel_spec = module._embedded("roles").get_role("attn").kernel_spec(module.kernel.spec, module.SPEC["backend"])
         func = tilelang.build_attn(kernel_spec, torch.float16, batch=1, heads_kv=2, seq_q=150, seq_k=230,
                                    config=module.kernel._fixed["attn"])
-        out["cuda_source"] = str(tilelang.lower(func))
+        out["cuda_source"] = str(tilelang.lower(func, "sm_90a"))
     leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
     assert not leaked, leaked
     torch.save(out, sys.argv[4])
@@ -447,8 +447,9 @@ def test_exported_tilelang_module_builds_kernelgens_forward(tmp_path, device):
     from kernelgen.backends import tilelang as tilelang_backend
 
     out, kernel_spec = _tilelang_child(tmp_path, lower=True)
-    expected = tilelang_backend.lower(tilelang_backend.build_attn(
-        kernel_spec, torch.float16, batch=1, heads_kv=2, seq_q=150, seq_k=230, config=TILELANG_CONFIGS["attn"]))
+    func = tilelang_backend.build_attn(kernel_spec, torch.float16, batch=1, heads_kv=2, seq_q=150, seq_k=230,
+                                       config=TILELANG_CONFIGS["attn"])
+    expected = tilelang_backend.lower(func, "sm_90a")
     assert out["cuda_source"] == expected and "tl::tma_load(K_desc" in expected
 
 

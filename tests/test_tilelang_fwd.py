@@ -8,7 +8,7 @@ import torch
 import kernelgen
 from kernelgen import Spec, backends
 from kernelgen.backends.triton import SelectConfig
-from checks import assert_exported_module_matches_get_kernel, default_config, feasible
+from checks import assert_close_to_reference, assert_exported_module_matches_get_kernel, default_config, feasible
 from test_triton_fwd import GPU_CASES, check_empty_lists, given_lists, gpu_case, make_inputs, run_and_check
 
 pytest.importorskip("tilelang")
@@ -148,3 +148,71 @@ def test_gpu_tilelang_one_warpgroup_forward_survives_many_calls(overlap):
     except subprocess.TimeoutExpired:
         pytest.fail(f"overlap={overlap}: 300 calls and 500 graph replays did not finish in 240 s (a hung kernel?)")
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+# ---- the forward of sm_80 to sm_89 (mma.sync, cp.async pipeline), run on this GPU ----------------------------
+
+MMA_GPU_CASES = [
+    # (B, Hkv, G, Nq, Nk, D, kv_block, q_tile, top_k, causal): ragged lengths, Nq != Nk both ways
+    (1, 2, 4, 2000, 2100, 128, 128, 128, 8, True),
+    (2, 1, 1, 3000, 2900, 64, 64, 64, 16, False),
+    (1, 2, 4, 2048, 4096, 64, 64, 64, 16, True),  # two heads per 128-row program
+    (1, 2, 2, 1500, 1400, 128, 64, 128, 12, False),
+]
+
+
+def _mma_points(spec, arch):
+    """(config, dtype) to run off Hopper: the default in bf16 and fp16, the feasible point with the most shared
+    memory and the smallest one (64 rows, one stage: a split tile where q_tile is 128) in bf16."""
+    from kernelgen.backends import tilelang as tb
+
+    feasible = [c for c in tb.attn_space(spec, arch) if tb.attn_infeasible(spec, c, arch) is None]
+    default = tb.attn_default(spec, arch)
+    largest = max(feasible, key=lambda c: (tb.attn_smem_bytes(spec, c), c.threads))
+    smallest = min(feasible, key=lambda c: (c.block_m, c.num_stages, c.threads))
+    return list(dict.fromkeys([(default, torch.bfloat16), (default, torch.float16), (largest, torch.bfloat16),
+                               (smallest, torch.bfloat16)]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
+@pytest.mark.parametrize("case", MMA_GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_tilelang_mma_forward_against_reference(case, arch):
+    """The forward TileLang builds for sm_80 and sm_89 (mma.sync from ldmatrix, a cp.async pipeline; no wgmma or
+    TMA), lowered for `arch` with that arch's build options (attn_pass_configs) and compiled by nvcc from its
+    compute_XX code for this GPU's SASS, so that an H200 runs the very kernel an A100 or an L40 would. Lists with
+    -1, out-of-range ids and whole empty tiles (o = 0, lse = -inf); outputs NaN-poisoned; against the float64
+    reference."""
+    import math
+
+    import tilelang
+
+    from kernelgen import reference
+    from kernelgen.backends import tilelang as tb
+    from kernelgen.device import device_arch
+
+    b, hkv, g, nq, nk, d, kv_block, q_tile, top_k, causal = case
+    spec = Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g,
+                selector="given", backend="tilelang")
+    idx = given_lists(spec, b, hkv, nq, nk, nq + d, "cuda")
+    idx[:, :, ::5] = -1  # whole tiles with no block
+    target = {"kind": "cuda", "arch": arch, "code": [device_arch("cuda")]}
+    for cfg, dtype in _mma_points(spec, arch):
+        assert not cfg.overlap and not cfg.pingpong
+        q, k, v = make_inputs(b, hkv, g, nq, nk, d, dtype, "cuda", nq + nk + d + cfg.block_m)
+        func = tb.build_attn(spec, dtype, batch=b, heads_kv=hkv, seq_q=nq, seq_k=nk, config=cfg)
+        kernel = tilelang.compile(func, out_idx=[], target=target, pass_configs=tb.attn_pass_configs(cfg, arch))
+        src = kernel.get_kernel_source()
+        assert "tl::mma_sync<" in src and "tl::cp_async_gs_conditional" in src and "wgmma" not in src
+        o = torch.full_like(q, math.nan)
+        lse = torch.full((b, hkv * g, nq), math.nan, device="cuda", dtype=torch.float32)
+        kernel(q, k, v, idx, 1.0 / math.sqrt(d), o, lse)
+        torch.cuda.synchronize()
+        ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
+        try:
+            assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
+        except AssertionError as error:
+            raise AssertionError(f"{arch} {cfg} {dtype}: {error}") from None
+        full = nq // q_tile * q_tile  # the rows of whole tiles: [B, Hkv, G, tile, row]
+        tiles = lse.view(b, hkv, g, nq)[..., :full].reshape(b, hkv, g, nq // q_tile, q_tile)
+        assert torch.isneginf(tiles[:, :, :, ::5]).all()  # the empty tiles

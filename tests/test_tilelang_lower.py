@@ -154,7 +154,7 @@ def test_grid_lowers_and_compiles_sm90a(causal, D, G, kv_block, q_tile, loop, nv
     overlap = cfg.overlap
     assert cfg in config_space(spec, "attn")
     func = tb.build_attn(spec, "bfloat16", batch=2, heads_kv=2, seq_q=1000, seq_k=1100, config=cfg)
-    kernel = tb.compile_attn(func, cfg)  # dispatch's build (its pass configs)
+    kernel = tb.compile_attn(func, cfg, "sm_90a")  # dispatch's build (its pass configs)
     cubin = cubin_bytes(kernel)
     assert cubin[:4] == b"\x7fELF" and b"sm_90a" in cubin and b"attn_fwd_kernel" in cubin
     src = kernel.get_kernel_source()
@@ -202,7 +202,8 @@ def test_split_tile_and_sub_blocks_lower():
     # block_M < q_tile (two programs per tile) and block_N < kv_block (two sub-blocks per block)
     # (64 rows: one warpgroup, built as dispatch builds it: attn_pass_configs)
     func = _build(True, 128, 1, 128, 128, block_M=64, block_N=64, threads=128, num_stages=1, dtype="float16")
-    src = tb.lower(func, pass_configs=tb.attn_pass_configs(TileLangAttnConfig(block_m=64, num_stages=1, threads=128)))
+    cfg = TileLangAttnConfig(block_m=64, num_stages=1, threads=128)
+    src = tb.lower(func, "sm_90a", pass_configs=tb.attn_pass_configs(cfg, "sm_90a"))
     assert "attn_fwd_kernel" in src and "half_t" in src and "tl::wgmma_ss<" in src and "tl::cp_async" in src
 
 
@@ -226,7 +227,7 @@ def test_forward_builds_fast_math_and_one_warpgroup_without_producer(nvcc_really
     cfg = dataclasses.replace(default_config(spec, "attn"), block_m=128 if threads == 256 else 64, threads=threads,
                               num_stages=2 if threads == 256 else 1)
     func = tb.build_attn(spec, "bfloat16", batch=1, heads_kv=1, seq_q=1024, seq_k=4096, config=cfg)
-    (tmp_path / "attn.cubin").write_bytes(cubin_bytes(tb.compile_attn(func, cfg)))
+    (tmp_path / "attn.cubin").write_bytes(cubin_bytes(tb.compile_attn(func, cfg, "sm_90a")))
     sass = subprocess.run([str(cuobjdump), "-sass", str(tmp_path / "attn.cubin")], capture_output=True, text=True,
                           check=True).stdout
     assert sass.count("MUFU.EX2") >= 64  # the scores of one step, unrolled
@@ -246,6 +247,7 @@ def test_bench_precompiles_the_tilelang_forwards(monkeypatch):
 
     import torch
 
+    import kernelgen.device
     from kernelgen.tuning import worker
 
     bench_run = importlib.import_module("kernelgen.bench.measure")
@@ -255,6 +257,7 @@ def test_bench_precompiles_the_tilelang_forwards(monkeypatch):
     monkeypatch.setattr(worker, "multiprocessing",
                         types.SimpleNamespace(get_context=lambda method=None: multiprocessing.get_context("fork")))
     monkeypatch.setattr(tb, "target_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(kernelgen.device, "device_arch", lambda device: "sm_90")  # TileLangBackend.archs asks it
     lines = []
     bench_run._precompile_per_shape(["tiny", "b"], torch.device("cuda"), log=lines.append)
     assert len(lines) == 1 and lines[0].startswith("precompiled 2 per-shape forwards (tilelang)"), lines
@@ -263,3 +266,75 @@ def test_bench_precompiles_the_tilelang_forwards(monkeypatch):
     lines.clear()
     bench_run._precompile_per_shape(["tiny"], torch.device("cuda"), log=lines.append)
     assert len(lines) == 1 and "failed" in lines[0], lines
+
+
+# ---- sm_80, sm_86, sm_89: mma.sync and a cp.async pipeline, from the same template --------------------------
+
+def _mma_config(spec, arch, point):
+    """The default config on `arch`, or its feasible point with the most shared memory (more threads on a tie)."""
+    if point == "default":
+        return tb.attn_default(spec, arch)
+    feasible = [c for c in tb.attn_space(spec, arch) if tb.attn_infeasible(spec, c, arch) is None]
+    return max(feasible, key=lambda c: (tb.attn_smem_bytes(spec, c), c.threads))
+
+
+# (causal, D, G, kv_block, q_tile), arch, point: D 64 and 128, 64- and 128-blocks, one head per program, heads
+# packed (G=4, q_tile=64: two per program), 4 and 8 warps, 1 to 3 stages, sm_89's smaller shared memory
+MMA_COMPILE_CASES = [
+    ((True, 128, 4, 128, 128), "sm_89", "default"),  # 128 rows, 8 warps, 1 stage (2 need 160 KB)
+    ((True, 128, 4, 128, 128), "sm_80", "largest"),  # 2 stages: 160 KB of sm_80's 163 KB
+    ((False, 64, 1, 64, 64), "sm_80", "default"),  # 64 rows, 4 warps, 2 stages
+    ((False, 64, 1, 64, 64), "sm_89", "largest"),  # 3 stages
+    ((True, 64, 4, 64, 64), "sm_80", "default"),  # 128 rows of two heads on 4 warps, 2 stages
+    ((True, 64, 4, 64, 64), "sm_89", "largest"),  # ... on 8 warps, 3 stages
+]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("point,arch,which", MMA_COMPILE_CASES,
+                         ids=["-".join(map(str, (*point, arch, which))) for point, arch, which in MMA_COMPILE_CASES])
+def test_forward_lowers_and_compiles_for_sm80_and_sm89(point, arch, which, nvcc_really_runs):
+    """The forward off Hopper, built as dispatch builds it there (compile_attn with the arch's build options):
+    mma.sync from ldmatrix operands, K and V by cp.async in a pipeline of num_stages steps, no wgmma, TMA,
+    mbarrier or register reallocation; a cubin for the arch from nvcc; the shared memory the kernel asks for is
+    attn_smem_bytes and within the arch's limit."""
+    spec = _spec(*point)
+    cfg = _mma_config(spec, arch, which)
+    assert not cfg.overlap and not cfg.pingpong and tb.attn_infeasible(spec, cfg, arch) is None
+    func = tb.build_attn(spec, "bfloat16", batch=2, heads_kv=2, seq_q=1000, seq_k=1100, config=cfg)
+    kernel = tb.compile_attn(func, cfg, arch)
+    cubin = cubin_bytes(kernel)
+    assert cubin[:4] == b"\x7fELF" and arch.encode() in cubin and b"attn_fwd_kernel" in cubin
+    src = kernel.get_kernel_source()
+    assert f"__launch_bounds__({cfg.threads}, 1) attn_fwd_kernel(" in src
+    assert "tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16" in src
+    assert "tl::ptx_ldmatrix_x4(" in src and "tl::ptx_ldmatrix_x4_trans(" in src  # K^T and V operands
+    # K and V: two cp.async groups a step, num_stages steps in flight (the deepest wait leaves 2 * stages - 1)
+    assert "tl::cp_async_gs_conditional<16>" in src and "tl::cp_async_commit();" in src
+    waits = {int(n) for n in re.findall(r"tl::cp_async_wait<(\d+)>\(\);", src)}
+    assert max(waits) == 2 * cfg.num_stages - 1 and 0 in waits
+    for hopper_only in ("wgmma", "tma_load", "CUtensorMap", "mbarrier", "warpgroup_reg", "setmaxnreg", "fence_proxy"):
+        assert hopper_only not in src, hopper_only
+    assert f"< {1100}" in src and "-CUDART_INF_F" in src and "float scale" in src
+    # shared memory: one dynamic buffer, of the size attn_infeasible checks against the arch's limit
+    assert len(re.findall(r"__shared__", src)) == 1 and "extern __shared__" in src
+    smem = [int(f.attrs["dyn_shared_memory_buf"]) for f in kernel.artifact.device_mod.functions.values()]
+    assert smem == [tb.attn_smem_bytes(spec, cfg)] and smem[0] <= tb.SMEM_PER_BLOCK[arch]
+
+
+def test_hopper_only_configs_are_refused_before_building_off_hopper(monkeypatch):
+    """A config the device's arch cannot run (overlap off Hopper, more shared memory than sm_89 has) is a clear
+    error from TileLangBackend.build, before anything is lowered."""
+    import torch
+
+    from kernelgen.backends.base import Problem, Shapes
+    from kernelgen.errors import KernelgenValueError
+
+    spec = _spec(True, 128, 4, 128, 128)
+    problem = Problem(torch.bfloat16, Shapes(1, 8, 2, 1000, 1100, 8, 9), torch.device("cuda"))
+    monkeypatch.setattr(tb, "target_arch", lambda device: "sm_89")
+    backend = tb.TileLangBackend()
+    for cfg, why in ((TileLangAttnConfig(128, 1, 256, overlap=True), "overlap=True, pingpong=False on sm_89"),
+                     (TileLangAttnConfig(128, 2, 256), "163840 B of shared memory .*sm_89 allows at most 101376 B")):
+        with pytest.raises(KernelgenValueError, match=rf"cannot run on sm_89: {why}"):
+            backend.build(spec, "attn", cfg, problem)

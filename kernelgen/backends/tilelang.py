@@ -1,5 +1,6 @@
-"""The TileLang backend: the attention forward, compiled per problem shape (wgmma, TMA and warp
-specialisation on Hopper). Selection and list normalising run on the fallback backend.
+"""The TileLang backend: the attention forward, compiled per problem shape and arch: wgmma, TMA and warp
+specialisation on Hopper (sm_90a); mma.sync and a cp.async pipeline on sm_80, sm_86 and sm_89, from the
+same template. Selection and list normalising run on the fallback backend.
 
 Build the forward prim_func from the rendered template, lower it to CUDA source, compile it to a cubin.
 
@@ -15,6 +16,7 @@ import time
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import itertools
 import json
 from dataclasses import dataclass
@@ -28,16 +30,23 @@ from ..errors import KernelgenValueError
 from ..inputs import softmax_scale
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
-from .triton import pack_infeasible
+from .triton import SMEM_LIMIT_SM90, pack_infeasible
 
-__all__ = ["TileLangBackend", "TileLangAttnConfig", "ARCH", "ATTN_OUT_IDX", "DTYPES", "canonical_dtype", "attn_source",
-           "attn_module", "build_attn", "build_attn_from", "target_arch", "lower", "compile_kernel", "compile_attn",
-           "attn_pass_configs", "FAST_MATH", "NO_WARP_SPECIALISATION"]
+__all__ = ["TileLangBackend", "TileLangAttnConfig", "TARGETS", "SMEM_PER_BLOCK", "HOPPER", "ATTN_OUT_IDX", "DTYPES",
+           "canonical_dtype", "attn_source", "attn_module", "build_attn", "build_attn_from", "target_arch", "lower",
+           "compile_kernel", "compile_attn", "attn_pass_configs", "attn_smem_bytes", "attn_default", "attn_space",
+           "attn_infeasible", "FAST_MATH", "NO_WARP_SPECIALISATION", "UNROLLED_PIPELINE_DRAIN"]
 
 log = logging.getLogger("kernelgen")
 
 TEMPLATE = "tilelang/attn.py.j2"
-ARCH = "sm_90a"  # warp specialisation and wgmma need the "a" target
+# The archs the forward builds for, as a device reports them (kernelgen.device.device_arch), and TileLang's
+# target for each: wgmma, TMA, warp specialisation and setmaxnreg need Hopper's "a" target. Off Hopper
+# the same template lowers T.gemm to mma.sync (ldmatrix operands) and its copies to cp.async.
+TARGETS = {"sm_80": "sm_80", "sm_86": "sm_86", "sm_89": "sm_89", "sm_90": "sm_90a"}
+HOPPER = "sm_90"
+# dynamic shared memory one block may opt in to, per arch (CUDA C++ Programming Guide, compute capabilities)
+SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": SMEM_LIMIT_SM90}
 # attn_fwd(Q, K, V, block_idx, scale, O, LSE): O and LSE are allocated and returned by the kernel
 ATTN_OUT_IDX = [5, 6]
 DTYPES = ("bfloat16", "float16")
@@ -87,25 +96,37 @@ def build_attn_from(module, spec: Spec, dtype: Any, *, batch: int, heads_kv: int
                         causal=spec.causal, dtype=canonical_dtype(dtype), **tunables)
 
 
+def _arch(arch: str) -> str:
+    """`arch` as a device reports it ("sm_90a", TileLang's target, is "sm_90"); an arch the forward is not
+    built for is an error."""
+    name = HOPPER if arch == TARGETS[HOPPER] else arch
+    if name not in TARGETS:
+        raise KernelgenValueError(f"arch={arch!r}: the TileLang forward builds for {', '.join(TARGETS)} only")
+    return name
+
+
+def hopper(arch: str) -> bool:
+    """The forward for `arch` ("sm_90" or its target "sm_90a") is Hopper's (wgmma, TMA, warp specialisation)."""
+    return _arch(arch) == HOPPER
+
+
 def target_arch(device) -> str:
-    """The arch TileLang compiles for on a CUDA device: sm_90 becomes sm_90a (wgmma, warp specialisation)."""
-    arch = device_arch(device)
-    return "sm_90a" if arch == "sm_90" else arch
+    """The arch TileLang compiles for on a CUDA device (TARGETS): sm_90 becomes sm_90a."""
+    return TARGETS[_arch(device_arch(device))]
 
 
-def _target(arch: str):
-    from tilelang import tvm
+def _target_name(arch: str) -> str:
+    """TileLang's target for a device's arch (sm_90 -> sm_90a); a target name (or any other) as it is."""
+    return TARGETS.get(arch, arch)
 
-    return tvm.target.Target({"kind": "cuda", "arch": arch})
 
-
-def lower(prim_func, arch: str = ARCH, pass_configs: dict | None = None) -> str:
-    """CUDA source of `prim_func` for `arch` (no nvcc, no GPU), built with `pass_configs` (a forward's:
-    attn_pass_configs)."""
+def lower(prim_func, arch: str, pass_configs: dict | None = None) -> str:
+    """CUDA source of `prim_func` for `arch` ("sm_80", "sm_89", "sm_90" or its target "sm_90a"; no nvcc, no
+    GPU), built with `pass_configs` (a forward's: attn_pass_configs)."""
     import tilelang
     from tilelang import tvm
 
-    target = _target(arch)
+    target = tvm.target.Target({"kind": "cuda", "arch": _target_name(arch)})
     t0 = time.perf_counter()
     with tvm.transform.PassContext(opt_level=3, config=pass_configs or {}), target:
         artifact = tilelang.lower(prim_func, target=target)
@@ -120,10 +141,18 @@ def lower(prim_func, arch: str = ARCH, pass_configs: dict | None = None) -> str:
 FAST_MATH = {"tl.enable_fast_math": True}
 # TileLang's plain software pipeline (cp.async, one warpgroup) instead of a TMA producer warpgroup
 NO_WARP_SPECIALISATION = {"tl.disable_warp_specialized": True}
+# TileLang 0.1.15's cp.async pipeline over a run-time trip count (the forward's n_steps) drains its last
+# stages in a loop whose wait count depends on the loop index (cp.async.wait_group 3 - 2*i), and its CUDA
+# codegen takes only a constant there ("Downcast from tirx.Sub to ir.IntImm failed"; tile-ai/TileOPs#1852).
+# Unrolling loops in the IR, not by a #pragma, makes every count a constant. This is what "generates no
+# code with two or more stages" was on Hopper's one-warpgroup forward (attn_pass_configs)
+UNROLLED_PIPELINE_DRAIN = {"tl.UnrollLoop": {"explicit_unroll": True}}
 
 
-def attn_pass_configs(config) -> dict:
-    """The forward's build options. Both forwards get fast math. The one-warpgroup forward (128
+def attn_pass_configs(config, arch: str) -> dict:
+    """The forward's build options for `arch`. Off Hopper: fast math, TileLang's plain cp.async pipeline
+    (there is no TMA to specialise a producer for) and the drain unrolled (UNROLLED_PIPELINE_DRAIN), so
+    that it builds with 2 and 3 stages. On Hopper both forwards get fast math. The one-warpgroup forward (128
     threads) is built without warp specialisation: with TileLang's producer warpgroup it hung on the
     H200 (a32k's spec: D=64, 64-blocks, 32k keys; docs/DESIGN.md): with fast math a
     call never returned; without it, 300 eager calls and do_bench ran and the CUDA-graph replay of
@@ -133,17 +162,19 @@ def attn_pass_configs(config) -> dict:
     code for that pipeline with two or more stages (attn_infeasible keeps one). The
     two-warpgroup forwards (256 threads) keep warp specialisation: they ran thousands of calls ((b),
     c, c_dense, dense D=64 and D=128) and the (b) bench's graph replays."""
+    if not hopper(arch):
+        return {**FAST_MATH, **NO_WARP_SPECIALISATION, **UNROLLED_PIPELINE_DRAIN}
     return FAST_MATH if config.threads == 256 else {**FAST_MATH, **NO_WARP_SPECIALISATION}
 
 
-def compile_attn(prim_func, config, arch: str = ARCH, **kwargs: Any):
-    """compile_kernel for a forward built from `config` (build_attn), with that config's build options:
-    the one place dispatch, the tuner's precompile and exported modules compile the forward."""
-    return compile_kernel(prim_func, arch=arch, **{"pass_configs": attn_pass_configs(config), **kwargs})
+def compile_attn(prim_func, config, arch: str, **kwargs: Any):
+    """compile_kernel for a forward built from `config` (build_attn), with that config's build options for
+    `arch`: the one place dispatch, the tuner's precompile and exported modules compile the forward."""
+    return compile_kernel(prim_func, arch, **{"pass_configs": attn_pass_configs(config, arch), **kwargs})
 
 
-def compile_kernel(prim_func, arch: str = ARCH, out_idx: list[int] | None = None, **kwargs: Any):
-    """`tilelang.JITKernel` with the cubin built by nvcc for `arch`.
+def compile_kernel(prim_func, arch: str, out_idx: list[int] | None = None, **kwargs: Any):
+    """`tilelang.JITKernel` with the cubin built by nvcc for `arch` (a device's arch, or TileLang's target).
 
     Works on a machine without a GPU: TileLang only needs nvcc to build and a GPU to launch. Its
     own on-disk cache (TILELANG_CACHE_DIR, ~/.tilelang/cache by default) makes a repeat instant.
@@ -154,7 +185,7 @@ def compile_kernel(prim_func, arch: str = ARCH, out_idx: list[int] | None = None
     kernel = tilelang.compile(
         prim_func,
         out_idx=ATTN_OUT_IDX if out_idx is None else out_idx,
-        target={"kind": "cuda", "arch": arch},
+        target={"kind": "cuda", "arch": _target_name(arch)},
         **{"pass_configs": FAST_MATH, **kwargs},
     )
     log.debug("tilelang compile %s: %.2fs", arch, time.perf_counter() - t0)
@@ -166,11 +197,12 @@ def compile_kernel(prim_func, arch: str = ARCH, out_idx: list[int] | None = None
 @dataclass(frozen=True)
 class TileLangAttnConfig:
     """TileLang Q-centric forward. block_m: packed rows per program; threads: 128 (one consumer
-    warpgroup) or 256 (two); TileLang adds a producer warpgroup for the TMA loads. overlap: issue
+    warpgroup, four warps) or 256 (two, eight warps); on Hopper TileLang adds a producer warpgroup for
+    the TMA loads of two. num_stages: K and V blocks in flight (cp.async off Hopper). overlap: issue
     the QK gemm of the next KV sub-block and the PV gemm of the last one together and run the
     softmax while PV runs (FlashAttention-3's intra-warpgroup pipelining; Hopper wgmma only). pingpong
     (with overlap and 256 threads): the two consumer warpgroups take turns issuing their gemms
-    (FlashAttention-3's inter-warpgroup schedule)."""
+    (FlashAttention-3's inter-warpgroup schedule; Hopper only)."""
 
     block_m: int = 128
     num_stages: int = 2
@@ -182,12 +214,42 @@ class TileLangAttnConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig) -> str | None:
-    """Why the TileLang forward cannot run `cfg` for `spec`, or None. The row packing rule of every
-    backend; 256 threads need 128 rows (two 64-row warpgroups). Three stages at head_dim 64 are left
+def attn_smem_bytes(spec: Spec, cfg: TileLangAttnConfig, elem_bytes: int = 2) -> int:
+    """Dynamic shared memory of the forward off Hopper: the Q rows (O reuses them) and num_stages K and V
+    blocks. TileLang 0.1.15 plans exactly this (the lowered kernels' dyn_shared_memory_buf; a CPU test checks)."""
+    return (cfg.block_m + 2 * cfg.num_stages * spec.kv_block) * spec.head_dim * elem_bytes
+
+
+def _switches_infeasible(cfg: TileLangAttnConfig) -> str | None:
+    if not isinstance(cfg.overlap, bool) or not isinstance(cfg.pingpong, bool):
+        return f"overlap={cfg.overlap!r}, pingpong={cfg.pingpong!r}; expected bools"
+    return None
+
+
+def _mma_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | None:
+    """Why `cfg` cannot run on `arch` off Hopper (mma.sync and cp.async), or None: what that arch lacks."""
+    switches = _switches_infeasible(cfg)
+    if switches:
+        return switches
+    if cfg.overlap or cfg.pingpong:
+        return (f"overlap={cfg.overlap}, pingpong={cfg.pingpong} on {arch}: both schedule Hopper's asynchronous "
+                f"wgmma, and {arch} runs mma.sync; expected overlap=False, pingpong=False")
+    smem, limit = attn_smem_bytes(spec, cfg), SMEM_PER_BLOCK[arch]
+    if smem > limit:
+        return (f"{smem} B of shared memory (block_m={cfg.block_m} Q rows and num_stages={cfg.num_stages} K and V "
+                f"blocks of {spec.kv_block} keys at head_dim={spec.head_dim}); {arch} allows at most {limit} B "
+                "per block")
+    return None
+
+
+def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | None:
+    """Why the TileLang forward cannot run `cfg` for `spec` on `arch`, or None. The row packing rule of every
+    backend; 256 threads need 128 rows (two 64-row warpgroups). Off Hopper (_mma_infeasible): no overlap or
+    ping-pong, and the shared memory within the arch's. On Hopper: three stages at head_dim 64 are left
     out: on the H200 that kernel never finished (a32k tune, 2026-11-30). 128 threads: one stage, as that
     forward is built without warp specialisation (attn_pass_configs) and TileLang 0.1.15 generates no
-    code for it with more."""
+    code for it with more (without UNROLLED_PIPELINE_DRAIN, which the Hopper builds do not take)."""
+    arch = _arch(arch)
     if cfg.block_m not in (64, 128) or cfg.threads not in (128, 256):
         return f"block_m={cfg.block_m}, threads={cfg.threads}; expected block_m 64 or 128 and threads 128 or 256"
     packing = pack_infeasible(spec, cfg.block_m)
@@ -197,11 +259,14 @@ def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig) -> str | None:
         return "threads=256 (two consumer warpgroups of 64 rows) needs block_m=128"
     if cfg.num_stages not in (1, 2, 3):
         return f"num_stages={cfg.num_stages}; expected 1, 2 or 3"
+    if arch != HOPPER:
+        return _mma_infeasible(spec, cfg, arch)
     if cfg.threads == 128 and cfg.num_stages != 1:
         return ("threads=128 allows num_stages=1 only: that forward is built without warp specialisation (it hung "
                 "with it on the H200), and TileLang 0.1.15 generates no code for that pipeline with more stages")
-    if not isinstance(cfg.overlap, bool) or not isinstance(cfg.pingpong, bool):
-        return f"overlap={cfg.overlap!r}, pingpong={cfg.pingpong!r}; expected bools"
+    switches = _switches_infeasible(cfg)
+    if switches:
+        return switches
     if cfg.pingpong and not (cfg.overlap and cfg.threads == 256):
         return "pingpong=True needs overlap=True and threads=256 (two consumer warpgroups taking turns)"
     if spec.head_dim == 64 and cfg.num_stages == 3:
@@ -209,19 +274,45 @@ def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig) -> str | None:
     return None
 
 
-def attn_default(spec: Spec) -> TileLangAttnConfig:
-    # overlap at D=128: 540 vs 514 TFLOP/s on c_dense, 0.282 vs 0.298 ms on (b); at D=64 it was
-    # +3% non-causal, -3% causal (H200, 2026-11-30): off, the tuner decides
-    for block_m, threads, stages in ((128, 256, 2), (64, 128, 1)):
-        cfg = TileLangAttnConfig(block_m=block_m, num_stages=stages, threads=threads, overlap=spec.head_dim >= 128)
-        if attn_infeasible(spec, cfg) is None:
+def attn_default(spec: Spec, arch: str) -> TileLangAttnConfig:
+    """The config served on `arch` when nothing is tuned: the first feasible of a short list."""
+    if _arch(arch) == HOPPER:
+        # overlap at D=128: 540 vs 514 TFLOP/s on c_dense, 0.282 vs 0.298 ms on (b); at D=64 it was
+        # +3% non-causal, -3% causal (H200, 2026-11-30): off, the tuner decides
+        candidates = [TileLangAttnConfig(block_m=block_m, num_stages=stages, threads=threads,
+                                         overlap=spec.head_dim >= 128)
+                      for block_m, threads, stages in ((128, 256, 2), (64, 128, 1))]
+    else:
+        # Not measured on an sm_80 or sm_89 GPU (the tuner decides). As FlashAttention-2 there: 128 rows on
+        # four warps while each thread's fp32 scores and accumulator (block_m * (kv_block + head_dim) /
+        # threads) stay within 128 registers, else on eight; two stages where the shared memory holds them
+        warps_128 = 128 if spec.kv_block + spec.head_dim <= 128 else 256
+        candidates = [TileLangAttnConfig(block_m=block_m, num_stages=stages, threads=threads)
+                      for block_m, threads in ((128, warps_128), (64, 128)) for stages in (2, 1)]
+    for cfg in candidates:
+        why = attn_infeasible(spec, cfg, arch)
+        if why is None:
             return cfg
-    raise KernelgenValueError(f"no feasible TileLang attention config for {spec}")
+    raise KernelgenValueError(f"no feasible TileLang attention config for {spec} on {arch}; the smallest: {why}")
 
 
-def attn_space(spec: Spec):
+def attn_space(spec: Spec, arch: str):
+    """The candidate configs on `arch` (attn_infeasible sorts out the rest): overlap and ping-pong on Hopper only."""
+    switches = (False, True) if _arch(arch) == HOPPER else (False,)
     return (TileLangAttnConfig(block_m=m, num_stages=s, threads=t, overlap=o, pingpong=p)
-            for m, s, t, o, p in itertools.product((64, 128), (1, 2, 3), (128, 256), (False, True), (False, True)))
+            for m, s, t, o, p in itertools.product((64, 128), (1, 2, 3), (128, 256), switches, switches))
+
+
+def _hopper_unless_given(fn):
+    """`fn(spec, [config,] arch)` as base.RoleImpl calls it without an arch (this branch's interface): with
+    Hopper's, the one arch the forward had. Called with an arch (the arch-aware RoleImpl), it passes it on."""
+    arity = len(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def call(*args):
+        return fn(*args) if len(args) == arity else fn(*args, HOPPER)
+
+    return call
 
 
 def launch_attn(kernel, spec: Spec, config, shapes: Shapes, q, k, v, block_idx, scale):
@@ -234,19 +325,28 @@ def launch_attn(kernel, spec: Spec, config, shapes: Shapes, q, k, v, block_idx, 
 @functools.lru_cache(maxsize=64)
 def compiled_attn(spec: Spec, config: TileLangAttnConfig, problem: Problem):
     """The forward for one problem shape (cached here and on disk by TileLang)."""
+    arch = target_arch(problem.device)
+    if not hopper(arch):
+        why = _mma_infeasible(spec, config, _arch(arch))
+        if why:
+            raise KernelgenValueError(f"configs['attn'] = {config} cannot run on {arch}: {why} "
+                                      "(backends.tilelang.attn_space lists the points of each arch)")
     shapes = problem.shapes
     func = build_attn(spec, problem.dtype, batch=shapes.batch, heads_kv=shapes.heads_kv, seq_q=shapes.n_q,
                       seq_k=shapes.n_k, config=config)
-    return compile_attn(func, config, arch=target_arch(problem.device))
+    return compile_attn(func, config, arch)
 
 
 class TileLangBackend(Backend):
     name = "tilelang"
-    summary = "the attention forward in TileLang, compiled per problem shape (CUDA GPUs; wgmma and TMA on Hopper)"
+    summary = ("the attention forward in TileLang, compiled per problem shape (sm_80 to sm_90: wgmma and TMA on "
+               "Hopper, mma and cp.async before)")
+    archs = tuple(TARGETS)
     per_shape = True
     compilers = {"tilelang_version": ("tilelang",)}
     roles = {"attn": RoleImpl(launch=launch_attn, template=TEMPLATE, config_type=TileLangAttnConfig,
-                              default=attn_default, space=attn_space, infeasible=attn_infeasible)}
+                              default=_hopper_unless_given(attn_default), space=_hopper_unless_given(attn_space),
+                              infeasible=_hopper_unless_given(attn_infeasible))}
 
     def not_installed(self) -> str | None:
         if importlib.util.find_spec("tilelang") is None:
