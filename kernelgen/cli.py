@@ -128,7 +128,8 @@ def tune(
     from . import backends as registry
     from .device import current_arch
     from .roles import ROLES
-    from .tuning.plan import check_arch, plan
+    from .archs import check_arch
+    from .tuning.plan import plan
     from .tuning.presets import studies
 
     check_arch(arch)
@@ -143,9 +144,7 @@ def tune(
         names = [b for b in (backends_option or "").split(",") if b] or None
         for name in names or ():
             registry.get(name)
-        for study in studies(preset, chosen, names):
-            if registry.get(study.spec.backend).arch_unsupported(arch):
-                continue  # this arch cannot run that backend: plan only what it can
+        for study in studies(preset, arch, chosen, names):  # only what the arch runs
             if dry_run:
                 _print_plan(plan(study.spec, study.role, seq=study.seq, arch=arch, trials=study.trials,
                                  shape=study.shape))
@@ -248,6 +247,8 @@ def export(
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
     sink: int = SINK, backend: str = typer.Option("triton", help="A registered backend (not auto): its kernels are "
                                                    "baked in."),
+    arch: Optional[str] = typer.Option(None, help="GPU architecture the module is for, e.g. sm_89: its default "
+                                                  "configs are baked in (default: the GPU present's, else cpu)."),
 ):
     """Write one standalone module (torch + triton, and the backend's compiler) with the kernels and configs
     baked in."""
@@ -255,7 +256,7 @@ def export(
 
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
                               backend)
-    path = export_module(spec, out)
+    path = export_module(spec, out, arch=arch)
     console.print(f"wrote {path}")
 
 

@@ -20,7 +20,8 @@ from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import BlockLists, Shapes, check_block_idx, check_block_lists, check_qkv
-from .device import interpreting
+from .archs import ANY_ARCH
+from .device import device_arch, interpreting
 from .roles import get_role
 from .spec import Spec
 from .tuning.buckets import seq_bucket
@@ -70,7 +71,8 @@ class SparseAttention:
         for role, cfg in self._fixed.items():
             get_role(role)
             backend = self._pinned_backend(role, cfg)
-            backend.check_config(get_role(role).kernel_spec(spec, backend.name), role, cfg)
+            # no device yet: what no arch runs fails here, what this one cannot when served
+            backend.check_config(get_role(role).kernel_spec(spec, backend.name), role, cfg, ANY_ARCH)
 
     def _pinned_backend(self, role: str, cfg) -> Backend:
         if self.spec.backend == backends.AUTO:  # any backend's config: it says which backend serves
@@ -111,10 +113,11 @@ class SparseAttention:
         spec = get_role(role).kernel_spec(self.spec, backend.name)
         if role in self._fixed:
             config, source = self._fixed[role], "pinned"
+            backend.check_config(spec, role, config, device_arch(device))
         else:
             config, source = tuned_config(backend, spec, role, bucket, dtype, device)
             if source is None:
-                config, source = backend.default_config(spec, role), "default"
+                config, source = backend.default_config(spec, role, device_arch(device)), "default"
         log.debug("kernelgen serves %s of %s (bucket %d, %s, %s): backend %s, config %s (%s)", role, self.spec,
                   bucket, str(dtype).removeprefix("torch."), device, backend.name, config, source)
         kernel = None if backend.per_shape else self._build(backend, spec, role, config, None)

@@ -43,9 +43,11 @@ import jinja2
 import jinja2.meta
 
 from . import backends
+from .archs import check_arch
 from .backends.base import distribution_version
 from .codegen import render as _render_module
 from .codegen.render import render, template_path
+from .device import current_arch
 from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
 from .roles import get_role
 from .spec import Spec
@@ -72,7 +74,7 @@ def call_roles(spec: Spec) -> tuple[str, ...]:
     return ("lists", "select", "attn") if spec.selects else ("lists", "attn")
 
 
-def export_module(spec: Spec, out_path, configs: dict | None = None) -> Path:
+def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str | None = None) -> Path:
     """Write one standalone Python module for `spec` to `out_path` (a .py file) and return its path.
 
     configs   {role: config} baked into the module, for the roles a call runs (`call_roles`: "select"
@@ -80,6 +82,8 @@ def export_module(spec: Spec, out_path, configs: dict | None = None) -> Path:
               the backend's default (`backends.runner(spec.backend, role).default_config`); to bake in the
               tuning DB's winners for a length, pass `{r: get_kernel(spec).config(r, n, n, dtype, device)
               for r in ("attn", "select")}` (on the machine whose DB holds them).
+    arch      the arch the module is for ("sm_89"; `kernelgen.archs`): the defaults are its, and the
+              configs must run on it. Default: the GPU present's, else "cpu" (the interpreter).
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)`, `select(q, k)`,
     `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `SPEC` (the
@@ -99,13 +103,16 @@ def export_module(spec: Spec, out_path, configs: dict | None = None) -> Path:
     out_path = Path(out_path)
     if out_path.suffix != ".py":
         raise KernelgenValueError(f"out_path must name a .py file, got {out_path}")
-    text = assemble(spec, resolve_configs(spec, configs))
+    if arch is None:
+        arch = current_arch() or "cpu"
+    text = assemble(spec, resolve_configs(spec, configs, check_arch(arch)))
     _write_atomic(out_path, text)
     return out_path
 
 
-def resolve_configs(spec: Spec, configs: dict | None) -> dict:
-    """{role: config} for every role a call of `spec` runs: the given ones checked, the others the default."""
+def resolve_configs(spec: Spec, configs: dict | None, arch: str) -> dict:
+    """{role: config} for every role a call of `spec` runs on `arch`: the given ones checked, the others the
+    default."""
     if configs is not None and not isinstance(configs, dict):
         raise KernelgenTypeError(f"configs must be a dict {{role: config}}, got {type(configs).__name__}")
     configs = dict(configs or {})
@@ -119,8 +126,8 @@ def resolve_configs(spec: Spec, configs: dict | None) -> dict:
         backend, kernel_spec = _runner(spec, role)
         cfg = configs.get(role)
         if cfg is None:
-            cfg = backend.default_config(kernel_spec, role)
-        backend.check_config(kernel_spec, role, cfg)
+            cfg = backend.default_config(kernel_spec, role, arch)
+        backend.check_config(kernel_spec, role, cfg, arch)
         out[role] = cfg
     return out
 

@@ -1,6 +1,6 @@
-"""Config spaces of each backend's roles: every point feasible, infeasible points pruned before any compile,
-defaults inside, pinned configs checked (`kernelgen.backends`: Backend.default_config, config_space,
-infeasible, check_config, config_from_dict)."""
+"""Config spaces of each backend's roles per arch: every point feasible, infeasible points pruned before any
+compile, defaults inside, pinned configs checked (`kernelgen.backends`: Backend.default_config, config_space,
+infeasible, check_config, config_from_dict; `kernelgen.archs`: what each arch offers)."""
 import dataclasses
 import itertools
 
@@ -12,12 +12,14 @@ from kernelgen import TileLangAttnConfig, backends
 from kernelgen.backends import gluon as gluon_backend
 from kernelgen.backends import tilelang as tilelang_backend
 from kernelgen.backends import triton as triton_backend
-from kernelgen.backends.triton import SMEM_LIMIT_SM90, attn_smem_bytes
+from kernelgen.archs import ANY_ARCH, ARCHS
+from kernelgen.backends.triton import attn_smem_bytes
 from kernelgen.dispatch import SparseAttention
 from kernelgen.roles import get_role
 from kernelgen.tuning.buckets import seq_bucket
 
 TRITON, TILELANG, GLUON = (backends.get(name) for name in ("triton", "tilelang", "gluon"))
+SM90_SMEM = ARCHS["sm_90"].smem_per_block
 
 SPECS = [
     Spec(head_dim=d, kv_block=kv, q_tile=qt, top_k=tk, causal=c, gqa_group=g, selector=sel, backend=be)
@@ -35,16 +37,22 @@ def _served(spec, role):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.key())
 def test_defaults_are_points_of_their_spaces(spec):
-    for role in ("attn", "select"):
+    for arch, role in itertools.product(("sm_80", "sm_89", "sm_90"), ("attn", "select")):
         backend, kernel_spec = _served(spec, role)
-        space = backend.config_space(kernel_spec, role)
-        assert space and all(type(c) is backend.config_type(role) for c in space), role
-        assert all(backend.infeasible(kernel_spec, role, c) is None for c in space), role
-        cfg = backend.default_config(kernel_spec, role)
-        assert backend.infeasible(kernel_spec, role, cfg) is None, (role, cfg)
+        space = backend.config_space(kernel_spec, role, arch)
+        if not space and backend is TRITON and spec.head_dim == 256 and spec.kv_block == 128:
+            # a K and a V block of 64 KB each: more than the 99 KB of sm_89 holds with any Q tile
+            assert arch == "sm_89"
+            with pytest.raises(KernelgenValueError, match="exceed its 101376 B of shared memory; use a smaller"):
+                backend.default_config(kernel_spec, role, arch)
+            continue
+        assert space and all(type(c) is backend.config_type(role) for c in space), (arch, role)
+        assert all(backend.infeasible(kernel_spec, role, c, arch) is None for c in space), (arch, role)
+        cfg = backend.default_config(kernel_spec, role, arch)
+        assert backend.infeasible(kernel_spec, role, cfg, arch) is None, (arch, role, cfg)
         if role == "select" and spec.top_k > 128:
             continue  # long lists: the default's chunk can exceed the space's largest (it stays feasible)
-        assert cfg in space, (role, cfg)
+        assert cfg in space, (arch, role, cfg)
 
 
 def test_roles_a_backend_lacks_run_on_the_fallback():
@@ -54,10 +62,10 @@ def test_roles_a_backend_lacks_run_on_the_fallback():
         assert backends.runner(name, "attn").name == name
         assert backends.runner(name, "select") is TRITON and backends.runner(name, "lists") is TRITON
         with pytest.raises(KernelgenValueError, match=rf"backend='{name}' does not run role 'select'"):
-            backends.get(name).default_config(Spec(head_dim=128, backend=name), "select")
-    assert TRITON.config_type("lists") is None and TRITON.config_space(Spec(head_dim=64), "lists") == [None]
+            backends.get(name).default_config(Spec(head_dim=128, backend=name), "select", "sm_90")
+    assert TRITON.config_type("lists") is None and TRITON.config_space(Spec(head_dim=64), "lists", "sm_89") == [None]
     with pytest.raises(KernelgenValueError, match="does not run role 'bwd'"):
-        TRITON.config_space(Spec(head_dim=64), "bwd")
+        TRITON.config_space(Spec(head_dim=64), "bwd", "sm_90")
 
 
 def test_shared_memory_bound_prunes_what_failed_on_the_h200():
@@ -65,16 +73,16 @@ def test_shared_memory_bound_prunes_what_failed_on_the_h200():
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=16, selector="given")
     for block_m, need in ((64, 278528), (128, 294912)):
         cfg = AttnConfig(block_m=block_m, num_warps=8, num_stages=4)
-        assert attn_smem_bytes(spec, cfg) == need > SMEM_LIMIT_SM90
-        assert "B of shared memory" in triton_backend.attn_infeasible(spec, cfg)
-        assert TRITON.infeasible(spec, "attn", cfg) and cfg not in TRITON.config_space(spec, "attn")
-    assert TRITON.infeasible(spec, "attn", AttnConfig(block_m=128, num_warps=8, num_stages=2)) is None
+        assert attn_smem_bytes(spec, cfg, "sm_90") == need > SM90_SMEM
+        assert "B of shared memory" in triton_backend.attn_infeasible(spec, cfg, "sm_90")
+        assert TRITON.infeasible(spec, "attn", cfg, "sm_90") and cfg not in TRITON.config_space(spec, "attn", "sm_90")
+    assert TRITON.infeasible(spec, "attn", AttnConfig(block_m=128, num_warps=8, num_stages=2), "sm_90") is None
 
 
 def test_select_space_respects_top_k():
     spec = Spec(head_dim=64, top_k=64)
-    space = TRITON.config_space(spec, "select")
-    assert space and all(c.chunk >= 64 and triton_backend.select_infeasible(spec, c) is None for c in space)
+    space = TRITON.config_space(spec, "select", "sm_90")
+    assert space and all(c.chunk >= 64 and triton_backend.select_infeasible(spec, c, "sm_90") is None for c in space)
 
 
 def test_seq_bucket():
@@ -85,15 +93,16 @@ def test_seq_bucket():
 
 def test_a_spec_no_config_fits_is_a_clear_error():
     with pytest.raises(KernelgenValueError, match="smaller kv_block"):
-        TRITON.default_config(Spec(head_dim=256, kv_block=256), "attn")
+        TRITON.default_config(Spec(head_dim=256, kv_block=256), "attn", "sm_90")
 
 
-def test_a_config_of_another_type_is_infeasible():
+@pytest.mark.parametrize("arch", ["sm_90", ANY_ARCH])
+def test_a_config_of_another_type_is_infeasible(arch):
     spec = Spec(head_dim=64)
-    assert TRITON.infeasible(spec, "attn", GluonAttnConfig()) == "GluonAttnConfig is no AttnConfig"
-    assert TRITON.infeasible(spec, "select", AttnConfig()) == "AttnConfig is no SelectConfig"
-    assert "takes no config" in TRITON.infeasible(spec, "lists", SelectConfig())
-    assert TRITON.infeasible(spec, "lists", None) is None
+    assert TRITON.infeasible(spec, "attn", GluonAttnConfig(), arch) == "GluonAttnConfig is no AttnConfig"
+    assert TRITON.infeasible(spec, "select", AttnConfig(), arch) == "AttnConfig is no SelectConfig"
+    assert "takes no config" in TRITON.infeasible(spec, "lists", SelectConfig(), arch)
+    assert TRITON.infeasible(spec, "lists", None, arch) is None
 
 
 @pytest.mark.parametrize("change", [dict(threads=512), dict(threads=64), dict(num_stages=4), dict(num_stages=0),
@@ -103,21 +112,22 @@ def test_tilelang_pinned_config_outside_the_kernel_s_range_is_refused(change):
     """A pinned TileLang config the kernel was never built for (thread count, stages, a non-bool switch)
     is a clear error, not a launch of an untested shape."""
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
-    cfg = TILELANG.default_config(spec, "attn")
+    cfg = TILELANG.default_config(spec, "attn", "sm_90")
     assert type(cfg) is TileLangAttnConfig
-    TILELANG.check_config(spec, "attn", cfg)
-    TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, pingpong=True))  # overlap with two warpgroups: allowed
+    TILELANG.check_config(spec, "attn", cfg, "sm_90")
+    # overlap with two warpgroups: allowed
+    TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, pingpong=True), "sm_90")
     with pytest.raises(KernelgenValueError, match="not feasible"):
-        TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, **change))
+        TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, **change), "sm_90")
 
 
 def test_tilelang_pingpong_needs_overlap_and_two_warpgroups():
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
-    space = TILELANG.config_space(spec, "attn")
+    space = TILELANG.config_space(spec, "attn", "sm_90")
     assert all(c.overlap and c.threads == 256 for c in space if c.pingpong)
     assert sum(c.pingpong for c in space) == sum(c.overlap and c.threads == 256 and not c.pingpong for c in space) > 0
     why = tilelang_backend.attn_infeasible(spec, TileLangAttnConfig(block_m=128, num_stages=2, threads=256,
-                                                                    overlap=False, pingpong=True))
+                                                                    overlap=False, pingpong=True), "sm_90")
     assert "pingpong=True needs overlap=True and threads=256" in why
 
 
@@ -136,31 +146,32 @@ def _gluon(**fields):
     (_gluon(q_tile=64, gqa_group=3), {(64, 2), (64, 3)}, (64, 3)),  # 128 rows would split a head's tile
 ])
 def test_gluon_space_and_default(spec, points, default):
-    space = GLUON.config_space(spec, "attn")
+    space = GLUON.config_space(spec, "attn", "sm_90")
     assert {(c.block_m, c.num_stages) for c in space} == points
-    assert all(type(c) is GluonAttnConfig and gluon_backend.attn_infeasible(spec, c) is None for c in space)
-    assert GLUON.default_config(spec, "attn") == GluonAttnConfig(*default)
+    assert all(type(c) is GluonAttnConfig and gluon_backend.attn_infeasible(spec, c, "sm_90") is None for c in space)
+    assert GLUON.default_config(spec, "attn", "sm_90") == GluonAttnConfig(*default)
     selector, select_spec = _served(spec, "select")  # the Triton selector's
     assert selector is TRITON and select_spec == spec.replace(backend="triton")
-    assert selector.default_config(select_spec, "select") in selector.config_space(select_spec, "select")
+    assert selector.default_config(select_spec, "select", "sm_90") in selector.config_space(select_spec, "select",
+                                                                                           "sm_90")
 
 
 def test_gluon_shared_memory_bound():
     spec = _gluon(gqa_group=4)
-    limit = SMEM_LIMIT_SM90 - gluon_backend.GLUON_BARRIER_BYTES
+    limit = SM90_SMEM - gluon_backend.GLUON_BARRIER_BYTES
     assert gluon_backend.gluon_attn_smem_bytes(spec, GluonAttnConfig(128, 4)) == 262144 > limit
-    assert "262144 B of shared memory" in gluon_backend.attn_infeasible(spec, GluonAttnConfig(128, 4))
+    assert "262144 B of shared memory" in gluon_backend.attn_infeasible(spec, GluonAttnConfig(128, 4), "sm_90")
     assert gluon_backend.gluon_attn_smem_bytes(spec, GluonAttnConfig(128, 3)) == 196608
-    assert gluon_backend.attn_infeasible(spec, GluonAttnConfig(128, 3)) is None
+    assert gluon_backend.attn_infeasible(spec, GluonAttnConfig(128, 3), "sm_90") is None
 
 
 @pytest.mark.parametrize("cfg", [dict(block_m=32), dict(block_m=256), dict(num_stages=1), dict(num_stages=5),
                                  dict(block_m=128, num_stages=4)])
 def test_gluon_pinned_config_outside_the_kernel_s_range_is_refused(cfg):
     spec = _gluon(gqa_group=4)
-    GLUON.check_config(spec, "attn", GluonAttnConfig())
+    GLUON.check_config(spec, "attn", GluonAttnConfig(), "sm_90")
     with pytest.raises(KernelgenValueError, match=r"configs\['attn'\] = .* is not feasible"):
-        GLUON.check_config(spec, "attn", GluonAttnConfig(**cfg))
+        GLUON.check_config(spec, "attn", GluonAttnConfig(**cfg), "sm_90")
     with pytest.raises(KernelgenValueError, match=r"configs\['attn'\] = .* is not feasible"):
         SparseAttention(spec, {"attn": GluonAttnConfig(**cfg)})  # what get_kernel(configs=...) runs
 
@@ -170,11 +181,11 @@ def test_gluon_pinned_config_types():
     a Gluon one only where the Gluon kernel computes the spec."""
     spec = _gluon(gqa_group=4)
     with pytest.raises(KernelgenTypeError, match=r"must be a GluonAttnConfig for backend='gluon', got AttnConfig"):
-        GLUON.check_config(spec, "attn", AttnConfig())
+        GLUON.check_config(spec, "attn", AttnConfig(), "sm_90")
     with pytest.raises(KernelgenTypeError, match=r"must be a GluonAttnConfig for backend='gluon', got AttnConfig"):
         SparseAttention(spec, {"attn": AttnConfig()})
     with pytest.raises(KernelgenTypeError, match=r"must be a AttnConfig for backend='triton', got GluonAttnConfig"):
-        TRITON.check_config(spec.replace(backend="triton"), "attn", GluonAttnConfig())
+        TRITON.check_config(spec.replace(backend="triton"), "attn", GluonAttnConfig(), ANY_ARCH)
     with pytest.raises(KernelgenTypeError, match=r"must be a AttnConfig for backend='triton', got GluonAttnConfig"):
         SparseAttention(spec.replace(backend="triton"), {"attn": GluonAttnConfig()})
     SparseAttention(spec, {"select": SelectConfig(tiles=16)})  # the Triton selector's config
@@ -216,8 +227,8 @@ def test_a_spec_the_gluon_kernel_cannot_compute_is_refused_where_served(fields, 
     with pytest.raises(KernelgenValueError, match=why):
         kernelgen.get_kernel(spec)
     with pytest.raises(KernelgenValueError, match=why):
-        GLUON.default_config(spec, "attn")
-    assert GLUON.config_space(spec, "attn") == []
+        GLUON.default_config(spec, "attn", "sm_90")
+    assert GLUON.config_space(spec, "attn", "sm_90") == []
     backends.check_spec(spec.replace(backend="triton"))  # Triton computes every spec
     backends.check_spec(spec.replace(backend="auto"))  # and so serves "auto"
 
@@ -250,11 +261,14 @@ def test_an_infeasible_pinned_config_says_why(backend, role, cfg, why):
     spec = Spec(head_dim=64, kv_block=64, q_tile=128, top_k=16, backend=backend)
     cfg = eval(cfg)
     runner = backends.get(backend)
-    assert runner.infeasible(spec, role, cfg)
-    with pytest.raises(KernelgenValueError, match=rf"configs\['{role}'\] = .* is not feasible for .*{why}"):
-        runner.check_config(spec, role, cfg)
+    assert runner.infeasible(spec, role, cfg, "sm_90")
+    with pytest.raises(KernelgenValueError, match=rf"configs\['{role}'\] = .* not feasible for .* on sm_90: .*{why}"):
+        runner.check_config(spec, role, cfg, "sm_90")
+    # no arch runs them: refused where a config is pinned, before any device is known
+    with pytest.raises(KernelgenValueError, match=rf"configs\['{role}'\] = .* not feasible .* on any arch: .*{why}"):
+        runner.check_config(spec, role, cfg, ANY_ARCH)
 
 
 def test_a_selector_chunk_narrower_than_top_k_says_why():
     assert "chunk=16 blocks is fewer than next_pow2(top_k) = 32" in TRITON.infeasible(
-        Spec(head_dim=64, kv_block=64, q_tile=64, top_k=32), "select", SelectConfig(tiles=16, chunk=16))
+        Spec(head_dim=64, kv_block=64, q_tile=64, top_k=32), "select", SelectConfig(tiles=16, chunk=16), "sm_89")

@@ -182,7 +182,7 @@ class TileLangAttnConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig) -> str | None:
+def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | None:
     """Why the TileLang forward cannot run `cfg` for `spec`, or None. The row packing rule of every
     backend; 256 threads need 128 rows (two 64-row warpgroups). Three stages at head_dim 64 are left
     out: on the H200 that kernel never finished (a32k tune, 2026-11-30). 128 threads: one stage, as that
@@ -209,17 +209,17 @@ def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig) -> str | None:
     return None
 
 
-def attn_default(spec: Spec) -> TileLangAttnConfig:
+def attn_default(spec: Spec, arch: str) -> TileLangAttnConfig:
     # overlap at D=128: 540 vs 514 TFLOP/s on c_dense, 0.282 vs 0.298 ms on (b); at D=64 it was
     # +3% non-causal, -3% causal (H200, 2026-11-30): off, the tuner decides
     for block_m, threads, stages in ((128, 256, 2), (64, 128, 1)):
         cfg = TileLangAttnConfig(block_m=block_m, num_stages=stages, threads=threads, overlap=spec.head_dim >= 128)
-        if attn_infeasible(spec, cfg) is None:
+        if attn_infeasible(spec, cfg, arch) is None:
             return cfg
     raise KernelgenValueError(f"no feasible TileLang attention config for {spec}")
 
 
-def attn_space(spec: Spec):
+def attn_space(spec: Spec, arch: str):
     return (TileLangAttnConfig(block_m=m, num_stages=s, threads=t, overlap=o, pingpong=p)
             for m, s, t, o, p in itertools.product((64, 128), (1, 2, 3), (128, 256), (False, True), (False, True)))
 

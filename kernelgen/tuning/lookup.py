@@ -38,7 +38,8 @@ def tuned_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, device:
                                 arch=device_arch(device), gpu_name=gpu_name(device),
                                 dtype=str(dtype).removeprefix("torch."), bucket=bucket,
                                 fingerprint=_fingerprint(backend.name, role))
-        if row is not None and backend.infeasible(spec, role, backend.config_from_dict(role, row["config"])):
+        if row is not None and backend.infeasible(spec, role, backend.config_from_dict(role, row["config"]),
+                                                  device_arch(device)):
             # tuned before kernelgen left the point out of its space (a kernel seen to hang, e.g.
             # TileLang's three stages at D=64): a miss, never a launch of it
             log.warning("tuning DB: %s %s row (bucket %d, %s) holds %s, which this kernelgen no longer runs; "
