@@ -146,11 +146,11 @@ class Backend:
             return f"{type(config).__name__} is no {impl.config_type.__name__}"
         if arch is not ANY_ARCH:
             return impl.infeasible(spec, config, check_arch(arch))
-        reasons = [impl.infeasible(spec, config, a) for a in self._known_archs()]
+        reasons = [impl.infeasible(spec, config, a) for a in self._runnable_archs()]
         # ARCHS is in order of capability: the last arch's reason is the one of the most capable
         return reasons[-1] if reasons and all(reasons) else None
 
-    def _known_archs(self) -> list[str]:
+    def _runnable_archs(self) -> list[str]:
         """The archs of kernelgen's table (and of `archs`) that this backend runs on, in order of capability."""
         candidates = dict.fromkeys([*ARCHS, *(self.archs or ()), "cpu"])
         return [arch for arch in candidates if self.arch_unsupported(arch) is None]
