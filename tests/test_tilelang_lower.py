@@ -18,6 +18,7 @@ pytestmark = pytest.mark.tilelang
 
 pytest.importorskip("tilelang")
 
+import kernelgen.dispatch  # noqa: E402
 from kernelgen import Spec  # noqa: E402
 from kernelgen.backends import tilelang as tb  # noqa: E402
 from kernelgen.backends.tilelang import TileLangAttnConfig  # noqa: E402
@@ -255,6 +256,7 @@ def test_bench_precompiles_the_tilelang_forwards(monkeypatch):
     monkeypatch.setattr(worker, "multiprocessing",
                         types.SimpleNamespace(get_context=lambda method=None: multiprocessing.get_context("fork")))
     monkeypatch.setattr(tb, "target_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(kernelgen.dispatch, "device_arch", lambda device: "sm_90")  # whose default configs it serves
     lines = []
     bench_run._precompile_per_shape(["tiny", "b"], torch.device("cuda"), log=lines.append)
     assert len(lines) == 1 and lines[0].startswith("precompiled 2 per-shape forwards (tilelang)"), lines

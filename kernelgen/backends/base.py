@@ -147,12 +147,12 @@ class Backend:
         if arch is not ANY_ARCH:
             return impl.infeasible(spec, config, check_arch(arch))
         reasons = [impl.infeasible(spec, config, a) for a in self._runnable_archs()]
-        # ARCHS is in order of capability: the last arch's reason is the one of the most capable
-        return reasons[-1] if reasons and all(reasons) else None
+        return reasons[-1] if reasons and all(reasons) else None  # the most capable arch's reason
 
     def _runnable_archs(self) -> list[str]:
-        """The archs of kernelgen's table (and of `archs`) that this backend runs on, in order of capability."""
-        candidates = dict.fromkeys([*ARCHS, *(self.archs or ()), "cpu"])
+        """The archs this backend runs on, of the interpreter, kernelgen's table and `archs`, in order of
+        capability (the interpreter first: a GPU's reason is the one to give)."""
+        candidates = dict.fromkeys(["cpu", *ARCHS, *(self.archs or ())])
         return [arch for arch in candidates if self.arch_unsupported(arch) is None]
 
     def config_space(self, spec: Spec, role: str, arch: str) -> list:

@@ -114,8 +114,9 @@ def attn_infeasible(spec: Spec, cfg: AttnConfig, arch: str) -> str | None:
 def attn_default(spec: Spec, arch: str) -> AttnConfig:
     warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
     stages = {64: 2, 128: 2, 256: 1}[spec.head_dim]  # H200 sweep, shape (a): 2 stages beat 3
-    # fewer stages only where no block_m fits with these many: 99 KB (sm_86, sm_89) at D=128 with 128-key
-    # blocks (sm_90 always fits them)
+    # fewer rows, then fewer stages, where the arch's shared memory holds no more: 64 rows at D=128 with
+    # 128-key blocks on sm_86 and sm_89 (99 KB), and at D=256 with 64-key blocks there or 128-key ones on
+    # sm_80; one stage on an arch the table lacks. sm_90 fits the H200 sweep's choice.
     for num_stages in range(stages, 0, -1):
         for block_m in (128, 64, 32, 16):
             cfg = AttnConfig(block_m=block_m, num_warps=warps, num_stages=num_stages)
