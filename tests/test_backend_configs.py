@@ -12,7 +12,7 @@ from kernelgen import TileLangAttnConfig, backends
 from kernelgen.backends import gluon as gluon_backend
 from kernelgen.backends import tilelang as tilelang_backend
 from kernelgen.backends import triton as triton_backend
-from kernelgen.archs import ANY_ARCH, ARCHS
+from kernelgen.archs import ANY_ARCH, ARCHS, ArchFacts, arch_facts
 from kernelgen.backends.triton import attn_smem_bytes
 from kernelgen.dispatch import SparseAttention
 from kernelgen.roles import get_role
@@ -53,6 +53,59 @@ def test_defaults_are_points_of_their_spaces(spec):
         if role == "select" and spec.top_k > 128:
             continue  # long lists: the default's chunk can exceed the space's largest (it stays feasible)
         assert cfg in space, (arch, role, cfg)
+
+
+def test_the_arch_table():
+    """Shared memory per program as CUDA gives it, TMA and wgmma on sm_90 only; the interpreter gets sm_90's
+    facts, an arch the table lacks its least, one older than the kernels an error."""
+    smem = {arch: facts.smem_per_block for arch, facts in ARCHS.items()}
+    assert smem == {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448}
+    assert [a for a, f in ARCHS.items() if f.tma] == [a for a, f in ARCHS.items() if f.mma == "wgmma"] == ["sm_90"]
+    assert arch_facts("cpu") == dataclasses.replace(ARCHS["sm_90"], arch="cpu")
+    for newer in ("sm_100", "sm_120"):
+        assert arch_facts(newer) == ArchFacts(newer, 101376, tma=False, mma="unknown")
+    with pytest.raises(KernelgenValueError, match="arch='sm_75' is older than kernelgen's kernels run on"):
+        arch_facts("sm_75")
+    with pytest.raises(KernelgenValueError, match="arch='sm_90a' is not a CUDA arch"):
+        TRITON.default_config(Spec(head_dim=64), "attn", "sm_90a")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_100"])
+def test_triton_off_hopper_has_no_tma_and_less_shared_memory(arch):
+    spec = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, gqa_group=4, selector="given")
+    space = TRITON.config_space(spec, "attn", arch)
+    assert space and not any(c.use_tma for c in space)
+    assert max(attn_smem_bytes(spec, c, arch) for c in space) <= arch_facts(arch).smem_per_block
+    assert {dataclasses.replace(c, use_tma=False) for c in TRITON.config_space(spec, "attn", "sm_90")} > set(space)
+    tma = AttnConfig(block_m=64, use_tma=True)
+    assert TRITON.infeasible(spec, "attn", tma, arch) == f"use_tma=True needs TMA (sm_90), which {arch} lacks"
+    assert TRITON.infeasible(spec, "attn", tma, "sm_90") is None
+    assert TRITON.infeasible(spec, "attn", tma, ANY_ARCH) is None  # pinned before a device: sm_90 runs it
+
+
+def test_mma_sync_archs_buffer_one_stage_fewer():
+    """What Triton 3.6 asks for (offline compiles, tests/test_triton_compile.py): sm_90 buffers num_stages
+    K and V blocks, sm_80 to sm_89 num_stages - 1 and up to half a step of keys' rows more; one stage is one
+    buffer everywhere; an arch the table lacks gets the larger estimate."""
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, selector="given")
+    two, one = AttnConfig(block_m=64, num_warps=8, num_stages=2), AttnConfig(block_m=128, num_warps=8, num_stages=1)
+    assert attn_smem_bytes(spec, two, "sm_90") == attn_smem_bytes(spec, two, "sm_100") == (4 * 128 + 64) * 256
+    assert attn_smem_bytes(spec, two, "sm_89") == (2 * 128 + 64 + 64) * 256 == 98304
+    assert {attn_smem_bytes(spec, one, arch) for arch in ("sm_80", "sm_89", "sm_90", "sm_100")} == {(256 + 128) * 256}
+    # so at 99 KB the H200's default (128 rows, 2 stages) gives way to 64 rows on sm_89, to one stage on sm_120
+    assert TRITON.default_config(spec, "attn", "sm_90") == dataclasses.replace(two, block_m=128)
+    assert TRITON.default_config(spec, "attn", "sm_80") == dataclasses.replace(two, block_m=128)
+    assert TRITON.default_config(spec, "attn", "sm_89") == two
+    assert TRITON.default_config(spec, "attn", "sm_120") == one
+
+
+def test_gluon_runs_on_sm90_only():
+    spec = _gluon(gqa_group=4)
+    for arch in ("sm_80", "sm_89", "sm_100"):
+        assert GLUON.config_space(spec, "attn", arch) == []
+        with pytest.raises(KernelgenValueError, match=f"needs TMA and wgmma \\(Hopper, sm_90\\), which {arch} lacks"):
+            GLUON.default_config(spec, "attn", arch)
+    assert GLUON.infeasible(spec, "attn", GluonAttnConfig(), ANY_ARCH) is None
 
 
 def test_roles_a_backend_lacks_run_on_the_fallback():

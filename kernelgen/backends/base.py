@@ -41,7 +41,7 @@ class RoleImpl:
     launch       (kernel, spec, config, shapes, *args) -> the role's output (`kernelgen.roles` lists the args)
 
     `arch` is a checked arch string ("sm_89", or "cpu": `kernelgen.archs`), whose hardware facts
-    (`kernelgen.archs.arch_facts`: shared memory, TMA) the rules read.
+    (`kernelgen.archs.arch_facts`: shared memory, TMA, MMA) the rules read.
     """
 
     launch: Callable[..., Any]

@@ -88,7 +88,7 @@ def attn_infeasible(spec: Spec, cfg: GluonAttnConfig, arch: str) -> str | None:
         return f"num_stages={cfg.num_stages}; expected 2, 3 or 4"
     smem, limit = gluon_attn_smem_bytes(spec, cfg), arch_facts(arch).smem_per_block - GLUON_BARRIER_BYTES
     if smem > limit:
-        return f"a ring of {cfg.num_stages} K and V blocks is {smem} B of shared memory; at most {limit}"
+        return f"a ring of {cfg.num_stages} K and V blocks is {smem} B of shared memory; at most {limit} on {arch}"
     return None
 
 
