@@ -51,22 +51,21 @@ ANY_ARCH = None
 
 
 def check_arch(arch: str) -> str:
-    """An arch string: "sm_XY" (XY the compute capability, as CUDA's nvcc names it) or "cpu"."""
-    if arch == "cpu" or (isinstance(arch, str) and re.fullmatch(r"sm_[1-9][0-9]{1,2}", arch)
-                         and 50 <= int(arch[3:]) <= 129):
+    """An arch kernelgen runs on: "sm_XY" (XY the compute capability, as CUDA's nvcc names it) from sm_80 on,
+    or "cpu"."""
+    if arch == "cpu":
         return arch
-    raise KernelgenValueError(f"arch={arch!r} is not a CUDA arch as the GPU reports it; expected sm_XY such as sm_80, "
-                              "sm_89 or sm_90 (or 'cpu' for the interpreter)")
+    if not (isinstance(arch, str) and re.fullmatch(r"sm_[1-9][0-9]{1,2}", arch) and 50 <= int(arch[3:]) <= 129):
+        raise KernelgenValueError(f"arch={arch!r} is not a CUDA arch as the GPU reports it; expected sm_XY such as "
+                                  "sm_80, sm_89 or sm_90 (or 'cpu' for the interpreter)")
+    if int(arch[3:]) < OLDEST_CAPABILITY:
+        raise KernelgenValueError(f"arch={arch!r} is older than kernelgen's kernels run on; expected "
+                                  f"sm_{OLDEST_CAPABILITY} or newer (bf16 tensor cores)")
+    return arch
 
 
 def arch_facts(arch: str) -> ArchFacts:
     """What `arch` offers kernelgen's kernels (`ARCHS`; "cpu": sm_90's; one the table lacks: the least of it)."""
-    check_arch(arch)
-    if arch == "cpu":
+    if check_arch(arch) == "cpu":
         return dataclasses.replace(ARCHS["sm_90"], arch="cpu")
-    if arch in ARCHS:
-        return ARCHS[arch]
-    if int(arch[3:]) < OLDEST_CAPABILITY:
-        raise KernelgenValueError(f"arch={arch!r} is older than kernelgen's kernels run on; expected "
-                                  f"sm_{OLDEST_CAPABILITY} or newer (bf16 tensor cores)")
-    return dataclasses.replace(_NEWER, arch=arch)
+    return ARCHS.get(arch) or dataclasses.replace(_NEWER, arch=arch)

@@ -108,6 +108,7 @@ def test_tune_gluon_spec_the_kernel_cannot_compute_is_a_clear_error():
     (["--backend", "banana"], ["backend='banana' is unknown"]),
     (["--arch", "banana"], ["arch='banana' is not a CUDA arch"]),
     (["--arch", "sm_999"], ["arch='sm_999' is not a CUDA arch"]),
+    (["--arch", "sm_75"], ["arch='sm_75' is older than kernelgen's kernels run on; expected sm_80 or newer"]),
     (["--seq", "-5"], ["seq must be an int from 1"]),
     (["--trials", "0"], ["trials must be an int >= 1"]),
     (["--role", "foo"], ["--role 'foo' is not a tuned role"]),

@@ -207,9 +207,10 @@ def test_plan_keeps_the_configs_the_arch_runs():
 
 @pytest.mark.parametrize("arch", ["sm_50", "sm_75"])
 def test_plan_refuses_an_arch_older_than_the_kernels(arch):
-    with pytest.raises(KernelgenValueError, match=rf"arch='{arch}' is older than kernelgen's kernels run on; "
-                                                  "expected sm_80 or newer"):
-        plan(SPEC, "attn", seq=5000, arch=arch)
+    for role in ("select", "attn"):  # whatever the role's rules read
+        with pytest.raises(KernelgenValueError, match=rf"arch='{arch}' is older than kernelgen's kernels run on; "
+                                                      "expected sm_80 or newer"):
+            plan(SPEC, role, seq=5000, arch=arch)
 
 
 def test_plan_rejects_an_arch_the_backend_cannot_run():
