@@ -190,8 +190,9 @@ def tune(
     from . import backends as registry
     from .device import current_arch
     from .roles import ROLES
+    from .archs import check_arch
     from .tuning.model import model_studies, read_model_config
-    from .tuning.plan import check_arch, check_budget, check_seq, plan
+    from .tuning.plan import check_budget, check_seq, plan
     from .tuning.presets import studies
 
     check_arch(arch)
@@ -217,10 +218,8 @@ def tune(
                                                 names))
         else:
             chosen = [s for s in (shapes or "").split(",") if s] or None
-            chosen_studies = studies(preset, chosen, names)
-        for study in chosen_studies:
-            if registry.get(study.spec.backend).arch_unsupported(arch):
-                continue  # this arch cannot run that backend: plan only what it can
+            chosen_studies = studies(preset, arch, chosen, names)
+        for study in chosen_studies:  # only what the arch runs
             if dry_run:
                 _print_plan(plan(study.spec, study.role, seq=study.seq, arch=arch, trials=study.trials,
                                  shape=study.shape))
@@ -322,14 +321,16 @@ def export(
     out: Path = typer.Option(..., "--out", help="The .py file to write."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
-    sink: int = SINK, backend: str = typer.Option("triton", help="A registered backend, or auto with --arch: its "
+    sink: int = SINK, backend: str = typer.Option("triton", help="A registered backend, or auto with --seq: its "
                                                    "kernels are baked in."),
-    arch: Optional[str] = typer.Option(None, help="Bake in the tuning DBs' winners for this GPU arch (e.g. sm_90); "
-                                                  "without it, the default configs."),
-    seq: Optional[int] = typer.Option(None, help="With --arch: the sequence length whose bucket's winners are baked."),
-    gpu: Optional[str] = typer.Option(None, help="With --arch: the GPU's name as CUDA reports it (default: any GPU "
+    arch: Optional[str] = typer.Option(None, help="GPU architecture the module is for, e.g. sm_89: its default "
+                                                  "configs, or with --seq its tuned winners, are baked in (default: "
+                                                  "the GPU present's, else cpu)."),
+    seq: Optional[int] = typer.Option(None, help="Bake in the tuning DBs' winners for the arch and this sequence "
+                                                 "length's bucket."),
+    gpu: Optional[str] = typer.Option(None, help="With --seq: the GPU's name as CUDA reports it (default: any GPU "
                                                  "of the arch)."),
-    dtype: str = typer.Option("bfloat16", help="With --arch: the dtype whose winners are baked (bfloat16, float16)."),
+    dtype: str = typer.Option("bfloat16", help="With --seq: the dtype whose winners are baked (bfloat16, float16)."),
 ):
     """Write one standalone module (torch + triton, and the backend's compiler) with the kernels and configs
     baked in: the tuning DBs' winners for --arch and --seq, or the defaults. Says which it baked."""
@@ -339,24 +340,25 @@ def export(
 
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
                               backend)
-    if (seq is not None or gpu is not None) and arch is None:
-        _fail("--seq and --gpu choose tuned winners: give --arch too (the GPU arch the module is for)")
+    from .archs import check_arch
+    from .device import current_arch
+
+    arch = check_arch(arch) if arch is not None else current_arch() or "cpu"
+    if gpu is not None and seq is None:
+        _fail("--gpu chooses tuned winners: give --seq too (the sequence length whose winners are baked in)")
+    if dtype not in ("bfloat16", "float16"):
+        _fail(f"--dtype must be bfloat16 or float16, got {dtype!r}")
     configs, sources = None, None
-    if arch is not None:
-        if seq is None:
-            _fail("--arch needs --seq: the sequence length whose tuned winners are baked in")
-        if dtype not in ("bfloat16", "float16"):
-            _fail(f"--dtype must be bfloat16 or float16, got {dtype!r}")
+    if seq is not None:
         spec, configs, sources = tuned_configs(spec, arch=arch, seq=seq, gpu_name=gpu, dtype=getattr(torch, dtype))
     _check_out_dir(out.parent)
-    path = export_module(spec, out, configs, sources)
+    path = export_module(spec, out, configs, arch, sources)
+    from . import backends as registry
     from .export import resolve_configs
 
-    from . import backends as registry
-
-    for role, cfg in resolve_configs(spec, configs).items():
+    for role, cfg in resolve_configs(spec, configs, arch).items():
         if cfg is not None:
-            where = (sources or {}).get(role, "default (give --arch and --seq to bake in tuned winners)")
+            where = (sources or {}).get(role, f"default for {arch} (give --seq to bake in tuned winners)")
             console.print(f"{role}: {registry.runner(spec.backend, role).name} "
                           f"{json.dumps(registry.Backend.config_to_dict(cfg), sort_keys=True)} ({where})")
     console.print(f"wrote {path}")

@@ -24,7 +24,8 @@ from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import BlockLists, Shapes, check_block_idx, check_block_lists, check_qkv
-from .device import interpreting
+from .archs import ANY_ARCH
+from .device import device_arch, interpreting
 from .roles import get_role
 from .spec import Spec
 from .tuning.buckets import seq_bucket
@@ -76,7 +77,8 @@ class SparseAttention:
         for role, cfg in self._fixed.items():
             get_role(role)
             backend = self._pinned_backend(role, cfg)
-            backend.check_config(get_role(role).kernel_spec(spec, backend.name), role, cfg)
+            # no device yet: what no arch runs fails here, what this one cannot when served
+            backend.check_config(get_role(role).kernel_spec(spec, backend.name), role, cfg, ANY_ARCH)
 
     def _pinned_backend(self, role: str, cfg) -> Backend:
         if self.spec.backend == backends.AUTO:  # any backend's config: it says which backend serves
@@ -117,6 +119,7 @@ class SparseAttention:
         spec = get_role(role).kernel_spec(self.spec, backend.name)
         if role in self._fixed:
             config, source = self._fixed[role], "pinned"
+            backend.check_config(spec, role, config, device_arch(device))
         else:
             config, source = self._tuned(backend, spec, role, bucket, dtype, device)
         log.debug("kernelgen serves %s of %s (bucket %d, %s, %s): backend %s, config %s (%s)", role, self.spec,
@@ -135,7 +138,7 @@ class SparseAttention:
         if autotune.enabled() and (tuned is None or tuned.transferred_from is not None):
             autotune.request(spec, role, bucket, device)
         if tuned is None:
-            return backend.default_config(spec, role), "default"
+            return backend.default_config(spec, role, device_arch(device)), "default"
         return tuned.config, tuned.source
 
     def _build(self, backend: Backend, spec: Spec, role: str, config, problem: Problem | None):

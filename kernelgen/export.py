@@ -44,9 +44,11 @@ import jinja2
 import jinja2.meta
 
 from . import backends
+from .archs import check_arch
 from .backends.base import distribution_version
 from .codegen import render as _render_module
 from .codegen.render import render, template_path
+from .device import current_arch
 from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
 from .roles import get_role
 from .spec import Spec
@@ -73,13 +75,16 @@ def call_roles(spec: Spec) -> tuple[str, ...]:
     return ("lists", "select", "attn") if spec.selects else ("lists", "attn")
 
 
-def export_module(spec: Spec, out_path, configs: dict | None = None, sources: dict | None = None) -> Path:
+def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str | None = None,
+                  sources: dict | None = None) -> Path:
     """Write one standalone Python module for `spec` to `out_path` (a .py file) and return its path.
 
     configs   {role: config} baked into the module, for the roles a call runs (`call_roles`: "select"
               only for a spec with a selector; "lists" takes None). A missing role (or configs=None) gets
               the backend's default (`backends.runner(spec.backend, role).default_config`); to bake in the
               tuning DB's winners for an arch and length, pass `tuned_configs(...)`'s.
+    arch      the arch the module is for ("sm_89"; `kernelgen.archs`): the defaults are its, and the
+              configs must run on it. Default: the GPU present's, else "cpu" (the interpreter).
     sources   {role: where its config came from}, written in the module's header (roles left out:
               "default" when the default was baked, else "given").
 
@@ -101,9 +106,11 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, sources: di
     out_path = Path(out_path)
     if out_path.suffix != ".py":
         raise KernelgenValueError(f"out_path must name a .py file, got {out_path}")
-    resolved = resolve_configs(spec, configs)
+    if arch is None:
+        arch = current_arch() or "cpu"
+    resolved = resolve_configs(spec, configs, check_arch(arch))
     given = dict(configs or {})
-    sources = {role: (sources or {}).get(role) or ("given" if given.get(role) is not None else "default")
+    sources = {role: (sources or {}).get(role) or ("given" if given.get(role) is not None else f"default ({arch})")
                for role, cfg in resolved.items() if cfg is not None}
     text = assemble(spec, resolved, sources)
     _write_atomic(out_path, text)
@@ -120,7 +127,7 @@ def tuned_configs(spec: Spec, *, arch: str, seq: int, gpu_name: str | None = Non
 
     from .tuning.buckets import seq_bucket
     from .tuning.lookup import Target, fastest_backend, served_config
-    from .tuning.plan import check_arch, check_seq
+    from .tuning.plan import check_seq
 
     dtype = torch.bfloat16 if dtype is None else dtype
     target = Target(check_arch(arch), gpu_name)
@@ -143,8 +150,9 @@ def tuned_configs(spec: Spec, *, arch: str, seq: int, gpu_name: str | None = Non
     return spec, configs, sources
 
 
-def resolve_configs(spec: Spec, configs: dict | None) -> dict:
-    """{role: config} for every role a call of `spec` runs: the given ones checked, the others the default."""
+def resolve_configs(spec: Spec, configs: dict | None, arch: str) -> dict:
+    """{role: config} for every role a call of `spec` runs on `arch`: the given ones checked, the others the
+    default."""
     if configs is not None and not isinstance(configs, dict):
         raise KernelgenTypeError(f"configs must be a dict {{role: config}}, got {type(configs).__name__}")
     configs = dict(configs or {})
@@ -158,8 +166,8 @@ def resolve_configs(spec: Spec, configs: dict | None) -> dict:
         backend, kernel_spec = _runner(spec, role)
         cfg = configs.get(role)
         if cfg is None:
-            cfg = backend.default_config(kernel_spec, role)
-        backend.check_config(kernel_spec, role, cfg)
+            cfg = backend.default_config(kernel_spec, role, arch)
+        backend.check_config(kernel_spec, role, cfg, arch)
         out[role] = cfg
     return out
 

@@ -1,5 +1,5 @@
 """Checks shared by the kernel tests: errors against the float64 reference, selection validity, offline
-sm_90 compiles (tests/sm90_offline.py), and a read-only directory."""
+compiles for a GPU arch (tests/offline_compile.py), and a read-only directory."""
 import contextlib
 import json
 import os
@@ -12,7 +12,11 @@ from pathlib import Path
 import torch
 
 from kernelgen import backends, reference
+from kernelgen.device import current_arch
 from kernelgen.roles import get_role
+
+# The arch the tests' kernels run on: the GPU's, else the interpreter's ("cpu": sm_90's configs)
+TEST_ARCH = current_arch() or "cpu"
 
 # relative L2 error, max-abs error (inputs are randn; outputs are O(0.1..1))
 TOLERANCE = {
@@ -29,21 +33,21 @@ def served_backend(spec, role):
     return backend, get_role(role).kernel_spec(spec, backend.name)
 
 
-def default_config(spec, role):
-    """The config get_kernel serves `role` of `spec` with when nothing is pinned or tuned."""
+def default_config(spec, role, arch=TEST_ARCH):
+    """The config get_kernel serves `role` of `spec` with on `arch` when nothing is pinned or tuned."""
     backend, kernel_spec = served_backend(spec, role)
-    return backend.default_config(kernel_spec, role)
+    return backend.default_config(kernel_spec, role, arch)
 
 
-def config_space(spec, role):
-    """The feasible points of the search space of `role` for `spec`."""
+def config_space(spec, role, arch=TEST_ARCH):
+    """The feasible points of the search space of `role` for `spec` on `arch`."""
     backend, kernel_spec = served_backend(spec, role)
-    return backend.config_space(kernel_spec, role)
+    return backend.config_space(kernel_spec, role, arch)
 
 
-def feasible(spec, role, config) -> bool:
+def feasible(spec, role, config, arch=TEST_ARCH) -> bool:
     backend, kernel_spec = served_backend(spec, role)
-    return backend.infeasible(kernel_spec, role, config) is None
+    return backend.infeasible(kernel_spec, role, config, arch) is None
 
 
 def assert_close_to_reference(o, lse, ref_o, ref_lse, dtype):
@@ -96,15 +100,16 @@ def cubin_bytes(kernel) -> bytes:
         return e.object
 
 
-def compile_for_sm90(cases: list[dict], processes: int = 1, timeout: float = 1200) -> list[dict]:
-    """Run tests/sm90_offline.py on `cases` (its JSON case format) in up to `processes` parallel processes;
-    its result per case, in order: {"kernels": [[name, shared_bytes], ...]} or {"error": "..."}."""
+def compile_offline(cases: list[dict], arch: str, processes: int = 1, timeout: float = 1200) -> list[dict]:
+    """Run tests/offline_compile.py for `arch` on `cases` (its JSON case format) in up to `processes`
+    parallel processes; its result per case, in order: {"kernels": [[name, shared_bytes], ...]} or
+    {"error": "..."}."""
     import kernelgen
 
     # the kernelgen this process imported, whatever the script's directory puts first on sys.path
     root = str(Path(kernelgen.__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    script = Path(__file__).with_name("sm90_offline.py")
+    script = Path(__file__).with_name("offline_compile.py")
     chunks = [list(range(len(cases)))[i::processes] for i in range(max(1, min(processes, len(cases))))]
     results: list = [None] * len(cases)
     with contextlib.ExitStack() as stack:
@@ -113,8 +118,8 @@ def compile_for_sm90(cases: list[dict], processes: int = 1, timeout: float = 120
             stdin, stdout, stderr = (stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(3))
             stdin.write(json.dumps([cases[i] for i in chunk]))
             stdin.seek(0)
-            proc = stack.enter_context(subprocess.Popen([sys.executable, str(script)], stdin=stdin, stdout=stdout,
-                                                        stderr=stderr, text=True, env=env))
+            proc = stack.enter_context(subprocess.Popen([sys.executable, str(script), arch], stdin=stdin,
+                                                        stdout=stdout, stderr=stderr, text=True, env=env))
             runs.append((chunk, proc, stdout, stderr))
         try:
             for chunk, proc, stdout, stderr in runs:

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core, at most 4. Each worker holds torch, Triton and TileLang (about 1.5 GB),
-    and the sm_90 compile tests start processes of their own."""
+    and the offline compile tests start processes of their own."""
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 

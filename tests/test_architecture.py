@@ -51,9 +51,10 @@ class ReferenceBackend(Backend):
     roles = {
         "lists": RoleImpl(launch=_lists),
         "select": RoleImpl(launch=_select),
-        "attn": RoleImpl(launch=_attn, config_type=ReferenceConfig, default=lambda spec: ReferenceConfig(),
-                         space=lambda spec: [ReferenceConfig(1), ReferenceConfig(2), ReferenceConfig(3)],
-                         infeasible=lambda spec, c: None if c.rows_per_step in (1, 2) else "at most 2 rows per step"),
+        "attn": RoleImpl(launch=_attn, config_type=ReferenceConfig, default=lambda spec, arch: ReferenceConfig(),
+                         space=lambda spec, arch: [ReferenceConfig(1), ReferenceConfig(2), ReferenceConfig(3)],
+                         infeasible=lambda spec, c, arch: None if c.rows_per_step in (1, 2)
+                         else "at most 2 rows per step"),
     }
 
     def build(self, spec, role, config, problem=None):

@@ -1,6 +1,6 @@
-"""Config spaces of each backend's roles: every point feasible, infeasible points pruned before any compile,
-defaults inside, pinned configs checked (`kernelgen.backends`: Backend.default_config, config_space,
-infeasible, check_config, config_from_dict)."""
+"""Config spaces of each backend's roles per arch: every point feasible, infeasible points pruned before any
+compile, defaults inside, pinned configs checked (`kernelgen.backends`: Backend.default_config, config_space,
+infeasible, check_config, config_from_dict; `kernelgen.archs`: what each arch offers)."""
 import dataclasses
 import itertools
 import re
@@ -13,12 +13,14 @@ from kernelgen import TileLangAttnConfig, backends
 from kernelgen.backends import gluon as gluon_backend
 from kernelgen.backends import tilelang as tilelang_backend
 from kernelgen.backends import triton as triton_backend
-from kernelgen.backends.triton import SMEM_LIMIT_SM90, attn_smem_bytes
+from kernelgen.archs import ANY_ARCH, ARCHS, ArchFacts, arch_facts
+from kernelgen.backends.triton import attn_smem_bytes
 from kernelgen.dispatch import SparseAttention
 from kernelgen.roles import get_role
 from kernelgen.tuning.buckets import seq_bucket
 
 TRITON, TILELANG, GLUON = (backends.get(name) for name in ("triton", "tilelang", "gluon"))
+SM90_SMEM = ARCHS["sm_90"].smem_per_block
 
 SPECS = [
     Spec(head_dim=d, kv_block=kv, q_tile=qt, top_k=tk, causal=c, gqa_group=g, selector=sel, backend=be)
@@ -36,16 +38,75 @@ def _served(spec, role):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.key())
 def test_defaults_are_points_of_their_spaces(spec):
-    for role in ("attn", "select"):
+    for arch, role in itertools.product(("sm_80", "sm_89", "sm_90"), ("attn", "select")):
         backend, kernel_spec = _served(spec, role)
-        space = backend.config_space(kernel_spec, role)
-        assert space and all(type(c) is backend.config_type(role) for c in space), role
-        assert all(backend.infeasible(kernel_spec, role, c) is None for c in space), role
-        cfg = backend.default_config(kernel_spec, role)
-        assert backend.infeasible(kernel_spec, role, cfg) is None, (role, cfg)
+        space = backend.config_space(kernel_spec, role, arch)
+        if not space and spec.head_dim == 256 and spec.kv_block == 128:
+            # a K and a V block of 64 KB each: more than the 99 KB of sm_89 holds with any Q tile
+            assert arch == "sm_89" and backend.name in ("triton", "tilelang")
+            with pytest.raises(KernelgenValueError, match="101376 B"):
+                backend.default_config(kernel_spec, role, arch)
+            continue
+        assert space and all(type(c) is backend.config_type(role) for c in space), (arch, role)
+        assert all(backend.infeasible(kernel_spec, role, c, arch) is None for c in space), (arch, role)
+        cfg = backend.default_config(kernel_spec, role, arch)
+        assert backend.infeasible(kernel_spec, role, cfg, arch) is None, (arch, role, cfg)
         if role == "select" and spec.top_k > 128:
             continue  # long lists: the default's chunk can exceed the space's largest (it stays feasible)
-        assert cfg in space, (role, cfg)
+        assert cfg in space, (arch, role, cfg)
+
+
+def test_the_arch_table():
+    """Shared memory per program as CUDA gives it, TMA and wgmma on sm_90 only; the interpreter gets sm_90's
+    facts, an arch the table lacks its least, one older than the kernels an error."""
+    smem = {arch: facts.smem_per_block for arch, facts in ARCHS.items()}
+    assert smem == {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448}
+    assert [a for a, f in ARCHS.items() if f.tma] == [a for a, f in ARCHS.items() if f.mma == "wgmma"] == ["sm_90"]
+    assert arch_facts("cpu") == dataclasses.replace(ARCHS["sm_90"], arch="cpu")
+    for newer in ("sm_100", "sm_120"):
+        assert arch_facts(newer) == ArchFacts(newer, 101376, tma=False, mma="unknown")
+    with pytest.raises(KernelgenValueError, match="arch='sm_75' is older than kernelgen's kernels run on"):
+        arch_facts("sm_75")
+    with pytest.raises(KernelgenValueError, match="arch='sm_90a' is not a CUDA arch"):
+        TRITON.default_config(Spec(head_dim=64), "attn", "sm_90a")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_100"])
+def test_triton_off_hopper_has_no_tma_and_less_shared_memory(arch):
+    spec = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, gqa_group=4, selector="given")
+    space = TRITON.config_space(spec, "attn", arch)
+    assert space and not any(c.use_tma for c in space)
+    assert max(attn_smem_bytes(spec, c, arch) for c in space) <= arch_facts(arch).smem_per_block
+    assert {dataclasses.replace(c, use_tma=False) for c in TRITON.config_space(spec, "attn", "sm_90")} > set(space)
+    tma = AttnConfig(block_m=64, use_tma=True)
+    assert TRITON.infeasible(spec, "attn", tma, arch) == f"use_tma=True needs TMA (sm_90), which {arch} lacks"
+    assert TRITON.infeasible(spec, "attn", tma, "sm_90") is None
+    assert TRITON.infeasible(spec, "attn", tma, ANY_ARCH) is None  # pinned before a device: sm_90 runs it
+
+
+def test_mma_sync_archs_buffer_one_stage_fewer():
+    """What Triton 3.6 asks for (offline compiles, tests/test_triton_compile.py): sm_90 buffers num_stages
+    K and V blocks, sm_80 to sm_89 num_stages - 1 and up to half a step of keys' rows more; one stage is one
+    buffer everywhere; an arch the table lacks gets the larger estimate."""
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, selector="given")
+    two, one = AttnConfig(block_m=64, num_warps=8, num_stages=2), AttnConfig(block_m=128, num_warps=8, num_stages=1)
+    assert attn_smem_bytes(spec, two, "sm_90") == attn_smem_bytes(spec, two, "sm_100") == (4 * 128 + 64) * 256
+    assert attn_smem_bytes(spec, two, "sm_89") == (2 * 128 + 64 + 64) * 256 == 98304
+    assert {attn_smem_bytes(spec, one, arch) for arch in ("sm_80", "sm_89", "sm_90", "sm_100")} == {(256 + 128) * 256}
+    # so at 99 KB the H200's default (128 rows, 2 stages) gives way to 64 rows on sm_89, to one stage on sm_120
+    assert TRITON.default_config(spec, "attn", "sm_90") == dataclasses.replace(two, block_m=128)
+    assert TRITON.default_config(spec, "attn", "sm_80") == dataclasses.replace(two, block_m=128)
+    assert TRITON.default_config(spec, "attn", "sm_89") == two
+    assert TRITON.default_config(spec, "attn", "sm_120") == one
+
+
+def test_gluon_runs_on_sm90_only():
+    spec = _gluon(gqa_group=4)
+    for arch in ("sm_80", "sm_89", "sm_100"):
+        assert GLUON.config_space(spec, "attn", arch) == []
+        with pytest.raises(KernelgenValueError, match=f"needs TMA and wgmma \\(Hopper, sm_90\\), which {arch} lacks"):
+            GLUON.default_config(spec, "attn", arch)
+    assert GLUON.infeasible(spec, "attn", GluonAttnConfig(), ANY_ARCH) is None
 
 
 def test_roles_a_backend_lacks_run_on_the_fallback():
@@ -55,10 +116,10 @@ def test_roles_a_backend_lacks_run_on_the_fallback():
         assert backends.runner(name, "attn").name == name
         assert backends.runner(name, "select") is TRITON and backends.runner(name, "lists") is TRITON
         with pytest.raises(KernelgenValueError, match=rf"backend='{name}' does not run role 'select'"):
-            backends.get(name).default_config(Spec(head_dim=128, backend=name), "select")
-    assert TRITON.config_type("lists") is None and TRITON.config_space(Spec(head_dim=64), "lists") == [None]
+            backends.get(name).default_config(Spec(head_dim=128, backend=name), "select", "sm_90")
+    assert TRITON.config_type("lists") is None and TRITON.config_space(Spec(head_dim=64), "lists", "sm_89") == [None]
     with pytest.raises(KernelgenValueError, match="does not run role 'bwd'"):
-        TRITON.config_space(Spec(head_dim=64), "bwd")
+        TRITON.config_space(Spec(head_dim=64), "bwd", "sm_90")
 
 
 def test_shared_memory_bound_prunes_what_failed_on_the_h200():
@@ -66,16 +127,16 @@ def test_shared_memory_bound_prunes_what_failed_on_the_h200():
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=16, selector="given")
     for block_m, need in ((64, 278528), (128, 294912)):
         cfg = AttnConfig(block_m=block_m, num_warps=8, num_stages=4)
-        assert attn_smem_bytes(spec, cfg) == need > SMEM_LIMIT_SM90
-        assert "B of shared memory" in triton_backend.attn_infeasible(spec, cfg)
-        assert TRITON.infeasible(spec, "attn", cfg) and cfg not in TRITON.config_space(spec, "attn")
-    assert TRITON.infeasible(spec, "attn", AttnConfig(block_m=128, num_warps=8, num_stages=2)) is None
+        assert attn_smem_bytes(spec, cfg, "sm_90") == need > SM90_SMEM
+        assert "B of shared memory" in triton_backend.attn_infeasible(spec, cfg, "sm_90")
+        assert TRITON.infeasible(spec, "attn", cfg, "sm_90") and cfg not in TRITON.config_space(spec, "attn", "sm_90")
+    assert TRITON.infeasible(spec, "attn", AttnConfig(block_m=128, num_warps=8, num_stages=2), "sm_90") is None
 
 
 def test_select_space_respects_top_k():
     spec = Spec(head_dim=64, top_k=64)
-    space = TRITON.config_space(spec, "select")
-    assert space and all(c.chunk >= 64 and triton_backend.select_infeasible(spec, c) is None for c in space)
+    space = TRITON.config_space(spec, "select", "sm_90")
+    assert space and all(c.chunk >= 64 and triton_backend.select_infeasible(spec, c, "sm_90") is None for c in space)
 
 
 def test_seq_bucket():
@@ -86,15 +147,16 @@ def test_seq_bucket():
 
 def test_a_spec_no_config_fits_is_a_clear_error():
     with pytest.raises(KernelgenValueError, match="smaller kv_block"):
-        TRITON.default_config(Spec(head_dim=256, kv_block=256), "attn")
+        TRITON.default_config(Spec(head_dim=256, kv_block=256), "attn", "sm_90")
 
 
-def test_a_config_of_another_type_is_infeasible():
+@pytest.mark.parametrize("arch", ["sm_90", ANY_ARCH])
+def test_a_config_of_another_type_is_infeasible(arch):
     spec = Spec(head_dim=64)
-    assert TRITON.infeasible(spec, "attn", GluonAttnConfig()) == "GluonAttnConfig is no AttnConfig"
-    assert TRITON.infeasible(spec, "select", AttnConfig()) == "AttnConfig is no SelectConfig"
-    assert "takes no config" in TRITON.infeasible(spec, "lists", SelectConfig())
-    assert TRITON.infeasible(spec, "lists", None) is None
+    assert TRITON.infeasible(spec, "attn", GluonAttnConfig(), arch) == "GluonAttnConfig is no AttnConfig"
+    assert TRITON.infeasible(spec, "select", AttnConfig(), arch) == "AttnConfig is no SelectConfig"
+    assert "takes no config" in TRITON.infeasible(spec, "lists", SelectConfig(), arch)
+    assert TRITON.infeasible(spec, "lists", None, arch) is None
 
 
 @pytest.mark.parametrize("change", [dict(threads=512), dict(threads=64), dict(num_stages=4), dict(num_stages=0),
@@ -104,17 +166,18 @@ def test_tilelang_pinned_config_outside_the_kernel_s_range_is_refused(change):
     """A pinned TileLang config the kernel was never built for (thread count, stages, a non-bool switch)
     is a clear error, not a launch of an untested shape."""
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
-    cfg = TILELANG.default_config(spec, "attn")
+    cfg = TILELANG.default_config(spec, "attn", "sm_90")
     assert type(cfg) is TileLangAttnConfig
-    TILELANG.check_config(spec, "attn", cfg)
-    TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, pingpong=True))  # overlap with two warpgroups: allowed
+    TILELANG.check_config(spec, "attn", cfg, "sm_90")
+    # overlap with two warpgroups: allowed
+    TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, pingpong=True), "sm_90")
     with pytest.raises(KernelgenValueError, match="not feasible"):
-        TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, **change))
+        TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, **change), "sm_90")
 
 
 def test_tilelang_pingpong_needs_overlap_and_two_warpgroups():
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
-    space = TILELANG.config_space(spec, "attn")
+    space = TILELANG.config_space(spec, "attn", "sm_90")
     assert all(c.overlap and c.threads == 256 for c in space if c.pingpong)
     assert sum(c.pingpong for c in space) == sum(c.overlap and c.threads == 256 and not c.pingpong for c in space) > 0
     why = tilelang_backend.attn_infeasible(spec, TileLangAttnConfig(block_m=128, num_stages=2, threads=256,
@@ -137,31 +200,32 @@ def _gluon(**fields):
     (_gluon(q_tile=64, gqa_group=3), {(64, 2), (64, 3)}, (64, 3)),  # 128 rows would split a head's tile
 ])
 def test_gluon_space_and_default(spec, points, default):
-    space = GLUON.config_space(spec, "attn")
+    space = GLUON.config_space(spec, "attn", "sm_90")
     assert {(c.block_m, c.num_stages) for c in space} == points
-    assert all(type(c) is GluonAttnConfig and gluon_backend.attn_infeasible(spec, c) is None for c in space)
-    assert GLUON.default_config(spec, "attn") == GluonAttnConfig(*default)
+    assert all(type(c) is GluonAttnConfig and gluon_backend.attn_infeasible(spec, c, "sm_90") is None for c in space)
+    assert GLUON.default_config(spec, "attn", "sm_90") == GluonAttnConfig(*default)
     selector, select_spec = _served(spec, "select")  # the Triton selector's
     assert selector is TRITON and select_spec == spec.replace(backend="triton")
-    assert selector.default_config(select_spec, "select") in selector.config_space(select_spec, "select")
+    assert selector.default_config(select_spec, "select", "sm_90") in selector.config_space(select_spec, "select",
+                                                                                           "sm_90")
 
 
 def test_gluon_shared_memory_bound():
     spec = _gluon(gqa_group=4)
-    limit = SMEM_LIMIT_SM90 - gluon_backend.GLUON_BARRIER_BYTES
+    limit = SM90_SMEM - gluon_backend.GLUON_BARRIER_BYTES
     assert gluon_backend.gluon_attn_smem_bytes(spec, GluonAttnConfig(128, 4)) == 262144 > limit
-    assert "262144 B of shared memory" in gluon_backend.attn_infeasible(spec, GluonAttnConfig(128, 4))
+    assert "262144 B of shared memory" in gluon_backend.attn_infeasible(spec, GluonAttnConfig(128, 4), "sm_90")
     assert gluon_backend.gluon_attn_smem_bytes(spec, GluonAttnConfig(128, 3)) == 196608
-    assert gluon_backend.attn_infeasible(spec, GluonAttnConfig(128, 3)) is None
+    assert gluon_backend.attn_infeasible(spec, GluonAttnConfig(128, 3), "sm_90") is None
 
 
 @pytest.mark.parametrize("cfg", [dict(block_m=32), dict(block_m=256), dict(num_stages=1), dict(num_stages=5),
                                  dict(block_m=128, num_stages=4)])
 def test_gluon_pinned_config_outside_the_kernel_s_range_is_refused(cfg):
     spec = _gluon(gqa_group=4)
-    GLUON.check_config(spec, "attn", GluonAttnConfig())
+    GLUON.check_config(spec, "attn", GluonAttnConfig(), "sm_90")
     with pytest.raises(KernelgenValueError, match=r"configs\['attn'\] = .* is not feasible"):
-        GLUON.check_config(spec, "attn", GluonAttnConfig(**cfg))
+        GLUON.check_config(spec, "attn", GluonAttnConfig(**cfg), "sm_90")
     with pytest.raises(KernelgenValueError, match=r"configs\['attn'\] = .* is not feasible"):
         SparseAttention(spec, {"attn": GluonAttnConfig(**cfg)})  # what get_kernel(configs=...) runs
 
@@ -171,11 +235,11 @@ def test_gluon_pinned_config_types():
     a Gluon one only where the Gluon kernel computes the spec."""
     spec = _gluon(gqa_group=4)
     with pytest.raises(KernelgenTypeError, match=r"must be a GluonAttnConfig for backend='gluon', got AttnConfig"):
-        GLUON.check_config(spec, "attn", AttnConfig())
+        GLUON.check_config(spec, "attn", AttnConfig(), "sm_90")
     with pytest.raises(KernelgenTypeError, match=r"must be a GluonAttnConfig for backend='gluon', got AttnConfig"):
         SparseAttention(spec, {"attn": AttnConfig()})
     with pytest.raises(KernelgenTypeError, match=r"must be a AttnConfig for backend='triton', got GluonAttnConfig"):
-        TRITON.check_config(spec.replace(backend="triton"), "attn", GluonAttnConfig())
+        TRITON.check_config(spec.replace(backend="triton"), "attn", GluonAttnConfig(), ANY_ARCH)
     with pytest.raises(KernelgenTypeError, match=r"must be a AttnConfig for backend='triton', got GluonAttnConfig"):
         SparseAttention(spec.replace(backend="triton"), {"attn": GluonAttnConfig()})
     SparseAttention(spec, {"select": SelectConfig(tiles=16)})  # the Triton selector's config
@@ -217,8 +281,8 @@ def test_a_spec_the_gluon_kernel_cannot_compute_is_refused_where_served(fields, 
     with pytest.raises(KernelgenValueError, match=why):
         kernelgen.get_kernel(spec)
     with pytest.raises(KernelgenValueError, match=why):
-        GLUON.default_config(spec, "attn")
-    assert GLUON.config_space(spec, "attn") == []
+        GLUON.default_config(spec, "attn", "sm_90")
+    assert GLUON.config_space(spec, "attn", "sm_90") == []
     backends.check_spec(spec.replace(backend="triton"))  # Triton computes every spec
     backends.check_spec(spec.replace(backend="auto"))  # and so serves "auto"
 
@@ -251,14 +315,22 @@ def test_an_infeasible_pinned_config_says_why(backend, role, cfg, why):
     spec = Spec(head_dim=64, kv_block=64, q_tile=128, top_k=16, backend=backend)
     cfg = eval(cfg)
     runner = backends.get(backend)
-    assert runner.infeasible(spec, role, cfg)
-    with pytest.raises(KernelgenValueError, match=rf"configs\['{role}'\] = .* is not feasible for .*{why}"):
-        runner.check_config(spec, role, cfg)
+    assert runner.infeasible(spec, role, cfg, "sm_90")
+    with pytest.raises(KernelgenValueError, match=rf"configs\['{role}'\] = .* not feasible for .* on sm_90: .*{why}"):
+        runner.check_config(spec, role, cfg, "sm_90")
+    if backend == "tilelang" and runner.infeasible(spec, role, cfg, "sm_80") is None:
+        # Hopper's rule only (its warp-specialised pipeline): the mma.sync forward of sm_80 runs it, so a
+        # config pinned before any device is known is accepted
+        runner.check_config(spec, role, cfg, ANY_ARCH)
+        return
+    # no arch runs them: refused where a config is pinned, before any device is known
+    with pytest.raises(KernelgenValueError, match=rf"configs\['{role}'\] = .* not feasible .* on any arch: .*{why}"):
+        runner.check_config(spec, role, cfg, ANY_ARCH)
 
 
 def test_a_selector_chunk_narrower_than_top_k_says_why():
     assert "chunk=16 blocks is fewer than next_pow2(top_k) = 32" in TRITON.infeasible(
-        Spec(head_dim=64, kv_block=64, q_tile=64, top_k=32), "select", SelectConfig(tiles=16, chunk=16))
+        Spec(head_dim=64, kv_block=64, q_tile=64, top_k=32), "select", SelectConfig(tiles=16, chunk=16), "sm_89")
 
 
 # ---- TileLang per arch: Hopper's forward (wgmma, TMA) and the mma.sync / cp.async one of sm_80 to sm_89 --------
@@ -277,7 +349,7 @@ def test_tilelang_space_off_hopper_has_no_wgmma_schedule_and_fits_the_shared_mem
     """Off Hopper: no overlap or ping-pong (they schedule asynchronous wgmma), 1 to 3 stages at either thread count,
     every point within the arch's shared memory; the default is a feasible point, or, where no point fits (D=256
     with 128-key blocks on sm_86/sm_89), a clear error saying how much the smallest needs."""
-    limit = tilelang_backend.SMEM_PER_BLOCK[arch]
+    limit = arch_facts(arch).smem_per_block
     for spec in TILELANG_SPECS:
         space = _tilelang_feasible(spec, arch)
         assert not any(c.overlap or c.pingpong for c in space)
@@ -293,14 +365,16 @@ def test_tilelang_space_off_hopper_has_no_wgmma_schedule_and_fits_the_shared_mem
 
 
 def test_tilelang_spaces_per_arch_nest_and_hopper_is_unchanged():
-    """sm_86 and sm_89 (99 KB) hold the points of sm_80 (163 KB) that fit; Hopper's space and default are the ones
-    served through Backend (whose RoleImpl passes no arch on this branch: Hopper's)."""
+    """sm_86 and sm_89 (99 KB) hold the points of sm_80 (163 KB) that fit; through Backend, each arch's space
+    and default are the module's functions of that arch."""
     for spec in TILELANG_SPECS:
         sm80, sm86, sm89 = (_tilelang_feasible(spec, arch) for arch in OFF_HOPPER)
         assert sm86 == sm89 and set(sm89) <= set(sm80)
         assert set(sm89) == {c for c in sm80 if tilelang_backend.attn_smem_bytes(spec, c) <= 101376}
-        assert TILELANG.config_space(spec, "attn") == _tilelang_feasible(spec, "sm_90")
-        assert TILELANG.default_config(spec, "attn") == tilelang_backend.attn_default(spec, "sm_90")
+        for arch in ("sm_80", "sm_89", "sm_90"):
+            assert TILELANG.config_space(spec, "attn", arch) == _tilelang_feasible(spec, arch)
+            if _tilelang_feasible(spec, arch):
+                assert TILELANG.default_config(spec, "attn", arch) == tilelang_backend.attn_default(spec, arch)
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
     assert [tilelang_backend.attn_default(spec, arch) for arch in ("sm_80", "sm_89", "sm_90")] == [
         TileLangAttnConfig(128, 2, 256), TileLangAttnConfig(128, 1, 256), TileLangAttnConfig(128, 2, 256, overlap=True)]
@@ -319,7 +393,16 @@ def test_tilelang_config_infeasible_on_sm89_says_why(cfg, why):
     assert tilelang_backend.attn_infeasible(spec, TileLangAttnConfig(128, 2, 256), "sm_80") is None  # 160 KB fit
 
 
-@pytest.mark.parametrize("arch", ["cpu", "sm_75", "sm_100", "sm_90b", ""])
+def test_tilelang_on_cpu_lists_hopper_s_configs_and_runs_nowhere():
+    """As kernelgen.archs has it: "cpu" (where specs are planned or exported, never launched) is given
+    Hopper's configs; the backend itself does not run on the CPU."""
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, backend="tilelang")
+    assert tilelang_backend.attn_default(spec, "cpu") == tilelang_backend.attn_default(spec, "sm_90")
+    assert list(tilelang_backend.attn_space(spec, "cpu")) == list(tilelang_backend.attn_space(spec, "sm_90"))
+    assert "does not run on the CPU" in TILELANG.arch_unsupported("cpu")
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_100", "sm_90b", ""])
 def test_tilelang_config_functions_name_an_arch_they_do_not_build_for(arch, monkeypatch):
     spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, backend="tilelang")
     expected = rf"arch={arch!r}: the TileLang forward builds for sm_80, sm_86, sm_89, sm_90 only"

@@ -128,7 +128,8 @@ def test_per_shape_backends_are_precompiled_with_their_served_config(monkeypatch
         name = "bench-test-per-shape"
         devices = ("cuda", "cpu")
         per_shape = True
-        roles = {"attn": RoleImpl(launch=lambda *args: None, config_type=PlugConfig, default=lambda spec: PlugConfig())}
+        roles = {"attn": RoleImpl(launch=lambda *args: None, config_type=PlugConfig,
+                                  default=lambda spec, arch: PlugConfig())}
 
     jobs, lines = [], []
     monkeypatch.setattr(worker, "precompile", lambda batch: (jobs.extend(batch), (0.5, []))[1])

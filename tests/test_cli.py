@@ -1,15 +1,20 @@
 """Every `kernelgen` command through typer's test runner (CPU)."""
 import contextlib
 from pathlib import Path
+import json
+import re
 
 import pytest
 import torch
 from checks import read_only
 from typer.testing import CliRunner
 
-from kernelgen import Spec, backends
+from kernelgen import AttnConfig, Spec, backends
+from kernelgen.archs import ARCHS
+from kernelgen.backends.triton import attn_smem_bytes
 from kernelgen.cli import app
 from kernelgen.roles import get_role
+from kernelgen.workloads import SHAPES
 from kernelgen.tuning.db import BUNDLED_DB_PATH, TuningDB, current_fingerprint, read_only_rows
 
 runner = CliRunner()
@@ -38,6 +43,11 @@ def one_line_error(result, *words):
 def flat(output: str) -> str:
     """The words of an output, without rich's line breaks and panel borders."""
     return " ".join(output.replace("│", " ").split())
+
+
+def printed_configs(output: str) -> list[dict]:
+    """The configs a dry run lists, in order (JSON objects, which rich's tables wrap at spaces)."""
+    return [json.loads(text) for text in re.findall(r"\{[^{}]*\}", flat(output)) if text.startswith('{"')]
 
 
 @pytest.mark.parametrize("command", [[], ["tune"], ["db"], ["db", "list"], ["export"], ["bench"], ["info"]])
@@ -101,6 +111,7 @@ def test_tune_gluon_spec_the_kernel_cannot_compute_is_a_clear_error():
     (["--backend", "banana"], ["backend='banana' is unknown"]),
     (["--arch", "banana"], ["arch='banana' is not a CUDA arch"]),
     (["--arch", "sm_999"], ["arch='sm_999' is not a CUDA arch"]),
+    (["--arch", "sm_75"], ["arch='sm_75' is older than kernelgen's kernels run on; expected sm_80 or newer"]),
     (["--seq", "-5"], ["seq must be an int from 1"]),
     (["--trials", "0"], ["trials must be an int >= 1"]),
     (["--role", "foo"], ["--role 'foo' is not a tuned role"]),
@@ -122,6 +133,33 @@ def test_tune_preset_bench_dry_run_plans_every_backend_the_arch_runs():
     result = invoke("tune", "--arch", "sm_89", "--preset", "bench", "--shapes", "a32k", "--dry-run")
     assert result.exit_code == 0 and "(gluon)" not in result.output and "(triton)" in result.output
     one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "nope", "--dry-run"), "preset 'nope' is unknown")
+
+
+def _triton_attn_points(output: str) -> list[AttnConfig]:
+    return [AttnConfig(**c) for c in printed_configs(output) if "use_tma" in c]
+
+
+@pytest.mark.parametrize("options", [
+    ["--seq", "32768", "--head-dim", "128", "--kv-block", "128", "--q-tile", "128", "--gqa-group", "4", "--causal"],
+    ["--preset", "bench", "--shapes", "c"],  # the same attention, as the bundled winners are tuned
+])
+def test_tune_dry_run_plans_only_what_the_arch_runs(options):
+    """sm_89 (99 KB of shared memory per program, no TMA): no use_tma point, no Gluon study, and every
+    Triton attention point within 99 KB, where sm_90 plans all three."""
+    spec = SHAPES["c"].spec("given")
+    assert (spec.head_dim, spec.kv_block, spec.q_tile, spec.gqa_group, spec.causal) == (128, 128, 128, 4, True)
+    plans = {}
+    for arch in ("sm_89", "sm_90"):
+        result = invoke("tune", "--arch", arch, *options, "--dry-run")
+        assert result.exit_code == 0, result.output
+        plans[arch] = result.output
+    sm89, sm90 = _triton_attn_points(plans["sm_89"]), _triton_attn_points(plans["sm_90"])
+    assert sm89 and not any(c.use_tma for c in sm89) and "(gluon)" not in plans["sm_89"]
+    assert max(attn_smem_bytes(spec, c, "sm_89") for c in sm89) <= ARCHS["sm_89"].smem_per_block == 101376
+    assert any(c.use_tma for c in sm90) and max(attn_smem_bytes(spec, c, "sm_90") for c in sm90) > 101376
+    assert set(sm89) < set(sm90)
+    if "--preset" in options:
+        assert "(gluon)" in plans["sm_90"]
 
 
 def _add_row(path, spec_key="abc", ms=1.0):
@@ -264,15 +302,27 @@ def test_export_bakes_the_tuned_winners_for_arch_and_seq_and_says_so(tmp_path):
     assert f"'backend': '{resolved.backend}'" in text and "# config sources: " in text
     assert "bundled DB: NVIDIA H200 sm_90, bucket 32768" in flat(result.output)
     default = invoke("export", *options, "--out", str(tmp_path / "d.py"))
-    assert default.exit_code == 0 and "default (give --arch and --seq" in flat(default.output)
-    one_line_error(invoke("export", *options, "--arch", "sm_90", "--out", str(out)), "--seq")
-    one_line_error(invoke("export", *options, "--seq", "4096", "--out", str(out)), "--arch")
+    assert default.exit_code == 0 and "default for cpu (give --seq to bake in tuned winners)" in flat(default.output)
+    one_line_error(invoke("export", *options, "--gpu", "NVIDIA H200", "--out", str(out)), "--seq")
     one_line_error(invoke("export", *options, "--arch", "sm_9000", "--seq", "4096", "--out", str(out)), "arch")
+    one_line_error(invoke("export", *options, "--arch", "sm_90", "--seq", "4096", "--dtype", "fp8", "--out",
+                          str(out)), "--dtype")
 
 
 def test_bench_untuned_needs_a_gpu(tmp_path):
     one_line_error(invoke("bench", "--untuned", "--out", str(tmp_path / "u")), "CUDA GPU")
     one_line_error(invoke("bench", "--untuned", "--shapes", "c_g9"), "c_g9")
+def test_export_arch_option(tmp_path):
+    """--arch bakes in that arch's defaults (sm_89: 64 rows of D=128 with 128-key blocks fit 99 KB, 128 do not)."""
+    out = tmp_path / "l4.py"
+    options = ["--head-dim", "128", "--kv-block", "128", "--q-tile", "128", "--gqa-group", "4", "--selector", "given"]
+    result = invoke("export", *options, "--arch", "sm_89", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert '"attn": {"block_m": 64, "kv_per_iter": 1, "num_stages": 2, "num_warps": 8, "use_tma": false}' in \
+        out.read_text()
+    one_line_error(invoke("export", *options, "--arch", "sm_75", "--out", str(tmp_path / "old.py")),
+                   "arch='sm_75' is older than kernelgen's kernels run on")
+    assert not (tmp_path / "old.py").exists()
 
 
 def test_bench_cpu_smoke(tmp_path):

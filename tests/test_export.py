@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import kernelgen
-from kernelgen import AttnConfig, GluonAttnConfig, SelectConfig, Spec, TileLangAttnConfig, backends
+from checks import TEST_ARCH
+from kernelgen import AttnConfig, GluonAttnConfig, KernelgenValueError, SelectConfig, Spec, TileLangAttnConfig, backends
 from kernelgen.codegen.render import render
 from kernelgen.export import ExportError, export_module, module_imports, resolve_import
 from kernelgen.roles import get_role
@@ -120,10 +121,10 @@ run_calls = _namespace["run_calls"]
 STDLIB_TORCH_TRITON = frozenset(sys.stdlib_module_names) | {"torch", "triton"}
 
 
-def _default_config(spec, role):
-    """The config get_kernel serves `role` of `spec` with when nothing is pinned or tuned."""
+def _default_config(spec, role, arch=TEST_ARCH):
+    """The config get_kernel serves `role` of `spec` with on `arch` when nothing is pinned or tuned."""
     backend = backends.runner(spec.backend, role)
-    return backend.default_config(get_role(role).kernel_spec(spec, backend.name), role)
+    return backend.default_config(get_role(role).kernel_spec(spec, backend.name), role, arch)
 
 
 def _configs_dict(spec, configs):
@@ -350,6 +351,21 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match="configs\\['attn'\\]"):  # another backend's config type
         export_module(MEAN.replace(backend="tilelang"), tmp_path / "m.py", configs={"attn": MEAN_CONFIGS["attn"]})
     assert not list(tmp_path.iterdir())
+
+
+def test_the_configs_baked_in_are_the_arch_s(tmp_path):
+    """A module for an L4 (sm_89: 99 KB of shared memory) bakes in sm_89's defaults and refuses a config
+    that only other archs run."""
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=4, gqa_group=4, selector="given")
+    sm89, sm90 = (_default_config(spec, "attn", arch) for arch in ("sm_89", "sm_90"))
+    assert sm89 != sm90
+    header = export_module(spec, tmp_path / "kg_l4.py", arch="sm_89").read_text().split('"""', 1)[0]
+    assert sm89.to_json().strip("{}") in header and sm90.to_json().strip("{}") not in header
+    with pytest.raises(KernelgenValueError, match=r"configs\['attn'\] = .* not feasible for .* on sm_89"):
+        export_module(spec, tmp_path / "m.py", configs={"attn": sm90}, arch="sm_89")
+    with pytest.raises(KernelgenValueError, match="arch='sm_89a' is not a CUDA arch"):
+        export_module(spec, tmp_path / "m.py", arch="sm_89a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kg_l4.py"]
 
 
 def test_auto_backend_is_not_exported(tmp_path):

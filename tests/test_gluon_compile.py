@@ -1,5 +1,5 @@
 """Every feasible config of the Gluon forward compiles for sm_90 (ptxas included) on this GPU-less machine,
-through its real launch path (kernelgen.backends.gluon.launch_attn, run by tests/sm90_offline.py: TMA
+through its real launch path (kernelgen.backends.gluon.launch_attn, run by tests/offline_compile.py: TMA
 descriptors over CPU tensors), and asks for the shared memory the tuner's estimate says: what only a Hopper
 GPU would otherwise show (a layout the compiler refuses, an over-full shared memory) fails here, in CI."""
 import dataclasses
@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from checks import compile_for_sm90, config_space, default_config
+from checks import compile_offline, config_space, default_config
 from kernelgen import Spec
+from kernelgen.archs import ARCHS
 from kernelgen.backends.gluon import GLUON_BARRIER_BYTES, gluon_attn_smem_bytes
-from kernelgen.backends.triton import SMEM_LIMIT_SM90
 
 pytest.importorskip("triton.backends.nvidia")
 pytest.importorskip("triton.experimental.gluon")
@@ -20,7 +20,7 @@ pytest.importorskip("triton.experimental.gluon")
 SPECS = [Spec(head_dim=d, kv_block=kv, q_tile=qt, top_k=16, causal=causal, gqa_group=g, selector="given",
               backend="gluon")
          for d, kv, qt, g, causal in itertools.product((64, 128), (64, 128), (64, 128), (1, 2, 16), (False, True))]
-CASES = [(spec, cfg) for spec in SPECS for cfg in config_space(spec, "attn")]
+CASES = [(spec, cfg) for spec in SPECS for cfg in config_space(spec, "attn", "sm_90")]
 N = 1000  # not a multiple of any tile or block
 
 
@@ -30,8 +30,8 @@ def test_the_grid_holds_every_tunable_value():
     assert {cfg.block_m for _, cfg in CASES} == {64, 128}
     assert {cfg.num_stages for _, cfg in CASES} == {2, 3, 4}
     for spec in SPECS:
-        space = config_space(spec, "attn")
-        assert default_config(spec, "attn") in space
+        space = config_space(spec, "attn", "sm_90")
+        assert default_config(spec, "attn", "sm_90") in space
         big = spec.head_dim == spec.kv_block == 128
         assert max(c.num_stages for c in space) == (3 if big else 4), spec
 
@@ -39,9 +39,9 @@ def test_the_grid_holds_every_tunable_value():
 def test_every_feasible_config_compiles_for_sm90_and_asks_the_estimated_shared_memory():
     # the lists are given: the selector is pinned (check_config wants a feasible one) but never compiled
     cases = [{"spec": spec.to_dict(), "attn": dataclasses.asdict(cfg), "n": N,
-              "select": dataclasses.asdict(default_config(spec.replace(selector="mean"), "select"))}
+              "select": dataclasses.asdict(default_config(spec.replace(selector="mean"), "select", "sm_90"))}
              for spec, cfg in CASES]
-    results = compile_for_sm90(cases, processes=max(1, min(4, os.cpu_count() or 1)))
+    results = compile_offline(cases, "sm_90", processes=max(1, min(4, os.cpu_count() or 1)))
     for (spec, cfg), result in zip(CASES, results):
         assert "error" not in result, f"{spec} {cfg}: {result.get('error')}"
         kernels = dict(result["kernels"])
@@ -50,4 +50,4 @@ def test_every_feasible_config_compiles_for_sm90_and_asks_the_estimated_shared_m
         # estimate decides which stage counts the tuner may try
         estimate = gluon_attn_smem_bytes(spec, cfg)
         assert estimate <= kernels["attn_fwd"] <= estimate + GLUON_BARRIER_BYTES, (spec, cfg, estimate, kernels)
-        assert kernels["attn_fwd"] <= SMEM_LIMIT_SM90
+        assert kernels["attn_fwd"] <= ARCHS["sm_90"].smem_per_block

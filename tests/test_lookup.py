@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kernelgen.device
+import kernelgen.dispatch
 from kernelgen import AttnConfig, GluonAttnConfig, SelectConfig, Spec, TileLangAttnConfig, backends
 from kernelgen.codegen import render
 from kernelgen.dispatch import SparseAttention
@@ -36,6 +37,7 @@ def _fake_gpu(monkeypatch, arch="sm_90", name="NVIDIA H200"):
     for module in (lookup, kernelgen.device):
         monkeypatch.setattr(module, "device_arch", device_arch)
         monkeypatch.setattr(module, "gpu_name", gpu_name)
+    monkeypatch.setattr(kernelgen.dispatch, "device_arch", device_arch)  # the configs it serves are the arch's
     monkeypatch.setattr(kernelgen.device, "interpreting", lambda: False)
 
 
@@ -192,7 +194,7 @@ def test_a_row_outside_the_current_space_is_a_miss(user_db, tilelang_installed, 
         assert lookup.tuned_config(TILELANG, tilelang_spec, "attn", 32768, torch.bfloat16, CUDA) == (None, None)
     assert "does not run" in caplog.text
     served = SparseAttention(tilelang_spec).served("attn", 32768)
-    assert (served.config, served.source) == (TILELANG.default_config(tilelang_spec, "attn"), "default")
+    assert (served.config, served.source) == (TILELANG.default_config(tilelang_spec, "attn", "sm_90"), "default")
     assert SparseAttention(AUTO).backend(32768) == "triton"
     assert SparseAttention(AUTO).config("attn", 32768, 32768) == WINNER
 
@@ -202,7 +204,7 @@ def test_auto_without_rows_follows_the_measured_rule(user_db, tilelang_installed
     among those that can serve it, with its default config; Triton where the rule knows nothing."""
     monkeypatch.setattr(GLUON, "not_installed", lambda: None)
     assert SparseAttention(AUTO).backend(32768) == "gluon"  # 64-key blocks on sm_90
-    assert SparseAttention(AUTO).config("attn", 32768, 32768) == GLUON.default_config(GIVEN, "attn")
+    assert SparseAttention(AUTO).config("attn", 32768, 32768) == GLUON.default_config(GIVEN, "attn", "sm_90")
     blocks128 = AUTO.replace(kv_block=128, q_tile=128)
     assert SparseAttention(blocks128).backend(32768) == "tilelang"
     monkeypatch.setattr(TILELANG, "not_installed", lambda: "no TileLang here")
@@ -221,6 +223,31 @@ def test_auto_with_rows_of_one_backend_serves_it(user_db, monkeypatch):
     assert SparseAttention(AUTO).backend(32768) == rule_backend(AUTO, "sm_90", lambda b: b != "tilelang")
     monkeypatch.setattr(TILELANG, "not_installed", lambda: None)
     assert SparseAttention(AUTO).backend(32768) == "tilelang"
+
+
+def test_an_arch_is_served_the_configs_it_runs(user_db, monkeypatch, caplog):
+    """On an L4 (sm_89: 99 KB of shared memory, no TMA): the defaults are sm_89's, a DB row holding a point
+    sm_89 does not run (TMA) is a miss, and a pinned config that only other archs run is accepted when pinned
+    (no device yet) and refused when served there."""
+    _fake_gpu(monkeypatch, arch="sm_89", name="NVIDIA L4")
+    big = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, selector="given")
+    served = SparseAttention(big).served("attn", 32768, device=CUDA)
+    assert served.source == "default" and served.config == TRITON.default_config(big, "attn", "sm_89")
+    assert served.config != TRITON.default_config(big, "attn", "sm_90")  # 128 rows of it need more than 99 KB
+    user_db.upsert(**{**_row(GIVEN, arch="sm_89"), "gpu_name": "NVIDIA L4"})  # WINNER loads through TMA
+    with caplog.at_level("WARNING", logger="kernelgen"):
+        assert lookup.tuned_config(TRITON, GIVEN, "attn", 32768, torch.bfloat16, CUDA) == (None, None)
+    assert "does not run" in caplog.text
+    assert SparseAttention(GIVEN).served("attn", 32768, device=CUDA).source == "default"
+    pinned = {GIVEN: (WINNER, "use_tma=True needs TMA"),
+              big: (TRITON.default_config(big, "attn", "sm_90"), "at most 101376 on sm_89")}
+    kernels = {spec: SparseAttention(spec, {"attn": cfg}) for spec, (cfg, _) in pinned.items()}  # no device yet
+    for spec, (cfg, why) in pinned.items():
+        with pytest.raises(KernelgenValueError, match=rf"configs\['attn'\] = .* not feasible for .* on sm_89: .*{why}"):
+            kernels[spec].served("attn", 32768, device=CUDA)
+    _fake_gpu(monkeypatch, arch="sm_90")
+    for spec, (cfg, _) in pinned.items():
+        assert kernels[spec].served("attn", 32768, device=CUDA).config == cfg
 
 
 @pytest.mark.parametrize("reason", ["cannot serve this", RuntimeError("the device said something odd")])
@@ -351,7 +378,8 @@ def test_bundled_winners_are_feasible_configs_of_their_specs():
         backend = backends.get(row["backend"])
         assert backends.runner(spec.backend, row["role"]) is backend
         assert row["spec_key"] == get_role(row["role"]).key(spec, backend.name)
-        assert backend.config_from_dict(row["role"], row["config"]) in backend.config_space(spec, row["role"])
+        assert backend.config_from_dict(row["role"], row["config"]) in backend.config_space(spec, row["role"],
+                                                                                             row["arch"])
 
 
 def test_bundled_winners_were_tuned_with_the_current_templates():
@@ -396,7 +424,7 @@ def test_a_winner_of_another_runtime_that_fails_its_recheck_is_not_served(user_d
     _add(user_db, GIVEN, fingerprint=_other_runtime(current_fingerprint(TRITON, "attn")))
     with caplog.at_level("WARNING", logger="kernelgen"):
         served = SparseAttention(GIVEN).served("attn", 32768, device=CUDA)
-    assert (served.config, served.source) == (TRITON.default_config(GIVEN, "attn"), "default")
+    assert (served.config, served.source) == (TRITON.default_config(GIVEN, "attn", "sm_90"), "default")
     assert "fails its check here (o differs from the reference)" in caplog.text
 
 
@@ -469,7 +497,7 @@ def test_a_nearest_winner_infeasible_for_this_spec_is_skipped(user_db):
     """block_m=128 holds whole 64-query tiles of two heads at G=2; at G=1 it is no valid packing."""
     packed = AttnConfig(block_m=128, num_warps=8, num_stages=2)
     _add(user_db, GIVEN.replace(gqa_group=2), config=packed)
-    assert TRITON.infeasible(GIVEN.replace(backend="triton"), "attn", packed)
+    assert TRITON.infeasible(GIVEN.replace(backend="triton"), "attn", packed, "sm_90")
     assert SparseAttention(GIVEN).served("attn", 32768, device=CUDA).source == "default"
     _add(user_db, GIVEN.replace(gqa_group=8), config=WINNER)  # farther, but feasible
     assert SparseAttention(GIVEN.replace(sink=1)).served("attn", 32768, device=CUDA).config == WINNER

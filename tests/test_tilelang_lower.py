@@ -18,7 +18,9 @@ pytestmark = pytest.mark.tilelang
 
 pytest.importorskip("tilelang")
 
+import kernelgen.dispatch  # noqa: E402
 from kernelgen import Spec  # noqa: E402
+from kernelgen.archs import arch_facts  # noqa: E402
 from kernelgen.backends import tilelang as tb  # noqa: E402
 from kernelgen.backends.tilelang import TileLangAttnConfig  # noqa: E402
 from kernelgen.codegen.cache import load_module  # noqa: E402
@@ -258,6 +260,7 @@ def test_bench_precompiles_the_tilelang_forwards(monkeypatch):
                         types.SimpleNamespace(get_context=lambda method=None: multiprocessing.get_context("fork")))
     monkeypatch.setattr(tb, "target_arch", lambda device: "sm_90a")
     monkeypatch.setattr(kernelgen.device, "device_arch", lambda device: "sm_90")  # TileLangBackend.archs asks it
+    monkeypatch.setattr(kernelgen.dispatch, "device_arch", lambda device: "sm_90")  # whose default configs it serves
     lines = []
     bench_run._precompile_per_shape(["tiny", "b"], torch.device("cuda"), log=lines.append)
     assert len(lines) == 1 and lines[0].startswith("precompiled 2 per-shape forwards (tilelang)"), lines
@@ -319,7 +322,7 @@ def test_forward_lowers_and_compiles_for_sm80_and_sm89(point, arch, which, nvcc_
     # shared memory: one dynamic buffer, of the size attn_infeasible checks against the arch's limit
     assert len(re.findall(r"__shared__", src)) == 1 and "extern __shared__" in src
     smem = [int(f.attrs["dyn_shared_memory_buf"]) for f in kernel.artifact.device_mod.functions.values()]
-    assert smem == [tb.attn_smem_bytes(spec, cfg)] and smem[0] <= tb.SMEM_PER_BLOCK[arch]
+    assert smem == [tb.attn_smem_bytes(spec, cfg)] and smem[0] <= arch_facts(arch).smem_per_block
 
 
 def test_hopper_only_configs_are_refused_before_building_off_hopper(monkeypatch):

@@ -7,7 +7,11 @@ import torch
 
 import kernelgen
 from kernelgen import Spec, reference
-from checks import assert_close_to_reference, assert_valid_selection, default_config
+from kernelgen.archs import arch_facts
+from checks import TEST_ARCH, assert_close_to_reference, assert_valid_selection, default_config
+
+# use_tma configs are served only where the arch has TMA (and the interpreter, which emulates it)
+needs_tma = pytest.mark.skipif(not arch_facts(TEST_ARCH).tma, reason=f"use_tma needs TMA, which {TEST_ARCH} lacks")
 
 
 def make_inputs(b, hkv, g, nq, nk, d, dtype, device, seed):
@@ -213,6 +217,7 @@ def test_gpu_given_lists(causal):
     run_and_check(spec, q, k, v, block_idx=idx)
 
 
+@needs_tma
 @pytest.mark.parametrize("causal", [False, True])
 def test_tma_descriptor_path(causal, device):
     """use_tma loads K/V through [B, Hkv, Nk, D] tensor descriptors; the partial last block is zero-filled."""
@@ -226,6 +231,7 @@ def test_tma_descriptor_path(causal, device):
 
 
 @pytest.mark.gpu
+@needs_tma
 @pytest.mark.parametrize("case", GPU_CASES[:4], ids=lambda c: "-".join(map(str, c)))
 def test_gpu_tma_against_reference(case):
     spec, q, k, v = gpu_case(case, torch.bfloat16, seed_offset=1)

@@ -19,13 +19,15 @@ from optuna.trial import TrialState
 import kernelgen.device
 import kernelgen.roles
 from kernelgen import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError, Spec, backends, reference
+from kernelgen.archs import ARCHS, check_arch
+from kernelgen.backends.triton import attn_smem_bytes
 from kernelgen.roles import get_role, valid_top_k
 from kernelgen.tuning import TuneResult, plan, tune, tune_inputs_shape
 from kernelgen.tuning import study as study_module
 from kernelgen.tuning import worker as worker_module
 from kernelgen.tuning.buckets import seq_bucket
 from kernelgen.tuning.db import TuningDB, Winners, current_fingerprint
-from kernelgen.tuning.plan import check_arch, tuned_backend
+from kernelgen.tuning.plan import tuned_backend
 
 # the module (`kernelgen.tuning.plan` is the function `plan`, as `from kernelgen.tuning import plan` gives)
 plan_module = importlib.import_module("kernelgen.tuning.plan")
@@ -114,13 +116,14 @@ def test_plan_attn():
     assert p["bucket"] == seq_bucket(5000) == 8192
     assert p["study_name"] == f"kg-{get_role('attn').key(SPEC, 'triton')}-attn-triton-sm_90-8192"
     assert p["spec_key"] == ATTN_SPEC.key() and p["backend"] == "triton" and p["arch"] == "sm_90"
-    space = TRITON.config_space(ATTN_SPEC, "attn")
+    space = TRITON.config_space(ATTN_SPEC, "attn", "sm_90")
     assert p["space"] and p["space_size"] == len(p["space"]) == len(space)
     assert p["space"] == asdicts(space)
-    assert all(TRITON.infeasible(ATTN_SPEC, "attn", TRITON.config_from_dict("attn", c)) is None for c in p["space"])
+    assert all(TRITON.infeasible(ATTN_SPEC, "attn", TRITON.config_from_dict("attn", c), "sm_90") is None
+               for c in p["space"])
     assert p["sampler"] == "tpe" and p["trials"] == 3
     assert p["default"] == {"block_m": 64, "num_warps": 4, "num_stages": 2, "use_tma": False, "kv_per_iter": 1}
-    assert p["default"] == dataclasses.asdict(TRITON.default_config(ATTN_SPEC, "attn"))
+    assert p["default"] == dataclasses.asdict(TRITON.default_config(ATTN_SPEC, "attn", "sm_90"))
     assert set(p["params"]) == {"block_m", "num_warps", "num_stages", "use_tma", "kv_per_iter"}
     # timed at the bucket's size: every seq of a bucket shares one study
     assert p["shape"] == {"batch": 1, "heads_q": 32, "heads_kv": 16, "n_q": 8192, "n_k": 8192, "head_dim": 64}
@@ -180,6 +183,34 @@ def test_plan_rejects_a_malformed_arch(arch):
 def test_check_arch_accepts_cuda_archs(arch):
     assert check_arch(arch) == arch
     assert plan(SPEC, "attn", seq=5000, arch=arch)["arch"] == arch
+
+
+def test_plan_keeps_the_configs_the_arch_runs():
+    """D=128 with 128-key blocks: sm_90 tries TMA and up to 227 KB of shared memory; sm_89 (99 KB, no TMA)
+    and sm_80 (163 KB, no TMA) only what they run, and each arch's default is a point of its space."""
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4, selector="given")
+    kernel_spec = get_role("attn").kernel_spec(spec, "triton")
+    plans = {arch: plan(spec, "attn", seq=32768, arch=arch) for arch in ("sm_80", "sm_89", "sm_90")}
+    for arch, p in plans.items():
+        configs = [TRITON.config_from_dict("attn", c) for c in p["space"]]
+        smem = [attn_smem_bytes(kernel_spec, c, arch) for c in configs]
+        assert configs and max(smem) <= ARCHS[arch].smem_per_block, arch
+        assert any(c.use_tma for c in configs) == (arch == "sm_90"), arch
+        assert p["default"] in p["space"] and p["study_name"].endswith(f"-{arch}-32768"), arch
+    assert max(attn_smem_bytes(kernel_spec, TRITON.config_from_dict("attn", c), "sm_90")
+               for c in plans["sm_90"]["space"]) > ARCHS["sm_80"].smem_per_block
+    assert len(plans["sm_89"]["space"]) < len(plans["sm_80"]["space"]) < len(plans["sm_90"]["space"])
+    assert plans["sm_90"]["default"] == {"block_m": 128, "num_warps": 8, "num_stages": 2, "use_tma": False,
+                                         "kv_per_iter": 1}
+    assert plans["sm_89"]["default"] == {**plans["sm_90"]["default"], "block_m": 64}  # 128 rows do not fit 99 KB
+
+
+@pytest.mark.parametrize("arch", ["sm_50", "sm_75"])
+def test_plan_refuses_an_arch_older_than_the_kernels(arch):
+    for role in ("select", "attn"):  # whatever the role's rules read
+        with pytest.raises(KernelgenValueError, match=rf"arch='{arch}' is older than kernelgen's kernels run on; "
+                                                      "expected sm_80 or newer"):
+            plan(SPEC, role, seq=5000, arch=arch)
 
 
 def test_plan_rejects_an_arch_the_backend_cannot_run():
@@ -272,7 +303,7 @@ def test_tuned_backend_of_the_attention():
 def test_plan_select_and_cpu():
     p = plan(SPEC, "select", seq=1000, trials=1000, device="cpu")
     assert p["sampler"] == "grid" and p["trials"] == p["space_size"] > 0
-    assert p["space"] == asdicts(TRITON.config_space(SPEC, "select"))
+    assert p["space"] == asdicts(TRITON.config_space(SPEC, "select", "cpu"))
     assert p["arch"] == "cpu" and p["dtype"] == "float16" and p["bucket"] == 1024 and p["device"] == "cpu"
     assert p["shape"]["n_q"] == 256 and p["shape"]["heads_q"] == SPEC.gqa_group
     with pytest.raises(KernelgenValueError, match="selector='given'"):
@@ -305,7 +336,10 @@ def test_no_cuda_needs_device_cpu(monkeypatch, tmp_path, db):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="tuning needs a CUDA GPU"):
         tune(SPEC, seq=SEQ, db=db, storage=tmp_path / "optuna.db")
-    assert plan(SPEC, "attn", seq=SEQ)["study_name"] is None  # a dry run still works
+    # a dry run works on any machine, given the arch its space depends on
+    assert plan(SPEC, "attn", seq=SEQ, arch="sm_89")["study_name"].endswith("-sm_89-1024")
+    with pytest.raises(KernelgenValueError, match="arch=None and no CUDA GPU here.*pass arch='sm_90'"):
+        plan(SPEC, "attn", seq=SEQ)
 
 
 def test_arch_mismatch(monkeypatch, tmp_path, db, no_cached_gpu):
@@ -346,7 +380,7 @@ def test_tune_cpu_writes_one_winner(tmp_path, db):
     assert result.best_ms > 0 and result.default_ms >= result.best_ms and result.tflops > 0
     assert "meaningless" in result.note
     assert [c[:2] for c in calls] == [(0, 3), (1, 3), (2, 3)] and all(c[2] > 0 for c in calls)
-    space = [json.dumps(c, sort_keys=True) for c in asdicts(TRITON.config_space(ATTN_SPEC, "attn"))]
+    space = [json.dumps(c, sort_keys=True) for c in asdicts(TRITON.config_space(ATTN_SPEC, "attn", "cpu"))]
     assert json.dumps(result.best_config, sort_keys=True) in space
 
     rows = db.rows()
@@ -363,7 +397,7 @@ def test_tune_cpu_writes_one_winner(tmp_path, db):
     # the first trial was the default config (TPE is seeded with it)
     complete, _ = measured(tmp_path / "optuna.db", result.study_name)
     first = min(complete, key=lambda t: t.number)
-    assert first.params == dataclasses.asdict(TRITON.default_config(ATTN_SPEC, "attn"))
+    assert first.params == dataclasses.asdict(TRITON.default_config(ATTN_SPEC, "attn", "cpu"))
     assert first.value == result.default_ms
 
 
@@ -377,7 +411,7 @@ HANG_TIMEOUT_S = 20
 ])
 def test_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, db, monkeypatch, mode, error):
     # the default config (trial 0) fails; the next trials run in a fresh worker process
-    default = dataclasses.asdict(TRITON.default_config(ATTN_SPEC, "attn"))
+    default = dataclasses.asdict(TRITON.default_config(ATTN_SPEC, "attn", "cpu"))
     monkeypatch.setenv(worker_module.SABOTAGE_ENV, json.dumps(default))
     monkeypatch.setenv(worker_module.SABOTAGE_MODE_ENV, mode)
     # the healthy trials must fit the timeout too, also on a loaded machine (tests run in parallel):
@@ -445,7 +479,7 @@ def test_worker_checks_against_the_reference(monkeypatch):
 def test_grid_measures_each_feasible_point_once(tmp_path, db, fake_worker):
     # head_dim 256, kv_block 128: registers and shared memory make some products of the choices infeasible
     spec = Spec(head_dim=256, kv_block=128, q_tile=64, top_k=2, gqa_group=2)
-    space = asdicts(TRITON.config_space(get_role("attn").kernel_spec(spec, "triton"), "attn"))
+    space = asdicts(TRITON.config_space(get_role("attn").kernel_spec(spec, "triton"), "attn", "cpu"))
     p = plan(spec, "attn", seq=SEQ, trials=len(space), device="cpu")
     n_product = 1
     for values in p["params"].values():

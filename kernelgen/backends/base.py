@@ -12,6 +12,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from ..archs import ANY_ARCH, ARCHS, check_arch
 from ..errors import KernelgenTypeError, KernelgenValueError
 from ..inputs import Shapes
 from ..spec import Spec
@@ -34,18 +35,21 @@ class RoleImpl:
     template     templates/<backend>/<role>.py.j2 (a path relative to templates/, or absolute); None when
                  the backend renders nothing (the float64 reference, say)
     config_type  the frozen dataclass of its tunables; None: nothing to tune
-    default      spec -> the config served when nothing is tuned
-    space        spec -> candidate configs (the feasible ones are kept: `Backend.config_space`)
-    infeasible   (spec, config) -> why the kernel cannot run that config, or None
+    default      (spec, arch) -> the config served on `arch` when nothing is tuned
+    space        (spec, arch) -> candidate configs (the feasible ones are kept: `Backend.config_space`)
+    infeasible   (spec, config, arch) -> why the kernel cannot run that config on `arch`, or None
     launch       (kernel, spec, config, shapes, *args) -> the role's output (`kernelgen.roles` lists the args)
+
+    `arch` is a checked arch string ("sm_89", or "cpu": `kernelgen.archs`), whose hardware facts
+    (`kernelgen.archs.arch_facts`: shared memory, TMA, MMA) the rules read.
     """
 
     launch: Callable[..., Any]
     template: str | Path | None = None
     config_type: type | None = None
-    default: Callable[[Spec], Any] = lambda spec: None
-    space: Callable[[Spec], Iterable] = lambda spec: [None]
-    infeasible: Callable[[Spec, Any], str | None] = lambda spec, config: None
+    default: Callable[[Spec, str], Any] = lambda spec, arch: None
+    space: Callable[[Spec, str], Iterable] = lambda spec, arch: [None]
+    infeasible: Callable[[Spec, Any, str], str | None] = lambda spec, config, arch: None
 
 
 def distribution_version(*names: str) -> str | None:
@@ -127,33 +131,47 @@ class Backend:
     def config_type(self, role: str) -> type | None:
         return self.role(role).config_type
 
-    def default_config(self, spec: Spec, role: str):
-        return self.role(role).default(spec)
+    def default_config(self, spec: Spec, role: str, arch: str):
+        """The config served on `arch` when nothing is tuned."""
+        return self.role(role).default(spec, check_arch(arch))
 
-    def infeasible(self, spec: Spec, role: str, config) -> str | None:
-        """Why `config` is no point `role`'s kernel runs for `spec`, or None (its type included)."""
+    def infeasible(self, spec: Spec, role: str, config, arch: str | None) -> str | None:
+        """Why `config` is no point `role`'s kernel runs for `spec` on `arch`, or None (its type included).
+        arch=ANY_ARCH (no device known yet): why it runs on none of the archs this backend runs on, the
+        arch-independent rules (the arch's are checked where the device is known)."""
         impl = self.role(role)
         if impl.config_type is None:
             return None if config is None else f"role {role!r} of backend={self.name!r} takes no config"
         if type(config) is not impl.config_type:
             return f"{type(config).__name__} is no {impl.config_type.__name__}"
-        return impl.infeasible(spec, config)
+        if arch is not ANY_ARCH:
+            return impl.infeasible(spec, config, check_arch(arch))
+        reasons = [impl.infeasible(spec, config, a) for a in self._runnable_archs()]
+        return reasons[-1] if reasons and all(reasons) else None  # the most capable arch's reason
 
-    def config_space(self, spec: Spec, role: str) -> list:
-        """Every feasible point of the role's search space."""
+    def _runnable_archs(self) -> list[str]:
+        """The archs this backend runs on, of the interpreter, kernelgen's table and `archs`, in order of
+        capability (the interpreter first: a GPU's reason is the one to give)."""
+        candidates = dict.fromkeys(["cpu", *ARCHS, *(self.archs or ())])
+        return [arch for arch in candidates if self.arch_unsupported(arch) is None]
+
+    def config_space(self, spec: Spec, role: str, arch: str) -> list:
+        """Every point of the role's search space that runs on `arch`."""
         impl = self.role(role)
-        return [c for c in impl.space(spec) if c is None or impl.infeasible(spec, c) is None]
+        arch = check_arch(arch)
+        return [c for c in impl.space(spec, arch) if c is None or impl.infeasible(spec, c, arch) is None]
 
-    def check_config(self, spec: Spec, role: str, config) -> None:
-        """A config a caller pins: of the role's type, and feasible (an infeasible point could leave rows
-        unwritten). Raises naming the role."""
+    def check_config(self, spec: Spec, role: str, config, arch: str | None) -> None:
+        """A config a caller pins: of the role's type, and feasible on `arch` (ANY_ARCH: on some arch this
+        backend runs on; an infeasible point could leave rows unwritten). Raises naming the role."""
         impl = self.role(role)
         if impl.config_type is not None and type(config) is not impl.config_type:
             raise KernelgenTypeError(f"configs[{role!r}] must be a {impl.config_type.__name__} for "
                                      f"backend={self.name!r}, got {type(config).__name__}")
-        reason = self.infeasible(spec, role, config)
+        reason = self.infeasible(spec, role, config, arch)
         if reason:
-            raise KernelgenValueError(f"configs[{role!r}] = {config} is not feasible for {spec}: {reason} "
+            where = "any arch" if arch is ANY_ARCH else arch
+            raise KernelgenValueError(f"configs[{role!r}] = {config} is not feasible for {spec} on {where}: {reason} "
                                       "(Backend.config_space lists the feasible points)")
 
     def config_from_dict(self, role: str, data: dict | None):

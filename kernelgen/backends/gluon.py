@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..archs import arch_facts
 from ..errors import KernelgenTypeError, KernelgenValueError
 from ..inputs import LOG2E, empty, next_pow2, softmax_scale
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
-from .triton import SMEM_LIMIT_SM90, rendered_module
+from .triton import rendered_module
 
 __all__ = ["GluonBackend", "GluonAttnConfig", "GLUON_BARRIER_BYTES", "gluon_attn_smem_bytes"]
 
@@ -65,11 +66,19 @@ def gluon_attn_smem_bytes(spec: Spec, cfg: GluonAttnConfig, elem_bytes: int = 2)
     return 2 * cfg.num_stages * spec.kv_block * spec.head_dim * elem_bytes
 
 
-def attn_infeasible(spec: Spec, cfg: GluonAttnConfig) -> str | None:
-    """Why the Gluon forward cannot run `cfg` for `spec`, or None: a spec the kernel computes, the row
-    packing rule with 64 or 128 rows (16 per warp, whole warpgroups), 2 to 4 stages, and rings that fit
-    in shared memory."""
-    unsupported = spec_unsupported(spec)
+def arch_lacks(arch: str) -> str | None:
+    """Why the Gluon forward cannot run on `arch` at all, or None: it is written for TMA and wgmma."""
+    facts = arch_facts(arch)
+    if not (facts.tma and facts.mma == "wgmma"):
+        return f"the Gluon forward needs TMA and wgmma (Hopper, sm_90), which {arch} lacks"
+    return None
+
+
+def attn_infeasible(spec: Spec, cfg: GluonAttnConfig, arch: str) -> str | None:
+    """Why the Gluon forward cannot run `cfg` for `spec` on `arch`, or None: a spec the kernel computes, an
+    arch with TMA and wgmma, the row packing rule with 64 or 128 rows (16 per warp, whole warpgroups), 2 to
+    4 stages, and rings that fit in the arch's shared memory."""
+    unsupported = spec_unsupported(spec) or arch_lacks(arch)
     if unsupported:
         return unsupported
     if cfg.block_m not in BLOCK_MS or not spec.packs_rows(cfg.block_m):
@@ -77,23 +86,24 @@ def attn_infeasible(spec: Spec, cfg: GluonAttnConfig) -> str | None:
                 f"(q_tile={spec.q_tile}) or holds whole tiles of a number of heads dividing gqa_group={spec.gqa_group}")
     if cfg.num_stages not in (2, 3, 4):
         return f"num_stages={cfg.num_stages}; expected 2, 3 or 4"
-    smem, limit = gluon_attn_smem_bytes(spec, cfg), SMEM_LIMIT_SM90 - GLUON_BARRIER_BYTES
+    smem, limit = gluon_attn_smem_bytes(spec, cfg), arch_facts(arch).smem_per_block - GLUON_BARRIER_BYTES
     if smem > limit:
-        return f"a ring of {cfg.num_stages} K and V blocks is {smem} B of shared memory; at most {limit}"
+        return f"a ring of {cfg.num_stages} K and V blocks is {smem} B of shared memory; at most {limit} on {arch}"
     return None
 
 
-def attn_default(spec: Spec) -> GluonAttnConfig:
+def attn_default(spec: Spec, arch: str) -> GluonAttnConfig:
     # the most rows a program can hold, up to 128; 3 stages, as the ring refills a slot one step after
     # its block was used (a32k, H200: 0.181 ms against 0.186 with 2 stages)
     for block_m, stages in itertools.product(BLOCK_MS[::-1], (3, 2)):
         cfg = GluonAttnConfig(block_m=block_m, num_stages=stages)
-        if attn_infeasible(spec, cfg) is None:
+        if attn_infeasible(spec, cfg, arch) is None:
             return cfg
-    raise KernelgenValueError(spec_unsupported(spec) or f"no feasible Gluon attention config for {spec}")
+    raise KernelgenValueError(spec_unsupported(spec) or arch_lacks(arch)
+                              or f"no feasible Gluon attention config for {spec} on {arch}")
 
 
-def attn_space(spec: Spec):
+def attn_space(spec: Spec, arch: str):
     return (GluonAttnConfig(block_m=m, num_stages=s) for m, s in itertools.product(BLOCK_MS, (2, 3, 4)))
 
 

@@ -16,7 +16,6 @@ import time
 import dataclasses
 import functools
 import importlib.util
-import inspect
 import itertools
 import json
 from dataclasses import dataclass
@@ -26,13 +25,14 @@ import torch
 
 from ..codegen.cache import load_module
 from ..device import device_arch
+from ..archs import arch_facts
 from ..errors import KernelgenValueError
 from ..inputs import softmax_scale
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
-from .triton import SMEM_LIMIT_SM90, pack_infeasible
+from .triton import pack_infeasible
 
-__all__ = ["TileLangBackend", "TileLangAttnConfig", "TARGETS", "SMEM_PER_BLOCK", "HOPPER", "ATTN_OUT_IDX", "DTYPES",
+__all__ = ["TileLangBackend", "TileLangAttnConfig", "TARGETS", "HOPPER", "ATTN_OUT_IDX", "DTYPES",
            "canonical_dtype", "attn_source", "attn_module", "build_attn", "build_attn_from", "target_arch", "lower",
            "compile_kernel", "compile_attn", "attn_pass_configs", "attn_smem_bytes", "attn_default", "attn_space",
            "attn_infeasible", "FAST_MATH", "NO_WARP_SPECIALISATION", "UNROLLED_PIPELINE_DRAIN"]
@@ -45,8 +45,6 @@ TEMPLATE = "tilelang/attn.py.j2"
 # the same template lowers T.gemm to mma.sync (ldmatrix operands) and its copies to cp.async.
 TARGETS = {"sm_80": "sm_80", "sm_86": "sm_86", "sm_89": "sm_89", "sm_90": "sm_90a"}
 HOPPER = "sm_90"
-# dynamic shared memory one block may opt in to, per arch (CUDA C++ Programming Guide, compute capabilities)
-SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": SMEM_LIMIT_SM90}
 # attn_fwd(Q, K, V, block_idx, scale, O, LSE): O and LSE are allocated and returned by the kernel
 ATTN_OUT_IDX = [5, 6]
 DTYPES = ("bfloat16", "float16")
@@ -97,9 +95,10 @@ def build_attn_from(module, spec: Spec, dtype: Any, *, batch: int, heads_kv: int
 
 
 def _arch(arch: str) -> str:
-    """`arch` as a device reports it ("sm_90a", TileLang's target, is "sm_90"); an arch the forward is not
-    built for is an error."""
-    name = HOPPER if arch == TARGETS[HOPPER] else arch
+    """`arch` as a device reports it ("sm_90a", TileLang's target, is "sm_90"; "cpu", where nothing runs but
+    spaces are listed, is Hopper's, as `kernelgen.archs` has it); an arch the forward is not built for is an
+    error."""
+    name = HOPPER if arch in (TARGETS[HOPPER], "cpu") else arch
     if name not in TARGETS:
         raise KernelgenValueError(f"arch={arch!r}: the TileLang forward builds for {', '.join(TARGETS)} only")
     return name
@@ -234,7 +233,7 @@ def _mma_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | Non
     if cfg.overlap or cfg.pingpong:
         return (f"overlap={cfg.overlap}, pingpong={cfg.pingpong} on {arch}: both schedule Hopper's asynchronous "
                 f"wgmma, and {arch} runs mma.sync; expected overlap=False, pingpong=False")
-    smem, limit = attn_smem_bytes(spec, cfg), SMEM_PER_BLOCK[arch]
+    smem, limit = attn_smem_bytes(spec, cfg), arch_facts(arch).smem_per_block
     if smem > limit:
         return (f"{smem} B of shared memory (block_m={cfg.block_m} Q rows and num_stages={cfg.num_stages} K and V "
                 f"blocks of {spec.kv_block} keys at head_dim={spec.head_dim}); {arch} allows at most {limit} B "
@@ -303,18 +302,6 @@ def attn_space(spec: Spec, arch: str):
             for m, s, t, o, p in itertools.product((64, 128), (1, 2, 3), (128, 256), switches, switches))
 
 
-def _hopper_unless_given(fn):
-    """`fn(spec, [config,] arch)` as base.RoleImpl calls it without an arch (this branch's interface): with
-    Hopper's, the one arch the forward had. Called with an arch (the arch-aware RoleImpl), it passes it on."""
-    arity = len(inspect.signature(fn).parameters)
-
-    @functools.wraps(fn)
-    def call(*args):
-        return fn(*args) if len(args) == arity else fn(*args, HOPPER)
-
-    return call
-
-
 def launch_attn(kernel, spec: Spec, config, shapes: Shapes, q, k, v, block_idx, scale):
     """The forward compiled for this exact shape, over normalised lists; it reads dense [B, H, N, D]
     tensors, so strided inputs are copied first."""
@@ -345,8 +332,7 @@ class TileLangBackend(Backend):
     per_shape = True
     compilers = {"tilelang_version": ("tilelang",)}
     roles = {"attn": RoleImpl(launch=launch_attn, template=TEMPLATE, config_type=TileLangAttnConfig,
-                              default=_hopper_unless_given(attn_default), space=_hopper_unless_given(attn_space),
-                              infeasible=_hopper_unless_given(attn_infeasible))}
+                              default=attn_default, space=attn_space, infeasible=attn_infeasible)}
 
     def not_installed(self) -> str | None:
         if importlib.util.find_spec("tilelang") is None:

@@ -15,16 +15,13 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..archs import arch_facts
 from ..errors import KernelgenValueError
 from ..inputs import LOG2E, empty, next_pow2, softmax_scale
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
 
-__all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "SMEM_LIMIT_SM90", "attn_smem_bytes", "pack_infeasible",
-           "rendered_module"]
-
-# Shared memory a program may use on sm_90 (H100/H200): 227 KB.
-SMEM_LIMIT_SM90 = 232448
+__all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "attn_smem_bytes", "pack_infeasible", "rendered_module"]
 
 
 @dataclass(frozen=True)
@@ -71,15 +68,24 @@ def pack_infeasible(spec: Spec, block_m: int) -> str | None:
     return None
 
 
-def attn_smem_bytes(spec: Spec, cfg: AttnConfig, elem_bytes: int = 2) -> int:
-    """Shared memory of the forward: num_stages buffers of one K and one V block, plus the Q tile.
-    (Matches what Triton 3.6 asked for on the H200: 278528 B for D=128, 128-blocks, block_m=64, 4 stages.)"""
-    return (cfg.num_stages * 2 * spec.kv_block * cfg.kv_per_iter + cfg.block_m) * spec.head_dim * elem_bytes
+def attn_smem_bytes(spec: Spec, cfg: AttnConfig, arch: str, elem_bytes: int = 2) -> int:
+    """Shared memory of the forward on `arch`: buffers of one K and one V block per step, plus the Q tile.
+    With wgmma (sm_90) Triton 3.6 keeps num_stages of them (what it asked for on the H200: 278528 B for
+    D=128, 128-blocks, block_m=64, 4 stages); with mma.sync (sm_80 to sm_89) its pipeline keeps
+    num_stages - 1 (one at a single stage) and asks for at most half a step's keys of rows more
+    (offline sm_80 and sm_89 compiles: tests/test_triton_compile.py); an unknown arch gets the larger."""
+    block_n = spec.kv_block * cfg.kv_per_iter
+    if arch_facts(arch).mma == "mma.sync" and cfg.num_stages > 1:
+        rows = (cfg.num_stages - 1) * 2 * block_n + cfg.block_m + block_n // 2
+    else:
+        rows = cfg.num_stages * 2 * block_n + cfg.block_m
+    return rows * spec.head_dim * elem_bytes
 
 
-def attn_infeasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM90) -> str | None:
-    """Why the Triton forward cannot run `cfg` for `spec`, or None: the row packing rule, at most 128 keys
-    per step, registers for the scores and accumulator, and buffers that fit in shared memory."""
+def attn_infeasible(spec: Spec, cfg: AttnConfig, arch: str) -> str | None:
+    """Why the Triton forward cannot run `cfg` for `spec` on `arch`, or None: the row packing rule, at most
+    128 keys per step, registers for the scores and accumulator, TMA only where the arch has it, and
+    buffers that fit in the arch's shared memory."""
     packing = pack_infeasible(spec, cfg.block_m)
     if packing:
         return packing
@@ -90,38 +96,48 @@ def attn_infeasible(spec: Spec, cfg: AttnConfig, smem_limit: int = SMEM_LIMIT_SM
         return f"kv_block * kv_per_iter = {block_n} keys per step; at most 128"
     if cfg.use_tma and cfg.kv_per_iter > 1:
         return "use_tma loads one block per step: kv_per_iter must be 1"
+    facts = arch_facts(arch)
+    if cfg.use_tma and not facts.tma:
+        return f"use_tma=True needs TMA (sm_90), which {arch} lacks"
     # registers: the fp32 accumulator and scores of one program (Triton spills badly past this)
     regs = cfg.block_m * (spec.head_dim + block_n) // (32 * cfg.num_warps)
     if regs > 192:
         return (f"block_m * (head_dim + keys per step) / (32 * num_warps) = {regs} fp32 registers per thread for "
                 "the scores and the accumulator; at most 192 (Triton spills past it): more warps or fewer rows")
-    smem = attn_smem_bytes(spec, cfg)
-    if smem > smem_limit:
-        return f"{smem} B of shared memory (num_stages K and V blocks and the Q tile); at most {smem_limit}"
+    smem = attn_smem_bytes(spec, cfg, arch)
+    if smem > facts.smem_per_block:
+        return (f"{smem} B of shared memory (K and V buffers and the Q tile: attn_smem_bytes); at most "
+                f"{facts.smem_per_block} on {arch}")
     return None
 
 
-def attn_default(spec: Spec) -> AttnConfig:
+def attn_default(spec: Spec, arch: str) -> AttnConfig:
     warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
     stages = {64: 2, 128: 2, 256: 1}[spec.head_dim]  # H200 sweep, shape (a): 2 stages beat 3
-    for block_m in (128, 64, 32, 16):
-        cfg = AttnConfig(block_m=block_m, num_warps=warps, num_stages=stages)
-        if attn_infeasible(spec, cfg) is None:
-            return cfg
+    # fewer rows, then fewer stages, where the arch's shared memory holds no more: 64 rows at D=128 with
+    # 128-key blocks on sm_86 and sm_89 (99 KB), and at D=256 with 64-key blocks there or 128-key ones on
+    # sm_80; one stage on an arch the table lacks. sm_90 fits the H200 sweep's choice.
+    for num_stages in range(stages, 0, -1):
+        for block_m in (128, 64, 32, 16):
+            cfg = AttnConfig(block_m=block_m, num_warps=warps, num_stages=num_stages)
+            if attn_infeasible(spec, cfg, arch) is None:
+                return cfg
     raise KernelgenValueError(
-        f"no attention config fits {spec}: one K and one V block of kv_block x head_dim = {spec.kv_block} x "
-        f"{spec.head_dim} plus a Q tile exceed the {SMEM_LIMIT_SM90} B of shared memory of sm_90; use a smaller kv_block")
+        f"no attention config fits {spec} on {arch}: one K and one V block of kv_block x head_dim = {spec.kv_block} x "
+        f"{spec.head_dim} plus a Q tile exceed its {arch_facts(arch).smem_per_block} B of shared memory; use a "
+        "smaller kv_block")
 
 
-def attn_space(spec: Spec):
+def attn_space(spec: Spec, arch: str):
+    # every arch's candidates: attn_infeasible keeps those the arch runs
     return (AttnConfig(block_m=m, num_warps=w, num_stages=s, use_tma=t, kv_per_iter=n)
             for m, w, s, t, n in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4), (False, True), (1, 2)))
 
 
 # ---- selection: feasibility, defaults, space -------------------------------------------------------
 
-def select_infeasible(spec: Spec, cfg: SelectConfig) -> str | None:
-    """Why the selector cannot run `cfg` for `spec`, or None."""
+def select_infeasible(spec: Spec, cfg: SelectConfig, arch: str) -> str | None:
+    """Why the selector cannot run `cfg` for `spec`, or None (on every arch alike)."""
     gr_pad = next_pow2(spec.gqa_group * spec.groups)
     rows = cfg.tiles * gr_pad
     cols = cfg.chunk * spec.groups
@@ -137,7 +153,7 @@ def select_infeasible(spec: Spec, cfg: SelectConfig) -> str | None:
     return None
 
 
-def select_default(spec: Spec) -> SelectConfig:
+def select_default(spec: Spec, arch: str) -> SelectConfig:
     gr_pad = next_pow2(spec.gqa_group * spec.groups)
     # 64 q_rep rows against >= 128 k_rep columns per step (H200 sweep, shape (a): 0.087 ms vs
     # 0.147 ms with 16 rows: each program reads k_rep once for more tiles)
@@ -145,10 +161,10 @@ def select_default(spec: Spec) -> SelectConfig:
     # long lists: fewer tiles per program keep the running top-k lists in registers
     tiles = max(1, (64 if next_pow2(spec.top_k) <= 64 else 16) // gr_pad)
     cfg = SelectConfig(tiles=tiles, chunk=chunk, num_warps=4, num_stages=1)
-    return cfg if select_infeasible(spec, cfg) is None else dataclasses.replace(cfg, tiles=max(1, 16 // gr_pad))
+    return cfg if select_infeasible(spec, cfg, arch) is None else dataclasses.replace(cfg, tiles=max(1, 16 // gr_pad))
 
 
-def select_space(spec: Spec):
+def select_space(spec: Spec, arch: str):
     return (SelectConfig(tiles=t, chunk=c, num_warps=w, num_stages=1, splits=n)
             for t, c, w, n in itertools.product((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256), (4, 8), (1, 2, 4)))
 

@@ -20,6 +20,7 @@ import torch
 
 from .. import backends
 from ..backends import Backend, Problem
+from ..device import device_arch
 from ..dispatch import get_kernel
 from ..inputs import check_block_idx, check_qkv
 from ..roles import REL_L2_TOL, get_role
@@ -266,7 +267,7 @@ def _run_shape(name, device, dtype, rows, jsonl, t_start, sweep, profile, graph,
         except Exception as e:
             log(f"{name}: {anchor.label} failed: {type(e).__name__}: {str(e)[:200]}")
     kernel_spec = get_role("attn").kernel_spec(given, served.backend.name)
-    untuned = served.backend.default_config(kernel_spec, "attn")
+    untuned = served.backend.default_config(kernel_spec, "attn", device_arch(q.device))
     if served.config != untuned:  # a tuned winner is served: the defaults, side by side
         attn_default = get_kernel(given, configs={"attn": untuned})
         record("kernelgen given (defaults)", lambda: attn_default(q, k, v, block_idx=idx), flops,
@@ -307,9 +308,10 @@ def _sweep(name, spec, given, backend: Backend, q, k, v, idx, ours, flops, rows,
     """Every feasible attention config of the served backend, and every select config, timed (shorter
     do_bench runs); configs whose results differ are rejected."""
     best = None
+    arch = device_arch(q.device)
     kernel_spec = get_role("attn").kernel_spec(given, backend.name)
     pinned_spec = given.replace(backend=backend.name)
-    for cfg in backend.config_space(kernel_spec, "attn"):
+    for cfg in backend.config_space(kernel_spec, "attn", arch):
         if getattr(cfg, "num_stages", None) == 1:  # unpipelined points: never the winners, and slow
             continue
         try:
@@ -329,7 +331,7 @@ def _sweep(name, spec, given, backend: Backend, q, k, v, idx, ours, flops, rows,
             best = (ms, cfg)
     best_sel = None
     selector = backends.runner(spec.backend, "select")
-    for cfg in selector.config_space(get_role("select").kernel_spec(spec, selector.name), "select"):
+    for cfg in selector.config_space(get_role("select").kernel_spec(spec, selector.name), "select", arch):
         try:
             sel = get_kernel(spec, configs={"select": cfg})
             same = (sel.select(q, k) == idx).float().mean().item()

@@ -21,6 +21,7 @@ import time
 import torch
 
 from .. import backends
+from ..device import device_arch
 from ..dispatch import SparseAttention
 from ..errors import KernelgenRuntimeError
 from ..workloads import SHAPES, UNTUNED_SHAPES, useful_flops
@@ -61,7 +62,7 @@ def run_untuned(shape_names=None, out_dir=None, log=print) -> list[dict]:
         log(f"{name:14s} untuned {untuned_ms:8.3f} ms {flops / untuned_ms / 1e9:6.1f} TFLOP/s  "
             f"{untuned['backend']} {untuned['config']} ({untuned['source']})")
         t0 = time.perf_counter()
-        for study in presets.studies("bench", [name]):
+        for study in presets.studies("bench", device_arch(device), [name]):
             if study.role != "attn" or backends.get(study.spec.backend).unsupported(study.spec, device):
                 continue
             result = tune(study.spec, "attn", seq=study.seq, trials=study.trials, shape=study.shape, db=db)

@@ -85,10 +85,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _feasible(backend, spec: Spec, role: str, row: dict, bucket: int, what: str) -> bool:
-    """A row whose config is no point of the current space (left out since it was tuned: a kernel seen to
-    hang, e.g. TileLang's three stages at D=64) is a miss, never a launch of it."""
-    reason = backend.infeasible(spec, role, backend.config_from_dict(role, row["config"]))
+def _feasible(backend, spec: Spec, role: str, row: dict, arch: str, what: str) -> bool:
+    """A row whose config is no point of the current space on `arch` (left out since it was tuned: a kernel
+    seen to hang, e.g. TileLang's three stages at D=64) is a miss, never a launch of it."""
+    reason = backend.infeasible(spec, role, backend.config_from_dict(role, row["config"]), arch)
     if reason:
         log.log(logging.WARNING if what == "own" else logging.DEBUG,
                 "tuning DB: %s %s row (bucket %d, %s, %s winner) holds %s, which this kernelgen does not run "
@@ -111,7 +111,7 @@ def tuned_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, device:
             row = nearest_bucket_row(_winners().servable(fingerprint, **key), bucket)
         else:
             row = _winners().lookup(**key, gpu_name=target.gpu_name, bucket=bucket, fingerprint=fingerprint)
-        return row if row is not None and _feasible(backend, spec, role, row, bucket, "own") else None
+        return row if row is not None and _feasible(backend, spec, role, row, target.arch, "own") else None
     except Exception as error:  # dispatch must keep working whatever the DB holds
         log.warning("tuning DB lookup failed (%s: %s); using default configs", type(error).__name__, error)
         return None
@@ -169,7 +169,7 @@ def nearest_spec_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, 
                     row.get("source") != "user", row["median_ms"])
             candidates.append((rank, row, other))
         for _, row, other in sorted(candidates, key=lambda c: c[0]):
-            if _feasible(backend, spec, role, row, bucket, "nearest spec's"):
+            if _feasible(backend, spec, role, row, target.arch, "nearest spec's"):
                 return row, other
         return None
     except Exception as error:  # dispatch must keep working whatever the DB holds

@@ -106,7 +106,9 @@ def model_studies(config: dict, seq: int, trials: int, arch: str, sparse: dict |
             given = spec.replace(selector="given", backend=name)
             if "attn" not in backend.roles or backend.spec_unsupported(given) or backend.arch_unsupported(arch):
                 continue
-            space = len(backend.config_space(given, "attn"))  # a small space is searched whole
+            space = len(backend.config_space(given, "attn", arch))  # a small space is searched whole
+            if not space:
+                continue  # nothing of this backend fits the arch
             yield Study(f"{label} attn {name}", given, "attn", seq, space if space <= GRID_MAX else min(space, trials),
                         workload)
         if spec.selects:

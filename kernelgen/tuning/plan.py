@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 
 import torch
 
 from .. import backends
+from ..archs import check_arch
 from ..backends import Backend
 from ..device import current_arch
 from ..errors import KernelgenTypeError, KernelgenValueError
@@ -23,8 +23,8 @@ from ..roles import ROLES, get_role
 from ..spec import Spec
 from .buckets import seq_bucket
 
-__all__ = ["trial_shapes", "plan", "tune_inputs_shape", "study_name", "tuned_backend", "check_arch", "check_budget",
-           "check_seq", "config_key", "seeds", "MAX_SEQ"]
+__all__ = ["trial_shapes", "plan", "tune_inputs_shape", "study_name", "tuned_backend", "check_budget", "check_seq",
+           "config_key", "seeds", "MAX_SEQ"]
 
 CPU_MAX_SEQ = 256  # interpreter inputs: seq capped here, one KV head
 CHECK_MAX_SEQ_GPU = 1000  # correctness inputs on the GPU: small, and not a multiple of any tile
@@ -98,15 +98,6 @@ def tuned_backend(spec: Spec, role: str) -> tuple[Backend, Spec]:
     return backend, role_obj.kernel_spec(spec, backend.name)
 
 
-def check_arch(arch: str) -> str:
-    """An arch string: "sm_XY" (XY the compute capability, as CUDA's nvcc names it) or "cpu"."""
-    if arch == "cpu" or (isinstance(arch, str) and re.fullmatch(r"sm_[1-9][0-9]{1,2}", arch)
-                         and 50 <= int(arch[3:]) <= 129):
-        return arch
-    raise KernelgenValueError(f"arch={arch!r} is not a CUDA arch as the GPU reports it; expected sm_XY such as sm_80, "
-                              "sm_89 or sm_90 (or 'cpu' for the interpreter)")
-
-
 def _is_cpu(device) -> bool:
     return device is not None and torch.device(device).type == "cpu"
 
@@ -140,22 +131,24 @@ def seeds(default: dict, choices: dict[str, list], feasible: set[str], limit: in
 
 def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: int = 30,
          device: str | None = None, fixed: dict | None = None, shape: dict | None = None) -> dict:
-    """What `tune(spec, role, seq=seq, arch=arch, trials=trials, device=device, fixed=fixed)` would do.
-    Pure; works on any machine (arch is None, and so is the study name, where no GPU says what it is).
-    `fixed` ({field: value}) restricts the space to the points with those values; `shape` sets the
-    inputs timed (`tune_inputs_shape`)."""
+    """What `tune(spec, role, seq=seq, arch=arch, trials=trials, device=device, fixed=fixed)` would do:
+    the configs `arch` runs (default: device="cpu"'s "cpu", else the GPU present's). Pure; works on any
+    machine given an arch. `fixed` ({field: value}) restricts the space to the points with those values;
+    `shape` sets the inputs timed (`tune_inputs_shape`)."""
     backend, spec = tuned_backend(spec, role)
     check_budget(trials)
     seq = check_seq(seq)
     cpu = _is_cpu(device)
     if arch is None:
         arch = "cpu" if cpu else current_arch()
-    if arch is not None:
-        reason = backend.arch_unsupported(check_arch(arch))
-        if reason:
-            raise KernelgenValueError(reason)
+    if arch is None:
+        raise KernelgenValueError("arch=None and no CUDA GPU here to say which: the configs a tune may try depend on "
+                                  "the arch; pass arch='sm_90' (or sm_80, sm_89, ...), or device='cpu'")
+    reason = backend.arch_unsupported(check_arch(arch))
+    if reason:
+        raise KernelgenValueError(reason)
     bucket = seq_bucket(seq)
-    space = [_params(c) for c in backend.config_space(spec, role)]
+    space = [_params(c) for c in backend.config_space(spec, role, arch)]
     if fixed:
         unknown = set(fixed) - set(space[0] if space else fixed)
         if unknown:
@@ -164,7 +157,7 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
     # one study, one shape: the bucket's default inputs, or the workload given
     b, hq, hkv, nq, nk = tune_inputs_shape(spec, bucket if shape is None else seq, cpu=cpu, shape=shape)
     return {
-        "study_name": study_name(spec, role, arch, bucket) if arch is not None else None,
+        "study_name": study_name(spec, role, arch, bucket),
         "spec_key": spec.key(),
         "role": role,
         "backend": spec.backend,
@@ -174,7 +167,7 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
         "space": space,
         "space_size": len(space),
         "params": _choices(space),
-        "default": _params(backend.default_config(spec, role)),
+        "default": _params(backend.default_config(spec, role, arch)),
         "sampler": "grid" if len(space) <= trials else "tpe",
         "trials": min(trials, len(space)),
         "shape": {"batch": b, "heads_q": hq, "heads_kv": hkv, "n_q": nq, "n_k": nk, "head_dim": spec.head_dim},

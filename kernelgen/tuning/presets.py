@@ -1,8 +1,8 @@
 """Named sets of studies: `kernelgen tune --preset NAME` tunes each of them.
 
-  bench   the benchmark shapes (kernelgen/workloads.py SHAPES): each registered backend's attention
-          (the whole space when it is small) and the selector, timed on the shape's own workload,
-          as the bundled winners are made.
+  bench   the benchmark shapes (kernelgen/workloads.py SHAPES): the attention of each registered backend
+          that runs on the arch (the whole space when it is small) and the selector, timed on the shape's
+          own workload, as the bundled winners are made.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .. import backends
+from ..archs import check_arch
 from ..errors import KernelgenValueError
 from ..spec import Spec
 from ..workloads import SHAPES
@@ -31,7 +32,7 @@ class Study:
     shape: dict  # the workload timed: batch, heads_kv, n_q, n_k
 
 
-def _bench(shape_names, backend_names) -> Iterator[Study]:
+def _bench(arch: str, shape_names, backend_names) -> Iterator[Study]:
     for name in shape_names:
         if name not in SHAPES or name == "tiny":
             raise KernelgenValueError(f"shape {name!r} is unknown; expected some of "
@@ -41,9 +42,11 @@ def _bench(shape_names, backend_names) -> Iterator[Study]:
         for backend_name in backend_names:
             backend = backends.get(backend_name)
             spec = shape.spec("given").replace(backend=backend.name)
-            if "attn" not in backend.roles or backend.spec_unsupported(spec):
+            if "attn" not in backend.roles or backend.spec_unsupported(spec) or backend.arch_unsupported(arch):
                 continue
-            space = len(backend.config_space(spec, "attn"))
+            space = len(backend.config_space(spec, "attn", arch))
+            if not space:  # no config of it fits the arch (its shared memory, say)
+                continue
             trials = space if space <= GRID_MAX else min(space, ATTN_TRIALS.get(name, 12))
             yield Study(f"{name} attn {backend.name}", spec, "attn", shape.n_k, trials, workload)
         if name != "c_dense":  # its lists hold every block: the selector's choice is fixed
@@ -53,10 +56,10 @@ def _bench(shape_names, backend_names) -> Iterator[Study]:
 PRESETS = {"bench": _bench}
 
 
-def studies(preset: str, shape_names=None, backend_names=None) -> list[Study]:
-    """The studies of a preset, for some shapes (default: all but the CPU smoke size) and backends
-    (default: every registered one)."""
+def studies(preset: str, arch: str, shape_names=None, backend_names=None) -> list[Study]:
+    """The studies of a preset on `arch`, for some shapes (default: all but the CPU smoke size) and
+    backends (default: every registered one that runs on `arch`)."""
     if preset not in PRESETS:
         raise KernelgenValueError(f"preset {preset!r} is unknown; expected one of {sorted(PRESETS)}")
     shape_names = shape_names or ["a32k", "b", "c", "c_dense"]
-    return list(PRESETS[preset](shape_names, backend_names or backends.names()))
+    return list(PRESETS[preset](check_arch(arch), shape_names, backend_names or backends.names()))

@@ -1,11 +1,13 @@
-"""Compile kernelgen's Triton and Gluon kernels for sm_90 on a machine without a GPU (run as a script).
+"""Compile kernelgen's Triton and Gluon kernels for a GPU arch on a machine without a GPU (run as a script:
+`python tests/offline_compile.py sm_89`).
 
-Triton is given a stand-in driver that names the target (sm_90, warp size 32) and never launches:
+Triton is given a stand-in driver that names the target (the arch, warp size 32) and never launches:
 every `kernel[grid](...)` that the backends' launchers (`RoleImpl.launch`: kernelgen.backends.triton's
 launch_select, launch_lists, launch_attn) make compiles (ptxas included: a kernel without a cubin is an
 error) through the real launch path, with the argument types the launchers really pass, and returns.
 Each role's kernel is built and launched as dispatch does it (`SparseAttention._run`): by the backend
-that runs the role for the spec (`backends.runner`), for the role's kernel spec. Gluon kernels go the
+that runs the role for the spec (`backends.runner`), for the role's kernel spec, with a config that
+dispatch would serve on the arch (`Backend.check_config`). Gluon kernels go the
 same way (kernelgen.backends.gluon.launch_attn builds its TMA descriptors from the CPU tensors; they
 only need aligned data pointers). Reads a JSON list of cases on stdin; prints one JSON object per case:
 {"case": i, "kernels": [[name, shared_bytes], ...]} or {"case": i, "error": "..."}.
@@ -26,10 +28,13 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 
 class OfflineDriver:
-    """Just enough of Triton's CUDA driver to compile for sm_90: a target, a device id, no stream."""
+    """Just enough of Triton's CUDA driver to compile for one arch: a target, a device id, no stream."""
+
+    def __init__(self, capability: int):
+        self.capability = capability
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.capability, 32)
 
     def get_current_device(self):
         return 0
@@ -53,17 +58,21 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     return kernel
 
 
-def main() -> None:
-    driver.set_active(OfflineDriver())
-    JITFunction.run = _compile_only
+def main(arch: str) -> None:
     from kernelgen import Spec, backends, get_kernel
+    from kernelgen.archs import check_arch
     from kernelgen.inputs import Shapes, check_block_idx
     from kernelgen.roles import get_role
 
+    driver.set_active(OfflineDriver(int(check_arch(arch).removeprefix("sm_"))))
+    JITFunction.run = _compile_only
+
     def run(spec, role, config, shapes, *args):
-        """Build and launch `role` as dispatch does: the backend that runs it, its kernel spec."""
+        """Build and launch `role` as dispatch does on `arch`: the backend that runs it, its kernel spec, a
+        config feasible there."""
         backend = backends.runner(spec.backend, role)
         kernel_spec = get_role(role).kernel_spec(spec, backend.name)
+        backend.check_config(kernel_spec, role, config, arch)
         kernel = backend.build(kernel_spec, role, config)
         return backend.role(role).launch(kernel, kernel_spec, config, shapes, *args)
 
@@ -85,8 +94,8 @@ def main() -> None:
                 idx = torch.zeros(1, 2, shapes.n_q_tiles, spec.top_k, dtype=torch.int32)
                 idx = check_block_idx(idx, spec, shapes, q.device)
                 lists = backends.runner(spec.backend, "lists")
-                idx = run(spec, "lists", lists.default_config(get_role("lists").kernel_spec(spec, lists.name), "lists"),
-                          shapes, idx)
+                idx = run(spec, "lists", lists.default_config(get_role("lists").kernel_spec(spec, lists.name), "lists",
+                                                              arch), shapes, idx)
             run(spec, "attn", configs["attn"], shapes, q, k, v, idx, None)
             print(json.dumps({"case": i, "kernels": compiled}), flush=True)
         except Exception as error:  # report per case; the test names it
@@ -95,4 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])
