@@ -28,6 +28,7 @@ if [ "$PART" = tests ]; then
   gpu_tests triton_fwd 1
   gpu_tests gluon_fwd 2
   gpu_tests block_lists 1
+  gpu_tests lookup 1
   wait
   for f in "$OUT"/gpu_tests_*.log; do echo "-- $f"; grep -E "passed|failed|skipped|FAILED|rror" "$f" | tail -8; done
 fi
