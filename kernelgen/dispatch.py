@@ -218,16 +218,21 @@ class SparseAttention:
         self._generation = autotune.generation
 
     def __call__(self, q, k, v, *, block_idx=None, scale=None, return_lse: bool = False):
-        shapes = check_qkv(q, k, v, self.spec)
-        if autotune.running():
-            autotune.poll()
-        if self._generation != autotune.generation:
-            self._forget_served()
+        shapes = self._start_call(q, k, v)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale)
         else:
             o, lse, _ = self._attend(q, k, v, shapes, block_idx, scale)
         return (o, lse) if return_lse else o
+
+    def _start_call(self, q, k, v) -> Shapes:
+        """What every call does first: check the inputs, and take up winners a background tune stored."""
+        shapes = check_qkv(q, k, v, self.spec)
+        if autotune.running():
+            autotune.poll()
+        if self._generation != autotune.generation:
+            self._forget_served()
+        return shapes
 
     def _attend(self, q, k, v, shapes: Shapes, block_idx, scale) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The forward of a checked call: (o, lse, the lists it attended over: the BlockLists given, else

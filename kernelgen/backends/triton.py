@@ -22,7 +22,7 @@ from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
 
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "BwdDqConfig", "BwdDkdvConfig", "SMEM_LIMIT_SM90",
-           "attn_smem_bytes", "pack_infeasible", "rendered_module"]
+           "attn_smem_bytes", "bwd_dq_smem_bytes", "bwd_dkdv_smem_bytes", "pack_infeasible", "rendered_module"]
 
 # Shared memory a program may use on sm_90 (H100/H200): 227 KB.
 SMEM_LIMIT_SM90 = 232448
@@ -187,6 +187,20 @@ def select_space(spec: Spec):
 BWD_REGS_LIMIT = 256  # fp32 words per thread of accumulators and score tiles; past it Triton spills
 
 
+def bwd_dq_smem_bytes(spec: Spec, cfg: BwdDqConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the dQ kernel: num_stages buffers of one K and one V block, plus Q and dO (what Triton
+    3.6 asked for on sm_90: tests/test_backward.py compiles offline)."""
+    return (cfg.num_stages * 2 * spec.kv_block + 2 * cfg.block_m) * spec.head_dim * elem_bytes
+
+
+def bwd_dkdv_smem_bytes(spec: Spec, cfg: BwdDkdvConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the dK/dV kernel: num_stages buffers of one step's Q and dO, plus K and V; unpipelined
+    (1 stage), Q and dO twice, once per product that reads each. (What Triton 3.6 asked for on sm_90, give or
+    take its barriers: tests/test_backward.py compiles offline.)"""
+    rows = max(cfg.num_stages * 2 * cfg.block_m + 2 * cfg.block_n, 4 * cfg.block_m)
+    return rows * spec.head_dim * elem_bytes + 2048  # and up to 2 KB of the pipeline's barriers
+
+
 def bwd_dq_infeasible(spec: Spec, cfg: BwdDqConfig, arch=None, smem_limit: int = SMEM_LIMIT_SM90) -> str | None:
     """Why the dQ kernel cannot run `cfg` for `spec`, or None: the forward's row packing, registers for dQ,
     Q, dO and the P and dP tiles of one block, and K and V buffers that fit in shared memory."""
@@ -197,7 +211,7 @@ def bwd_dq_infeasible(spec: Spec, cfg: BwdDqConfig, arch=None, smem_limit: int =
     if regs > BWD_REGS_LIMIT:
         return (f"block_m * (2 * head_dim + 2 * kv_block) / (32 * num_warps) = {regs} fp32 registers per thread "
                 f"for dQ, Q, dO, P and dP; at most {BWD_REGS_LIMIT}: more warps or fewer rows")
-    smem = (cfg.num_stages * 2 * spec.kv_block + 2 * cfg.block_m) * spec.head_dim * 2
+    smem = bwd_dq_smem_bytes(spec, cfg)
     if smem > smem_limit:
         return f"{smem} B of shared memory (num_stages K and V blocks, Q and dO); at most {smem_limit}"
     return None
@@ -228,7 +242,7 @@ def bwd_dkdv_infeasible(spec: Spec, cfg: BwdDkdvConfig, arch=None, smem_limit: i
     if regs > BWD_REGS_LIMIT:
         return (f"block_n * (3 * head_dim + 2 * block_m) / (32 * num_warps) = {regs} fp32 registers per thread for "
                 f"dK, dV, K, V, P and dP; at most {BWD_REGS_LIMIT}: more warps or smaller blocks")
-    smem = (cfg.num_stages * 2 * cfg.block_m + 2 * cfg.block_n) * spec.head_dim * 2
+    smem = bwd_dkdv_smem_bytes(spec, cfg)
     if smem > smem_limit:
         return f"{smem} B of shared memory (num_stages Q and dO steps, K and V); at most {smem_limit}"
     return None
