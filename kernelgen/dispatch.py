@@ -287,6 +287,7 @@ class _AttentionFunction(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: the gradients are not differentiated
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, block_idx = ctx.saved_tensors
         reverse = ctx.prepared.reverse_index() if ctx.prepared is not None else None

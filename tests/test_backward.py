@@ -213,10 +213,11 @@ def test_backward_roles_are_served_like_the_forward_s(device):
     assert attn.config("bwd_dkdv", 1000, 1000, torch.float16, device) == default_config(spec, "bwd_dkdv")
     for name in backends.names():
         other = spec.replace(backend=name)
-        if backends.get(name).spec_unsupported(other):
+        if backends.get(name).unsupported(other):
             continue
         for role in BACKWARD_ROLES:
-            assert backends.runner(name, role).name == backends.FALLBACK
+            served = kernelgen.get_kernel(other).served(role, 1000, torch.float16, device)
+            assert served.backend.name == backends.FALLBACK and served.source == "default"
 
 
 @pytest.mark.parametrize("role", ["bwd_dq", "bwd_dkdv"])
@@ -329,6 +330,16 @@ def test_gpu_backward_is_deterministic(case):
     for _ in range(3):
         again = run_backward(spec, q, k, v, do)[0]
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [name for name in backends.names() if name != backends.FALLBACK])
+def test_gpu_backward_after_another_backend_s_forward(backend):
+    """The TileLang and Gluon forwards' outputs backpropagate through the Triton backward."""
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, causal=True, backend=backend)
+    if backends.get(backend).unsupported(spec, "cuda"):
+        pytest.skip(backends.get(backend).unsupported(spec, "cuda"))
+    check_against_reference(spec, *leaves(1, 2, 1, 4096, 4096, 64, torch.bfloat16, "cuda", seed=4))
 
 
 @pytest.mark.gpu
