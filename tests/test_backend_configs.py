@@ -35,7 +35,7 @@ def _served(spec, role):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.key())
 def test_defaults_are_points_of_their_spaces(spec):
-    for role in ("attn", "select"):
+    for role in ("attn", "select", "bwd_dq", "bwd_dkdv"):
         backend, kernel_spec = _served(spec, role)
         space = backend.config_space(kernel_spec, role)
         assert space and all(type(c) is backend.config_type(role) for c in space), role

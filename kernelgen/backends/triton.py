@@ -201,25 +201,32 @@ def bwd_dkdv_smem_bytes(spec: Spec, cfg: BwdDkdvConfig, elem_bytes: int = 2) -> 
     return rows * spec.head_dim * elem_bytes + 2048  # and up to 2 KB of the pipeline's barriers
 
 
-def bwd_dq_infeasible(spec: Spec, cfg: BwdDqConfig, arch=None, smem_limit: int = SMEM_LIMIT_SM90) -> str | None:
-    """Why the dQ kernel cannot run `cfg` for `spec`, or None: the forward's row packing, registers for dQ,
-    Q, dO and the P and dP tiles of one block, and K and V buffers that fit in shared memory."""
-    packing = pack_infeasible(spec, cfg.block_m)
-    if packing:
-        return packing
-    regs = cfg.block_m * (2 * spec.head_dim + 2 * spec.kv_block) // (32 * cfg.num_warps)
+def _bwd_resources(regs: int, regs_what: str, smem: int, smem_what: str, smem_limit: int) -> str | None:
+    """Why a backward kernel's tiles do not fit (`regs` fp32 registers per thread, `smem` bytes), or None."""
     if regs > BWD_REGS_LIMIT:
-        return (f"block_m * (2 * head_dim + 2 * kv_block) / (32 * num_warps) = {regs} fp32 registers per thread "
-                f"for dQ, Q, dO, P and dP; at most {BWD_REGS_LIMIT}: more warps or fewer rows")
-    smem = bwd_dq_smem_bytes(spec, cfg)
+        return (f"{regs_what} = {regs} fp32 registers per thread; at most {BWD_REGS_LIMIT} (Triton spills past "
+                "it): more warps or smaller tiles")
     if smem > smem_limit:
-        return f"{smem} B of shared memory (num_stages K and V blocks, Q and dO); at most {smem_limit}"
+        return f"{smem} B of shared memory ({smem_what}); at most {smem_limit}"
     return None
 
 
+def _bwd_warps_stages(spec: Spec) -> tuple[int, int]:
+    """The backward defaults' num_warps and num_stages for the spec's head_dim (the forward's)."""
+    return {64: 4, 128: 8, 256: 8}[spec.head_dim], {64: 2, 128: 2, 256: 1}[spec.head_dim]
+
+
+def bwd_dq_infeasible(spec: Spec, cfg: BwdDqConfig, arch=None, smem_limit: int = SMEM_LIMIT_SM90) -> str | None:
+    """Why the dQ kernel cannot run `cfg` for `spec`, or None: the forward's row packing, registers for dQ,
+    Q, dO and the P and dP tiles of one block, and K and V buffers that fit in shared memory."""
+    return pack_infeasible(spec, cfg.block_m) or _bwd_resources(
+        cfg.block_m * (2 * spec.head_dim + 2 * spec.kv_block) // (32 * cfg.num_warps),
+        "block_m * (2 * head_dim + 2 * kv_block) / (32 * num_warps) for dQ, Q, dO, P and dP",
+        bwd_dq_smem_bytes(spec, cfg), "num_stages K and V blocks, Q and dO", smem_limit)
+
+
 def bwd_dq_default(spec: Spec, arch=None) -> BwdDqConfig:
-    warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
-    stages = {64: 2, 128: 2, 256: 1}[spec.head_dim]
+    warps, stages = _bwd_warps_stages(spec)
     return _first_feasible(spec, bwd_dq_infeasible, (BwdDqConfig(block_m=m, num_warps=w, num_stages=stages)
                                                      for m in (64, 32, 16, 128) for w in (warps, 8)))
 
@@ -235,26 +242,17 @@ def bwd_dkdv_infeasible(spec: Spec, cfg: BwdDkdvConfig, arch=None, smem_limit: i
     step, and Q and dO buffers that fit in shared memory."""
     if cfg.block_n < 16 or cfg.block_n > spec.kv_block or spec.kv_block % cfg.block_n:
         return f"block_n={cfg.block_n} must be >= 16 and split a KV block (kv_block={spec.kv_block}) evenly"
-    packing = pack_infeasible(spec, cfg.block_m)
-    if packing:
-        return packing
-    regs = cfg.block_n * (3 * spec.head_dim + 2 * cfg.block_m) // (32 * cfg.num_warps)
-    if regs > BWD_REGS_LIMIT:
-        return (f"block_n * (3 * head_dim + 2 * block_m) / (32 * num_warps) = {regs} fp32 registers per thread for "
-                f"dK, dV, K, V, P and dP; at most {BWD_REGS_LIMIT}: more warps or smaller blocks")
-    smem = bwd_dkdv_smem_bytes(spec, cfg)
-    if smem > smem_limit:
-        return f"{smem} B of shared memory (num_stages Q and dO steps, K and V); at most {smem_limit}"
-    return None
+    return pack_infeasible(spec, cfg.block_m) or _bwd_resources(
+        cfg.block_n * (3 * spec.head_dim + 2 * cfg.block_m) // (32 * cfg.num_warps),
+        "block_n * (3 * head_dim + 2 * block_m) / (32 * num_warps) for dK, dV, K, V, P and dP",
+        bwd_dkdv_smem_bytes(spec, cfg), "num_stages Q and dO steps, K and V", smem_limit)
 
 
 def bwd_dkdv_default(spec: Spec, arch=None) -> BwdDkdvConfig:
-    warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
-    stages = {64: 2, 128: 2, 256: 1}[spec.head_dim]
-    block_n = min(spec.kv_block, 64)
+    warps, stages = _bwd_warps_stages(spec)
     return _first_feasible(spec, bwd_dkdv_infeasible, (
         BwdDkdvConfig(block_n=n, block_m=m, num_warps=w, num_stages=stages)
-        for n in (block_n, 32, 16) for m in (64, 32, 16, 128) for w in (warps, 8)))
+        for n in (min(spec.kv_block, 64), 32, 16) for m in (64, 32, 16, 128) for w in (warps, 8)))
 
 
 def bwd_dkdv_space(spec: Spec, arch=None):
