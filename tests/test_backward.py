@@ -241,6 +241,23 @@ def test_tuner_checks_backward_configs_against_autograd(role):
     assert error is not None and "differs from the reference" in error
 
 
+def test_a_backward_role_tunes_on_the_cpu(tmp_path, monkeypatch):
+    """The tuner's plumbing (worker process, check against autograd, DB row) takes a backward role as it
+    takes the forward's."""
+    from kernelgen.tuning import tune
+    from kernelgen.tuning.db import TuningDB
+
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True, gqa_group=2)
+    with TuningDB(tmp_path / "tuning.db") as db:
+        result = tune(spec, role="bwd_dkdv", seq=128, trials=2, device="cpu", db=db, storage=tmp_path / "optuna.db")
+        rows = db.rows()
+    assert result.n_trials == 2 and result.n_failed == 0 and result.tflops > 0
+    assert [(r["role"], r["backend"]) for r in rows] == [("bwd_dkdv", "triton")]
+    assert BwdDkdvConfig(**result.best_config) in backends.get("triton").config_space(
+        kernelgen.roles.get_role("bwd_dkdv").kernel_spec(spec, "triton"), "bwd_dkdv")
+
+
 def test_custom_op_compiles_forward_and_backward_without_graph_breaks(device):
     spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2, local=1)
 
