@@ -6,6 +6,10 @@
 The ops take the spec as its JSON text (a string is a valid op argument; a dataclass is not) and
 dispatch to `get_kernel(spec)`, so they run exactly the kernels and checks of the eager API. Their
 fake (meta) implementations give output shapes and dtypes without running anything.
+
+`kernelgen::sparse_attention` backpropagates (`torch.library.register_autograd`): it also returns the lists
+it attended over (in the kernels' form; given or selected), which its backward, the op
+`kernelgen::sparse_attention_backward`, reads instead of selecting again. lse carries no gradient.
 """
 from __future__ import annotations
 
@@ -22,22 +26,56 @@ def _select_op(q: torch.Tensor, k: torch.Tensor, spec_json: str) -> torch.Tensor
     return get_kernel(Spec.from_json(spec_json)).select(q, k)
 
 
+def _lists_like(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
+    return q.new_empty((q.shape[0], k.shape[1], spec.n_q_tiles(q.shape[2]), spec.top_k), dtype=torch.int32)
+
+
 @_select_op.register_fake
 def _(q, k, spec_json):
-    spec = Spec.from_json(spec_json)
-    shape = (q.shape[0], k.shape[1], spec.n_q_tiles(q.shape[2]), spec.top_k)
-    return q.new_empty(shape, dtype=torch.int32)
+    return _lists_like(q, k, Spec.from_json(spec_json))
 
 
 @torch.library.custom_op("kernelgen::sparse_attention", mutates_args=())
 def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None, spec_json: str,
-             scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return get_kernel(Spec.from_json(spec_json))(q, k, v, block_idx=block_idx, scale=scale, return_lse=True)
+             scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    attn = get_kernel(Spec.from_json(spec_json))
+    shapes = attn._start_call(q, k, v)
+    return attn._attend(q, k, v, shapes, block_idx, scale)
 
 
 @_attn_op.register_fake
 def _(q, k, v, block_idx, spec_json, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32),
+            _lists_like(q, k, Spec.from_json(spec_json)))
+
+
+@torch.library.custom_op("kernelgen::sparse_attention_backward", mutates_args=())
+def _attn_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, lists: torch.Tensor, spec_json: str,
+                      scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return get_kernel(Spec.from_json(spec_json))._gradients(do, q, k, v, o, lse, lists, scale)
+
+
+@_attn_backward_op.register_fake
+def _(do, q, k, v, o, lse, lists, spec_json, scale):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, _, spec_json, scale = inputs
+    o, lse, lists = output
+    ctx.save_for_backward(q, k, v, o, lse, lists)
+    ctx.spec_json, ctx.scale = spec_json, scale
+    ctx.mark_non_differentiable(lse, lists)
+
+
+def _backward(ctx, do, _dlse, _dlists):
+    q, k, v, o, lse, lists = ctx.saved_tensors
+    dq, dk, dv = _attn_backward_op(do, q, k, v, o, lse, lists, ctx.spec_json, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_context=_setup_context)
 
 
 @torch.compiler.assume_constant_result
@@ -52,5 +90,7 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
 
 
 def sparse_attention(q, k, v, spec: Spec, block_idx=None, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`get_kernel(spec)(q, k, v, block_idx=..., scale=..., return_lse=True)` as a custom op."""
-    return _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale))
+    """`get_kernel(spec)(q, k, v, block_idx=..., scale=..., return_lse=True)` as a custom op; o backpropagates
+    (lse carries no gradient)."""
+    o, lse, _ = _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale))
+    return o, lse

@@ -2,11 +2,12 @@
 launches them.
 
 A call's roles and who runs them: `lists` (caller-given lists to the kernels' form) or `select` (the
-spec's selector), then `attn`. The spec's backend runs each role it has; the registry's fallback runs the
-others (`backends.runner`). A role's config is, in this order: pinned by the caller, the tuning DB's
-winner for the spec, the nearest tuned spec's winner (user DB, then the bundled one;
-`kernelgen.tuning.lookup.served_config`), or the backend's default. A winner measured under another
-torch or CUDA runtime is re-checked against the reference once before it is served. With
+spec's selector), then `attn`; with inputs that require grad, its backward runs `bwd_delta`, `bwd_dq` and
+`bwd_dkdv` over the lists the forward used (`_AttentionFunction`). The spec's backend runs each role it
+has; the registry's fallback runs the others (`backends.runner`). A role's config is, in this order:
+pinned by the caller, the tuning DB's winner for the spec, the nearest tuned spec's winner (user DB, then
+the bundled one; `kernelgen.tuning.lookup.served_config`), or the backend's default. A winner measured
+under another torch or CUDA runtime is re-checked against the reference once before it is served. With
 KERNELGEN_AUTOTUNE=1 a role served anything but its own winner is tuned in the background
 (`kernelgen.tuning.autotune`).
 """
@@ -26,7 +27,8 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import BlockLists, Shapes, check_block_idx, check_block_lists, check_qkv
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting
-from .roles import get_role
+from .reverse_index import ReverseIndex, build_reverse_index
+from .roles import BACKWARD_ROLES, get_role
 from .spec import Spec
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
@@ -58,10 +60,12 @@ class SparseAttention:
     attn(q, k, v, block_idx=idx)          attend over caller-given lists (int32 [B, Hkv, n_q_tiles, top_k], -1 empty)
     lists = attn.prepare(idx, seq_q, seq_k)   the same lists checked and normalised once (`BlockLists`);
     attn(q, k, v, block_idx=lists)        calls with them skip that step (one launch fewer per call)
-    attn(q, k, v, return_lse=True)        also return lse (float32 [B, Hq, Nq])
+    attn(q, k, v, return_lse=True)        also return lse (float32 [B, Hq, Nq]; it carries no gradient)
     attn.select(q, k)                     the lists the selector would use
 
     q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = spec.gqa_group * Hkv; fp16/bf16 (fp32 in the interpreter).
+    With inputs that require grad (and grad enabled), o backpropagates: dq, dk, dv for the lists the forward
+    used, deterministic run to run.
     `validate_lists=True` makes repeated ids in given lists an error (costs a device sync per call).
     """
 
@@ -152,6 +156,11 @@ class SparseAttention:
                 self._served("select", bucket, dtype, device) if self.spec.selects else None,
                 self._served("attn", bucket, dtype, device))
 
+    @functools.lru_cache(maxsize=256)
+    def _backward_plan(self, bucket: int, dtype, device) -> tuple[Served, ...]:
+        """The backward's roles (`roles.BACKWARD_ROLES`: bwd_delta, bwd_dq, bwd_dkdv), in one lookup."""
+        return tuple(self._served(role, bucket, dtype, device) for role in BACKWARD_ROLES)
+
     def _launch(self, served: Served, like: torch.Tensor, shapes: Shapes, *args):
         kernel = served.kernel
         if kernel is None:  # compiled per problem shape: one dict hit per call once built
@@ -206,36 +215,87 @@ class SparseAttention:
 
     def _forget_served(self) -> None:
         """Read the tuning DB again on the next call (a background tune has stored a winner)."""
-        for cached in (self._backend, self._served, self._plan):
+        for cached in (self._backend, self._served, self._plan, self._backward_plan):
             cached.cache_clear()
         self._shape_kernels.clear()
         self._generation = autotune.generation
 
     def __call__(self, q, k, v, *, block_idx=None, scale=None, return_lse: bool = False):
-        spec = self.spec
-        shapes = check_qkv(q, k, v, spec)
+        shapes = self._start_call(q, k, v)
+        if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+            o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale)
+        else:
+            o, lse, _ = self._attend(q, k, v, shapes, block_idx, scale)
+        return (o, lse) if return_lse else o
+
+    def _start_call(self, q, k, v) -> Shapes:
+        """What every call does first: check the inputs, and take up winners a background tune stored."""
+        shapes = check_qkv(q, k, v, self.spec)
         if autotune.running():
             autotune.poll()
         if self._generation != autotune.generation:
             self._forget_served()
-        if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-            raise NotImplementedError("kernelgen has no backward pass yet: call it under torch.no_grad() "
-                                      "or with inputs that do not require grad")
+        return shapes
+
+    def _attend(self, q, k, v, shapes: Shapes, block_idx, scale) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The forward of a checked call: (o, lse, the lists it attended over: the BlockLists given, else
+        the normalised or selected int32 tensor)."""
         lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device)
         if block_idx is None:
             if select is None:
                 raise KernelgenValueError("spec.selector='given' needs block_idx=int32 [B, Hkv, n_q_tiles, top_k]")
-            block_idx = self._launch(select, q, shapes, q, k)
+            used = normalised = self._launch(select, q, shapes, q, k)
         elif isinstance(block_idx, BlockLists):
-            block_idx = check_block_lists(block_idx, spec, shapes, q.device)
+            used, normalised = block_idx, check_block_lists(block_idx, self.spec, shapes, q.device)
         else:
-            checked = check_block_idx(block_idx, spec, shapes, q.device, self.validate_lists)
-            block_idx = self._launch(lists, q, shapes, checked)
-        o, lse = self._launch(attn, q, shapes, q, k, v, block_idx, scale)
-        return (o, lse) if return_lse else o
+            checked = check_block_idx(block_idx, self.spec, shapes, q.device, self.validate_lists)
+            used = normalised = self._launch(lists, q, shapes, checked)
+        o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale)
+        return o, lse, used
+
+    def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale, reverse: ReverseIndex | None = None,
+                   needs=(True, True, True)) -> tuple[torch.Tensor | None, ...]:
+        """(dq, dk, dv) of o = attn(q, k, v, block_idx=..., scale=scale) given do, its forward's o and lse,
+        and the lists it attended over, in the kernels' form (`block_idx`; `reverse`, their reverse index,
+        is built when None). A gradient that `needs` leaves out is None, and not computed."""
+        shapes = check_qkv(q, k, v, self.spec)
+        if do.stride(-1) != 1:  # the kernels read rows with unit stride (an expanded do of o.sum() has 0)
+            do = do.contiguous()
+        delta_role, dq_role, dkdv_role = self._backward_plan(seq_bucket(shapes.n_k), q.dtype, q.device)
+        delta = self._launch(delta_role, q, shapes, o, do)
+        dq = self._launch(dq_role, q, shapes, q, k, v, do, lse, delta, block_idx, scale) if needs[0] else None
+        dk = dv = None
+        if needs[1] or needs[2]:
+            reverse = build_reverse_index(block_idx, shapes.n_kv_blocks) if reverse is None else reverse
+            dk, dv = self._launch(dkdv_role, q, shapes, q, k, v, do, lse, delta, reverse, scale)
+        return dq, dk if needs[1] else None, dv if needs[2] else None
 
     def __repr__(self) -> str:
         return f"SparseAttention({self.spec})"
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """attn(q, k, v) with a backward: the forward runs as without grad and keeps the lists it attended over
+    (given or selected: never selected again, and selection is not differentiated, as in NSA and DSA);
+    lse is returned without gradient (as FlashAttention's). A BlockLists' reverse index is built once and
+    kept with it; raw or selected lists get theirs in each backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn: SparseAttention, shapes: Shapes, block_idx, scale):
+        o, lse, used = attn._attend(q, k, v, shapes, block_idx, scale)
+        ctx.attn, ctx.scale = attn, scale
+        ctx.prepared = used if isinstance(used, BlockLists) else None
+        ctx.save_for_backward(q, k, v, o, lse, used.block_idx if ctx.prepared is not None else used)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: the gradients are not differentiated
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, block_idx = ctx.saved_tensors
+        reverse = ctx.prepared.reverse_index() if ctx.prepared is not None else None
+        dq, dk, dv = ctx.attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3])
+        return dq, dk, dv, None, None, None, None
 
 
 @functools.lru_cache(maxsize=256)

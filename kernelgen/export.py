@@ -17,7 +17,8 @@ assembled from kernelgen's own sources, so that nothing is written twice:
              when (if ever) a function imports it
   launcher   SPEC, CONFIGS, `kernel` (kernelgen's own SparseAttention with every role's config pinned, so
              that nothing is tuned or looked up), attn(q, k, v, *, block_idx=None, scale=None,
-             return_lse=False), select(q, k) and prepare(block_idx, seq_q, seq_k)
+             return_lse=False) (its output backpropagates, as kernelgen's does), select(q, k) and
+             prepare(block_idx, seq_q, seq_k)
 
 Kernels are built by the backends' own code (`Backend.build`): rendered modules are written, as kernelgen
 writes them, to `codegen.cache.load_module`'s directory (Triton and TileLang read a kernel's source from
@@ -50,7 +51,7 @@ from .codegen import render as _render_module
 from .codegen.render import render, template_path
 from .device import current_arch
 from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
-from .roles import get_role
+from .roles import BACKWARD_ROLES, get_role
 from .spec import Spec
 
 __all__ = ["export_module", "ExportError", "assemble", "call_roles"]
@@ -71,8 +72,8 @@ class ExportError(KernelgenError, RuntimeError):
 
 def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector),
-    `attn`."""
-    return ("lists", "select", "attn") if spec.selects else ("lists", "attn")
+    `attn`, and its backward's (`roles.BACKWARD_ROLES`)."""
+    return ("lists", "select", "attn") + BACKWARD_ROLES if spec.selects else ("lists", "attn") + BACKWARD_ROLES
 
 
 def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str | None = None,
@@ -80,9 +81,9 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
     """Write one standalone Python module for `spec` to `out_path` (a .py file) and return its path.
 
     configs   {role: config} baked into the module, for the roles a call runs (`call_roles`: "select"
-              only for a spec with a selector; "lists" takes None). A missing role (or configs=None) gets
-              the backend's default (`backends.runner(spec.backend, role).default_config`); to bake in the
-              tuning DB's winners for an arch and length, pass `tuned_configs(...)`'s.
+              only for a spec with a selector; "lists" and "bwd_delta" take None). A missing role (or
+              configs=None) gets the backend's default (`backends.runner(spec.backend, role).default_config`);
+              to bake in the tuning DB's winners for an arch and length, pass `tuned_configs(...)`'s.
     arch      the arch the module is for ("sm_89"; `kernelgen.archs`): the defaults are its, and the
               configs must run on it. Default: the GPU present's, else "cpu" (the interpreter).
     sources   {role: where its config came from}, written in the module's header (roles left out:
@@ -482,6 +483,7 @@ _HEADER = '''\
     import this_module as m
     o = m.attn(q, k, v)                               # select blocks with the spec's selector, then attend
     o, lse = m.attn(q, k, v, block_idx=idx, return_lse=True)   # caller-given lists
+    o.backward(do)                                    # inputs that require grad get dq, dk, dv (lse has none)
     idx = m.select(q, k)                              # the lists the selector would use
     lists = m.prepare(idx, seq_q, seq_k)              # lists for many calls, normalised once:
     o = m.attn(q, k, v, block_idx=lists)              # these calls skip that launch

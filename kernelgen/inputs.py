@@ -14,6 +14,7 @@ import torch
 
 from .device import interpreting
 from .errors import KernelgenTypeError, KernelgenValueError
+from .reverse_index import ReverseIndex, build_reverse_index
 from .spec import Spec
 
 __all__ = ["Shapes", "BlockLists", "check_qkv", "check_block_idx", "check_block_lists", "softmax_scale",
@@ -62,8 +63,9 @@ class BlockLists:
     kv_block, top_k, n_kv_blocks   what it was made for; a call with other values is a ValueError
 
     Only `prepare` makes them (the kernels trust their order: a hand-made one could name a block the
-    kernels would read out of bounds), so the constructor refuses."""
-    __slots__ = ("block_idx", "kv_block", "top_k", "n_kv_blocks")
+    kernels would read out of bounds), so the constructor refuses. `reverse_index()` is built on the
+    device when a backward first needs it, then kept with the lists."""
+    __slots__ = ("block_idx", "kv_block", "top_k", "n_kv_blocks", "_reverse")
 
     def __init__(self, *args, **kwargs):
         raise KernelgenTypeError("BlockLists are made by SparseAttention.prepare(block_idx, seq_q, seq_k), not by hand")
@@ -71,9 +73,16 @@ class BlockLists:
     @classmethod
     def _made_by_prepare(cls, block_idx: torch.Tensor, kv_block: int, top_k: int, n_kv_blocks: int) -> BlockLists:
         lists = object.__new__(cls)
-        for name, value in zip(cls.__slots__, (block_idx, kv_block, top_k, n_kv_blocks)):
+        for name, value in zip(cls.__slots__, (block_idx, kv_block, top_k, n_kv_blocks, None)):
             object.__setattr__(lists, name, value)
         return lists
+
+    def reverse_index(self) -> ReverseIndex:
+        """For each (batch, KV head, KV block), the Q tiles whose lists hold it (`kernelgen.reverse_index`):
+        built on the lists' device at the first call, the same object afterwards."""
+        if self._reverse is None:
+            object.__setattr__(self, "_reverse", build_reverse_index(self.block_idx, self.n_kv_blocks))
+        return self._reverse
 
     def __setattr__(self, name, value):
         raise AttributeError("BlockLists are read-only")

@@ -20,6 +20,7 @@ __all__ = [
     "token_mask",
     "attention",
     "sparse_attention",
+    "sparse_attention_grads",
 ]
 
 
@@ -154,12 +155,48 @@ def sparse_attention(
     if block_idx is None:
         block_idx = select_blocks(q, k, spec)
     nq, nk = q.shape[2], k.shape[2]
-    chunk = max(spec.q_tile, (1 << 27) // max(1, q.shape[0] * q.shape[1] * nk) // spec.q_tile * spec.q_tile)
     outs, lses = [], []
-    for start in range(0, nq, chunk):
-        rows = range(start, min(start + chunk, nq))
+    for rows in _query_chunks(q, nk, spec):
         mask = token_mask(block_idx, spec, nq, nk, rows)
         o, lse = attention(q[:, :, rows.start : rows.stop], k, v, mask, scale)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2), block_idx
+
+
+def sparse_attention_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    spec: Spec,
+    block_idx: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), float64: the gradients of sum(o * do) for o = sparse_attention(q, k, v, spec,
+    block_idx, scale)[0], by torch.autograd through `attention`, for the fixed lists `block_idx` (selection
+    is not differentiated). One chunk of queries at a time: each chunk's rows give their own dq, and
+    their dk and dv add up."""
+    nq, nk = q.shape[2], k.shape[2]
+    kd = k.detach().double().requires_grad_()
+    vd = v.detach().double().requires_grad_()
+    dqs = []
+    dk = torch.zeros_like(kd)
+    dv = torch.zeros_like(vd)
+    for rows in _query_chunks(q, nk, spec):
+        qd = q[:, :, rows.start : rows.stop].detach().double().requires_grad_()
+        with torch.enable_grad():
+            o, _ = attention(qd, kd, vd, token_mask(block_idx, spec, nq, nk, rows), scale)
+            dq_rows, dk_rows, dv_rows = torch.autograd.grad(o, (qd, kd, vd), do[:, :, rows.start : rows.stop].double())
+        dqs.append(dq_rows)
+        dk += dk_rows
+        dv += dv_rows
+    return torch.cat(dqs, 2), dk, dv
+
+
+def _query_chunks(q: torch.Tensor, nk: int, spec: Spec):
+    """Ranges of whole Q tiles whose dense [B, Hq, rows, Nk] scores hold about 2**27 elements."""
+    nq = q.shape[2]
+    chunk = max(spec.q_tile, (1 << 27) // max(1, q.shape[0] * q.shape[1] * nk) // spec.q_tile * spec.q_tile)
+    for start in range(0, nq, chunk):
+        yield range(start, min(start + chunk, nq))

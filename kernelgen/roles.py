@@ -6,9 +6,13 @@ backend (`kernelgen.backends.fallback_for`). Adding a role is one `Role` here (o
 plus one `RoleImpl` per backend that runs it.
 
 Launch signatures, after (kernel, spec, config, shapes):
-  lists    (block_idx, validate)        caller-given lists -> int32 lists in the kernels' form
-  select   (q, k)                       lists chosen by spec.selector: int32 [B, Hkv, n_q_tiles, top_k]
-  attn     (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form
+  lists     (block_idx, validate)        caller-given lists -> int32 lists in the kernels' form
+  select    (q, k)                       lists chosen by spec.selector: int32 [B, Hkv, n_q_tiles, top_k]
+  attn      (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form
+  bwd_delta (o, do)                      delta = rowsum(do * o), float32 [B, Hq, Nq]
+  bwd_dq    (q, k, v, do, lse, delta, block_idx, scale)   dq over lists in the kernels' form
+  bwd_dkdv  (q, k, v, do, lse, delta, reverse, scale)     (dk, dv), walking `reverse`
+            (a `kernelgen.reverse_index.ReverseIndex` of the same lists)
 """
 from __future__ import annotations
 
@@ -21,13 +25,17 @@ import torch
 
 from . import reference
 from .errors import KernelgenValueError
+from .reverse_index import build_reverse_index
 from .spec import Spec
 from .workloads import useful_flops
 
-__all__ = ["Role", "ROLES", "register_role", "get_role", "Workload", "WorkloadShape", "valid_top_k", "REL_L2_TOL"]
+__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "register_role", "get_role", "Workload", "WorkloadShape", "valid_top_k",
+           "REL_L2_TOL", "GRAD_REL_L2_TOL"]
 
 # what a tuned config must reproduce: rel. L2 error of o against the float64 reference
 REL_L2_TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4}
+# ... and of dq, dk, dv: P and dS are rounded to the inputs' dtype before their products
+GRAD_REL_L2_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 1e-4}
 SELECT_SCORE_TOL = 1e-3  # relative slack at near-ties between chosen and unchosen blocks
 
 
@@ -100,12 +108,57 @@ def attention_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: b
     ref = reference.sparse_attention(q, k, v, spec.replace(selector="given"), block_idx=lists)[0]
 
     def judge(out) -> str | None:
-        o = out[0]
-        err = ((o.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
-        tol = REL_L2_TOL[o.dtype]
-        return None if err < tol else f"o differs from the reference: rel. L2 error {err:.3e} >= {tol}"
+        return _rel_l2_error("o", out[0], ref, REL_L2_TOL[out[0].dtype])
 
     return Workload((q, k, v, lists, None), judge, flops)
+
+
+def _rel_l2_error(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> str | None:
+    """Why `got` is not `want` (float64) within relative L2 error `tol`, or None (NaN fails too)."""
+    err = ((got.double() - want).norm() / want.norm().clamp(min=1e-30)).item()
+    return None if err < tol else f"{name} differs from the reference: rel. L2 error {err:.3e} >= {tol}"
+
+
+def _backward_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool):
+    """(q, k, v, do, lse, delta, lists, float64 (dq, dk, dv) or None): a backward's inputs. Checked
+    workloads run the reference forward and its autograd; timed ones take stand-ins of the same shapes (a
+    finite lse, so that every P is finite)."""
+    q, k, v = _inputs(spec, shape, device, dtype)
+    do = _inputs(spec, shape, device, dtype, seed=1)[0]
+    lists = _lists(q, k, spec)
+    given = spec.replace(selector="given")
+    if check:
+        o, lse, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)
+        grads = reference.sparse_attention_grads(q, k, v, do, given, lists)
+    else:
+        o = _inputs(spec, shape, device, dtype, seed=2)[0]
+        lse, grads = torch.full(q.shape[:3], 20.0, device=device), None
+    o = o.to(dtype)
+    delta = (do.float() * o.float()).sum(-1)
+    return q, k, v, do, lse.float(), delta, lists, grads
+
+
+def bwd_dq_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    q, k, v, do, lse, delta, lists, grads = _backward_workload(spec, shape, device, dtype, check)
+    flops = 1.5 * useful_flops(lists, spec, shape.n_q, shape.n_k)  # 3 products (S, dP, dQ) to the forward's 2
+
+    def judge(dq) -> str | None:
+        return _rel_l2_error("dq", dq, grads[0], GRAD_REL_L2_TOL[dq.dtype])
+
+    return Workload((q, k, v, do, lse, delta, lists, None), judge if check else (lambda out: None), flops)
+
+
+def bwd_dkdv_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    q, k, v, do, lse, delta, lists, grads = _backward_workload(spec, shape, device, dtype, check)
+    reverse = build_reverse_index(lists, spec.n_kv_blocks(shape.n_k))
+    flops = 2.0 * useful_flops(lists, spec, shape.n_q, shape.n_k)  # 4 products (S, dP, dV, dK) to the forward's 2
+
+    def judge(out) -> str | None:
+        dk, dv = out
+        return (_rel_l2_error("dk", dk, grads[1], GRAD_REL_L2_TOL[dk.dtype])
+                or _rel_l2_error("dv", dv, grads[2], GRAD_REL_L2_TOL[dv.dtype]))
+
+    return Workload((q, k, v, do, lse, delta, reverse, None), judge if check else (lambda out: None), flops)
 
 
 def valid_top_k(lists: torch.Tensor, q, k, spec: Spec) -> bool:
@@ -168,3 +221,13 @@ register_role(Role("lists", "caller-given block lists to the kernels' form (ids 
 register_role(Role("select", "block lists chosen by the spec's selector", workload=select_workload))
 register_role(Role("attn", "attention over block lists: o and lse", canonical=_KERNEL_READS_LISTS,
                    workload=attention_workload))
+# The backward of the Q-centric schedule, for the lists the forward used (selection is not differentiated).
+# bwd_delta reads o and do alone: one kernel per head_dim serves every spec.
+register_role(Role("bwd_delta", "backward preprocess: delta = rowsum(do * o) per query and head",
+                   canonical=dict(_KERNEL_READS_LISTS, kv_block=64, q_tile=64, top_k=1, causal=False, gqa_group=1)))
+register_role(Role("bwd_dq", "backward: dq over block lists, P recomputed from lse", canonical=_KERNEL_READS_LISTS,
+                   workload=bwd_dq_workload))
+register_role(Role("bwd_dkdv", "backward: dk and dv per KV block, over the Q tiles whose lists hold it (the "
+                   "reverse index), the G query heads summed in the program", canonical=_KERNEL_READS_LISTS,
+                   workload=bwd_dkdv_workload))
+BACKWARD_ROLES = ("bwd_delta", "bwd_dq", "bwd_dkdv")  # what a backward runs, in order

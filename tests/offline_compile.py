@@ -12,7 +12,8 @@ same way (kernelgen.backends.gluon.launch_attn builds its TMA descriptors from t
 only need aligned data pointers). Reads a JSON list of cases on stdin; prints one JSON object per case:
 {"case": i, "kernels": [[name, shared_bytes], ...]} or {"case": i, "error": "..."}.
 A case: {"spec": Spec fields, "attn": the attention config's fields (AttnConfig, or GluonAttnConfig for a
-spec of backend "gluon"), "select": SelectConfig fields, "n": seq length}.
+spec of backend "gluon"), "select": SelectConfig fields, "n": seq length}, and optionally "bwd_dq" and
+"bwd_dkdv": those roles' config fields, to compile the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv) too.
 """
 import json
 import os
@@ -96,7 +97,18 @@ def main(arch: str) -> None:
                 lists = backends.runner(spec.backend, "lists")
                 idx = run(spec, "lists", lists.default_config(get_role("lists").kernel_spec(spec, lists.name), "lists",
                                                               arch), shapes, idx)
-            run(spec, "attn", configs["attn"], shapes, q, k, v, idx, None)
+            o, lse = run(spec, "attn", configs["attn"], shapes, q, k, v, idx, None)
+            if "bwd_dq" in case:
+                from kernelgen.reverse_index import build_reverse_index
+
+                bwd = {role: backends.runner(spec.backend, role).config_from_dict(role, case[role])
+                       for role in ("bwd_dq", "bwd_dkdv")}
+                get_kernel(spec, configs=bwd)
+                idx = idx.clamp(-1, shapes.n_kv_blocks - 1)  # never launched: whatever ids, only compiles
+                delta = run(spec, "bwd_delta", None, shapes, o, o)
+                run(spec, "bwd_dq", bwd["bwd_dq"], shapes, q, k, v, o, lse, delta, idx, None)
+                run(spec, "bwd_dkdv", bwd["bwd_dkdv"], shapes, q, k, v, o, lse, delta,
+                    build_reverse_index(idx, shapes.n_kv_blocks), None)
             print(json.dumps({"case": i, "kernels": compiled}), flush=True)
         except Exception as error:  # report per case; the test names it
             print(json.dumps({"case": i, "error": "".join(traceback.format_exception_only(error))[-2000:]}),

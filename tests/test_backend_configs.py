@@ -38,13 +38,13 @@ def _served(spec, role):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.key())
 def test_defaults_are_points_of_their_spaces(spec):
-    for arch, role in itertools.product(("sm_80", "sm_89", "sm_90"), ("attn", "select")):
+    for arch, role in itertools.product(("sm_80", "sm_89", "sm_90"), ("attn", "select", "bwd_dq", "bwd_dkdv")):
         backend, kernel_spec = _served(spec, role)
         space = backend.config_space(kernel_spec, role, arch)
         if not space and spec.head_dim == 256 and spec.kv_block == 128:
             # a K and a V block of 64 KB each: more than the 99 KB of sm_89 holds with any Q tile
             assert arch == "sm_89" and backend.name in ("triton", "tilelang")
-            with pytest.raises(KernelgenValueError, match="101376 B"):
+            with pytest.raises(KernelgenValueError, match=r"101376|no .* fits .* on sm_89"):
                 backend.default_config(kernel_spec, role, arch)
             continue
         assert space and all(type(c) is backend.config_type(role) for c in space), (arch, role)

@@ -36,6 +36,14 @@ def test_fake_shapes_and_opcheck(device):
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.kernelgen.sparse_attention.default, (q, k, v, idx, SPEC.to_json(), None),
                           test_utils=("test_schema", "test_faketensor"))
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(torch.ops.kernelgen.sparse_attention.default, (*leaves, None, SPEC.to_json(), 0.2),
+                          test_utils=("test_schema", "test_autograd_registration"))
+    o, lse, lists = torch.ops.kernelgen.sparse_attention(*leaves, None, SPEC.to_json(), 0.2)
+    assert torch.equal(lists, select_blocks(q.float(), k.float(), SPEC))  # the lists the backward reads
+    torch.library.opcheck(torch.ops.kernelgen.sparse_attention_backward.default,
+                          (torch.randn_like(o), *(x.detach() for x in leaves), o.detach(), lse, lists,
+                           SPEC.to_json(), 0.2), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_compiles_without_graph_breaks(device):

@@ -20,8 +20,8 @@ import kernelgen
 from checks import TEST_ARCH
 from kernelgen import AttnConfig, GluonAttnConfig, KernelgenValueError, SelectConfig, Spec, TileLangAttnConfig, backends
 from kernelgen.codegen.render import render
-from kernelgen.export import ExportError, export_module, module_imports, resolve_import
-from kernelgen.roles import get_role
+from kernelgen.export import ExportError, call_roles, export_module, module_imports, resolve_import
+from kernelgen.roles import BACKWARD_ROLES, get_role
 
 # causal, GQA 2, local and sink, Nq != Nk; exported with non-default configs (baked in)
 MEAN = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=5, causal=True, gqa_group=2, local=2, sink=1)
@@ -32,6 +32,9 @@ GIVEN = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, gqa_grou
 
 # The same calls run on get_kernel(spec) here and on the exported module in the child (one source).
 CALLS = '''
+import torch
+
+
 def run_calls(attn, select, prepare, x):
     """Outputs by name, and (exception type, message) or None for each bad call."""
     q, k, v, idx = x["q"], x["k"], x["v"], x.get("idx")
@@ -44,6 +47,11 @@ def run_calls(attn, select, prepare, x):
         out["o"], out["lse"] = attn(q, k, v, block_idx=idx, return_lse=True)  # int64: converted exactly
         out["o_int32_scaled"] = attn(q, k, v, block_idx=idx.clamp(-1, 2**31 - 1).int(), scale=0.3)
         out["o_prepared"], out["lse_prepared"] = attn(q, k, v, block_idx=prepare(idx, n_q, n_k), return_lse=True)
+    # the backward: the gradients of sum(o * do) through the module's autograd
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = attn(*leaves, block_idx=idx)
+    o.backward(torch.linspace(-1, 1, o.numel()).view_as(o).to(o.dtype))
+    out["dq"], out["dk"], out["dv"] = (t.grad for t in leaves)
     bad = {
         "q.dtype": lambda: attn(q.double(), k, v, block_idx=idx),
         "v.dtype": lambda: attn(q, k, v.int(), block_idx=idx),
@@ -129,8 +137,7 @@ def _default_config(spec, role, arch=TEST_ARCH):
 
 def _configs_dict(spec, configs):
     """What the exported module's CONFIGS holds: every role a call runs, the given configs or the defaults."""
-    roles = ("lists", "select", "attn") if spec.selects else ("lists", "attn")
-    configs = {r: configs.get(r) or _default_config(spec, r) for r in roles}
+    configs = {r: configs.get(r) or _default_config(spec, r) for r in call_roles(spec)}
     return {r: None if c is None else dataclasses.asdict(c) for r, c in configs.items()}
 
 
@@ -197,7 +204,7 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
     path = export_module(GIVEN, tmp_path / "kg_given.py")
     cases["given"] = dict(path=str(path), spec=GIVEN.to_dict(), q=q, k=k, v=v,
                           idx=_given_lists(GIVEN, 1, 2, 100, 140, 3), configs=_configs_dict(GIVEN, {}))
-    assert set(cases["given"]["configs"]) == {"lists", "attn"}  # no selector, no select config
+    assert set(cases["given"]["configs"]) == {"lists", "attn", *BACKWARD_ROLES}  # no selector, no select config
     torch.save(cases, tmp_path / "inputs.pt")
     exported = _run_child(tmp_path, CHILD, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt"))
     # without KERNELGEN_CACHE_DIR the rendered kernels went to <temp dir>/kernelgen-export-<uid>/kernels
@@ -205,6 +212,8 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
     assert any(n.startswith("kg_triton_attn_") for n in written), written
     assert any(n.startswith("kg_triton_select_") for n in written), written
     assert any(n.startswith("kg_triton_lists_") for n in written), written
+    for role in BACKWARD_ROLES:  # the module backpropagates with kernels it embeds
+        assert any(n.startswith(f"kg_triton_{role}_") for n in written), written
 
     for name, spec, configs in (("mean", MEAN, MEAN_CONFIGS), ("given", GIVEN, None)):
         attn = kernelgen.get_kernel(spec, configs=configs)
@@ -254,13 +263,15 @@ def test_header_sources_and_imports(tmp_path):
             file = file / "__init__.py" if file.is_dir() else file.with_suffix(".py")
             assert source == file.read_text(), key
     assert "export" not in sources and "codegen.render" in sources and "import jinja2" not in sources["codegen.render"]
-    # every kernel a call builds, verbatim: lists (kernel spec: selector given, no forced blocks), select, attn
-    for role, cfg in (("lists", None), ("select", _default_config(MEAN, "select")), ("attn", MEAN_CONFIGS["attn"])):
+    # every kernel a call builds, verbatim: lists (kernel spec: selector given, no forced blocks), select, attn,
+    # and the backward's
+    for role, cfg in (("lists", None), ("select", _default_config(MEAN, "select")), ("attn", MEAN_CONFIGS["attn"]),
+                      *((role, _default_config(MEAN, role)) for role in BACKWARD_ROLES)):
         kernel_spec = get_role(role).kernel_spec(MEAN, "triton")
         template = str(backends.get("triton").role(role).template)
         source = rendered[(template, kernel_spec.to_json(), None if cfg is None else cfg.to_json(), ())]
         assert source == render(template, kernel_spec, cfg)
-    assert len(rendered) == 3
+    assert len(rendered) == 3 + len(BACKWARD_ROLES)
 
     # nothing beyond the standard library, torch and triton at module level, and relative imports only of
     # embedded modules: in the file's own code, in each embedded module and in each rendered kernel

@@ -298,19 +298,24 @@ def test_int64_block_idx_is_not_wrapped(device, big):
 # ---- autograd and spec -----------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 def test_requires_grad(attn, device, name):
+    """An input that requires grad makes o backpropagate into it alone (tests/test_backward.py checks the
+    values); under torch.no_grad(), o is detached."""
     args = dict(zip("qkv", qkv(device)))
     args[name].requires_grad_(True)
-    with pytest.raises(NotImplementedError, match=r"no backward pass.*torch\.no_grad\(\)"):
-        attn(**args)
-    with torch.no_grad():  # the way out the message names works
+    o = attn(**args)
+    assert o.requires_grad
+    o.sum().backward()  # do is expanded from a scalar: stride 0
+    assert {x for x, t in args.items() if t.grad is not None} == {name}
+    assert not torch.isnan(args[name].grad).any()
+    with torch.no_grad():
         o = attn(**args)
     assert not o.requires_grad and not torch.isnan(o).any()
 
 
 def test_requires_grad_with_given_lists(device):
     q, k, v = qkv(device)
-    with pytest.raises(NotImplementedError, match=r"no backward pass"):
-        kernelgen.get_kernel(GIVEN)(q.requires_grad_(), k, v, block_idx=lists(GIVEN, 64, 96, device))
+    kernelgen.get_kernel(GIVEN)(q.requires_grad_(), k, v, block_idx=lists(GIVEN, 64, 96, device)).sum().backward()
+    assert q.grad is not None and not torch.isnan(q.grad).any()
 
 
 @pytest.mark.parametrize(
@@ -335,7 +340,7 @@ def test_top_k_too_small_for_forced_blocks(kwargs):
     ({"attn": kernelgen.AttnConfig(block_m=48)}, ValueError, r"configs\['attn'\] = .* is not feasible"),
     ({"attn": kernelgen.AttnConfig(block_m=64, kv_per_iter=3)}, ValueError, "not feasible"),
     ({"select": kernelgen.SelectConfig(tiles=8, chunk=32, splits=3)}, ValueError, r"configs\['select'\]"),
-    ({"fwd": kernelgen.AttnConfig()}, ValueError, r"role='fwd' is unknown; expected one of \['attn', 'lists', 'select'\]"),
+    ({"fwd": kernelgen.AttnConfig()}, ValueError, r"role='fwd' is unknown; expected one of \['attn', 'bwd_delta', 'bwd_dkdv', 'bwd_dq', 'lists', 'select'\]"),
 ])
 def test_pinned_configs_are_checked(configs, error, match):
     """A pinned config outside the feasible space (one that could leave rows unwritten) is refused."""

@@ -18,10 +18,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..archs import arch_facts
 from ..errors import KernelgenValueError
 from ..inputs import LOG2E, empty, next_pow2, softmax_scale
+from ..reverse_index import ReverseIndex
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
 
-__all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "attn_smem_bytes", "pack_infeasible", "rendered_module"]
+__all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "BwdDqConfig", "BwdDkdvConfig", "attn_smem_bytes",
+           "bwd_dq_smem_bytes", "bwd_dkdv_smem_bytes", "pack_infeasible", "rendered_module"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,34 @@ class SelectConfig:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+class _JsonConfig:
+    """A frozen dataclass of tunables that writes itself as sorted JSON (the tuning DB's and the render's form)."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class BwdDqConfig(_JsonConfig):
+    """dQ of the backward: block_m packed rows (G heads x Q_TILE queries) per program, as the forward's,
+    walking the tile's list."""
+
+    block_m: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class BwdDkdvConfig(_JsonConfig):
+    """dK and dV of the backward: block_n keys of one KV block per program (K, V and their gradients held
+    in registers), walking the Q tiles that list the block block_m packed query rows at a time."""
+
+    block_n: int = 64
+    block_m: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 # ---- attention: feasibility, defaults, space -------------------------------------------------------
@@ -169,6 +199,99 @@ def select_space(spec: Spec, arch: str):
             for t, c, w, n in itertools.product((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256), (4, 8), (1, 2, 4)))
 
 
+# ---- backward: feasibility, defaults, spaces --------------------------------------------------------
+
+BWD_REGS_LIMIT = 256  # fp32 words per thread of accumulators and score tiles; past it Triton spills
+
+
+def bwd_dq_smem_bytes(spec: Spec, cfg: BwdDqConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the dQ kernel: num_stages buffers of one K and one V block, plus Q and dO (what Triton
+    3.6 asked for on sm_90: tests/test_backward.py compiles offline)."""
+    return (cfg.num_stages * 2 * spec.kv_block + 2 * cfg.block_m) * spec.head_dim * elem_bytes
+
+
+def bwd_dkdv_smem_bytes(spec: Spec, cfg: BwdDkdvConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the dK/dV kernel: num_stages buffers of one step's Q and dO, plus K and V; unpipelined
+    (1 stage), Q and dO twice, once per product that reads each. (What Triton 3.6 asked for on sm_90, give or
+    take its barriers: tests/test_backward.py compiles offline.)"""
+    rows = max(cfg.num_stages * 2 * cfg.block_m + 2 * cfg.block_n, 4 * cfg.block_m)
+    return rows * spec.head_dim * elem_bytes + 2048  # and up to 2 KB of the pipeline's barriers
+
+
+def _bwd_resources(regs: int, regs_what: str, smem: int, smem_what: str, smem_limit: int) -> str | None:
+    """Why a backward kernel's tiles do not fit (`regs` fp32 registers per thread, `smem` bytes), or None."""
+    if regs > BWD_REGS_LIMIT:
+        return (f"{regs_what} = {regs} fp32 registers per thread; at most {BWD_REGS_LIMIT} (Triton spills past "
+                "it): more warps or smaller tiles")
+    if smem > smem_limit:
+        return f"{smem} B of shared memory ({smem_what}); at most {smem_limit}"
+    return None
+
+
+def _bwd_warps_stages(spec: Spec) -> tuple[int, int]:
+    """The backward defaults' num_warps and num_stages for the spec's head_dim (the forward's)."""
+    return {64: 4, 128: 8, 256: 8}[spec.head_dim], {64: 2, 128: 2, 256: 1}[spec.head_dim]
+
+
+def bwd_dq_infeasible(spec: Spec, cfg: BwdDqConfig, arch: str) -> str | None:
+    """Why the dQ kernel cannot run `cfg` for `spec`, or None: the forward's row packing, registers for dQ,
+    Q, dO and the P and dP tiles of one block, and K and V buffers that fit in shared memory."""
+    return pack_infeasible(spec, cfg.block_m) or _bwd_resources(
+        cfg.block_m * (2 * spec.head_dim + 2 * spec.kv_block) // (32 * cfg.num_warps),
+        "block_m * (2 * head_dim + 2 * kv_block) / (32 * num_warps) for dQ, Q, dO, P and dP",
+        bwd_dq_smem_bytes(spec, cfg), "num_stages K and V blocks, Q and dO", arch_facts(arch).smem_per_block)
+
+
+def bwd_dq_default(spec: Spec, arch: str) -> BwdDqConfig:
+    warps, stages = _bwd_warps_stages(spec)
+    # fewer stages only where the arch's shared memory holds no more (sm_86/sm_89 at head_dim 128)
+    return _first_feasible(spec, arch, bwd_dq_infeasible, (BwdDqConfig(block_m=m, num_warps=w, num_stages=s)
+                                                           for s in (stages, 1) for m in (64, 32, 16, 128)
+                                                           for w in (warps, 8)))
+
+
+def bwd_dq_space(spec: Spec, arch: str):
+    return (BwdDqConfig(block_m=m, num_warps=w, num_stages=s)
+            for m, w, s in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4)))
+
+
+def bwd_dkdv_infeasible(spec: Spec, cfg: BwdDkdvConfig, arch: str) -> str | None:
+    """Why the dK/dV kernel cannot run `cfg` for `spec`, or None: block_n splits a KV block, block_m packs
+    the tile's rows as the forward's block_m does, registers for dK, dV, K, V and the P and dP tiles of one
+    step, and Q and dO buffers that fit in shared memory."""
+    if cfg.block_n < 16 or cfg.block_n > spec.kv_block or spec.kv_block % cfg.block_n:
+        return f"block_n={cfg.block_n} must be >= 16 and split a KV block (kv_block={spec.kv_block}) evenly"
+    return pack_infeasible(spec, cfg.block_m) or _bwd_resources(
+        cfg.block_n * (3 * spec.head_dim + 2 * cfg.block_m) // (32 * cfg.num_warps),
+        "block_n * (3 * head_dim + 2 * block_m) / (32 * num_warps) for dK, dV, K, V, P and dP",
+        bwd_dkdv_smem_bytes(spec, cfg), "num_stages Q and dO steps, K and V", arch_facts(arch).smem_per_block)
+
+
+def bwd_dkdv_default(spec: Spec, arch: str) -> BwdDkdvConfig:
+    warps, stages = _bwd_warps_stages(spec)
+    return _first_feasible(spec, arch, bwd_dkdv_infeasible, (
+        BwdDkdvConfig(block_n=n, block_m=m, num_warps=w, num_stages=s)
+        for s in (stages, 1) for n in (min(spec.kv_block, 64), 32, 16) for m in (64, 32, 16, 128) for w in (warps, 8)))
+
+
+def bwd_dkdv_space(spec: Spec, arch: str):
+    return (BwdDkdvConfig(block_n=n, block_m=m, num_warps=w, num_stages=s)
+            for n, m, w, s in itertools.product((16, 32, 64, 128, 256), (16, 32, 64, 128), (4, 8), (1, 2, 3)))
+
+
+def _first_feasible(spec: Spec, arch: str, infeasible, candidates):
+    """The first candidate config `infeasible(spec, config, arch)` accepts (a default's order of preference)."""
+    why = reason = None
+    for cfg in candidates:
+        reason = infeasible(spec, cfg, arch)
+        if reason is None:
+            return cfg
+        if pack_infeasible(spec, cfg.block_m) is None:
+            why = reason  # the last resources' reason says more than a row packing's
+    raise KernelgenValueError(f"no {type(cfg).__name__} fits {spec} on {arch}: {why or reason}; use a smaller "
+                              "kv_block or q_tile")
+
+
 # ---- launchers --------------------------------------------------------------------------------------
 
 def launch_lists(mod, spec: Spec, config, shapes: Shapes, block_idx: torch.Tensor) -> torch.Tensor:
@@ -251,6 +374,51 @@ def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block
     return o, lse
 
 
+def launch_bwd_delta(mod, spec: Spec, config, shapes: Shapes, o, do):
+    """delta = rowsum(dO * O), float32 [B, Hq, Nq]."""
+    delta = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=o.device, dtype=torch.float32)
+    rows = 64
+    mod.attn_bwd_delta[(triton.cdiv(shapes.n_q, rows), shapes.batch * shapes.heads_q)](
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2], shapes.n_q, shapes.heads_q,
+        HEAD_DIM=spec.head_dim, ROWS=rows, num_warps=4)
+    return delta
+
+
+def launch_bwd_dq(mod, spec: Spec, cfg: BwdDqConfig, shapes: Shapes, q, k, v, do, lse, delta, block_idx, scale):
+    """dq (q's shape and dtype) over normalised lists, from the forward's lse and the preprocess's delta."""
+    scale = softmax_scale(scale, spec)
+    dq = empty(*q.shape, device=q.device, dtype=q.dtype)
+    splits = spec.gqa_group * spec.q_tile // cfg.block_m
+    mod.attn_bwd_dq[(shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)](
+        q, k, v, do, lse, delta, dq, block_idx,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
+        *dq.stride()[:3], *block_idx.stride()[:3],
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E, scale,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, CAUSAL=spec.causal,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dq
+
+
+def launch_bwd_dkdv(mod, spec: Spec, cfg: BwdDkdvConfig, shapes: Shapes, q, k, v, do, lse, delta,
+                    reverse: ReverseIndex, scale):
+    """(dk, dv) (k's shape and dtype): per KV block, over the Q tiles the reverse index says list it."""
+    scale = softmax_scale(scale, spec)
+    dk = empty(*k.shape, device=k.device, dtype=k.dtype)
+    dv = empty(*v.shape, device=v.device, dtype=v.dtype)
+    offsets, tiles = reverse
+    grid = (shapes.n_kv_blocks * (spec.kv_block // cfg.block_n), shapes.batch * shapes.heads_kv)
+    mod.attn_bwd_dkdv[grid](
+        q, k, v, do, lse, delta, dk, dv, offsets, tiles,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
+        *dk.stride()[:3], *dv.stride()[:3], *offsets.stride()[:2], *tiles.stride()[:2],
+        shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E, scale,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dk, dv
+
+
 # ---- the backend ------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=256)
@@ -277,6 +445,11 @@ class TritonBackend(Backend):
                            default=select_default, space=select_space, infeasible=select_infeasible),
         "attn": RoleImpl(launch=launch_attn, template="triton/attn.py.j2", config_type=AttnConfig,
                          default=attn_default, space=attn_space, infeasible=attn_infeasible),
+        "bwd_delta": RoleImpl(launch=launch_bwd_delta, template="triton/bwd_delta.py.j2"),
+        "bwd_dq": RoleImpl(launch=launch_bwd_dq, template="triton/bwd_dq.py.j2", config_type=BwdDqConfig,
+                           default=bwd_dq_default, space=bwd_dq_space, infeasible=bwd_dq_infeasible),
+        "bwd_dkdv": RoleImpl(launch=launch_bwd_dkdv, template="triton/bwd_dkdv.py.j2", config_type=BwdDkdvConfig,
+                             default=bwd_dkdv_default, space=bwd_dkdv_space, infeasible=bwd_dkdv_infeasible),
     }
 
     def device_unsupported(self, device) -> str | None:

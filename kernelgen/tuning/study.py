@@ -353,7 +353,7 @@ def tune(
     flops = best.user_attrs.get("flops") if best else None
     if default_ms is not None and (best_ms is None or default_ms < best_ms):
         best_config, best_ms, flops = dict(default), default_ms, default_flops or flops
-    tflops = flops / best_ms / 1e9 if role == "attn" and flops and best_ms else None
+    tflops = flops / best_ms / 1e9 if flops and best_ms else None  # roles whose workload counts FLOPs
     notes = [note] if note else []
     if best_config is None:
         notes.append("every measured config failed; nothing written to the tuning DB")

@@ -1,0 +1,372 @@
+"""The backward: dq, dk, dv against float64 autograd through kernelgen.reference, on the CPU (interpreter,
+fp32/fp16, small) and the GPU (bf16/fp16, 4k-32k); the reverse index; determinism; autograd with prepared
+lists and return_lse; the custom op under torch.compile."""
+import dataclasses
+
+import pytest
+import torch
+
+import kernelgen
+from kernelgen import BwdDkdvConfig, BwdDqConfig, Spec, backends, reference
+from kernelgen.archs import ARCHS
+from kernelgen.backends.triton import bwd_dkdv_smem_bytes, bwd_dq_smem_bytes
+from kernelgen.custom_ops import sparse_attention
+from kernelgen.reverse_index import build_reverse_index
+from kernelgen.roles import BACKWARD_ROLES
+from kernelgen.tuning.worker import check_config
+from checks import compile_offline, default_config
+
+# relative L2 error, max-abs error over the largest reference magnitude (inputs and do are randn)
+GRAD_TOLERANCE = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 3e-3),
+    torch.bfloat16: (1e-2, 2e-2),
+}
+
+
+def leaves(b, hkv, g, nq, nk, d, dtype, device, seed):
+    """q, k, v (leaves that require grad) and do."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shapes = [(b, hkv * g, nq, d), (b, hkv, nk, d), (b, hkv, nk, d), (b, hkv * g, nq, d)]
+    q, k, v, do = (torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
+
+
+def assert_grads_close(grads, want, dtype):
+    rel_tol, abs_tol = GRAD_TOLERANCE[dtype]
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        assert got.dtype == dtype and got.shape == ref.shape, name
+        assert not torch.isnan(got).any(), f"{name} has NaN (unwritten or poisoned elements)"
+        rel = ((got.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+        max_abs = ((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
+        assert rel < rel_tol and max_abs < abs_tol, f"{name}: rel {rel:.2e} (tol {rel_tol}), max-abs {max_abs:.2e}"
+
+
+def run_backward(spec, q, k, v, do, block_idx=None, configs=None, scale=None):
+    """(dq, dk, dv) of kernelgen's autograd, and the lists the forward attended over."""
+    attn = kernelgen.get_kernel(spec, configs=configs)
+    for x in (q, k, v):
+        x.grad = None
+    o = attn(q, k, v, block_idx=block_idx, scale=scale)
+    o.backward(do)
+    if block_idx is None:
+        block_idx = attn.select(q.detach(), k.detach())  # the same lists (selection is deterministic)
+    return (q.grad, k.grad, v.grad), block_idx
+
+
+def check_against_reference(spec, q, k, v, do, block_idx=None, configs=None, scale=None):
+    grads, lists = run_backward(spec, q, k, v, do, block_idx, configs, scale)
+    if isinstance(lists, kernelgen.BlockLists):
+        lists = lists.block_idx
+    want = reference.sparse_attention_grads(q, k, v, do, spec, lists, scale)
+    assert_grads_close(grads, want, q.dtype)
+    return grads, want
+
+
+# causal, G, D, kv_block, q_tile, (Nq, Nk), dtype: ragged lengths, Nq != Nk both ways (Nq > Nk under causal
+# leaves the first rows without a visible key), q_tile != kv_block both ways
+GRID = [
+    (True, 1, 64, 64, 64, (300, 300), torch.float16),
+    (False, 2, 64, 32, 64, (200, 461), torch.float32),
+    (True, 4, 128, 64, 32, (333, 150), torch.float16),
+    (True, 2, 128, 128, 128, (260, 260), torch.float32),
+    (False, 4, 64, 128, 64, (190, 300), torch.float16),
+    (True, 2, 64, 64, 128, (150, 420), torch.float32),
+]
+
+
+@pytest.mark.parametrize("causal, g, d, kv_block, q_tile, lengths, dtype", GRID)
+def test_grid_cpu(causal, g, d, kv_block, q_tile, lengths, dtype, device):
+    spec = Spec(head_dim=d, kv_block=kv_block, q_tile=q_tile, top_k=2, causal=causal, gqa_group=g)
+    check_against_reference(spec, *leaves(1, 2, g, *lengths, d, dtype, device, seed=sum(lengths) + g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_local_sink_multi_selector(dtype, device):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=64, top_k=5, causal=True, gqa_group=2, selector="multi:2",
+                local=2, sink=1)
+    check_against_reference(spec, *leaves(2, 1, 2, 250, 300, 64, dtype, device, seed=7), scale=0.2)
+
+
+def given_lists(device):
+    """Lists of one (batch, KV head) over 5 KV blocks and 4 Q tiles: -1 slots, a repeated id, out-of-range ids
+    (5, -7, 2**40: int64 is converted exactly), an empty list."""
+    return torch.tensor([[[[3, 1, 1, -1], [0, 5, 2, -7], [-1, -1, -1, -1], [4, 2 ** 40, 0, 3]]]],
+                        dtype=torch.int64, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_given_lists_empty_repeated_out_of_range(causal, dtype, device):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=causal, gqa_group=2, selector="given")
+    q, k, v, do = leaves(1, 1, 2, 110, 150, 64, dtype, device, seed=3)
+    grads, _ = check_against_reference(spec, q, k, v, do, given_lists(device))
+    assert torch.equal(grads[0][:, :, 64:96], torch.zeros_like(grads[0][:, :, 64:96]))  # tile 2's list is empty
+
+
+def test_rows_without_a_visible_key_get_zero_gradient(device):
+    """Causal with Nq > Nk: the first Nq - Nk queries see no key (o = 0, lse = -inf); their dq is 0, never NaN,
+    and they add nothing to dk, dv."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2)
+    q, k, v, do = leaves(1, 1, 2, 200, 90, 64, torch.float32, device, seed=5)
+    (dq, dk, dv), _ = check_against_reference(spec, q, k, v, do)
+    assert torch.equal(dq[:, :, :110], torch.zeros_like(dq[:, :, :110]))
+    do_seen = do.clone()
+    do_seen[:, :, :110] = 0  # what the rows without a key receive changes nothing
+    (_, dk2, dv2), _ = run_backward(spec, q, k, v, do_seen)
+    assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+
+
+# configs that take the kernels' other paths: programs of fewer rows than a Q tile, of several heads'
+# tiles, and dK/dV programs of part of a KV block
+CONFIGS = [
+    {"bwd_dq": BwdDqConfig(block_m=16, num_warps=4, num_stages=1),
+     "bwd_dkdv": BwdDkdvConfig(block_n=16, block_m=16, num_warps=4, num_stages=1)},
+    {"bwd_dq": BwdDqConfig(block_m=128, num_warps=8, num_stages=2),
+     "bwd_dkdv": BwdDkdvConfig(block_n=32, block_m=128, num_warps=8, num_stages=2)},
+]
+
+
+@pytest.mark.parametrize("configs", CONFIGS, ids=["split-tiles", "packed-heads"])
+def test_pinned_configs(configs, device):
+    spec = Spec(head_dim=64, kv_block=64, q_tile=32, top_k=3, causal=True, gqa_group=4, local=1)
+    check_against_reference(spec, *leaves(1, 1, 4, 170, 200, 64, torch.float16, device, seed=11), configs=configs)
+
+
+def test_backward_is_deterministic(device):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, gqa_group=4)
+    q, k, v, do = leaves(1, 2, 4, 160, 160, 64, torch.float16, device, seed=13)
+    first, _ = run_backward(spec, q, k, v, do)
+    first = [g.clone() for g in first]
+    second, _ = run_backward(spec, q, k, v, do)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def python_reverse_index(block_idx, n_kv_blocks):
+    """The reverse index, one loop at a time: for each block, the tiles whose lists hold it, ascending."""
+    b_, h_, n_tiles, top_k = block_idx.shape
+    offsets = torch.zeros(b_, h_, n_kv_blocks + 1, dtype=torch.int32)
+    tiles = torch.full((b_, h_, n_tiles * top_k), -1, dtype=torch.int32)
+    for b in range(b_):
+        for h in range(h_):
+            flat = []
+            for j in range(n_kv_blocks):
+                offsets[b, h, j] = len(flat)
+                flat += [t for t in range(n_tiles) if j in block_idx[b, h, t].tolist()]
+            offsets[b, h, n_kv_blocks] = len(flat)
+            tiles[b, h, :len(flat)] = torch.tensor(flat, dtype=torch.int32)
+    return offsets, tiles
+
+
+def test_reverse_index_against_python(device):
+    gen = torch.Generator().manual_seed(0)
+    n_blocks = 9
+    raw = torch.randint(-3, n_blocks + 3, (2, 3, 7, 5), generator=gen, dtype=torch.int32)
+    raw[1, 2, 4] = -1  # an empty list
+    lists = reference.normalize_block_idx(torch.where(raw < n_blocks, raw, -1), n_blocks)
+    lists = torch.where(torch.cat([torch.ones_like(lists[..., :1], dtype=torch.bool),
+                                   lists[..., 1:] != lists[..., :-1]], -1), lists, -1)  # repeats: empty slots
+    lists = reference.normalize_block_idx(lists, n_blocks)
+    offsets, tiles = build_reverse_index(lists.to(device), n_blocks)
+    want_offsets, want_tiles = python_reverse_index(lists, n_blocks)
+    assert offsets.dtype == tiles.dtype == torch.int32
+    assert torch.equal(offsets.cpu(), want_offsets) and torch.equal(tiles.cpu(), want_tiles)
+
+
+def test_prepared_lists_backpropagate_and_keep_their_reverse_index(device):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, gqa_group=2, selector="given")
+    q, k, v, do = leaves(1, 1, 2, 110, 150, 64, torch.float32, device, seed=3)
+    attn = kernelgen.get_kernel(spec)
+    raw = given_lists(device)
+    lists = attn.prepare(raw, 110, 150)
+    grads, _ = check_against_reference(spec, q, k, v, do, lists)
+    grads = [g.clone() for g in grads]
+    reverse = lists.reverse_index()
+    assert reverse is lists.reverse_index()  # built once, by the backward, and kept
+    again, _ = run_backward(spec, q, k, v, do, raw)  # raw lists: the same gradients, bit for bit
+    for a, b in zip(grads, again):
+        assert torch.equal(a, b)
+
+
+def test_return_lse_carries_no_gradient_and_only_some_inputs_require_grad(device):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2)
+    q, k, v, do = leaves(1, 1, 2, 100, 100, 64, torch.float32, device, seed=17)
+    attn = kernelgen.get_kernel(spec)
+    o, lse = attn(q, k, v, return_lse=True)
+    assert o.requires_grad and not lse.requires_grad and lse.grad_fn is None
+    with torch.no_grad():
+        assert not attn(q, k, v).requires_grad
+    k_only = k.detach().requires_grad_()
+    attn(q.detach(), k_only, v.detach()).backward(do)
+    want = reference.sparse_attention_grads(q, k, v, do, spec, attn.select(q.detach(), k.detach()))
+    assert_grads_close([k_only.grad], [want[1]], torch.float32)
+
+
+def test_backward_roles_are_served_like_the_forward_s(device):
+    """Configs come from `_served` (pinned, DB or default); a spec whose backend lacks the backward roles has
+    them run by the fallback, Triton."""
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=4, causal=True)
+    pinned = BwdDqConfig(block_m=32, num_warps=4, num_stages=1)
+    attn = kernelgen.get_kernel(spec, configs={"bwd_dq": pinned})
+    assert attn.served("bwd_dq", 1000, torch.float16, device).source == "pinned"
+    assert attn.config("bwd_dq", 1000, 1000, torch.float16, device) == pinned
+    assert attn.config("bwd_dkdv", 1000, 1000, torch.float16, device) == default_config(spec, "bwd_dkdv")
+    for name in backends.names():
+        other = spec.replace(backend=name)
+        if backends.get(name).unsupported(other):
+            continue
+        for role in BACKWARD_ROLES:
+            served = kernelgen.get_kernel(other).served(role, 1000, torch.float16, device)
+            assert served.backend.name == backends.FALLBACK and served.source == "default"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the wrong scale's exp overflows fp16
+@pytest.mark.parametrize("role", ["bwd_dq", "bwd_dkdv"])
+def test_tuner_checks_backward_configs_against_autograd(role, monkeypatch):
+    """The roles' tuned workloads: the default passes the tuner's check; a launch computing something else
+    (the gradients of another scale) fails it."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2)
+    backend = backends.runner(spec.backend, role)
+    kernel_spec = kernelgen.roles.get_role(role).kernel_spec(spec, backend.name)
+    config = default_config(spec, role)
+    assert check_config(backend, kernel_spec, role, config, 100, torch.float16, "cpu") is None
+    impl = backend.roles[role]
+
+    def wrong_scale(kernel, spec, config, shapes, *args):
+        return impl.launch(kernel, spec, config, shapes, *args[:-1], 0.5)
+
+    monkeypatch.setitem(backend.roles, role, dataclasses.replace(impl, launch=wrong_scale))
+    error = check_config(backend, kernel_spec, role, config, 100, torch.float16, "cpu")
+    assert error is not None and "differs from the reference" in error
+
+
+def test_a_backward_role_tunes_on_the_cpu(tmp_path, monkeypatch):
+    """The tuner's plumbing (worker process, check against autograd, DB row) takes a backward role as it
+    takes the forward's."""
+    from kernelgen.tuning import tune
+    from kernelgen.tuning.db import TuningDB
+
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True, gqa_group=2)
+    with TuningDB(tmp_path / "tuning.db") as db:
+        result = tune(spec, role="bwd_dkdv", seq=128, trials=2, device="cpu", db=db, storage=tmp_path / "optuna.db")
+        rows = db.rows()
+    assert result.n_trials == 2 and result.n_failed == 0 and result.tflops > 0
+    assert [(r["role"], r["backend"]) for r in rows] == [("bwd_dkdv", "triton")]
+    assert BwdDkdvConfig(**result.best_config) in backends.get("triton").config_space(
+        kernelgen.roles.get_role("bwd_dkdv").kernel_spec(spec, "triton"), "bwd_dkdv", "cpu")
+
+
+def test_custom_op_compiles_forward_and_backward_without_graph_breaks(device):
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2, local=1)
+
+    def layer(q, k, v, do):
+        o, lse = sparse_attention(q, k, v, spec)
+        return (o * do).sum() + lse.sum().detach()
+
+    q, k, v, do = leaves(1, 2, 2, 130, 150, 64, torch.float32, device, seed=19)
+    layer(q, k, v, do).backward()
+    eager = [x.grad.clone() for x in (q, k, v)]
+    (dq, dk, dv), _ = run_backward(spec, q, k, v, do)
+    assert all(torch.equal(a, b) for a, b in zip(eager, (dq, dk, dv)))  # the op is the eager API
+    for x in (q, k, v):
+        x.grad = None
+    compiled = torch.compile(layer, fullgraph=True)  # fullgraph: a graph break is an error
+    compiled(q, k, v, do).backward()
+    for a, b in zip(eager, (q.grad, k.grad, v.grad)):
+        assert torch.equal(a, b)
+
+
+# ---- sm_90: the backward's kernels compile (ptxas included) and fit the H200's shared memory -------------
+
+EDGE = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4, selector="given")
+SM90 = [  # (spec, dq config, dkdv config; None: the default)
+    (Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16), None, None),
+    (Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4), None, None),
+    (Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=2, local=1, sink=1),
+     BwdDqConfig(block_m=128, num_warps=8, num_stages=2), BwdDkdvConfig(block_n=32, block_m=128, num_warps=8,
+                                                                        num_stages=1)),
+    (Spec(head_dim=256, kv_block=32, q_tile=32, top_k=8, causal=True, gqa_group=2), None, None),
+    (Spec(head_dim=64, kv_block=16, q_tile=32, top_k=64, selector="given"), None, None),
+    # the configs nearest the shared-memory limit (the estimates decide what the tuner may try)
+    (EDGE, BwdDqConfig(block_m=64, num_warps=8, num_stages=3),
+     BwdDkdvConfig(block_n=64, block_m=128, num_warps=8, num_stages=3)),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the offline compile stands in for a GPU")
+def test_backward_kernels_compile_for_sm90_and_fit_shared_memory():
+    pytest.importorskip("triton.backends.nvidia")
+    cases = []
+    for spec, dq, dkdv in SM90:
+        chooser = spec if spec.selects else spec.replace(selector="mean")
+        cases.append({"spec": spec.to_dict(), "n": 3000,
+                      **{role: dataclasses.asdict(cfg or default_config(spec if role != "select" else chooser, role))
+                         for role, cfg in (("attn", None), ("select", None), ("bwd_dq", dq), ("bwd_dkdv", dkdv))}})
+    for (spec, dq, dkdv), case, result in zip(SM90, cases, compile_offline(cases, "sm_90")):
+        assert "error" not in result, f"{spec}: {result.get('error')}"
+        kernels = dict(result["kernels"])
+        assert {"attn_bwd_delta", "attn_bwd_dq", "attn_bwd_dkdv"} <= set(kernels), kernels
+        assert all(shared <= ARCHS["sm_90"].smem_per_block for shared in kernels.values()), kernels
+        # the estimates bound what Triton asks for (give or take its barriers), exactly near the limit
+        for name, estimate in (("attn_bwd_dq", bwd_dq_smem_bytes(spec, BwdDqConfig(**case["bwd_dq"]))),
+                               ("attn_bwd_dkdv", bwd_dkdv_smem_bytes(spec, BwdDkdvConfig(**case["bwd_dkdv"])))):
+            assert kernels[name] <= estimate + 1024, (name, estimate, kernels)
+            if spec is EDGE:
+                assert estimate <= kernels[name] + 2048, (name, estimate, kernels)
+
+
+# ---- GPU: bf16 and fp16 at 4k-32k, against the float64 reference ---------------------------------------
+
+GPU_CASES = {  # (spec, batch, heads_kv, n_q, n_k)
+    "d64_32k": (Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16), 1, 2, 32768, 32768),
+    "d128_gqa4_causal_8k": (Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4,
+                                 local=1, sink=1), 1, 2, 8192, 8192),
+    "d128_gqa8_q4k_k16k": (Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=8), 2, 1, 4096, 16384),
+    "d64_causal_ragged": (Spec(head_dim=64, kv_block=64, q_tile=128, top_k=12, causal=True, gqa_group=2),
+                          1, 2, 5000, 6001),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_against_reference(case, dtype):
+    spec, b, hkv, nq, nk = GPU_CASES[case]
+    q, k, v, do = leaves(b, hkv, spec.gqa_group, nq, nk, spec.head_dim, dtype, "cuda", seed=len(case))
+    check_against_reference(spec, q, k, v, do)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["d64_32k", "d128_gqa4_causal_8k"])
+def test_gpu_backward_is_deterministic(case):
+    spec, b, hkv, nq, nk = GPU_CASES[case]
+    q, k, v, do = leaves(b, hkv, spec.gqa_group, nq, nk, spec.head_dim, torch.bfloat16, "cuda", seed=1)
+    first = [g.clone() for g in run_backward(spec, q, k, v, do)[0]]
+    for _ in range(3):
+        again = run_backward(spec, q, k, v, do)[0]
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [name for name in backends.names() if name != backends.FALLBACK])
+def test_gpu_backward_after_another_backend_s_forward(backend):
+    """The TileLang and Gluon forwards' outputs backpropagate through the Triton backward."""
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, causal=True, backend=backend)
+    if backends.get(backend).unsupported(spec, "cuda"):
+        pytest.skip(backends.get(backend).unsupported(spec, "cuda"))
+    check_against_reference(spec, *leaves(1, 2, 1, 4096, 4096, 64, torch.bfloat16, "cuda", seed=4))
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_lists_and_given_lists():
+    spec = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=8, causal=True, gqa_group=2, selector="given")
+    q, k, v, do = leaves(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "cuda", seed=2)
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randint(-2, spec.n_kv_blocks(4096) + 2, (1, 2, spec.n_q_tiles(4096), 8), generator=gen).cuda()
+    lists = kernelgen.get_kernel(spec).prepare(raw, 4096, 4096)
+    prepared, _ = check_against_reference(spec, q, k, v, do, lists)
+    prepared = [g.clone() for g in prepared]
+    again, _ = run_backward(spec, q, k, v, do, raw)
+    assert all(torch.equal(a, b) for a, b in zip(prepared, again))
