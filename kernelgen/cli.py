@@ -375,6 +375,9 @@ def bench(
     graph: bool = typer.Option(True, "--graph/--no-graph", help="Also time each row replayed from a CUDA graph."),
     stall_timeout: float = typer.Option(600.0, help="Seconds without output after which the bench prints every "
                                                     "thread's stack and exits 1 (a hung kernel); 0: never."),
+    backward: bool = typer.Option(False, "--backward", help="Forward+backward and backward alone against FlexAttention "
+                                                            "(same BlockMask) and SDPA cuDNN (default shapes b16k, c, "
+                                                            "a32k; GPU only)."),
     untuned: bool = typer.Option(False, "--untuned", help="On shapes the bundled DB does not hold (or --shapes): "
                                                           "time what is served untuned, tune every backend in a "
                                                           "scratch DB, time it again (GPU only)."),
@@ -382,6 +385,17 @@ def bench(
     """kernelgen next to FlexAttention (same BlockMask) and SDPA flash / cuDNN: ms and useful TFLOP/s."""
     from . import bench as benchmark
 
+    if backward:
+        import torch
+
+        from .bench.backward import run_backward
+
+        names = benchmark._names(shapes, "bench shapes")
+        if not torch.cuda.is_available():
+            _fail("bench --backward needs a CUDA GPU: it times kernels")
+        _check_out_dir(out)
+        run_backward(names, str(out))
+        return
     if untuned:
         import torch
 

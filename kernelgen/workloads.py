@@ -49,6 +49,8 @@ SHAPES = {
         BenchShape("b", 2, 16, 1, 4096, 16384, 128, 128, 128, 16, False),
         BenchShape("c", 1, 32, 8, 32768, 32768, 128, 128, 128, 16, True),
         BenchShape("c_dense", 1, 32, 8, 32768, 32768, 128, 128, 128, 256, True),
+        # the backward's b-like shape: (b) with as many queries as keys
+        BenchShape("b16k", 2, 16, 1, 16384, 16384, 128, 128, 128, 16, False),
         # shapes the bundled DB does not hold: `kernelgen bench --untuned` weighs what is served untuned
         # against what a tune then reaches
         BenchShape("dense16k_d128", 1, 16, 16, 16384, 16384, 128, 128, 128, 128, False),

@@ -309,8 +309,9 @@ def test_export_bakes_the_tuned_winners_for_arch_and_seq_and_says_so(tmp_path):
                           str(out)), "--dtype")
 
 
-def test_bench_untuned_needs_a_gpu(tmp_path):
+def test_bench_untuned_and_backward_need_a_gpu(tmp_path):
     one_line_error(invoke("bench", "--untuned", "--out", str(tmp_path / "u")), "CUDA GPU")
+    one_line_error(invoke("bench", "--backward", "--out", str(tmp_path / "u")), "CUDA GPU")
     one_line_error(invoke("bench", "--untuned", "--shapes", "c_g9"), "c_g9")
 def test_export_arch_option(tmp_path):
     """--arch bakes in that arch's defaults (sm_89: 64 rows of D=128 with 128-key blocks fit 99 KB, 128 do not)."""

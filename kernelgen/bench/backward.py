@@ -1,0 +1,101 @@
+"""`kernelgen bench --backward`: the training step's attention, kernelgen against FlexAttention and SDPA.
+
+For each shape, in one process on one GPU (bf16): kernelgen's forward+backward and backward alone, over
+the `mean` selector's lists prepared once; FlexAttention (torch.compile'd) over a BlockMask of exactly
+those lists, forward+backward and backward alone; dense SDPA on cuDNN, forward+backward. do_bench
+medians, gradients set to None between calls. kernelgen's gradients are compared with Flex's (relative
+L2), and two backward runs are compared bit for bit (`deterministic`).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..dispatch import get_kernel
+from ..workloads import SHAPES
+from .anchors import flex_block_mask, flex_call, sdpa_dense_anchors
+from .measure import _bench, _rel_diff
+
+__all__ = ["run_backward", "BACKWARD_SHAPES"]
+
+BACKWARD_SHAPES = ("b16k", "c", "a32k")
+
+
+def _timed(fn, leaves, grad):
+    """(fwd+bwd ms, bwd ms) of `fn` (returns o) with o.backward(grad)."""
+    import triton.testing
+
+    def step():
+        fn().backward(grad)
+
+    both = triton.testing.do_bench(step, grad_to_none=leaves, return_mode="median")
+    out = fn()
+    bwd = triton.testing.do_bench(lambda: out.backward(grad, retain_graph=True), grad_to_none=leaves,
+                                  return_mode="median")
+    return both, bwd
+
+
+def _grads(fn, leaves, grad):
+    for x in leaves:
+        x.grad = None
+    fn().backward(grad)
+    return [x.grad.clone() for x in leaves]
+
+
+def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
+    """Rows: shape, impl, fwd_bwd_ms, bwd_ms (and rel_diff / deterministic where they apply)."""
+    names = list(shape_names or BACKWARD_SHAPES)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    rows = []
+
+    def record(name, impl, both, bwd, **extra):
+        rows.append(dict(shape=name, impl=impl, fwd_bwd_ms=both, bwd_ms=bwd, **extra))
+        bwd_text = "" if bwd is None else f"  bwd {bwd:8.3f} ms"
+        log(f"{name:8s} {impl:28s} fwd+bwd {both:8.3f} ms{bwd_text} " + " ".join(f"{k}={v}" for k, v in extra.items()))
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "backward.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+
+    for name in names:
+        shape = SHAPES[name]
+        spec, given = shape.spec("mean"), shape.spec("given")
+        q, k, v = (x.requires_grad_() for x in shape.inputs(device, dtype))
+        leaves = [q, k, v]
+        grad = torch.randn_like(q)
+        with torch.no_grad():
+            idx = get_kernel(spec).select(q, k)
+        attn = get_kernel(given.replace(backend="auto"))
+        lists = attn.prepare(idx, shape.n_q, shape.n_k)
+
+        def ours():
+            return attn(q, k, v, block_idx=lists)
+
+        first, second = _grads(ours, leaves, grad), _grads(ours, leaves, grad)
+        deterministic = all(torch.equal(a, b) for a, b in zip(first, second))
+        both, bwd = _timed(ours, leaves, grad)
+        served = attn.served("attn", shape.n_k, dtype, device)
+        record(name, "kernelgen (auto fwd, triton bwd)", both, bwd, deterministic=deterministic,
+               fwd_backend=served.backend.name)
+        try:
+            flex = flex_call(q, k, v, flex_block_mask(idx, spec, shape), spec)
+            flex_grads = _grads(flex, leaves, grad)
+            diff = max(_rel_diff(a, b) for a, b in zip(first, flex_grads))
+            both, bwd = _timed(flex, leaves, grad)
+            record(name, "flex (same BlockMask)", both, bwd, grad_rel_diff_vs_kernelgen=f"{diff:.1e}")
+        except Exception as error:  # report, never hide (Flex has no backward at 64x64 blocks)
+            log(f"{name}: FlexAttention fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
+        from torch.nn.attention import sdpa_kernel
+
+        anchor = sdpa_dense_anchors(q, k, v, spec)[0]  # cuDNN
+        try:
+            with sdpa_kernel(anchor.backend):
+                both, bwd = _timed(anchor.fn, leaves, grad)
+            record(name, f"{anchor.label}", both, bwd)
+        except Exception as error:
+            log(f"{name}: {anchor.label} fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
+        del q, k, v, grad, lists, first, second
+        torch.cuda.empty_cache()
+    return rows
