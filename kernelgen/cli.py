@@ -385,27 +385,20 @@ def bench(
     """kernelgen next to FlexAttention (same BlockMask) and SDPA flash / cuDNN: ms and useful TFLOP/s."""
     from . import bench as benchmark
 
-    if backward:
+    if backward or untuned:  # GPU-only benches of their own
         import torch
 
         from .bench.backward import run_backward
-
-        names = benchmark._names(shapes, "bench shapes")
-        if not torch.cuda.is_available():
-            _fail("bench --backward needs a CUDA GPU: it times kernels")
-        _check_out_dir(out)
-        run_backward(names, str(out))
-        return
-    if untuned:
-        import torch
-
         from .bench.untuned import run_untuned
 
+        if backward and untuned:
+            _fail("--backward and --untuned are two benches: give one")
+        flag, run = ("--backward", run_backward) if backward else ("--untuned", run_untuned)
         names = benchmark._names(shapes, "bench shapes")
         if not torch.cuda.is_available():
-            _fail("bench --untuned needs a CUDA GPU: it times and tunes kernels")
+            _fail(f"bench {flag} needs a CUDA GPU: it times kernels")
         _check_out_dir(out)
-        run_untuned(names, str(out))
+        run(names, str(out))
         return
 
     _check_out_dir(out)
