@@ -219,3 +219,17 @@ def test_gpu_given_lists_and_empty_rows():
     rows = slice(6144, 8192)
     ref_o, ref_lse = _reference_rows(q, k, v, idx, spec, rows, 4)
     assert_close_to_reference(o[:, :4, rows], lse[:, :4, rows], ref_o, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("d, kv_block, g, top_k, selector", [(64, 32, 1, 16, "mean"), (128, 128, 4, 16, "multi:4"),
+                                                             (256, 64, 8, 64, "mean"), (128, 64, 16, 256, "mean")])
+def test_defaults_are_feasible_points_of_their_spaces(d, kv_block, g, top_k, selector):
+    spec = kv_spec(head_dim=d, kv_block=kv_block, gqa_group=g, top_k=top_k, selector=selector)
+    triton_backend = backends.get("triton")
+    for arch in ("sm_80", "sm_89", "sm_90", "cpu"):
+        for role in ("kv_select", "kv_attn"):
+            kernel_spec = kernelgen.roles.get_role(role).kernel_spec(spec, "triton")
+            space = triton_backend.config_space(kernel_spec, role, arch)
+            cfg = triton_backend.default_config(kernel_spec, role, arch)
+            assert triton_backend.infeasible(kernel_spec, role, cfg, arch) is None, (arch, role, cfg)
+            assert space and (cfg in space or role == "kv_select"), (arch, role, cfg)
