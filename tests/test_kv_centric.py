@@ -233,3 +233,17 @@ def test_defaults_are_feasible_points_of_their_spaces(d, kv_block, g, top_k, sel
             cfg = triton_backend.default_config(kernel_spec, role, arch)
             assert triton_backend.infeasible(kernel_spec, role, cfg, arch) is None, (arch, role, cfg)
             assert space and (cfg in space or role == "kv_select"), (arch, role, cfg)
+
+
+def test_an_exported_module_runs_the_schedule(tmp_path, device):
+    import importlib.util
+
+    from kernelgen.export import export_module
+
+    spec = kv_spec(top_k=2, causal=True)
+    path = export_module(spec, tmp_path / "kv_mod.py", arch="cpu" if device == "cpu" else None)
+    loader = importlib.util.spec_from_file_location("kv_mod", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    q, k, v = make_inputs(1, 1, 1, 40, 60, 64, torch.float32, device, 41)
+    assert torch.equal(module.attn(q, k, v), kernelgen.get_kernel(spec)(q, k, v))
