@@ -23,12 +23,12 @@ import torch
 
 from . import backends
 from .backends import Backend, Problem, RoleImpl
-from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import BlockLists, Shapes, check_block_idx, check_block_lists, check_qkv
+from .errors import KernelgenNotImplementedError, KernelgenTypeError, KernelgenValueError
+from .inputs import BlockLists, Shapes, check_block_idx, check_block_lists, check_qkv, lists_layout
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting
-from .reverse_index import ReverseIndex, build_reverse_index
-from .roles import BACKWARD_ROLES, get_role
+from .reverse_index import ReverseIndex, build_query_reverse_index, build_reverse_index
+from .roles import BACKWARD_ROLES, forward_roles, get_role
 from .spec import Spec
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
@@ -62,6 +62,7 @@ class SparseAttention:
     attn(q, k, v, block_idx=lists)        calls with them skip that step (one launch fewer per call)
     attn(q, k, v, return_lse=True)        also return lse (float32 [B, Hq, Nq]; it carries no gradient)
     attn.select(q, k)                     the lists the selector would use
+    With Spec(schedule="kv_centric") the lists are per query: int32 [B, Hkv, Nq, top_k] (forward only).
 
     q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = spec.gqa_group * Hkv; fp16/bf16 (fp32 in the interpreter).
     With inputs that require grad (and grad enabled), o backpropagates: dq, dk, dv for the lists the forward
@@ -152,9 +153,10 @@ class SparseAttention:
     @functools.lru_cache(maxsize=256)
     def _plan(self, bucket: int, dtype, device) -> tuple[Served, Served | None, Served]:
         """(lists, select or None, attn): the roles a call may run, in one lookup per call."""
-        return (self._served("lists", bucket, dtype, device),
-                self._served("select", bucket, dtype, device) if self.spec.selects else None,
-                self._served("attn", bucket, dtype, device))
+        lists, select, attn = forward_roles(self.spec)
+        return (self._served(lists, bucket, dtype, device),
+                self._served(select, bucket, dtype, device) if self.spec.selects else None,
+                self._served(attn, bucket, dtype, device))
 
     @functools.lru_cache(maxsize=256)
     def _backward_plan(self, bucket: int, dtype, device) -> tuple[Served, ...]:
@@ -180,7 +182,7 @@ class SparseAttention:
         if not self.spec.selects:
             raise KernelgenValueError("spec.selector='given' has no selector: pass block_idx to the call")
         shapes = check_qkv(q, k, k, self.spec)
-        return self._run("select", q, shapes, q, k)
+        return self._run(forward_roles(self.spec)[1], q, shapes, q, k)
 
     def prepare(self, block_idx: torch.Tensor, seq_q: int, seq_k: int) -> BlockLists:
         """Given lists checked and normalised once, for calls with seq_q queries and seq_k keys (any
@@ -203,7 +205,7 @@ class SparseAttention:
         if block_idx.device.type != "cuda" and not interpreting():
             raise KernelgenValueError(f"block_idx is on {block_idx.device}; expected the CUDA device the calls will use")
         if block_idx.dim() != 4:
-            raise KernelgenValueError(f"block_idx must be 4-D [B, Hkv, n_q_tiles, top_k], got shape "
+            raise KernelgenValueError(f"block_idx must be 4-D {lists_layout(self.spec)}, got shape "
                                       f"{tuple(block_idx.shape)}")
         b, hkv = block_idx.shape[:2]
         spec = self.spec
@@ -211,7 +213,10 @@ class SparseAttention:
         checked = check_block_idx(block_idx, spec, shapes, block_idx.device, self.validate_lists)
         # the lists' form does not depend on the dtype of the calls that read them
         lists = self._run("lists", torch.empty(0, dtype=torch.bfloat16, device=block_idx.device), shapes, checked)
-        return BlockLists._made_by_prepare(lists, spec.kv_block, spec.top_k, shapes.n_kv_blocks)
+        # per-query lists carry their reverse index from the start: every forward walks it
+        reverse = build_query_reverse_index(lists, shapes.n_kv_blocks) if spec.per_query else None
+        return BlockLists._made_by_prepare(lists, spec.kv_block, spec.top_k, shapes.n_kv_blocks, spec.per_query,
+                                           reverse)
 
     def _forget_served(self) -> None:
         """Read the tuning DB again on the next call (a background tune has stored a winner)."""
@@ -223,6 +228,10 @@ class SparseAttention:
     def __call__(self, q, k, v, *, block_idx=None, scale=None, return_lse: bool = False):
         shapes = self._start_call(q, k, v)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+            if self.spec.per_query:
+                raise KernelgenNotImplementedError(
+                    "the KV-centric schedule's backward is not built yet: call it on inputs that do not require "
+                    "grad (or under torch.no_grad()), or use schedule='q_centric' for training")
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale)
         else:
             o, lse, _ = self._attend(q, k, v, shapes, block_idx, scale)
@@ -243,14 +252,18 @@ class SparseAttention:
         lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device)
         if block_idx is None:
             if select is None:
-                raise KernelgenValueError("spec.selector='given' needs block_idx=int32 [B, Hkv, n_q_tiles, top_k]")
+                raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
             used = normalised = self._launch(select, q, shapes, q, k)
         elif isinstance(block_idx, BlockLists):
             used, normalised = block_idx, check_block_lists(block_idx, self.spec, shapes, q.device)
         else:
             checked = check_block_idx(block_idx, self.spec, shapes, q.device, self.validate_lists)
             used = normalised = self._launch(lists, q, shapes, checked)
-        o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale)
+        if self.spec.per_query:
+            reverse = used.reverse_index() if isinstance(used, BlockLists) else None
+            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale)
+        else:
+            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale)
         return o, lse, used
 
     def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale, reverse: ReverseIndex | None = None,

@@ -5,7 +5,7 @@ Every one derives from `KernelgenError`, and from ValueError or TypeError where 
 """
 from __future__ import annotations
 
-__all__ = ["KernelgenError", "KernelgenValueError", "KernelgenTypeError", "KernelgenRuntimeError"]
+__all__ = ["KernelgenError", "KernelgenValueError", "KernelgenTypeError", "KernelgenRuntimeError", "KernelgenNotImplementedError"]
 
 
 class KernelgenError(Exception):
@@ -22,3 +22,7 @@ class KernelgenTypeError(KernelgenError, TypeError):
 
 class KernelgenRuntimeError(KernelgenError, RuntimeError):
     """What this machine lacks for the request (a GPU to tune on, a worker process that starts)."""
+
+
+class KernelgenNotImplementedError(KernelgenError, NotImplementedError):
+    """A request kernelgen will serve but does not yet (the KV-centric schedule's backward)."""

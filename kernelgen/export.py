@@ -51,7 +51,7 @@ from .codegen import render as _render_module
 from .codegen.render import render, template_path
 from .device import current_arch
 from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
-from .roles import BACKWARD_ROLES, get_role
+from .roles import BACKWARD_ROLES, forward_roles, get_role
 from .spec import Spec
 
 __all__ = ["export_module", "ExportError", "assemble", "call_roles"]
@@ -72,8 +72,11 @@ class ExportError(KernelgenError, RuntimeError):
 
 def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector),
-    `attn`, and its backward's (`roles.BACKWARD_ROLES`)."""
-    return ("lists", "select", "attn") + BACKWARD_ROLES if spec.selects else ("lists", "attn") + BACKWARD_ROLES
+    `attn`, and its backward's (`roles.BACKWARD_ROLES`; none yet for the KV-centric schedule), under the
+    schedule's role names (`roles.forward_roles`)."""
+    lists, select, attn = forward_roles(spec)
+    backward = () if spec.per_query else BACKWARD_ROLES
+    return (lists, select, attn) + backward if spec.selects else (lists, attn) + backward
 
 
 def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str | None = None,

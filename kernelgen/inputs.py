@@ -14,11 +14,11 @@ import torch
 
 from .device import interpreting
 from .errors import KernelgenTypeError, KernelgenValueError
-from .reverse_index import ReverseIndex, build_reverse_index
+from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
 __all__ = ["Shapes", "BlockLists", "check_qkv", "check_block_idx", "check_block_lists", "softmax_scale",
-           "empty", "next_pow2", "LOG2E", "LAYOUT"]
+           "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout"]
 
 LOG2E = 1.4426950408889634
 LAYOUT = "q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] (heads before sequence, as SDPA and FlexAttention)"
@@ -58,28 +58,31 @@ class BlockLists:
     to every call that attends over them (the layers of a model, repeated steps), as FlexAttention's
     BlockMask is built once and FlashInfer plans once: such a call skips the normalising launch.
 
-    block_idx    int32 [B, Hkv, n_q_tiles, top_k], valid ids ascending then -1: a copy, never the
-                 caller's tensor (writing into it afterwards is outside the contract)
-    kv_block, top_k, n_kv_blocks   what it was made for; a call with other values is a ValueError
+    block_idx    int32 [B, Hkv, n_q_tiles, top_k] (per-query lists: [B, Hkv, Nq, top_k]), valid ids
+                 ascending then -1: a copy, never the caller's tensor (writing into it afterwards is outside
+                 the contract)
+    kv_block, top_k, n_kv_blocks, per_query   what it was made for; a call with other values is a ValueError
 
     Only `prepare` makes them (the kernels trust their order: a hand-made one could name a block the
     kernels would read out of bounds), so the constructor refuses. `reverse_index()` is built on the
     device when a backward first needs it, then kept with the lists."""
-    __slots__ = ("block_idx", "kv_block", "top_k", "n_kv_blocks", "_reverse")
+    __slots__ = ("block_idx", "kv_block", "top_k", "n_kv_blocks", "per_query", "_reverse")
 
     def __init__(self, *args, **kwargs):
         raise KernelgenTypeError("BlockLists are made by SparseAttention.prepare(block_idx, seq_q, seq_k), not by hand")
 
     @classmethod
-    def _made_by_prepare(cls, block_idx: torch.Tensor, kv_block: int, top_k: int, n_kv_blocks: int) -> BlockLists:
+    def _made_by_prepare(cls, block_idx: torch.Tensor, kv_block: int, top_k: int, n_kv_blocks: int,
+                         per_query: bool = False, reverse: QueryReverseIndex | None = None) -> BlockLists:
         lists = object.__new__(cls)
-        for name, value in zip(cls.__slots__, (block_idx, kv_block, top_k, n_kv_blocks, None)):
+        for name, value in zip(cls.__slots__, (block_idx, kv_block, top_k, n_kv_blocks, per_query, reverse)):
             object.__setattr__(lists, name, value)
         return lists
 
-    def reverse_index(self) -> ReverseIndex:
+    def reverse_index(self) -> ReverseIndex | QueryReverseIndex:
         """For each (batch, KV head, KV block), the Q tiles whose lists hold it (`kernelgen.reverse_index`):
-        built on the lists' device at the first call, the same object afterwards."""
+        built on the lists' device at the first call, the same object afterwards. Per-query lists: the
+        queries and slots (`QueryReverseIndex`), built by `prepare`."""
         if self._reverse is None:
             object.__setattr__(self, "_reverse", build_reverse_index(self.block_idx, self.n_kv_blocks))
         return self._reverse
@@ -157,7 +160,7 @@ def check_block_idx(block_idx, spec: Spec, shapes: Shapes, device, validate: boo
         raise KernelgenTypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
     expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
     if tuple(block_idx.shape) != expected:
-        raise KernelgenValueError(f"block_idx.shape = {tuple(block_idx.shape)}, expected [B, Hkv, n_q_tiles, top_k] = {expected}")
+        raise KernelgenValueError(f"block_idx.shape = {tuple(block_idx.shape)}, expected {lists_layout(spec)} = {expected}")
     if block_idx.device != device:
         raise KernelgenValueError(f"block_idx is on {block_idx.device} but q is on {device}")
     if block_idx.dtype == torch.int64:
@@ -176,6 +179,9 @@ def check_block_idx(block_idx, spec: Spec, shapes: Shapes, device, validate: boo
 def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> torch.Tensor:
     """The normalised tensor of prepared lists, if they were made for this spec's blocks and this call's
     shapes and device (a few comparisons: no launch, no copy)."""
+    if lists.per_query != spec.per_query:
+        raise KernelgenValueError(f"block_idx was prepared for {'per-query' if lists.per_query else 'per-Q-tile'} lists; "
+                                  f"this spec (schedule={spec.schedule!r}) takes {lists_layout(spec)}")
     made = (lists.kv_block, lists.top_k, lists.n_kv_blocks)
     if made != (spec.kv_block, spec.top_k, shapes.n_kv_blocks):
         raise KernelgenValueError(f"block_idx was prepared for kv_block, top_k, n_kv_blocks = {made}; this call has "
@@ -183,10 +189,15 @@ def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> 
     expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
     if tuple(lists.block_idx.shape) != expected:
         raise KernelgenValueError(f"block_idx (prepared) has shape {tuple(lists.block_idx.shape)}, expected "
-                         f"[B, Hkv, n_q_tiles, top_k] = {expected}")
+                         f"{lists_layout(spec)} = {expected}")
     if lists.block_idx.device != device:
         raise KernelgenValueError(f"block_idx (prepared) is on {lists.block_idx.device} but q is on {device}")
     return lists.block_idx
+
+
+def lists_layout(spec: Spec) -> str:
+    """The shape of a spec's block lists, in words."""
+    return "[B, Hkv, Nq, top_k]" if spec.per_query else "[B, Hkv, n_q_tiles, top_k]"
 
 
 def softmax_scale(scale, spec: Spec) -> float:

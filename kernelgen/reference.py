@@ -40,7 +40,8 @@ def pool(x: torch.Tensor, tile: int, r: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def tile_eligibility(spec: Spec, nq: int, nk: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(eligible, forced), bool `[n_q_tiles, n_kv_blocks]`, for Q-centric lists.
+    """(eligible, forced), bool `[n_q_tiles, n_kv_blocks]`: per Q tile, or per query for per-query
+    (KV-centric) lists, a tile of one query.
 
     A block is eligible unless causal puts all of it after the tile's last visible key. Forced: the
     `sink` first blocks and the `n_local` blocks ending at the diagonal block (the one holding key
@@ -48,7 +49,7 @@ def tile_eligibility(spec: Spec, nq: int, nk: int, device=None) -> tuple[torch.T
     n_tiles, n_blocks = spec.n_q_tiles(nq), spec.n_kv_blocks(nk)
     t = torch.arange(n_tiles, device=device)
     j = torch.arange(n_blocks, device=device)
-    last_query = torch.clamp((t + 1) * spec.q_tile, max=nq) - 1
+    last_query = torch.clamp((t + 1) * spec.list_queries, max=nq) - 1
     last_key = last_query + (nk - nq)  # last visible key under causal
     if spec.causal:
         eligible = (j[None, :] * spec.kv_block) <= last_key[:, None]
@@ -62,10 +63,17 @@ def tile_eligibility(spec: Spec, nq: int, nk: int, device=None) -> tuple[torch.T
 
 def block_scores(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
     """Selector scores, float64 `[B, Hkv, n_q_tiles, n_kv_blocks]`: max over the G query heads of the
-    group and over the valid r*r group-mean products (r = 1 for "mean")."""
+    group and over the valid r*r group-mean products (r = 1 for "mean"). Per-query lists
+    (`[B, Hkv, Nq, n_kv_blocks]`): the mean of the query over the G heads, dotted with each of the block's
+    r group means, max over the valid groups."""
     r = spec.groups
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
+    if spec.per_query:
+        q_heads = q.double().view(b, hkv, hq // hkv, nq, d).mean(2)  # [B, Hkv, Nq, D]
+        k_means, k_valid = pool(k, spec.kv_block, r)  # [B, Hkv, J, r, D]
+        dots = torch.einsum("bhid,bhjsd->bhijs", q_heads, k_means)
+        return dots.masked_fill(~k_valid, float("-inf")).amax(-1)
     q_means, q_valid = pool(q, spec.q_tile, r)  # [B, Hq, T, r, D]
     k_means, k_valid = pool(k, spec.kv_block, r)  # [B, Hkv, J, r, D]
     q_means = q_means.view(b, hkv, hq // hkv, *q_means.shape[2:])
@@ -114,7 +122,7 @@ def token_mask(block_idx: torch.Tensor, spec: Spec, nq: int, nk: int, rows: rang
     blocks = blocks[..., :n_blocks]
     query = torch.arange(rows.start, rows.stop, device=block_idx.device)
     cols = torch.arange(nk, device=block_idx.device) // spec.kv_block
-    mask = blocks[:, :, query // spec.q_tile][:, :, :, cols]
+    mask = blocks[:, :, query // spec.list_queries][:, :, :, cols]
     if spec.causal:
         i = query[:, None]
         j = torch.arange(nk, device=block_idx.device)[None, :]

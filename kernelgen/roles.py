@@ -13,6 +13,10 @@ Launch signatures, after (kernel, spec, config, shapes):
   bwd_dq    (q, k, v, do, lse, delta, block_idx, scale)   dq over lists in the kernels' form
   bwd_dkdv  (q, k, v, do, lse, delta, reverse, scale)     (dk, dv), walking `reverse`
             (a `kernelgen.reverse_index.ReverseIndex` of the same lists)
+KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalises them as well):
+  kv_select (q, k)                       per-query lists chosen by spec.selector
+  kv_attn   (q, k, v, block_idx, reverse, scale)   (o, lse): partials per (block, query chunk) task of
+            `reverse` (a `kernelgen.reverse_index.QueryReverseIndex` of the lists; None: built), merged per row
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from .reverse_index import build_reverse_index
 from .spec import Spec
 from .workloads import useful_flops
 
-__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "register_role", "get_role", "Workload", "WorkloadShape", "valid_top_k",
+__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "forward_roles", "register_role", "get_role", "Workload", "WorkloadShape", "valid_top_k",
            "REL_L2_TOL", "GRAD_REL_L2_TOL"]
 
 # what a tuned config must reproduce: rel. L2 error of o against the float64 reference
@@ -231,3 +235,20 @@ register_role(Role("bwd_dkdv", "backward: dk and dv per KV block, over the Q til
                    "reverse index), the G query heads summed in the program", canonical=_KERNEL_READS_LISTS,
                    workload=bwd_dkdv_workload))
 BACKWARD_ROLES = ("bwd_delta", "bwd_dq", "bwd_dkdv")  # what a backward runs, in order
+
+
+def kv_attn_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    workload = attention_workload(spec, shape, device, dtype, check)  # per-query lists: the spec says so
+    q, k, v, lists, scale = workload.args
+    return dataclasses.replace(workload, args=(q, k, v, lists, None, scale))
+
+
+# The KV-centric schedule's forward (its backward is not built yet)
+register_role(Role("kv_select", "per-query block lists chosen by the spec's selector", workload=select_workload))
+register_role(Role("kv_attn", "attention over per-query lists: partials per (KV block, query chunk) task, merged "
+                   "per query and head through lse", canonical=_KERNEL_READS_LISTS, workload=kv_attn_workload))
+
+
+def forward_roles(spec: Spec) -> tuple[str, str, str]:
+    """(lists, select, attn): the roles of a forward of `spec`'s schedule."""
+    return ("lists", "kv_select", "kv_attn") if spec.per_query else ("lists", "select", "attn")

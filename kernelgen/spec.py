@@ -17,7 +17,8 @@ __all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES"]
 HEAD_DIMS = (64, 128, 256)
 TILE_SIZES = (16, 32, 64, 128, 256)
 SELECTORS = ("mean", "multi:r", "given")  # multi:r with r a power of two, e.g. "multi:4"
-SCHEDULES = ("q_centric",)  # "kv_centric" is planned, not built yet
+SCHEDULES = ("q_centric", "kv_centric")  # kv_centric: per-query lists, forward only (docs/SEMANTICS.md)
+DEFAULT_Q_TILE = 64
 
 
 def _is_pow2(x: int) -> bool:
@@ -30,12 +31,15 @@ class Spec:
 
     head_dim   D of q, k and v.
     kv_block   keys per KV block (the unit of selection).
-    q_tile     queries per Q tile; Q-centric schedules choose one block list per tile.
+    q_tile     queries per Q tile; Q-centric schedules choose one block list per tile. The KV-centric
+               schedule has one list per query and no Q tile: q_tile must stay at its default there.
     top_k      blocks per list, forced (sink, local, diagonal) blocks included.
     causal     bottom-right aligned causal mask (FlashAttention >= 2.1).
     gqa_group  G = Hq / Hkv; the G query heads of a KV head share its block list.
     selector   "mean" (mean-pooled tile and block), "multi:r" (r group means each, max of r*r
                products), or "given" (the caller passes block_idx).
+    schedule   "q_centric" (a list per Q tile; programs own Q tiles) or "kv_centric" (a list per query;
+               programs own (KV block, query chunk) tasks, partial outputs merged through lse).
     local      blocks ending at the diagonal block that every list holds (with causal, at least 1).
     sink       leading blocks that every list holds (when visible).
     backend    a registered backend ("triton", "tilelang", "gluon"; `kernelgen.backends.names()`), or "auto"
@@ -45,7 +49,7 @@ class Spec:
 
     head_dim: int
     kv_block: int = 64
-    q_tile: int = 64
+    q_tile: int = DEFAULT_Q_TILE
     top_k: int = 16
     causal: bool = False
     gqa_group: int = 1
@@ -76,15 +80,20 @@ class Spec:
         if self.local < 0 or self.sink < 0:
             raise KernelgenValueError(f"Spec.local and Spec.sink must be >= 0, got local={self.local}, sink={self.sink}")
         if self.schedule not in SCHEDULES:
-            if self.schedule == "kv_centric":
-                raise KernelgenValueError("Spec.schedule='kv_centric' is not implemented yet; use 'q_centric'")
             raise KernelgenValueError(f"Spec.schedule={self.schedule!r} is unknown; expected one of {SCHEDULES}")
         if not isinstance(self.backend, str):
             raise KernelgenTypeError(f"Spec.backend must be a backend's name (a str), got {self.backend!r}")
         if not self.backend:
             raise KernelgenValueError("Spec.backend is empty; expected a backend's name or 'auto'")
+        if self.per_query and self.q_tile != DEFAULT_Q_TILE:
+            # a caller who sets q_tile expects it to shape the lists; per-query lists have no Q tile
+            raise KernelgenValueError(
+                f"Spec.q_tile={self.q_tile} with schedule='kv_centric': its lists are per query (block_idx "
+                f"[B, Hkv, Nq, top_k]) and no Q tile is used; leave q_tile at its default ({DEFAULT_Q_TILE})")
         r = self._parse_selector()
-        if r > 1 and (self.q_tile % r or self.kv_block % r):
+        if r > 1 and self.per_query and self.kv_block % r:
+            raise KernelgenValueError(f"Spec.selector={self.selector!r}: r={r} must divide kv_block={self.kv_block}")
+        if r > 1 and not self.per_query and (self.q_tile % r or self.kv_block % r):
             raise KernelgenValueError(
                 f"Spec.selector={self.selector!r}: r={r} must divide q_tile={self.q_tile} and kv_block={self.kv_block}"
             )
@@ -115,6 +124,17 @@ class Spec:
         return self._parse_selector()
 
     @property
+    def per_query(self) -> bool:
+        """Whether each query has its own list (the KV-centric schedule)."""
+        return self.schedule == "kv_centric"
+
+    @property
+    def list_queries(self) -> int:
+        """Queries that share one list: q_tile, or 1 for per-query lists (a list per query is a Q tile
+        of one query: eligibility, forced blocks and masks follow from the same rules)."""
+        return 1 if self.per_query else self.q_tile
+
+    @property
     def n_local(self) -> int:
         """Local blocks forced into every list; causal forces at least the diagonal block."""
         return max(self.local, 1) if self.causal else self.local
@@ -139,7 +159,8 @@ class Spec:
         return block_m % self.q_tile == 0 and self.gqa_group % (block_m // self.q_tile) == 0
 
     def n_q_tiles(self, nq: int) -> int:
-        return -(-nq // self.q_tile)
+        """Lists per (batch, KV head): Q tiles, or queries for per-query lists."""
+        return -(-nq // self.list_queries)
 
     def n_kv_blocks(self, nk: int) -> int:
         return -(-nk // self.kv_block)

@@ -77,13 +77,14 @@ def visible_pairs(block_idx: torch.Tensor, spec: Spec, n_q: int, n_k: int) -> to
     start = idx.clamp(0, n_blocks - 1) * spec.kv_block
     end = torch.clamp(start + spec.kv_block, max=n_k)
     tiles = torch.arange(block_idx.shape[2], device=idx.device)
-    q = tiles[:, None] * spec.q_tile + torch.arange(spec.q_tile, device=idx.device)[None, :]  # [T, q_tile]
+    per_list = spec.list_queries  # queries that share a list: q_tile, or 1 for per-query lists
+    q = tiles[:, None] * per_list + torch.arange(per_list, device=idx.device)[None, :]  # [T, per_list]
     q_ok = q < n_q
     if spec.causal:
         last = q + (n_k - n_q)  # last visible key of each query
         seen = (torch.minimum(end[..., None], last[None, None, :, None, :] + 1) - start[..., None]).clamp(min=0)
     else:
-        seen = (end - start)[..., None].expand(*idx.shape, spec.q_tile)
+        seen = (end - start)[..., None].expand(*idx.shape, per_list)
     seen = seen * q_ok[None, None, :, None, :] * valid[..., None]
     return seen.sum(dim=(2, 3, 4))
 

@@ -37,7 +37,8 @@ def test_frozen_hashable_json_round_trip():
         (dict(head_dim=64, q_tile=16, selector="multi:32"), "divide"),
         (dict(head_dim=64, top_k=2, sink=2, local=1), "forced"),
         (dict(head_dim=64, top_k=1, sink=1, causal=True), "forced"),
-        (dict(head_dim=64, schedule="kv_centric"), "not implemented"),
+        (dict(head_dim=64, schedule="kv_centric", q_tile=32), "no Q tile is used"),
+        (dict(head_dim=64, schedule="kv_centric", kv_block=16, selector="multi:32"), "divide kv_block"),
         (dict(head_dim=64, schedule="foo"), "schedule"),
         (dict(head_dim=64, backend=""), "backend"),
         (dict(head_dim=64, gqa_group=0), "gqa_group"),
@@ -83,6 +84,7 @@ def test_type_errors():
         (dict(head_dim=64, q_tile=32), r"gqa_group \* Spec.q_tile = 1 \* 32 = 32 .* expected >= 64"),
         (dict(head_dim=128, q_tile=16, gqa_group=2), r"= 32 packed rows .* expected >= 64"),
         (dict(head_dim=64, q_tile=32, gqa_group=3), r"gqa_group=3 with q_tile=32 cannot be packed"),
+        (dict(head_dim=64, schedule="kv_centric"), r"schedule='kv_centric' is not built for backend='gluon'"),
     ],
 )
 def test_gluon_rejects_what_its_kernel_cannot_compute(kwargs, match):

@@ -72,6 +72,7 @@ class Backend:
     devices     device types it runs on ("cuda"; "cpu" for the interpreter or a reference)
     per_shape   its kernels are compiled for one problem shape (`build` gets the Problem)
     compilers   fingerprint column -> distribution names: the compiler versions its winners are tied to
+    schedules   the Spec.schedule values its roles compute
     """
 
     name: ClassVar[str] = ""
@@ -80,6 +81,7 @@ class Backend:
     devices: ClassVar[tuple[str, ...]] = ("cuda",)
     per_shape: ClassVar[bool] = False
     compilers: ClassVar[dict[str, tuple[str, ...]]] = {}
+    schedules: ClassVar[tuple[str, ...]] = ("q_centric",)
     roles: dict[str, RoleImpl] = {}
 
     # ---- what it supports ------------------------------------------------------------------------
@@ -89,6 +91,9 @@ class Backend:
 
     def spec_unsupported(self, spec: Spec) -> str | None:
         """Why this backend's kernels cannot compute `spec` at all, or None."""
+        if spec.schedule not in self.schedules:
+            return (f"Spec.schedule={spec.schedule!r} is not built for backend={self.name!r}; it computes "
+                    f"{', '.join(map(repr, self.schedules))} (use backend='triton')")
         return None
 
     def device_unsupported(self, device: torch.device) -> str | None:

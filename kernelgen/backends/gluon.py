@@ -177,7 +177,7 @@ class GluonBackend(Backend):
         return None if _gluon_importable() else "backend='gluon' needs a Triton with Gluon (triton>=3.5)"
 
     def spec_unsupported(self, spec: Spec) -> str | None:
-        return spec_unsupported(spec)
+        return super().spec_unsupported(spec) or spec_unsupported(spec)
 
     def device_unsupported(self, device) -> str | None:
         from ..device import interpreting

@@ -18,11 +18,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..archs import arch_facts
 from ..errors import KernelgenValueError
 from ..inputs import LOG2E, empty, next_pow2, softmax_scale
-from ..reverse_index import ReverseIndex
+from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks, split_tasks
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
 
-__all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "BwdDqConfig", "BwdDkdvConfig", "attn_smem_bytes",
+__all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "BwdDqConfig", "BwdDkdvConfig", "KvSelectConfig",
+           "KvAttnConfig", "attn_smem_bytes",
            "bwd_dq_smem_bytes", "bwd_dkdv_smem_bytes", "pack_infeasible", "rendered_module"]
 
 
@@ -85,6 +86,28 @@ class BwdDkdvConfig(_JsonConfig):
     block_m: int = 32
     num_warps: int = 4
     num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class KvSelectConfig(_JsonConfig):
+    """Per-query selection (KV-centric): queries scored per program (they share each k_rep chunk load),
+    chunk: KV blocks scored per step."""
+
+    queries: int = 32
+    chunk: int = 64
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class KvAttnConfig(_JsonConfig):
+    """KV-centric forward. block_m: packed rows per task (queries per task = block_m // next_pow2(G)),
+    partials_fp32: partial outputs in fp32 (else in the inputs' dtype: half the bytes written and read),
+    combine_rows: queries per program of the combine."""
+
+    block_m: int = 64
+    num_warps: int = 4
+    partials_fp32: bool = True
+    combine_rows: int = 32
 
 
 # ---- attention: feasibility, defaults, space -------------------------------------------------------
@@ -199,6 +222,65 @@ def select_space(spec: Spec, arch: str):
             for t, c, w, n in itertools.product((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256), (4, 8), (1, 2, 4)))
 
 
+# ---- KV-centric forward: feasibility, defaults, spaces ---------------------------------------------
+
+TILE_ROWS = (16, 32, 64, 128, 256)  # rows of a program's tl.dot tiles: powers of two
+
+def kv_select_infeasible(spec: Spec, cfg: KvSelectConfig, arch: str) -> str | None:
+    """Why the per-query selector cannot run `cfg` for `spec`, or None (on every arch alike)."""
+    cols = cfg.chunk * spec.groups
+    # tl.dot needs >= 16 rows and columns; keep the score tile and the running lists within registers
+    if cfg.queries < 16 or cfg.queries > 256 or cols < 16 or cfg.queries * cols > 64 * 256:
+        return (f"a score tile of queries = {cfg.queries} rows and chunk * groups = {cols} columns; expected 16 to "
+                "256 rows, at least 16 columns and at most 16384 scores")
+    if cfg.chunk < next_pow2(spec.top_k):
+        return f"chunk={cfg.chunk} blocks is fewer than next_pow2(top_k) = {next_pow2(spec.top_k)}"
+    if cfg.queries * next_pow2(spec.top_k) > 8192:
+        return f"queries * next_pow2(top_k) = {cfg.queries * next_pow2(spec.top_k)} running keys; at most 8192"
+    return None
+
+
+def kv_select_default(spec: Spec, arch: str) -> KvSelectConfig:
+    return _first_feasible(spec, arch, kv_select_infeasible, (
+        KvSelectConfig(queries=q, chunk=max(next_pow2(spec.top_k), c // spec.groups), num_warps=4)
+        for q in (64, 32, 16) for c in (128, 64, 32, 16)))
+
+
+def kv_select_space(spec: Spec, arch: str):
+    return (KvSelectConfig(queries=q, chunk=c, num_warps=w)
+            for q, c, w in itertools.product((16, 32, 64, 128), (16, 32, 64, 128, 256), (4, 8)))
+
+
+def kv_attn_infeasible(spec: Spec, cfg: KvAttnConfig, arch: str) -> str | None:
+    """Why the KV-centric forward cannot run `cfg` for `spec` on `arch`, or None: whole queries per task
+    (block_m a power of two, 16 to 256, at least next_pow2(G) rows), registers for the scores and output of
+    one block, and one K and one V block plus the rows in shared memory."""
+    g_pad = next_pow2(spec.gqa_group)
+    if cfg.block_m not in TILE_ROWS or cfg.block_m < g_pad:
+        return f"block_m={cfg.block_m}; expected one of {TILE_ROWS} holding whole queries (>= next_pow2(G) = {g_pad})"
+    if cfg.combine_rows not in (16, 32, 64, 128):
+        return f"combine_rows={cfg.combine_rows}; expected 16, 32, 64 or 128"
+    regs = cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps)
+    if regs > 192:
+        return (f"block_m * (head_dim + kv_block) / (32 * num_warps) = {regs} fp32 registers per thread; at most 192 "
+                "(Triton spills past it): more warps or fewer rows")
+    smem = (2 * spec.kv_block + cfg.block_m) * spec.head_dim * 2
+    if smem > arch_facts(arch).smem_per_block:
+        return f"{smem} B of shared memory (one K and one V block and the rows); at most {arch_facts(arch).smem_per_block}"
+    return None
+
+
+def kv_attn_default(spec: Spec, arch: str) -> KvAttnConfig:
+    warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
+    return _first_feasible(spec, arch, kv_attn_infeasible, (
+        KvAttnConfig(block_m=m, num_warps=w) for m in (64, 128, 32, 16, 256) for w in (warps, 8)))
+
+
+def kv_attn_space(spec: Spec, arch: str):
+    return (KvAttnConfig(block_m=m, num_warps=w, partials_fp32=f, combine_rows=r)
+            for m, w, f, r in itertools.product(TILE_ROWS, (4, 8), (True, False), (32, 64)))
+
+
 # ---- backward: feasibility, defaults, spaces --------------------------------------------------------
 
 BWD_REGS_LIMIT = 256  # fp32 words per thread of accumulators and score tiles; past it Triton spills
@@ -288,7 +370,7 @@ def _first_feasible(spec: Spec, arch: str, infeasible, candidates):
         reason = infeasible(spec, cfg, arch)
         if reason is None:
             return cfg
-        if pack_infeasible(spec, cfg.block_m) is None:
+        if not isinstance(cfg, (BwdDqConfig, BwdDkdvConfig)) or pack_infeasible(spec, cfg.block_m) is None:
             why = reason  # the last resources' reason says more than a row packing's
     raise KernelgenValueError(f"no {type(cfg).__name__} fits {spec} on {arch}: {why or reason}; use a smaller "
                               "kv_block or q_tile")
@@ -344,6 +426,51 @@ def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.T
             cand, block_idx, shapes.n_q_tiles, shapes.heads_kv, block_idx.stride(0), block_idx.stride(1),
             block_idx.stride(2), TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SPLITS=cfg.splits, TILES=tiles, num_warps=4)
     return block_idx
+
+
+def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor):
+    """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1), chosen on the device."""
+    k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod)
+    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q.device, dtype=torch.int32)
+    mod.kv_select_topk[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv)](
+        q, k_rep, block_idx, *q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv,
+        *block_idx.stride()[:3],
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
+        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
+        QUERIES=cfg.queries, CHUNK=cfg.chunk, CAUSAL=spec.causal, num_warps=cfg.num_warps)
+    return block_idx
+
+
+def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, block_idx,
+                   reverse: QueryReverseIndex | None, scale):
+    """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised per-query lists: partials per
+    task of the reverse index (built here when None), then their merge per (query, head)."""
+    scale = softmax_scale(scale, spec)
+    if reverse is None:
+        reverse = build_query_reverse_index(block_idx, shapes.n_kv_blocks)
+    g_pad = next_pow2(spec.gqa_group)
+    queries = cfg.block_m // g_pad
+    n_pairs = shapes.n_q * spec.top_k
+    task_block, task_start = split_tasks(reverse.offsets, n_pairs, queries)
+    part_dtype = torch.float32 if cfg.partials_fp32 else q.dtype
+    o_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, spec.top_k, spec.head_dim, device=q.device,
+                   dtype=part_dtype)
+    lse_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, spec.top_k, device=q.device, dtype=torch.float32)
+    grid = (max_tasks(shapes.n_kv_blocks, n_pairs, queries), shapes.batch * shapes.heads_kv)
+    mod.kv_attn_partial[grid](
+        q, k, v, o_part, lse_part, reverse.offsets, reverse.queries, reverse.slots, task_block, task_start,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:4], *lse_part.stride()[:3],
+        *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2], *task_block.stride()[:2],
+        shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
+        CAUSAL=spec.causal, num_warps=cfg.num_warps)
+    o = empty(*q.shape, device=q.device, dtype=q.dtype)
+    lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
+    mod.kv_combine[(triton.cdiv(shapes.n_q, cfg.combine_rows), shapes.batch * shapes.heads_q)](
+        o_part, lse_part, block_idx, o, lse, *o_part.stride()[:4], *lse_part.stride()[:3], *block_idx.stride()[:3],
+        *o.stride()[:3], *lse.stride()[:2], shapes.n_q, shapes.heads_q,
+        HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=spec.top_k, ROWS=cfg.combine_rows, num_warps=4)
+    return o, lse
 
 
 def _tma_ok(x: torch.Tensor) -> bool:
@@ -441,6 +568,7 @@ class TritonBackend(Backend):
     summary = "Triton kernels for every role; any CUDA GPU Triton supports, and the CPU through its interpreter"
     devices = ("cuda", "cpu")
     compilers = {"triton_version": ("triton", "pytorch-triton")}
+    schedules = ("q_centric", "kv_centric")
     roles = {
         "lists": RoleImpl(launch=launch_lists, template="triton/lists.py.j2"),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
@@ -452,6 +580,11 @@ class TritonBackend(Backend):
                            default=bwd_dq_default, space=bwd_dq_space, infeasible=bwd_dq_infeasible),
         "bwd_dkdv": RoleImpl(launch=launch_bwd_dkdv, template="triton/bwd_dkdv.py.j2", config_type=BwdDkdvConfig,
                              default=bwd_dkdv_default, space=bwd_dkdv_space, infeasible=bwd_dkdv_infeasible),
+        # the KV-centric schedule's forward (per-query lists; the "lists" role normalises them too)
+        "kv_select": RoleImpl(launch=launch_kv_select, template="triton/kv_select.py.j2", config_type=KvSelectConfig,
+                              default=kv_select_default, space=kv_select_space, infeasible=kv_select_infeasible),
+        "kv_attn": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn.py.j2", config_type=KvAttnConfig,
+                            default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible),
     }
 
     def device_unsupported(self, device) -> str | None:
