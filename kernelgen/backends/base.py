@@ -199,14 +199,15 @@ class Backend:
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 - backends live as long as the process
     def template_hash(self, role: str) -> str:
-        """Hash of the role's template text (its rendered kernels' source), part of its winners'
-        fingerprint: editing one role's template leaves the other roles' winners valid."""
-        from ..codegen.render import template_path
+        """Hash of the role's template text and of the templates it includes (its rendered kernels'
+        source), part of its winners' fingerprint: editing one role's template leaves the other roles'
+        winners valid, and editing an included one retires the winners of every role that includes it."""
+        from ..codegen.render import template_files
 
         template = self.role(role).template
         if template is None:
             return "none"
-        return hashlib.sha256(template_path(template).read_bytes()).hexdigest()[:16]
+        return hashlib.sha256(b"".join(path.read_bytes() for path in template_files(template))).hexdigest()[:16]
 
     def __repr__(self) -> str:
         return f"<kernelgen backend {self.name!r}>"

@@ -20,7 +20,7 @@ import jinja2
 
 from ..spec import Spec
 
-__all__ = ["TEMPLATE_DIR", "template_path", "render", "module_name"]
+__all__ = ["TEMPLATE_DIR", "template_path", "template_files", "render", "module_name"]
 
 
 def _find_template_dir() -> Path:
@@ -37,6 +37,24 @@ def template_path(template: str | Path) -> Path:
     """A template named relative to templates/ (or given by an absolute path)."""
     path = Path(template)
     return path if path.is_absolute() else TEMPLATE_DIR / path
+
+
+def template_files(template: str | Path) -> list[Path]:
+    """The template's file, then every template it includes or imports (recursively, each once): what its
+    rendered kernels' source depends on."""
+    import jinja2.meta
+
+    first = template_path(template)
+    files, pending = [first], [first]
+    while pending:
+        path = pending.pop()
+        env = _env(path.parent)
+        for name in jinja2.meta.find_referenced_templates(env.parse(path.read_text())):
+            included = path.parent / name
+            if name is not None and included not in files:
+                files.append(included)
+                pending.append(included)
+    return files
 
 
 @functools.lru_cache(maxsize=None)
