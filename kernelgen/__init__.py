@@ -16,14 +16,14 @@ if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
 from . import backends, reference  # noqa: E402
 from .backends.gluon import GluonAttnConfig  # noqa: E402
 from .backends.tilelang import TileLangAttnConfig  # noqa: E402
-from .backends.triton import AttnConfig, BwdDkdvConfig, BwdDqConfig, SelectConfig  # noqa: E402
+from .backends.triton import AttnConfig, BwdDkdvConfig, BwdDqConfig, IndexSelectConfig, SelectConfig  # noqa: E402
 from .dispatch import SparseAttention, get_kernel  # noqa: E402
 from .errors import KernelgenError, KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError  # noqa: E402
 from .inputs import BlockLists  # noqa: E402
 from .reverse_index import ReverseIndex, build_reverse_index  # noqa: E402
 from .spec import Spec  # noqa: E402
 
-__all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "ReverseIndex", "build_reverse_index", "AttnConfig",
+__all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "ReverseIndex", "build_reverse_index", "AttnConfig", "IndexSelectConfig",
            "SelectConfig", "BwdDqConfig", "BwdDkdvConfig", "TileLangAttnConfig", "GluonAttnConfig", "KernelgenError",
            "KernelgenValueError", "KernelgenTypeError", "KernelgenRuntimeError", "backends", "reference"]
 __version__ = "0.1.0"
