@@ -248,3 +248,15 @@ def test_fp8_overlap_gpu():
     overlap = fp8_index_overlap(spec, q, k, index)
     print(f"fp8 index selector: {overlap:.4f} of the fp32 selector's blocks")
     assert overlap > 0.9
+
+
+def test_tune_runs_the_index_selector_on_cpu(tmp_path):
+    """The tuner times the index selector on its synthetic index inputs (Hi=4, Di=64) and stores a winner."""
+    from kernelgen.tuning.db import TuningDB
+    from kernelgen.tuning.study import tune
+
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True, gqa_group=2, selector="index")
+    with TuningDB(tmp_path / "user.db") as db:
+        result = tune(spec, "select_index", seq=128, trials=2, device="cpu", db=db, storage=tmp_path / "optuna.db")
+        assert result.best_config is not None and result.n_failed == 0
+        assert [row["role"] for row in db.rows()] == ["select_index"]
