@@ -115,7 +115,8 @@ Q_TILE = typer.Option(64, help="Queries per Q tile.")
 TOP_K = typer.Option(16, help="Blocks per list, forced ones included.")
 CAUSAL = typer.Option(False, "--causal/--no-causal", help="Bottom-right causal mask.")
 GQA = typer.Option(1, help="Query heads per KV head.")
-SELECTOR = typer.Option("mean", help="mean | multi:r | given.")
+SELECTOR = typer.Option("mean", help="mean | multi:r | index | given (index: tuned on synthetic index vectors, "
+                                     "Hi=4, Di=64).")
 LOCAL = typer.Option(0, help="Local blocks forced into every list.")
 SINK = typer.Option(0, help="Sink blocks forced into every list.")
 BACKEND = typer.Option("triton", help="A registered backend (see `kernelgen info`), or auto (served, not tuned).")
@@ -234,13 +235,16 @@ def tune(
     for name in roles:
         if name not in ROLES or not ROLES[name].tuned:
             _fail(f"--role {name!r} is not a tuned role; expected some of {[n for n, r in ROLES.items() if r.tuned]}")
-    roles = [r for r in roles if r != "select" or spec.selects]
+    roles = [r for r in roles if r not in _SELECTION_ROLES or r == spec.selection_role]  # the spec's selector only
     for r in roles:
         p = plan(spec, r, seq=seq, arch=arch, trials=trials)
         if dry_run:
             _print_plan(p)
         else:
             _tune_one(spec, r, seq, arch, trials, timeout)
+
+
+_SELECTION_ROLES = ("select", "select_index")
 
 
 def _all_rows(path: Optional[Path], **filters) -> list[dict]:

@@ -2,8 +2,9 @@
 
     from kernelgen.custom_ops import sparse_attention, select_blocks
     o, lse = sparse_attention(q, k, v, spec, block_idx=None, scale=None)   # inside torch.compile too
+    o, lse = sparse_attention(q, k, v, spec, index=(q_idx, k_idx, w))      # Spec(selector="index")
 
-The ops take the spec as its JSON text (a string is a valid op argument; a dataclass is not) and
+The ops take the spec as its JSON text, and the index selector's tensors as three optional arguments (a string is a valid op argument; a dataclass is not) and
 dispatch to `get_kernel(spec)`, so they run exactly the kernels and checks of the eager API. Their
 fake (meta) implementations give output shapes and dtypes without running anything.
 
@@ -21,9 +22,15 @@ from .spec import Spec
 __all__ = ["sparse_attention", "select_blocks"]
 
 
+def _index(q_idx, k_idx, w):
+    """The `index=` of the eager API from the ops' three optional tensors (None when none is given)."""
+    return None if q_idx is None and k_idx is None and w is None else (q_idx, k_idx, w)
+
+
 @torch.library.custom_op("kernelgen::select_blocks", mutates_args=())
-def _select_op(q: torch.Tensor, k: torch.Tensor, spec_json: str) -> torch.Tensor:
-    return get_kernel(Spec.from_json(spec_json)).select(q, k)
+def _select_op(q: torch.Tensor, k: torch.Tensor, spec_json: str, q_idx: torch.Tensor | None = None,
+               k_idx: torch.Tensor | None = None, w: torch.Tensor | None = None) -> torch.Tensor:
+    return get_kernel(Spec.from_json(spec_json)).select(q, k, index=_index(q_idx, k_idx, w))
 
 
 def _lists_like(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
@@ -31,20 +38,21 @@ def _lists_like(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
 
 
 @_select_op.register_fake
-def _(q, k, spec_json):
+def _(q, k, spec_json, q_idx=None, k_idx=None, w=None):
     return _lists_like(q, k, Spec.from_json(spec_json))
 
 
 @torch.library.custom_op("kernelgen::sparse_attention", mutates_args=())
 def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None, spec_json: str,
-             scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             scale: float | None, q_idx: torch.Tensor | None = None, k_idx: torch.Tensor | None = None,
+             w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     attn = get_kernel(Spec.from_json(spec_json))
     shapes = attn._start_call(q, k, v)
-    return attn._attend(q, k, v, shapes, block_idx, scale)
+    return attn._attend(q, k, v, shapes, block_idx, scale, _index(q_idx, k_idx, w))
 
 
 @_attn_op.register_fake
-def _(q, k, v, block_idx, spec_json, scale):
+def _(q, k, v, block_idx, spec_json, scale, q_idx=None, k_idx=None, w=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32),
             _lists_like(q, k, Spec.from_json(spec_json)))
 
@@ -62,7 +70,7 @@ def _(do, q, k, v, o, lse, lists, spec_json, scale):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, _, spec_json, scale = inputs
+    q, k, v, _, spec_json, scale = inputs[:6]
     o, lse, lists = output
     ctx.save_for_backward(q, k, v, o, lse, lists)
     ctx.spec_json, ctx.scale = spec_json, scale
@@ -72,7 +80,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse, _dlists):
     q, k, v, o, lse, lists = ctx.saved_tensors
     dq, dk, dv = _attn_backward_op(do, q, k, v, o, lse, lists, ctx.spec_json, ctx.scale)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None  # nothing for block_idx, spec, scale, index tensors
 
 
 torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_context=_setup_context)
@@ -84,13 +92,27 @@ def _spec_json(spec: Spec) -> str:
     return spec.to_json()
 
 
-def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
-    """`get_kernel(spec).select(q, k)` as a custom op."""
-    return _select_op(q, k, _spec_json(spec))
+def _index_args(index) -> tuple:
+    """(q_idx, k_idx, w) of `index=` as the ops' three optional arguments; anything but a triple is left to
+    the eager API's check (`inputs.check_index`) to name."""
+    if index is None:
+        return None, None, None
+    if isinstance(index, (tuple, list)) and len(index) == 3:
+        return tuple(index)
+    from .inputs import INDEX_LAYOUT
+    from .errors import KernelgenTypeError
+
+    raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {type(index).__name__}; {INDEX_LAYOUT}")
 
 
-def sparse_attention(q, k, v, spec: Spec, block_idx=None, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`get_kernel(spec)(q, k, v, block_idx=..., scale=..., return_lse=True)` as a custom op; o backpropagates
-    (lse carries no gradient)."""
-    o, lse, _ = _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale))
+def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> torch.Tensor:
+    """`get_kernel(spec).select(q, k, index=...)` as a custom op."""
+    return _select_op(q, k, _spec_json(spec), *_index_args(index))
+
+
+def sparse_attention(q, k, v, spec: Spec, block_idx=None, scale=None, index=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., return_lse=True)` as a custom op; o
+    backpropagates (lse carries no gradient)."""
+    o, lse, _ = _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale),
+                         *_index_args(index))
     return o, lse

@@ -24,7 +24,7 @@ import torch
 from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenNotImplementedError, KernelgenTypeError, KernelgenValueError
-from .inputs import BlockLists, Shapes, check_block_idx, check_block_lists, check_qkv, lists_layout
+from .inputs import BlockLists, Shapes, check_block_idx, check_block_lists, check_index, check_qkv, lists_layout
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting
 from .reverse_index import ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -63,6 +63,8 @@ class SparseAttention:
     attn(q, k, v, return_lse=True)        also return lse (float32 [B, Hq, Nq]; it carries no gradient)
     attn.select(q, k)                     the lists the selector would use
     With Spec(schedule="kv_centric") the lists are per query: int32 [B, Hkv, Nq, top_k] (forward only).
+    attn(q, k, v, index=(q_idx, k_idx, w))    Spec(selector="index"): lists from index vectors
+                                          (`inputs.INDEX_LAYOUT`); attn.select(q, k, index=...) likewise
 
     q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = spec.gqa_group * Hkv; fp16/bf16 (fp32 in the interpreter).
     With inputs that require grad (and grad enabled), o backpropagates: dq, dk, dv for the lists the forward
@@ -152,10 +154,11 @@ class SparseAttention:
 
     @functools.lru_cache(maxsize=256)
     def _plan(self, bucket: int, dtype, device) -> tuple[Served, Served | None, Served]:
-        """(lists, select or None, attn): the roles a call may run, in one lookup per call."""
-        lists, select, attn = forward_roles(self.spec)
+        """(lists, the selection role or None, attn): the roles a call may run (`roles.forward_roles`), in one
+        lookup per call."""
+        lists, selection, attn = forward_roles(self.spec)
         return (self._served(lists, bucket, dtype, device),
-                self._served(select, bucket, dtype, device) if self.spec.selects else None,
+                self._served(selection, bucket, dtype, device) if selection else None,
                 self._served(attn, bucket, dtype, device))
 
     @functools.lru_cache(maxsize=256)
@@ -178,11 +181,22 @@ class SparseAttention:
         return self._launch(self._served(role, seq_bucket(shapes.n_k), like.dtype, like.device), like, shapes, *args)
 
     # ---- the calls -----------------------------------------------------------------------------------
-    def select(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    def select(self, q: torch.Tensor, k: torch.Tensor, *, index=None) -> torch.Tensor:
         if not self.spec.selects:
             raise KernelgenValueError("spec.selector='given' has no selector: pass block_idx to the call")
         shapes = check_qkv(q, k, k, self.spec)
-        return self._run(forward_roles(self.spec)[1], q, shapes, q, k)
+        served = self._served(self.spec.selection_role, seq_bucket(shapes.n_k), q.dtype, q.device)
+        return self._select(q, k, shapes, index, served)
+
+    def _select(self, q, k, shapes: Shapes, index, served: Served) -> torch.Tensor:
+        """The selector's lists for a checked call: from q and k, or from `index` (the index selector's)."""
+        if self.spec.selector == "index":
+            if index is None:
+                raise KernelgenValueError("spec.selector='index' needs index=(q_idx, k_idx, w) (or block_idx=...)")
+            return self._launch(served, q, shapes, *check_index(index, self.spec, shapes, q.device))
+        if index is not None:
+            check_index(index, self.spec, shapes, q.device)  # raises: index= is the index selector's input
+        return self._launch(served, q, shapes, q, k)
 
     def prepare(self, block_idx: torch.Tensor, seq_q: int, seq_k: int) -> BlockLists:
         """Given lists checked and normalised once, for calls with seq_q queries and seq_k keys (any
@@ -225,16 +239,16 @@ class SparseAttention:
         self._shape_kernels.clear()
         self._generation = autotune.generation
 
-    def __call__(self, q, k, v, *, block_idx=None, scale=None, return_lse: bool = False):
+    def __call__(self, q, k, v, *, block_idx=None, index=None, scale=None, return_lse: bool = False):
         shapes = self._start_call(q, k, v)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             if self.spec.per_query:
                 raise KernelgenNotImplementedError(
                     "the KV-centric schedule's backward is not built yet: call it on inputs that do not require "
                     "grad (or under torch.no_grad()), or use schedule='q_centric' for training")
-            o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale)
+            o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index)
         else:
-            o, lse, _ = self._attend(q, k, v, shapes, block_idx, scale)
+            o, lse, _ = self._attend(q, k, v, shapes, block_idx, scale, index)
         return (o, lse) if return_lse else o
 
     def _start_call(self, q, k, v) -> Shapes:
@@ -246,14 +260,18 @@ class SparseAttention:
             self._forget_served()
         return shapes
 
-    def _attend(self, q, k, v, shapes: Shapes, block_idx, scale) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _attend(self, q, k, v, shapes: Shapes, block_idx, scale, index=None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The forward of a checked call: (o, lse, the lists it attended over: the BlockLists given, else
-        the normalised or selected int32 tensor)."""
+        the normalised or selected int32 tensor). `index`: the index selector's (q_idx, k_idx, w)."""
         lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device)
+        if block_idx is not None and index is not None:
+            raise KernelgenValueError("pass block_idx= or index=, not both: index= chooses the lists block_idx= gives")
         if block_idx is None:
             if select is None:
+                if index is not None:
+                    check_index(index, self.spec, shapes, q.device)  # raises: not an index spec
                 raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
-            used = normalised = self._launch(select, q, shapes, q, k)
+            used = normalised = self._select(q, k, shapes, index, select)
         elif isinstance(block_idx, BlockLists):
             used, normalised = block_idx, check_block_lists(block_idx, self.spec, shapes, q.device)
         else:
@@ -294,8 +312,8 @@ class _AttentionFunction(torch.autograd.Function):
     kept with it; raw or selected lists get theirs in each backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn: SparseAttention, shapes: Shapes, block_idx, scale):
-        o, lse, used = attn._attend(q, k, v, shapes, block_idx, scale)
+    def forward(ctx, q, k, v, attn: SparseAttention, shapes: Shapes, block_idx, scale, index):
+        o, lse, used = attn._attend(q, k, v, shapes, block_idx, scale, index)
         ctx.attn, ctx.scale = attn, scale
         ctx.prepared = used if isinstance(used, BlockLists) else None
         ctx.save_for_backward(q, k, v, o, lse, used.block_idx if ctx.prepared is not None else used)
@@ -308,7 +326,7 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, block_idx = ctx.saved_tensors
         reverse = ctx.prepared.reverse_index() if ctx.prepared is not None else None
         dq, dk, dv = ctx.attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3])
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 @functools.lru_cache(maxsize=256)

@@ -74,9 +74,9 @@ def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector),
     `attn`, and its backward's (`roles.BACKWARD_ROLES`; none yet for the KV-centric schedule), under the
     schedule's role names (`roles.forward_roles`)."""
-    lists, select, attn = forward_roles(spec)
+    lists, selection, attn = forward_roles(spec)
     backward = () if spec.per_query else BACKWARD_ROLES
-    return (lists, select, attn) + backward if spec.selects else (lists, attn) + backward
+    return (lists, *((selection,) if selection else ()), attn) + backward
 
 
 def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str | None = None,
@@ -608,15 +608,17 @@ kernel = _embedded("dispatch").SparseAttention(
      for role, data in CONFIGS.items()}})
 
 
-def attn(q, k, v, *, block_idx=None, scale=None, return_lse=False):
+def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False):
     """o [B, Hq, Nq, D] (and lse float32 [B, Hq, Nq] with return_lse) over the spec's selection, or over
-    block_idx int32/int64 [B, Hkv, n_q_tiles, top_k] when given (-1 empty; out-of-range ids are empty)."""
-    return kernel(q, k, v, block_idx=block_idx, scale=scale, return_lse=return_lse)
+    block_idx int32/int64 [B, Hkv, n_q_tiles, top_k] when given (-1 empty; out-of-range ids are empty).
+    index: (q_idx, k_idx, w) of the index selector."""
+    return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse)
 
 
-def select(q, k):
-    """The block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) the selector chooses."""
-    return kernel.select(q, k)
+def select(q, k, *, index=None):
+    """The block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) the selector chooses
+    (index: (q_idx, k_idx, w) of the index selector)."""
+    return kernel.select(q, k, index=index)
 
 
 def prepare(block_idx, seq_q, seq_k):

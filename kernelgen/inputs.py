@@ -17,14 +17,19 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "check_qkv", "check_block_idx", "check_block_lists", "softmax_scale",
-           "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout"]
+__all__ = ["Shapes", "BlockLists", "check_qkv", "check_block_idx", "check_block_lists", "check_index", "softmax_scale",
+           "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
 
 LOG2E = 1.4426950408889634
 LAYOUT = "q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] (heads before sequence, as SDPA and FlexAttention)"
 # Tests set KERNELGEN_POISON=1: outputs start as NaN (lists as INT32_MIN) so unwritten elements fail.
 _POISON = os.environ.get("KERNELGEN_POISON", "0") == "1"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DIMS = (32, 64, 128)  # Di of the index selector's vectors
+INDEX_LAYOUT = ("index=(q_idx [B, Hkv*Hi, Nq, Di], k_idx [B, Hkv or 1, Nk, Di], w [B, Hkv*Hi, Nq]): Hi index heads "
+                "per KV head (h*Hi .. h*Hi+Hi-1 belong to KV head h), one index key head per KV head or one shared")
+_INDEX_FP8 = torch.float8_e4m3fn  # index vectors computed in fp8 (fp32 accumulation), on sm_90 only
+_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class Shapes(NamedTuple):
@@ -198,6 +203,72 @@ def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> 
 def lists_layout(spec: Spec) -> str:
     """The shape of a spec's block lists, in words."""
     return "[B, Hkv, Nq, top_k]" if spec.per_query else "[B, Hkv, n_q_tiles, top_k]"
+
+
+def check_index(index, spec: Spec, shapes: Shapes, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The index selector's (q_idx, k_idx, w), checked against the call's shapes and device (INDEX_LAYOUT);
+    Hi comes from q_idx's heads. q_idx and k_idx share a dtype: float16, bfloat16, float32, or float8_e4m3fn on
+    sm_90 (Hopper) GPUs; w is float32, float16 or bfloat16. Each is contiguous in its last dim."""
+    if spec.selector != "index":
+        raise KernelgenValueError(f"index= is the input of the 'index' selector; spec.selector={spec.selector!r} "
+                                  "takes none (use Spec(selector='index'))")
+    if not isinstance(index, (tuple, list)) or len(index) != 3:
+        raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {type(index).__name__}; {INDEX_LAYOUT}")
+    q_idx, k_idx, w = index
+    for name, t, dims in (("q_idx", q_idx, 4), ("k_idx", k_idx, 4), ("w", w, 3)):
+        if not isinstance(t, torch.Tensor):
+            raise KernelgenTypeError(f"index: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise KernelgenValueError(f"index: {name} must be {dims}-D, got shape {tuple(t.shape)}; {INDEX_LAYOUT}")
+        if t.device != device:
+            raise KernelgenValueError(f"index: {name} is on {t.device} but q is on {device}")
+        if t.stride(-1) != 1:
+            raise KernelgenValueError(f"index: {name} must be contiguous in its last dim (stride 1), got strides "
+                                      f"{t.stride()}")
+    if q_idx.dtype != k_idx.dtype:
+        raise KernelgenTypeError(f"index: k_idx.dtype = {k_idx.dtype} differs from q_idx.dtype = {q_idx.dtype}")
+    if q_idx.dtype == _INDEX_FP8:
+        _check_index_fp8(device)
+    elif q_idx.dtype not in _DTYPES:
+        raise KernelgenTypeError(f"index: q_idx.dtype must be float16, bfloat16, float32 (or float8_e4m3fn on sm_90), "
+                                 f"got {q_idx.dtype}")
+    if w.dtype not in _WEIGHT_DTYPES:
+        raise KernelgenTypeError(f"index: w.dtype must be float32, float16 or bfloat16, got {w.dtype}")
+    if device.type == "cpu" and torch.bfloat16 in (q_idx.dtype, w.dtype):
+        raise KernelgenTypeError("index: bfloat16 is not supported by the Triton CPU interpreter (it computes garbage); "
+                                 "use float16 or float32 on the CPU")
+    b, hkv, nq, nk = shapes.batch, shapes.heads_kv, shapes.n_q, shapes.n_k
+    heads = q_idx.shape[1]
+    if q_idx.shape[0] != b or q_idx.shape[2] != nq:
+        raise KernelgenValueError(f"index: q_idx.shape = {tuple(q_idx.shape)} must have batch {b} and Nq = {nq} "
+                                  f"(q's); {INDEX_LAYOUT}")
+    if heads < hkv or heads % hkv:
+        raise KernelgenValueError(f"index: q_idx has {heads} heads (dim 1), expected Hkv*Hi, a multiple of Hkv = {hkv}; "
+                                  f"{INDEX_LAYOUT}")
+    di = q_idx.shape[3]
+    if di not in INDEX_DIMS:
+        raise KernelgenValueError(f"index: q_idx.shape[-1] = {di} (Di) is not supported; expected one of {INDEX_DIMS}")
+    if k_idx.shape[0] != b or k_idx.shape[1] not in (hkv, 1) or k_idx.shape[2] != nk or k_idx.shape[3] != di:
+        raise KernelgenValueError(f"index: k_idx.shape = {tuple(k_idx.shape)}, expected [B, Hkv or 1, Nk, Di] = "
+                                  f"[{b}, {hkv} or 1, {nk}, {di}]; {INDEX_LAYOUT}")
+    if tuple(w.shape) != (b, heads, nq):
+        raise KernelgenValueError(f"index: w.shape = {tuple(w.shape)}, expected [B, Hkv*Hi, Nq] = {(b, heads, nq)}; "
+                                  f"{INDEX_LAYOUT}")
+    return q_idx, k_idx, w
+
+
+def _check_index_fp8(device) -> None:
+    """float8_e4m3fn index vectors run on Hopper (sm_90) only: its tensor cores take e4m3 operands with fp32
+    accumulation; elsewhere (older GPUs, Triton's interpreter) they are refused, never computed in garbage."""
+    from .device import device_arch
+
+    if device.type != "cuda" or interpreting():
+        raise KernelgenTypeError("index: float8_e4m3fn index vectors run on sm_90 (Hopper) GPUs only, not in the "
+                                 "Triton CPU interpreter; pass float16 or float32 there")
+    arch = device_arch(device)
+    if arch != "sm_90":
+        raise KernelgenTypeError(f"index: float8_e4m3fn index vectors run on sm_90 (Hopper) GPUs only; this GPU is "
+                                 f"{arch}: pass float16 or bfloat16")
 
 
 def softmax_scale(scale, spec: Spec) -> float:

@@ -15,6 +15,8 @@ __all__ = [
     "pool",
     "tile_eligibility",
     "block_scores",
+    "index_token_scores",
+    "index_block_scores",
     "select_blocks",
     "normalize_block_idx",
     "token_mask",
@@ -61,11 +63,16 @@ def tile_eligibility(spec: Spec, nq: int, nk: int, device=None) -> tuple[torch.T
     return eligible, forced
 
 
-def block_scores(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
+def block_scores(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> torch.Tensor:
     """Selector scores, float64 `[B, Hkv, n_q_tiles, n_kv_blocks]`: max over the G query heads of the
     group and over the valid r*r group-mean products (r = 1 for "mean"). Per-query lists
     (`[B, Hkv, Nq, n_kv_blocks]`): the mean of the query over the G heads, dotted with each of the block's
-    r group means, max over the valid groups."""
+    r group means, max over the valid groups. For the "index" selector, `index_block_scores` of
+    `index` = (q_idx, k_idx, w)."""
+    if spec.selector == "index":
+        if index is None:
+            raise KernelgenValueError("block_scores: spec.selector='index' needs index=(q_idx, k_idx, w)")
+        return index_block_scores(*index, spec, heads_kv=k.shape[1])
     r = spec.groups
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
@@ -83,13 +90,56 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
     return dots.amax(dim=(2, 4, 6))
 
 
-def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
+def index_token_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, heads_kv: int,
+                       rows: range | None = None) -> torch.Tensor:
+    """Token scores of the index selector, float64 `[B, Hkv, len(rows), Nk]`: for KV head h, query i and key
+    j, `sum_a w[a, i] * relu(q_idx[a, i] . k_idx[j])` over the Hi index heads a of h (q_idx heads
+    h*Hi .. h*Hi + Hi - 1; k_idx has Hkv heads or one shared). No causal mask: `index_block_scores` applies it."""
+    rows = range(q_idx.shape[2]) if rows is None else rows
+    b, n_index_heads, _, di = q_idx.shape
+    hi = n_index_heads // heads_kv
+    qd = q_idx[:, :, rows.start:rows.stop].double().view(b, heads_kv, hi, len(rows), di)
+    kd = k_idx.double()[:, :, None]  # [B, Hkv or 1, 1, Nk, Di]
+    wd = w[:, :, rows.start:rows.stop].double().view(b, heads_kv, hi, len(rows), 1)
+    return (torch.relu(qd @ kd.transpose(-1, -2)) * wd).sum(2)
+
+
+def index_block_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor, spec: Spec,
+                       heads_kv: int) -> torch.Tensor:
+    """Index selector scores, float64 `[B, Hkv, n_q_tiles, n_kv_blocks]`: the max of the token scores
+    (`index_token_scores`) over the tile's queries and the block's keys that the query sees (causal,
+    bottom-right aligned); -inf for a block with no visible key. Whole tiles at a time, about 2**25 token
+    scores per step, so that long sequences fit in memory."""
+    b, n_index_heads, nq, _ = q_idx.shape
+    nk = k_idx.shape[2]
+    n_blocks = spec.n_kv_blocks(nk)
+    pad = n_blocks * spec.kv_block - nk
+    per_row = max(1, b * n_index_heads * nk)
+    chunk = max(spec.q_tile, (1 << 25) // per_row // spec.q_tile * spec.q_tile)
+    key = torch.arange(nk, device=q_idx.device)
+    tiles = []
+    for start in range(0, nq, chunk):
+        rows = range(start, min(start + chunk, nq))
+        s = index_token_scores(q_idx, k_idx, w, heads_kv, rows)  # [B, Hkv, rows, Nk]
+        if spec.causal:
+            query = torch.arange(rows.start, rows.stop, device=q_idx.device)
+            s = s.masked_fill(key[None, :] > query[:, None] + (nk - nq), -torch.inf)
+        s = torch.nn.functional.pad(s, (0, pad), value=-torch.inf).view(b, heads_kv, len(rows), n_blocks, spec.kv_block)
+        s = s.amax(-1)  # [B, Hkv, rows, J]
+        n_tiles = spec.n_q_tiles(len(rows))
+        s = torch.nn.functional.pad(s, (0, 0, 0, n_tiles * spec.q_tile - len(rows)), value=-torch.inf)
+        tiles.append(s.view(b, heads_kv, n_tiles, spec.q_tile, n_blocks).amax(3))
+    return torch.cat(tiles, 2)
+
+
+def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> torch.Tensor:
     """The block lists the selector chooses: int32 `[B, Hkv, n_q_tiles, top_k]`, valid ids ascending,
-    then -1. Forced blocks first, then the highest scores; ties go to the lower block id."""
+    then -1. Forced blocks first, then the highest scores; ties go to the lower block id. `index`:
+    (q_idx, k_idx, w) of the "index" selector."""
     if not spec.selects:
         raise KernelgenValueError("select_blocks: spec.selector='given' chooses no blocks; the caller passes block_idx")
     nq, nk = q.shape[2], k.shape[2]
-    scores = block_scores(q, k, spec)
+    scores = block_scores(q, k, spec, index)
     eligible, forced = tile_eligibility(spec, nq, nk, device=q.device)
     key = torch.where(forced, torch.inf, scores).masked_fill(~eligible, -torch.inf)
     # stable descending sort keeps the lower block id first among equal scores
@@ -157,11 +207,12 @@ def sparse_attention(
     spec: Spec,
     block_idx: torch.Tensor | None = None,
     scale: float | None = None,
+    index=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Select (unless block_idx is given) and attend. Returns (o, lse, block_idx), float64.
-    Queries are processed in chunks so that long sequences fit in memory."""
+    """Select (unless block_idx is given; `index` = (q_idx, k_idx, w) for the "index" selector) and attend.
+    Returns (o, lse, block_idx), float64. Queries are processed in chunks so that long sequences fit in memory."""
     if block_idx is None:
-        block_idx = select_blocks(q, k, spec)
+        block_idx = select_blocks(q, k, spec, index)
     nq, nk = q.shape[2], k.shape[2]
     outs, lses = [], []
     for rows in _query_chunks(q, nk, spec):

@@ -8,6 +8,7 @@ plus one `RoleImpl` per backend that runs it.
 Launch signatures, after (kernel, spec, config, shapes):
   lists     (block_idx, validate)        caller-given lists -> int32 lists in the kernels' form
   select    (q, k)                       lists chosen by spec.selector: int32 [B, Hkv, n_q_tiles, top_k]
+  select_index (q_idx, k_idx, w)         the same, chosen by the index selector from checked index tensors
   attn      (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form
   bwd_delta (o, do)                      delta = rowsum(do * o), float32 [B, Hq, Nq]
   bwd_dq    (q, k, v, do, lse, delta, block_idx, scale)   dq over lists in the kernels' form
@@ -33,14 +34,15 @@ from .reverse_index import build_reverse_index
 from .spec import Spec
 from .workloads import useful_flops
 
-__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "forward_roles", "register_role", "get_role", "Workload", "WorkloadShape", "valid_top_k",
-           "REL_L2_TOL", "GRAD_REL_L2_TOL"]
+__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "forward_roles", "register_role", "get_role", "Workload", "WorkloadShape",
+           "valid_top_k", "index_inputs", "INDEX_HEADS", "INDEX_DIM", "REL_L2_TOL", "GRAD_REL_L2_TOL"]
 
 # what a tuned config must reproduce: rel. L2 error of o against the float64 reference
 REL_L2_TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 # ... and of dq, dk, dv: P and dS are rounded to the inputs' dtype before their products
 GRAD_REL_L2_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 1e-4}
 SELECT_SCORE_TOL = 1e-3  # relative slack at near-ties between chosen and unchosen blocks
+INDEX_HEADS, INDEX_DIM = 4, 64  # the synthetic index inputs the index selector is tuned on (Hi, Di)
 
 
 class WorkloadShape(NamedTuple):
@@ -98,8 +100,8 @@ def _inputs(spec: Spec, shape: WorkloadShape, device, dtype, seed: int = 0):
 
 
 def _lists(q, k, spec: Spec) -> torch.Tensor:
-    """The reference selector's lists (a `given` spec is timed on the `mean` selector's)."""
-    chooser = spec if spec.selects else spec.replace(selector="mean")
+    """The reference selector's lists (`given` and `index` specs are timed on the `mean` selector's)."""
+    chooser = spec if spec.selection_role == "select" else spec.replace(selector="mean")
     return reference.select_blocks(q, k, chooser).to(torch.int32)
 
 
@@ -165,14 +167,15 @@ def bwd_dkdv_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bo
     return Workload((q, k, v, do, lse, delta, reverse, None), judge if check else (lambda out: None), flops)
 
 
-def valid_top_k(lists: torch.Tensor, q, k, spec: Spec) -> bool:
+def valid_top_k(lists: torch.Tensor, q, k, spec: Spec, index=None) -> bool:
     """Forced blocks present, eligible blocks only, as many as the budget allows, and no unchosen block
-    scoring clearly higher than a chosen one (float64 reference scores): fp32 near-ties may differ."""
+    scoring clearly higher than a chosen one (float64 reference scores; `index` = (q_idx, k_idx, w) for the
+    index selector): fp32 near-ties may differ."""
     nq, nk = q.shape[2], k.shape[2]
     n_blocks = spec.n_kv_blocks(nk)
     if lists.dtype != torch.int32 or not torch.equal(lists, reference.normalize_block_idx(lists, n_blocks)):
         return False
-    scores = reference.block_scores(q, k, spec)
+    scores = reference.block_scores(q, k, spec, index)
     eligible, forced = reference.tile_eligibility(spec, nq, nk, device=q.device)
     idx = lists.long()
     chosen = torch.zeros(*scores.shape[:-1], n_blocks + 1, dtype=torch.bool, device=q.device)
@@ -196,6 +199,30 @@ def select_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool
         return "the block lists are not a valid top-k under the float64 scores"
 
     return Workload((q, k), judge if check else (lambda out: None))
+
+
+def index_inputs(spec: Spec, shape: WorkloadShape, device, dtype, index_heads: int = INDEX_HEADS,
+                 index_dim: int = INDEX_DIM, shared_key: bool = False, seed: int = 0):
+    """Synthetic (q_idx, k_idx, w) of the index selector: randn index vectors in `dtype`, float32 weights
+    of either sign scaled by 1/sqrt(Hi) (as an indexer's learned weights are, roughly)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    heads = shape.heads_kv * index_heads
+    q_idx = torch.randn(shape.batch, heads, shape.n_q, index_dim, generator=gen)
+    k_idx = torch.randn(shape.batch, 1 if shared_key else shape.heads_kv, shape.n_k, index_dim, generator=gen)
+    w = torch.randn(shape.batch, heads, shape.n_q, generator=gen) / index_heads ** 0.5
+    return q_idx.to(device=device, dtype=dtype), k_idx.to(device=device, dtype=dtype), w.to(device)
+
+
+def select_index_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    index = index_inputs(spec, shape, device, dtype)
+    q_idx, k_idx, _ = index  # the lengths and KV heads valid_top_k reads (k_idx has one head per KV head)
+
+    def judge(lists) -> str | None:
+        if valid_top_k(lists, q_idx, k_idx, spec, index):
+            return None
+        return "the block lists are not a valid top-k under the float64 index scores"
+
+    return Workload(index, judge if check else (lambda out: None))
 
 
 # ---- the registry --------------------------------------------------------------------------------
@@ -223,6 +250,10 @@ def get_role(name: str) -> Role:
 register_role(Role("lists", "caller-given block lists to the kernels' form (ids ascending, then -1; out-of-range "
                    "and repeated ids empty)", canonical=_KERNEL_READS_LISTS))
 register_role(Role("select", "block lists chosen by the spec's selector", workload=select_workload))
+# the index selector reads index tensors, not q and k: head_dim is no field of its kernels
+register_role(Role("select_index", "block lists chosen by the index selector (token scores from index vectors, a "
+                   "block's score the max over its visible tokens)", canonical={"head_dim": 64},
+                   workload=select_index_workload))
 register_role(Role("attn", "attention over block lists: o and lse", canonical=_KERNEL_READS_LISTS,
                    workload=attention_workload))
 # The backward of the Q-centric schedule, for the lists the forward used (selection is not differentiated).
@@ -249,6 +280,7 @@ register_role(Role("kv_attn", "attention over per-query lists: partials per (KV 
                    "per query and head through lse", canonical=_KERNEL_READS_LISTS, workload=kv_attn_workload))
 
 
-def forward_roles(spec: Spec) -> tuple[str, str, str]:
-    """(lists, select, attn): the roles of a forward of `spec`'s schedule."""
-    return ("lists", "kv_select", "kv_attn") if spec.per_query else ("lists", "select", "attn")
+def forward_roles(spec: Spec) -> tuple[str, str | None, str]:
+    """(lists, the selection role or None for given lists, attn): the roles of a forward of `spec`'s
+    schedule and selector."""
+    return ("lists", spec.selection_role, "kv_attn" if spec.per_query else "attn")

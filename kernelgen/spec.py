@@ -16,7 +16,7 @@ __all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES"]
 
 HEAD_DIMS = (64, 128, 256)
 TILE_SIZES = (16, 32, 64, 128, 256)
-SELECTORS = ("mean", "multi:r", "given")  # multi:r with r a power of two, e.g. "multi:4"
+SELECTORS = ("mean", "multi:r", "index", "given")  # multi:r with r a power of two, e.g. "multi:4"
 SCHEDULES = ("q_centric", "kv_centric")  # kv_centric: per-query lists, forward only (docs/SEMANTICS.md)
 DEFAULT_Q_TILE = 64
 
@@ -37,7 +37,8 @@ class Spec:
     causal     bottom-right aligned causal mask (FlashAttention >= 2.1).
     gqa_group  G = Hq / Hkv; the G query heads of a KV head share its block list.
     selector   "mean" (mean-pooled tile and block), "multi:r" (r group means each, max of r*r
-               products), or "given" (the caller passes block_idx).
+               products), "index" (token scores from caller-given index vectors, as DeepSeek's lightning
+               indexer: the call passes index=(q_idx, k_idx, w)), or "given" (the caller passes block_idx).
     schedule   "q_centric" (a list per Q tile; programs own Q tiles) or "kv_centric" (a list per query;
                programs own (KV block, query chunk) tasks, partial outputs merged through lse).
     local      blocks ending at the diagonal block that every list holds (with causal, at least 1).
@@ -90,6 +91,9 @@ class Spec:
             raise KernelgenValueError(
                 f"Spec.q_tile={self.q_tile} with schedule='kv_centric': its lists are per query (block_idx "
                 f"[B, Hkv, Nq, top_k]) and no Q tile is used; leave q_tile at its default ({DEFAULT_Q_TILE})")
+        if self.per_query and self.selector == "index":
+            raise KernelgenValueError("Spec.selector='index' with schedule='kv_centric' is not built yet: the index "
+                                      "selector chooses Q-centric lists (schedule='q_centric')")
         r = self._parse_selector()
         if r > 1 and self.per_query and self.kv_block % r:
             raise KernelgenValueError(f"Spec.selector={self.selector!r}: r={r} must divide kv_block={self.kv_block}")
@@ -105,7 +109,7 @@ class Spec:
 
     def _parse_selector(self) -> int:
         sel = self.selector
-        if sel in ("mean", "given"):
+        if sel in ("mean", "index", "given"):
             return 1
         if isinstance(sel, str) and sel.startswith("multi:"):
             try:
@@ -115,7 +119,8 @@ class Spec:
             if r >= 2 and _is_pow2(r):
                 return r
             raise KernelgenValueError(f"Spec.selector={sel!r}: r must be a power of two >= 2, e.g. 'multi:4'")
-        raise KernelgenValueError(f"Spec.selector={sel!r} is unknown; expected 'mean', 'multi:r' (e.g. 'multi:4') or 'given'")
+        raise KernelgenValueError(f"Spec.selector={sel!r} is unknown; expected 'mean', 'multi:r' (e.g. 'multi:4'), "
+                                 "'index' or 'given'")
 
     # ---- derived ---------------------------------------------------------------------------------
     @property
@@ -146,6 +151,16 @@ class Spec:
     @property
     def selects(self) -> bool:
         return self.selector != "given"
+
+    @property
+    def selection_role(self) -> str | None:
+        """The kernel role that chooses this spec's lists: "kv_select" for per-query lists, "select_index"
+        for the index selector, "select" for the pooled ones (mean, multi:r), None for given lists."""
+        if not self.selects:
+            return None
+        if self.per_query:
+            return "kv_select"
+        return "select_index" if self.selector == "index" else "select"
 
     def packs_rows(self, block_m: int) -> bool:
         """Whether programs of `block_m` packed rows (the G heads x q_tile queries of a tile, head-major)

@@ -65,15 +65,16 @@ def assert_close_to_reference(o, lse, ref_o, ref_lse, dtype):
     return rel, max_abs
 
 
-def assert_valid_selection(block_idx, q, k, spec, tol=1e-3):
+def assert_valid_selection(block_idx, q, k, spec, tol=1e-3, index=None):
     """`block_idx` is a correct top-k: canonical form, eligible blocks only, every forced block, as many
     blocks as the budget allows, and no unchosen eligible block scores clearly higher than a chosen one
-    (float64 reference scores; `tol` absorbs the kernel's fp32/tf32 rounding at near-ties)."""
+    (float64 reference scores, of `index` = (q_idx, k_idx, w) for the index selector; `tol` absorbs the
+    kernel's fp32/tf32 rounding at near-ties)."""
     nq, nk = q.shape[2], k.shape[2]
     n_blocks = spec.n_kv_blocks(nk)
     assert block_idx.dtype == torch.int32
     assert torch.equal(block_idx, reference.normalize_block_idx(block_idx, n_blocks)), "not ascending ids then -1"
-    scores = reference.block_scores(q, k, spec)
+    scores = reference.block_scores(q, k, spec, index)
     eligible, forced = reference.tile_eligibility(spec, nq, nk, device=q.device)
     chosen = torch.zeros(*scores.shape[:-1], n_blocks + 1, dtype=torch.bool, device=q.device)
     idx = block_idx.long()

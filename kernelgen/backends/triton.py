@@ -22,9 +22,9 @@ from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
 
-__all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "BwdDqConfig", "BwdDkdvConfig", "KvSelectConfig",
-           "KvAttnConfig", "attn_smem_bytes",
-           "bwd_dq_smem_bytes", "bwd_dkdv_smem_bytes", "pack_infeasible", "rendered_module"]
+__all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
+           "KvSelectConfig", "KvAttnConfig", "attn_smem_bytes", "bwd_dq_smem_bytes", "bwd_dkdv_smem_bytes",
+           "pack_infeasible", "rendered_module"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,18 @@ class KvAttnConfig(_JsonConfig):
     num_warps: int = 4
     partials_fp32: bool = True
     combine_rows: int = 32
+
+
+@dataclass(frozen=True)
+class IndexSelectConfig(_JsonConfig):
+    """The index selector's scoring and top-k, one Q tile per program. rows: packed (index head, query) rows
+    per tl.dot (as many index heads as fit, the tile's queries in steps of the rest); chunk: KV blocks
+    scored per step (chunk * kv_block keys)."""
+
+    rows: int = 64
+    chunk: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
 
 
 # ---- attention: feasibility, defaults, space -------------------------------------------------------
@@ -279,6 +291,48 @@ def kv_attn_default(spec: Spec, arch: str) -> KvAttnConfig:
 def kv_attn_space(spec: Spec, arch: str):
     return (KvAttnConfig(block_m=m, num_warps=w, partials_fp32=f, combine_rows=r)
             for m, w, f, r in itertools.product(TILE_ROWS, (4, 8), (True, False), (32, 64)))
+
+
+# ---- the index selector: feasibility, defaults, space ---------------------------------------------------
+
+INDEX_REGS_LIMIT = 128  # fp32 words per thread of the step's score tiles (the product and the head sum)
+INDEX_SMEM_DIM = 128  # the largest index dim: its size is a call's, not the spec's, so budgets assume it
+
+
+def index_select_infeasible(spec: Spec, cfg: IndexSelectConfig, arch: str) -> str | None:
+    """Why the index selector cannot run `cfg` for `spec` on `arch`, or None: rows is a power of two from 16
+    (tl.dot's smallest M) to 256, chunk a power of two, the step's score tiles fit in registers, and
+    num_stages key steps and the packed query rows in shared memory (16-bit index vectors of dim 128)."""
+    if cfg.rows not in (16, 32, 64, 128, 256):
+        return f"rows={cfg.rows}; expected a power of two from 16 to 256"
+    if cfg.chunk < 1 or cfg.chunk & (cfg.chunk - 1):
+        return f"chunk={cfg.chunk} blocks; expected a power of two >= 1"
+    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
+        return f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}; expected a power of two <= 16 and >= 1 stage"
+    keys = cfg.chunk * spec.kv_block
+    regs = 2 * cfg.rows * keys // (32 * cfg.num_warps)
+    if regs > INDEX_REGS_LIMIT:
+        return (f"2 * rows * chunk * kv_block / (32 * num_warps) = {regs} fp32 registers per thread for the step's "
+                f"scores; at most {INDEX_REGS_LIMIT}: fewer rows or blocks per step, or more warps")
+    smem = (cfg.num_stages * keys + cfg.rows) * INDEX_SMEM_DIM * 2
+    if smem > arch_facts(arch).smem_per_block:
+        return f"{smem} B of shared memory (num_stages key steps and the rows); at most {arch_facts(arch).smem_per_block}"
+    return None
+
+
+def index_select_default(spec: Spec, arch: str) -> IndexSelectConfig:
+    # about 128 keys per step against 64 packed rows; more warps before fewer rows at long KV blocks
+    chunk = max(1, 128 // spec.kv_block)
+    for rows, warps in ((64, 4), (64, 8), (32, 8), (16, 8)):
+        cfg = IndexSelectConfig(rows=rows, chunk=chunk, num_warps=warps, num_stages=1)
+        if index_select_infeasible(spec, cfg, arch) is None:
+            return cfg
+    raise KernelgenValueError(f"no IndexSelectConfig fits {spec} on {arch}: {index_select_infeasible(spec, cfg, arch)}")
+
+
+def index_select_space(spec: Spec, arch: str):
+    return (IndexSelectConfig(rows=r, chunk=c, num_warps=w, num_stages=n)
+            for r, c, w, n in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (4, 8), (1, 2, 3)))
 
 
 # ---- backward: feasibility, defaults, spaces --------------------------------------------------------
@@ -473,6 +527,29 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
     return o, lse
 
 
+def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
+                        k_idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) chosen by the index selector from
+    checked index tensors (`inputs.check_index`): q_idx [B, Hkv*Hi, Nq, Di], k_idx [B, Hkv or 1, Nk, Di],
+    w [B, Hkv*Hi, Nq]."""
+    index_heads = q_idx.shape[1] // shapes.heads_kv
+    heads_step = min(next_pow2(index_heads), cfg.rows)  # as many heads per product as the rows hold
+    q_rows = min(cfg.rows // heads_step, spec.q_tile)
+    top_k_pad = next_pow2(spec.top_k)
+    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q_idx.device,
+                      dtype=torch.int32)
+    stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
+    mod.select_index_topk[(shapes.n_q_tiles, shapes.batch * shapes.heads_kv)](
+        q_idx, k_idx, w, block_idx, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
+        index_heads, *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2],
+        *block_idx.stride()[:3],
+        INDEX_DIM=q_idx.shape[3], Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, TOP_K=spec.top_k,
+        TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local, HEADS_STEP=heads_step, Q_ROWS=q_rows,
+        CHUNK=cfg.chunk, WIDTH=max(cfg.chunk, top_k_pad), CAUSAL=spec.causal,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return block_idx
+
+
 def _tma_ok(x: torch.Tensor) -> bool:
     """Tensor descriptors need a 16-byte aligned base and 16-byte aligned strides (but the last, 1)."""
     size = x.element_size()
@@ -573,6 +650,9 @@ class TritonBackend(Backend):
         "lists": RoleImpl(launch=launch_lists, template="triton/lists.py.j2"),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
                            default=select_default, space=select_space, infeasible=select_infeasible),
+        "select_index": RoleImpl(launch=launch_select_index, template="triton/select_index.py.j2",
+                                 config_type=IndexSelectConfig, default=index_select_default,
+                                 space=index_select_space, infeasible=index_select_infeasible),
         "attn": RoleImpl(launch=launch_attn, template="triton/attn.py.j2", config_type=AttnConfig,
                          default=attn_default, space=attn_space, infeasible=attn_infeasible),
         "bwd_delta": RoleImpl(launch=launch_bwd_delta, template="triton/bwd_delta.py.j2"),

@@ -155,7 +155,7 @@ def nearest_spec_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, 
         target = _target(device)
         rows = _winners().servable(_fingerprint(backend.name, role), role=role, backend=backend.name,
                                    arch=target.arch, dtype=_dtype_name(dtype))
-        same = _SAME_FIELDS_SELECT if role == "select" else _SAME_FIELDS
+        same = _SAME_FIELDS_SELECT if role in ("select", "select_index") else _SAME_FIELDS
         this_gpu = target.gpu_name or ""
         candidates = []
         for row in rows:

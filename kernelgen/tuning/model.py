@@ -111,5 +111,5 @@ def model_studies(config: dict, seq: int, trials: int, arch: str, sparse: dict |
                 continue  # nothing of this backend fits the arch
             yield Study(f"{label} attn {name}", given, "attn", seq, space if space <= GRID_MAX else min(space, trials),
                         workload)
-        if spec.selects:
-            yield Study(f"{label} select", spec, "select", seq, trials, workload)
+        if spec.selects:  # the spec's selection role: select, or select_index (synthetic index inputs)
+            yield Study(f"{label} {spec.selection_role}", spec, spec.selection_role, seq, trials, workload)

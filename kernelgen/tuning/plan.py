@@ -85,8 +85,9 @@ def tuned_backend(spec: Spec, role: str) -> tuple[Backend, Spec]:
     if not role_obj.tuned:
         raise KernelgenValueError(f"role={role!r} has no tunables; tuned roles: "
                                   f"{sorted(r for r, o in ROLES.items() if o.tuned)}")
-    if role == "select" and not spec.selects:
-        raise KernelgenValueError("role='select' needs a spec with a selector; spec.selector='given' has none to tune")
+    if role in ("select", "select_index") and role != spec.selection_role:
+        raise KernelgenValueError(f"role={role!r} does not choose the lists of spec.selector={spec.selector!r}; its "
+                                  f"selection role is {spec.selection_role!r}")
     if spec.backend == backends.AUTO:
         if role == "attn":
             raise KernelgenValueError(f"spec.backend='auto' is served, not tuned: tune each of {backends.names()}; "
