@@ -385,20 +385,28 @@ def bench(
     untuned: bool = typer.Option(False, "--untuned", help="On shapes the bundled DB does not hold (or --shapes): "
                                                           "time what is served untuned, tune every backend in a "
                                                           "scratch DB, time it again (GPU only)."),
+    kv_centric: bool = typer.Option(False, "--kv-centric", help="Per-query lists (the KV-centric schedule) against "
+                                                                "FlexAttention, SDPA cuDNN and fla-core's NSA kernels "
+                                                                "(shapes kv_b8, kv_nsa32k, kv_d64_64k; GPU only)."),
 ):
     """kernelgen next to FlexAttention (same BlockMask) and SDPA flash / cuDNN: ms and useful TFLOP/s."""
     from . import bench as benchmark
 
-    if backward or untuned:  # GPU-only benches of their own
+    if backward or untuned or kv_centric:  # GPU-only benches of their own
         import torch
 
         from .bench.backward import run_backward
+        from .bench.kv_centric import run_kv_centric
         from .bench.untuned import run_untuned
+        from .workloads import KV_CENTRIC_SHAPES, SHAPES
 
-        if backward and untuned:
-            _fail("--backward and --untuned are two benches: give one")
-        flag, run = ("--backward", run_backward) if backward else ("--untuned", run_untuned)
-        names = benchmark._names(shapes, "bench shapes")
+        chosen = [(flag, run, known) for flag, on, run, known in (
+            ("--backward", backward, run_backward, SHAPES), ("--untuned", untuned, run_untuned, SHAPES),
+            ("--kv-centric", kv_centric, run_kv_centric, KV_CENTRIC_SHAPES)) if on]
+        if len(chosen) > 1:
+            _fail(f"{' and '.join(flag for flag, _, _ in chosen)} are separate benches: give one")
+        flag, run, known = chosen[0]
+        names = benchmark._names(shapes, "bench shapes", known)
         if not torch.cuda.is_available():
             _fail(f"bench {flag} needs a CUDA GPU: it times kernels")
         _check_out_dir(out)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .spec import Spec
+from .spec import DEFAULT_Q_TILE, Spec
 
-__all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "visible_pairs", "useful_flops", "dense_flops"]
+__all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "KV_CENTRIC_SHAPES", "random_query_lists",
+           "visible_pairs", "useful_flops", "dense_flops"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class BenchShape:
     q_tile: int
     top_k: int
     causal: bool
+    schedule: str = "q_centric"  # "kv_centric": per-query lists (q_tile unused, at Spec's default)
 
     def inputs(self, device="cuda", dtype=torch.bfloat16, seed=0):
         """q, k, v of this shape: randn from one generator seeded `seed` on `device`, in that order."""
@@ -38,7 +40,12 @@ class BenchShape:
 
     def spec(self, selector="mean"):
         return Spec(head_dim=self.head_dim, kv_block=self.kv_block, q_tile=self.q_tile, top_k=self.top_k,
-                    causal=self.causal, gqa_group=self.heads_q // self.heads_kv, selector=selector)
+                    causal=self.causal, gqa_group=self.heads_q // self.heads_kv, selector=selector,
+                    schedule=self.schedule)
+
+    def query_lists(self, device="cuda", seed=0) -> torch.Tensor:
+        """Random per-query lists of this (KV-centric) shape: `random_query_lists` of its given spec."""
+        return random_query_lists(self.spec("given"), self.batch, self.heads_kv, self.n_q, self.n_k, device, seed)
 
 
 SHAPES = {
@@ -64,7 +71,46 @@ SHAPES = {
     ]
 }
 BENCH_SHAPES = ("a32k", "a128k", "b", "c", "c_dense")  # `kernelgen bench`'s default: the tuned benchmark
+
+# `kernelgen bench --kv-centric`: per-query lists (random, causal-visible) against FlexAttention, SDPA and
+# fla-core's NSA kernels. Not in SHAPES: the Q-centric bench cannot run per-query lists.
+KV_CENTRIC_SHAPES = {
+    s.name: s
+    for s in [
+        # 16 of 32 128-key blocks per query, non-causal
+        BenchShape("kv_b8", 8, 16, 1, 4096, 4096, 128, 128, DEFAULT_Q_TILE, 16, False, "kv_centric"),
+        # NSA's selected-attention shape
+        BenchShape("kv_nsa32k", 1, 64, 4, 32768, 32768, 128, 64, DEFAULT_Q_TILE, 16, True, "kv_centric"),
+        BenchShape("kv_d64_64k", 1, 16, 1, 65536, 65536, 64, 64, DEFAULT_Q_TILE, 16, True, "kv_centric"),
+    ]
+}
 UNTUNED_SHAPES = ("dense16k_d128", "dense16k_d64", "c_g8", "c_g1", "a64k_top32", "b_q8k")
+
+
+def random_query_lists(spec: Spec, batch: int, heads_kv: int, n_q: int, n_k: int, device="cuda", seed: int = 0,
+                       chunk: int = 4096) -> torch.Tensor:
+    """Random per-query lists, int32 [B, Hkv, Nq, top_k], canonical (ids ascending, then -1): each query
+    holds top_k distinct blocks drawn uniformly among those it can see (with causal, the blocks up to its
+    diagonal block, which is always held; a query that sees fewer than top_k blocks holds them all).
+    Deterministic for a (seed, device, chunk); drawn `chunk` queries at a time to bound the scores' memory."""
+    n_blocks = spec.n_kv_blocks(n_k)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty(batch, heads_kv, n_q, spec.top_k, dtype=torch.int32, device=device)
+    blocks = torch.arange(n_blocks, device=device)
+    for start in range(0, n_q, chunk):
+        query = torch.arange(start, min(start + chunk, n_q), device=device)
+        scores = torch.rand(batch, heads_kv, len(query), n_blocks, device=device, generator=gen)
+        if spec.causal:
+            last_key = query + (n_k - n_q)  # bottom-right aligned: negative, the query sees no key
+            diagonal = torch.div(last_key, spec.kv_block, rounding_mode="floor")[:, None]
+            scores = torch.where(blocks > diagonal, -1.0, scores)
+            scores = torch.where(blocks == diagonal, 2.0, scores)  # drawn first: the diagonal is always held
+        picked_scores, picked = scores.topk(min(spec.top_k, n_blocks), dim=-1)
+        picked = torch.where(picked_scores >= 0, picked, n_blocks).sort(-1).values  # invisible ones: empty
+        picked = torch.where(picked < n_blocks, picked, -1).to(torch.int32)
+        out[:, :, start:start + len(query)] = torch.nn.functional.pad(picked, (0, spec.top_k - picked.shape[-1]),
+                                                                      value=-1)
+    return out
 
 
 def visible_pairs(block_idx: torch.Tensor, spec: Spec, n_q: int, n_k: int) -> torch.Tensor:

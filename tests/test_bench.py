@@ -10,7 +10,8 @@ import kernelgen
 from kernelgen import bench, reference
 from kernelgen.bench.anchors import flex_block_mask, flex_kernel_options, flex_token_mask
 from kernelgen.errors import KernelgenValueError
-from kernelgen.workloads import SHAPES, BenchShape, dense_flops, useful_flops, visible_pairs
+from kernelgen.workloads import (KV_CENTRIC_SHAPES, SHAPES, BenchShape, dense_flops, random_query_lists, useful_flops,
+                                 visible_pairs)
 
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU behaviour of kernelgen.bench")
 runner = importlib.import_module("kernelgen.bench.measure")
@@ -144,3 +145,68 @@ def test_per_shape_backends_are_precompiled_with_their_served_config(monkeypatch
             [(shape.batch, shape.heads_kv, shape.n_q, shape.n_k)], "float16", "cpu") in jobs
     assert all(backends.get(job[0]).per_shape for job in jobs if job[0] != PerShapePlugin.name)
     assert lines and lines[0].startswith(f"precompiled {len(jobs)} per-shape forwards")
+
+
+def test_bench_kv_centric_needs_a_gpu(tmp_path):
+    """On a CPU `kernelgen bench --kv-centric` is one line on stderr and exit status 2; unknown shapes too."""
+    from typer.testing import CliRunner
+
+    from kernelgen.cli import app
+
+    runner = CliRunner()
+    for args, word in ((["--out", str(tmp_path / "kv")], "CUDA GPU"), (["--shapes", "kv_nope"], "kv_nope"),
+                       (["--backward"], "give one")):
+        result = runner.invoke(app, ["bench", "--kv-centric", *args])
+        assert result.exit_code == 2, (result.exit_code, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kernelgen: error: ") and word in lines[0], result.stderr
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "kv").exists()
+
+
+@pytest.mark.parametrize("causal,n_q,n_k", [(True, 200, 200), (True, 100, 180), (False, 130, 160)])
+def test_random_query_lists(causal, n_q, n_k):
+    """Per-query lists: only visible blocks, the diagonal block held, no repeats, canonical, deterministic."""
+    spec = kernelgen.Spec(head_dim=64, kv_block=16, top_k=4, causal=causal, selector="given", schedule="kv_centric")
+    lists = random_query_lists(spec, 2, 3, n_q, n_k, "cpu", seed=5)
+    assert lists.dtype == torch.int32 and lists.shape == (2, 3, n_q, 4)
+    assert torch.equal(lists, random_query_lists(spec, 2, 3, n_q, n_k, "cpu", seed=5))
+    assert not torch.equal(lists, random_query_lists(spec, 2, 3, n_q, n_k, "cpu", seed=6))
+    n_blocks = spec.n_kv_blocks(n_k)
+    for i in range(n_q):
+        last_key = i + n_k - n_q
+        visible = range(last_key // 16 + 1) if causal else range(n_blocks)
+        for row in lists[:, :, i].reshape(-1, 4).tolist():
+            held = [b for b in row if b >= 0]
+            assert row == held + [-1] * (4 - len(held)) and held == sorted(set(held)), row
+            assert set(held) <= set(visible) and len(held) == min(4, len(visible)), (i, row)
+            if causal and last_key >= 0:
+                assert last_key // 16 in held, (i, row)
+    assert random_query_lists(spec, 1, 1, n_q, n_k, "cpu").shape[-1] == 4
+
+
+@pytest.mark.parametrize("causal,n_q,n_k,q_tile", [(True, 200, 200, 16), (True, 100, 180, 32), (False, 130, 160, 32)])
+def test_flex_membership_block_mask_holds_exactly_the_per_query_lists(causal, n_q, n_k, q_tile):
+    from kernelgen.bench.kv_centric import flex_membership_block_mask
+
+    spec = kernelgen.Spec(head_dim=64, kv_block=16, top_k=4, causal=causal, gqa_group=2, selector="given",
+                          schedule="kv_centric")
+    lists = random_query_lists(spec, 2, 2, n_q, n_k, "cpu", seed=1)
+    block_mask, member = flex_membership_block_mask(lists, spec, n_q, n_k, q_tile)
+    assert member.shape == (2, 2, n_q, spec.n_kv_blocks(n_k)) and member.dtype == torch.bool
+    want = reference.token_mask(lists, spec, n_q, n_k).repeat_interleave(spec.gqa_group, 1)
+    assert torch.equal(flex_token_mask(block_mask), want)
+
+
+def test_kv_centric_shapes_and_fla_limits():
+    from kernelgen.bench.kv_centric import fla_nsa_unsupported
+
+    assert set(KV_CENTRIC_SHAPES).isdisjoint(SHAPES)
+    b8, nsa, d64 = (KV_CENTRIC_SHAPES[n] for n in ("kv_b8", "kv_nsa32k", "kv_d64_64k"))
+    assert (b8.batch, b8.heads_q, b8.heads_kv, b8.head_dim, b8.n_q, b8.spec().n_kv_blocks(b8.n_k), b8.top_k,
+            b8.causal) == (8, 16, 1, 128, 4096, 32, 16, False)
+    assert (nsa.heads_q, nsa.heads_kv, nsa.n_k, nsa.kv_block, nsa.causal) == (64, 4, 32768, 64, True)
+    assert (d64.heads_q, d64.heads_kv, d64.head_dim, d64.n_k, d64.kv_block, d64.causal) == (16, 1, 64, 65536, 64, True)
+    assert all(s.spec().schedule == "kv_centric" for s in (b8, nsa, d64))
+    assert "causal" in fla_nsa_unsupported(b8.spec("given"))
+    assert fla_nsa_unsupported(nsa.spec("given")) is None and fla_nsa_unsupported(d64.spec("given")) is None

@@ -48,16 +48,16 @@ SMOKE_SHAPE = "tiny"  # the one shape the Triton interpreter runs
 NO_GPU_MESSAGE = "No CUDA GPU: running the Triton interpreter at a tiny size (correctness smoke run, no timings)."
 
 
-def _names(value: str | Iterable[str] | None, what: str) -> list[str] | None:
-    """Shape names from "a,b" or a sequence; unknown ones are an error naming them and the known ones."""
+def _names(value: str | Iterable[str] | None, what: str, known=SHAPES) -> list[str] | None:
+    """Shape names from "a,b" or a sequence; names not in `known` are an error naming them and the known ones."""
     if value is None:
         return None
     names = [n.strip() for n in value.split(",")] if isinstance(value, str) else [str(n).strip() for n in value]
     names = [n for n in names if n]
-    unknown = [n for n in names if n not in SHAPES]
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise KernelgenValueError(f"unknown {what} {', '.join(repr(n) for n in unknown)}; known shapes: "
-                                  f"{', '.join(SHAPES)}")
+                                  f"{', '.join(known)}")
     return names
 
 

@@ -80,7 +80,8 @@ def flex_token_mask(block_mask) -> torch.Tensor:
     partial = blocks(block_mask.kv_num_blocks, block_mask.kv_indices)
     full = torch.zeros_like(partial) if block_mask.full_kv_num_blocks is None else blocks(
         block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    kept = create_mask(block_mask.mask_mod, None, None, n_q, n_k, device=partial.device)
+    b, h = block_mask.kv_num_blocks.shape[:2]  # a mask_mod may depend on the batch and head
+    kept = create_mask(block_mask.mask_mod, b, h, n_q, n_k, device=partial.device)
     return full | (partial & kept)
 
 

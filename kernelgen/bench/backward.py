@@ -8,15 +8,12 @@ L2), and two backward runs are compared bit for bit (`deterministic`).
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
 from ..dispatch import get_kernel
 from ..workloads import SHAPES
 from .anchors import flex_block_mask, flex_call, sdpa_dense_anchors
-from .measure import _bench, _rel_diff
+from .measure import _bench, _dump_rows, _rel_diff
 
 __all__ = ["run_backward", "BACKWARD_SHAPES"]
 
@@ -54,10 +51,7 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
         rows.append(dict(shape=name, impl=impl, fwd_bwd_ms=both, bwd_ms=bwd, **extra))
         bwd_text = "" if bwd is None else f"  bwd {bwd:8.3f} ms"
         log(f"{name:8s} {impl:28s} fwd+bwd {both:8.3f} ms{bwd_text} " + " ".join(f"{k}={v}" for k, v in extra.items()))
-        if out_dir:
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, "backward.json"), "w") as f:
-                json.dump(rows, f, indent=1)
+        _dump_rows(rows, out_dir, "backward.json")
 
     for name in names:
         shape = SHAPES[name]

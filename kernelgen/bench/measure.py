@@ -68,6 +68,15 @@ def _config_json(config) -> str:
     return json.dumps(Backend.config_to_dict(config), sort_keys=True)
 
 
+def _dump_rows(rows: list[dict], out_dir, filename: str) -> None:
+    """All rows so far to out_dir/filename (JSON), rewritten after each row: a run stopped by its time
+    limit keeps what it measured. No out_dir: nothing."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, filename), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
 

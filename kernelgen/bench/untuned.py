@@ -13,7 +13,6 @@ The row's `untuned_vs_tuned` is tuned ms / untuned ms: the share of the tuned sp
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -25,7 +24,7 @@ from ..device import device_arch
 from ..dispatch import SparseAttention
 from ..errors import KernelgenRuntimeError
 from ..workloads import SHAPES, UNTUNED_SHAPES, useful_flops
-from .measure import _bench, _config_json
+from .measure import _bench, _config_json, _dump_rows
 
 __all__ = ["run_untuned"]
 
@@ -76,10 +75,7 @@ def run_untuned(shape_names=None, out_dir=None, log=print) -> list[dict]:
         rows.append(dict(shape=name, untuned_ms=untuned_ms, untuned_tflops=flops / untuned_ms / 1e9,
                          untuned=untuned, tuned_ms=tuned_ms, tuned_tflops=flops / tuned_ms / 1e9, tuned=tuned,
                          untuned_vs_tuned=ratio))
-        if out_dir:
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, "untuned.json"), "w") as f:
-                json.dump(rows, f, indent=1)
+        _dump_rows(rows, out_dir, "untuned.json")
         del q, k, v, idx
         torch.cuda.empty_cache()
     db.close()

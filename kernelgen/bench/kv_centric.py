@@ -1,0 +1,206 @@
+"""`kernelgen bench --kv-centric`: per-query lists (the KV-centric schedule) against the kernels that take them.
+
+For each shape of `kernelgen.workloads.KV_CENTRIC_SHAPES`, in one process on one GPU (bf16), over the
+same random per-query lists (`random_query_lists`, seed 0):
+
+- kernelgen's KV-centric forward, the lists prepared once; on `SELECTOR_SHAPES` also the `mean`
+  selector pipeline (selection and attention) and selection alone, so the selection overhead reads off;
+- dense SDPA on cuDNN, forward and forward+backward (every visible pair);
+- FlexAttention (torch.compile'd) over a BlockMask of each Q tile's union of listed blocks, with a
+  mask_mod that looks each (query, block) up in a dense bool membership tensor [B, Hkv, Nq, n_blocks];
+  building that tensor and the BlockMask is timed as its own row;
+- fla-core's NSA selected-attention kernel (`ParallelNSAFunction`, layout [B, T, H, D]), forward and
+  forward+backward, where it applies: it is causal only and needs G = Hq/Hkv a power of two >= 16.
+  fla-core is imported lazily and never a dependency; inputs are transposed to its layout before timing.
+
+kernelgen has no KV-centric backward yet: no kernelgen fwd+bwd row. Every anchor that cannot run is logged
+with its reason and skipped. Outputs are compared with kernelgen's (relative L2, `rel_diff_vs_kernelgen`).
+Rows (shape, impl, ms, tflops = useful TFLOP/s; the dense anchor counts every visible pair) go to
+kv_centric.json.
+
+    kernelgen bench --kv-centric [--shapes kv_nsa32k] [--out DIR]
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import get_kernel
+from ..errors import KernelgenRuntimeError
+from ..spec import Spec
+from ..workloads import KV_CENTRIC_SHAPES, dense_flops, useful_flops
+from .anchors import flex_call, sdpa_dense_anchors
+from .backward import _timed
+from .measure import _bench, _dump_rows, _rel_diff
+
+__all__ = ["run_kv_centric", "flex_membership", "flex_membership_block_mask", "fla_nsa_unsupported",
+           "SELECTOR_SHAPES"]
+
+SELECTOR_SHAPES = ("kv_nsa32k",)  # shapes on which the `mean` pipeline is also timed (NSA's shape)
+
+
+def flex_membership(block_idx: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """bool [B, Hkv, Nq, n_blocks]: whether each query's list holds each block (-1 and out-of-range ids:
+    none)."""
+    idx = block_idx.long()
+    dense = torch.zeros(*idx.shape[:3], n_blocks + 1, dtype=torch.bool, device=idx.device)
+    dense.scatter_(-1, torch.where((idx >= 0) & (idx < n_blocks), idx, n_blocks), True)
+    return dense[..., :n_blocks]
+
+
+def _kv_blocks(dense: torch.Tensor):
+    """(count int32 [..., T], ids int32 [..., T, n_blocks]) of a dense bool [..., T, n_blocks]: the held
+    ids first, ascending (BlockMask's kv_num_blocks / kv_indices)."""
+    count = dense.sum(-1, dtype=torch.int32)
+    ids = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count.contiguous(), ids.contiguous()
+
+
+def flex_membership_block_mask(block_idx: torch.Tensor, spec: Spec, n_q: int, n_k: int, q_tile: int):
+    """FlexAttention BlockMask for per-query lists (`block_idx` int32 [B, Hkv, Nq, top_k]): each Q tile of
+    `q_tile` queries visits the union of its queries' blocks, and a mask_mod keeps a (query, key) pair iff
+    the key's block is in the query's list (and causal allows). A block every query of the tile holds and
+    the tile's first query sees whole needs no mask_mod (full_kv_*). Returns (BlockMask, membership)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n_blocks = spec.n_kv_blocks(n_k)
+    member = flex_membership(block_idx, n_blocks)
+    b, hkv = member.shape[:2]
+    n_tiles = -(-n_q // q_tile)
+    padded = torch.nn.functional.pad(member, (0, 0, 0, n_tiles * q_tile - n_q))  # rows past Nq hold nothing
+    tiles = padded.view(b, hkv, n_tiles, q_tile, n_blocks)
+    union = tiles.any(3)
+    full = tiles.all(3)
+    if n_q % q_tile:  # the last tile's padding rows hold nothing: judge its real rows only
+        full[:, :, -1] = tiles[:, :, -1, :n_q % q_tile].all(2)
+    block_end = (torch.arange(n_blocks, device=member.device) + 1) * spec.kv_block
+    full &= block_end <= n_k
+    if spec.causal:  # the block's last key is visible to the tile's first query
+        first_query = torch.arange(n_tiles, device=member.device)[:, None] * q_tile
+        full &= block_end - 1 <= first_query + (n_k - n_q)
+    g, offset, kv_block = spec.gqa_group, n_k - n_q, spec.kv_block
+
+    def in_list(b, h, q_idx, kv_idx):
+        keep = member[b, h // g, q_idx, kv_idx // kv_block]
+        return keep & (kv_idx <= q_idx + offset) if spec.causal else keep
+
+    kv_num, kv_ids = _kv_blocks(union & ~full)
+    full_num, full_ids = _kv_blocks(full)
+    block_mask = BlockMask.from_kv_blocks(*(x.repeat_interleave(g, 1) for x in (kv_num, kv_ids, full_num, full_ids)),
+                                          BLOCK_SIZE=(q_tile, kv_block), mask_mod=in_list, seq_lengths=(n_q, n_k))
+    return block_mask, member
+
+
+def fla_nsa_unsupported(spec: Spec) -> str | None:
+    """Why fla-core's ParallelNSAFunction cannot compute `spec`'s attention over the same lists, or None.
+    Its kernels mask causally, always (key <= query + Nk - Nq); each program holds the G query heads of a
+    KV head as the rows of a tl.dot (a power of two, >= 16); D <= 256. It does not deduplicate ids (the
+    lists here have no repeats) and skips negative ones (our -1 padding)."""
+    if not spec.causal:
+        return "fla's NSA kernels are causal only; this shape is non-causal"
+    g = spec.gqa_group
+    if g < 16 or g & (g - 1):
+        return f"fla's NSA kernels need G = Hq/Hkv a power of two >= 16, here G = {g}"
+    if spec.head_dim > 256:
+        return f"fla's NSA kernels need D <= 256, here D = {spec.head_dim}"
+    return None
+
+
+def run_kv_centric(shape_names=None, out_dir=None, log=print) -> list[dict]:
+    """Rows: shape, impl, ms, tflops (and rel_diff_vs_kernelgen, fwd_bwd_ms where they apply); with
+    `out_dir`, also kv_centric.json there."""
+    if not torch.cuda.is_available():
+        raise KernelgenRuntimeError("bench --kv-centric needs a CUDA GPU: it times kernels")
+    names = list(shape_names or KV_CENTRIC_SHAPES)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    rows: list[dict] = []
+
+    def record(name, impl, ms, flops, **extra):
+        rows.append(dict(shape=name, impl=impl, ms=ms, tflops=flops / ms / 1e9 if flops else None, **extra))
+        rate = f" {flops / ms / 1e9:7.1f} TFLOP/s" if flops else ""
+        log(f"{name:10s} {impl:36s} {ms:8.3f} ms{rate} " + " ".join(f"{k}={v}" for k, v in extra.items()))
+        _dump_rows(rows, out_dir, "kv_centric.json")
+
+    def attempt(name, impl, body):
+        try:
+            body()
+        except Exception as error:  # report, never hide: the other rows still run
+            log(f"{name}: {impl} failed: {type(error).__name__}: {str(error)[:300]}")
+
+    for name in names:
+        shape = KV_CENTRIC_SHAPES[name]
+        given = shape.spec("given")
+        q, k, v = shape.inputs(device, dtype)
+        lists = shape.query_lists(device)
+        flops = useful_flops(lists, given, shape.n_q, shape.n_k)
+        attn = get_kernel(given)
+        prepared = attn.prepare(lists, shape.n_q, shape.n_k)
+        with torch.no_grad():
+            ours = attn(q, k, v, block_idx=prepared)
+            record(name, "kernelgen kv_centric prepared", _bench(lambda: attn(q, k, v, block_idx=prepared)), flops,
+                   backend=attn.served("attn", shape.n_k, dtype, device).backend.name)
+        log(f"{name}: kernelgen fwd+bwd skipped: the KV-centric schedule has no backward yet")
+        if name in SELECTOR_SHAPES:
+            def pipeline():
+                mean = get_kernel(shape.spec("mean"))
+                with torch.no_grad():
+                    mean_flops = useful_flops(mean.select(q, k), given, shape.n_q, shape.n_k)  # its own lists'
+                    record(name, "kernelgen kv_centric mean (select+attn)", _bench(lambda: mean(q, k, v)), mean_flops)
+                    record(name, "kernelgen kv_centric mean select only", _bench(lambda: mean.select(q, k)), 0.0)
+            attempt(name, "the mean pipeline", pipeline)
+
+        def sdpa():
+            from torch.nn.attention import sdpa_kernel
+
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            anchor = sdpa_dense_anchors(*leaves, given)[0]  # cuDNN
+            with sdpa_kernel(anchor.backend):
+                with torch.no_grad():
+                    fwd = _bench(anchor.fn)
+                both, _ = _timed(anchor.fn, leaves, torch.randn_like(q))
+            record(name, anchor.label, fwd, dense_flops(shape), fwd_bwd_ms=both)
+        attempt(name, "sdpa cudnn (dense)", sdpa)
+
+        def flex():
+            flex_tile = shape.kv_block  # Flex's kernel tile must divide the BlockMask's blocks
+            flex_spec = Spec(head_dim=shape.head_dim, kv_block=shape.kv_block, q_tile=flex_tile,
+                             causal=shape.causal, gqa_group=given.gqa_group)
+
+            def build():
+                return flex_membership_block_mask(lists, given, shape.n_q, shape.n_k, flex_tile)
+
+            block_mask, _ = build()
+            fn = flex_call(q, k, v, block_mask, flex_spec)
+            diff = _rel_diff(fn(), ours)
+            record(name, "flex (tile union + membership mask_mod)", _bench(fn), flops,
+                   rel_diff_vs_kernelgen=f"{diff:.1e}", visited_blocks=int(block_mask.kv_num_blocks.sum()
+                                                                          + block_mask.full_kv_num_blocks.sum()))
+            record(name, "flex membership + BlockMask build", _bench(build), 0.0)
+        attempt(name, "FlexAttention", flex)
+
+        def fla():
+            reason = fla_nsa_unsupported(given)
+            if reason:
+                log(f"{name}: fla NSA skipped: {reason}")
+                return
+            try:
+                from fla.ops.nsa.parallel import ParallelNSAFunction
+            except ImportError as error:
+                log(f"{name}: fla NSA skipped: fla-core is not importable ({error})")
+                return
+            # its layout: q [B, T, Hq, D], k/v [B, T, Hkv, D], lists [B, T, Hkv, S] (transposed before timing)
+            qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+            indices = lists.transpose(1, 2).contiguous()
+            scale = shape.head_dim ** -0.5
+
+            def call():
+                return ParallelNSAFunction.apply(qt, kt, vt, indices, given.top_k, shape.kv_block, scale, None)
+
+            with torch.no_grad():
+                diff = _rel_diff(call().transpose(1, 2), ours)
+                fwd = _bench(call)
+            both, _ = _timed(call, [qt, kt, vt], torch.randn_like(qt))
+            record(name, "fla ParallelNSAFunction", fwd, flops, fwd_bwd_ms=both, rel_diff_vs_kernelgen=f"{diff:.1e}")
+        attempt(name, "fla NSA", fla)
+        del q, k, v, lists, prepared, ours
+        torch.cuda.empty_cache()
+    return rows
