@@ -2,18 +2,21 @@
 `python tests/offline_compile.py sm_89`).
 
 Triton is given a stand-in driver that names the target (the arch, warp size 32) and never launches:
-every `kernel[grid](...)` that the backends' launchers (`RoleImpl.launch`: kernelgen.backends.triton's
-launch_select, launch_lists, launch_attn) make compiles (ptxas included: a kernel without a cubin is an
-error) through the real launch path, with the argument types the launchers really pass, and returns.
-Each role's kernel is built and launched as dispatch does it (`SparseAttention._run`): by the backend
-that runs the role for the spec (`backends.runner`), for the role's kernel spec, with a config that
-dispatch would serve on the arch (`Backend.check_config`). Gluon kernels go the
-same way (kernelgen.backends.gluon.launch_attn builds its TMA descriptors from the CPU tensors; they
-only need aligned data pointers). Reads a JSON list of cases on stdin; prints one JSON object per case:
-{"case": i, "kernels": [[name, shared_bytes], ...]} or {"case": i, "error": "..."}.
-A case: {"spec": Spec fields, "attn": the attention config's fields (AttnConfig, or GluonAttnConfig for a
-spec of backend "gluon"), "select": SelectConfig fields, "n": seq length}, and optionally "bwd_dq" and
-"bwd_dkdv": those roles' config fields, to compile the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv) too.
+every `kernel[grid](...)` that the backends' launchers (`RoleImpl.launch`) make compiles (ptxas included: a
+kernel without a cubin is an error) through the real launch path, with the argument types the launchers
+really pass, and returns. Each case runs the roles of a forward of its spec (`roles.forward_roles`: the
+selection role, else the given lists' `lists`, then `attn` or `kv_attn`), then the backward's
+(`roles.BACKWARD_ROLES`) where asked, each launched with the arguments its launch signature takes
+(`_launch_args`) and built as dispatch does it (`SparseAttention._run`): by the backend that runs the role for
+the spec (`backends.runner`), for the role's kernel spec, with a config that dispatch would serve on the arch
+(`Backend.check_config`). Gluon kernels go the same way (kernelgen.backends.gluon.launch_attn builds its TMA
+descriptors from the CPU tensors; they only need aligned data pointers). Reads a JSON list of cases on stdin;
+prints one JSON object per case: {"case": i, "kernels": [[name, shared_bytes], ...]} or {"case": i, "error": "..."}.
+A case: {"spec": Spec fields, "n": seq length} and, per role, that role's config fields under its name (e.g.
+"attn": AttnConfig's, or GluonAttnConfig's for a spec of backend "gluon"; "select", "kv_attn", "bwd_dq"): pinned
+(dispatch checks them), and compiled where the spec runs the role; a role without one gets the arch's default.
+"backward": true, or a backward role's config, compiles the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv)
+too; "index": {"heads": Hi, "dim": Di, "dtype": "float16" or "bfloat16"} gives the index selector its tensors.
 """
 import json
 import os
@@ -59,20 +62,46 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     return kernel
 
 
+def _launch_args(role: str, t: dict, shapes) -> tuple:
+    """The arguments of `role`'s launch after (kernel, spec, config, shapes) (kernelgen.roles' launch
+    signatures), from the case's tensors `t` and what the roles before it returned."""
+    from kernelgen.reverse_index import build_reverse_index
+
+    q, k, v = t["q"], t["k"], t["v"]
+    return {"lists": lambda: (t["given"],),
+            "select": lambda: (q, k),
+            "kv_select": lambda: (q, k),
+            "select_index": lambda: t["index"],
+            "attn": lambda: (q, k, v, t["lists"], None),
+            "kv_attn": lambda: (q, k, v, t["lists"], None, None),  # its reverse index: built by the launcher
+            "bwd_delta": lambda: (t["o"], t["o"]),
+            "bwd_dq": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None),
+            "bwd_dkdv": lambda: (q, k, v, t["o"], t["lse"], t["delta"],
+                                 build_reverse_index(t["lists"], shapes.n_kv_blocks), None)}[role]()
+
+
+# what each role's launch returns, by name, for the roles after it
+_RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
+            "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "bwd_delta": ("delta",), "bwd_dq": ("dq",),
+            "bwd_dkdv": ("dk", "dv")}
+
+
 def main(arch: str) -> None:
     from kernelgen import Spec, backends, get_kernel
     from kernelgen.archs import check_arch
-    from kernelgen.inputs import Shapes, check_block_idx
-    from kernelgen.roles import get_role
+    from kernelgen.inputs import Shapes, check_block_idx, check_index
+    from kernelgen.roles import BACKWARD_ROLES, ROLES, WorkloadShape, forward_roles, get_role, index_inputs
 
     driver.set_active(OfflineDriver(int(check_arch(arch).removeprefix("sm_"))))
     JITFunction.run = _compile_only
 
     def run(spec, role, config, shapes, *args):
         """Build and launch `role` as dispatch does on `arch`: the backend that runs it, its kernel spec, a
-        config feasible there."""
+        config feasible there (None: the arch's default)."""
         backend = backends.runner(spec.backend, role)
         kernel_spec = get_role(role).kernel_spec(spec, backend.name)
+        if config is None and backend.role(role).config_type is not None:
+            config = backend.default_config(kernel_spec, role, arch)
         backend.check_config(kernel_spec, role, config, arch)
         kernel = backend.build(kernel_spec, role, config)
         return backend.role(role).launch(kernel, kernel_spec, config, shapes, *args)
@@ -82,33 +111,33 @@ def main(arch: str) -> None:
         try:
             spec = Spec(**case["spec"])
             n, g = case["n"], spec.gqa_group
-            q = torch.randn(1, 2 * g, n, spec.head_dim, dtype=torch.bfloat16)
-            k, v = torch.randn(1, 2, n, spec.head_dim, dtype=torch.bfloat16), torch.randn(1, 2, n, spec.head_dim,
-                                                                                           dtype=torch.bfloat16)
-            configs = {"attn": backends.runner(spec.backend, "attn").config_from_dict("attn", case["attn"]),
-                       "select": backends.runner(spec.backend, "select").config_from_dict("select", case["select"])}
+            # the roles a forward of the spec runs (`roles.forward_roles`: its selection, else the given
+            # lists' normalisation, then attention), and the backward's where the case pins or asks for it
+            lists_role, selection, attn_role = forward_roles(spec)
+            roles = [selection or lists_role, attn_role]
+            if case.get("backward") or any(role in case for role in BACKWARD_ROLES):
+                roles += BACKWARD_ROLES
+            configs = {role: backends.runner(spec.backend, role).config_from_dict(role, case[role])
+                       for role in ROLES if role in case}
             get_kernel(spec, configs=configs)  # the spec and the pinned configs pass dispatch's checks
             shapes = Shapes(1, 2 * g, 2, n, n, spec.n_q_tiles(n), spec.n_kv_blocks(n))
-            if spec.selects:
-                idx = run(spec, "select", configs["select"], shapes, q, k)
-            else:
-                idx = torch.zeros(1, 2, shapes.n_q_tiles, spec.top_k, dtype=torch.int32)
-                idx = check_block_idx(idx, spec, shapes, q.device)
-                lists = backends.runner(spec.backend, "lists")
-                idx = run(spec, "lists", lists.default_config(get_role("lists").kernel_spec(spec, lists.name), "lists",
-                                                              arch), shapes, idx)
-            o, lse = run(spec, "attn", configs["attn"], shapes, q, k, v, idx, None)
-            if "bwd_dq" in case:
-                from kernelgen.reverse_index import build_reverse_index
-
-                bwd = {role: backends.runner(spec.backend, role).config_from_dict(role, case[role])
-                       for role in ("bwd_dq", "bwd_dkdv")}
-                get_kernel(spec, configs=bwd)
-                idx = idx.clamp(-1, shapes.n_kv_blocks - 1)  # never launched: whatever ids, only compiles
-                delta = run(spec, "bwd_delta", None, shapes, o, o)
-                run(spec, "bwd_dq", bwd["bwd_dq"], shapes, q, k, v, o, lse, delta, idx, None)
-                run(spec, "bwd_dkdv", bwd["bwd_dkdv"], shapes, q, k, v, o, lse, delta,
-                    build_reverse_index(idx, shapes.n_kv_blocks), None)
+            t = {"q": torch.randn(1, 2 * g, n, spec.head_dim, dtype=torch.bfloat16)}
+            t["k"], t["v"] = (torch.randn(1, 2, n, spec.head_dim, dtype=torch.bfloat16) for _ in range(2))
+            if selection is None:
+                given = torch.zeros(1, 2, shapes.n_q_tiles, spec.top_k, dtype=torch.int32)
+                t["given"] = check_block_idx(given, spec, shapes, torch.device("cpu"))
+            if "index" in case:  # {"heads": Hi, "dim": Di, "dtype": torch dtype's name}
+                dtype = getattr(torch, case["index"]["dtype"])
+                t["index"] = index_inputs(spec, WorkloadShape(1, 2, n, n), "cpu", dtype, case["index"]["heads"],
+                                          case["index"]["dim"])
+                # dispatch's checks (the CPU refuses bfloat16 index tensors: those of the interpreter's calls)
+                check_index(tuple(x.half() if x.dtype == torch.bfloat16 else x for x in t["index"]), spec, shapes,
+                            torch.device("cpu"))
+            for role in roles:
+                out = run(spec, role, configs.get(role), shapes, *_launch_args(role, t, shapes))
+                t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))
+                if role in (lists_role, selection):  # never launched: whatever ids, only compiles
+                    t["lists"] = t["lists"].clamp(-1, shapes.n_kv_blocks - 1)
             print(json.dumps({"case": i, "kernels": compiled}), flush=True)
         except Exception as error:  # report per case; the test names it
             print(json.dumps({"case": i, "error": "".join(traceback.format_exception_only(error))[-2000:]}),

@@ -10,9 +10,11 @@ from typing import NamedTuple
 import pytest
 
 from checks import compile_offline, config_space, default_config
-from kernelgen import AttnConfig, SelectConfig, Spec
+from kernelgen import SelectConfig, Spec
 from kernelgen.archs import arch_facts
-from kernelgen.backends.triton import attn_smem_bytes
+from kernelgen.backends.triton import (attn_smem_bytes, bwd_dkdv_smem_bytes, bwd_dq_smem_bytes, index_select_smem_bytes,
+                                       kv_attn_smem_bytes, kv_select_smem_bytes)
+from kernelgen.roles import BACKWARD_ROLES, forward_roles
 
 pytest.importorskip("triton.backends.nvidia")
 
@@ -31,56 +33,106 @@ SPECS = [
 # the attention points that ask for the most shared memory, where the estimate decides what may be tried
 EDGE_SPECS = [Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=4, selector="given"),
               Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, gqa_group=4, selector="given")]
+# the backward of SPECS' first two (D 64 and 128), the KV-centric schedule (its selector, and given lists) and
+# the index selector (16-bit index vectors, Hi=4, Di=64; the attention is the multi:4 spec's kernel)
+BACKWARD_SPECS = [spec for spec, _, _ in SPECS[:2]]
+KV_SPECS = [Spec(head_dim=128, kv_block=64, top_k=16, causal=True, gqa_group=4, schedule="kv_centric", selector=s)
+            for s in ("mean", "given")]
+INDEX_SPEC = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=4, selector="index")
+INDEX = {"heads": 4, "dim": 64}
+
+# each tuned role's shared memory estimate (spec, config, arch) and the kernel it estimates
+ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
+             "kv_select": (kv_select_smem_bytes, "kv_select_topk"),
+             "kv_attn": (lambda spec, cfg, arch: kv_attn_smem_bytes(spec, cfg), "kv_attn_partial"),
+             "select_index": (lambda spec, cfg, arch: index_select_smem_bytes(spec, cfg), "select_index_topk"),
+             "bwd_dq": (lambda spec, cfg, arch: bwd_dq_smem_bytes(spec, cfg), "attn_bwd_dq"),
+             "bwd_dkdv": (lambda spec, cfg, arch: bwd_dkdv_smem_bytes(spec, cfg), "attn_bwd_dkdv")}
+# the kernels each role launches (beyond these: select's merge_topk with splits > 1)
+KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_select": {"pool", "kv_select_topk"},
+           "select_index": {"select_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
+           "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"}}
 
 
 class Case(NamedTuple):
     spec: Spec
-    attn: AttnConfig
-    select: SelectConfig  # compiled where the spec selects; else pinned only (dispatch checks it)
+    configs: dict  # {role: config}: compiled where the spec runs the role; else pinned only (dispatch checks it)
     n: int
-    edge: bool  # a point near the arch's shared memory limit
+    edge: bool = False  # the attention at a point near the arch's shared memory limit
+    index: dict | None = None  # the index selector's tensors: {"heads", "dim", "dtype"}
+    backward: bool = False  # the backward's roles too
+
+    @property
+    def roles(self) -> list[str]:
+        """The roles tests/offline_compile.py compiles for the case."""
+        lists, selection, attn = forward_roles(self.spec)
+        return [selection or lists, attn, *(BACKWARD_ROLES if self.backward else ())]
 
 
-def _largest(spec, arch, keep=lambda cfg: True) -> AttnConfig:
-    """The point of `spec`'s space on `arch` that asks for the most shared memory (then the most rows)."""
-    points = [c for c in config_space(spec, "attn", arch) if keep(c)]
-    return max(points, key=lambda c: (attn_smem_bytes(spec, c, arch), c.block_m, c.num_warps))
+def _largest(spec, arch, keep=lambda cfg: True, role="attn"):
+    """The point of `spec`'s space of `role` on `arch` that asks for the most shared memory (then the most
+    rows)."""
+    estimate = ESTIMATES[role][0]
+    points = [c for c in config_space(spec, role, arch) if keep(c)]
+    return max(points, key=lambda c: (estimate(spec, c, arch), getattr(c, "block_m", 0), c.num_warps))
+
+
+def _defaults(spec, arch, roles) -> dict:
+    return {role: default_config(spec, role, arch) for role in roles}
 
 
 def _cases(arch) -> list[Case]:
     """What to compile for `arch`: each spec with the arch's defaults, and the points of the largest shared
-    memory (overall, at 64 rows, at one stage, through TMA where the arch has it, with two blocks a step)."""
+    memory (overall, at 64 rows, at one stage, through TMA where the arch has it, with two blocks a step); the
+    backward, KV-centric and index selector's roles with the arch's defaults and largest points."""
     def select_default(spec):
         return default_config(spec if spec.selects else spec.replace(selector="mean"), "select", arch)
 
-    cases = [Case(spec, default_config(spec, "attn", arch), select or select_default(spec), n, False)
-             for spec, select, n in SPECS]
+    cases = [Case(spec, {"attn": default_config(spec, "attn", arch), "select": select or select_default(spec)}, n,
+                  backward=spec in BACKWARD_SPECS) for spec, select, n in SPECS]
     big, two_blocks = EDGE_SPECS
     edges = {_largest(big, arch), _largest(big, arch, lambda c: c.block_m == 64),
              _largest(big, arch, lambda c: c.num_stages == 1)}
     if arch_facts(arch).tma:
         edges.add(_largest(big, arch, lambda c: c.use_tma))
-    cases += [Case(big, cfg, select_default(big), 2000, True) for cfg in sorted(edges, key=str)]
-    cases.append(Case(two_blocks, _largest(two_blocks, arch, lambda c: c.kv_per_iter == 2),
-                      select_default(two_blocks), 2000, True))
+    cases += [Case(big, {"attn": cfg, "select": select_default(big)}, 2000, True) for cfg in sorted(edges, key=str)]
+    cases.append(Case(two_blocks, {"attn": _largest(two_blocks, arch, lambda c: c.kv_per_iter == 2),
+                                   "select": select_default(two_blocks)}, 2000, True))
+    # the backward's largest points (its forward: the defaults' kernels again)
+    cases += [Case(spec, {**_defaults(spec, arch, ["attn", "select"]),
+                          **{role: _largest(spec, arch, role=role) for role in ("bwd_dq", "bwd_dkdv")}}, 2000,
+                   backward=True) for spec in BACKWARD_SPECS]
+    for spec in KV_SPECS:
+        cases.append(Case(spec, _defaults(spec, arch, [r for r in forward_roles(spec)[1:] if r]), 2000))
+    cases.append(Case(KV_SPECS[0], {role: _largest(KV_SPECS[0], arch, role=role) for role in ("kv_select", "kv_attn")},
+                      2000))
+    for dtype in ("float16", "bfloat16"):
+        cases.append(Case(INDEX_SPEC, _defaults(INDEX_SPEC, arch, ["select_index", "attn"]), 2000,
+                          index={**INDEX, "dtype": dtype}))
+    cases.append(Case(INDEX_SPEC, {"select_index": _largest(INDEX_SPEC, arch, role="select_index"),
+                                   "attn": default_config(INDEX_SPEC, "attn", arch)}, 2000,
+                      index={**INDEX, "dtype": "float16"}))
     return cases
 
 
 def _job(case: Case) -> dict:
     """tests/offline_compile.py's form of a case."""
-    return {"spec": case.spec.to_dict(), "attn": dataclasses.asdict(case.attn),
-            "select": dataclasses.asdict(case.select), "n": case.n}
+    job = {"spec": case.spec.to_dict(), "n": case.n, "backward": case.backward,
+           **{role: dataclasses.asdict(cfg) for role, cfg in case.configs.items()}}
+    return job if case.index is None else {**job, "index": case.index}
 
 
 def test_the_cases_cover_what_each_arch_allows():
     """sm_90's largest points load through TMA and ask for more than sm_80's 163 KB; sm_89's stay within 99 KB;
-    the defaults differ where 99 KB forbids sm_90's."""
+    the defaults differ where 99 KB forbids sm_90's. Every role of every schedule and selector is compiled."""
     for arch in ARCH_NAMES:
         cases = _cases(arch)
-        assert any(c.attn.use_tma for c in cases) == (arch == "sm_90")
-        assert any(c.attn.kv_per_iter == 2 for c in cases) and {1, 2} <= {c.attn.num_stages for c in cases}
-        largest = max(attn_smem_bytes(c.spec, c.attn, arch) for c in cases)
+        attn = [c.configs["attn"] for c in cases if "attn" in c.roles]
+        assert any(a.use_tma for a in attn) == (arch == "sm_90")
+        assert any(a.kv_per_iter == 2 for a in attn) and {1, 2} <= {a.num_stages for a in attn}
+        largest = max(attn_smem_bytes(c.spec, c.configs["attn"], arch) for c in cases if "attn" in c.roles)
         assert arch_facts(arch).smem_per_block - 16384 < largest <= arch_facts(arch).smem_per_block, arch
+        assert {role for c in cases for role in c.roles} == set(KERNELS)
     assert default_config(EDGE_SPECS[0], "attn", "sm_89") != default_config(EDGE_SPECS[0], "attn", "sm_90")
 
 
@@ -91,20 +143,25 @@ def test_kernels_compile_for_each_arch_and_fit_its_shared_memory():
                                                 ARCH_NAMES)))
     for arch in ARCH_NAMES:
         facts = arch_facts(arch)
-        for (spec, attn, select, _, edge), result in zip(cases[arch], results[arch]):
-            assert "error" not in result, f"{arch} {spec} {attn} {select}: {result.get('error')}"
+        for case, result in zip(cases[arch], results[arch]):
+            spec, configs = case.spec, case.configs
+            assert "error" not in result, f"{arch} {spec} {configs}: {result.get('error')}"
             kernels = dict(result["kernels"])
-            expected = {"attn_fwd"} | ({"pool", "select_topk"} if spec.selects else {"normalize_lists"})
-            if spec.selects and select.splits > 1:
+            expected = set().union(*(KERNELS[role] for role in case.roles))
+            if "select" in case.roles and configs["select"].splits > 1:
                 expected.add("merge_topk")
             assert expected <= set(kernels), (arch, kernels)
             assert all(shared <= facts.smem_per_block for shared in kernels.values()), (arch, kernels)
-            # the tuner's estimate (backends.triton.attn_smem_bytes) bounds what Triton asks for (give or take
-            # its barriers), and near the limit, where it decides which configs may be tried, it is exact, but
+            # the tuner's estimates (backends.triton's *_smem_bytes) bound what Triton asks for (give or take its
+            # barriers)
+            for role in set(case.roles) & set(configs) & set(ESTIMATES):
+                estimate, name = ESTIMATES[role]
+                assert kernels[name] <= estimate(spec, configs[role], arch) + 1024, (arch, role, configs[role], kernels)
+            # ... and near the limit, where it decides which configs may be tried, the attention's is exact, but
             # for the half step of keys' rows it allows pipelined mma.sync kernels
-            estimate, asked = attn_smem_bytes(spec, attn, arch), kernels["attn_fwd"]
-            assert asked <= estimate + 1024, (arch, attn, estimate, kernels)
-            if edge:
+            if case.edge:
+                attn = configs["attn"]
+                estimate, asked = attn_smem_bytes(spec, attn, arch), kernels["attn_fwd"]
                 keys = spec.kv_block * attn.kv_per_iter
                 margin = keys // 2 * spec.head_dim * 2 if facts.mma == "mma.sync" and attn.num_stages > 1 else 0
                 assert estimate <= asked + margin + 1024, (arch, attn, estimate, kernels)

@@ -24,7 +24,7 @@ from .base import Backend, Problem, RoleImpl, Shapes
 
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
            "KvSelectConfig", "KvAttnConfig", "attn_smem_bytes", "bwd_dq_smem_bytes", "bwd_dkdv_smem_bytes",
-           "pack_infeasible", "rendered_module"]
+           "kv_select_smem_bytes", "kv_attn_smem_bytes", "index_select_smem_bytes", "pack_infeasible", "rendered_module"]
 
 
 @dataclass(frozen=True)
@@ -238,8 +238,22 @@ def select_space(spec: Spec, arch: str):
 
 TILE_ROWS = (16, 32, 64, 128, 256)  # rows of a program's tl.dot tiles: powers of two
 
+def kv_select_smem_bytes(spec: Spec, cfg: KvSelectConfig, arch: str) -> int:
+    """Shared memory of the per-query selector: the fp32 operands of its score product (the queries' means and
+    a chunk's representatives, the latter twice) and the int64 keys of the top-k merges. What Triton 3.6 asked
+    for on sm_80, exactly, over queries 16-128, chunk 16-128, groups 1 and 4, head_dim 64 and 128, top_k 16
+    and 64 (offline compiles); with wgmma (sm_90) and 8 warps, 16-bit scores of a step more (queries=64,
+    chunk=128: 245760 B). tests/test_triton_compile.py checks it bounds sm_80 to sm_90's."""
+    keys = max(cfg.chunk, 2 * next_pow2(spec.top_k))  # a chunk's keys, or the running lists joined with its top
+    smem = cfg.queries * (4 * spec.head_dim + 8 * keys) + 8 * cfg.chunk * spec.groups * spec.head_dim
+    if arch_facts(arch).mma != "mma.sync" and cfg.num_warps > 4:
+        smem += 2 * cfg.queries * cfg.chunk * spec.groups
+    return smem
+
+
 def kv_select_infeasible(spec: Spec, cfg: KvSelectConfig, arch: str) -> str | None:
-    """Why the per-query selector cannot run `cfg` for `spec`, or None (on every arch alike)."""
+    """Why the per-query selector cannot run `cfg` for `spec` on `arch`, or None: tl.dot's and the registers'
+    tile bounds, and the shared memory of the arch (kv_select_smem_bytes)."""
     cols = cfg.chunk * spec.groups
     # tl.dot needs >= 16 rows and columns; keep the score tile and the running lists within registers
     if cfg.queries < 16 or cfg.queries > 256 or cols < 16 or cfg.queries * cols > 64 * 256:
@@ -249,6 +263,11 @@ def kv_select_infeasible(spec: Spec, cfg: KvSelectConfig, arch: str) -> str | No
         return f"chunk={cfg.chunk} blocks is fewer than next_pow2(top_k) = {next_pow2(spec.top_k)}"
     if cfg.queries * next_pow2(spec.top_k) > 8192:
         return f"queries * next_pow2(top_k) = {cfg.queries * next_pow2(spec.top_k)} running keys; at most 8192"
+    smem = kv_select_smem_bytes(spec, cfg, arch)
+    if smem > arch_facts(arch).smem_per_block:
+        return (f"{smem} B of shared memory (the score product's fp32 operands and the top-k keys: "
+                f"kv_select_smem_bytes); at most {arch_facts(arch).smem_per_block} on {arch}: fewer queries or a "
+                "smaller chunk")
     return None
 
 
@@ -261,6 +280,12 @@ def kv_select_default(spec: Spec, arch: str) -> KvSelectConfig:
 def kv_select_space(spec: Spec, arch: str):
     return (KvSelectConfig(queries=q, chunk=c, num_warps=w)
             for q, c, w in itertools.product((16, 32, 64, 128), (16, 32, 64, 128, 256), (4, 8)))
+
+
+def kv_attn_smem_bytes(spec: Spec, cfg: KvAttnConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the KV-centric forward's partials kernel: one K and one V block and a task's rows
+    (at most what Triton 3.6 asks for on sm_80 to sm_90: tests/test_triton_compile.py compiles offline)."""
+    return (2 * spec.kv_block + cfg.block_m) * spec.head_dim * elem_bytes
 
 
 def kv_attn_infeasible(spec: Spec, cfg: KvAttnConfig, arch: str) -> str | None:
@@ -276,7 +301,7 @@ def kv_attn_infeasible(spec: Spec, cfg: KvAttnConfig, arch: str) -> str | None:
     if regs > 192:
         return (f"block_m * (head_dim + kv_block) / (32 * num_warps) = {regs} fp32 registers per thread; at most 192 "
                 "(Triton spills past it): more warps or fewer rows")
-    smem = (2 * spec.kv_block + cfg.block_m) * spec.head_dim * 2
+    smem = kv_attn_smem_bytes(spec, cfg)
     if smem > arch_facts(arch).smem_per_block:
         return f"{smem} B of shared memory (one K and one V block and the rows); at most {arch_facts(arch).smem_per_block}"
     return None
@@ -299,6 +324,13 @@ INDEX_REGS_LIMIT = 128  # fp32 words per thread of the step's score tiles (the p
 INDEX_SMEM_DIM = 128  # the largest index dim: its size is a call's, not the spec's, so budgets assume it
 
 
+def index_select_smem_bytes(spec: Spec, cfg: IndexSelectConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the index selector: num_stages steps of keys and the packed query rows, of 16-bit index
+    vectors of the largest dim (at most what Triton 3.6 asks for on sm_80 to sm_90:
+    tests/test_triton_compile.py compiles offline)."""
+    return (cfg.num_stages * cfg.chunk * spec.kv_block + cfg.rows) * INDEX_SMEM_DIM * elem_bytes
+
+
 def index_select_infeasible(spec: Spec, cfg: IndexSelectConfig, arch: str) -> str | None:
     """Why the index selector cannot run `cfg` for `spec` on `arch`, or None: rows is a power of two from 16
     (tl.dot's smallest M) to 256, chunk a power of two, the step's score tiles fit in registers, and
@@ -314,7 +346,7 @@ def index_select_infeasible(spec: Spec, cfg: IndexSelectConfig, arch: str) -> st
     if regs > INDEX_REGS_LIMIT:
         return (f"2 * rows * chunk * kv_block / (32 * num_warps) = {regs} fp32 registers per thread for the step's "
                 f"scores; at most {INDEX_REGS_LIMIT}: fewer rows or blocks per step, or more warps")
-    smem = (cfg.num_stages * keys + cfg.rows) * INDEX_SMEM_DIM * 2
+    smem = index_select_smem_bytes(spec, cfg)
     if smem > arch_facts(arch).smem_per_block:
         return f"{smem} B of shared memory (num_stages key steps and the rows); at most {arch_facts(arch).smem_per_block}"
     return None
