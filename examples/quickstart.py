@@ -20,7 +20,7 @@ import torch
 import kernelgen  # sets TRITON_INTERPRET=1 by itself when there is no CUDA device
 from kernelgen import Spec, reference
 
-# The spec from the issue: D=128, 64-key blocks, 64-query tiles, 16 blocks per list (forced diagonal block
+# The spec of the example: D=128, 64-key blocks, 64-query tiles, 16 blocks per list (forced diagonal block
 # included), causal, GQA group 4, blocks chosen by mean-pooled q.k scores, 1 local block.
 SPEC = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=4, selector="mean", local=1)
 
