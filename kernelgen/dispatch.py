@@ -3,7 +3,8 @@ launches them.
 
 A call's roles and who runs them: `lists` (caller-given lists to the kernels' form) or `select` (the
 spec's selector), then `attn`; with inputs that require grad, its backward runs `bwd_delta`, `bwd_dq` and
-`bwd_dkdv` over the lists the forward used (`_AttentionFunction`). The spec's backend runs each role it
+`bwd_dkdv` over the lists the forward used (`_AttentionFunction`; the KV-centric schedule's: `kv_select`,
+`kv_attn`, and `kv_bwd_dq`, `kv_bwd_dkdv` in the backward). The spec's backend runs each role it
 has; the registry's fallback runs the others (`backends.runner`). A role's config is, in this order:
 pinned by the caller, the tuning DB's winner for the spec, the nearest tuned spec's winner (user DB, then
 the bundled one; `kernelgen.tuning.lookup.served_config`), or the backend's default. A winner measured
@@ -23,12 +24,12 @@ import torch
 
 from . import backends
 from .backends import Backend, Problem, RoleImpl
-from .errors import KernelgenNotImplementedError, KernelgenTypeError, KernelgenValueError
+from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import BlockLists, Shapes, check_block_idx, check_block_lists, check_index, check_qkv, lists_layout
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting
-from .reverse_index import ReverseIndex, build_query_reverse_index, build_reverse_index
-from .roles import BACKWARD_ROLES, forward_roles, get_role
+from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
+from .roles import backward_roles, forward_roles, get_role
 from .spec import Spec
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
@@ -62,7 +63,7 @@ class SparseAttention:
     attn(q, k, v, block_idx=lists)        calls with them skip that step (one launch fewer per call)
     attn(q, k, v, return_lse=True)        also return lse (float32 [B, Hq, Nq]; it carries no gradient)
     attn.select(q, k)                     the lists the selector would use
-    With Spec(schedule="kv_centric") the lists are per query: int32 [B, Hkv, Nq, top_k] (forward only).
+    With Spec(schedule="kv_centric") the lists are per query: int32 [B, Hkv, Nq, top_k].
     attn(q, k, v, index=(q_idx, k_idx, w))    Spec(selector="index"): lists from index vectors
                                           (`inputs.INDEX_LAYOUT`); attn.select(q, k, index=...) likewise
 
@@ -163,8 +164,9 @@ class SparseAttention:
 
     @functools.lru_cache(maxsize=256)
     def _backward_plan(self, bucket: int, dtype, device) -> tuple[Served, ...]:
-        """The backward's roles (`roles.BACKWARD_ROLES`: bwd_delta, bwd_dq, bwd_dkdv), in one lookup."""
-        return tuple(self._served(role, bucket, dtype, device) for role in BACKWARD_ROLES)
+        """The backward's roles (`roles.backward_roles`: bwd_delta, bwd_dq, bwd_dkdv; kv_bwd_dq and kv_bwd_dkdv
+        for per-query lists), in one lookup."""
+        return tuple(self._served(role, bucket, dtype, device) for role in backward_roles(self.spec))
 
     def _launch(self, served: Served, like: torch.Tensor, shapes: Shapes, *args):
         kernel = served.kernel
@@ -242,10 +244,6 @@ class SparseAttention:
     def __call__(self, q, k, v, *, block_idx=None, index=None, scale=None, return_lse: bool = False):
         shapes = self._start_call(q, k, v)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-            if self.spec.per_query:
-                raise KernelgenNotImplementedError(
-                    "the KV-centric schedule's backward is not built yet: call it on inputs that do not require "
-                    "grad (or under torch.no_grad()), or use schedule='q_centric' for training")
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index)
         else:
             o, lse, _ = self._attend(q, k, v, shapes, block_idx, scale, index)
@@ -284,11 +282,12 @@ class SparseAttention:
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale)
         return o, lse, used
 
-    def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale, reverse: ReverseIndex | None = None,
+    def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale,
+                   reverse: ReverseIndex | QueryReverseIndex | None = None,
                    needs=(True, True, True)) -> tuple[torch.Tensor | None, ...]:
         """(dq, dk, dv) of o = attn(q, k, v, block_idx=..., scale=scale) given do, its forward's o and lse,
         and the lists it attended over, in the kernels' form (`block_idx`; `reverse`, their reverse index,
-        is built when None). A gradient that `needs` leaves out is None, and not computed."""
+        is built when None: a QueryReverseIndex for per-query lists). A gradient that `needs` leaves out is None, and not computed."""
         shapes = check_qkv(q, k, v, self.spec)
         if do.stride(-1) != 1:  # the kernels read rows with unit stride (an expanded do of o.sum() has 0)
             do = do.contiguous()
@@ -297,7 +296,9 @@ class SparseAttention:
         dq = self._launch(dq_role, q, shapes, q, k, v, do, lse, delta, block_idx, scale) if needs[0] else None
         dk = dv = None
         if needs[1] or needs[2]:
-            reverse = build_reverse_index(block_idx, shapes.n_kv_blocks) if reverse is None else reverse
+            if reverse is None:
+                build = build_query_reverse_index if self.spec.per_query else build_reverse_index
+                reverse = build(block_idx, shapes.n_kv_blocks)
             dk, dv = self._launch(dkdv_role, q, shapes, q, k, v, do, lse, delta, reverse, scale)
         return dq, dk if needs[1] else None, dv if needs[2] else None
 

@@ -51,7 +51,7 @@ from .codegen import render as _render_module
 from .codegen.render import render, template_path
 from .device import current_arch
 from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
-from .roles import BACKWARD_ROLES, forward_roles, get_role
+from .roles import backward_roles, forward_roles, get_role
 from .spec import Spec
 
 __all__ = ["export_module", "ExportError", "assemble", "call_roles"]
@@ -72,10 +72,10 @@ class ExportError(KernelgenError, RuntimeError):
 
 def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector),
-    `attn`, and its backward's (`roles.BACKWARD_ROLES`; none yet for the KV-centric schedule), under the
-    schedule's role names (`roles.forward_roles`)."""
+    `attn`, and its backward's, under the schedule's role names (`roles.forward_roles`,
+    `roles.backward_roles`)."""
     lists, selection, attn = forward_roles(spec)
-    backward = () if spec.per_query else BACKWARD_ROLES
+    backward = backward_roles(spec)
     return (lists, *((selection,) if selection else ()), attn) + backward
 
 

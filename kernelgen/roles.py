@@ -30,11 +30,11 @@ import torch
 
 from . import reference
 from .errors import KernelgenValueError
-from .reverse_index import build_reverse_index
+from .reverse_index import build_query_reverse_index, build_reverse_index
 from .spec import Spec
 from .workloads import useful_flops
 
-__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "forward_roles", "register_role", "get_role", "Workload", "WorkloadShape",
+__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "KV_BACKWARD_ROLES", "forward_roles", "backward_roles", "register_role", "get_role", "Workload", "WorkloadShape",
            "valid_top_k", "index_inputs", "INDEX_HEADS", "INDEX_DIM", "REL_L2_TOL", "GRAD_REL_L2_TOL"]
 
 # what a tuned config must reproduce: rel. L2 error of o against the float64 reference
@@ -156,7 +156,8 @@ def bwd_dq_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool
 
 def bwd_dkdv_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
     q, k, v, do, lse, delta, lists, grads = _backward_workload(spec, shape, device, dtype, check)
-    reverse = build_reverse_index(lists, spec.n_kv_blocks(shape.n_k))
+    n_kv_blocks = spec.n_kv_blocks(shape.n_k)
+    reverse = (build_query_reverse_index if spec.per_query else build_reverse_index)(lists, n_kv_blocks)
     flops = 2.0 * useful_flops(lists, spec, shape.n_q, shape.n_k)  # 4 products (S, dP, dV, dK) to the forward's 2
 
     def judge(out) -> str | None:
@@ -274,10 +275,23 @@ def kv_attn_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: boo
     return dataclasses.replace(workload, args=(q, k, v, lists, None, scale))
 
 
-# The KV-centric schedule's forward (its backward is not built yet)
+# The KV-centric schedule's forward and backward (bwd_delta is the Q-centric schedule's: it reads o and do alone)
 register_role(Role("kv_select", "per-query block lists chosen by the spec's selector", workload=select_workload))
 register_role(Role("kv_attn", "attention over per-query lists: partials per (KV block, query chunk) task, merged "
                    "per query and head through lse", canonical=_KERNEL_READS_LISTS, workload=kv_attn_workload))
+
+
+register_role(Role("kv_bwd_dq", "backward over per-query lists: dq per query, its G heads packed, P recomputed from "
+                   "lse", canonical=_KERNEL_READS_LISTS, workload=bwd_dq_workload))
+register_role(Role("kv_bwd_dkdv", "backward over per-query lists: dk and dv per KV block, over the (query, slot) "
+                   "pairs that list it (the query reverse index), the G query heads summed in the program",
+                   canonical=_KERNEL_READS_LISTS, workload=bwd_dkdv_workload))
+KV_BACKWARD_ROLES = ("bwd_delta", "kv_bwd_dq", "kv_bwd_dkdv")
+
+
+def backward_roles(spec: Spec) -> tuple[str, str, str]:
+    """(delta, dq, dkdv): the roles of a backward of `spec`'s schedule."""
+    return KV_BACKWARD_ROLES if spec.per_query else BACKWARD_ROLES
 
 
 def forward_roles(spec: Spec) -> tuple[str, str | None, str]:

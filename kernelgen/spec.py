@@ -17,7 +17,7 @@ __all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES"]
 HEAD_DIMS = (64, 128, 256)
 TILE_SIZES = (16, 32, 64, 128, 256)
 SELECTORS = ("mean", "multi:r", "index", "given")  # multi:r with r a power of two, e.g. "multi:4"
-SCHEDULES = ("q_centric", "kv_centric")  # kv_centric: per-query lists, forward only (docs/SEMANTICS.md)
+SCHEDULES = ("q_centric", "kv_centric")  # kv_centric: per-query lists (docs/SEMANTICS.md)
 DEFAULT_Q_TILE = 64
 
 
