@@ -10,9 +10,10 @@ from kernelgen import KvBwdDkdvConfig, KvBwdDqConfig, Spec, reference
 from kernelgen.archs import ARCHS
 from kernelgen.backends.triton import (kv_bwd_dkdv_default, kv_bwd_dkdv_infeasible, kv_bwd_dq_default,
                                       kv_bwd_dq_infeasible)
+from kernelgen.custom_ops import sparse_attention
 from kernelgen.export import call_roles
 from kernelgen.roles import KV_BACKWARD_ROLES, backward_roles
-from test_backward import assert_grads_close, leaves
+from test_backward import assert_grads_close, assert_tuner_checks_against_autograd, leaves
 
 
 def kv_spec(**fields):
@@ -135,6 +136,24 @@ def test_roles_and_configs():
                                                "sm_90")
     with pytest.raises(kernelgen.KernelgenValueError):
         kernelgen.get_kernel(spec, configs={"kv_bwd_dkdv": KvBwdDkdvConfig(block_n=48)})
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the wrong scale's exp overflows fp16
+@pytest.mark.parametrize("role", ["kv_bwd_dq", "kv_bwd_dkdv"])
+def test_tuner_checks_the_roles_against_autograd(role, monkeypatch):
+    """The roles' tuned workloads (per-query lists of the reference selector): the default passes the
+    tuner's check; a launch computing the gradients of another scale fails it."""
+    assert_tuner_checks_against_autograd(kv_spec(top_k=3, causal=True, gqa_group=2), role, monkeypatch)
+
+
+def test_custom_op_backpropagates(device):
+    spec = kv_spec(causal=True, gqa_group=2, local=1)
+    q, k, v, do = leaves(1, 1, 2, 40, 70, 64, torch.float32, device, 23)
+    o, _ = sparse_attention(q, k, v, spec)
+    o.backward(do)
+    lists = kernelgen.get_kernel(spec).select(q.detach(), k.detach())
+    want = reference.sparse_attention_grads(q, k, v, do, spec.replace(selector="given"), lists)
+    assert_grads_close((q.grad, k.grad, v.grad), want, torch.float32)
 
 
 @pytest.mark.gpu
