@@ -6,7 +6,7 @@ every `kernel[grid](...)` that the backends' launchers (`RoleImpl.launch`) make 
 kernel without a cubin is an error) through the real launch path, with the argument types the launchers
 really pass, and returns. Each case runs the roles of a forward of its spec (`roles.forward_roles`: the
 selection role, else the given lists' `lists`, then `attn` or `kv_attn`), then the backward's
-(`roles.BACKWARD_ROLES`) where asked, each launched with the arguments its launch signature takes
+(`roles.backward_roles`) where asked, each launched with the arguments its launch signature takes
 (`_launch_args`) and built as dispatch does it (`SparseAttention._run`): by the backend that runs the role for
 the spec (`backends.runner`), for the role's kernel spec, with a config that dispatch would serve on the arch
 (`Backend.check_config`). Gluon kernels go the same way (kernelgen.backends.gluon.launch_attn builds its TMA
@@ -65,7 +65,7 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 def _launch_args(role: str, t: dict, shapes) -> tuple:
     """The arguments of `role`'s launch after (kernel, spec, config, shapes) (kernelgen.roles' launch
     signatures), from the case's tensors `t` and what the roles before it returned."""
-    from kernelgen.reverse_index import build_reverse_index
+    from kernelgen.reverse_index import build_query_reverse_index, build_reverse_index
 
     q, k, v = t["q"], t["k"], t["v"]
     return {"lists": lambda: (t["given"],),
@@ -77,20 +77,23 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
             "bwd_delta": lambda: (t["o"], t["o"]),
             "bwd_dq": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None),
             "bwd_dkdv": lambda: (q, k, v, t["o"], t["lse"], t["delta"],
-                                 build_reverse_index(t["lists"], shapes.n_kv_blocks), None)}[role]()
+                                 build_reverse_index(t["lists"], shapes.n_kv_blocks), None),
+            "kv_bwd_dq": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None),
+            "kv_bwd_dkdv": lambda: (q, k, v, t["o"], t["lse"], t["delta"],
+                                    build_query_reverse_index(t["lists"], shapes.n_kv_blocks), None)}[role]()
 
 
 # what each role's launch returns, by name, for the roles after it
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
             "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "bwd_delta": ("delta",), "bwd_dq": ("dq",),
-            "bwd_dkdv": ("dk", "dv")}
+            "bwd_dkdv": ("dk", "dv"), "kv_bwd_dq": ("dq",), "kv_bwd_dkdv": ("dk", "dv")}
 
 
 def main(arch: str) -> None:
     from kernelgen import Spec, backends, get_kernel
     from kernelgen.archs import check_arch
     from kernelgen.inputs import Shapes, check_block_idx, check_index
-    from kernelgen.roles import BACKWARD_ROLES, ROLES, WorkloadShape, forward_roles, get_role, index_inputs
+    from kernelgen.roles import ROLES, WorkloadShape, backward_roles, forward_roles, get_role, index_inputs
 
     driver.set_active(OfflineDriver(int(check_arch(arch).removeprefix("sm_"))))
     JITFunction.run = _compile_only
@@ -115,8 +118,8 @@ def main(arch: str) -> None:
             # lists' normalisation, then attention), and the backward's where the case pins or asks for it
             lists_role, selection, attn_role = forward_roles(spec)
             roles = [selection or lists_role, attn_role]
-            if case.get("backward") or any(role in case for role in BACKWARD_ROLES):
-                roles += BACKWARD_ROLES
+            if case.get("backward") or any(role in case for role in backward_roles(spec)):
+                roles += backward_roles(spec)
             configs = {role: backends.runner(spec.backend, role).config_from_dict(role, case[role])
                        for role in ROLES if role in case}
             get_kernel(spec, configs=configs)  # the spec and the pinned configs pass dispatch's checks

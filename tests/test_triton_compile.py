@@ -14,7 +14,7 @@ from kernelgen import SelectConfig, Spec
 from kernelgen.archs import arch_facts
 from kernelgen.backends.triton import (attn_smem_bytes, bwd_dkdv_smem_bytes, bwd_dq_smem_bytes, index_select_smem_bytes,
                                        kv_attn_smem_bytes, kv_select_smem_bytes)
-from kernelgen.roles import BACKWARD_ROLES, forward_roles
+from kernelgen.roles import backward_roles, forward_roles
 
 pytest.importorskip("triton.backends.nvidia")
 
@@ -51,7 +51,8 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
 # the kernels each role launches (beyond these: select's merge_topk with splits > 1)
 KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_select": {"pool", "kv_select_topk"},
            "select_index": {"select_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
-           "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"}}
+           "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"},
+           "kv_bwd_dq": {"kv_bwd_dq"}, "kv_bwd_dkdv": {"kv_bwd_dkdv"}}
 
 
 class Case(NamedTuple):
@@ -66,7 +67,7 @@ class Case(NamedTuple):
     def roles(self) -> list[str]:
         """The roles tests/offline_compile.py compiles for the case."""
         lists, selection, attn = forward_roles(self.spec)
-        return [selection or lists, attn, *(BACKWARD_ROLES if self.backward else ())]
+        return [selection or lists, attn, *(backward_roles(self.spec) if self.backward else ())]
 
 
 def _largest(spec, arch, keep=lambda cfg: True, role="attn"):
@@ -102,8 +103,9 @@ def _cases(arch) -> list[Case]:
     cases += [Case(spec, {**_defaults(spec, arch, ["attn", "select"]),
                           **{role: _largest(spec, arch, role=role) for role in ("bwd_dq", "bwd_dkdv")}}, 2000,
                    backward=True) for spec in BACKWARD_SPECS]
-    for spec in KV_SPECS:
-        cases.append(Case(spec, _defaults(spec, arch, [r for r in forward_roles(spec)[1:] if r]), 2000))
+    for spec in KV_SPECS:  # with their backward (the arch's defaults)
+        cases.append(Case(spec, _defaults(spec, arch, [r for r in forward_roles(spec)[1:] if r]), 2000,
+                          backward=True))
     cases.append(Case(KV_SPECS[0], {role: _largest(KV_SPECS[0], arch, role=role) for role in ("kv_select", "kv_attn")},
                       2000))
     for dtype in ("float16", "bfloat16"):
