@@ -748,32 +748,29 @@ class Winners:
         row = self.user.lookup(**key)
         if row is not None:
             return {**row, "source": "user"}
-        with self._lock:
-            if self._bundled is None:
-                return None
-            try:
-                row = _lookup(self._bundled, **key)
-            except sqlite3.DatabaseError as error:
-                # Damaged, or a schema from another version: skip it for good, never crash dispatch.
-                logger.warning("bundled tuning database %s is unreadable (%s); skipping it",
-                               self.bundled_path, error)
-                self._bundled.close()
-                self._bundled = None
-                return None
+        row = self._query_bundled(lambda db: _lookup(db, **key))
         return None if row is None else {**row, "source": "bundled"}
 
     def servable(self, fingerprint: Fingerprint, **key: Any) -> list[dict]:
         """As `TuningDB.servable`, over both DBs: the user's rows first, each with its `source`."""
         rows = [{**row, "source": "user"} for row in self.user.servable(fingerprint, **key)]
+        bundled = self._query_bundled(lambda db: _servable(db, fingerprint, **key)) or []
+        return rows + [{**row, "source": "bundled"} for row in bundled]
+
+    def _query_bundled(self, query: Callable[[sqlite_utils.Database], _T]) -> _T | None:
+        """`query` on the bundled DB; None without one. A damaged file, or a schema from another version,
+        is skipped for good (with a warning), never a crash of dispatch."""
         with self._lock:
             if self._bundled is None:
-                return rows
+                return None
             try:
-                bundled = _servable(self._bundled, fingerprint, **key)
+                return query(self._bundled)
             except sqlite3.DatabaseError as error:
-                logger.warning("bundled tuning database %s is unreadable (%s); skipping it", self.bundled_path, error)
-                return rows
-        return rows + [{**row, "source": "bundled"} for row in bundled]
+                logger.warning("bundled tuning database %s is unreadable (%s); skipping it",
+                               self.bundled_path, error)
+                self._bundled.close()
+                self._bundled = None
+                return None
 
 
 def write_bundled_db(path: str | Path, rows: Iterable[dict] = ()) -> Path:
