@@ -13,7 +13,8 @@ same random per-query lists (`random_query_lists`, seed 0):
   forward+backward, where it applies: it is causal only and needs G = Hq/Hkv a power of two >= 16.
   fla-core is imported lazily and never a dependency; inputs are transposed to its layout before timing.
 
-kernelgen has no KV-centric backward yet: no kernelgen fwd+bwd row. Every anchor that cannot run is logged
+kernelgen's forward+backward row (its KV-centric backward, lists prepared once) also says whether two
+backward runs gave bitwise-equal gradients. Every anchor that cannot run is logged
 with its reason and skipped. Outputs are compared with kernelgen's (relative L2, `rel_diff_vs_kernelgen`).
 Rows (shape, impl, ms, tflops = useful TFLOP/s; the dense anchor counts every visible pair) go to
 kv_centric.json.
@@ -29,7 +30,7 @@ from ..errors import KernelgenRuntimeError
 from ..spec import Spec
 from ..workloads import KV_CENTRIC_SHAPES, dense_flops, useful_flops
 from .anchors import flex_call, sdpa_dense_anchors
-from .backward import _timed
+from .backward import _grads, _timed
 from .measure import _bench, _dump_rows, _rel_diff
 
 __all__ = ["run_kv_centric", "flex_membership", "flex_membership_block_mask", "fla_nsa_unsupported",
@@ -138,7 +139,19 @@ def run_kv_centric(shape_names=None, out_dir=None, log=print) -> list[dict]:
             ours = attn(q, k, v, block_idx=prepared)
             record(name, "kernelgen kv_centric prepared", _bench(lambda: attn(q, k, v, block_idx=prepared)), flops,
                    backend=attn.served("attn", shape.n_k, dtype, device).backend.name)
-        log(f"{name}: kernelgen fwd+bwd not benchmarked yet (the KV-centric backward is untuned)")
+
+        def backward():
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            grad = torch.randn_like(q)
+
+            def call():
+                return attn(*leaves, block_idx=prepared)
+
+            both, bwd = _timed(call, leaves, grad)
+            first, second = _grads(call, leaves, grad), _grads(call, leaves, grad)
+            same = all(torch.equal(a, b) for a, b in zip(first, second))
+            record(name, "kernelgen kv_centric fwd+bwd", both, 0.0, bwd_ms=bwd, deterministic=same)
+        attempt(name, "kernelgen fwd+bwd", backward)
         if name in SELECTOR_SHAPES:
             def pipeline():
                 mean = get_kernel(shape.spec("mean"))
