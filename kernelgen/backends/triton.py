@@ -101,13 +101,16 @@ class KvSelectConfig(_JsonConfig):
 
 @dataclass(frozen=True)
 class KvAttnConfig(_JsonConfig):
-    """KV-centric forward. block_m: packed rows per task (queries per task = block_m // next_pow2(G)),
-    partials_fp32: partial outputs in fp32 (else in the inputs' dtype: half the bytes written and read),
-    combine_rows: queries per program of the combine."""
+    """KV-centric forward. block_m: packed rows per step (queries per step = block_m // next_pow2(G)),
+    steps: steps per task (a program loads its K and V block once for them), num_stages: Triton's software
+    pipeline depth over the steps, partials_fp32: partial outputs in fp32 (else in the inputs' dtype: half the
+    bytes written and read, the merge still in fp32), combine_rows: queries per program of the combine."""
 
     block_m: int = 64
+    steps: int = 4
     num_warps: int = 4
-    partials_fp32: bool = True
+    num_stages: int = 2
+    partials_fp32: bool = False
     combine_rows: int = 32
 
 
@@ -305,18 +308,27 @@ def kv_select_space(spec: Spec, arch: str):
 
 
 def kv_attn_smem_bytes(spec: Spec, cfg: KvAttnConfig, elem_bytes: int = 2) -> int:
-    """Shared memory of the KV-centric forward's partials kernel: one K and one V block and a task's rows
-    (at most what Triton 3.6 asks for on sm_80 to sm_90: tests/test_triton_compile.py compiles offline)."""
-    return (2 * spec.kv_block + cfg.block_m) * spec.head_dim * elem_bytes
+    """Shared memory of the KV-centric forward's partials kernel: one K and one V block and the buffers of
+    a step's rows, num_stages + 1 of them when pipelined (at most what Triton 3.6 asks for on sm_80 to sm_90:
+    tests/test_triton_compile.py compiles offline)."""
+    row_buffers = cfg.num_stages + 1 if cfg.num_stages > 1 else 1
+    return (2 * spec.kv_block + row_buffers * cfg.block_m) * spec.head_dim * elem_bytes
+
+
+KV_ATTN_STEPS = (1, 2, 4, 8, 16)
 
 
 def kv_attn_infeasible(spec: Spec, cfg: KvAttnConfig, arch: str) -> str | None:
-    """Why the KV-centric forward cannot run `cfg` for `spec` on `arch`, or None: whole queries per task
+    """Why the KV-centric forward cannot run `cfg` for `spec` on `arch`, or None: whole queries per step
     (block_m a power of two, 16 to 256, at least next_pow2(G) rows), registers for the scores and output of
-    one block, and one K and one V block plus the rows in shared memory."""
+    one block, and one K and one V block plus the pipelined rows in shared memory."""
     g_pad = next_pow2(spec.gqa_group)
     if cfg.block_m not in TILE_ROWS or cfg.block_m < g_pad:
         return f"block_m={cfg.block_m}; expected one of {TILE_ROWS} holding whole queries (>= next_pow2(G) = {g_pad})"
+    if cfg.steps not in KV_ATTN_STEPS:
+        return f"steps={cfg.steps}; expected one of {KV_ATTN_STEPS}"
+    if cfg.num_stages not in (1, 2, 3, 4):
+        return f"num_stages={cfg.num_stages}; expected 1 to 4"
     if cfg.combine_rows not in (16, 32, 64, 128):
         return f"combine_rows={cfg.combine_rows}; expected 16, 32, 64 or 128"
     regs = cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps)
@@ -325,19 +337,22 @@ def kv_attn_infeasible(spec: Spec, cfg: KvAttnConfig, arch: str) -> str | None:
                 "(Triton spills past it): more warps or fewer rows")
     smem = kv_attn_smem_bytes(spec, cfg)
     if smem > arch_facts(arch).smem_per_block:
-        return f"{smem} B of shared memory (one K and one V block and the rows); at most {arch_facts(arch).smem_per_block}"
+        return (f"{smem} B of shared memory (one K and one V block and num_stages step rows); at most "
+                f"{arch_facts(arch).smem_per_block}")
     return None
 
 
 def kv_attn_default(spec: Spec, arch: str) -> KvAttnConfig:
     warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
     return _first_feasible(spec, arch, kv_attn_infeasible, (
-        KvAttnConfig(block_m=m, num_warps=w) for m in (64, 128, 32, 16, 256) for w in (warps, 8)))
+        KvAttnConfig(block_m=m, num_warps=w, num_stages=s) for m in (128, 64, 32, 16, 256) for w in (warps, 8)
+        for s in (2, 1)))
 
 
 def kv_attn_space(spec: Spec, arch: str):
-    return (KvAttnConfig(block_m=m, num_warps=w, partials_fp32=f, combine_rows=r)
-            for m, w, f, r in itertools.product(TILE_ROWS, (4, 8), (True, False), (32, 64)))
+    return (KvAttnConfig(block_m=m, steps=t, num_warps=w, num_stages=s, partials_fp32=f, combine_rows=r)
+            for m, t, w, s, f, r in itertools.product(TILE_ROWS, KV_ATTN_STEPS, (4, 8), (1, 2, 3), (False, True),
+                                                      (32, 64)))
 
 
 # ---- the index selector: feasibility, defaults, space ---------------------------------------------------
@@ -623,21 +638,21 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
     if reverse is None:
         reverse = build_query_reverse_index(block_idx, shapes.n_kv_blocks)
     g_pad = next_pow2(spec.gqa_group)
-    queries = cfg.block_m // g_pad
+    queries = cfg.block_m // g_pad  # per step
     n_pairs = shapes.n_q * spec.top_k
-    task_block, task_start = split_tasks(reverse.offsets, n_pairs, queries)
+    task_block, task_start = split_tasks(reverse.offsets, n_pairs, queries * cfg.steps)
     part_dtype = torch.float32 if cfg.partials_fp32 else q.dtype
     o_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, spec.top_k, spec.head_dim, device=q.device,
                    dtype=part_dtype)
     lse_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, spec.top_k, device=q.device, dtype=torch.float32)
-    grid = (max_tasks(shapes.n_kv_blocks, n_pairs, queries), shapes.batch * shapes.heads_kv)
+    grid = (max_tasks(shapes.n_kv_blocks, n_pairs, queries * cfg.steps), shapes.batch * shapes.heads_kv)
     mod.kv_attn_partial[grid](
         q, k, v, o_part, lse_part, reverse.offsets, reverse.queries, reverse.slots, task_block, task_start,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:4], *lse_part.stride()[:3],
         *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2], *task_block.stride()[:2],
         shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
-        CAUSAL=spec.causal, num_warps=cfg.num_warps)
+        STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
     mod.kv_combine[(triton.cdiv(shapes.n_q, cfg.combine_rows), shapes.batch * shapes.heads_q)](
