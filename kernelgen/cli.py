@@ -176,7 +176,8 @@ def tune(
     timeout: Optional[float] = typer.Option(None, help="Seconds per role's study."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the search space and the trials; run nothing."),
     preset: Optional[str] = typer.Option(None, help="A named set of studies instead of one spec: bench (the "
-                                                    "benchmark shapes, each backend's attention and the selector)."),
+                                                    "benchmark shapes: each backend's attention, the selector and "
+                                                    "the backward; --role narrows it)."),
     shapes: Optional[str] = typer.Option(None, help="With --preset bench: comma-separated shape names."),
     backends_option: Optional[str] = typer.Option(None, "--backends", help="With --preset or --model: comma-separated "
                                                                            "backends."),
@@ -219,7 +220,7 @@ def tune(
                                                 names))
         else:
             chosen = [s for s in (shapes or "").split(",") if s] or None
-            chosen_studies = studies(preset, arch, chosen, names)
+            chosen_studies = studies(preset, arch, chosen, names, role or None)
         for study in chosen_studies:  # only what the arch runs
             if dry_run:
                 _print_plan(plan(study.spec, study.role, seq=study.seq, arch=arch, trials=study.trials,

@@ -1,8 +1,9 @@
 """Named sets of studies: `kernelgen tune --preset NAME` tunes each of them.
 
   bench   the benchmark shapes (kernelgen/workloads.py SHAPES): the attention of each registered backend
-          that runs on the arch (the whole space when it is small) and the selector, timed on the shape's
-          own workload, as the bundled winners are made.
+          that runs on the arch (the whole space when it is small), the selector, and the backward's dQ and
+          dK/dV kernels of each backend that has them, timed on the shape's own workload, as the bundled
+          winners are made.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ __all__ = ["Study", "PRESETS", "studies"]
 
 ATTN_TRIALS = {"a32k": 16, "a128k": 16, "b": 12, "c": 10, "c_dense": 8}  # TPE budgets of the large Triton spaces
 SELECT_TRIALS = 8
+BACKWARD_TRIALS = 10  # per backward role (bwd_dq, bwd_dkdv)
+BACKWARD_ROLES = ("bwd_dq", "bwd_dkdv")  # bwd_delta has no tunables worth a study
 GRID_MAX = 24  # spaces up to this many points are searched whole
 
 
@@ -49,6 +52,9 @@ def _bench(arch: str, shape_names, backend_names) -> Iterator[Study]:
                 continue
             trials = space if space <= GRID_MAX else min(space, ATTN_TRIALS.get(name, 12))
             yield Study(f"{name} attn {backend.name}", spec, "attn", shape.n_k, trials, workload)
+            for role in BACKWARD_ROLES:
+                if role in backend.roles and backend.config_space(spec, role, arch):
+                    yield Study(f"{name} {role} {backend.name}", spec, role, shape.n_k, BACKWARD_TRIALS, workload)
         if name != "c_dense":  # its lists hold every block: the selector's choice is fixed
             yield Study(f"{name} select", shape.spec("mean"), "select", shape.n_k, SELECT_TRIALS, workload)
 
@@ -56,10 +62,11 @@ def _bench(arch: str, shape_names, backend_names) -> Iterator[Study]:
 PRESETS = {"bench": _bench}
 
 
-def studies(preset: str, arch: str, shape_names=None, backend_names=None) -> list[Study]:
-    """The studies of a preset on `arch`, for some shapes (default: all but the CPU smoke size) and
-    backends (default: every registered one that runs on `arch`)."""
+def studies(preset: str, arch: str, shape_names=None, backend_names=None, roles=None) -> list[Study]:
+    """The studies of a preset on `arch`, for some shapes (default: all but the CPU smoke size), backends
+    (default: every registered one that runs on `arch`) and roles (default: all)."""
     if preset not in PRESETS:
         raise KernelgenValueError(f"preset {preset!r} is unknown; expected one of {sorted(PRESETS)}")
     shape_names = shape_names or ["a32k", "b", "c", "c_dense"]
-    return list(PRESETS[preset](check_arch(arch), shape_names, backend_names or backends.names()))
+    chosen = PRESETS[preset](check_arch(arch), shape_names, backend_names or backends.names())
+    return [study for study in chosen if roles is None or study.role in roles]
