@@ -4,7 +4,7 @@ launches them.
 A call's roles and who runs them: `lists` (caller-given lists to the kernels' form) or `select` (the
 spec's selector), then `attn`; with inputs that require grad, its backward runs `bwd_delta`, `bwd_dq` and
 `bwd_dkdv` over the lists the forward used (`_AttentionFunction`; the KV-centric schedule's: `kv_select`,
-`kv_attn`, and `kv_bwd_dq`, `kv_bwd_dkdv` in the backward). The spec's backend runs each role it
+`kv_attn`, and `kv_bwd` in the backward). The spec's backend runs each role it
 has; the registry's fallback runs the others (`backends.runner`). A role's config is, in this order:
 pinned by the caller, the tuning DB's winner for the spec, the nearest tuned spec's winner (user DB, then
 the bundled one; `kernelgen.tuning.lookup.served_config`), or the backend's default. A winner measured
@@ -164,8 +164,8 @@ class SparseAttention:
 
     @functools.lru_cache(maxsize=256)
     def _backward_plan(self, bucket: int, dtype, device) -> tuple[Served, ...]:
-        """The backward's roles (`roles.backward_roles`: bwd_delta, bwd_dq, bwd_dkdv; kv_bwd_dq and kv_bwd_dkdv
-        for per-query lists), in one lookup."""
+        """The backward's roles (`roles.backward_roles`: bwd_delta, bwd_dq, bwd_dkdv; bwd_delta and kv_bwd for
+        per-query lists), in one lookup."""
         return tuple(self._served(role, bucket, dtype, device) for role in backward_roles(self.spec))
 
     def _launch(self, served: Served, like: torch.Tensor, shapes: Shapes, *args):
@@ -291,14 +291,19 @@ class SparseAttention:
         shapes = check_qkv(q, k, v, self.spec)
         if do.stride(-1) != 1:  # the kernels read rows with unit stride (an expanded do of o.sum() has 0)
             do = do.contiguous()
-        delta_role, dq_role, dkdv_role = self._backward_plan(seq_bucket(shapes.n_k), q.dtype, q.device)
+        delta_role, *grad_roles = self._backward_plan(seq_bucket(shapes.n_k), q.dtype, q.device)
         delta = self._launch(delta_role, q, shapes, o, do)
+        if self.spec.per_query:  # one walk of the reverse index gives all three
+            if reverse is None:
+                reverse = build_query_reverse_index(block_idx, shapes.n_kv_blocks)
+            dq, dk, dv = self._launch(grad_roles[0], q, shapes, q, k, v, do, lse, delta, block_idx, reverse, scale)
+            return tuple(grad if need else None for grad, need in zip((dq, dk, dv), needs))
+        dq_role, dkdv_role = grad_roles
         dq = self._launch(dq_role, q, shapes, q, k, v, do, lse, delta, block_idx, scale) if needs[0] else None
         dk = dv = None
         if needs[1] or needs[2]:
             if reverse is None:
-                build = build_query_reverse_index if self.spec.per_query else build_reverse_index
-                reverse = build(block_idx, shapes.n_kv_blocks)
+                reverse = build_reverse_index(block_idx, shapes.n_kv_blocks)
             dk, dv = self._launch(dkdv_role, q, shapes, q, k, v, do, lse, delta, reverse, scale)
         return dq, dk if needs[1] else None, dv if needs[2] else None
 

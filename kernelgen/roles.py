@@ -18,6 +18,8 @@ KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalis
   kv_select (q, k)                       per-query lists chosen by spec.selector
   kv_attn   (q, k, v, block_idx, reverse, scale)   (o, lse): partials per (block, query chunk) task of
             `reverse` (a `kernelgen.reverse_index.QueryReverseIndex` of the lists; None: built), merged per row
+  kv_bwd    (q, k, v, do, lse, delta, block_idx, reverse, scale)   (dq, dk, dv): one walk of `reverse` per
+            KV block gives dk, dv and dq's partials; their merge per row gives dq
 """
 from __future__ import annotations
 
@@ -156,8 +158,7 @@ def bwd_dq_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool
 
 def bwd_dkdv_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
     q, k, v, do, lse, delta, lists, grads = _backward_workload(spec, shape, device, dtype, check)
-    n_kv_blocks = spec.n_kv_blocks(shape.n_k)
-    reverse = (build_query_reverse_index if spec.per_query else build_reverse_index)(lists, n_kv_blocks)
+    reverse = build_reverse_index(lists, spec.n_kv_blocks(shape.n_k))
     flops = 2.0 * useful_flops(lists, spec, shape.n_q, shape.n_k)  # 4 products (S, dP, dV, dK) to the forward's 2
 
     def judge(out) -> str | None:
@@ -166,6 +167,18 @@ def bwd_dkdv_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bo
                 or _rel_l2_error("dv", dv, grads[2], GRAD_REL_L2_TOL[dv.dtype]))
 
     return Workload((q, k, v, do, lse, delta, reverse, None), judge if check else (lambda out: None), flops)
+
+
+def kv_bwd_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    q, k, v, do, lse, delta, lists, grads = _backward_workload(spec, shape, device, dtype, check)
+    reverse = build_query_reverse_index(lists, spec.n_kv_blocks(shape.n_k))
+    flops = 2.5 * useful_flops(lists, spec, shape.n_q, shape.n_k)  # 5 products (S, dP, dV, dK, dQ) to the forward's 2
+
+    def judge(out) -> str | None:
+        return next(filter(None, (_rel_l2_error(name, grad, want, GRAD_REL_L2_TOL[grad.dtype])
+                                  for name, grad, want in zip(("dq", "dk", "dv"), out, grads))), None)
+
+    return Workload((q, k, v, do, lse, delta, lists, reverse, None), judge if check else (lambda out: None), flops)
 
 
 def valid_top_k(lists: torch.Tensor, q, k, spec: Spec, index=None) -> bool:
@@ -281,16 +294,15 @@ register_role(Role("kv_attn", "attention over per-query lists: partials per (KV 
                    "per query and head through lse", canonical=_KERNEL_READS_LISTS, workload=kv_attn_workload))
 
 
-register_role(Role("kv_bwd_dq", "backward over per-query lists: dq per query, its G heads packed, P recomputed from "
-                   "lse", canonical=_KERNEL_READS_LISTS, workload=bwd_dq_workload))
-register_role(Role("kv_bwd_dkdv", "backward over per-query lists: dk and dv per KV block, over the (query, slot) "
-                   "pairs that list it (the query reverse index), the G query heads summed in the program",
-                   canonical=_KERNEL_READS_LISTS, workload=bwd_dkdv_workload))
-KV_BACKWARD_ROLES = ("bwd_delta", "kv_bwd_dq", "kv_bwd_dkdv")
+register_role(Role("kv_bwd", "backward over per-query lists: dk, dv and the dq partials per KV block, over the (query, "
+                   "slot) pairs that list it (the query reverse index), the G query heads summed in the program; "
+                   "then dq's merge in slot order", canonical=_KERNEL_READS_LISTS, workload=kv_bwd_workload))
+KV_BACKWARD_ROLES = ("bwd_delta", "kv_bwd")
 
 
-def backward_roles(spec: Spec) -> tuple[str, str, str]:
-    """(delta, dq, dkdv): the roles of a backward of `spec`'s schedule."""
+def backward_roles(spec: Spec) -> tuple[str, ...]:
+    """The roles of a backward of `spec`'s schedule: (bwd_delta, bwd_dq, bwd_dkdv) for Q-centric lists,
+    (bwd_delta, kv_bwd) for per-query ones (one pass gives dq, dk and dv)."""
     return KV_BACKWARD_ROLES if spec.per_query else BACKWARD_ROLES
 
 

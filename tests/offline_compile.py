@@ -78,15 +78,14 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
             "bwd_dq": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None),
             "bwd_dkdv": lambda: (q, k, v, t["o"], t["lse"], t["delta"],
                                  build_reverse_index(t["lists"], shapes.n_kv_blocks), None),
-            "kv_bwd_dq": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None),
-            "kv_bwd_dkdv": lambda: (q, k, v, t["o"], t["lse"], t["delta"],
-                                    build_query_reverse_index(t["lists"], shapes.n_kv_blocks), None)}[role]()
+            "kv_bwd": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"],
+                               build_query_reverse_index(t["lists"], shapes.n_kv_blocks), None)}[role]()
 
 
 # what each role's launch returns, by name, for the roles after it
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
             "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "bwd_delta": ("delta",), "bwd_dq": ("dq",),
-            "bwd_dkdv": ("dk", "dv"), "kv_bwd_dq": ("dq",), "kv_bwd_dkdv": ("dk", "dv")}
+            "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv")}
 
 
 def main(arch: str) -> None:

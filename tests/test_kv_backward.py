@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import kernelgen
-from kernelgen import KvBwdDkdvConfig, KvBwdDqConfig, Spec, reference
+from kernelgen import KvBwdConfig, Spec, reference
 from kernelgen.archs import ARCHS
-from kernelgen.backends.triton import (kv_bwd_dkdv_default, kv_bwd_dkdv_infeasible, kv_bwd_dq_default,
-                                      kv_bwd_dq_infeasible)
+from kernelgen.backends.triton import kv_bwd_default, kv_bwd_infeasible
 from kernelgen.custom_ops import sparse_attention
 from kernelgen.export import call_roles
 from kernelgen.roles import KV_BACKWARD_ROLES, backward_roles
@@ -91,9 +90,10 @@ def test_rows_without_a_visible_key_get_zero_gradient(device):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_deterministic_and_a_popular_block_in_many_steps(dtype, device):
-    """Every query lists block 0 (a sink): its dK/dV program walks 200 pairs, 16 rows (8 queries of G = 2) a step."""
+    """Every query lists block 0 (a sink): its program walks 200 pairs, 16 rows (8 queries of G = 2) a step;
+    16-key parts of 32-key blocks: each row's dQ merges two partials a slot."""
     spec = kv_spec(top_k=3, causal=False, gqa_group=2, sink=1)
-    configs = {"kv_bwd_dkdv": KvBwdDkdvConfig(block_n=16, block_m=16, num_warps=4, num_stages=1)}
+    configs = {"kv_bwd": KvBwdConfig(block_n=16, block_m=16, num_warps=4, num_stages=1, merge_rows=16)}
     q, k, v, do = leaves(1, 1, 2, 200, 160, 64, dtype, device, 17)
     first, lists = grads_of(spec, q, k, v, do, configs=configs)
     assert (lists[..., 0] == 0).all()
@@ -125,25 +125,24 @@ def test_prepared_lists_and_only_some_inputs_require_grad(device):
 def test_roles_and_configs():
     spec = kv_spec(gqa_group=4)
     assert backward_roles(spec) == KV_BACKWARD_ROLES
-    assert call_roles(spec)[-3:] == KV_BACKWARD_ROLES
+    assert call_roles(spec)[-2:] == KV_BACKWARD_ROLES
     assert backward_roles(spec.replace(schedule="q_centric"))[1:] == ("bwd_dq", "bwd_dkdv")
     for arch in ARCHS:
-        assert kv_bwd_dq_infeasible(spec, kv_bwd_dq_default(spec, arch), arch) is None
-        assert kv_bwd_dkdv_infeasible(spec, kv_bwd_dkdv_default(spec, arch), arch) is None
-    assert "block_m" in kv_bwd_dkdv_infeasible(spec, KvBwdDkdvConfig(block_n=32, block_m=2), "sm_90")
-    assert "block_n" in kv_bwd_dkdv_infeasible(spec, KvBwdDkdvConfig(block_n=48), "sm_90")
-    assert "registers" in kv_bwd_dq_infeasible(spec.replace(head_dim=256, kv_block=128), KvBwdDqConfig(num_warps=1),
-                                               "sm_90")
+        assert kv_bwd_infeasible(spec, kv_bwd_default(spec, arch), arch) is None
+    assert "block_m" in kv_bwd_infeasible(spec, KvBwdConfig(block_n=32, block_m=2), "sm_90")
+    assert "block_n" in kv_bwd_infeasible(spec, KvBwdConfig(block_n=48), "sm_90")
+    assert "merge_rows" in kv_bwd_infeasible(spec, KvBwdConfig(block_n=32, merge_rows=24), "sm_90")
+    assert "registers" in kv_bwd_infeasible(spec.replace(head_dim=256, kv_block=128),
+                                            KvBwdConfig(block_n=128, block_m=128, num_warps=4), "sm_90")
     with pytest.raises(kernelgen.KernelgenValueError):
-        kernelgen.get_kernel(spec, configs={"kv_bwd_dkdv": KvBwdDkdvConfig(block_n=48)})
+        kernelgen.get_kernel(spec, configs={"kv_bwd": KvBwdConfig(block_n=48)})
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the wrong scale's exp overflows fp16
-@pytest.mark.parametrize("role", ["kv_bwd_dq", "kv_bwd_dkdv"])
-def test_tuner_checks_the_roles_against_autograd(role, monkeypatch):
-    """The roles' tuned workloads (per-query lists of the reference selector): the default passes the
-    tuner's check; a launch computing the gradients of another scale fails it."""
-    assert_tuner_checks_against_autograd(kv_spec(top_k=3, causal=True, gqa_group=2), role, monkeypatch)
+def test_tuner_checks_the_role_against_autograd(monkeypatch):
+    """kv_bwd's tuned workload (per-query lists of the reference selector): the default passes the tuner's
+    check of dq, dk and dv; a launch computing the gradients of another scale fails it."""
+    assert_tuner_checks_against_autograd(kv_spec(top_k=3, causal=True, gqa_group=2), "kv_bwd", monkeypatch)
 
 
 def test_custom_op_backpropagates(device):

@@ -52,7 +52,7 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
 KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_select": {"pool", "kv_select_topk"},
            "select_index": {"select_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
            "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"},
-           "kv_bwd_dq": {"kv_bwd_dq"}, "kv_bwd_dkdv": {"kv_bwd_dkdv"}}
+           "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}}
 
 
 class Case(NamedTuple):

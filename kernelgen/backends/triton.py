@@ -23,8 +23,8 @@ from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
 
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
-           "KvSelectConfig", "KvAttnConfig", "KvBwdDqConfig", "KvBwdDkdvConfig", "attn_smem_bytes", "bwd_dq_smem_bytes", "bwd_dkdv_smem_bytes",
-           "kv_select_smem_bytes", "kv_attn_smem_bytes", "kv_bwd_dq_smem_bytes",
+           "KvSelectConfig", "KvAttnConfig", "KvBwdConfig", "attn_smem_bytes", "bwd_dq_smem_bytes",
+           "bwd_dkdv_smem_bytes", "kv_select_smem_bytes", "kv_attn_smem_bytes",
            "index_select_smem_bytes", "pack_infeasible", "rendered_module"]
 
 
@@ -115,24 +115,19 @@ class KvAttnConfig(_JsonConfig):
 
 
 @dataclass(frozen=True)
-class KvBwdDqConfig(_JsonConfig):
-    """dQ of the KV-centric backward: one query per program, its G heads packed in rows (max(16,
-    next_pow2(G)) of them), walking the query's own list."""
-
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-@dataclass(frozen=True)
-class KvBwdDkdvConfig(_JsonConfig):
-    """dK and dV of the KV-centric backward: block_n keys of one KV block per program (K, V and their
-    gradients held in registers), walking the (query, slot) pairs that list the block block_m packed rows
-    (block_m // next_pow2(G) queries) at a time."""
+class KvBwdConfig(_JsonConfig):
+    """The KV-centric backward: block_n keys of one KV block per program (K, V and their gradients held in
+    registers), walking the (query, slot) pairs that list the block block_m packed rows (block_m //
+    next_pow2(G) queries) at a time and writing each row's dQ partial; dq_partials_fp32: those partials in
+    fp32 (else in the inputs' dtype: half the bytes, the merge still in fp32); merge_rows: queries per
+    program of the dQ merge."""
 
     block_n: int = 64
     block_m: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    dq_partials_fp32: bool = False
+    merge_rows: int = 32
 
 
 @dataclass(frozen=True)
@@ -469,14 +464,16 @@ def bwd_dkdv_infeasible(spec: Spec, cfg: BwdDkdvConfig, arch: str) -> str | None
     return _dkdv_infeasible(spec, cfg, arch, lambda: pack_infeasible(spec, cfg.block_m))
 
 
-def _dkdv_infeasible(spec: Spec, cfg, arch: str, rows_infeasible) -> str | None:
+def _dkdv_infeasible(spec: Spec, cfg, arch: str, rows_infeasible, dq_rows: int = 0) -> str | None:
     """A dK/dV kernel's checks (either schedule's): block_n splits a KV block, then `rows_infeasible()` (the
-    schedule's rule for block_m), then registers and shared memory (`bwd_dkdv_smem_bytes`)."""
+    schedule's rule for block_m), then registers (with `dq_rows` rows of a dQ partial, the KV-centric
+    kernel's) and shared memory (`bwd_dkdv_smem_bytes`)."""
     if cfg.block_n < 16 or cfg.block_n > spec.kv_block or spec.kv_block % cfg.block_n:
         return f"block_n={cfg.block_n} must be >= 16 and split a KV block (kv_block={spec.kv_block}) evenly"
     return rows_infeasible() or _bwd_resources(
-        cfg.block_n * (3 * spec.head_dim + 2 * cfg.block_m) // (32 * cfg.num_warps),
-        "block_n * (3 * head_dim + 2 * block_m) / (32 * num_warps) for dK, dV, K, V, P and dP",
+        (cfg.block_n * (3 * spec.head_dim + 2 * cfg.block_m) + dq_rows * spec.head_dim) // (32 * cfg.num_warps),
+        "(block_n * (3 * head_dim + 2 * block_m) + dq rows * head_dim) / (32 * num_warps) for dK, dV, K, V, P, dP "
+        "and a dQ partial",
         bwd_dkdv_smem_bytes(spec, cfg), "num_stages Q and dO steps, K and V", arch_facts(arch).smem_per_block)
 
 
@@ -493,64 +490,36 @@ def bwd_dkdv_space(spec: Spec, arch: str):
             for n, m, w, s in itertools.product((16, 32, 64, 128, 256), (16, 32, 64, 128), (4, 8), (1, 2, 3)))
 
 
-def kv_bwd_dq_rows(spec: Spec) -> int:
-    """Packed rows of a KV-centric dQ program: the G heads of one query, padded to tl.dot's 16 at least."""
-    return max(16, next_pow2(spec.gqa_group))
-
-
-def kv_bwd_dq_smem_bytes(spec: Spec, cfg: KvBwdDqConfig, elem_bytes: int = 2) -> int:
-    """Shared memory of the KV-centric dQ kernel: num_stages buffers of one K and one V block, plus Q and dO."""
-    return (cfg.num_stages * 2 * spec.kv_block + 2 * kv_bwd_dq_rows(spec)) * spec.head_dim * elem_bytes
-
-
-def kv_bwd_dq_infeasible(spec: Spec, cfg: KvBwdDqConfig, arch: str) -> str | None:
-    """Why the KV-centric dQ kernel cannot run `cfg` for `spec` on `arch`, or None: registers for dQ, Q, dO
-    and the P and dP tiles of one block, and K and V buffers that fit in shared memory."""
-    if cfg.num_warps not in (1, 2, 4, 8) or cfg.num_stages < 1:
-        return f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}; expected 1, 2, 4 or 8 warps and >= 1 stage"
-    rows = kv_bwd_dq_rows(spec)
-    return _bwd_resources(
-        rows * (2 * spec.head_dim + 2 * spec.kv_block) // (32 * cfg.num_warps),
-        "rows * (2 * head_dim + 2 * kv_block) / (32 * num_warps) for dQ, Q, dO, P and dP",
-        kv_bwd_dq_smem_bytes(spec, cfg), "num_stages K and V blocks, Q and dO", arch_facts(arch).smem_per_block)
-
-
-def kv_bwd_dq_default(spec: Spec, arch: str) -> KvBwdDqConfig:
-    _, stages = _bwd_warps_stages(spec)
-    return _first_feasible(spec, arch, kv_bwd_dq_infeasible, (
-        KvBwdDqConfig(num_warps=w, num_stages=s) for s in (stages, 1) for w in (4, 8)))
-
-
-def kv_bwd_dq_space(spec: Spec, arch: str):
-    return (KvBwdDqConfig(num_warps=w, num_stages=s) for w, s in itertools.product((2, 4, 8), (1, 2, 3)))
-
-
-def kv_bwd_dkdv_infeasible(spec: Spec, cfg: KvBwdDkdvConfig, arch: str) -> str | None:
-    """Why the KV-centric dK/dV kernel cannot run `cfg` for `spec` on `arch`, or None: block_n splits a KV
+def kv_bwd_infeasible(spec: Spec, cfg: KvBwdConfig, arch: str) -> str | None:
+    """Why the KV-centric backward cannot run `cfg` for `spec` on `arch`, or None: block_n splits a KV
     block, block_m holds whole queries (a power of two, 16 to 256, at least next_pow2(G) rows), registers
-    for dK, dV, K, V and the P and dP tiles of one step, and Q and dO buffers that fit in shared memory."""
+    for dK, dV, K, V, the P and dP tiles and the dQ partial of one step, and Q and dO buffers that fit in
+    shared memory."""
     g_pad = next_pow2(spec.gqa_group)
 
     def rows_infeasible():
         if cfg.block_m not in TILE_ROWS or cfg.block_m < g_pad:
             return (f"block_m={cfg.block_m}; expected one of {TILE_ROWS} holding whole queries (>= next_pow2(G) = "
                     f"{g_pad})")
+        if cfg.merge_rows not in (16, 32, 64, 128):
+            return f"merge_rows={cfg.merge_rows}; expected 16, 32, 64 or 128"
         return None
 
-    return _dkdv_infeasible(spec, cfg, arch, rows_infeasible)
+    return _dkdv_infeasible(spec, cfg, arch, rows_infeasible, dq_rows=cfg.block_m)
 
 
-def kv_bwd_dkdv_default(spec: Spec, arch: str) -> KvBwdDkdvConfig:
+def kv_bwd_default(spec: Spec, arch: str) -> KvBwdConfig:
     _, stages = _bwd_warps_stages(spec)
-    return _first_feasible(spec, arch, kv_bwd_dkdv_infeasible, (
-        KvBwdDkdvConfig(block_n=n, block_m=m, num_warps=w, num_stages=s)
+    return _first_feasible(spec, arch, kv_bwd_infeasible, (
+        KvBwdConfig(block_n=n, block_m=m, num_warps=w, num_stages=s)
         for s in (stages, 1) for n in (min(spec.kv_block, 64), 32, 16) for m in (64, 32, 16, 128, 256)
         for w in (4, 8)))
 
 
-def kv_bwd_dkdv_space(spec: Spec, arch: str):
-    return (KvBwdDkdvConfig(block_n=n, block_m=m, num_warps=w, num_stages=s)
-            for n, m, w, s in itertools.product((16, 32, 64, 128, 256), TILE_ROWS, (4, 8), (1, 2, 3)))
+def kv_bwd_space(spec: Spec, arch: str):
+    return (KvBwdConfig(block_n=n, block_m=m, num_warps=w, num_stages=s, dq_partials_fp32=f)
+            for n, m, w, s, f in itertools.product((16, 32, 64, 128, 256), TILE_ROWS, (4, 8), (1, 2, 3),
+                                                   (False, True)))
 
 
 def _first_feasible(spec: Spec, arch: str, infeasible, candidates):
@@ -767,27 +736,31 @@ def launch_bwd_dkdv(mod, spec: Spec, cfg: BwdDkdvConfig, shapes: Shapes, q, k, v
                         Q_TILE=spec.q_tile)
 
 
-def launch_kv_bwd_dq(mod, spec: Spec, cfg: KvBwdDqConfig, shapes: Shapes, q, k, v, do, lse, delta, block_idx,
-                     scale):
-    """dq (q's shape and dtype) over normalised per-query lists, from the forward's lse and delta."""
+def launch_kv_bwd(mod, spec: Spec, cfg: KvBwdConfig, shapes: Shapes, q, k, v, do, lse, delta,
+                  block_idx, reverse: QueryReverseIndex, scale):
+    """(dq, dk, dv) (q's, k's and v's shapes and dtypes) over normalised per-query lists: dK, dV and the dQ
+    partials per KV block, over the (query, slot) pairs of the query reverse index; then dQ's merge."""
     scale = softmax_scale(scale, spec)
-    dq = empty(*q.shape, device=q.device, dtype=q.dtype)
-    mod.kv_bwd_dq[(shapes.n_q, shapes.batch * shapes.heads_kv)](
-        q, k, v, do, lse, delta, dq, block_idx,
+    parts = spec.kv_block // cfg.block_n
+    dk = empty(*k.shape, device=k.device, dtype=k.dtype)
+    dv = empty(*v.shape, device=v.device, dtype=v.dtype)
+    dq_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, spec.top_k * parts, spec.head_dim, device=q.device,
+                    dtype=torch.float32 if cfg.dq_partials_fp32 else q.dtype)
+    mod.kv_bwd_dkdv[(shapes.n_kv_blocks * parts, shapes.batch * shapes.heads_kv)](
+        q, k, v, do, lse, delta, dk, dv, dq_part, reverse.offsets, reverse.queries, reverse.slots,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
-        *dq.stride()[:3], *block_idx.stride()[:3],
-        shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E, scale,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, ROWS=kv_bwd_dq_rows(spec),
-        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), CAUSAL=spec.causal,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dq
-
-
-def launch_kv_bwd_dkdv(mod, spec: Spec, cfg: KvBwdDkdvConfig, shapes: Shapes, q, k, v, do, lse, delta,
-                       reverse: QueryReverseIndex, scale):
-    """(dk, dv) (k's shape and dtype): per KV block, over the (query, slot) pairs of the query reverse index."""
-    return _launch_dkdv(mod.kv_bwd_dkdv, spec, cfg, shapes, q, k, v, do, lse, delta, reverse.offsets,
-                        reverse.queries, scale, GROUP_PAD=next_pow2(spec.gqa_group))
+        *dk.stride()[:3], *dv.stride()[:3], *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2],
+        *dq_part.stride()[:4], shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E, scale,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=next_pow2(spec.gqa_group),
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    dq = empty(*q.shape, device=q.device, dtype=q.dtype)
+    mod.kv_bwd_dq_merge[(triton.cdiv(shapes.n_q, cfg.merge_rows), shapes.batch * shapes.heads_q)](
+        dq_part, block_idx, dq, *dq_part.stride()[:4], *block_idx.stride()[:3], *dq.stride()[:3],
+        shapes.n_q, shapes.heads_q, scale,
+        HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=spec.top_k, PARTS=parts, ROWS=cfg.merge_rows,
+        num_warps=4)
+    return dq, dk, dv
 
 
 # ---- the backend ------------------------------------------------------------------------------------
@@ -831,11 +804,8 @@ class TritonBackend(Backend):
         "kv_attn": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn.py.j2", config_type=KvAttnConfig,
                             default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible),
         # its backward (bwd_delta is shared with the Q-centric schedule)
-        "kv_bwd_dq": RoleImpl(launch=launch_kv_bwd_dq, template="triton/kv_bwd_dq.py.j2", config_type=KvBwdDqConfig,
-                              default=kv_bwd_dq_default, space=kv_bwd_dq_space, infeasible=kv_bwd_dq_infeasible),
-        "kv_bwd_dkdv": RoleImpl(launch=launch_kv_bwd_dkdv, template="triton/kv_bwd_dkdv.py.j2",
-                                config_type=KvBwdDkdvConfig, default=kv_bwd_dkdv_default, space=kv_bwd_dkdv_space,
-                                infeasible=kv_bwd_dkdv_infeasible),
+        "kv_bwd": RoleImpl(launch=launch_kv_bwd, template="triton/kv_bwd.py.j2", config_type=KvBwdConfig,
+                           default=kv_bwd_default, space=kv_bwd_space, infeasible=kv_bwd_infeasible),
     }
 
     def device_unsupported(self, device) -> str | None:
