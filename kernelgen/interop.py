@@ -42,13 +42,14 @@ def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | N
                Eager `flex_attention` and `create_mask` apply the mask_mod alone (they ignore the block
                lists), so they need this. False: the mask_mod is the causal (or in-range) predicate alone,
                which is exact for the fused (torch.compile'd) kernel, which calls it only inside the kv_*
-               blocks of lists that are one per Q block, and one table look-up cheaper per element; per-query
-               lists (or a Q block spanning several lists) need the exact mask_mod and refuse False.
+               blocks of lists that are one per Q block, and one table look-up cheaper per element; a Q block
+               spanning several lists (per-query lists with q_block > 1) needs the exact mask_mod and refuses
+               False.
 
     Blocks every query of a Q block sees whole (both blocks inside seq_q and seq_k, below the causal diagonal of
-    the Q block's first query, held by every list the Q block spans) go to `full_kv_*`: the fused kernel visits them without a
-    mask_mod call. The others go to `kv_*`. The mask has `Hkv * G` heads (the `G` query heads of a KV head
-    share its list) and the lists' batch; a size of 1 broadcasts in FlexAttention."""
+    the Q block's first query, held by every list the Q block spans) go to `full_kv_*`: the fused kernel visits
+    them without a mask_mod call. The others go to `kv_*`. The mask has `Hkv * G` heads (the `G` query heads of
+    a KV head share its list) and the lists' batch; a size of 1 broadcasts in FlexAttention."""
     from torch.nn.attention.flex_attention import BlockMask
 
     _check_spec(spec)

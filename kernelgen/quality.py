@@ -302,8 +302,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         recalls = [r["recall"] for r in group if r["recall"] == r["recall"]]
         errors = [r["rel_error"] for r in group if r["rel_error"] == r["rel_error"]]
         worst = min((r for r in group if r["recall"] == r["recall"]), key=lambda r: r["recall"], default=None)
-        out.append(dict(selector=sel, top_k=top_k, recall_mean=_mean(recalls), recall_min=min(recalls, default=math.nan),
-                        rel_error_mean=_mean(errors), rel_error_max=max(errors, default=math.nan),
+        out.append(dict(selector=sel, top_k=top_k, recall_mean=_mean(recalls),
+                        recall_min=min(recalls, default=math.nan), rel_error_mean=_mean(errors),
+                        rel_error_max=max(errors, default=math.nan),
                         worst=None if worst is None else f"{worst['layer']} head {worst['head']}"))
     return out
 

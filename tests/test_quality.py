@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from test_cli import invoke, one_line_error
 
-from kernelgen import Spec, get_kernel, reference
+from kernelgen import Spec, reference
 from kernelgen.quality import capture_qkv, selection_quality, summarize
 
 
