@@ -22,6 +22,7 @@ from .dispatch import SparseAttention, get_kernel  # noqa: E402
 from .errors import (KernelgenError, KernelgenNotImplementedError, KernelgenRuntimeError, KernelgenTypeError,  # noqa: E402
                      KernelgenValueError)
 from .inputs import BlockLists  # noqa: E402
+from .interop import from_block_mask, to_block_mask  # noqa: E402
 from .reverse_index import ReverseIndex, build_reverse_index  # noqa: E402
 from .spec import Spec  # noqa: E402
 
@@ -29,5 +30,6 @@ __all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "ReverseIndex"
            "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig", "KvSelectConfig", "KvAttnConfig",
            "KvBwdConfig",
            "TileLangAttnConfig", "GluonAttnConfig", "KernelgenError", "KernelgenValueError", "KernelgenTypeError",
-           "KernelgenRuntimeError", "KernelgenNotImplementedError", "backends", "reference"]
+           "KernelgenRuntimeError", "KernelgenNotImplementedError", "backends", "reference", "from_block_mask",
+           "to_block_mask"]
 __version__ = "0.1.0"

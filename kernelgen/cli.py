@@ -1,4 +1,4 @@
-"""`kernelgen` command line: tune, db, export, bench, info (typer + rich).
+"""`kernelgen` command line: tune, db, export, bench, quality, info (typer + rich).
 
 The library never configures logging; this module does, for the commands it runs. Bad input gets one
 line on stderr and exit status 2, never a traceback.
@@ -418,6 +418,77 @@ def bench(
     benchmark.main(shapes=shapes, out=str(out), overhead=overhead, sweep=sweep, graph=graph,
                    stall_timeout=stall_timeout)
     png = benchmark.plot(str(out))
+    if png:
+        console.print(f"plot: {png}")
+
+
+@app.command()
+@clean_errors
+def quality(
+    qkv: Path = typer.Option(..., "--qkv", help="A .pt file of captured tensors: {'layers': {name: {'q', 'k', 'v'[, "
+                                                 "'q_idx', 'k_idx', 'w']}}} (kernelgen.quality.capture_qkv) or one "
+                                                 "layer's {'q', 'k', 'v'}."),
+    selectors: Optional[str] = typer.Option(None, help="Comma-separated selectors: mean, multi:r, index (default: "
+                                                       "mean and multi:4, and index when the file holds index "
+                                                       "vectors)."),
+    top_k: str = typer.Option("4,8,16,32", "--top-k", help="Comma-separated list budgets (forced blocks included)."),
+    kv_block: int = KV_BLOCK, q_tile: int = Q_TILE, local: int = LOCAL, sink: int = SINK,
+    causal: Optional[bool] = typer.Option(None, "--causal/--no-causal", help="Bottom-right causal mask (default: as "
+                                                                             "the file records, else not)."),
+    out: Path = typer.Option(Path("quality-out"), help="Directory for quality.csv and quality.png."),
+    device: Optional[str] = typer.Option(None, help="Where to compute: cpu or cuda (default: cuda when present)."),
+):
+    """Attention-mass recall and output error of each selector's block lists against dense attention, per
+    layer and head, for q/k/v captured from a model."""
+    import torch
+
+    from .quality import load_qkv, plot_recall, selection_quality, summarize, write_csv
+    from .spec import Spec
+
+    if not qkv.is_file():
+        _fail(f"--qkv {qkv}: no such file")
+    try:
+        budgets = [int(t) for t in top_k.split(",") if t.strip()]
+    except ValueError:
+        budgets = []
+    if not budgets:
+        _fail(f"--top-k {top_k!r}: expected comma-separated ints, e.g. 4,8,16")
+    layers = load_qkv(qkv)
+    first = next(iter(layers.values()))
+    for key in ("q", "k"):
+        if not isinstance(first.get(key), torch.Tensor) or first[key].dim() != 4:
+            _fail(f"--qkv {qkv}: layer {next(iter(layers))!r} needs a 4-D tensor {key!r} [B, H, N, D]")
+    q, k = first["q"], first["k"]
+    has_index = all(all(x in layer for x in ("q_idx", "k_idx", "w")) for layer in layers.values())
+    if selectors is None:
+        r = 4 if kv_block % 4 == 0 and q_tile % 4 == 0 else 2
+        chosen = ["mean", f"multi:{r}"] + (["index"] if has_index else [])
+    else:
+        chosen = [sel.strip() for sel in selectors.split(",") if sel.strip()]
+        if "index" in chosen and not has_index:
+            _fail(f"--selectors index: {qkv} holds no index vectors (q_idx, k_idx, w) in every layer")
+    if causal is None:
+        causal = all(bool(layer.get("causal", False)) for layer in layers.values())
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if q.shape[1] % max(1, k.shape[1]):
+        _fail(f"--qkv {qkv}: q has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}")
+    spec = Spec(head_dim=q.shape[-1], kv_block=kv_block, q_tile=q_tile, top_k=max(budgets), causal=causal,
+                gqa_group=q.shape[1] // k.shape[1], local=local, sink=sink)
+    _check_out_dir(out)
+    rows = selection_quality(layers, spec, chosen, budgets, device=torch.device(device))
+    table = Table("selector", "top_k", "recall (mean)", "recall (lowest)", "rel. error (mean)", "rel. error (max)",
+                  "lowest recall at")
+    for row in summarize(rows):
+        table.add_row(row["selector"], str(row["top_k"]), f"{row['recall_mean']:.4f}", f"{row['recall_min']:.4f}",
+                      f"{row['rel_error_mean']:.2e}", f"{row['rel_error_max']:.2e}", row["worst"] or "-")
+    n_q, n_k = q.shape[2], k.shape[2]
+    console.print(f"{len(layers)} layers, {q.shape[1]} query heads, Nq={n_q}, Nk={n_k}, "
+                  f"{'causal' if causal else 'not causal'}, kv_block={kv_block}, q_tile={q_tile}, local={local}, "
+                  f"sink={sink} ({spec.n_kv_blocks(n_k)} KV blocks)")
+    console.print(table)
+    console.print(f"per layer and head: {write_csv(rows, out / 'quality.csv')}")
+    png = plot_recall(rows, out / "quality.png")
     if png:
         console.print(f"plot: {png}")
 

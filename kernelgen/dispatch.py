@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,8 @@ import torch
 from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import BlockLists, Shapes, check_block_idx, check_block_lists, check_index, check_qkv, lists_layout
+from .inputs import (BlockLists, Shapes, check_block_idx, check_block_lists, check_index, check_length, check_qkv,
+                     lists_layout)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -204,18 +204,7 @@ class SparseAttention:
         """Given lists checked and normalised once, for calls with seq_q queries and seq_k keys (any
         batch, heads and dtype that match block_idx's shape): pass the result as block_idx. Repeated
         ids count once (an error with validate_lists=True), as in a call given the raw lists."""
-        lengths = []
-        for name, n in (("seq_q", seq_q), ("seq_k", seq_k)):
-            try:  # any integer type (numpy, a 0-d integer tensor), as range() takes; bool and float are not
-                length = None if isinstance(n, bool) else operator.index(n)
-            except TypeError:
-                length = None
-            if length is None:
-                raise KernelgenTypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
-            if length < 1:
-                raise KernelgenValueError(f"{name} must be a positive int, got {n!r}")
-            lengths.append(length)
-        seq_q, seq_k = lengths
+        seq_q, seq_k = check_length("seq_q", seq_q), check_length("seq_k", seq_k)
         if not isinstance(block_idx, torch.Tensor):
             raise KernelgenTypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
         if block_idx.device.type != "cuda" and not interpreting():

@@ -7,6 +7,7 @@ argument and what was expected. Also the pieces every launcher shares: poisoned 
 from __future__ import annotations
 
 import math
+import operator
 import os
 from typing import NamedTuple
 
@@ -17,8 +18,8 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "check_qkv", "check_block_idx", "check_block_lists", "check_index", "softmax_scale",
-           "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
+__all__ = ["Shapes", "BlockLists", "check_qkv", "check_block_idx", "check_block_lists", "check_index", "check_length",
+           "softmax_scale", "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
 
 LOG2E = 1.4426950408889634
 LAYOUT = "q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] (heads before sequence, as SDPA and FlexAttention)"
@@ -198,6 +199,20 @@ def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> 
     if lists.block_idx.device != device:
         raise KernelgenValueError(f"block_idx (prepared) is on {lists.block_idx.device} but q is on {device}")
     return lists.block_idx
+
+
+def check_length(name: str, n) -> int:
+    """A sequence length: any integer type (numpy, a 0-d integer tensor), as range() takes, >= 1; bool and
+    float are refused, naming the argument."""
+    try:
+        length = None if isinstance(n, bool) else operator.index(n)
+    except TypeError:
+        length = None
+    if length is None:
+        raise KernelgenTypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
+    if length < 1:
+        raise KernelgenValueError(f"{name} must be a positive int, got {n!r}")
+    return length
 
 
 def lists_layout(spec: Spec) -> str:

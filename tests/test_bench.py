@@ -186,14 +186,12 @@ def test_random_query_lists(causal, n_q, n_k):
 
 
 @pytest.mark.parametrize("causal,n_q,n_k,q_tile", [(True, 200, 200, 16), (True, 100, 180, 32), (False, 130, 160, 32)])
-def test_flex_membership_block_mask_holds_exactly_the_per_query_lists(causal, n_q, n_k, q_tile):
-    from kernelgen.bench.kv_centric import flex_membership_block_mask
-
+def test_flex_block_mask_of_per_query_lists_holds_exactly_them(causal, n_q, n_k, q_tile):
     spec = kernelgen.Spec(head_dim=64, kv_block=16, top_k=4, causal=causal, gqa_group=2, selector="given",
                           schedule="kv_centric")
     lists = random_query_lists(spec, 2, 2, n_q, n_k, "cpu", seed=1)
-    block_mask, member = flex_membership_block_mask(lists, spec, n_q, n_k, q_tile)
-    assert member.shape == (2, 2, n_q, spec.n_kv_blocks(n_k)) and member.dtype == torch.bool
+    block_mask = kernelgen.to_block_mask(lists, spec, n_q, n_k, q_block=q_tile)  # as `bench --kv-centric` builds it
+    assert block_mask.BLOCK_SIZE == (q_tile, 16)
     want = reference.token_mask(lists, spec, n_q, n_k).repeat_interleave(spec.gqa_group, 1)
     assert torch.equal(flex_token_mask(block_mask), want)
 

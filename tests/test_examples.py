@@ -27,3 +27,19 @@ def test_train_tiny_trains_both_models(tmp_path):
     assert len(dense) == len(sparse) == 2
     assert abs(dense[0] - sparse[0]) < 0.05 * dense[0]
     assert sparse[1] < sparse[0]  # the backward trains it
+
+
+def test_quality_tiny_reports_each_length(tmp_path):
+    """Two dense steps on the CPU, then the selection-quality report at two short lengths: a CSV per length whose
+    recall reaches 1 where top_k covers every block."""
+    if torch.cuda.is_available():
+        return  # the GPU run is the example's own (N=4096..32768)
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "quality_tiny.py"), "--steps", "2", "--lengths",
+                             "64,128", "--top-k", "2,8", "--out", str(tmp_path)], capture_output=True, text=True,
+                            timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "No CUDA GPU" in result.stdout and "N=64" in result.stdout and "N=128" in result.stdout
+    rows = (tmp_path / "quality_N64.csv").read_text().splitlines()
+    assert rows[0] == "layer,head,selector,top_k,recall,rel_error" and (tmp_path / "quality_N128.csv").exists()
+    full = [float(r.split(",")[4]) for r in rows[1:] if r.split(",")[3] == "8"]  # 4 blocks of 16 keys: all listed
+    assert full and all(abs(x - 1) < 1e-9 for x in full)

@@ -7,7 +7,8 @@ same random per-query lists (`random_query_lists`, seed 0):
   selector pipeline (selection and attention) and selection alone, so the selection overhead reads off;
 - dense SDPA on cuDNN, forward and forward+backward (every visible pair);
 - FlexAttention (torch.compile'd) over a BlockMask of each Q tile's union of listed blocks, with a
-  mask_mod that looks each (query, block) up in a dense bool membership tensor [B, Hkv, Nq, n_blocks];
+  mask_mod that looks each (query, block) up in a dense bool membership tensor [B, Hkv, Nq, n_blocks]
+  (`kernelgen.to_block_mask` with a Q block of kv_block queries);
   building that tensor and the BlockMask is timed as its own row;
 - fla-core's NSA selected-attention kernel (`ParallelNSAFunction`, layout [B, T, H, D]), forward and
   forward+backward, where it applies: it is causal only and needs G = Hq/Hkv a power of two >= 16.
@@ -27,68 +28,16 @@ import torch
 
 from ..dispatch import get_kernel
 from ..errors import KernelgenRuntimeError
+from ..interop import to_block_mask
 from ..spec import Spec
 from ..workloads import KV_CENTRIC_SHAPES, dense_flops, useful_flops
 from .anchors import flex_call, sdpa_dense_anchors
 from .backward import _grads, _timed
 from .measure import _bench, _dump_rows, _rel_diff
 
-__all__ = ["run_kv_centric", "flex_membership", "flex_membership_block_mask", "fla_nsa_unsupported",
-           "SELECTOR_SHAPES"]
+__all__ = ["run_kv_centric", "fla_nsa_unsupported", "SELECTOR_SHAPES"]
 
 SELECTOR_SHAPES = ("kv_nsa32k",)  # shapes on which the `mean` pipeline is also timed (NSA's shape)
-
-
-def flex_membership(block_idx: torch.Tensor, n_blocks: int) -> torch.Tensor:
-    """bool [B, Hkv, Nq, n_blocks]: whether each query's list holds each block (-1 and out-of-range ids:
-    none)."""
-    idx = block_idx.long()
-    dense = torch.zeros(*idx.shape[:3], n_blocks + 1, dtype=torch.bool, device=idx.device)
-    dense.scatter_(-1, torch.where((idx >= 0) & (idx < n_blocks), idx, n_blocks), True)
-    return dense[..., :n_blocks]
-
-
-def _kv_blocks(dense: torch.Tensor):
-    """(count int32 [..., T], ids int32 [..., T, n_blocks]) of a dense bool [..., T, n_blocks]: the held
-    ids first, ascending (BlockMask's kv_num_blocks / kv_indices)."""
-    count = dense.sum(-1, dtype=torch.int32)
-    ids = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return count.contiguous(), ids.contiguous()
-
-
-def flex_membership_block_mask(block_idx: torch.Tensor, spec: Spec, n_q: int, n_k: int, q_tile: int):
-    """FlexAttention BlockMask for per-query lists (`block_idx` int32 [B, Hkv, Nq, top_k]): each Q tile of
-    `q_tile` queries visits the union of its queries' blocks, and a mask_mod keeps a (query, key) pair iff
-    the key's block is in the query's list (and causal allows). A block every query of the tile holds and
-    the tile's first query sees whole needs no mask_mod (full_kv_*). Returns (BlockMask, membership)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    n_blocks = spec.n_kv_blocks(n_k)
-    member = flex_membership(block_idx, n_blocks)
-    b, hkv = member.shape[:2]
-    n_tiles = -(-n_q // q_tile)
-    padded = torch.nn.functional.pad(member, (0, 0, 0, n_tiles * q_tile - n_q))  # rows past Nq hold nothing
-    tiles = padded.view(b, hkv, n_tiles, q_tile, n_blocks)
-    union = tiles.any(3)
-    full = tiles.all(3)
-    if n_q % q_tile:  # the last tile's padding rows hold nothing: judge its real rows only
-        full[:, :, -1] = tiles[:, :, -1, :n_q % q_tile].all(2)
-    block_end = (torch.arange(n_blocks, device=member.device) + 1) * spec.kv_block
-    full &= block_end <= n_k
-    if spec.causal:  # the block's last key is visible to the tile's first query
-        first_query = torch.arange(n_tiles, device=member.device)[:, None] * q_tile
-        full &= block_end - 1 <= first_query + (n_k - n_q)
-    g, offset, kv_block = spec.gqa_group, n_k - n_q, spec.kv_block
-
-    def in_list(b, h, q_idx, kv_idx):
-        keep = member[b, h // g, q_idx, kv_idx // kv_block]
-        return keep & (kv_idx <= q_idx + offset) if spec.causal else keep
-
-    kv_num, kv_ids = _kv_blocks(union & ~full)
-    full_num, full_ids = _kv_blocks(full)
-    block_mask = BlockMask.from_kv_blocks(*(x.repeat_interleave(g, 1) for x in (kv_num, kv_ids, full_num, full_ids)),
-                                          BLOCK_SIZE=(q_tile, kv_block), mask_mod=in_list, seq_lengths=(n_q, n_k))
-    return block_mask, member
 
 
 def fla_nsa_unsupported(spec: Spec) -> str | None:
@@ -179,9 +128,9 @@ def run_kv_centric(shape_names=None, out_dir=None, log=print) -> list[dict]:
                              causal=shape.causal, gqa_group=given.gqa_group)
 
             def build():
-                return flex_membership_block_mask(lists, given, shape.n_q, shape.n_k, flex_tile)
+                return to_block_mask(lists, given, shape.n_q, shape.n_k, q_block=flex_tile)
 
-            block_mask, _ = build()
+            block_mask = build()
             fn = flex_call(q, k, v, block_mask, flex_spec)
             diff = _rel_diff(fn(), ours)
             record(name, "flex (tile union + membership mask_mod)", _bench(fn), flops,

@@ -6,7 +6,21 @@ import os
 
 from ..workloads import SHAPES
 
-__all__ = ["plot"]
+__all__ = ["plot", "pyplot"]
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only), or None after a one-line note when matplotlib (optional)
+    is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    return plt
 
 
 def plot(out_dir) -> str | None:
@@ -21,13 +35,8 @@ def plot(out_dir) -> str | None:
         rows = [r for r in json.load(f) if not r["impl"].startswith("sweep") and r["ms"] == r["ms"]]
     if not rows:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return None
     names = sorted({r["shape"] for r in rows}, key=lambda n: (SHAPES[n].n_k, n) if n in SHAPES else (0, n))
     impls = sorted({r["impl"] for r in rows})

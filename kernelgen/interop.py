@@ -1,0 +1,268 @@
+"""FlexAttention interop: kernelgen's block lists to and from torch's `BlockMask`.
+
+    lists = kernelgen.from_block_mask(block_mask, spec)        # int32 [B, Hkv, n_q_tiles, top_k], -1 padded
+    block_mask = kernelgen.to_block_mask(lists, spec, seq_q, seq_k)
+    o = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=spec.gqa_group > 1)
+
+The two structures say the same thing at different grain. A `BlockMask`
+(`torch.nn.attention.flex_attention`) lists, per (batch, query head, Q block), the KV blocks to visit: the
+`full_kv_*` ones whole, the `kv_*` ones through its `mask_mod` (a token-level predicate). kernelgen's lists
+name, per (batch, KV head, Q tile), the KV blocks the `G` query heads of that KV head attend to, and
+kernelgen's own token-level mask is the causal one (bottom-right aligned, docs/SEMANTICS.md) when
+`spec.causal`, else none. The rules of each direction are in the functions' docstrings.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import KernelgenTypeError, KernelgenValueError
+from .inputs import BlockLists, check_length, lists_layout
+from .spec import Spec
+
+__all__ = ["to_block_mask", "from_block_mask", "block_membership", "block_mask_blocks"]
+
+
+def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | None = None,
+                  exact_mask_mod: bool = True):
+    """A FlexAttention `BlockMask` that attends exactly as kernelgen does over `lists`.
+
+    lists      int32 or int64 `[B, Hkv, n_q_tiles, top_k]` (per-query lists of `schedule="kv_centric"`:
+               `[B, Hkv, Nq, top_k]`), or the `BlockLists` of `attn.prepare`. `-1`, out-of-range and repeated
+               ids are dropped: a list is a set of blocks (docs/SEMANTICS.md, "Block lists").
+    spec       the kernelgen spec the lists are for: kv_block, q_tile, causal and gqa_group are read.
+               Forced blocks (sink, local, the causal diagonal) are part of the lists a selector emits, and
+               given lists are attended as they are, so the mask holds the lists' blocks and no other.
+    seq_q, seq_k   the query and key lengths (the mask's `seq_lengths`).
+    q_block    the mask's Q block size (default: spec.q_tile; per-query lists: spec.kv_block). It must
+               divide the queries of one list (q_tile, or 1 for per-query lists) or be a multiple of them;
+               a Q block that spans several lists visits the union of their blocks, and the mask_mod keeps
+               each query to its own list.
+    exact_mask_mod  True (default): the mask_mod keeps a (query, key) pair iff the key's block is in the
+               query's list, the key is inside seq_k and, with spec.causal, key <= query + seq_k - seq_q.
+               Eager `flex_attention` and `create_mask` apply the mask_mod alone (they ignore the block
+               lists), so they need this. False: the mask_mod is the causal (or in-range) predicate alone,
+               which is exact for the fused (torch.compile'd) kernel, which calls it only inside the kv_*
+               blocks of lists that are one per Q block, and one table look-up cheaper per element; a Q block
+               spanning several lists (per-query lists with q_block > 1) needs the exact mask_mod and refuses
+               False.
+
+    Blocks every query of a Q block sees whole (both blocks inside seq_q and seq_k, below the causal diagonal of
+    the Q block's first query, held by every list the Q block spans) go to `full_kv_*`: the fused kernel visits
+    them without a mask_mod call. The others go to `kv_*`. The mask has `Hkv * G` heads (the `G` query heads of
+    a KV head share its list) and the lists' batch; a size of 1 broadcasts in FlexAttention."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    _check_spec(spec)
+    seq_q, seq_k = check_length("seq_q", seq_q), check_length("seq_k", seq_k)
+    idx = _lists_tensor(lists, spec, seq_q, seq_k)
+    n_blocks, per_list = spec.n_kv_blocks(seq_k), spec.list_queries
+    q_block = _check_q_block(q_block, spec)
+    if not exact_mask_mod and q_block > per_list:
+        raise KernelgenValueError(f"exact_mask_mod=False needs one list per Q block, but q_block={q_block} spans "
+                                  f"{q_block // per_list} lists: their queries differ, so the mask_mod must look "
+                                  "each one's list up (exact_mask_mod=True)")
+    member = block_membership(idx, n_blocks)  # [B, Hkv, n_lists, n_blocks]
+    b, hkv, n_lists, _ = member.shape
+    n_q_blocks = -(-seq_q // q_block)
+    if q_block <= per_list:  # each Q block lies inside one list's queries
+        rows = torch.arange(n_q_blocks, device=idx.device) * q_block // per_list
+        union = held_by_all = member[:, :, rows]
+    else:  # each Q block spans `span` lists; rows past the last list hold nothing and do not count for "all"
+        span = q_block // per_list
+        pad = n_q_blocks * span - n_lists
+        grouped = (n_q_blocks, span, n_blocks)
+        union = torch.nn.functional.pad(member, (0, 0, 0, pad), value=False).view(b, hkv, *grouped).any(3)
+        held_by_all = torch.nn.functional.pad(member, (0, 0, 0, pad), value=True).view(b, hkv, *grouped).all(3)
+    # as create_block_mask has it, a block crossing seq_q or seq_k is partial: its padding is masked
+    block_end = (torch.arange(n_blocks, device=idx.device) + 1) * spec.kv_block
+    q_block_end = (torch.arange(n_q_blocks, device=idx.device) + 1) * q_block
+    whole = (block_end <= seq_k) & (q_block_end <= seq_q)[:, None]
+    if spec.causal:  # the block's last key is visible to the Q block's first query
+        first_query = torch.arange(n_q_blocks, device=idx.device)[:, None] * q_block
+        whole = whole & (block_end - 1 <= first_query + (seq_k - seq_q))
+    full = held_by_all & whole
+    kv_num, kv_ids = _kv_blocks(union & ~full)
+    full_num, full_ids = _kv_blocks(full)
+    g = spec.gqa_group
+    mask_mod = _lists_mask_mod(member, spec, seq_q, seq_k) if exact_mask_mod else _causal_mask_mod(spec, seq_q, seq_k)
+    return BlockMask.from_kv_blocks(*(x.repeat_interleave(g, 1) for x in (kv_num, kv_ids, full_num, full_ids)),
+                                    BLOCK_SIZE=(q_block, spec.kv_block), mask_mod=mask_mod,
+                                    seq_lengths=(seq_q, seq_k))
+
+
+def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False) -> torch.Tensor:
+    """kernelgen's lists of a FlexAttention `BlockMask`: int32 `[B, Hkv, n_q_tiles, top_k]` (per-query lists
+    for `schedule="kv_centric"`: `[B, Hkv, Nq, top_k]`), each list its valid ids ascending, then -1;
+    `n_q_tiles` from the mask's `seq_lengths`. Pass them as `block_idx` to a `selector="given"` kernel.
+
+    - **Blocks.** A list holds the union of the Q block's `kv_*` (partial) and `full_kv_*` blocks. Under
+      `spec.causal`, a block no query of the tile can see is left out (kernelgen would mask it whole): it
+      would only take a slot of `top_k`.
+    - **Token-level mask.** Only the block structure is carried. Inside the listed blocks kernelgen applies
+      its own mask: causal (key <= query + Nk - Nq) with `spec.causal`, else none. kernelgen's attention
+      therefore equals FlexAttention's when the mask's `mask_mod` is, inside its `kv_*` blocks, that causal
+      predicate or always true; a finer mask_mod (a token-level sliding window, document boundaries) is not
+      reproduced. `sink` and `local` are not added: given lists are attended as they are.
+    - **Block sizes.** The mask's `BLOCK_SIZE = (Q block, KV block)`. The KV block must equal `spec.kv_block`
+      or be a multiple of it (each mask block becomes that many kernelgen blocks). The Q block must equal the
+      queries of one list (`spec.q_tile`; 1 for per-query lists) or be a multiple of them (the lists of one Q
+      block are the same). Anything else is a ValueError naming `block_mask.BLOCK_SIZE`.
+    - **Heads.** A mask with one head (made with `H=None`) gives one list per batch for every head: `Hkv = 1`,
+      to `expand` to the call's KV heads. A mask with `H` query heads gives `H // spec.gqa_group` KV heads:
+      the `G` heads of a group must list the same blocks, since kernelgen's list is shared by them; a group
+      whose heads differ is a ValueError, as FlexAttention users expect their per-head masks to be kept.
+      `union_heads=True` takes the union of the group's blocks instead: every head of the group then attends
+      to the blocks any of them lists (a superset: the output differs from the mask's for the other heads).
+    - **Batch.** As the mask's (1 for `B=None`: `expand` the lists to the call's batch).
+    - **Budget.** A list holding more than `spec.top_k` blocks is a ValueError naming `spec.top_k`.
+    """
+    _check_spec(spec)
+    if not hasattr(block_mask, "kv_num_blocks") or not hasattr(block_mask, "BLOCK_SIZE"):
+        raise KernelgenTypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got "
+                                 f"{type(block_mask).__name__}")
+    seq_q, seq_k = (int(n) for n in block_mask.seq_lengths)
+    mask_q, mask_kv = (int(s) for s in block_mask.BLOCK_SIZE)
+    per_list, kv_block = spec.list_queries, spec.kv_block
+    if mask_kv % kv_block:
+        raise KernelgenValueError(f"block_mask.BLOCK_SIZE = {(mask_q, mask_kv)}: its KV block ({mask_kv}) must equal "
+                                  f"spec.kv_block = {kv_block} or be a multiple of it")
+    if mask_q % per_list:
+        lists_of = "spec.q_tile" if not spec.per_query else "one query (per-query lists)"
+        raise KernelgenValueError(f"block_mask.BLOCK_SIZE = {(mask_q, mask_kv)}: its Q block ({mask_q}) must equal "
+                                  f"the queries of one list ({lists_of} = {per_list}) or be a multiple of them; a "
+                                  "smaller Q block would merge different lists")
+    partial, full = block_mask_blocks(block_mask)
+    dense = partial | full  # [B, H, n_mask_q_blocks, n_mask_kv_blocks]
+    batch, heads = dense.shape[:2]
+    g = spec.gqa_group
+    if heads > 1:
+        if heads % g:
+            raise KernelgenValueError(f"block_mask has {heads} heads, not a multiple of spec.gqa_group = {g}: expected "
+                                      "Hq = Hkv * G query heads (or 1 for every head)")
+        grouped = dense.view(batch, heads // g, g, *dense.shape[2:])
+        if not union_heads:
+            differs = (grouped != grouped[:, :, :1]).flatten(3).any(-1).nonzero()
+            if len(differs):
+                bi, hk, gi = (int(x) for x in differs[0])
+                raise KernelgenValueError(
+                    f"block_mask: query heads {hk * g} and {hk * g + gi} (batch {bi}) of KV head {hk} list different "
+                    f"blocks, but kernelgen's list is shared by the spec.gqa_group = {g} query heads of a KV head; "
+                    "pass union_heads=True to attend every head of a group to the union of their blocks")
+        dense = grouped.any(2)
+    n_blocks = spec.n_kv_blocks(seq_k)
+    dense = dense.repeat_interleave(mask_kv // kv_block, -1)[..., :n_blocks]
+    dense = torch.nn.functional.pad(dense, (0, n_blocks - dense.shape[-1]))  # a mask narrower than seq_k
+    n_lists = spec.n_q_tiles(seq_q)
+    rows = (torch.arange(n_lists, device=dense.device) * per_list // mask_q).clamp(max=dense.shape[2] - 1)
+    dense = dense[:, :, rows]
+    if spec.causal:
+        from .reference import tile_eligibility
+
+        dense = dense & tile_eligibility(spec, seq_q, seq_k, device=dense.device)[0]
+    counts = dense.sum(-1)
+    if int(counts.max()) > spec.top_k:
+        bi, hk, t = (int(x) for x in (counts == counts.max()).nonzero()[0])
+        what = "query" if spec.per_query else "Q tile"
+        raise KernelgenValueError(f"block_mask lists {int(counts.max())} blocks for (batch {bi}, KV head {hk}, {what} "
+                                  f"{t}); spec.top_k = {spec.top_k} holds fewer: raise spec.top_k")
+    ids = torch.where(dense, torch.arange(n_blocks, device=dense.device), n_blocks).sort(-1).values
+    ids = torch.nn.functional.pad(ids, (0, max(0, spec.top_k - n_blocks)), value=n_blocks)[..., :spec.top_k]
+    return torch.where(ids < n_blocks, ids, -1).to(torch.int32).contiguous()
+
+
+def block_membership(block_idx: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """bool `[..., n_lists, n_blocks]` of lists `[..., n_lists, top_k]`: whether each list holds each block
+    (-1 and out-of-range ids hold none; a repeated id counts once)."""
+    idx = block_idx.long()
+    dense = torch.zeros(*idx.shape[:-1], n_blocks + 1, dtype=torch.bool, device=idx.device)
+    dense.scatter_(-1, torch.where((idx >= 0) & (idx < n_blocks), idx, n_blocks), True)
+    return dense[..., :n_blocks]
+
+
+def block_mask_blocks(block_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full): bool `[B, H, n_q_blocks, n_kv_blocks]`, the blocks a BlockMask lists in `kv_*` and in
+    `full_kv_*` (all False when it has none)."""
+    def dense(num, ids):
+        out = torch.zeros(*ids.shape[:3], ids.shape[-1] + 1, dtype=torch.bool, device=ids.device)
+        used = torch.arange(ids.shape[-1], device=ids.device) < num[..., None]
+        out.scatter_(-1, torch.where(used, ids.long(), ids.shape[-1]), True)
+        return out[..., :-1]
+
+    partial = dense(block_mask.kv_num_blocks, block_mask.kv_indices)
+    if block_mask.full_kv_num_blocks is None:
+        return partial, torch.zeros_like(partial)
+    return partial, dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+
+
+def _kv_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count int32 `[..., T]`, ids int32 `[..., T, n_blocks]`) of a bool `[..., T, n_blocks]`: the held ids
+    first, ascending (a BlockMask's kv_num_blocks and kv_indices)."""
+    count = dense.sum(-1, dtype=torch.int32)
+    ids = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count.contiguous(), ids.contiguous()
+
+
+def _lists_mask_mod(member: torch.Tensor, spec: Spec, seq_q: int, seq_k: int):
+    """mask_mod: the key's block is in the query's list, the key is inside seq_k, and causal allows."""
+    batch, heads_kv, n_lists, n_blocks = member.shape
+    g, per_list, kv_block, offset, causal = spec.gqa_group, spec.list_queries, spec.kv_block, seq_k - seq_q, spec.causal
+
+    def in_lists(b, h, q_idx, kv_idx):
+        # a size-1 batch or head dim of the lists broadcasts; indices are clamped because the fused kernel may
+        # call the mask_mod on padding rows and columns past seq_q and seq_k
+        keep = member[b if batch > 1 else 0, h // g if heads_kv > 1 else 0, (q_idx // per_list).clamp(max=n_lists - 1),
+                      (kv_idx // kv_block).clamp(max=n_blocks - 1)]
+        keep = keep & (kv_idx < seq_k)
+        return keep & (kv_idx <= q_idx + offset) if causal else keep
+
+    return in_lists
+
+
+def _causal_mask_mod(spec: Spec, seq_q: int, seq_k: int):
+    """mask_mod: causal (bottom-right aligned) or, without causal, the key inside seq_k."""
+    offset = seq_k - seq_q
+
+    def causal_mask(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    def in_range(b, h, q_idx, kv_idx):
+        return kv_idx < seq_k
+
+    return causal_mask if spec.causal else in_range
+
+
+def _check_spec(spec) -> None:
+    if not isinstance(spec, Spec):
+        raise KernelgenTypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
+
+
+def _check_q_block(q_block, spec: Spec) -> int:
+    per_list = spec.list_queries
+    if q_block is None:
+        return spec.kv_block if spec.per_query else spec.q_tile
+    if isinstance(q_block, bool) or not isinstance(q_block, int):
+        raise KernelgenTypeError(f"q_block must be an int, got {type(q_block).__name__} {q_block!r}")
+    if q_block < 1 or (per_list % q_block and q_block % per_list):
+        raise KernelgenValueError(f"q_block={q_block} must divide the queries of one list ({per_list}) or be a "
+                                  "multiple of them")
+    return q_block
+
+
+def _lists_tensor(lists, spec: Spec, seq_q: int, seq_k: int) -> torch.Tensor:
+    """The lists as a 4-D integer tensor, checked against spec and the lengths."""
+    if isinstance(lists, BlockLists):
+        made = (lists.per_query, lists.kv_block, lists.n_kv_blocks)
+        if made != (spec.per_query, spec.kv_block, spec.n_kv_blocks(seq_k)):
+            raise KernelgenValueError(f"lists were prepared for per_query, kv_block, n_kv_blocks = {made}; spec and "
+                                      f"seq_k give {(spec.per_query, spec.kv_block, spec.n_kv_blocks(seq_k))}")
+        lists = lists.block_idx
+    if not isinstance(lists, torch.Tensor):
+        raise KernelgenTypeError(f"lists must be a torch.Tensor {lists_layout(spec)} or kernelgen.BlockLists, got "
+                                 f"{type(lists).__name__}")
+    if lists.dtype not in (torch.int32, torch.int64):
+        raise KernelgenTypeError(f"lists.dtype must be torch.int32 or torch.int64, got {lists.dtype}")
+    n_lists = spec.n_q_tiles(seq_q)
+    if lists.dim() != 4 or lists.shape[2] != n_lists or min(lists.shape) < 1:
+        raise KernelgenValueError(f"lists.shape = {tuple(lists.shape)}, expected {lists_layout(spec)} with "
+                                  f"{'Nq' if spec.per_query else 'n_q_tiles'} = {n_lists} for seq_q = {seq_q}")
+    return lists

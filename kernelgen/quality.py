@@ -1,0 +1,360 @@
+"""Selection quality: how much of a model's dense attention each selector's block lists keep.
+
+    with kernelgen.quality.capture_qkv(model) as layers:      # q, k, v at each attention call
+        model(tokens)
+    rows = kernelgen.quality.selection_quality(layers, Spec(head_dim=128, kv_block=64, q_tile=64, causal=True),
+                                               selectors=["mean", "multi:4"], top_ks=[4, 8, 16])
+
+For each layer, selector and top_k, per query head:
+- **recall**: the fraction of the dense softmax mass (causal as the spec is) that falls inside the blocks the
+  selector lists for the query, averaged over queries (and batch). Queries that see no key are left out.
+- **rel_error**: the relative L2 error of kernelgen's sparse output (the softmax renormalised over the listed
+  blocks, docs/SEMANTICS.md) against the dense output, over the head's queries: `||o_sparse - o_dense|| /
+  ||o_dense||`. Needs v.
+
+The dense softmax is computed a chunk of queries at a time (about `chunk_elements` scores per chunk): no
+`Nq x Nk` tensor is held at once. `kernelgen quality --qkv FILE.pt` runs it from the command line.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import math
+import os
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from .errors import KernelgenTypeError, KernelgenValueError
+from .interop import block_membership
+from .spec import Spec
+
+__all__ = ["capture_qkv", "load_qkv", "selection_quality", "summarize", "write_csv", "plot_recall", "QUALITY_SELECTORS",
+           "FIELDS"]
+
+QUALITY_SELECTORS = ("mean", "multi:r", "index")
+FIELDS = ("layer", "head", "selector", "top_k", "recall", "rel_error")
+_INDEX_KEYS = ("q_idx", "k_idx", "w")
+
+
+@contextlib.contextmanager
+def capture_qkv(model: torch.nn.Module, layers: Iterable[str] | None = None, *, device="cpu"):
+    """Record q, k and v where a model calls attention: a context manager yielding a dict, filled during the
+    forward passes run inside it, `{module name: {"q", "k", "v", "causal", "scale"}}`.
+
+    It intercepts `torch.nn.functional.scaled_dot_product_attention`, so the tensors are those attention
+    really sees (after RoPE, after any reshaping), with no dependency on the model's code: Hugging Face
+    models loaded with `attn_implementation="sdpa"` (Llama's default), and any model that calls SDPA through
+    `torch.nn.functional`. A model that calls another kernel (FlashAttention's, an eager softmax) is not seen.
+    Each call is filed under the innermost module that made it (`model.named_modules()` names, e.g.
+    `model.layers.3.self_attn`); `layers` keeps only calls made inside the named modules (a name that is not
+    a module of the model is a ValueError). Repeated calls of one module (several forward passes) are
+    concatenated along the batch when their shapes agree, else filed as `name#2`, `name#3`, ...
+
+    k and v repeated per query head before the call (Hugging Face's `repeat_kv`) are stored once per KV head.
+    `causal` is True for `is_causal=True` or a mask that is exactly the bottom-right causal one, else False;
+    `scale` is the call's (None: 1/sqrt(D)). Tensors are detached and moved to `device` (None: left where they
+    are)."""
+    functional = torch.nn.functional
+    modules = dict(model.named_modules())
+    if layers is not None:
+        layers = [layers] if isinstance(layers, str) else list(layers)
+        unknown = [name for name in layers if name not in modules]
+        if unknown:
+            raise KernelgenValueError(f"capture_qkv: layers {unknown} are not modules of the model (its names: "
+                                      "model.named_modules())")
+    hooked = layers if layers is not None else list(modules)
+    inside: list[str] = []
+    captured: dict[str, dict] = {}
+    handles = []
+    for name in hooked:
+        module = modules[name]
+        handles.append(module.register_forward_pre_hook(lambda m, args, name=name: inside.append(name)))
+        handles.append(module.register_forward_hook(lambda m, args, out: inside.pop() and None, always_call=True))
+    original = functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if inside:
+            _record(captured, inside[-1], query, key, value, attn_mask, is_causal, scale, device)
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, **kwargs)
+
+    functional.scaled_dot_product_attention = recording
+    try:
+        yield captured
+    finally:
+        functional.scaled_dot_product_attention = original
+        for handle in handles:
+            handle.remove()
+
+
+def _record(captured, name, query, key, value, attn_mask, is_causal, scale, device) -> None:
+    q, k, v = (t.detach() if device is None else t.detach().to(device) for t in (query, key, value))
+    k, v = _undo_repeat_kv(k, v)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    causal = bool(is_causal) or (attn_mask is not None and _is_causal_mask(attn_mask, n_q, n_k))
+    entry = {"q": q, "k": k, "v": v, "causal": causal, "scale": scale}
+    same = captured.get(name)
+    if same is not None and all(same[x].shape[1:] == entry[x].shape[1:] for x in "qkv") and \
+            (same["causal"], same["scale"]) == (causal, scale):
+        for x in "qkv":
+            same[x] = torch.cat([same[x], entry[x]])
+        return
+    if same is not None:
+        name = next(f"{name}#{i}" for i in range(2, 1 << 30) if f"{name}#{i}" not in captured)
+    captured[name] = entry
+
+
+def _undo_repeat_kv(k: torch.Tensor, v: torch.Tensor):
+    """k and v with each group of identical consecutive heads (repeat_interleave'd KV heads) kept once."""
+    heads = k.shape[1]
+    for g in range(heads, 1, -1):
+        if heads % g == 0:
+            k1, v1 = k[:, ::g], v[:, ::g]
+            if torch.equal(k1.repeat_interleave(g, 1), k) and torch.equal(v1.repeat_interleave(g, 1), v):
+                return k1.contiguous(), v1.contiguous()
+    return k, v
+
+
+def _is_causal_mask(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
+    """Whether an SDPA attn_mask (bool: True keeps; float: -inf drops) is the bottom-right causal mask."""
+    if mask.shape[-2:] != (n_q, n_k):
+        return False
+    keep = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    want = torch.ones(n_q, n_k, dtype=torch.bool, device=mask.device).tril(n_k - n_q)
+    return bool((keep == want).all())
+
+
+def load_qkv(path) -> dict[str, dict]:
+    """The layers a .pt file holds: `{"layers": {name: {"q", "k"[, "v"][, "q_idx", "k_idx", "w"][, "causal"]
+    [, "scale"]}}}` (what `torch.save({"layers": captured}, path)` writes after `capture_qkv`), or one layer's
+    dict at the top level. Loaded with `weights_only=True` onto the CPU."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as error:  # noqa: BLE001: torch.load raises pickle's and its own errors for a bad file
+        raise KernelgenValueError(f"{path}: not a torch .pt file of tensors ({type(error).__name__}: "
+                                  f"{str(error).splitlines()[0] if str(error) else ''})") from None
+    if isinstance(data, Mapping) and "layers" in data:
+        data = data["layers"]
+    elif isinstance(data, Mapping) and "q" in data:
+        data = {"layer": data}
+    if not isinstance(data, Mapping) or not data or not all(isinstance(x, Mapping) for x in data.values()):
+        raise KernelgenValueError(f"{path}: expected {{'layers': {{name: {{'q': ..., 'k': ..., 'v': ...}}}}}} or one "
+                                  "layer's {'q': ..., 'k': ..., 'v': ...}")
+    return {str(name): dict(layer) for name, layer in data.items()}
+
+
+def selection_quality(layers: Mapping[str, Mapping], spec: Spec, selectors: Iterable[str], top_ks: Iterable[int], *,
+                      scale: float | None = None, use_kernels: bool | None = None, device=None,
+                      chunk_elements: int = 1 << 25) -> list[dict]:
+    """Recall and output error of each selector and top_k, per layer and query head (module docstring).
+
+    layers     `{name: {"q": [B, Hq, Nq, D], "k": [B, Hkv, Nk, D], "v" (optional), "q_idx", "k_idx", "w"
+               (optional: the index selector's vectors, docs/SEMANTICS.md), "scale" (optional)}}`, as
+               `capture_qkv` or `load_qkv` give.
+    spec       kv_block, q_tile, causal, local, sink, schedule: the selection to measure. Its head_dim and
+               gqa_group must be the tensors'; selector and top_k are replaced by each of `selectors`, `top_ks`.
+    selectors  "mean", "multi:r" (e.g. "multi:4"), "index" (every layer must hold q_idx, k_idx and w).
+    top_ks     list budgets, forced blocks included (each at least the spec's forced blocks).
+    scale      softmax scale (default: the layer's recorded "scale", else 1/sqrt(D)).
+    use_kernels  choose the lists with kernelgen's selection kernels (`get_kernel(spec).select`) or with the
+               float64 reference (`kernelgen.reference.select_blocks`, the same math); default: the kernels for
+               fp16 and bf16 on a CUDA device, the reference elsewhere (the CPU interpreter is slow).
+    device     where to compute (default: q's device). Scores are float32 on a GPU, float64 on the CPU.
+
+    Returns rows `{"layer", "head", "selector", "top_k", "recall", "rel_error"}` (rel_error NaN without v),
+    layers in order, then selectors, top_ks and heads."""
+    if not isinstance(spec, Spec):
+        raise KernelgenTypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
+    if not isinstance(layers, Mapping) or not layers:
+        raise KernelgenValueError("layers must be a non-empty dict {name: {'q': ..., 'k': ..., 'v': ...}}")
+    selectors, top_ks = _check_selectors(selectors), _check_top_ks(top_ks)
+    specs = {(sel, top_k): spec.replace(selector=sel, top_k=top_k) for sel in selectors for top_k in top_ks}
+    rows = []
+    for name, layer in layers.items():
+        rows += _layer_quality(str(name), layer, spec, specs, scale, use_kernels, device, chunk_elements)
+    return rows
+
+
+def _check_selectors(selectors) -> list[str]:
+    selectors = [selectors] if isinstance(selectors, str) else list(selectors)
+    if not selectors:
+        raise KernelgenValueError(f"selectors is empty; expected some of {QUALITY_SELECTORS}")
+    for sel in selectors:
+        if sel == "given" or not isinstance(sel, str):
+            raise KernelgenValueError(f"selectors: {sel!r} chooses no blocks; expected some of {QUALITY_SELECTORS}")
+    return selectors
+
+
+def _check_top_ks(top_ks) -> list[int]:
+    top_ks = [top_ks] if isinstance(top_ks, int) else list(top_ks)
+    if not top_ks or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in top_ks):
+        raise KernelgenValueError(f"top_ks must be a non-empty list of ints >= 1, got {top_ks!r}")
+    return sorted(set(top_ks))
+
+
+def _layer_tensors(name: str, layer, spec: Spec, device):
+    if not isinstance(layer, Mapping):
+        raise KernelgenTypeError(f"layer {name!r} must be a dict with 'q', 'k' and optionally 'v', got "
+                                 f"{type(layer).__name__}")
+    tensors = {}
+    for key in ("q", "k", "v", *_INDEX_KEYS):
+        t = layer.get(key)
+        if t is None and key in ("q", "k"):
+            raise KernelgenValueError(f"layer {name!r} has no {key!r} tensor")
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise KernelgenTypeError(f"layer {name!r}: {key} must be a torch.Tensor, got {type(t).__name__}")
+        tensors[key] = None if t is None else t.to(device if device is not None else layer["q"].device)
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    for key, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None and (t.dim() != 4 or not t.is_floating_point()):
+            raise KernelgenValueError(f"layer {name!r}: {key} must be a 4-D float tensor [B, H, N, D], got "
+                                      f"{t.dtype} {tuple(t.shape)}")
+    if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1] or (v is not None and v.shape[:3] != k.shape[:3]):
+        raise KernelgenValueError(f"layer {name!r}: q {tuple(q.shape)}, k {tuple(k.shape)}"
+                                  f"{'' if v is None else f', v {tuple(v.shape)}'} do not fit q [B, Hq, Nq, D], "
+                                  "k and v [B, Hkv, Nk, D]")
+    if q.shape[1] % k.shape[1]:
+        raise KernelgenValueError(f"layer {name!r}: q has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}")
+    if q.shape[-1] != spec.head_dim:
+        raise KernelgenValueError(f"layer {name!r}: q.shape[-1] = {q.shape[-1]} but spec.head_dim = {spec.head_dim}")
+    if q.shape[1] // k.shape[1] != spec.gqa_group:
+        raise KernelgenValueError(f"layer {name!r}: q has {q.shape[1]} heads and k {k.shape[1]}, so G = "
+                                  f"{q.shape[1] // k.shape[1]}, but spec.gqa_group = {spec.gqa_group}")
+    index = tuple(tensors[x] for x in _INDEX_KEYS)
+    return q, k, v, (index if all(t is not None for t in index) else None)
+
+
+def _select(q, k, spec: Spec, index, use_kernels) -> torch.Tensor:
+    if spec.selector == "index" and index is None:
+        raise KernelgenValueError("selector 'index' needs the layers' index vectors (q_idx, k_idx, w)")
+    if use_kernels is None:  # the kernels take fp16 and bf16 on the GPU; fp32 inputs get the reference
+        use_kernels = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if use_kernels:
+        from .dispatch import get_kernel
+
+        return get_kernel(spec).select(q.contiguous(), k.contiguous(), **({"index": index} if index else {}))
+    from .reference import select_blocks
+
+    return select_blocks(q, k, spec, index)
+
+
+def _layer_quality(name, layer, base: Spec, specs: dict, scale, use_kernels, device, chunk_elements) -> list[dict]:
+    q, k, v, index = _layer_tensors(name, layer, base, device)
+    scale = scale if scale is not None else layer.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+    b, hq, n_q, _ = q.shape
+    g, n_k = base.gqa_group, k.shape[2]
+    n_blocks, kv_block, per_list = base.n_kv_blocks(n_k), base.kv_block, base.list_queries
+    member = {key: block_membership(_select(q, k, spec, index if spec.selector == "index" else None, use_kernels),
+                                    n_blocks) for key, spec in specs.items()}  # [B, Hkv, n_lists, n_blocks]
+    work = torch.float64 if q.device.type == "cpu" else torch.float32
+    kd = k.to(work).repeat_interleave(g, 1)
+    vd = None if v is None else v.to(work).repeat_interleave(g, 1)
+    zeros = torch.zeros(hq, dtype=torch.float64, device=q.device)
+    recall = {key: zeros.clone() for key in specs}
+    err_sq = {key: zeros.clone() for key in specs}
+    dense_sq, counted = zeros.clone(), zeros.clone()
+    pad = n_blocks * kv_block - n_k
+    rows_per_chunk = max(per_list, chunk_elements // max(1, b * hq * n_k) // per_list * per_list)
+    for start in range(0, n_q, rows_per_chunk):
+        rows = torch.arange(start, min(start + rows_per_chunk, n_q), device=q.device)
+        s = (q[:, :, rows].to(work) @ kd.transpose(-1, -2)) * scale  # [B, Hq, R, Nk]
+        if base.causal:
+            s = s.masked_fill(torch.arange(n_k, device=q.device) > rows[:, None] + (n_k - n_q), -torch.inf)
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        seen = torch.isfinite(lse)  # rows with a visible key; the others have no dense attention to keep
+        p = torch.exp(s - torch.where(seen, lse, 0.0))
+        p = torch.nn.functional.pad(p, (0, pad)).view(b, hq, len(rows), n_blocks, kv_block)
+        del s
+        o_dense = None if vd is None else p.flatten(-2)[..., :n_k] @ vd
+        counted += seen.sum((0, 2, 3)).double()
+        if o_dense is not None:
+            dense_sq += (o_dense.square() * seen).sum((0, 2, 3)).double()
+        block_mass = p.sum(-1)  # [B, Hq, R, n_blocks]
+        lists = rows // per_list
+        for key in specs:
+            held = member[key][:, :, lists].repeat_interleave(g, 1)  # [B, Hq, R, n_blocks]
+            kept = (block_mass * held).sum(-1, keepdim=True)  # the mass inside the listed blocks
+            recall[key] += (kept * seen).sum((0, 2, 3)).double()
+            if o_dense is not None:
+                o_sparse = ((p * held[..., None]).flatten(-2)[..., :n_k] @ vd) / kept.clamp_min(1e-30)
+                err_sq[key] += ((o_sparse - o_dense).square() * seen).sum((0, 2, 3)).double()
+    out = []
+    for (sel, top_k) in specs:
+        for h in range(hq):
+            rel = math.sqrt(err_sq[sel, top_k][h] / dense_sq[h]) if vd is not None and dense_sq[h] > 0 else math.nan
+            out.append(dict(layer=name, head=h, selector=sel, top_k=top_k,
+                            recall=float(recall[sel, top_k][h] / counted[h]) if counted[h] else math.nan,
+                            rel_error=rel))
+    return out
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per selector and top_k, over every layer and head: recall mean and min, rel_error mean and max, and the
+    (layer, head) of the lowest recall."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["selector"], row["top_k"]), []).append(row)
+    out = []
+    for (sel, top_k), group in groups.items():
+        recalls = [r["recall"] for r in group if r["recall"] == r["recall"]]
+        errors = [r["rel_error"] for r in group if r["rel_error"] == r["rel_error"]]
+        worst = min((r for r in group if r["recall"] == r["recall"]), key=lambda r: r["recall"], default=None)
+        out.append(dict(selector=sel, top_k=top_k, recall_mean=_mean(recalls),
+                        recall_min=min(recalls, default=math.nan), rel_error_mean=_mean(errors),
+                        rel_error_max=max(errors, default=math.nan),
+                        worst=None if worst is None else f"{worst['layer']} head {worst['head']}"))
+    return out
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def write_csv(rows: list[dict], path) -> str:
+    """quality.csv: one row per (layer, head, selector, top_k), then the summary rows (layer and head "all":
+    recall and rel_error are the means over every layer and head)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(FIELDS)
+        for row in rows:
+            writer.writerow([row[x] for x in FIELDS])
+        for row in summarize(rows):
+            writer.writerow(["all", "all", row["selector"], row["top_k"], row["recall_mean"], row["rel_error_mean"]])
+    return str(path)
+
+
+def plot_recall(rows: list[dict], path) -> str | None:
+    """A PNG of recall (mean over layers and heads, and the lowest head, dashed) and the mean rel_error against
+    top_k, one colour per selector. Needs matplotlib (optional); without it, says so and returns None."""
+    from .bench.plot import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    summary = summarize(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, sel in enumerate(dict.fromkeys(r["selector"] for r in summary)):
+        pts = sorted((r["top_k"], r["recall_mean"], r["recall_min"], r["rel_error_mean"]) for r in summary
+                     if r["selector"] == sel)
+        top_ks = [p[0] for p in pts]
+        axes[0].plot(top_ks, [p[1] for p in pts], marker="o", color=f"C{i}", label=f"{sel} (mean)")
+        axes[0].plot(top_ks, [p[2] for p in pts], linestyle="--", color=f"C{i}", label=f"{sel} (lowest head)")
+        # full coverage is exact (error ~1e-16): a floor keeps the log axis on the errors that matter
+        axes[1].plot(top_ks, [max(p[3], 1e-6) for p in pts], marker="o", color=f"C{i}", label=sel)
+    budgets = sorted({r["top_k"] for r in summary})
+    for ax, label in zip(axes, ("attention-mass recall", "relative L2 error of the output (floor 1e-6)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(t) for t in budgets])
+        ax.set_xlabel("top_k (blocks per list)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[1].set_yscale("log")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

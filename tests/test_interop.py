@@ -1,0 +1,181 @@
+"""kernelgen.to_block_mask / from_block_mask: round trips of the block structure, FlexAttention (eager, CPU) on
+the BlockMask against kernelgen (the interpreter, fp32) on the lists, and bad inputs."""
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+import kernelgen
+from kernelgen import Spec, from_block_mask, reference, to_block_mask
+from kernelgen.bench.anchors import flex_token_mask
+from kernelgen.interop import block_mask_blocks, block_membership
+
+# eager flex_attention warns that it is unfused; that is what these CPU tests run
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def _inputs(b, hq, hkv, n_q, n_k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n_q, 64, generator=gen)
+    k, v = (torch.randn(b, hkv, n_k, 64, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+def _flex(q, k, v, block_mask, spec):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=spec.gqa_group > 1)
+
+
+def _eligible_lists(lists, spec, n_q, n_k):
+    """The canonical sets of `lists` (-1, out-of-range and repeated ids dropped), without the blocks that no
+    query of the tile can see under causal masking."""
+    n_blocks = spec.n_kv_blocks(n_k)
+    held = block_membership(lists, n_blocks) & reference.tile_eligibility(spec, n_q, n_k)[0]
+    ids = torch.where(held, torch.arange(n_blocks), -1)
+    ids = torch.nn.functional.pad(ids, (0, max(0, lists.shape[-1] - n_blocks)), value=-1)
+    return reference.normalize_block_idx(ids, n_blocks)[..., :lists.shape[-1]]
+
+
+CASES = [  # causal, gqa_group, n_q, n_k
+    (True, 2, 80, 80),
+    (True, 1, 40, 72),   # Nq < Nk: bottom-right causal, partial last tile and block
+    (False, 2, 72, 40),  # Nq > Nk, partial tiles
+    (True, 2, 72, 40),   # causal with Nq > Nk: the first queries see nothing (o = 0)
+]
+
+
+@pytest.mark.parametrize("causal,g,n_q,n_k", CASES)
+def test_flex_on_the_block_mask_equals_kernelgen_on_the_lists(causal, g, n_q, n_k):
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=3, causal=causal, gqa_group=g, sink=1)
+    q, k, v = _inputs(2, 2 * g, 2, n_q, n_k)
+    lists = reference.select_blocks(q, k, spec)
+    lists[0, 1, 0] = torch.tensor([-1, 7 if n_k > 16 * 7 else 99, lists[0, 1, 0, 0]])  # empty, out of range, repeat
+    ours = kernelgen.get_kernel(spec.replace(selector="given"))(q, k, v, block_idx=lists)
+    block_mask = to_block_mask(lists, spec, n_q, n_k)
+    torch.testing.assert_close(_flex(q, k, v, block_mask, spec), ours, atol=2e-5, rtol=1e-4)
+    # the fused kernel's view (full blocks whole, partial ones through the mask_mod) is the lists' too
+    pairs = reference.token_mask(lists, spec, n_q, n_k).repeat_interleave(g, 1)
+    assert torch.equal(flex_token_mask(block_mask), pairs)
+    assert torch.equal(flex_token_mask(to_block_mask(lists, spec, n_q, n_k, exact_mask_mod=False)), pairs)
+    # a Q block spanning two lists: the union of their blocks, each query kept to its own list
+    wide = to_block_mask(lists, spec, n_q, n_k, q_block=32)
+    assert wide.BLOCK_SIZE == (32, 16) and torch.equal(flex_token_mask(wide), pairs)
+
+
+@pytest.mark.parametrize("causal,g,n_q,n_k", CASES)
+def test_lists_to_block_mask_to_lists(causal, g, n_q, n_k):
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=4, causal=causal, gqa_group=g)
+    gen = torch.Generator().manual_seed(1)
+    n_blocks = spec.n_kv_blocks(n_k)
+    raw = torch.randint(-2, n_blocks + 2, (2, 2, spec.n_q_tiles(n_q), 4), generator=gen, dtype=torch.int32)
+    block_mask = to_block_mask(raw, spec, n_q, n_k)
+    assert block_mask.seq_lengths == (n_q, n_k) and block_mask.kv_num_blocks.shape[1] == 2 * g
+    back = from_block_mask(block_mask, spec)
+    assert back.dtype == torch.int32 and back.shape == raw.shape
+    # -1, out-of-range and repeated ids dropped; blocks causal hides from the whole tile dropped too
+    assert torch.equal(back, _eligible_lists(raw, spec, n_q, n_k))
+    # lists a selector made hold eligible blocks only: they come back as they were
+    q, k, _ = _inputs(2, 2 * g, 2, n_q, n_k)
+    selected = reference.select_blocks(q, k, spec.replace(local=1, sink=1))
+    assert torch.equal(from_block_mask(to_block_mask(selected, spec, n_q, n_k), spec), selected)
+
+
+def _blocky_mask_mod(n_q, n_k, causal, seed):
+    """A mask_mod whose kept pairs are a random block pattern (32 x 16 blocks), per head, causal or not."""
+    gen = torch.Generator().manual_seed(seed)
+    pattern = torch.rand(4, -(-n_q // 32), -(-n_k // 16), generator=gen) < 0.4
+    pattern[1] = pattern[0]  # heads 0 and 1 (one GQA group of 2) agree, and so do heads 2 and 3
+    pattern[3] = pattern[2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = pattern[h, q_idx // 32, kv_idx // 16]
+        return keep & (kv_idx <= q_idx + (n_k - n_q)) if causal else keep
+
+    return mask_mod
+
+
+@pytest.mark.parametrize("causal,n_q,n_k", [(True, 96, 96), (True, 64, 112), (False, 80, 48)])
+def test_block_mask_to_lists_to_block_mask(causal, n_q, n_k):
+    spec = Spec(head_dim=64, kv_block=16, q_tile=32, top_k=8, causal=causal, gqa_group=2)
+    mask_mod = _blocky_mask_mod(n_q, n_k, causal, seed=n_q)
+    original = create_block_mask(mask_mod, 1, 4, n_q, n_k, device="cpu", BLOCK_SIZE=(32, 16))
+    lists = from_block_mask(original, spec)
+    assert lists.shape == (1, 2, spec.n_q_tiles(n_q), 8)
+    again = to_block_mask(lists, spec, n_q, n_k)
+    for got, want in zip(block_mask_blocks(again), block_mask_blocks(original)):
+        assert torch.equal(got, want)  # the same partial and the same full blocks
+    # kernelgen on the lists computes what FlexAttention computes on the original mask
+    q, k, v = _inputs(1, 4, 2, n_q, n_k, seed=3)
+    ours = kernelgen.get_kernel(spec.replace(selector="given"))(q, k, v, block_idx=lists)
+    torch.testing.assert_close(ours, _flex(q, k, v, original, spec), atol=2e-5, rtol=1e-4)
+
+
+def test_coarser_mask_blocks_convert_exactly():
+    """A mask of 64 x 32 blocks to lists of 16-query tiles and 16-key blocks: the same pairs."""
+    n = 128
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=8, causal=True)
+    mask = create_block_mask(lambda b, h, q, kv: kv <= q, None, None, n, n, device="cpu", BLOCK_SIZE=(64, 32))
+    lists = from_block_mask(mask, spec)
+    assert lists.shape == (1, 1, 8, 8)  # one list for every batch and head: expand() it for the call
+    # the 32-key blocks were split; halves wholly above the diagonal of their tile are left out
+    assert lists[0, 0, 0].tolist() == [0] + [-1] * 7 and lists[0, 0, 7].tolist() == list(range(8))
+    pairs = reference.token_mask(lists, spec, n, n)
+    assert torch.equal(pairs[0, 0], torch.ones(n, n, dtype=torch.bool).tril())
+
+
+def test_per_query_lists_round_trip():
+    from kernelgen.workloads import random_query_lists
+
+    spec = Spec(head_dim=64, kv_block=16, top_k=4, causal=True, gqa_group=2, selector="given", schedule="kv_centric")
+    lists = random_query_lists(spec, 1, 2, 50, 70, "cpu", seed=2)
+    block_mask = to_block_mask(lists, spec, 50, 70, q_block=1)
+    assert block_mask.BLOCK_SIZE == (1, 16)
+    assert torch.equal(from_block_mask(block_mask, spec), _eligible_lists(lists, spec, 50, 70))
+    wide = to_block_mask(lists, spec, 50, 70)  # default: Q blocks of kv_block queries, membership mask_mod
+    assert torch.equal(flex_token_mask(wide), reference.token_mask(lists, spec, 50, 70).repeat_interleave(2, 1))
+
+
+def test_heads_of_a_group_must_agree_unless_union():
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=4, gqa_group=2)
+    kv_num = torch.tensor([[[1], [1]]], dtype=torch.int32)  # 1 batch, 2 query heads, 1 Q block
+    kv_ids = torch.tensor([[[[0, 1]], [[1, 0]]]], dtype=torch.int32)
+    mask = BlockMask.from_kv_blocks(kv_num, kv_ids, BLOCK_SIZE=16, seq_lengths=(16, 32))
+    with pytest.raises(ValueError, match="union_heads") as info:
+        from_block_mask(mask, spec)
+    assert "query heads 0 and 1" in str(info.value) and "gqa_group" in str(info.value)
+    assert from_block_mask(mask, spec, union_heads=True).tolist() == [[[[0, 1, -1, -1]]]]
+
+
+def test_bad_inputs_name_the_argument():
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=2)
+    lists = torch.zeros(1, 1, 4, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="spec"):
+        to_block_mask(lists, {"kv_block": 16}, 64, 64)
+    with pytest.raises(TypeError, match="lists"):
+        to_block_mask(lists.tolist(), spec, 64, 64)
+    with pytest.raises(TypeError, match="lists.dtype"):
+        to_block_mask(lists.float(), spec, 64, 64)
+    with pytest.raises(ValueError, match="lists.shape.*n_q_tiles = 2"):
+        to_block_mask(lists, spec, 32, 64)
+    with pytest.raises(TypeError, match="seq_k"):
+        to_block_mask(lists, spec, 64, 64.0)
+    with pytest.raises(ValueError, match="seq_q"):
+        to_block_mask(lists, spec, 0, 64)
+    with pytest.raises(ValueError, match="q_block"):
+        to_block_mask(lists, spec, 64, 64, q_block=24)
+    with pytest.raises(ValueError, match="exact_mask_mod"):
+        to_block_mask(lists, spec, 64, 64, q_block=32, exact_mask_mod=False)
+    mask = create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(TypeError, match="block_mask"):
+        from_block_mask(lists, spec)
+    with pytest.raises(ValueError, match=r"BLOCK_SIZE.*spec.kv_block = 32"):
+        from_block_mask(mask, spec.replace(kv_block=32))
+    with pytest.raises(ValueError, match=r"BLOCK_SIZE.*spec.q_tile"):
+        from_block_mask(mask, spec.replace(q_tile=32))
+    with pytest.raises(ValueError, match="spec.top_k = 2"):  # the last tile lists all 4 blocks
+        from_block_mask(mask, spec)
+    three_heads = create_block_mask(lambda b, h, q, kv: kv <= q, 1, 3, 64, 64, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="3 heads.*gqa_group = 2"):
+        from_block_mask(three_heads, spec.replace(top_k=4, gqa_group=2))

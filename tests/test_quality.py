@@ -1,0 +1,199 @@
+"""kernelgen.quality and `kernelgen quality`: recall and output error against brute force, full coverage,
+monotonicity in top_k, capture of q/k/v at the attention call, and the command line."""
+import csv
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_cli import invoke, one_line_error
+
+from kernelgen import Spec, reference
+from kernelgen.quality import capture_qkv, selection_quality, summarize
+
+
+def _layer(b=1, hq=4, hkv=2, n_q=96, n_k=96, seed=0, index=False):
+    gen = torch.Generator().manual_seed(seed)
+    layer = {"q": torch.randn(b, hq, n_q, 64, generator=gen) * 2, "k": torch.randn(b, hkv, n_k, 64, generator=gen),
+             "v": torch.randn(b, hkv, n_k, 64, generator=gen)}
+    if index:
+        layer.update(q_idx=torch.randn(b, hkv * 2, n_q, 32, generator=gen),
+                     k_idx=torch.randn(b, hkv, n_k, 32, generator=gen), w=torch.randn(b, hkv * 2, n_q, generator=gen))
+    return layer
+
+
+def _brute_force(layer, spec):
+    """Recall and rel. error per query head in float64, the obvious way: dense softmax over every visible key,
+    the mass of the listed keys, the sparse output of the reference."""
+    q, k, v = layer["q"], layer["k"], layer["v"]
+    n_q, n_k = q.shape[2], k.shape[2]
+    lists = reference.select_blocks(q, k, spec)
+    causal = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q) if spec.causal else torch.ones(n_q, n_k).bool()
+    o_dense, lse = reference.attention(q, k, v, causal.expand(*k.shape[:2], -1, -1))
+    g = q.shape[1] // k.shape[1]
+    s = (q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s.masked_fill(~causal, -torch.inf), -1).nan_to_num(0.0)
+    listed = reference.token_mask(lists, spec, n_q, n_k).repeat_interleave(g, 1)
+    seen = torch.isfinite(lse)
+    recall = ((p * listed).sum(-1) * seen).sum((0, 2)) / seen.sum((0, 2))
+    o_sparse = reference.sparse_attention(q, k, v, spec, block_idx=lists)[0]
+    error = ((o_sparse - o_dense).square() * seen[..., None]).sum((0, 2, 3)).sqrt() / \
+        (o_dense.square() * seen[..., None]).sum((0, 2, 3)).sqrt()
+    return recall, error
+
+
+def _by_head(rows, selector, top_k, field):
+    return torch.tensor([r[field] for r in rows if r["selector"] == selector and r["top_k"] == top_k],
+                        dtype=torch.float64)
+
+
+@pytest.mark.parametrize("causal,n_q,n_k", [(True, 96, 96), (True, 72, 104), (False, 88, 56), (True, 88, 56)])
+def test_recall_and_error_equal_brute_force(causal, n_q, n_k):
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, causal=causal, gqa_group=2, local=1 if causal else 0, sink=1)
+    layer = _layer(n_q=n_q, n_k=n_k)
+    rows = selection_quality({"l": layer}, spec, ["mean", "multi:4"], [2, 3], chunk_elements=4 * 32 * n_k)
+    for selector in ("mean", "multi:4"):
+        recall, error = _brute_force(layer, spec.replace(selector=selector, top_k=3))
+        torch.testing.assert_close(_by_head(rows, selector, 3, "recall"), recall, rtol=0, atol=1e-12)
+        torch.testing.assert_close(_by_head(rows, selector, 3, "rel_error"), error, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_full_coverage_keeps_everything_and_recall_grows_with_top_k(causal):
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, causal=causal, gqa_group=2)
+    layers = {"a": _layer(n_q=80, n_k=100, index=True), "b": _layer(n_q=80, n_k=100, seed=1, index=True)}
+    n_blocks = spec.n_kv_blocks(100)
+    top_ks = [1, 2, 3, 5, n_blocks, n_blocks + 3]
+    rows = selection_quality(layers, spec, ["mean", "multi:2", "index"], top_ks)
+    assert len(rows) == 2 * 3 * len(top_ks) * 4 and {r["layer"] for r in rows} == {"a", "b"}
+    for selector in ("mean", "multi:2", "index"):
+        for layer in layers:
+            mine = [r for r in rows if r["selector"] == selector and r["layer"] == layer]
+            for top_k in top_ks[-2:]:  # every block listed: dense attention
+                assert all(abs(r["recall"] - 1) < 1e-12 and r["rel_error"] < 1e-12 for r in mine
+                           if r["top_k"] == top_k)
+            for head in range(4):
+                recalls = [r["recall"] for r in sorted(mine, key=lambda r: r["top_k"]) if r["head"] == head]
+                assert all(a <= b + 1e-12 for a, b in zip(recalls, recalls[1:])), (selector, layer, head, recalls)
+    summary = {(r["selector"], r["top_k"]): r for r in summarize(rows)}
+    assert summary["mean", 1]["recall_min"] <= summary["mean", 1]["recall_mean"] < 1
+    assert summary["index", n_blocks]["recall_mean"] == pytest.approx(1.0)
+
+
+def test_the_selection_kernels_give_the_reference_lists():
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, causal=True, gqa_group=2)
+    layer = _layer(n_q=64, n_k=64, seed=4)
+    kernel_rows = selection_quality({"l": layer}, spec, ["mean"], [2], use_kernels=True)
+    reference_rows = selection_quality({"l": layer}, spec, ["mean"], [2], use_kernels=False)
+    for field in ("recall", "rel_error"):
+        torch.testing.assert_close(_by_head(kernel_rows, "mean", 2, field), _by_head(reference_rows, "mean", 2, field))
+
+
+def test_bad_inputs_name_what_is_wrong():
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, gqa_group=2)
+    layers = {"l": _layer()}
+    with pytest.raises(ValueError, match="'given' chooses no blocks"):
+        selection_quality(layers, spec, ["given"], [2])
+    with pytest.raises(ValueError, match="top_ks"):
+        selection_quality(layers, spec, ["mean"], [])
+    with pytest.raises(ValueError, match="spec.gqa_group = 1"):
+        selection_quality(layers, spec.replace(gqa_group=1), ["mean"], [2])
+    with pytest.raises(ValueError, match="spec.head_dim = 128"):
+        selection_quality(layers, spec.replace(head_dim=128), ["mean"], [2])
+    with pytest.raises(ValueError, match="index vectors"):
+        selection_quality(layers, spec, ["index"], [2])
+    with pytest.raises(ValueError, match="top_k"):  # fewer than its forced blocks
+        selection_quality(layers, spec.replace(sink=2, local=1), ["mean"], [2])
+    with pytest.raises(ValueError, match="no 'k'"):
+        selection_quality({"l": {"q": layers["l"]["q"]}}, spec, ["mean"], [2])
+
+
+class _Attention(torch.nn.Module):
+    """A Llama-shaped attention block: projections, then SDPA on k and v repeated per query head (repeat_kv)."""
+
+    def __init__(self, causal_mask: bool):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = torch.nn.Linear(32, 4 * 64), torch.nn.Linear(32, 64), \
+            torch.nn.Linear(32, 64)
+        self.causal_mask = causal_mask
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, 4, 64).transpose(1, 2)
+        k, v = (p(x).view(b, n, 1, 64).transpose(1, 2).repeat_interleave(4, 1) for p in (self.k_proj, self.v_proj))
+        if self.causal_mask:  # a float mask, as Hugging Face passes with padding
+            mask = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_capture_records_q_k_v_at_the_attention_call():
+    model = torch.nn.Sequential(torch.nn.Identity(), _Attention(False), _Attention(True))  # 0 never calls SDPA
+    x = torch.randn(2, 48, 32)
+    original = F.scaled_dot_product_attention
+    with capture_qkv(model, device=None) as layers:
+        model[1](x)
+        model[2](x)
+        model[2](x[:1])  # a second forward pass of the same module: more batch
+    assert F.scaled_dot_product_attention is original
+    assert list(layers) == ["1", "2"]
+    for name in layers:
+        layer = layers[name]
+        assert layer["k"].shape[1] == 1 and layer["q"].shape[1] == 4  # repeat_kv undone: one KV head
+        assert layer["causal"] is True and layer["scale"] is None
+    assert layers["2"]["q"].shape[0] == 3
+    with torch.no_grad():
+        want_k = model[1].k_proj(x).view(2, 48, 1, 64).transpose(1, 2)
+    torch.testing.assert_close(layers["1"]["k"], want_k)
+    with capture_qkv(model, layers=["2"]) as only:
+        model[1](x)
+        model[2](x)
+    assert list(only) == ["2"] and only["2"]["q"].device.type == "cpu"
+    with pytest.raises(ValueError, match="nope"):
+        with capture_qkv(model, layers=["nope"]):
+            pass
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, causal=True, gqa_group=4)
+    rows = selection_quality(layers, spec, ["mean"], [3])
+    assert len(rows) == 2 * 4 and all(0 < r["recall"] <= 1 for r in rows)
+
+
+def _save(tmp_path, **layer_options):
+    path = tmp_path / "qkv.pt"
+    torch.save({"layers": {"layer0": {**_layer(n_q=64, n_k=64, **layer_options), "causal": True},
+                           "layer1": {**_layer(n_q=64, n_k=64, seed=1, **layer_options), "causal": True}}}, path)
+    return path
+
+
+def test_cli_writes_the_table_csv_and_plot(tmp_path):
+    path = _save(tmp_path, index=True)
+    out = tmp_path / "out"
+    result = invoke("quality", "--qkv", str(path), "--kv-block", "16", "--q-tile", "16", "--top-k", "1,2,4",
+                    "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "causal" in result.output and "multi:4" in result.output and "index" in result.output
+    with open(out / "quality.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * 4 * 3 * 3 + 3 * 3  # layers x heads x selectors x top_ks, then the summary rows
+    assert {r["selector"] for r in rows} == {"mean", "multi:4", "index"} and rows[-1]["layer"] == "all"
+    full = [float(r["recall"]) for r in rows if r["top_k"] == "4"]
+    assert all(abs(x - 1) < 1e-9 for x in full)  # 4 blocks of 16 keys: every block
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "quality.png").stat().st_size > 0
+    else:
+        assert "matplotlib is not installed" in result.output and not (out / "quality.png").exists()
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    path = _save(tmp_path)
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "missing.pt")), "--qkv", "no such file")
+    (tmp_path / "text.pt").write_text("not a tensor file")
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "text.pt")), "text.pt")
+    one_line_error(invoke("quality", "--qkv", str(path), "--top-k", "four"), "--top-k")
+    one_line_error(invoke("quality", "--qkv", str(path), "--selectors", "index"), "index vectors")
+    one_line_error(invoke("quality", "--qkv", str(path), "--selectors", "multi:3"), "multi:3")
+    one_line_error(invoke("quality", "--qkv", str(path), "--kv-block", "16", "--sink", "3", "--top-k", "2"), "top_k")
+    torch.save({"layers": {"l": {"q": torch.randn(1, 2, 8, 32), "k": torch.randn(1, 2, 8, 32)}}}, tmp_path / "d32.pt")
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "d32.pt")), "head_dim")
+    torch.save({"something": 1}, tmp_path / "other.pt")
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "other.pt")), "layers")
