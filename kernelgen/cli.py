@@ -144,7 +144,7 @@ def _print_plan(p: dict) -> None:
     console.print(table)
 
 
-def _tune_one(spec, role, seq, arch, trials, timeout, shape=None, label=None):
+def _tune_one(spec, role, seq, arch, trials, timeout, shape=None, label=None, workers=1, storage=None):
     from rich.progress import Progress
 
     from .tuning import tune as run_tune
@@ -152,6 +152,7 @@ def _tune_one(spec, role, seq, arch, trials, timeout, shape=None, label=None):
     with Progress(console=console) as bar:
         task = bar.add_task(f"tuning {label or role}", total=trials)
         result = run_tune(spec, role, seq=seq, arch=arch, trials=trials, timeout=timeout, shape=shape,
+                          workers=workers, storage=storage,
                           progress=lambda i, n, value: bar.update(task, completed=i + 1, total=n))
     table = Table("study", "default ms", "tuned ms", "speed-up", "trials", "failed", "config")
 
@@ -175,6 +176,12 @@ def tune(
     trials: int = typer.Option(30, help="Trials per role (Optuna)."),
     timeout: Optional[float] = typer.Option(None, help="Seconds per role's study."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the search space and the trials; run nothing."),
+    workers: int = typer.Option(1, help="Worker processes measuring one study's trials at once, one per GPU "
+                                        "(cuda:0 to cuda:N-1; CUDA_VISIBLE_DEVICES chooses which)."),
+    storage: Optional[str] = typer.Option(None, help="Optuna storage of the studies, shared by every process that "
+                                                     "opens it (other hosts join the same study): sqlite:///PATH, "
+                                                     "postgresql://USER@HOST/DB, journal:///PATH (default: the cache "
+                                                     "dir's SQLite file; with --workers > 1 its journal file)."),
     preset: Optional[str] = typer.Option(None, help="A named set of studies instead of one spec: bench (the "
                                                     "benchmark shapes: each backend's attention, the selector and "
                                                     "the backward; --role narrows it)."),
@@ -194,17 +201,30 @@ def tune(
     from .roles import ROLES
     from .archs import check_arch
     from .tuning.model import model_studies, read_model_config
-    from .tuning.plan import check_budget, check_seq, plan
+    from .tuning.plan import check_budget, check_seq, check_workers, plan
     from .tuning.presets import studies
+    from .tuning.storage import parse_storage
 
     check_arch(arch)
     check_budget(trials, timeout)
+    check_workers(workers)
+    if storage is not None:
+        try:
+            storage = str(parse_storage(storage))
+        except KernelgenError as error:
+            _fail(f"--storage: {error}")
     if not dry_run:
         present = current_arch()
         if present is None:
             _fail("no CUDA GPU here: tuning needs the GPU it tunes for (use --dry-run to see the plan)")
         if present != arch:
             _fail(f"--arch {arch} does not match the GPU present ({present}); tune on a GPU of that arch")
+        import torch
+
+        count = torch.cuda.device_count()
+        if workers > count:
+            _fail(f"--workers {workers}: {count} CUDA GPU{'s are' if count != 1 else ' is'} visible here, and one "
+                  "worker runs per GPU")
     names = [b for b in (backends_option or "").split(",") if b] or None
     for name in names or ():
         registry.get(name)
@@ -226,7 +246,8 @@ def tune(
                 _print_plan(plan(study.spec, study.role, seq=study.seq, arch=arch, trials=study.trials,
                                  shape=study.shape))
             else:
-                _tune_one(study.spec, study.role, study.seq, arch, study.trials, timeout, study.shape, study.label)
+                _tune_one(study.spec, study.role, study.seq, arch, study.trials, timeout, study.shape, study.label,
+                          workers, storage)
         return
     if seq is None:
         _fail("--seq is required (or --preset)")
@@ -242,7 +263,7 @@ def tune(
         if dry_run:
             _print_plan(p)
         else:
-            _tune_one(spec, r, seq, arch, trials, timeout)
+            _tune_one(spec, r, seq, arch, trials, timeout, workers=workers, storage=storage)
 
 
 _SELECTION_ROLES = ("select", "select_index")

@@ -116,6 +116,11 @@ def test_tune_gluon_spec_the_kernel_cannot_compute_is_a_clear_error():
     (["--trials", "0"], ["trials must be an int >= 1"]),
     (["--role", "foo"], ["--role 'foo' is not a tuned role"]),
     (["--backend", "gluon", "--arch", "sm_89", "--kv-block", "64", "--role", "attn"], ["runs on sm_90 only"]),
+    (["--workers", "0"], ["workers must be an int >= 1"]),
+    (["--storage", "banana://host/db"], ["--storage", "unknown scheme 'banana'"]),
+    (["--storage", "journal://"], ["--storage", "names no journal file"]),
+    (["--storage", "sqlite:/optuna.db"], ["--storage", "not a URL"]),
+    (["--storage", "postgresql://tuner@host:port/db"], ["--storage", "not a database URL"]),
 ])
 def test_bad_tune_options_are_one_line_errors(args, words):
     base = {"--arch": "sm_90", "--seq": "4096", "--head-dim": "64"}
@@ -123,6 +128,20 @@ def test_bad_tune_options_are_one_line_errors(args, words):
         base[args[i]] = args[i + 1]
     result = invoke("tune", *[x for kv in base.items() for x in kv], "--dry-run")
     one_line_error(result, *words)
+
+
+def test_tune_workers_and_storage(tmp_path, monkeypatch):
+    """A dry run takes --workers and --storage; a tune checks --workers against the GPUs there are, before
+    anything else (here a pretend machine with one sm_90 GPU)."""
+    result = invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--role", "attn", "--workers", "2",
+                    "--storage", f"journal://{tmp_path / 'study.log'}", "--dry-run")
+    assert result.exit_code == 0, result.output
+    one_line_error(invoke("tune", "--arch", "sm_90", "--seq", "4096", "--workers", "0"), "workers must be an int >= 1")
+    monkeypatch.setattr("kernelgen.device.current_arch", lambda: "sm_90")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    one_line_error(invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--workers", "2"),
+                   "--workers 2: 1 CUDA GPU is visible here")
+    assert not (tmp_path / "study.log").exists() and not (tmp_path / "cache").exists()
 
 
 def test_tune_preset_bench_dry_run_plans_every_backend_the_arch_runs():

@@ -3,7 +3,9 @@
   buckets   the power-of-two length buckets winners are kept per
   plan      what a tune does (pure): backend, feasible space, sampler, inputs, study name
   worker    the crash-isolated process that builds, checks and times one config
-  study     the Optuna study around it, and the winner written to the DB
+  study     the Optuna study around it (one worker process per GPU, each config measured once), and the
+            winner written to the DB
+  storage   where studies live, by URL (SQLite, an RDB server, a journal file), shared across processes
   db        the SQLite winners tables: the user DB and the bundled, read-only one
   lookup    from the DB to dispatch: a role's winner, and `auto`'s choice of backend
 

@@ -24,7 +24,7 @@ from ..spec import Spec
 from .buckets import seq_bucket
 
 __all__ = ["trial_shapes", "plan", "tune_inputs_shape", "study_name", "tuned_backend", "check_budget", "check_seq",
-           "config_key", "seeds", "MAX_SEQ"]
+           "check_workers", "config_key", "seeds", "MAX_SEQ"]
 
 CPU_MAX_SEQ = 256  # interpreter inputs: seq capped here, one KV head
 CHECK_MAX_SEQ_GPU = 1000  # correctness inputs on the GPU: small, and not a multiple of any tile
@@ -39,6 +39,13 @@ def check_budget(trials, timeout=None) -> None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not 0 < timeout < math.inf):
         raise KernelgenValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+
+
+def check_workers(workers) -> int:
+    """A tune's worker processes: an int >= 1 (one per GPU)."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise KernelgenValueError(f"workers must be an int >= 1 (one worker process per GPU), got {workers!r}")
+    return workers
 
 
 def check_seq(seq) -> int:

@@ -1,0 +1,124 @@
+"""Where tuning studies live: an Optuna storage, named by a URL that every tuning process can open.
+
+    sqlite:///path/optuna.db              an SQLite file (one host; its writers take turns)
+    postgresql://user@host/db, mysql://...  an RDB server (any SQLAlchemy URL Optuna's RDBStorage takes)
+    journal:///path/study.log             Optuna's journal file (JournalStorage over JournalFileBackend):
+                                          appends under a file lock, no server, fit for a file system
+                                          that several hosts mount
+    /path/optuna.db                       a plain path: an SQLite file
+
+`parse_storage` checks a URL without opening anything (the CLI validates `--storage` with it);
+`open_storage` opens it. Without a storage, a single-worker tune keeps its studies in
+`cache_dir()/optuna.db` and a tune of several workers in the journal `cache_dir()/optuna-journal.log`.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import KernelgenRuntimeError, KernelgenValueError
+
+__all__ = ["StorageURL", "parse_storage", "open_storage", "default_storage", "HEARTBEAT_S", "GRACE_S"]
+
+HEARTBEAT_S, GRACE_S = 30, 120  # RDB storages: a RUNNING trial whose tuner stopped beating for GRACE_S is stale
+RDB_BACKENDS = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+_EXPECTED = ("expected sqlite:///PATH, postgresql://USER@HOST/DB (or another SQLAlchemy URL), "
+             "journal:///PATH, or a file path")
+
+
+@dataclass(frozen=True)
+class StorageURL:
+    """A checked storage: kind "rdb" (url: the SQLAlchemy URL) or "journal" (url: journal://ABSOLUTE_PATH)."""
+
+    kind: str
+    url: str
+
+    @property
+    def journal_path(self) -> Path:
+        return Path(self.url[len("journal://"):])
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def parse_storage(text: str | Path) -> StorageURL:
+    """Check a storage URL (or path) and make it absolute; KernelgenValueError naming what is wrong."""
+    text = str(text).strip()
+    if not text:
+        raise KernelgenValueError(f"storage is empty; {_EXPECTED}")
+    if "://" not in text:
+        if _SCHEME.match(text) and not text.startswith(("./", "/")):
+            raise KernelgenValueError(f"storage {text!r} is not a URL (no '://'); {_EXPECTED}")
+        return StorageURL("rdb", f"sqlite:///{_file(text, 'storage')}")
+    scheme = text.split("://", 1)[0].lower()
+    if scheme == "journal":
+        path = text.split("://", 1)[1]
+        if not path:
+            raise KernelgenValueError(f"storage {text!r} names no journal file; expected journal:///PATH")
+        return StorageURL("journal", f"journal://{_file(path, 'journal file')}")
+    from sqlalchemy.engine import make_url
+
+    try:
+        url = make_url(text)
+    except Exception as error:  # noqa: BLE001 - SQLAlchemy raises ArgumentError or ValueError (a port, say)
+        raise KernelgenValueError(f"storage {text!r} is not a database URL ({error}); {_EXPECTED}") from None
+    backend = url.get_backend_name()
+    if backend not in RDB_BACKENDS:
+        raise KernelgenValueError(f"storage {text!r}: unknown scheme {scheme!r}; {_EXPECTED}")
+    if backend == "sqlite":
+        if not url.database or url.database == ":memory:":
+            raise KernelgenValueError(f"storage {text!r} names no SQLite file (an in-memory database is no "
+                                      "place to share a study); expected sqlite:///PATH")
+        return StorageURL("rdb", f"sqlite:///{_file(url.database, 'SQLite file')}")
+    if not url.database:
+        raise KernelgenValueError(f"storage {text!r} names no database; expected {backend}://USER@HOST/DB")
+    return StorageURL("rdb", text)
+
+
+def _file(path: str, what: str) -> Path:
+    resolved = Path(path).expanduser().resolve()
+    if resolved.is_dir():
+        raise KernelgenValueError(f"the {what} {resolved} is a directory; expected a file")
+    return resolved
+
+
+def default_storage(workers: int) -> StorageURL:
+    """The cache dir's storage: the SQLite file for one worker, the journal file for several (SQLite's
+    single writer would make them queue); KernelgenRuntimeError when the cache dir cannot be written."""
+    from ..codegen.cache import cache_dir, unwritable
+
+    path = cache_dir() / ("optuna.db" if workers == 1 else "optuna-journal.log")
+    problem = unwritable(path.parent)
+    if problem is not None:
+        raise KernelgenRuntimeError(f"the tuner's study storage {path} cannot be written ({problem}); set "
+                                    "KERNELGEN_CACHE_DIR to a writable directory")
+    return parse_storage(f"journal://{path}" if workers > 1 else path)
+
+
+def open_storage(storage: StorageURL):
+    """The Optuna storage object of a checked URL (its file's directory made when missing)."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+    from sqlalchemy.exc import SQLAlchemyError
+
+    if storage.kind == "journal":
+        path = storage.journal_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    sqlite = storage.url.startswith("sqlite:")
+    if sqlite:
+        Path(storage.url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(storage.url,
+                                              engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else None,
+                                              heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+    except ImportError as error:  # the database's driver (psycopg2, say) is not installed
+        raise KernelgenValueError(f"storage {storage.url}: {error}; install the database's Python driver") from None
+    except SQLAlchemyError as error:  # no server there, refused credentials, ...
+        raise KernelgenRuntimeError(f"storage {storage.url} cannot be opened: {' '.join(str(error).split())[:300]}") \
+            from None
