@@ -24,7 +24,7 @@ import torch
 from .comm import Group
 from .layout import Layout
 
-__all__ = ["Requests", "requests_of", "Fetched", "fetch", "local_lists", "return_gradients"]
+__all__ = ["Requests", "requests_of", "Fetched", "fetch", "owned_blocks", "prefixed", "local_lists", "return_gradients"]
 
 
 class Requests(NamedTuple):
@@ -67,25 +67,20 @@ class Fetched(NamedTuple):
     incoming_counts: list[int]
 
 
-def _owned_rows(kv: torch.Tensor, flat: torch.Tensor, layout: Layout, tables, kv_block: int) -> torch.Tensor:
-    """[n, 2, kv_block, D]: K and V of this rank's blocks named by flat request ids."""
+def owned_blocks(k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, tables, kv_block: int) -> torch.Tensor:
+    """[n, 2, kv_block, D]: K and V of the blocks of this rank's shards that flat request ids name."""
     _, local, _ = tables
     n_blocks = local.numel()
-    two, b, hkv, n, d = kv.shape
-    blocks = kv.view(2, b * hkv, n // kv_block, kv_block, d)
+    b, hkv, n, d = k.shape
+    blocks = torch.stack([k, v]).view(2, b * hkv, n // kv_block, kv_block, d)
     return blocks[:, flat // n_blocks, local[flat % n_blocks]].transpose(0, 1)
 
 
-def fetch(k: torch.Tensor, v: torch.Tensor, requests: Requests, layout: Layout, tables, kv_block: int,
-          group: Group) -> Fetched:
-    """Exchange the requests, serve the blocks asked of this rank, and lay the received ones out as the prefix."""
-    counts_in = group.all_to_all(torch.tensor(requests.counts, dtype=torch.int64, device=k.device)[:, None],
-                                 [1] * group.world, [1] * group.world)[:, 0].tolist()
-    incoming = group.all_to_all(requests.ids, requests.counts, counts_in)
-    served = _owned_rows(torch.stack([k, v]), incoming, layout, tables, kv_block)
-    received = group.all_to_all(served, counts_in, requests.counts)  # [n, 2, kv_block, D], in request order
-    b, hkv, n, d = k.shape
-    n_blocks = tables[0].numel()
+def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: torch.Tensor, n_blocks: int,
+             kv_block: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(K_local, V_local, width, slot): the received blocks ([n, 2, kv_block, D] in request order) laid out as
+    the prefix of this rank's shards."""
+    b, hkv, _, d = k.shape
     bh = requests.ids // n_blocks
     per_head = torch.bincount(bh, minlength=b * hkv)
     width = int(per_head.max()) if bh.numel() else 0
@@ -96,8 +91,19 @@ def fetch(k: torch.Tensor, v: torch.Tensor, requests: Requests, layout: Layout, 
     prefix = k.new_zeros(2, b * hkv, width, kv_block, d)
     prefix[:, bh, slot] = received.transpose(0, 1)
     prefix = prefix.view(2, b, hkv, width * kv_block, d)
-    return Fetched(torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2), width, slot, requests, incoming,
-                   counts_in)
+    return torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2), width, slot
+
+
+def fetch(k: torch.Tensor, v: torch.Tensor, requests: Requests, layout: Layout, tables, kv_block: int,
+          group: Group) -> Fetched:
+    """Exchange the requests, serve the blocks asked of this rank, and lay the received ones out as the prefix."""
+    counts_in = group.all_to_all(torch.tensor(requests.counts, dtype=torch.int64, device=k.device)[:, None],
+                                 [1] * group.world, [1] * group.world)[:, 0].tolist()
+    incoming = group.all_to_all(requests.ids, requests.counts, counts_in)
+    served = owned_blocks(k, v, incoming, tables, kv_block)
+    received = group.all_to_all(served, counts_in, requests.counts)  # [n, 2, kv_block, D], in request order
+    k_local, v_local, width, slot = prefixed(k, v, requests, received, tables[0].numel(), kv_block)
+    return Fetched(k_local, v_local, width, slot, requests, incoming, counts_in)
 
 
 def local_lists(rows: torch.Tensor, fetched: Fetched, layout: Layout, tables, tile_chunk: torch.Tensor,
