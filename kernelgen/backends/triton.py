@@ -660,7 +660,7 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
 def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part, lse_part, used, dtype):
     """(o [B, Hq, Nq, D] in `dtype`, lse float32 [B, Hq, Nq]): each row's spec.top_k partials (o_part [B, Hq, Nq,
     top_k, D], lse_part [B, Hq, Nq, top_k], any strides) merged through their lse in slot order, the slots
-    whose `used[b, h // G, n, slot]` is >= 0 only (`used`: any strides but unit stride over slots; the `kv_attn`
+    whose `used[b, h // G, n, slot]` is >= 0 only (`used` and `lse_part` at unit stride over slots; the `kv_attn`
     role's module `mod`)."""
     o = empty(*o_part.shape[:3], spec.head_dim, device=o_part.device, dtype=dtype)
     lse = empty(*o_part.shape[:3], device=o_part.device, dtype=torch.float32)
