@@ -410,10 +410,26 @@ def bench(
     kv_centric: bool = typer.Option(False, "--kv-centric", help="Per-query lists (the KV-centric schedule) against "
                                                                 "FlexAttention, SDPA cuDNN and fla-core's NSA kernels "
                                                                 "(shapes kv_b8, kv_nsa32k, kv_d64_64k; GPU only)."),
+    context_parallel: bool = typer.Option(False, "--context-parallel", help="A 2-rank context-parallel run's "
+                                          "per-rank kernels (dense ring and sparse fetch) timed on one GPU, the "
+                                          "bytes each path moves, and the 2-GPU time projected at NVLink speed "
+                                          "(B1 Hq32 Hkv8 D128 causal, N=256k; GPU only)."),
 ):
     """kernelgen next to FlexAttention (same BlockMask) and SDPA flash / cuDNN: ms and useful TFLOP/s."""
     from . import bench as benchmark
 
+    if context_parallel:
+        import torch
+
+        from .bench.context_parallel import run_context_parallel
+
+        if backward or untuned or kv_centric or shapes:
+            _fail("--context-parallel is a bench of its own (one shape): give it alone")
+        if not torch.cuda.is_available():
+            _fail("bench --context-parallel needs a CUDA GPU: it times kernels")
+        _check_out_dir(out)
+        run_context_parallel(out_dir=str(out))
+        return
     if backward or untuned or kv_centric:  # GPU-only benches of their own
         import torch
 

@@ -25,7 +25,8 @@ from .base import Backend, Problem, RoleImpl, Shapes
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
            "KvSelectConfig", "KvAttnConfig", "KvBwdConfig", "attn_smem_bytes", "bwd_dq_smem_bytes",
            "bwd_dkdv_smem_bytes", "kv_select_smem_bytes", "kv_attn_smem_bytes",
-           "index_select_smem_bytes", "pack_infeasible", "rendered_module"]
+           "index_select_smem_bytes", "pack_infeasible", "rendered_module", "pool_reps", "select_from_reps",
+           "combine_partials"]
 
 
 @dataclass(frozen=True)
@@ -565,11 +566,26 @@ def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.T
     r = spec.groups
     q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod)
     k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod)
-    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q.device, dtype=torch.int32)
+    return select_from_reps(mod, spec, cfg, shapes, q_rep, k_rep)
+
+
+def pool_reps(mod, spec: Spec, x: torch.Tensor, unit: int) -> torch.Tensor:
+    """The selector's representatives of a [B, H, N, D] tensor cut into tiles of `unit` rows (q_tile for
+    queries, kv_block for keys): float32 [B, H, ceil(N / unit), r, D], r = spec.groups (the `select` role's
+    module `mod`)."""
+    return _pool(x, unit, spec.groups, -(-x.shape[2] // unit), mod)
+
+
+def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: torch.Tensor,
+                     k_rep: torch.Tensor) -> torch.Tensor:
+    """`launch_select` from representatives already pooled (`pool_reps`: float32 [B, Hq, n_q_tiles, r, D] and
+    [B, Hkv, n_kv_blocks, r, D], contiguous), as a context-parallel rank has them after gathering the blocks'."""
+    r = spec.groups
+    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q_rep.device, dtype=torch.int32)
     n_bh, top_k_pad = shapes.batch * shapes.heads_kv, next_pow2(spec.top_k)
     # splits > 1: each split scans a share of the blocks (more programs in flight), then a merge
     cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q_tiles * cfg.splits * top_k_pad,
-                                                   device=q.device, dtype=torch.int64)
+                                                   device=q_rep.device, dtype=torch.int64)
     grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), n_bh, cfg.splits)
     mod.select_topk[grid](
         q_rep, k_rep, block_idx, cand, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
@@ -623,10 +639,18 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
         shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
         STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    o = empty(*q.shape, device=q.device, dtype=q.dtype)
-    lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
+    return combine_partials(mod, spec, cfg, shapes, o_part, lse_part, block_idx, q.dtype)
+
+
+def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part, lse_part, used, dtype):
+    """(o [B, Hq, Nq, D] in `dtype`, lse float32 [B, Hq, Nq]): each row's spec.top_k partials (o_part [B, Hq, Nq,
+    top_k, D], lse_part [B, Hq, Nq, top_k], any strides) merged through their lse in slot order, the slots
+    whose `used[b, h // G, n, slot]` is >= 0 only (`used` and `lse_part` at unit stride over slots; the `kv_attn`
+    role's module `mod`)."""
+    o = empty(*o_part.shape[:3], spec.head_dim, device=o_part.device, dtype=dtype)
+    lse = empty(*o_part.shape[:3], device=o_part.device, dtype=torch.float32)
     mod.kv_combine[(triton.cdiv(shapes.n_q, cfg.combine_rows), shapes.batch * shapes.heads_q)](
-        o_part, lse_part, block_idx, o, lse, *o_part.stride()[:4], *lse_part.stride()[:3], *block_idx.stride()[:3],
+        o_part, lse_part, used, o, lse, *o_part.stride()[:4], *lse_part.stride()[:3], *used.stride()[:3],
         *o.stride()[:3], *lse.stride()[:2], shapes.n_q, shapes.heads_q,
         HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=spec.top_k, ROWS=cfg.combine_rows, num_warps=4)
     return o, lse

@@ -1,0 +1,153 @@
+"""The sparse path: a rank fetches only the remote KV blocks its lists name, then attends once.
+
+Glossary
+  request   a (batch x KV head, global block) pair this rank's lists name, held by another rank and visible
+            (under causal masking: in an earlier chunk than the tile's), counted once however many tiles
+            list it; as a flat id `bh * n_kv_blocks + block`. Requests are sorted by (owner, bh, block).
+  prefix    the fetched blocks of each (batch, KV head), `width` block slots (the largest count over heads;
+            unused slots are zeros no list names), placed *before* the rank's own shard in the local K/V:
+            K_local = [prefix | own shard]. With Nq = shard length and Nk = width * kv_block + shard length,
+            the kernels' causal rule `key <= query + Nk - Nq` is then exact in global positions: every prefix
+            key is visible, and own keys obey the shard's own diagonal.
+
+Two all_to_all exchanges move the data: the requested ids (with their counts), then the blocks, K and V
+together. The backward sends the prefix's dK/dV back the same way reversed; each owner adds them to its
+own shard's gradients in fp32, source rank by source rank (a source names a pair once: no two terms of one
+exchange meet, and the order of the sum is fixed).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .comm import Group
+from .layout import Layout
+
+__all__ = ["Requests", "requests_of", "Fetched", "fetch", "owned_blocks", "prefixed", "local_lists", "return_gradients"]
+
+
+class Requests(NamedTuple):
+    """What a rank asks for: `ids` int64 flat request ids sorted by (owner, bh, block), `counts[s]` of them
+    held by rank s (a host list)."""
+
+    ids: torch.Tensor
+    counts: list[int]
+
+
+def requests_of(rows: torch.Tensor, layout: Layout, tables, tile_chunk: torch.Tensor, causal: bool) -> Requests:
+    """The remote blocks `rows` (global lists of this rank's tiles, [B, Hkv, T, top_k]) name and can see."""
+    owner, _, chunk = tables
+    n_blocks = owner.numel()
+    b, hkv, t, top_k = rows.shape
+    ids = rows.long()
+    safe = ids.clamp(0, n_blocks - 1)
+    keep = (ids >= 0) & (ids < n_blocks) & (owner[safe] != layout.rank)
+    if causal:
+        keep &= chunk[safe] < tile_chunk[None, None, :, None]
+    want = torch.zeros(b * hkv, n_blocks + 1, dtype=torch.bool, device=rows.device)
+    want.scatter_(1, torch.where(keep, ids, n_blocks).reshape(b * hkv, t * top_k), True)
+    bh, block = want[:, :n_blocks].nonzero(as_tuple=True)
+    flat = bh * n_blocks + block
+    holder = owner[block]
+    order = torch.argsort(holder * (b * hkv * n_blocks) + flat)  # unique keys: (owner, bh, block)
+    counts = torch.bincount(holder, minlength=layout.world)
+    return Requests(flat[order], counts.tolist())
+
+
+class Fetched(NamedTuple):
+    """The fetched blocks laid out as the prefix, and how to send their gradients back."""
+
+    k: torch.Tensor          # [B, Hkv, width * kv_block + shard, D]: prefix, then the own shard
+    v: torch.Tensor
+    width: int               # prefix block slots per (batch, KV head)
+    slot: torch.Tensor       # int64 [len(requests.ids)]: each request's slot in its head's prefix
+    requests: Requests
+    incoming: torch.Tensor   # int64: the flat ids other ranks asked this one for, in source rank order
+    incoming_counts: list[int]
+
+
+def owned_blocks(k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, tables, kv_block: int) -> torch.Tensor:
+    """[n, 2, kv_block, D]: K and V of the blocks of this rank's shards that flat request ids name."""
+    _, local, _ = tables
+    n_blocks = local.numel()
+    b, hkv, n, d = k.shape
+    blocks = torch.stack([k, v]).view(2, b * hkv, n // kv_block, kv_block, d)
+    return blocks[:, flat // n_blocks, local[flat % n_blocks]].transpose(0, 1)
+
+
+def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: torch.Tensor, n_blocks: int,
+             kv_block: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(K_local, V_local, width, slot): the received blocks ([n, 2, kv_block, D] in request order) laid out as
+    the prefix of this rank's shards."""
+    b, hkv, _, d = k.shape
+    bh = requests.ids // n_blocks
+    per_head = torch.bincount(bh, minlength=b * hkv)
+    width = int(per_head.max()) if bh.numel() else 0
+    # slot of each request in its head's prefix: its rank among that head's requests (owner, then block order)
+    by_head = torch.argsort(bh * requests.ids.numel() + torch.arange(bh.numel(), device=bh.device))
+    slot = torch.empty_like(bh)
+    slot[by_head] = torch.arange(bh.numel(), device=bh.device) - (per_head.cumsum(0) - per_head)[bh[by_head]]
+    prefix = k.new_zeros(2, b * hkv, width, kv_block, d)
+    prefix[:, bh, slot] = received.transpose(0, 1)
+    prefix = prefix.view(2, b, hkv, width * kv_block, d)
+    return torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2), width, slot
+
+
+def fetch(k: torch.Tensor, v: torch.Tensor, requests: Requests, layout: Layout, tables, kv_block: int,
+          group: Group) -> Fetched:
+    """Exchange the requests, serve the blocks asked of this rank, and lay the received ones out as the prefix."""
+    counts_in = group.all_to_all(torch.tensor(requests.counts, dtype=torch.int64, device=k.device)[:, None],
+                                 [1] * group.world, [1] * group.world)[:, 0].tolist()
+    incoming = group.all_to_all(requests.ids, requests.counts, counts_in)
+    served = owned_blocks(k, v, incoming, tables, kv_block)
+    received = group.all_to_all(served, counts_in, requests.counts)  # [n, 2, kv_block, D], in request order
+    k_local, v_local, width, slot = prefixed(k, v, requests, received, tables[0].numel(), kv_block)
+    return Fetched(k_local, v_local, width, slot, requests, incoming, counts_in)
+
+
+def local_lists(rows: torch.Tensor, fetched: Fetched, layout: Layout, tables, tile_chunk: torch.Tensor,
+                kv_block: int, causal: bool) -> torch.Tensor:
+    """int32 lists over [prefix | own shard]: fetched blocks at their prefix slot, own blocks after the prefix,
+    blocks neither fetched nor visible -1."""
+    owner, local, chunk = tables
+    n_blocks = owner.numel()
+    b, hkv, t, top_k = rows.shape
+    table = torch.full((b * hkv, n_blocks), -1, dtype=torch.int64, device=rows.device)
+    mine = owner == layout.rank
+    table[:, mine] = fetched.width + local[mine]
+    ids = fetched.requests.ids
+    table[ids // n_blocks, ids % n_blocks] = fetched.slot
+    flat = rows.long()
+    valid = (flat >= 0) & (flat < n_blocks)
+    safe = flat.clamp(0, n_blocks - 1)
+    out = torch.gather(table.view(b, hkv, n_blocks), 2, safe.reshape(b, hkv, t * top_k)).view_as(flat)
+    keep = valid
+    if causal:
+        keep &= chunk[safe] <= tile_chunk[None, None, :, None]
+    return torch.where(keep, out, -1).to(torch.int32)
+
+
+def return_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, layout: Layout, tables, kv_block: int,
+                     group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dk, dv) of this rank's own shard: its own part of the local gradients plus, in fp32 and source rank
+    order, what the other ranks computed for the blocks they fetched from it."""
+    b, hkv, _, d = dk.shape
+    cut = fetched.width * kv_block
+    n_blocks = tables[0].numel()
+    grads = torch.stack([dk, dv])
+    prefix = grads[:, :, :, :cut].reshape(2, b * hkv, fetched.width, kv_block, d)
+    ids = fetched.requests.ids
+    out = prefix[:, ids // n_blocks, fetched.slot].transpose(0, 1)  # [n, 2, kv_block, D] in request order
+    back = group.all_to_all(out, fetched.requests.counts, fetched.incoming_counts)
+    own = grads[:, :, :, cut:].float().contiguous()
+    n_local = own.shape[3] // kv_block
+    blocks = own.view(2, b * hkv * n_local, kv_block, d)
+    _, local, _ = tables
+    rows = (fetched.incoming // n_blocks) * n_local + local[fetched.incoming % n_blocks]
+    start = 0
+    for count in fetched.incoming_counts:  # fixed order; one source names a block once
+        part = slice(start, start + count)
+        blocks.index_add_(1, rows[part], back[part].transpose(0, 1).float())
+        start += count
+    return own[0].to(dk.dtype), own[1].to(dv.dtype)

@@ -1,0 +1,183 @@
+"""kernelgen.distributed on the CPU: 2 and 4 gloo processes, the Triton interpreter in fp32, each rank's o,
+lse, dq, dk and dv against the float64 reference of the unsharded problem (and the selected lists against
+one process's selector). One spawn per group size runs every case, to pay the start-up once."""
+import json
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import kernelgen
+import kernelgen.distributed as kd
+from kernelgen import Spec, reference
+
+D = 64
+TOL = 1e-4  # rel. L2 error of fp32 results against float64 (roles.REL_L2_TOL, GRAD_REL_L2_TOL)
+
+
+def _spec(**changes) -> Spec:
+    return Spec(head_dim=D, kv_block=16, q_tile=16, top_k=3, gqa_group=2, selector="given").replace(**changes)
+
+
+# (name, spec, layout, path, lists: "given" (the reference selector's, passed in) or "select" (across shards))
+CASES = {
+    2: [
+        ("causal-zigzag-dense", _spec(causal=True, sink=1), "zigzag", "dense", "given"),
+        ("causal-zigzag-sparse", _spec(causal=True, sink=1), "zigzag", "sparse", "given"),
+        ("causal-contiguous-auto-local2", _spec(causal=True, local=2), "contiguous", "auto", "given"),
+        ("full-contiguous-dense", _spec(), "contiguous", "dense", "given"),
+        ("full-zigzag-sparse-mha", _spec(gqa_group=1), "zigzag", "sparse", "given"),
+        ("causal-zigzag-select", _spec(causal=True, sink=1, selector="mean"), "zigzag", "auto", "select"),
+    ],
+    4: [
+        ("causal-zigzag-dense", _spec(causal=True, sink=1), "zigzag", "dense", "given"),
+        ("causal-zigzag-sparse-select", _spec(causal=True, selector="mean"), "zigzag", "sparse", "select"),
+        ("full-contiguous-sparse", _spec(local=1), "contiguous", "sparse", "given"),
+    ],
+}
+SEQ = {2: 128, 4: 128}
+
+
+def _inputs(spec: Spec, n: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    hkv = 2
+    q = torch.randn(1, hkv * spec.gqa_group, n, D, generator=gen)
+    k = torch.randn(1, hkv, n, D, generator=gen)
+    v = torch.randn(1, hkv, n, D, generator=gen)
+    do = torch.randn(1, hkv * spec.gqa_group, n, D, generator=gen)
+    return q, k, v, do
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)):
+        return float("inf")
+    diff = (got.double() - want).where(finite, 0.0)
+    return (diff.norm() / want.where(finite, 0.0).norm().clamp(min=1e-30)).item()
+
+
+def _run_case(case, world: int, rank: int) -> dict:
+    name, spec, layout, path, lists_from = case
+    n = SEQ[world]
+    q, k, v, do = _inputs(spec, n, seed=len(name))
+    chooser = spec if spec.selects else spec.replace(selector="mean")
+    lists = reference.select_blocks(q, k, chooser).to(torch.int32)
+    given = spec.replace(selector="given")
+    o_ref, lse_ref, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)
+    grads_ref = reference.sparse_attention_grads(q, k, v, do, given, lists)
+    q_s, k_s, v_s, do_s = (kd.shard(x, layout) for x in (q, k, v, do))
+    for x in (q_s, k_s, v_s):
+        x.requires_grad_()
+    errors = {}
+    if lists_from == "select":
+        rows = kd.select_blocks(q_s, k_s, spec, layout=layout)
+        single = kernelgen.get_kernel(spec).select(q, k)
+        want = single[:, :, kd.Layout.of_shard(layout, world, rank, n // world).global_ids(spec.q_tile)]
+        errors["lists"] = 0.0 if torch.equal(rows, want) else float("inf")
+        lists = single
+        o_ref, lse_ref, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)
+        grads_ref = reference.sparse_attention_grads(q, k, v, do, given, lists)
+        o_s, lse_s = kd.attention(q_s, k_s, v_s, spec, layout=layout, path=path, return_lse=True)
+    else:
+        o_s, lse_s = kd.attention(q_s, k_s, v_s, spec, block_idx=lists, layout=layout, path=path, return_lse=True)
+    o_s.backward(do_s)
+    for what, got, want in (("o", o_s, o_ref), ("lse", lse_s[..., None], lse_ref[..., None]),
+                            ("dq", q_s.grad, grads_ref[0]), ("dk", k_s.grad, grads_ref[1]),
+                            ("dv", v_s.grad, grads_ref[2])):
+        errors[what] = _err(got.detach(), kd.shard(want, layout))
+    return errors
+
+
+def _raises(call) -> str:
+    """The message of the ValueError or TypeError `call` raises ("" when it raises none)."""
+    try:
+        call()
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return ""
+
+
+def _bad_inputs(world: int, rank: int) -> dict:
+    """The message each bad call raises on this rank (every rank must raise, none may hang)."""
+    spec = _spec(causal=True)
+    q, k, v, _ = _inputs(spec, 128, seed=0)
+    lists = reference.select_blocks(q, k, spec.replace(selector="mean")).to(torch.int32)
+    q_s, k_s, v_s = (kd.shard(x, "zigzag") for x in (q, k, v))
+    short = 48 if rank == world - 1 else 64  # one rank's shards differ
+    return {
+        "shapes": _raises(lambda: kd.attention(q_s[:, :, :short], k_s[:, :, :short], v_s[:, :, :short], spec,
+                                               block_idx=lists)),
+        "chunks": _raises(lambda: kd.attention(q_s[:, :, :40], k_s[:, :, :40], v_s[:, :, :40], spec, block_idx=lists)),
+        "lists": _raises(lambda: kd.attention(q_s, k_s, v_s, spec, block_idx=lists[:, :, :3])),
+        "layout": _raises(lambda: kd.attention(q_s, k_s, v_s, spec, block_idx=lists, layout="striped")),
+        "path": _raises(lambda: kd.attention(q_s, k_s, v_s, spec, block_idx=lists, path="ring")),
+        "qk lengths": _raises(lambda: kd.attention(q_s, k_s[:, :, :32], v_s[:, :, :32], spec, block_idx=lists)),
+        "index selector": _raises(lambda: kd.attention(q_s, k_s, v_s, spec.replace(selector="index"))),
+    }
+
+
+EXPECTED_MESSAGES = {"shapes": "differs across ranks", "chunks": "not a multiple of spec.kv_block",
+                     "lists": "block_idx.shape", "layout": "layout='striped'", "path": "path='ring'",
+                     "qk lengths": "same length", "index selector": "cannot select across shards"}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {case[0]: _run_case(case, world, rank) for case in CASES[world]}
+        if world == 2:
+            results["bad inputs"] = _bad_inputs(world, rank)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_one_gpu(world):
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world, _free_port(), out_dir), nprocs=world, join=True)
+        results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
+    messages = [res.pop("bad inputs", None) for res in results]
+    bad = {(r, case, what): err for r, res in enumerate(results) for case, errs in res.items()
+           for what, err in errs.items() if not err < TOL}
+    assert not bad, bad
+    for r, got in enumerate(messages):
+        if got is not None:
+            wrong = {what: got[what] for what, expected in EXPECTED_MESSAGES.items() if expected not in got[what]}
+            assert not wrong, (r, wrong)
+
+
+def test_one_process_runs_as_one_gpu():
+    """Without an initialized process group the call is get_kernel(spec)'s, and shard/unshard are the identity."""
+    assert not dist.is_initialized()
+    spec = _spec(causal=True, sink=1)
+    q, k, v, _ = _inputs(spec, 64, seed=3)
+    lists = reference.select_blocks(q, k, spec.replace(selector="mean")).to(torch.int32)
+    o, lse = kd.attention(kd.shard(q), kd.shard(k), kd.shard(v), spec, block_idx=lists, return_lse=True)
+    o_one, lse_one = kernelgen.get_kernel(spec)(q, k, v, block_idx=lists, return_lse=True)
+    assert torch.equal(kd.unshard(o), o_one) and torch.equal(lse, lse_one)
+
+
+def test_layout_tables():
+    """Zigzag over 2 ranks: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2; ids map both ways."""
+    lay = kd.Layout("zigzag", 2, 1, 64)
+    assert lay.chunks() == (1, 2) and lay.positions().tolist() == list(range(16, 48))
+    owner, local, chunk = lay.block_tables(16)
+    assert owner.tolist() == [0, 1, 1, 0] and local.tolist() == [0, 0, 1, 1] and chunk.tolist() == [0, 1, 2, 3]
+    x = torch.arange(64.0).view(1, 1, 64, 1)
+    shards = [kd.Layout("zigzag", 2, r, 64).take(x) for r in range(2)]
+    assert torch.equal(lay.assemble(shards), x)
+    assert kd.traffic((1, 8, 131072, 128), 2, 2, 128, 1000).path == "sparse"
