@@ -198,7 +198,7 @@ def tune(
     """Search tile, warp and stage parameters on this GPU and store the winners in the user tuning DB."""
     from . import backends as registry
     from .device import current_arch
-    from .roles import ROLES
+    from .roles import ROLES, SELECTION_ROLES
     from .archs import check_arch
     from .tuning.model import model_studies, read_model_config
     from .tuning.plan import check_budget, check_seq, check_workers, plan
@@ -257,7 +257,7 @@ def tune(
     for name in roles:
         if name not in ROLES or not ROLES[name].tuned:
             _fail(f"--role {name!r} is not a tuned role; expected some of {[n for n, r in ROLES.items() if r.tuned]}")
-    roles = [r for r in roles if r not in _SELECTION_ROLES or r == spec.selection_role]  # the spec's selector only
+    roles = [r for r in roles if r not in SELECTION_ROLES or r == spec.selection_role]  # the spec's selector only
     for r in roles:
         p = plan(spec, r, seq=seq, arch=arch, trials=trials)
         if dry_run:
@@ -265,8 +265,6 @@ def tune(
         else:
             _tune_one(spec, r, seq, arch, trials, timeout, workers=workers, storage=storage)
 
-
-_SELECTION_ROLES = ("select", "select_index")
 
 
 def _all_rows(path: Optional[Path], **filters) -> list[dict]:

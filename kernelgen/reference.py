@@ -108,8 +108,9 @@ def index_block_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor
                        heads_kv: int) -> torch.Tensor:
     """Index selector scores, float64 `[B, Hkv, n_q_tiles, n_kv_blocks]`: the max of the token scores
     (`index_token_scores`) over the tile's queries and the block's keys that the query sees (causal,
-    bottom-right aligned); -inf for a block with no visible key. Whole tiles at a time, about 2**25 token
-    scores per step, so that long sequences fit in memory."""
+    bottom-right aligned); -inf for a block with no visible key. Per-query lists (`[B, Hkv, Nq, n_kv_blocks]`):
+    each query is a tile of its own. Whole tiles at a time, about 2**25 token scores per step, so that long
+    sequences fit in memory."""
     b, n_index_heads, nq, _ = q_idx.shape
     nk = k_idx.shape[2]
     n_blocks = spec.n_kv_blocks(nk)
@@ -126,9 +127,9 @@ def index_block_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, w: torch.Tensor
             s = s.masked_fill(key[None, :] > query[:, None] + (nk - nq), -torch.inf)
         s = torch.nn.functional.pad(s, (0, pad), value=-torch.inf).view(b, heads_kv, len(rows), n_blocks, spec.kv_block)
         s = s.amax(-1)  # [B, Hkv, rows, J]
-        n_tiles = spec.n_q_tiles(len(rows))
-        s = torch.nn.functional.pad(s, (0, 0, 0, n_tiles * spec.q_tile - len(rows)), value=-torch.inf)
-        tiles.append(s.view(b, heads_kv, n_tiles, spec.q_tile, n_blocks).amax(3))
+        n_tiles, per_tile = spec.n_q_tiles(len(rows)), spec.list_queries  # a tile of one query: per-query lists
+        s = torch.nn.functional.pad(s, (0, 0, 0, n_tiles * per_tile - len(rows)), value=-torch.inf)
+        tiles.append(s.view(b, heads_kv, n_tiles, per_tile, n_blocks).amax(3))
     return torch.cat(tiles, 2)
 
 

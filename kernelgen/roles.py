@@ -16,6 +16,7 @@ Launch signatures, after (kernel, spec, config, shapes):
             (a `kernelgen.reverse_index.ReverseIndex` of the same lists)
 KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalises them as well):
   kv_select (q, k)                       per-query lists chosen by spec.selector
+  kv_select_index (q_idx, k_idx, w)      per-query lists chosen by the index selector
   kv_attn   (q, k, v, block_idx, reverse, scale)   (o, lse): partials per (block, query chunk) task of
             `reverse` (a `kernelgen.reverse_index.QueryReverseIndex` of the lists; None: built), merged per row
   kv_bwd    (q, k, v, do, lse, delta, block_idx, reverse, scale)   (dq, dk, dv): one walk of `reverse` per
@@ -36,7 +37,8 @@ from .reverse_index import build_query_reverse_index, build_reverse_index
 from .spec import Spec
 from .workloads import useful_flops
 
-__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "KV_BACKWARD_ROLES", "forward_roles", "backward_roles", "register_role", "get_role", "Workload", "WorkloadShape",
+__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "KV_BACKWARD_ROLES", "forward_roles", "backward_roles", "register_role", "get_role",
+           "SELECTION_ROLES", "Workload", "WorkloadShape",
            "valid_top_k", "index_inputs", "INDEX_HEADS", "INDEX_DIM", "REL_L2_TOL", "GRAD_REL_L2_TOL"]
 
 # what a tuned config must reproduce: rel. L2 error of o against the float64 reference
@@ -290,6 +292,9 @@ def kv_attn_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: boo
 
 # The KV-centric schedule's forward and backward (bwd_delta is the Q-centric schedule's: it reads o and do alone)
 register_role(Role("kv_select", "per-query block lists chosen by the spec's selector", workload=select_workload))
+register_role(Role("kv_select_index", "per-query block lists chosen by the index selector (a block's score for a "
+                   "query the max of its visible token scores)", canonical={"head_dim": 64},
+                   workload=select_index_workload))
 register_role(Role("kv_attn", "attention over per-query lists: partials per (KV block, query chunk) task, merged "
                    "per query and head through lse", canonical=_KERNEL_READS_LISTS, workload=kv_attn_workload))
 
@@ -298,6 +303,8 @@ register_role(Role("kv_bwd", "backward over per-query lists: dk, dv and the dq p
                    "slot) pairs that list it (the query reverse index), the G query heads summed in the program; "
                    "then dq's merge in slot order", canonical=_KERNEL_READS_LISTS, workload=kv_bwd_workload))
 KV_BACKWARD_ROLES = ("bwd_delta", "kv_bwd")
+# the roles that choose lists, one per (schedule, kind of selector): `Spec.selection_role` names a spec's
+SELECTION_ROLES = ("select", "select_index", "kv_select", "kv_select_index")
 
 
 def backward_roles(spec: Spec) -> tuple[str, ...]:

@@ -38,7 +38,8 @@ class Spec:
     gqa_group  G = Hq / Hkv; the G query heads of a KV head share its block list.
     selector   "mean" (mean-pooled tile and block), "multi:r" (r group means each, max of r*r
                products), "index" (token scores from caller-given index vectors, as DeepSeek's lightning
-               indexer: the call passes index=(q_idx, k_idx, w)), or "given" (the caller passes block_idx).
+               indexer: the call passes index=(q_idx, k_idx, w); either schedule), or "given" (the caller passes
+               block_idx).
     schedule   "q_centric" (a list per Q tile; programs own Q tiles) or "kv_centric" (a list per query;
                programs own (KV block, query chunk) tasks, partial outputs merged through lse).
     local      blocks ending at the diagonal block that every list holds (with causal, at least 1).
@@ -91,9 +92,6 @@ class Spec:
             raise KernelgenValueError(
                 f"Spec.q_tile={self.q_tile} with schedule='kv_centric': its lists are per query (block_idx "
                 f"[B, Hkv, Nq, top_k]) and no Q tile is used; leave q_tile at its default ({DEFAULT_Q_TILE})")
-        if self.per_query and self.selector == "index":
-            raise KernelgenValueError("Spec.selector='index' with schedule='kv_centric' is not built yet: the index "
-                                      "selector chooses Q-centric lists (schedule='q_centric')")
         r = self._parse_selector()
         if r > 1 and self.per_query and self.kv_block % r:
             raise KernelgenValueError(f"Spec.selector={self.selector!r}: r={r} must divide kv_block={self.kv_block}")
@@ -154,13 +152,13 @@ class Spec:
 
     @property
     def selection_role(self) -> str | None:
-        """The kernel role that chooses this spec's lists: "kv_select" for per-query lists, "select_index"
-        for the index selector, "select" for the pooled ones (mean, multi:r), None for given lists."""
+        """The kernel role that chooses this spec's lists: "select_index" for the index selector, "select" for
+        the pooled ones (mean, multi:r), "kv_select_index" and "kv_select" for per-query lists, None for
+        given lists."""
         if not self.selects:
             return None
-        if self.per_query:
-            return "kv_select"
-        return "select_index" if self.selector == "index" else "select"
+        role = "select_index" if self.selector == "index" else "select"
+        return f"kv_{role}" if self.per_query else role
 
     def packs_rows(self, block_m: int) -> bool:
         """Whether programs of `block_m` packed rows (the G heads x q_tile queries of a tile, head-major)

@@ -23,9 +23,9 @@ from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
 
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
-           "KvSelectConfig", "KvAttnConfig", "KvBwdConfig", "attn_smem_bytes", "bwd_dq_smem_bytes",
+           "KvSelectConfig", "KvIndexSelectConfig", "KvAttnConfig", "KvBwdConfig", "attn_smem_bytes", "bwd_dq_smem_bytes",
            "bwd_dkdv_smem_bytes", "kv_select_smem_bytes", "kv_attn_smem_bytes",
-           "index_select_smem_bytes", "pack_infeasible", "rendered_module", "pool_reps", "select_from_reps",
+           "index_select_smem_bytes", "kv_index_select_smem_bytes", "pack_infeasible", "rendered_module", "pool_reps", "select_from_reps",
            "combine_partials"]
 
 
@@ -140,6 +140,20 @@ class IndexSelectConfig(_JsonConfig):
     rows: int = 64
     chunk: int = 1
     num_warps: int = 4
+    num_stages: int = 1
+
+
+@dataclass(frozen=True)
+class KvIndexSelectConfig(_JsonConfig):
+    """The index selector for per-query lists (KV-centric): queries per program (their running lists stay in
+    registers; they share each key load), heads: index heads per tl.dot (packed with the queries as its
+    heads * queries rows; at most next_pow2(Hi) at launch), chunk: KV blocks scored per step (chunk * kv_block
+    keys)."""
+
+    queries: int = 32
+    heads: int = 4
+    chunk: int = 2
+    num_warps: int = 8
     num_stages: int = 1
 
 
@@ -399,6 +413,64 @@ def index_select_default(spec: Spec, arch: str) -> IndexSelectConfig:
 def index_select_space(spec: Spec, arch: str):
     return (IndexSelectConfig(rows=r, chunk=c, num_warps=w, num_stages=n)
             for r, c, w, n in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (4, 8), (1, 2, 3)))
+
+
+# ---- the index selector for per-query lists (KV-centric): feasibility, defaults, space ----------------------
+
+def kv_index_select_width(spec: Spec, cfg: KvIndexSelectConfig) -> int:
+    """Blocks merged into the running lists at once: a step's chunk, or next_pow2(top_k) when that is more
+    (tl.topk takes next_pow2(top_k) of them)."""
+    return max(cfg.chunk, next_pow2(spec.top_k))
+
+
+def kv_index_select_smem_bytes(spec: Spec, cfg: KvIndexSelectConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the per-query index selector: num_stages steps of keys and the packed query rows, of
+    16-bit index vectors of the largest dim, and the int64 keys of the top-k merges (at most what Triton 3.6
+    asks for on sm_80 to sm_90: tests/test_triton_compile.py compiles offline)."""
+    vectors = (cfg.num_stages * cfg.chunk * spec.kv_block + cfg.heads * cfg.queries) * INDEX_SMEM_DIM * elem_bytes
+    merges = 8 * cfg.queries * max(kv_index_select_width(spec, cfg), 2 * next_pow2(spec.top_k))
+    return vectors + merges
+
+
+def kv_index_select_infeasible(spec: Spec, cfg: KvIndexSelectConfig, arch: str) -> str | None:
+    """Why the per-query index selector cannot run `cfg` for `spec` on `arch`, or None: queries from 16 (tl.dot's
+    smallest M, whatever Hi) to 128, heads 1 to 8, chunk a power of two, the step's score tiles (the product of
+    heads * queries rows and the heads' sum) and the running lists in registers, and the key steps, query rows
+    and merges in shared memory."""
+    if cfg.queries not in (16, 32, 64, 128):
+        return f"queries={cfg.queries}; expected 16, 32, 64 or 128"
+    if cfg.heads not in (1, 2, 4, 8):
+        return f"heads={cfg.heads}; expected 1, 2, 4 or 8 index heads per product"
+    if cfg.chunk < 1 or cfg.chunk & (cfg.chunk - 1):
+        return f"chunk={cfg.chunk} blocks; expected a power of two >= 1"
+    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
+        return f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}; expected a power of two <= 16 and >= 1 stage"
+    keys = cfg.chunk * spec.kv_block
+    regs = (cfg.heads + 1) * cfg.queries * keys // (32 * cfg.num_warps)
+    if regs > INDEX_REGS_LIMIT:
+        return (f"(heads + 1) * queries * chunk * kv_block / (32 * num_warps) = {regs} fp32 registers per thread for "
+                f"the step's scores; at most {INDEX_REGS_LIMIT}: fewer queries, heads or blocks per step, or more warps")
+    running = cfg.queries * max(kv_index_select_width(spec, cfg), 2 * next_pow2(spec.top_k))
+    if running > 8192:
+        return f"queries * max(chunk, 2 * next_pow2(top_k)) = {running} keys of the top-k merges; at most 8192"
+    smem = kv_index_select_smem_bytes(spec, cfg)
+    if smem > arch_facts(arch).smem_per_block:
+        return (f"{smem} B of shared memory (key steps, query rows and the top-k merges: kv_index_select_smem_bytes); "
+                f"at most {arch_facts(arch).smem_per_block} on {arch}")
+    return None
+
+
+def kv_index_select_default(spec: Spec, arch: str) -> KvIndexSelectConfig:
+    # about 128 keys per step against the Hi = 4 heads of 32 queries (128 packed rows), as the Q-centric default
+    chunk = max(1, 128 // spec.kv_block)
+    return _first_feasible(spec, arch, kv_index_select_infeasible, (
+        KvIndexSelectConfig(queries=q, heads=h, chunk=chunk, num_warps=8, num_stages=1)
+        for q, h in ((32, 4), (32, 2), (16, 4), (16, 2), (16, 1))))
+
+
+def kv_index_select_space(spec: Spec, arch: str):
+    return (KvIndexSelectConfig(queries=q, heads=h, chunk=c, num_warps=w, num_stages=n)
+            for q, h, c, w, n in itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 4, 8), (4, 8), (1, 2)))
 
 
 # ---- backward: feasibility, defaults, spaces --------------------------------------------------------
@@ -679,6 +751,23 @@ def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes,
     return block_idx
 
 
+def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
+                           k_idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1) chosen by the index selector from
+    checked index tensors (`inputs.check_index`), as `launch_select_index`'s."""
+    index_heads = q_idx.shape[1] // shapes.heads_kv
+    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q_idx.device, dtype=torch.int32)
+    stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
+    mod.kv_select_index_topk[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv)](
+        q_idx, k_idx, w, block_idx, shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, index_heads,
+        *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2], *block_idx.stride()[:3],
+        INDEX_DIM=q_idx.shape[3], KV_BLOCK=spec.kv_block, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k),
+        SINK=spec.sink, N_LOCAL=spec.n_local, QUERIES=cfg.queries, HEADS_STEP=min(cfg.heads, next_pow2(index_heads)),
+        CHUNK=cfg.chunk, WIDTH=kv_index_select_width(spec, cfg), CAUSAL=spec.causal,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return block_idx
+
+
 def _tma_ok(x: torch.Tensor) -> bool:
     """Tensor descriptors need a 16-byte aligned base and 16-byte aligned strides (but the last, 1)."""
     size = x.element_size()
@@ -825,6 +914,9 @@ class TritonBackend(Backend):
         # the KV-centric schedule's forward (per-query lists; the "lists" role normalises them too)
         "kv_select": RoleImpl(launch=launch_kv_select, template="triton/kv_select.py.j2", config_type=KvSelectConfig,
                               default=kv_select_default, space=kv_select_space, infeasible=kv_select_infeasible),
+        "kv_select_index": RoleImpl(launch=launch_kv_select_index, template="triton/kv_select_index.py.j2",
+                                    config_type=KvIndexSelectConfig, default=kv_index_select_default,
+                                    space=kv_index_select_space, infeasible=kv_index_select_infeasible),
         "kv_attn": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn.py.j2", config_type=KvAttnConfig,
                             default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible),
         # its backward (bwd_delta is shared with the Q-centric schedule)

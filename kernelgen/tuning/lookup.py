@@ -21,7 +21,7 @@ import torch
 
 from .. import backends
 from ..device import device_arch, gpu_name
-from ..roles import get_role
+from ..roles import SELECTION_ROLES, get_role
 from ..spec import Spec
 from .rule import rule_backend
 
@@ -155,7 +155,7 @@ def nearest_spec_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, 
         target = _target(device)
         rows = _winners().servable(_fingerprint(backend.name, role), role=role, backend=backend.name,
                                    arch=target.arch, dtype=_dtype_name(dtype))
-        same = _SAME_FIELDS_SELECT if role in ("select", "select_index") else _SAME_FIELDS
+        same = _SAME_FIELDS_SELECT if role in SELECTION_ROLES else _SAME_FIELDS
         this_gpu = target.gpu_name or ""
         candidates = []
         for row in rows:
