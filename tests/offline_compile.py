@@ -72,6 +72,7 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
             "select": lambda: (q, k),
             "kv_select": lambda: (q, k),
             "select_index": lambda: t["index"],
+            "kv_select_index": lambda: t["index"],
             "attn": lambda: (q, k, v, t["lists"], None),
             "kv_attn": lambda: (q, k, v, t["lists"], None, None),  # its reverse index: built by the launcher
             "bwd_delta": lambda: (t["o"], t["o"]),
@@ -84,6 +85,7 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
 
 # what each role's launch returns, by name, for the roles after it
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
+            "kv_select_index": ("lists",),
             "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "bwd_delta": ("delta",), "bwd_dq": ("dq",),
             "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv")}
 

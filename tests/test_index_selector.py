@@ -38,7 +38,7 @@ def brute_block_scores(q_idx, k_idx, w, spec, heads_kv):
                         continue
                     s = sum(float(w[bi, h * hi + a, i]) * max(0.0, float(q_idx[bi, h * hi + a, i].double() @ kh[j]))
                             for a in range(hi))
-                    t, blk = i // spec.q_tile, j // spec.kv_block
+                    t, blk = i // spec.list_queries, j // spec.kv_block  # per-query lists: a tile of one
                     out[bi, h, t, blk] = max(out[bi, h, t, blk].item(), s)
     return out
 

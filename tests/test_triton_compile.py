@@ -13,7 +13,7 @@ from checks import compile_offline, config_space, default_config
 from kernelgen import SelectConfig, Spec
 from kernelgen.archs import arch_facts
 from kernelgen.backends.triton import (attn_smem_bytes, bwd_dkdv_smem_bytes, bwd_dq_smem_bytes, index_select_smem_bytes,
-                                       kv_attn_smem_bytes, kv_select_smem_bytes)
+                                       kv_attn_smem_bytes, kv_index_select_smem_bytes, kv_select_smem_bytes)
 from kernelgen.roles import backward_roles, forward_roles
 
 pytest.importorskip("triton.backends.nvidia")
@@ -39,6 +39,7 @@ BACKWARD_SPECS = [spec for spec, _, _ in SPECS[:2]]
 KV_SPECS = [Spec(head_dim=128, kv_block=64, top_k=16, causal=True, gqa_group=4, schedule="kv_centric", selector=s)
             for s in ("mean", "given")]
 INDEX_SPEC = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=4, selector="index")
+KV_INDEX_SPEC = INDEX_SPEC.replace(schedule="kv_centric")
 INDEX = {"heads": 4, "dim": 64}
 
 # each tuned role's shared memory estimate (spec, config, arch) and the kernel it estimates
@@ -46,11 +47,12 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
              "kv_select": (kv_select_smem_bytes, "kv_select_topk"),
              "kv_attn": (lambda spec, cfg, arch: kv_attn_smem_bytes(spec, cfg), "kv_attn_partial"),
              "select_index": (lambda spec, cfg, arch: index_select_smem_bytes(spec, cfg), "select_index_topk"),
+             "kv_select_index": (kv_index_select_smem_bytes, "kv_select_index_topk"),
              "bwd_dq": (lambda spec, cfg, arch: bwd_dq_smem_bytes(spec, cfg), "attn_bwd_dq"),
              "bwd_dkdv": (lambda spec, cfg, arch: bwd_dkdv_smem_bytes(spec, cfg), "attn_bwd_dkdv")}
 # the kernels each role launches (beyond these: select's merge_topk with splits > 1)
 KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_select": {"pool", "kv_select_topk"},
-           "select_index": {"select_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
+           "select_index": {"select_index_topk"}, "kv_select_index": {"kv_select_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
            "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"},
            "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}}
 
@@ -108,12 +110,12 @@ def _cases(arch) -> list[Case]:
                           backward=True))
     cases.append(Case(KV_SPECS[0], {role: _largest(KV_SPECS[0], arch, role=role) for role in ("kv_select", "kv_attn")},
                       2000))
-    for dtype in ("float16", "bfloat16"):
-        cases.append(Case(INDEX_SPEC, _defaults(INDEX_SPEC, arch, ["select_index", "attn"]), 2000,
-                          index={**INDEX, "dtype": dtype}))
-    cases.append(Case(INDEX_SPEC, {"select_index": _largest(INDEX_SPEC, arch, role="select_index"),
-                                   "attn": default_config(INDEX_SPEC, "attn", arch)}, 2000,
-                      index={**INDEX, "dtype": "float16"}))
+    for spec, (selection, attn) in ((INDEX_SPEC, ("select_index", "attn")),
+                                    (KV_INDEX_SPEC, ("kv_select_index", "kv_attn"))):  # either schedule's
+        for dtype in ("float16", "bfloat16"):
+            cases.append(Case(spec, _defaults(spec, arch, [selection, attn]), 2000, index={**INDEX, "dtype": dtype}))
+        cases.append(Case(spec, {selection: _largest(spec, arch, role=selection),
+                                 attn: default_config(spec, attn, arch)}, 2000, index={**INDEX, "dtype": "float16"}))
     return cases
 
 

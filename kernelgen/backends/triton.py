@@ -423,20 +423,25 @@ def kv_index_select_width(spec: Spec, cfg: KvIndexSelectConfig) -> int:
     return max(cfg.chunk, next_pow2(spec.top_k))
 
 
-def kv_index_select_smem_bytes(spec: Spec, cfg: KvIndexSelectConfig, elem_bytes: int = 2) -> int:
-    """Shared memory of the per-query index selector: num_stages steps of keys and the packed query rows, of
-    16-bit index vectors of the largest dim, and the int64 keys of the top-k merges (at most what Triton 3.6
-    asks for on sm_80 to sm_90: tests/test_triton_compile.py compiles offline)."""
-    vectors = (cfg.num_stages * cfg.chunk * spec.kv_block + cfg.heads * cfg.queries) * INDEX_SMEM_DIM * elem_bytes
-    merges = 8 * cfg.queries * max(kv_index_select_width(spec, cfg), 2 * next_pow2(spec.top_k))
-    return vectors + merges
+def kv_index_select_smem_bytes(spec: Spec, cfg: KvIndexSelectConfig, arch: str, elem_bytes: int = 2) -> int:
+    """Shared memory of the per-query index selector, with 16-bit index vectors of the largest dim: a step's keys
+    and num_stages copies of the packed query rows (the products' operands), and with heads > 1 the fp32 product
+    tile that the heads' sum reshapes. Triton 3.6 needs the larger of the two with mma.sync (sm_80 to sm_89) and
+    their sum (give or take) with wgmma (sm_90): offline compiles over queries 16-128, heads 1-4, chunk 1-8,
+    kv_block 16-256, 1 and 2 stages, Di 64 and 128 (tests/test_triton_compile.py checks it bounds them)."""
+    keys, rows = cfg.chunk * spec.kv_block, cfg.heads * cfg.queries
+    operands = (keys + cfg.num_stages * rows) * INDEX_SMEM_DIM * elem_bytes
+    head_sum = 4 * rows * keys if cfg.heads > 1 else 0
+    if arch_facts(arch).mma == "mma.sync":
+        return max(operands, head_sum)
+    return operands + head_sum
 
 
 def kv_index_select_infeasible(spec: Spec, cfg: KvIndexSelectConfig, arch: str) -> str | None:
     """Why the per-query index selector cannot run `cfg` for `spec` on `arch`, or None: queries from 16 (tl.dot's
     smallest M, whatever Hi) to 128, heads 1 to 8, chunk a power of two, the step's score tiles (the product of
-    heads * queries rows and the heads' sum) and the running lists in registers, and the key steps, query rows
-    and merges in shared memory."""
+    heads * queries rows and the heads' sum) and the running lists in registers, and shared memory
+    (`kv_index_select_smem_bytes`)."""
     if cfg.queries not in (16, 32, 64, 128):
         return f"queries={cfg.queries}; expected 16, 32, 64 or 128"
     if cfg.heads not in (1, 2, 4, 8):
@@ -453,9 +458,10 @@ def kv_index_select_infeasible(spec: Spec, cfg: KvIndexSelectConfig, arch: str) 
     running = cfg.queries * max(kv_index_select_width(spec, cfg), 2 * next_pow2(spec.top_k))
     if running > 8192:
         return f"queries * max(chunk, 2 * next_pow2(top_k)) = {running} keys of the top-k merges; at most 8192"
-    smem = kv_index_select_smem_bytes(spec, cfg)
+    smem = kv_index_select_smem_bytes(spec, cfg, arch)
     if smem > arch_facts(arch).smem_per_block:
-        return (f"{smem} B of shared memory (key steps, query rows and the top-k merges: kv_index_select_smem_bytes); "
+        return (f"{smem} B of shared memory (a step's keys, the query rows and the heads' product tile: "
+                f"kv_index_select_smem_bytes); "
                 f"at most {arch_facts(arch).smem_per_block} on {arch}")
     return None
 

@@ -3,8 +3,9 @@
 For each shape of `kernelgen.workloads.KV_CENTRIC_SHAPES`, in one process on one GPU (bf16), over the
 same random per-query lists (`random_query_lists`, seed 0):
 
-- kernelgen's KV-centric forward, the lists prepared once; on `SELECTOR_SHAPES` also the `mean`
-  selector pipeline (selection and attention) and selection alone, so the selection overhead reads off;
+- kernelgen's KV-centric forward, the lists prepared once; on `SELECTOR_SHAPES` also each selector's
+  pipeline (`SELECTORS`: `mean`, and `index` on random bf16 index vectors, Hi = 4, Di = 64, `selector_index`):
+  selection and attention, and selection alone, so the selection overhead reads off;
 - dense SDPA on cuDNN, forward and forward+backward (every visible pair);
 - FlexAttention (torch.compile'd) over a BlockMask of each Q tile's union of listed blocks, with a
   mask_mod that looks each (query, block) up in a dense bool membership tensor [B, Hkv, Nq, n_blocks]
@@ -29,15 +30,26 @@ import torch
 from ..dispatch import get_kernel
 from ..errors import KernelgenRuntimeError
 from ..interop import to_block_mask
+from ..roles import WorkloadShape, index_inputs
 from ..spec import Spec
 from ..workloads import KV_CENTRIC_SHAPES, dense_flops, useful_flops
 from .anchors import flex_call, sdpa_dense_anchors
 from .backward import _grads, _timed
 from .measure import _bench, _dump_rows, _rel_diff
 
-__all__ = ["run_kv_centric", "fla_nsa_unsupported", "SELECTOR_SHAPES"]
+__all__ = ["run_kv_centric", "fla_nsa_unsupported", "SELECTOR_SHAPES", "SELECTORS", "selector_index"]
 
-SELECTOR_SHAPES = ("kv_nsa32k",)  # shapes on which the `mean` pipeline is also timed (NSA's shape)
+SELECTOR_SHAPES = ("kv_nsa32k",)  # shapes on which the selector pipelines are also timed (NSA's shape)
+SELECTORS = ("mean", "index")  # the selectors timed there
+INDEX_HEADS, INDEX_DIM = 4, 64  # the index selector's inputs there (Hi, Di), as a lightning indexer's
+
+
+def selector_index(shape, device, dtype, seed: int = 0):
+    """Random (q_idx, k_idx, w) of the index selector for a bench shape, all in `dtype`: Hi = 4 index heads of
+    Di = 64 per KV head, k_idx with one head per KV head (`roles.index_inputs`)."""
+    shapes = WorkloadShape(shape.batch, shape.heads_kv, shape.n_q, shape.n_k)
+    q_idx, k_idx, w = index_inputs(shape.spec("index"), shapes, device, dtype, INDEX_HEADS, INDEX_DIM, seed=seed)
+    return q_idx, k_idx, w.to(dtype)
 
 
 def fla_nsa_unsupported(spec: Spec) -> str | None:
@@ -102,13 +114,17 @@ def run_kv_centric(shape_names=None, out_dir=None, log=print) -> list[dict]:
             record(name, "kernelgen kv_centric fwd+bwd", both, 0.0, bwd_ms=bwd, deterministic=same)
         attempt(name, "kernelgen fwd+bwd", backward)
         if name in SELECTOR_SHAPES:
-            def pipeline():
-                mean = get_kernel(shape.spec("mean"))
-                with torch.no_grad():
-                    mean_flops = useful_flops(mean.select(q, k), given, shape.n_q, shape.n_k)  # its own lists'
-                    record(name, "kernelgen kv_centric mean (select+attn)", _bench(lambda: mean(q, k, v)), mean_flops)
-                    record(name, "kernelgen kv_centric mean select only", _bench(lambda: mean.select(q, k)), 0.0)
-            attempt(name, "the mean pipeline", pipeline)
+            for selector in SELECTORS:
+                def pipeline(selector=selector):
+                    index = selector_index(shape, device, dtype) if selector == "index" else None
+                    attn_sel = get_kernel(shape.spec(selector))
+                    with torch.no_grad():  # useful FLOPs of its own lists
+                        sel_flops = useful_flops(attn_sel.select(q, k, index=index), given, shape.n_q, shape.n_k)
+                        record(name, f"kernelgen kv_centric {selector} (select+attn)",
+                               _bench(lambda: attn_sel(q, k, v, index=index)), sel_flops)
+                        record(name, f"kernelgen kv_centric {selector} select only",
+                               _bench(lambda: attn_sel.select(q, k, index=index)), 0.0)
+                attempt(name, f"the {selector} pipeline", pipeline)
 
         def sdpa():
             from torch.nn.attention import sdpa_kernel
