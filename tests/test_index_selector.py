@@ -23,6 +23,15 @@ def make(spec, batch, heads_kv, nq, nk, device, dtype=torch.float32, index_heads
     return q, k, v, index
 
 
+def index_spec(schedule="q_centric", **fields):
+    """An index spec of either schedule: q_tile 32 for Q-centric lists (per-query lists have no Q tile)."""
+    fields = {"head_dim": 64, "kv_block": 32, "top_k": 2, "causal": True, **fields}
+    return Spec(selector="index", schedule=schedule, q_tile=32 if schedule == "q_centric" else 64, **fields)
+
+
+SCHEDULES = pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+
+
 def brute_block_scores(q_idx, k_idx, w, spec, heads_kv):
     """Token by token, block by block: the definition in docs/SEMANTICS.md, in loops."""
     b, heads, nq, _ = q_idx.shape
@@ -98,8 +107,9 @@ def test_attention_matches_reference(device, dtype):
     assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
 
 
-def test_backward_runs_on_the_selected_lists(device):
-    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True, selector="index")
+@SCHEDULES
+def test_backward_runs_on_the_selected_lists(device, schedule):
+    spec = index_spec(schedule)
     q, k, v, index = make(spec, 1, 1, 64, 96, device, index_heads=2, index_dim=32)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     o = kernelgen.get_kernel(spec)(*leaves, index=index)
@@ -111,8 +121,9 @@ def test_backward_runs_on_the_selected_lists(device):
         assert ((got.double() - ref).norm() / ref.norm()) < 1e-4
 
 
-def test_bad_index_inputs(device):
-    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True, gqa_group=2, selector="index")
+@SCHEDULES
+def test_bad_index_inputs(device, schedule):
+    spec = index_spec(schedule, gqa_group=2)
     q, k, v, (qi, ki, w) = make(spec, 1, 2, 64, 64, device, index_heads=2, index_dim=32)
     attn = kernelgen.get_kernel(spec)
     bad = [
@@ -148,10 +159,11 @@ def test_bad_index_inputs(device):
     assert torch.equal(attn(q, k, v, block_idx=lists), attn(q, k, v, index=(qi, ki, w)))
 
 
-def test_fp8_is_refused_off_hopper(device):
+@SCHEDULES
+def test_fp8_is_refused_off_hopper(device, schedule):
     if device == "cuda" and kernelgen.device.device_arch() == "sm_90":
         pytest.skip("fp8 runs here: test_fp8_overlap_gpu")
-    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, selector="index")
+    spec = index_spec(schedule, causal=False)
     q, k, v, (qi, ki, w) = make(spec, 1, 1, 64, 64, device, index_dim=32)
     fp8 = (qi.to(torch.float8_e4m3fn), ki.to(torch.float8_e4m3fn), w)
     with pytest.raises(KernelgenTypeError, match="sm_90"):

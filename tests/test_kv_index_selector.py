@@ -1,12 +1,13 @@
 """The index selector on the KV-centric schedule (Spec(selector="index", schedule="kv_centric"), role
 kv_select_index): per-query float64 reference scores against a brute force, the Triton kernel's per-query lists
-against the reference's, attention over them end to end, bad inputs, configs; on the GPU, long sequences, the
-same bits every run, and fp8."""
+against the reference's, attention over them end to end, configs; on the GPU, long sequences, the same bits
+every run, and fp8. (Bad inputs, fp8 off Hopper and the backward over the selected lists: tests/test_index_selector.py,
+for either schedule.)"""
 import pytest
 import torch
 
 import kernelgen
-from kernelgen import KernelgenTypeError, KernelgenValueError, KvIndexSelectConfig, Spec, reference
+from kernelgen import KernelgenValueError, KvIndexSelectConfig, Spec, reference
 from kernelgen.custom_ops import select_blocks
 from kernelgen.index_fp8 import fp8_index_overlap, to_fp8_index
 from kernelgen.roles import WorkloadShape, get_role
@@ -90,46 +91,6 @@ def test_attention_over_the_selection(device, dtype):
     assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
     # the custom op selects the same lists
     assert torch.equal(select_blocks(q, k, spec, index=index), lists)
-
-
-def test_backward_runs_on_the_selected_lists(device):
-    spec = kv_index_spec(kv_block=32, top_k=2, causal=True)
-    q, k, v, index = make(spec, 1, 1, 40, 64, device, index_heads=2, index_dim=32)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    o = kernelgen.get_kernel(spec)(*leaves, index=index)
-    do = torch.randn_like(o)
-    o.backward(do)
-    lists = kernelgen.get_kernel(spec).select(q, k, index=index)
-    want = reference.sparse_attention_grads(q, k, v, do, spec.replace(selector="given"), lists)
-    for got, ref in zip((x.grad for x in leaves), want):
-        assert ((got.double() - ref).norm() / ref.norm()) < 1e-4
-
-
-def test_bad_inputs(device):
-    spec = kv_index_spec(kv_block=32, top_k=2, causal=True, gqa_group=2)
-    q, k, v, (qi, ki, w) = make(spec, 1, 2, 40, 64, device, index_heads=2, index_dim=32)
-    attn = kernelgen.get_kernel(spec)
-    for index, error, words in [((qi, ki), KernelgenTypeError, "tuple"),
-                                ((qi[:, :, :30], ki, w), KernelgenValueError, "Nq"),
-                                ((qi, ki[:, :, :50], w), KernelgenValueError, "k_idx.shape"),
-                                ((qi, ki, w[:, :1]), KernelgenValueError, "w.shape"),
-                                ((qi, ki.half(), w), KernelgenTypeError, "k_idx.dtype")]:
-        with pytest.raises(error, match=words):
-            attn(q, k, v, index=index)
-    with pytest.raises(KernelgenValueError, match="needs index="):
-        attn(q, k, v)
-    with pytest.raises(KernelgenValueError, match="needs index="):
-        attn.select(q, k)
-    lists = attn.select(q, k, index=(qi, ki, w))
-    with pytest.raises(KernelgenValueError, match="not both"):
-        attn(q, k, v, index=(qi, ki, w), block_idx=lists)
-    with pytest.raises(KernelgenValueError, match="selector='mean' takes none"):
-        kernelgen.get_kernel(spec.replace(selector="mean"))(q, k, v, index=(qi, ki, w))
-    # per-query lists, given back to the same spec, attend as the selection did
-    assert torch.equal(attn(q, k, v, block_idx=lists), attn(q, k, v, index=(qi, ki, w)))
-    if not (device == "cuda" and kernelgen.device.device_arch() == "sm_90"):
-        with pytest.raises(KernelgenTypeError, match="sm_90"):
-            attn.select(q, k, index=(qi.to(torch.float8_e4m3fn), ki.to(torch.float8_e4m3fn), w))
 
 
 def test_configs_and_workload(device):

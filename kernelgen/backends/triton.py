@@ -379,21 +379,29 @@ def index_select_smem_bytes(spec: Spec, cfg: IndexSelectConfig, elem_bytes: int 
     return (cfg.num_stages * cfg.chunk * spec.kv_block + cfg.rows) * INDEX_SMEM_DIM * elem_bytes
 
 
+def _index_step_infeasible(spec: Spec, cfg, rows: int, rows_what: str, fewer: str) -> str | None:
+    """What either index selector's step needs, or None: chunk a power of two, a power of two of warps and a
+    stage at least, and `rows` (`rows_what`) fp32 rows of chunk * kv_block scores in registers."""
+    if cfg.chunk < 1 or cfg.chunk & (cfg.chunk - 1):
+        return f"chunk={cfg.chunk} blocks; expected a power of two >= 1"
+    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
+        return f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}; expected a power of two <= 16 and >= 1 stage"
+    regs = rows * cfg.chunk * spec.kv_block // (32 * cfg.num_warps)
+    if regs > INDEX_REGS_LIMIT:
+        return (f"{rows_what} * chunk * kv_block / (32 * num_warps) = {regs} fp32 registers per thread for the step's "
+                f"scores; at most {INDEX_REGS_LIMIT}: {fewer} or blocks per step, or more warps")
+    return None
+
+
 def index_select_infeasible(spec: Spec, cfg: IndexSelectConfig, arch: str) -> str | None:
     """Why the index selector cannot run `cfg` for `spec` on `arch`, or None: rows is a power of two from 16
     (tl.dot's smallest M) to 256, chunk a power of two, the step's score tiles fit in registers, and
     num_stages key steps and the packed query rows in shared memory (16-bit index vectors of dim 128)."""
     if cfg.rows not in (16, 32, 64, 128, 256):
         return f"rows={cfg.rows}; expected a power of two from 16 to 256"
-    if cfg.chunk < 1 or cfg.chunk & (cfg.chunk - 1):
-        return f"chunk={cfg.chunk} blocks; expected a power of two >= 1"
-    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
-        return f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}; expected a power of two <= 16 and >= 1 stage"
-    keys = cfg.chunk * spec.kv_block
-    regs = 2 * cfg.rows * keys // (32 * cfg.num_warps)
-    if regs > INDEX_REGS_LIMIT:
-        return (f"2 * rows * chunk * kv_block / (32 * num_warps) = {regs} fp32 registers per thread for the step's "
-                f"scores; at most {INDEX_REGS_LIMIT}: fewer rows or blocks per step, or more warps")
+    reason = _index_step_infeasible(spec, cfg, 2 * cfg.rows, "2 * rows", "fewer rows")
+    if reason:
+        return reason
     smem = index_select_smem_bytes(spec, cfg)
     if smem > arch_facts(arch).smem_per_block:
         return f"{smem} B of shared memory (num_stages key steps and the rows); at most {arch_facts(arch).smem_per_block}"
@@ -446,15 +454,10 @@ def kv_index_select_infeasible(spec: Spec, cfg: KvIndexSelectConfig, arch: str) 
         return f"queries={cfg.queries}; expected 16, 32, 64 or 128"
     if cfg.heads not in (1, 2, 4, 8):
         return f"heads={cfg.heads}; expected 1, 2, 4 or 8 index heads per product"
-    if cfg.chunk < 1 or cfg.chunk & (cfg.chunk - 1):
-        return f"chunk={cfg.chunk} blocks; expected a power of two >= 1"
-    if cfg.num_warps not in (1, 2, 4, 8, 16) or cfg.num_stages < 1:
-        return f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}; expected a power of two <= 16 and >= 1 stage"
-    keys = cfg.chunk * spec.kv_block
-    regs = (cfg.heads + 1) * cfg.queries * keys // (32 * cfg.num_warps)
-    if regs > INDEX_REGS_LIMIT:
-        return (f"(heads + 1) * queries * chunk * kv_block / (32 * num_warps) = {regs} fp32 registers per thread for "
-                f"the step's scores; at most {INDEX_REGS_LIMIT}: fewer queries, heads or blocks per step, or more warps")
+    reason = _index_step_infeasible(spec, cfg, (cfg.heads + 1) * cfg.queries, "(heads + 1) * queries",
+                                    "fewer queries or heads")
+    if reason:
+        return reason
     running = cfg.queries * max(kv_index_select_width(spec, cfg), 2 * next_pow2(spec.top_k))
     if running > 8192:
         return f"queries * max(chunk, 2 * next_pow2(top_k)) = {running} keys of the top-k merges; at most 8192"
