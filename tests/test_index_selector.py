@@ -216,10 +216,14 @@ def test_configs_and_workload(device):
     backend = kernelgen.backends.get("triton")
     assert "registers" in backend.infeasible(spec, "select_index", IndexSelectConfig(rows=128, chunk=8), "sm_90")
     assert "rows=8" in backend.infeasible(spec, "select_index", IndexSelectConfig(rows=8), "sm_90")
-    small = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True, selector="index")
-    work = get_role("select_index").workload(small, WorkloadShape(1, 1, 96, 96), device, torch.float32)
-    lists = kernelgen.get_kernel(small).select(torch.empty(1, 1, 96, 64, device=device),
-                                              torch.empty(1, 1, 96, 64, device=device), index=work.args)
+    assert_workload_judges_lists(index_spec(), device, 96, 96)
+
+
+def assert_workload_judges_lists(spec, device, nq, nk):
+    """The tuner's workload of the spec's selection role accepts the selector's lists and refuses empty ones."""
+    work = get_role(spec.selection_role).workload(spec, WorkloadShape(1, 1, nq, nk), device, torch.float32)
+    lists = kernelgen.get_kernel(spec).select(torch.empty(1, 1, nq, 64, device=device),
+                                             torch.empty(1, 1, nk, 64, device=device), index=work.args)
     assert work.check(lists) is None
     assert work.check(torch.full_like(lists, -1)) is not None
 

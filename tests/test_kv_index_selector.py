@@ -10,10 +10,9 @@ import kernelgen
 from kernelgen import KernelgenValueError, KvIndexSelectConfig, Spec, reference
 from kernelgen.custom_ops import select_blocks
 from kernelgen.index_fp8 import fp8_index_overlap, to_fp8_index
-from kernelgen.roles import WorkloadShape, get_role
 
 from checks import TEST_ARCH, assert_close_to_reference, assert_valid_selection, config_space, default_config
-from test_index_selector import brute_block_scores, make
+from test_index_selector import assert_workload_judges_lists, brute_block_scores, make
 from test_kv_centric import _reference_rows
 
 
@@ -104,12 +103,7 @@ def test_configs_and_workload(device):
     backend = kernelgen.backends.get("triton")
     assert "registers" in backend.infeasible(spec, "kv_select_index", KvIndexSelectConfig(queries=128, chunk=4), "sm_90")
     assert "queries=8" in backend.infeasible(spec, "kv_select_index", KvIndexSelectConfig(queries=8), "sm_90")
-    small = kv_index_spec(kv_block=32, top_k=2, causal=True)
-    work = get_role("kv_select_index").workload(small, WorkloadShape(1, 1, 48, 80), device, torch.float32)
-    lists = kernelgen.get_kernel(small).select(torch.empty(1, 1, 48, 64, device=device),
-                                              torch.empty(1, 1, 80, 64, device=device), index=work.args)
-    assert work.check(lists) is None
-    assert work.check(torch.full_like(lists, -1)) is not None
+    assert_workload_judges_lists(kv_index_spec(kv_block=32, top_k=2, causal=True), device, 48, 80)
 
 
 def test_tune_plans_it():
