@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,3 +28,19 @@ def test_train_tiny_trains_both_models(tmp_path):
     assert len(dense) == len(sparse) == 2
     assert abs(dense[0] - sparse[0]) < 0.05 * dense[0]
     assert sparse[1] < sparse[0]  # the backward trains it
+
+
+def test_hf_llama_sparse_runs_tiny_on_the_cpu(tmp_path):
+    """On a CPU the example runs its tiny model in the interpreter (it says so), checks kernelgen against SDPA with
+    every block listed, and times the three attention implementations."""
+    if torch.cuda.is_available():
+        return  # the GPU run is the example's own (1B-scale, 32k and 128k tokens)
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_llama_sparse.py"), "--seq", "64", "--out",
+                             str(out)], capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "No CUDA GPU" in result.stdout and "every block listed" in result.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["tokens"], r["attention"]) for r in rows] == [(64, "sdpa"), (64, "kernelgen")]
