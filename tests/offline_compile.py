@@ -16,7 +16,8 @@ A case: {"spec": Spec fields, "n": seq length} and, per role, that role's config
 "attn": AttnConfig's, or GluonAttnConfig's for a spec of backend "gluon"; "select", "kv_attn", "bwd_dq"): pinned
 (dispatch checks them), and compiled where the spec runs the role; a role without one gets the arch's default.
 "backward": true, or a backward role's config, compiles the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv)
-too; "decode": true, or its config, the decode role's (after the forward's, over its lists); "index": {"heads": Hi, "dim": Di, "dtype": "float16" or "bfloat16"} gives the index selector its tensors.
+too; a "decode" config, the decode role's (after the forward's, over its lists); "index": {"heads": Hi, "dim": Di,
+"dtype": "float16" or "bfloat16"} gives the index selector its tensors.
 """
 import json
 import os
@@ -119,7 +120,7 @@ def main(arch: str) -> None:
             # lists' normalisation, then attention), and the backward's where the case pins or asks for it
             lists_role, selection, attn_role = forward_roles(spec)
             roles = [selection or lists_role, attn_role]
-            if case.get("decode") or "decode" in case:  # a call of a few queries: its attention
+            if "decode" in case:  # a call of a few queries: its attention
                 roles.append("decode")
             if case.get("backward") or any(role in case for role in backward_roles(spec)):
                 roles += backward_roles(spec)

@@ -49,11 +49,11 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
              "bwd_dq": (lambda spec, cfg, arch: bwd_dq_smem_bytes(spec, cfg), "attn_bwd_dq"),
              "bwd_dkdv": (lambda spec, cfg, arch: bwd_dkdv_smem_bytes(spec, cfg), "attn_bwd_dkdv"),
              "decode": (lambda spec, cfg, arch: decode_smem_bytes(spec, cfg), "decode_partial")}
-# the kernels each role launches (beyond these: select's merge_topk with splits > 1)
+# the kernels each role launches (beyond these: select's merge_topk and decode's kv_combine with splits > 1)
 KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_select": {"pool", "kv_select_topk"},
            "select_index": {"select_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
            "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"},
-           "kv_bwd_dq": {"kv_bwd_dq"}, "kv_bwd_dkdv": {"kv_bwd_dkdv"}, "decode": {"decode_partial", "kv_combine"}}
+           "kv_bwd_dq": {"kv_bwd_dq"}, "kv_bwd_dkdv": {"kv_bwd_dkdv"}, "decode": {"decode_partial"}}
 
 
 class Case(NamedTuple):
@@ -63,7 +63,7 @@ class Case(NamedTuple):
     edge: bool = False  # the attention at a point near the arch's shared memory limit
     index: dict | None = None  # the index selector's tensors: {"heads", "dim", "dtype"}
     backward: bool = False  # the backward's roles too
-    decode: bool = False  # the decode role too (a call of a few queries)
+    decode: bool = False  # the decode role too (a call of a few queries), with configs["decode"]
 
     @property
     def roles(self) -> list[str]:
@@ -126,7 +126,7 @@ def _cases(arch) -> list[Case]:
 
 def _job(case: Case) -> dict:
     """tests/offline_compile.py's form of a case."""
-    job = {"spec": case.spec.to_dict(), "n": case.n, "backward": case.backward, "decode": case.decode,
+    job = {"spec": case.spec.to_dict(), "n": case.n, "backward": case.backward,
            **{role: dataclasses.asdict(cfg) for role, cfg in case.configs.items()}}
     return job if case.index is None else {**job, "index": case.index}
 
@@ -159,6 +159,8 @@ def test_kernels_compile_for_each_arch_and_fit_its_shared_memory():
             expected = set().union(*(KERNELS[role] for role in case.roles))
             if "select" in case.roles and configs["select"].splits > 1:
                 expected.add("merge_topk")
+            if "decode" in case.roles and configs["decode"].splits > 1:
+                expected.add("kv_combine")
             assert expected <= set(kernels), (arch, kernels)
             assert all(shared <= facts.smem_per_block for shared in kernels.values()), (arch, kernels)
             # the tuner's estimates (backends.triton's *_smem_bytes) bound what Triton asks for (give or take its
