@@ -52,9 +52,9 @@ AttentionInterface.register("no-op", no_attention)
 AttentionMaskInterface.register("no-op", sdpa_mask)
 
 
-def model_config(on_gpu: bool, top_k: int, kv_block: int) -> transformers.LlamaConfig:
+def model_config(on_gpu: bool, top_k: int, kv_block: int, backend: str) -> transformers.LlamaConfig:
     sparse = {"kernelgen_top_k": top_k, "kernelgen_kv_block": kv_block, "kernelgen_q_tile": kv_block,
-              "kernelgen_sink": 1, "kernelgen_local": 2}
+              "kernelgen_sink": 1, "kernelgen_local": 2, "kernelgen_backend": backend}
     if on_gpu:
         return transformers.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=32000,
@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, nargs="+", default=None, help="prompt lengths (GPU default 32768 131072)")
     p.add_argument("--top-k", type=int, default=None, help="blocks per list (GPU default 16, CPU 4)")
     p.add_argument("--kv-block", type=int, default=None, help="keys per block (GPU default 128, CPU 16)")
+    p.add_argument("--backend", default="triton", help="kernelgen's backend for the attention (triton, tilelang, "
+                   "gluon or auto); selection and decode run on Triton")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
         device, dtype = "cpu", torch.float32
         seqs, top_k, kv_block = args.seq or [128], args.top_k or 4, args.kv_block or 16
         args.repeats = 1
-    config = model_config(on_gpu, top_k, kv_block)
+    config = model_config(on_gpu, top_k, kv_block, args.backend)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
@@ -130,8 +132,14 @@ def main(argv=None) -> int:
         times = {}
         for name in ("no-op", "sdpa", "kernelgen"):
             model.set_attn_implementation(name)
-            times[name] = timed_prefill(model, ids, args.repeats)
-        for name in ("sdpa", "kernelgen"):
+            try:
+                times[name] = timed_prefill(model, ids, args.repeats)
+            except torch.OutOfMemoryError:
+                print(f"{n:>8} {name:>10}   out of memory")
+                torch.cuda.empty_cache()
+        if "no-op" not in times:
+            continue
+        for name in [name for name in ("sdpa", "kernelgen") if name in times]:
             attention = max(0.0, times[name] - times["no-op"])
             row = {"tokens": n, "attention": name, "prefill_s": times[name], "tokens_per_s": n / times[name],
                    "attention_s": attention, "attention_share": attention / times[name],

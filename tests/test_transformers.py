@@ -88,6 +88,34 @@ def test_registered_and_the_spec_comes_from_the_config():
     assert kg_hf.layer_spec(tiny_config(kernelgen_top_k=0)) is None
     with pytest.raises(ValueError, match="unknown"):
         kg_hf.layer_spec(tiny_config(kernelgen={"topk": 3}))
+    with pytest.raises(ValueError, match="head_dim=32"):
+        kg_hf.layer_spec(transformers.LlamaConfig(hidden_size=64, num_attention_heads=2))
+
+
+def test_what_kernelgen_cannot_compute_runs_sdpa_with_a_warning(models):
+    """head_dim 32 (no kernels), dropout and output_attentions: SDPA's result, one warning per reason."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, num_hidden_layers=1, vocab_size=VOCAB)
+    sdpa = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kernelgen").eval()
+    ours.load_state_dict(sdpa.state_dict())
+    ids = tokens(1, 20)
+    kg_hf._warned.clear()
+    with torch.no_grad(), pytest.warns(kg_hf.KernelgenFallbackWarning, match="head_dim=32"):
+        assert torch.equal(ours(ids).logits, sdpa(ids).logits)
+    attn = models[0].model.layers[0].self_attn  # head_dim 64, G = 2
+    q = torch.randn(1, 4, 20, 64)
+    k = v = torch.randn(1, 2, 20, 64)
+    for kwargs, reason in (({"dropout": 0.1}, "dropout"), ({"output_attentions": True}, "output_attentions"),
+                           ({"sliding_window": 8}, "sliding window")):
+        with pytest.warns(kg_hf.KernelgenFallbackWarning, match=reason):
+            torch.manual_seed(2)
+            got = kg_hf.attention_forward(attn, q, k, v, None, scaling=0.125, **kwargs)[0]
+        torch.manual_seed(2)
+        want = transformers.integrations.sdpa_attention.sdpa_attention_forward(attn, q, k, v, None, scaling=0.125,
+                                                                              **kwargs)[0]
+        assert torch.equal(got, want)
 
 
 def test_every_block_listed_matches_sdpa_and_sparsity_changes_it(models, roles):

@@ -107,7 +107,8 @@ def _options(config) -> dict:
 def layer_spec(config, layer_type: str | None = None) -> Spec | None:
     """The spec kernelgen computes the attention of `config`'s layers of `layer_type` with (None: the
     config's only type, "full_attention"), or None where such layers are not kernelgen's (a layer type
-    without sparse options, or top_k = 0)."""
+    without sparse options, or top_k = 0). Options no Spec takes, or a head_dim kernelgen has no kernels
+    for, are a KernelgenValueError."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     options = _options(text)
     heads = text.num_attention_heads
@@ -124,7 +125,7 @@ def _spec(heads: int, heads_kv: int, head_dim: int, options_json: str, layer_typ
     if options.get("top_k") == 0:
         return None
     if head_dim not in HEAD_DIMS:
-        return f"head_dim={head_dim} (kernelgen's kernels take {HEAD_DIMS})"
+        raise KernelgenValueError(f"head_dim={head_dim}: kernelgen's kernels take {HEAD_DIMS}")
     extra = {name: options.pop(name) for name in _SPEC_ONLY}
     unknown = sorted(set(options) - set(SPARSE_OPTIONS) - {"layer_types"})
     if unknown:
@@ -181,10 +182,8 @@ def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | str:
 
 # ---- the attention function ------------------------------------------------------------------------------
 
-def _unsupported(module, query, dropout, kwargs, spec) -> str | None:
+def _unsupported(module, query, dropout, kwargs) -> str | None:
     """Why kernelgen cannot compute this call (beyond its mask), or None."""
-    if isinstance(spec, str):
-        return spec
     if dropout and dropout > 0:
         return "dropout > 0"
     if kwargs.get("output_attentions"):
@@ -215,14 +214,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                           "layer_types", None)
     layer_idx = getattr(module, "layer_idx", None)
     layer_type = layer_types[layer_idx] if layer_types and layer_idx is not None else None
-    spec = layer_spec(config, layer_type)
     args = (module, query, key, value, attention_mask, scaling, dropout)
+    if query.shape[-1] not in HEAD_DIMS:
+        return _fall_back(f"head_dim={query.shape[-1]} (kernelgen's kernels take {HEAD_DIMS})", *args, **kwargs)
+    spec = layer_spec(config, layer_type)
     if spec is None:  # not kernelgen's layer: SDPA, as configured
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    reason = _unsupported(module, query, dropout, kwargs, spec)
+    reason = _unsupported(module, query, dropout, kwargs)
     if reason is None:
         n_keys = _visible_keys(attention_mask, query.shape[2], key.shape[2])
         reason = n_keys if isinstance(n_keys, str) else None
