@@ -2,9 +2,10 @@
 launches them.
 
 A call's roles and who runs them: `lists` (caller-given lists to the kernels' form) or `select` (the
-spec's selector), then `attn`; with inputs that require grad, its backward runs `bwd_delta`, `bwd_dq` and
-`bwd_dkdv` over the lists the forward used (`_AttentionFunction`; the KV-centric schedule's: `kv_select`
-or `kv_select_index`, `kv_attn`, and `kv_bwd` in the backward). The spec's backend runs each role it
+spec's selector), then `attn` (`decode` for a call of at most `roles.DECODE_MAX_QUERIES` queries, decoding
+against a KV cache); with inputs that require grad, its backward runs `bwd_delta`, `bwd_dq` and `bwd_dkdv`
+over the lists the forward used (`_AttentionFunction`; the KV-centric schedule's: `kv_select` or
+`kv_select_index`, `kv_attn`, and `kv_bwd` in the backward). The spec's backend runs each role it
 has; the registry's fallback runs the others (`backends.runner`). A role's config is, in this order:
 pinned by the caller, the tuning DB's winner for the spec, the nearest tuned spec's winner (user DB, then
 the bundled one; `kernelgen.tuning.lookup.served_config`), or the backend's default. A winner measured
@@ -29,7 +30,7 @@ from .inputs import (BlockLists, Shapes, check_block_idx, check_block_lists, che
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
-from .roles import backward_roles, forward_roles, get_role
+from .roles import DECODE_MAX_QUERIES, backward_roles, forward_roles, get_role
 from .spec import Spec
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
@@ -154,10 +155,10 @@ class SparseAttention:
         return backend.build(spec, role, config, problem)
 
     @functools.lru_cache(maxsize=256)
-    def _plan(self, bucket: int, dtype, device) -> tuple[Served, Served | None, Served]:
-        """(lists, the selection role or None, attn): the roles a call may run (`roles.forward_roles`), in one
-        lookup per call."""
-        lists, selection, attn = forward_roles(self.spec)
+    def _plan(self, bucket: int, dtype, device, decode: bool = False) -> tuple[Served, Served | None, Served]:
+        """(lists, the selection role or None, attn): the roles a call may run (`roles.forward_roles`; a call of
+        at most DECODE_MAX_QUERIES queries attends with `decode`), in one lookup per call."""
+        lists, selection, attn = forward_roles(self.spec, 1 if decode else None)
         return (self._served(lists, bucket, dtype, device),
                 self._served(selection, bucket, dtype, device) if selection else None,
                 self._served(attn, bucket, dtype, device))
@@ -250,7 +251,7 @@ class SparseAttention:
     def _attend(self, q, k, v, shapes: Shapes, block_idx, scale, index=None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The forward of a checked call: (o, lse, the lists it attended over: the BlockLists given, else
         the normalised or selected int32 tensor). `index`: the index selector's (q_idx, k_idx, w)."""
-        lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device)
+        lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device, shapes.n_q <= DECODE_MAX_QUERIES)
         if block_idx is not None and index is not None:
             raise KernelgenValueError("pass block_idx= or index=, not both: index= chooses the lists block_idx= gives")
         if block_idx is None:
@@ -264,7 +265,7 @@ class SparseAttention:
         else:
             checked = check_block_idx(block_idx, self.spec, shapes, q.device, self.validate_lists)
             used = normalised = self._launch(lists, q, shapes, checked)
-        if self.spec.per_query:
+        if attn.role == "kv_attn":
             reverse = used.reverse_index() if isinstance(used, BlockLists) else None
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale)
         else:

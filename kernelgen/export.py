@@ -72,11 +72,11 @@ class ExportError(KernelgenError, RuntimeError):
 
 def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector),
-    `attn`, and its backward's, under the schedule's role names (`roles.forward_roles`,
-    `roles.backward_roles`)."""
+    `attn`, `decode` (a call of a few queries), and its backward's, under the schedule's role names
+    (`roles.forward_roles`, `roles.backward_roles`)."""
     lists, selection, attn = forward_roles(spec)
     backward = backward_roles(spec)
-    return (lists, *((selection,) if selection else ()), attn) + backward
+    return (lists, *((selection,) if selection else ()), attn, forward_roles(spec, 1)[2]) + backward
 
 
 def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str | None = None,

@@ -21,6 +21,8 @@ KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalis
             `reverse` (a `kernelgen.reverse_index.QueryReverseIndex` of the lists; None: built), merged per row
   kv_bwd    (q, k, v, do, lse, delta, block_idx, reverse, scale)   (dq, dk, dv): one walk of `reverse` per
             KV block gives dk, dv and dq's partials; their merge per row gives dq
+Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a KV cache):
+  decode    (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form, split-KV per query
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ from .reverse_index import build_query_reverse_index, build_reverse_index
 from .spec import Spec
 from .workloads import useful_flops
 
-__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "KV_BACKWARD_ROLES", "forward_roles", "backward_roles", "register_role", "get_role",
-           "SELECTION_ROLES", "Workload", "WorkloadShape",
+__all__ = ["Role", "ROLES", "BACKWARD_ROLES", "KV_BACKWARD_ROLES", "forward_roles", "backward_roles",
+           "DECODE_MAX_QUERIES", "register_role", "get_role", "SELECTION_ROLES", "Workload", "WorkloadShape",
            "valid_top_k", "index_inputs", "INDEX_HEADS", "INDEX_DIM", "REL_L2_TOL", "GRAD_REL_L2_TOL"]
 
 # what a tuned config must reproduce: rel. L2 error of o against the float64 reference
@@ -307,13 +309,30 @@ KV_BACKWARD_ROLES = ("bwd_delta", "kv_bwd")
 SELECTION_ROLES = ("select", "select_index", "kv_select", "kv_select_index")
 
 
+# Decoding: a call of a few queries (one token, or a few speculative ones) against a long KV cache runs
+# `decode` instead of the schedule's attention: the same lists and semantics, one program per (query, split)
+DECODE_MAX_QUERIES = 16
+
+
+def decode_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    """The attention's workload with one query: the last token of the sequence, against every key."""
+    return attention_workload(spec, shape._replace(n_q=1), device, dtype, check)
+
+
+register_role(Role("decode", "attention of a few queries (decoding) over either schedule's lists: split-KV per query, "
+                   "its G heads packed, splits merged through lse", canonical=_KERNEL_READS_LISTS,
+                   workload=decode_workload))
+
+
 def backward_roles(spec: Spec) -> tuple[str, ...]:
     """The roles of a backward of `spec`'s schedule: (bwd_delta, bwd_dq, bwd_dkdv) for Q-centric lists,
     (bwd_delta, kv_bwd) for per-query ones (one pass gives dq, dk and dv)."""
     return KV_BACKWARD_ROLES if spec.per_query else BACKWARD_ROLES
 
 
-def forward_roles(spec: Spec) -> tuple[str, str | None, str]:
+def forward_roles(spec: Spec, n_q: int | None = None) -> tuple[str, str | None, str]:
     """(lists, the selection role or None for given lists, attn): the roles of a forward of `spec`'s
-    schedule and selector."""
+    schedule and selector; a call of n_q <= DECODE_MAX_QUERIES queries attends with `decode`."""
+    if n_q is not None and n_q <= DECODE_MAX_QUERIES:
+        return ("lists", spec.selection_role, "decode")
     return ("lists", spec.selection_role, "kv_attn" if spec.per_query else "attn")

@@ -16,7 +16,8 @@ A case: {"spec": Spec fields, "n": seq length} and, per role, that role's config
 "attn": AttnConfig's, or GluonAttnConfig's for a spec of backend "gluon"; "select", "kv_attn", "bwd_dq"): pinned
 (dispatch checks them), and compiled where the spec runs the role; a role without one gets the arch's default.
 "backward": true, or a backward role's config, compiles the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv)
-too; "index": {"heads": Hi, "dim": Di, "dtype": "float16" or "bfloat16"} gives the index selector its tensors.
+too; a "decode" config, the decode role's (after the forward's, over its lists); "index": {"heads": Hi, "dim": Di,
+"dtype": "float16" or "bfloat16"} gives the index selector its tensors.
 """
 import json
 import os
@@ -75,6 +76,7 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
             "kv_select_index": lambda: t["index"],
             "attn": lambda: (q, k, v, t["lists"], None),
             "kv_attn": lambda: (q, k, v, t["lists"], None, None),  # its reverse index: built by the launcher
+            "decode": lambda: (q, k, v, t["lists"], None),
             "bwd_delta": lambda: (t["o"], t["o"]),
             "bwd_dq": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None),
             "bwd_dkdv": lambda: (q, k, v, t["o"], t["lse"], t["delta"],
@@ -86,8 +88,8 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
 # what each role's launch returns, by name, for the roles after it
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
             "kv_select_index": ("lists",),
-            "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "bwd_delta": ("delta",), "bwd_dq": ("dq",),
-            "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv")}
+            "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "decode": ("o", "lse"), "bwd_delta": ("delta",),
+            "bwd_dq": ("dq",), "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv")}
 
 
 def main(arch: str) -> None:
@@ -119,6 +121,8 @@ def main(arch: str) -> None:
             # lists' normalisation, then attention), and the backward's where the case pins or asks for it
             lists_role, selection, attn_role = forward_roles(spec)
             roles = [selection or lists_role, attn_role]
+            if "decode" in case:  # a call of a few queries: its attention
+                roles.append("decode")
             if case.get("backward") or any(role in case for role in backward_roles(spec)):
                 roles += backward_roles(spec)
             configs = {role: backends.runner(spec.backend, role).config_from_dict(role, case[role])

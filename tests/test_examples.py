@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,3 +44,19 @@ def test_quality_tiny_reports_each_length(tmp_path):
     assert rows[0] == "layer,head,selector,top_k,recall,rel_error" and (tmp_path / "quality_N128.csv").exists()
     full = [float(r.split(",")[4]) for r in rows[1:] if r.split(",")[3] == "8"]  # 4 blocks of 16 keys: all listed
     assert full and all(abs(x - 1) < 1e-9 for x in full)
+
+
+def test_hf_llama_sparse_runs_tiny_on_the_cpu(tmp_path):
+    """On a CPU the example runs its tiny model in the interpreter (it says so), checks kernelgen against SDPA with
+    every block listed, and times the three attention implementations."""
+    if torch.cuda.is_available():
+        return  # the GPU run is the example's own (1B-scale, 32k and 128k tokens)
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_llama_sparse.py"), "--seq", "64", "--out",
+                             str(out)], capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "No CUDA GPU" in result.stdout and "every block listed" in result.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["tokens"], r["attention"]) for r in rows] == [(64, "sdpa"), (64, "kernelgen")]

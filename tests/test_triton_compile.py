@@ -12,8 +12,9 @@ import pytest
 from checks import compile_offline, config_space, default_config
 from kernelgen import SelectConfig, Spec
 from kernelgen.archs import arch_facts
-from kernelgen.backends.triton import (attn_smem_bytes, bwd_dkdv_smem_bytes, bwd_dq_smem_bytes, index_select_smem_bytes,
-                                       kv_attn_smem_bytes, kv_index_select_smem_bytes, kv_select_smem_bytes)
+from kernelgen.backends.triton import (attn_smem_bytes, bwd_dkdv_smem_bytes, bwd_dq_smem_bytes, decode_smem_bytes,
+                                       index_select_smem_bytes, kv_attn_smem_bytes, kv_index_select_smem_bytes,
+                                       kv_select_smem_bytes)
 from kernelgen.roles import backward_roles, forward_roles
 
 pytest.importorskip("triton.backends.nvidia")
@@ -49,12 +50,13 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
              "select_index": (lambda spec, cfg, arch: index_select_smem_bytes(spec, cfg), "select_index_topk"),
              "kv_select_index": (kv_index_select_smem_bytes, "kv_select_index_topk"),
              "bwd_dq": (lambda spec, cfg, arch: bwd_dq_smem_bytes(spec, cfg), "attn_bwd_dq"),
-             "bwd_dkdv": (lambda spec, cfg, arch: bwd_dkdv_smem_bytes(spec, cfg), "attn_bwd_dkdv")}
-# the kernels each role launches (beyond these: select's merge_topk with splits > 1)
+             "bwd_dkdv": (lambda spec, cfg, arch: bwd_dkdv_smem_bytes(spec, cfg), "attn_bwd_dkdv"),
+             "decode": (lambda spec, cfg, arch: decode_smem_bytes(spec, cfg), "decode_partial")}
+# the kernels each role launches (beyond these: select's merge_topk and decode's kv_combine with splits > 1)
 KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_select": {"pool", "kv_select_topk"},
            "select_index": {"select_index_topk"}, "kv_select_index": {"kv_select_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
            "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"},
-           "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}}
+           "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}, "decode": {"decode_partial"}}
 
 
 class Case(NamedTuple):
@@ -64,12 +66,14 @@ class Case(NamedTuple):
     edge: bool = False  # the attention at a point near the arch's shared memory limit
     index: dict | None = None  # the index selector's tensors: {"heads", "dim", "dtype"}
     backward: bool = False  # the backward's roles too
+    decode: bool = False  # the decode role too (a call of a few queries), with configs["decode"]
 
     @property
     def roles(self) -> list[str]:
         """The roles tests/offline_compile.py compiles for the case."""
         lists, selection, attn = forward_roles(self.spec)
-        return [selection or lists, attn, *(backward_roles(self.spec) if self.backward else ())]
+        return [selection or lists, attn, *(["decode"] if self.decode else []),
+                *(backward_roles(self.spec) if self.backward else ())]
 
 
 def _largest(spec, arch, keep=lambda cfg: True, role="attn"):
@@ -105,9 +109,13 @@ def _cases(arch) -> list[Case]:
     cases += [Case(spec, {**_defaults(spec, arch, ["attn", "select"]),
                           **{role: _largest(spec, arch, role=role) for role in ("bwd_dq", "bwd_dkdv")}}, 2000,
                    backward=True) for spec in BACKWARD_SPECS]
-    for spec in KV_SPECS:  # with their backward (the arch's defaults)
-        cases.append(Case(spec, _defaults(spec, arch, [r for r in forward_roles(spec)[1:] if r]), 2000,
-                          backward=True))
+    for spec in KV_SPECS:  # with their backward and decode (the arch's defaults)
+        cases.append(Case(spec, _defaults(spec, arch, [r for r in forward_roles(spec)[1:] if r] + ["decode"]), 2000,
+                          backward=True, decode=True))
+    # decode over Q-centric lists: the arch's default, and its largest point at D 256
+    for spec, cfg in ((SPECS[1][0], default_config(SPECS[1][0], "decode", arch)),
+                      (SPECS[4][0], _largest(SPECS[4][0], arch, role="decode"))):
+        cases.append(Case(spec, {**_defaults(spec, arch, ["attn", "select"]), "decode": cfg}, 2000, decode=True))
     cases.append(Case(KV_SPECS[0], {role: _largest(KV_SPECS[0], arch, role=role) for role in ("kv_select", "kv_attn")},
                       2000))
     for spec, (selection, attn) in ((INDEX_SPEC, ("select_index", "attn")),
@@ -154,6 +162,8 @@ def test_kernels_compile_for_each_arch_and_fit_its_shared_memory():
             expected = set().union(*(KERNELS[role] for role in case.roles))
             if "select" in case.roles and configs["select"].splits > 1:
                 expected.add("merge_topk")
+            if "decode" in case.roles and configs["decode"].splits > 1:
+                expected.add("kv_combine")
             assert expected <= set(kernels), (arch, kernels)
             assert all(shared <= facts.smem_per_block for shared in kernels.values()), (arch, kernels)
             # the tuner's estimates (backends.triton's *_smem_bytes) bound what Triton asks for (give or take its

@@ -23,10 +23,10 @@ from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
 
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
-           "KvSelectConfig", "KvIndexSelectConfig", "KvAttnConfig", "KvBwdConfig", "attn_smem_bytes", "bwd_dq_smem_bytes",
-           "bwd_dkdv_smem_bytes", "kv_select_smem_bytes", "kv_attn_smem_bytes",
-           "index_select_smem_bytes", "kv_index_select_smem_bytes", "pack_infeasible", "rendered_module", "pool_reps", "select_from_reps",
-           "combine_partials"]
+           "KvSelectConfig", "KvIndexSelectConfig", "KvAttnConfig", "KvBwdConfig", "DecodeConfig", "attn_smem_bytes",
+           "bwd_dq_smem_bytes", "bwd_dkdv_smem_bytes", "kv_select_smem_bytes", "kv_attn_smem_bytes", "decode_smem_bytes",
+           "index_select_smem_bytes", "kv_index_select_smem_bytes", "pack_infeasible", "rendered_module", "pool_reps",
+           "select_from_reps", "combine_partials"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,17 @@ class KvBwdConfig(_JsonConfig):
     num_stages: int = 2
     dq_partials_fp32: bool = False
     merge_rows: int = 32
+
+
+@dataclass(frozen=True)
+class DecodeConfig(_JsonConfig):
+    """Decode (a few queries, `roles.DECODE_MAX_QUERIES` at most): one program per (batch, KV head, query,
+    split), the query's G heads packed in rows (max(16, next_pow2(G))), each split walking its share of the
+    query's list; splits > 1 adds a combine launch that merges the splits' partials through lse."""
+
+    splits: int = 8
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 @dataclass(frozen=True)
@@ -364,6 +375,53 @@ def kv_attn_space(spec: Spec, arch: str):
     return (KvAttnConfig(block_m=m, steps=t, num_warps=w, num_stages=s, partials_fp32=f, combine_rows=r)
             for m, t, w, s, f, r in itertools.product(TILE_ROWS, KV_ATTN_STEPS, (4, 8), (1, 2, 3), (False, True),
                                                       (32, 64)))
+
+
+# ---- decode: feasibility, defaults, space ----------------------------------------------------------
+
+DECODE_SPLITS = (1, 2, 4, 8, 16, 32)
+
+
+def decode_rows(spec: Spec) -> int:
+    """Packed rows of a decode program: the G heads of one query, padded to tl.dot's 16 at least."""
+    return max(16, next_pow2(spec.gqa_group))
+
+
+def decode_smem_bytes(spec: Spec, cfg: DecodeConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the decode kernel: num_stages buffers of one K and one V block, plus the packed rows
+    of q and of P (tests/test_triton_compile.py checks it bounds what Triton 3.6 asks for on sm_80 to sm_90)."""
+    return (cfg.num_stages * 2 * spec.kv_block + 2 * decode_rows(spec)) * spec.head_dim * elem_bytes
+
+
+def decode_infeasible(spec: Spec, cfg: DecodeConfig, arch: str) -> str | None:
+    """Why the decode kernel cannot run `cfg` for `spec` on `arch`, or None: splits from DECODE_SPLITS, registers
+    for the accumulator and the scores of one block, and K and V buffers that fit in shared memory."""
+    if cfg.splits not in DECODE_SPLITS:
+        return f"splits={cfg.splits}; expected one of {DECODE_SPLITS}"
+    if cfg.num_warps not in (1, 2, 4, 8) or cfg.num_stages < 1:
+        return f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}; expected 1, 2, 4 or 8 warps and >= 1 stage"
+    regs = decode_rows(spec) * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps)
+    if regs > 192:
+        return (f"rows * (head_dim + kv_block) / (32 * num_warps) = {regs} fp32 registers per thread; at most 192 "
+                "(Triton spills past it): more warps")
+    smem = decode_smem_bytes(spec, cfg)
+    if smem > arch_facts(arch).smem_per_block:
+        return (f"{smem} B of shared memory (num_stages K and V blocks and the rows: decode_smem_bytes); at most "
+                f"{arch_facts(arch).smem_per_block} on {arch}: fewer stages")
+    return None
+
+
+def decode_default(spec: Spec, arch: str) -> DecodeConfig:
+    # about two listed blocks per split (not measured): a long list is spread over more programs, which a
+    # batch of one and few KV heads needs to fill a GPU
+    splits = max(1, min(16, next_pow2(spec.top_k) // 2))
+    return _first_feasible(spec, arch, decode_infeasible, (
+        DecodeConfig(splits=splits, num_warps=w, num_stages=s) for s in (2, 1) for w in (4, 8)))
+
+
+def decode_space(spec: Spec, arch: str):
+    return (DecodeConfig(splits=n, num_warps=w, num_stages=s)
+            for n, w, s in itertools.product(DECODE_SPLITS, (2, 4, 8), (1, 2, 3)))
 
 
 # ---- the index selector: feasibility, defaults, space ---------------------------------------------------
@@ -737,6 +795,39 @@ def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part,
     return o, lse
 
 
+def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale):
+    """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists (Q-centric or per-query:
+    the spec says which) of a call of a few queries: a partial per (query, split), then, with splits > 1,
+    kv_combine merges a row's splits in split order (every split writes its partial, so a list of `splits`
+    zeros with zero strides marks every slot used)."""
+    scale = softmax_scale(scale, spec)
+    o = empty(*q.shape, device=q.device, dtype=q.dtype)
+    lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
+    if cfg.splits == 1:  # the partial is the output: no combine
+        o_part, lse_part, split_strides = o, lse, (0,)
+    else:
+        o_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, cfg.splits, spec.head_dim, device=q.device,
+                       dtype=torch.float32)
+        lse_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, cfg.splits, device=q.device, dtype=torch.float32)
+        split_strides = (o_part.stride(3),)
+    mod.decode_partial[(shapes.n_q * cfg.splits, shapes.batch * shapes.heads_kv)](
+        q, k, v, o_part, lse_part, block_idx,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
+        *lse_part.stride()[:3], *block_idx.stride()[:3],
+        shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, ROWS=decode_rows(spec),
+        LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits,
+        CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.splits > 1:
+        every_split = torch.zeros(cfg.splits, device=q.device, dtype=torch.int32)
+        rows = 16
+        mod.kv_combine[(triton.cdiv(shapes.n_q, rows), shapes.batch * shapes.heads_q)](
+            o_part, lse_part, every_split, o, lse, *o_part.stride()[:4], *lse_part.stride()[:3], 0, 0, 0,
+            *o.stride()[:3], *lse.stride()[:2], shapes.n_q, shapes.heads_q,
+            HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=cfg.splits, ROWS=rows, num_warps=4)
+    return o, lse
+
+
 def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
                         k_idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) chosen by the index selector from
@@ -928,6 +1019,9 @@ class TritonBackend(Backend):
                                     space=kv_index_select_space, infeasible=kv_index_select_infeasible),
         "kv_attn": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn.py.j2", config_type=KvAttnConfig,
                             default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible),
+        # a few queries (decode) over either schedule's lists: split-KV over each query's list
+        "decode": RoleImpl(launch=launch_decode, template="triton/decode.py.j2", config_type=DecodeConfig,
+                           default=decode_default, space=decode_space, infeasible=decode_infeasible),
         # its backward (bwd_delta is shared with the Q-centric schedule)
         "kv_bwd": RoleImpl(launch=launch_kv_bwd, template="triton/kv_bwd.py.j2", config_type=KvBwdConfig,
                            default=kv_bwd_default, space=kv_bwd_space, infeasible=kv_bwd_infeasible),

@@ -1,0 +1,163 @@
+"""A 1B-scale Llama-style model (random weights) under transformers: prefill throughput with dense SDPA against
+kernelgen's sparse attention, and how much of the prefill the attention takes.
+
+    python examples/hf_llama_sparse.py                       # GPU: bf16, prefill of 32k and 128k tokens
+    python examples/hf_llama_sparse.py --seq 65536 --out hf.json
+
+The model: hidden 2048, 16 layers, 32 query heads over 8 KV heads, head_dim 64, MLP 8192 (about 1.2B
+parameters with a 32k vocabulary). kernelgen's spec comes from the config's options (`kernelgen_*`, see
+`kernelgen.integrations.transformers`): 16 blocks of 128 keys per list, 1 sink and 2 local blocks among them.
+Each prefill (batch 1, no KV cache, the last position's logits only) runs under three attention
+implementations of the same weights:
+- "sdpa": dense causal attention (PyTorch's SDPA, FlashAttention or cuDNN underneath);
+- "kernelgen": block-sparse attention, blocks selected at run time;
+- "no-op": attention replaced by a function that returns zeros: the rest of the model alone. A prefill's time
+  less this one is its attention's time.
+Times are medians of `--repeats` prefills after one warm-up, with the GPU synchronised around each.
+
+Without a CUDA GPU kernelgen runs in Triton's CPU interpreter: the example then runs a tiny model (2 layers,
+hidden 64, 128 tokens, 16-key blocks) in float32, checks that kernelgen with every block listed gives SDPA's
+logits, and says that its times mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import kernelgen  # noqa: F401  (sets TRITON_INTERPRET=1 by itself when there is no CUDA device)
+import kernelgen.integrations.transformers  # noqa: F401  (registers attn_implementation="kernelgen")
+from kernelgen.device import interpreting
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError:
+    sys.exit("this example needs transformers: pip install -e '.[hf]'")
+
+IMPLEMENTATIONS = ("sdpa", "kernelgen", "no-op")
+
+
+def no_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """An attention implementation that does nothing: zeros of the output's shape [B, Nq, H, D]."""
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+AttentionInterface.register("no-op", no_attention)
+AttentionMaskInterface.register("no-op", sdpa_mask)
+
+
+def model_config(on_gpu: bool, top_k: int, kv_block: int, backend: str) -> transformers.LlamaConfig:
+    sparse = {"kernelgen_top_k": top_k, "kernelgen_kv_block": kv_block, "kernelgen_q_tile": kv_block,
+              "kernelgen_sink": 1, "kernelgen_local": 2, "kernelgen_backend": backend}
+    if on_gpu:
+        return transformers.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=32000,
+                                        max_position_embeddings=262144, **sparse)
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=64, vocab_size=128, initializer_range=0.2,
+                                    **sparse)
+
+
+def prefill(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, use_cache=False, logits_to_keep=1).logits
+
+
+def timed_prefill(model, ids, repeats: int) -> float:
+    """Median seconds of a prefill, after a warm-up."""
+    prefill(model, ids)
+    times = []
+    for _ in range(repeats):
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        prefill(model, ids)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, nargs="+", default=None, help="prompt lengths (GPU default 32768 131072)")
+    p.add_argument("--top-k", type=int, default=None, help="blocks per list (GPU default 16, CPU 4)")
+    p.add_argument("--kv-block", type=int, default=None, help="keys per block (GPU default 128, CPU 16)")
+    p.add_argument("--backend", default="triton", help="kernelgen's backend for the attention (triton, tilelang, "
+                   "gluon or auto); selection and decode run on Triton")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    on_gpu = torch.cuda.is_available() and not interpreting()
+    if on_gpu:
+        device, dtype = "cuda", torch.bfloat16
+        seqs, top_k, kv_block = args.seq or [32768, 131072], args.top_k or 16, args.kv_block or 128
+    else:
+        print("No CUDA GPU: kernelgen runs in Triton's CPU interpreter. This runs a tiny model (2 layers, hidden 64) "
+              "at 128 tokens in float32 and checks it; its times say nothing about kernelgen's speed.")
+        device, dtype = "cpu", torch.float32
+        seqs, top_k, kv_block = args.seq or [128], args.top_k or 4, args.kv_block or 16
+        args.repeats = 1
+    config = model_config(on_gpu, top_k, kv_block, args.backend)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
+    params = sum(x.numel() for x in model.parameters())
+    spec = kernelgen.integrations.transformers.layer_spec(model.config)
+    print(f"model: {params / 1e9:.3g}B parameters, {config.num_hidden_layers} layers, {config.num_attention_heads} "
+          f"heads over {config.num_key_value_heads} KV heads, head_dim {config.head_dim}, {dtype}")
+    print(f"kernelgen: {spec}")
+
+    if not on_gpu:  # every block listed: kernelgen gives SDPA's logits
+        ids = torch.randint(0, config.vocab_size, (1, seqs[0]), generator=torch.Generator().manual_seed(0))
+        want = prefill(model, ids)
+        model.config.kernelgen_top_k = -(-seqs[0] // kv_block)
+        model.set_attn_implementation("kernelgen")
+        error = (prefill(model, ids) - want).abs().max().item()
+        print(f"every block listed: logits max-abs difference from SDPA's {error:.2e}")
+        assert error < 1e-3 * want.abs().max().item(), error
+        model.config.kernelgen_top_k = top_k
+
+    results = []
+    print(f"{'tokens':>8} {'attention':>10} {'prefill s':>10} {'tokens/s':>10} {'attention s':>12} {'attention %':>12}")
+    for n in seqs:
+        ids = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+        times = {}
+        for name in ("no-op", "sdpa", "kernelgen"):
+            model.set_attn_implementation(name)
+            try:
+                times[name] = timed_prefill(model, ids, args.repeats)
+            except torch.OutOfMemoryError:
+                print(f"{n:>8} {name:>10}   out of memory")
+                torch.cuda.empty_cache()
+        if "no-op" not in times:
+            continue
+        for name in [name for name in ("sdpa", "kernelgen") if name in times]:
+            attention = max(0.0, times[name] - times["no-op"])
+            row = {"tokens": n, "attention": name, "prefill_s": times[name], "tokens_per_s": n / times[name],
+                   "attention_s": attention, "attention_share": attention / times[name],
+                   "rest_of_model_s": times["no-op"]}
+            results.append(row)
+            print(f"{n:>8} {name:>10} {times[name]:>10.3f} {row['tokens_per_s']:>10.0f} {attention:>12.3f} "
+                  f"{100 * row['attention_share']:>11.1f}%")
+        print(f"{n:>8} {'no-op':>10} {times['no-op']:>10.3f} {n / times['no-op']:>10.0f}   (the model without attention)")
+        del ids
+    if args.out:
+        meta = {"device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
+                "torch": torch.__version__, "transformers": transformers.__version__, "spec": spec.to_dict(),
+                "parameters": params, "dtype": str(dtype), "repeats": args.repeats}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

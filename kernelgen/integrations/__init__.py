@@ -1,0 +1,1 @@
+"""kernelgen inside other libraries: `kernelgen.integrations.transformers` (Hugging Face transformers)."""

@@ -1,0 +1,238 @@
+"""kernelgen's sparse attention as a Hugging Face transformers attention implementation, "kernelgen".
+
+    import kernelgen.integrations.transformers      # registers "kernelgen" (register() does it again, harmlessly)
+    config.kernelgen_top_k = 16                     # sparse options: below
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="kernelgen")
+
+Every attention call of the model then selects its KV blocks at run time and attends over them:
+- **Prefill** (more than `roles.DECODE_MAX_QUERIES` queries): causal block-sparse attention with the spec's
+  selector, bottom-right aligned, so that a prompt's chunk after a KV cache prefix sees the whole prefix.
+- **Decode** (a few queries against the KV cache): the same spec's lists, served by the `decode` role
+  (split-KV over each query's list).
+- **Training**: q, k and v keep their autograd graph; the backward runs kernelgen's (the gradients of the lists
+  the forward used).
+
+The spec (one per model config and layer type, its kernels cached by `get_kernel`) takes the heads, KV heads
+and head_dim from the config, and these options from config attributes `kernelgen_<option>`, or from a
+`"kernelgen"` object in config.json, the form `kernelgen tune --model` reads (with options per layer type
+under `"layer_types"`); an attribute wins over the object:
+
+    top_k      blocks per list, forced blocks included (default 16)
+    kv_block   keys per block (64)                q_tile     queries per list (64; Q-centric schedule)
+    selector   "mean" or "multi:r" ("mean")        local      blocks ending at the diagonal (1)
+    sink       leading blocks every list holds (0)
+    schedule   "q_centric" or "kv_centric" ("q_centric")
+    backend    a kernelgen backend or "auto" ("triton")
+
+Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's
+`"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
+cannot compute falls back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong result: an
+attention mask that is not purely causal (padding, a custom 4-D mask, an additive bias), dropout > 0,
+`output_attentions`, soft-capping, attention sinks, sliding windows, a non-causal module, a head_dim kernelgen
+has no kernels for, and dtypes its kernels do not take on the device (float32 on a GPU, bfloat16 in the CPU
+interpreter).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import warnings
+import weakref
+
+import torch
+
+from ..device import interpreting
+from ..dispatch import get_kernel
+from ..errors import KernelgenValueError
+from ..spec import HEAD_DIMS, Spec
+from ..tuning.model import FULL, SPARSE_OPTIONS, model_specs
+
+__all__ = ["NAME", "OPTIONS", "register", "layer_spec", "attention_forward", "KernelgenFallbackWarning"]
+
+log = logging.getLogger("kernelgen")
+
+NAME = "kernelgen"
+# the options and their defaults; causal is not one: a causal LM's attention is causal
+OPTIONS = {"top_k": 16, "kv_block": 64, "q_tile": 64, "selector": "mean", "local": 1, "sink": 0,
+           "schedule": "q_centric", "backend": "triton"}
+_SPEC_ONLY = ("schedule", "backend")  # Spec fields that `tuning.model`'s sparse options leave out
+
+
+class KernelgenFallbackWarning(UserWarning):
+    """An attention call that kernelgen cannot compute ran SDPA instead (warned once per reason)."""
+
+
+_warned: set[str] = set()
+
+
+def _fall_back(reason: str, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+    """SDPA's attention, after a warning the first time `reason` comes up."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"kernelgen attention: {reason}; such calls run SDPA instead", KernelgenFallbackWarning,
+                      stacklevel=3)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def register(name: str = NAME) -> None:
+    """Make `name` an attention implementation of transformers (`attn_implementation=name`), with SDPA's mask
+    construction (None where the mask is purely causal, else a 4-D boolean mask). Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+# ---- the spec ------------------------------------------------------------------------------------------
+
+def _options(config) -> dict:
+    """The sparse options of `config`: OPTIONS, then its "kernelgen" object's top level, then its
+    kernelgen_<option> attributes; with the object's "layer_types" (options per layer type)."""
+    ours = getattr(config, "kernelgen", None) or {}
+    if not isinstance(ours, dict):
+        raise KernelgenValueError(f"config.kernelgen must be an object of sparse options, got {ours!r}")
+    options = {**OPTIONS, **ours}
+    for name in OPTIONS:
+        value = getattr(config, f"kernelgen_{name}", None)
+        if value is not None:
+            options[name] = value
+    return options
+
+
+def layer_spec(config, layer_type: str | None = None) -> Spec | None:
+    """The spec kernelgen computes the attention of `config`'s layers of `layer_type` with (None: the
+    config's only type, "full_attention"), or None where such layers are not kernelgen's (a layer type
+    without sparse options, or top_k = 0). Options no Spec takes, or a head_dim kernelgen has no kernels
+    for, are a KernelgenValueError."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    options = _options(text)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    key = json.dumps(options, sort_keys=True, default=str)
+    layer_types = tuple(getattr(text, "layer_types", None) or (FULL,))
+    return _spec(heads, getattr(text, "num_key_value_heads", None) or heads, head_dim, key, layer_types,
+                 layer_type or FULL)
+
+
+@functools.lru_cache(maxsize=64)
+def _spec(heads: int, heads_kv: int, head_dim: int, options_json: str, layer_types: tuple, layer_type: str):
+    options = json.loads(options_json)
+    if options.get("top_k") == 0:
+        return None
+    if head_dim not in HEAD_DIMS:
+        raise KernelgenValueError(f"head_dim={head_dim}: kernelgen's kernels take {HEAD_DIMS}")
+    extra = {name: options.pop(name) for name in _SPEC_ONLY}
+    unknown = sorted(set(options) - set(SPARSE_OPTIONS) - {"layer_types"})
+    if unknown:
+        raise KernelgenValueError(f"kernelgen options {unknown} are unknown; expected some of {sorted(OPTIONS)}")
+    model = {"num_attention_heads": heads, "num_key_value_heads": heads_kv, "head_dim": head_dim,
+             "layer_types": list(layer_types), "kernelgen": {**options, "causal": True}}
+    specs = dict(model_specs(model))
+    spec = specs.get(layer_type)
+    return None if spec is None else spec.replace(**extra)
+
+
+# ---- masks ---------------------------------------------------------------------------------------------
+
+_last_mask: tuple = (None, None, None)  # (weakref to the mask, its version, its verdict): the layers share one
+
+
+def _visible_keys(mask, n_q: int, n_k: int) -> int | str:
+    """How many leading keys a call sees if `mask` is purely causal, bottom-right aligned over them (then
+    the call attends over those keys, causally), else why not (a str)."""
+    global _last_mask
+    if mask is None:
+        # SDPA's reading of no mask: one query sees every key; more queries are causal from the top left,
+        # over the first n_q keys (a static cache's empty prefill: the keys past them are not written yet)
+        if n_q == 1 or n_q == n_k:
+            return n_k
+        return n_q if n_q < n_k else "more queries than keys without a mask"
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2:] != (n_q, n_k):
+        return f"an attention mask of shape {tuple(getattr(mask, 'shape', ()))} (expected None or 4-D [.., Nq, Nk])"
+    ref, version, verdict = _last_mask
+    if ref is not None and ref() is mask and version == mask._version:
+        return verdict
+    verdict = _mask_verdict(mask, n_q, n_k)
+    _last_mask = (weakref.ref(mask), mask._version, verdict)
+    return verdict
+
+
+def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | str:
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:  # additive: 0 where allowed, a large negative number (or -inf) where not
+        allowed = mask == 0
+        if not bool((allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+            return "an additive attention mask with a bias (values other than 0 and -inf)"
+    visible = allowed[..., -1, :].sum(-1)  # keys the last query sees, per batch and head
+    n_visible = int(visible.flatten()[0])
+    if n_visible < n_q:
+        return "an attention mask under which some query sees no key"
+    causal = (torch.arange(n_k, device=mask.device)[None, :]
+              <= torch.arange(n_q, device=mask.device)[:, None] + (n_visible - n_q))
+    if not bool((allowed == causal).all()):
+        return "an attention mask that is not purely causal (padding, or a custom 4-D mask)"
+    return n_visible
+
+
+# ---- the attention function ------------------------------------------------------------------------------
+
+def _unsupported(module, query, dropout, kwargs) -> str | None:
+    """Why kernelgen cannot compute this call (beyond its mask), or None."""
+    if dropout and dropout > 0:
+        return "dropout > 0"
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True (kernelgen returns no attention weights)"
+    for name, what in (("softcap", "soft-capping"), ("s_aux", "attention sinks (s_aux)"),
+                       ("sliding_window", "a sliding window"), ("position_bias", "a position bias")):
+        if kwargs.get(name) is not None:
+            return what
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        return "a non-causal attention module"
+    if query.device.type == "cuda":
+        if query.dtype not in (torch.float16, torch.bfloat16):
+            return f"{query.dtype} on a GPU (kernelgen's kernels take float16 and bfloat16 there)"
+    elif not interpreting():
+        return f"tensors on {query.device} (kernelgen runs on CUDA GPUs, or the CPU in Triton's interpreter)"
+    elif query.dtype == torch.bfloat16:
+        return "bfloat16 in Triton's CPU interpreter (it computes bfloat16 wrongly)"
+    return None
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention function: query [B, H, Nq, D], key and value [B, Hkv, Nk, D] (the KV cache
+    included) -> (attn_output [B, Nq, H, D], None)."""
+    config = module.config
+    layer_types = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                          "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    layer_type = layer_types[layer_idx] if layer_types and layer_idx is not None else None
+    args = (module, query, key, value, attention_mask, scaling, dropout)
+    if query.shape[-1] not in HEAD_DIMS:
+        return _fall_back(f"head_dim={query.shape[-1]} (kernelgen's kernels take {HEAD_DIMS})", *args, **kwargs)
+    spec = layer_spec(config, layer_type)
+    if spec is None:  # not kernelgen's layer: SDPA, as configured
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    reason = _unsupported(module, query, dropout, kwargs)
+    if reason is None:
+        n_keys = _visible_keys(attention_mask, query.shape[2], key.shape[2])
+        reason = n_keys if isinstance(n_keys, str) else None
+    if reason is not None:
+        return _fall_back(reason, *args, **kwargs)
+    if n_keys < key.shape[2]:
+        key, value = key[:, :, :n_keys], value[:, :, :n_keys]
+    o = get_kernel(spec)(query, key, value, scale=scaling)
+    return o.transpose(1, 2).contiguous(), None
+
+
+register()

@@ -1,0 +1,194 @@
+"""kernelgen as a transformers attention implementation ("kernelgen"), on a tiny Llama-style model built in code
+(no downloads), fp32 in the CPU interpreter: against the same weights under SDPA."""
+import collections
+import functools
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kernelgen  # noqa: E402
+from kernelgen import SelectConfig, Spec  # noqa: E402
+from kernelgen.integrations import transformers as kg_hf  # noqa: E402
+
+VOCAB = 128
+
+
+def tiny_config(**options):
+    """2 layers, 4 query heads over 2 KV heads (G = 2), head_dim 64; 16-key blocks so that a few dozen tokens
+    make several blocks. A larger init than Llama's makes attention matter to the logits."""
+    options = {"kernelgen_kv_block": 16, "kernelgen_q_tile": 16, **options}
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=64, num_hidden_layers=2, vocab_size=VOCAB,
+                                    initializer_range=0.2, pad_token_id=0, **options)
+
+
+@functools.lru_cache(maxsize=None)
+def small_select_tiles(spec):
+    """get_kernel(spec), its selector scoring 16 blocks a step: the interpreter's cost grows with the score tile,
+    and these sequences have at most 5 blocks (the default's 128 columns take 5x longer)."""
+    return kernelgen.get_kernel(spec, configs={"select": SelectConfig(tiles=8, chunk=16)})
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(kernelgen model, SDPA model) with the same weights; each test sets the kernelgen model's options."""
+    patch = pytest.MonkeyPatch()
+    patch.setattr(kg_hf, "get_kernel", small_select_tiles)
+    torch.manual_seed(0)
+    sdpa = transformers.AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="sdpa").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="kernelgen").eval()
+    ours.load_state_dict(sdpa.state_dict())
+    yield ours, sdpa
+    patch.undo()
+
+
+@pytest.fixture
+def roles(monkeypatch):
+    """The kernel roles kernelgen launches meanwhile, counted."""
+    seen = collections.Counter()
+    launch = kernelgen.SparseAttention._launch
+
+    def spy(self, served, *args):
+        seen[served.role] += 1
+        return launch(self, served, *args)
+
+    monkeypatch.setattr(kernelgen.SparseAttention, "_launch", spy)
+    return seen
+
+
+def set_options(model, **options):
+    for name, value in {"top_k": 16, "local": 1, "sink": 0, "selector": "mean", **options}.items():
+        setattr(model.config, f"kernelgen_{name}", value)
+
+
+def tokens(batch, n, seed=0):
+    return torch.randint(1, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_close(a, b, tol=1e-4):
+    assert (a - b).abs().max().item() < tol * b.abs().max().item(), (a - b).abs().max().item()
+
+
+def test_registered_and_the_spec_comes_from_the_config():
+    kg_hf.register()  # again: idempotent
+    assert transformers.AttentionInterface._global_mapping["kernelgen"] is kg_hf.attention_forward
+    config = tiny_config(kernelgen_top_k=4, kernelgen_sink=1)
+    assert kg_hf.layer_spec(config) == Spec(head_dim=64, kv_block=16, q_tile=16, top_k=4, causal=True, gqa_group=2,
+                                            local=1, sink=1)
+    # the object `kernelgen tune --model` reads, per layer type; an attribute wins over it
+    config = tiny_config(kernelgen={"top_k": 8, "layer_types": {"sliding_attention": {"top_k": 2}}},
+                         kernelgen_kv_block=32)
+    config.layer_types = ["full_attention", "sliding_attention"]
+    assert kg_hf.layer_spec(config).top_k == 8 and kg_hf.layer_spec(config).kv_block == 32
+    assert kg_hf.layer_spec(config, "sliding_attention").top_k == 2
+    assert kg_hf.layer_spec(config, "chunked_attention") is None  # no options: SDPA
+    assert kg_hf.layer_spec(tiny_config(kernelgen_top_k=0)) is None
+    with pytest.raises(ValueError, match="unknown"):
+        kg_hf.layer_spec(tiny_config(kernelgen={"topk": 3}))
+    with pytest.raises(ValueError, match="head_dim=32"):
+        kg_hf.layer_spec(transformers.LlamaConfig(hidden_size=64, num_attention_heads=2))
+
+
+def test_what_kernelgen_cannot_compute_runs_sdpa_with_a_warning(models):
+    """head_dim 32 (no kernels), dropout and output_attentions: SDPA's result, one warning per reason."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, num_hidden_layers=1, vocab_size=VOCAB)
+    sdpa = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kernelgen").eval()
+    ours.load_state_dict(sdpa.state_dict())
+    ids = tokens(1, 20)
+    kg_hf._warned.clear()
+    with torch.no_grad(), pytest.warns(kg_hf.KernelgenFallbackWarning, match="head_dim=32"):
+        assert torch.equal(ours(ids).logits, sdpa(ids).logits)
+    attn = models[0].model.layers[0].self_attn  # head_dim 64, G = 2
+    q = torch.randn(1, 4, 20, 64)
+    k = v = torch.randn(1, 2, 20, 64)
+    for kwargs, reason in (({"dropout": 0.1}, "dropout"), ({"output_attentions": True}, "output_attentions"),
+                           ({"sliding_window": 8}, "sliding window")):
+        with pytest.warns(kg_hf.KernelgenFallbackWarning, match=reason):
+            torch.manual_seed(2)
+            got = kg_hf.attention_forward(attn, q, k, v, None, scaling=0.125, **kwargs)[0]
+        torch.manual_seed(2)
+        want = transformers.integrations.sdpa_attention.sdpa_attention_forward(attn, q, k, v, None, scaling=0.125,
+                                                                              **kwargs)[0]
+        assert torch.equal(got, want)
+
+
+def test_every_block_listed_matches_sdpa_and_sparsity_changes_it(models, roles):
+    ours, sdpa = models
+    ids = tokens(2, 70)
+    with torch.no_grad():
+        want = sdpa(ids).logits
+        set_options(ours, top_k=5)  # 5 blocks of 16 keys hold all 70
+        assert_close(ours(ids).logits, want)
+        assert roles["attn"] == 2 and roles["select"] == 2
+        set_options(ours, top_k=2)
+        assert (ours(ids).logits - want).abs().max() > 1e-3
+
+
+def test_prefill_after_a_cache_prefix_is_bottom_right_causal(models, roles):
+    """A prompt's second chunk sees the cached first one: transformers passes a 4-D causal mask (Nk > Nq),
+    which kernelgen reads as purely causal and serves itself."""
+    ours, sdpa = models
+    ids = tokens(1, 60, seed=1)
+    set_options(ours, top_k=4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        want = sdpa(ids).logits[:, 36:]
+        cache = transformers.DynamicCache(config=ours.config)
+        ours(ids[:, :36], past_key_values=cache)
+        got = ours(ids[:, 36:], past_key_values=cache).logits
+    assert_close(got, want)
+    assert roles["attn"] == 4
+
+
+def test_generate_decodes_with_the_decode_role(models, roles):
+    ours, sdpa = models
+    prompt = tokens(2, 40, seed=2)
+    set_options(ours, top_k=3)  # every block of the 43 tokens: greedy tokens as SDPA's
+    with torch.no_grad():
+        want = sdpa.generate(prompt, max_new_tokens=3, do_sample=False)
+        got = ours.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, want)
+    assert roles["attn"] == 2 and roles["decode"] == 2 * 2  # the prompt, then two single-token steps per layer
+    roles.clear()
+    set_options(ours, top_k=2, sink=1)  # sparse: 1 sink, the diagonal block
+    with torch.no_grad():
+        got = ours.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert got.shape == (2, 43) and roles["decode"] == 4
+
+
+def test_padding_falls_back_to_sdpa_with_one_warning(models):
+    ours, sdpa = models
+    set_options(ours, top_k=2)
+    ids = tokens(2, 40, seed=3)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding
+    kg_hf._warned.clear()
+    with torch.no_grad():
+        with pytest.warns(kg_hf.KernelgenFallbackWarning, match="not purely causal"):
+            got = ours(ids, attention_mask=mask).logits
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)  # once per reason
+            ours(ids, attention_mask=mask)
+        want = sdpa(ids, attention_mask=mask).logits
+    assert torch.equal(got, want)
+
+
+def test_backward_runs_through_kernelgen(models, roles):
+    ours, sdpa = models
+    ids = tokens(1, 48, seed=4)
+    set_options(ours, top_k=3)  # every block: gradients as SDPA's
+    grads = []
+    for model in (ours, sdpa):
+        model.train()
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+        model.eval()
+    assert roles["bwd_dq"] == 2 and roles["bwd_dkdv"] == 2
+    assert_close(grads[0], grads[1], tol=1e-3)
