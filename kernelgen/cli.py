@@ -409,8 +409,9 @@ def bench(
                                                                 "FlexAttention, SDPA cuDNN and fla-core's NSA kernels "
                                                                 "(shapes kv_b8, kv_nsa32k, kv_d64_64k; GPU only)."),
     context_parallel: bool = typer.Option(False, "--context-parallel", help="A 2-rank context-parallel run's "
-                                          "per-rank kernels (dense ring and sparse fetch) timed on one GPU, the "
-                                          "bytes each path moves, and the 2-GPU time projected at NVLink speed "
+                                          "per-rank kernels (dense ring and sparse fetch), forward and backward, "
+                                          "timed on one GPU against one GPU's, the bytes each path moves, and the "
+                                          "2-GPU time projected at NVLink speed "
                                           "(B1 Hq32 Hkv8 D128 causal, N=256k; GPU only)."),
 ):
     """kernelgen next to FlexAttention (same BlockMask) and SDPA flash / cuDNN: ms and useful TFLOP/s."""

@@ -208,3 +208,28 @@ def test_kv_centric_shapes_and_fla_limits():
     assert all(s.spec().schedule == "kv_centric" for s in (b8, nsa, d64))
     assert "causal" in fla_nsa_unsupported(b8.spec("given"))
     assert fla_nsa_unsupported(nsa.spec("given")) is None and fla_nsa_unsupported(d64.spec("given")) is None
+
+
+def test_context_parallel_smoke_run(monkeypatch, tmp_path):
+    """The context-parallel bench at its CPU size, the timer stubbed (1 ms a piece): both ranks'
+    pieces, forward and backward, match one GPU, and the rows hold the ratios, bytes and projections."""
+    import json
+
+    from kernelgen.bench import context_parallel as cp
+
+    monkeypatch.setattr(cp, "_bench", lambda fn: 1.0)
+    lines = []
+    rows = cp.run_context_parallel(out_dir=tmp_path, log=lines.append, device="cpu", **cp.SMOKE)
+    assert [r["kind"] for r in rows] == list(cp.LIST_KINDS) == ["random", "local_heavy"]
+    assert json.loads((tmp_path / "context_parallel.json").read_text())[1]["kind"] == "local_heavy"
+    for row in rows:
+        assert all(row[f"rel_diff_{path}_{x}"] < 1e-4 for path in cp.PATHS for x in ("o", "dq", "dk", "dv")), row
+        assert row["one_gpu_fwd_bwd_ms"] == 2.0
+        assert row["dense_fwd_ratio"] == 3.0 and row["dense_fwd_bwd_ratio"] == 3.0  # 2 steps + merge per pass
+        assert row["sparse_fwd_ratio"] == 3.0 and row["sparse_fwd_bwd_ratio"] == 3.0
+        assert row["dense_bytes_fwd_bwd"] == 4 * row["dense_bytes_fwd"]  # K/V twice, dK/dV sums twice (all fp32)
+        assert row["sparse_dense_bytes_ratio_fwd"] == row["sparse_bytes_fwd"] / row["dense_bytes_fwd"]
+        assert row["projected_2gpu_dense_fwd_bwd_ms"] > row["projected_2gpu_dense_fwd_ms"] >= 3.0
+        sparse = row["ranks"]["sparse"]
+        assert [r["rank"] for r in sparse] == [0, 1] and sparse[0]["requested_blocks"] > 0
+    assert any("sparse/dense bytes" in line for line in lines)

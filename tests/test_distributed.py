@@ -181,3 +181,70 @@ def test_layout_tables():
     shards = [kd.Layout("zigzag", 2, r, 64).take(x) for r in range(2)]
     assert torch.equal(lay.assemble(shards), x)
     assert kd.traffic((1, 8, 131072, 128), 2, 2, 128, 1000).path == "sparse"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "local_heavy"])
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_ranks_in_one_process_match_one_gpu_cuda(path, kind):
+    """Both ranks of a 2-rank run, simulated in one process on one GPU (the per-rank functions the autograd
+    Function runs), bf16 at N=4096 with the bench's spec: o, lse, dq, dk, dv against one GPU's."""
+    from kernelgen.bench.context_parallel import CP_SPEC, cp_lists, list_kinds
+    from kernelgen.distributed.simulate import simulate, unshard_runs
+
+    spec, n = list_kinds(CP_SPEC)[kind], 4096
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, do = (torch.randn(1, 8, n, 128, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 2, n, 128, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    lists = cp_lists(spec, 1, 2, n, "cuda")
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = kernelgen.get_kernel(CP_SPEC)(*full, block_idx=lists, return_lse=True)
+    o.backward(do)
+    runs = simulate(q, k, v, lists, spec, world=2, path=path, do=do)
+    for name, want in (("o", o), ("lse", lse), ("dq", full[0].grad), ("dk", full[1].grad), ("dv", full[2].grad)):
+        got = unshard_runs(runs, name)
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < 1e-2, (name, err)
+    if path == "sparse":
+        assert all(run.requested > 0 for run in runs)
+
+
+def _tool():
+    """tools/context_parallel_2gpu.py as a module."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "tools" / "context_parallel_2gpu.py"
+    spec = importlib.util.spec_from_file_location("context_parallel_2gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_gpu_tool_arguments():
+    tool = _tool()
+    assert tool.parse_args([]).reference and tool.parse_args([]).seq == 262144
+    big = tool.parse_args(["--seq", "2097152", "--out", "x.json"])
+    assert not big.reference and big.kinds == ["random", "local_heavy"] and big.paths == ["dense", "sparse"]
+    assert tool.parse_args(["--seq", "2097152", "--one-gpu", "on"]).reference
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--paths", "ring"])
+
+
+def _tool_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    _tool().main(["--smoke", "--kinds", "local_heavy", "--paths", "sparse", "--reps", "1", "--warmup", "0",
+                  "--out", out])
+
+
+def test_two_gpu_tool_smoke_on_the_cpu(tmp_path):
+    """The 2-GPU script on the CPU over gloo at the smoke size (the sparse path, the one that fetches): o and the
+    gradients match one process."""
+    out = tmp_path / "cp.json"
+    mp.spawn(_tool_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    rows = json.loads(out.read_text())
+    assert [(r["kind"], r["path"]) for r in rows] == [("local_heavy", "sparse")]
+    assert all(r["check_ok"] and r["rel_diff_dk"] < 1e-4 and r["fwd_bwd_ms"] > 0 for r in rows), [
+        {key: val for key, val in r.items() if "rel" in key} for r in rows]

@@ -6,7 +6,8 @@
     o = kd.unshard(o_s, "zigzag")
 
 Layouts (`layout.py`), the dense ring (`ring.py`), the sparse fetch (`fetch.py`), selection across shards
-(`select.py`) and the entry point with its autograd Function (`attention.py`); docs/DESIGN.md explains them.
+(`select.py`), the entry point with its autograd Function (`attention.py`), and every rank's pieces run in one
+process (`simulate.py`: to check and time a rank's work on one device); docs/DESIGN.md explains them.
 """
 from .attention import PATHS, Traffic, attention, select_blocks, shard, traffic, unshard
 from .layout import LAYOUTS, Layout

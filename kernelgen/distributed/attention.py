@@ -18,7 +18,7 @@ from ..errors import KernelgenTypeError, KernelgenValueError
 from ..inputs import check_qkv
 from ..spec import Spec
 from .comm import Group, group_of
-from .fetch import fetch, local_lists, requests_of, return_gradients
+from .fetch import fetch, local_backward, local_forward, local_prepared, requests_of, return_gradients
 from .layout import LAYOUTS, Layout
 from .ring import ring_backward, ring_forward
 from .select import select_rows
@@ -42,20 +42,33 @@ class _Call:
     causal_attn: SparseAttention  # the spec's kernels over given lists (forced blocks are in the lists)
     full_attn: SparseAttention    # the same without causal masking: a shard of earlier chunks
 
+    @classmethod
+    def of(cls, spec: Spec, layout: Layout, group: Group, device, scale=None) -> "_Call":
+        """The call of rank `layout.rank` (`group` may be Group(None, rank, world): the per-rank pieces that do not
+        communicate run without a process group, as `simulate.py` runs every rank in one process)."""
+        lists_spec = spec.replace(selector="given", sink=0, local=0)
+        return cls(spec, layout, group, layout.block_tables(spec.kv_block, device),
+                   layout.tile_chunks(spec.q_tile, device), scale, get_kernel(lists_spec),
+                   get_kernel(lists_spec.replace(causal=False)))
+
     def attn_for(self, src: int) -> SparseAttention:
         """The kernels that attend this rank's queries to rank `src`'s shard."""
         return self.causal_attn if src == self.group.rank else self.full_attn
 
 
 class Traffic(NamedTuple):
-    """Bytes one rank sends in a forward (the backward sends as much again), the largest over the ranks:
-    `dense` for the ring, `sparse` for the fetch (requested ids and blocks)."""
+    """Bytes one rank sends, the largest over the ranks: `dense` for the ring, `sparse` for the fetch (requested
+    ids and blocks) in a forward; `dense_backward`, `sparse_backward` in a backward (the ring sends the K/V shards
+    round again and the dK/dV sums, fp32, one hop more; the fetch sends the fetched blocks' dK/dV back)."""
 
     dense: int
     sparse: int
+    dense_backward: int = 0
+    sparse_backward: int = 0
 
     @property
     def path(self) -> str:
+        """The path `path="auto"` takes: the one whose forward moves fewer bytes."""
         return "sparse" if self.sparse < self.dense else "dense"
 
 
@@ -63,9 +76,12 @@ def traffic(k_shape, elem_bytes: int, world: int, kv_block: int, blocks: int) ->
     """The bytes of each path for K/V shards of `k_shape` [B, Hkv, shard, D] over `world` ranks, when the rank
     that moves most fetches or serves `blocks` (batch x KV head, block) pairs."""
     b, hkv, n, d = k_shape
-    dense = (world - 1) * 2 * b * hkv * n * d * elem_bytes
+    kv_shard = 2 * b * hkv * n * d
+    dense = (world - 1) * kv_shard * elem_bytes
     sparse = blocks * (8 + 2 * kv_block * d * elem_bytes)  # its int64 id, then K and V
-    return Traffic(dense, sparse)
+    dense_backward = dense + world * kv_shard * 4  # the K/V again; dK/dV in fp32 at steps 1..P-1 and home
+    sparse_backward = blocks * 2 * kv_block * d * elem_bytes
+    return Traffic(dense, sparse, dense_backward, sparse_backward)
 
 
 def _check_same_everywhere(q, k, spec: Spec, layout: str, given: bool, group: Group) -> None:
@@ -124,9 +140,7 @@ def _prepare_call(q, k, v, spec: Spec, group, layout: str, given: bool, scale) -
     _check_same_everywhere(q, k, spec, layout, given, g)
     lay = Layout.of_shard(layout, g.world, g.rank, q.shape[2])
     lay.check(spec)
-    lists_spec = spec.replace(selector="given", sink=0, local=0)
-    return _Call(spec, lay, g, lay.block_tables(spec.kv_block, q.device), lay.tile_chunks(spec.q_tile, q.device),
-                 scale, get_kernel(lists_spec), get_kernel(lists_spec.replace(causal=False)))
+    return _Call.of(spec, lay, g, q.device, scale)
 
 
 def _choose(rows, call: _Call, k, path: str):
@@ -157,10 +171,8 @@ class _ContextParallel(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, o, lse)
         else:
             fetched = fetch(k, v, requests, call.layout, call.tables, call.spec.kv_block, call.group)
-            lists = local_lists(rows, fetched, call.layout, call.tables, call.tile_chunk, call.spec.kv_block,
-                                call.spec.causal)
-            prepared = call.causal_attn.prepare(lists, q.shape[2], fetched.k.shape[2])
-            o, lse = call.causal_attn(q, fetched.k, fetched.v, block_idx=prepared, scale=call.scale, return_lse=True)
+            prepared = local_prepared(rows, fetched, call)
+            o, lse = local_forward(q, fetched.k, fetched.v, prepared, call)
             ctx.fetched, ctx.prepared = fetched._replace(k=None, v=None), prepared
             ctx.save_for_backward(q, fetched.k, fetched.v, o, lse)
         ctx.mark_non_differentiable(lse)
@@ -176,10 +188,8 @@ class _ContextParallel(torch.autograd.Function):
         if ctx.path == "dense":
             dq, dk, dv = ring_backward(do, q, k, v, o, lse, ctx.steps, call)
         else:
-            dq, dk_local, dv_local = call.causal_attn._gradients(do, q, k, v, o, lse, ctx.prepared.block_idx,
-                                                                 call.scale, ctx.prepared.reverse_index())
-            dk, dv = return_gradients(dk_local, dv_local, ctx.fetched, call.layout, call.tables, call.spec.kv_block,
-                                      call.group)
+            dq, dk_local, dv_local = local_backward(do, q, k, v, o, lse, ctx.prepared, call)
+            dk, dv = return_gradients(dk_local, dv_local, ctx.fetched, call.tables, call.spec.kv_block, call.group)
         needs = ctx.needs_input_grad
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 None, None, None, None)

@@ -21,10 +21,12 @@ from typing import NamedTuple
 
 import torch
 
+from ..inputs import BlockLists
 from .comm import Group
 from .layout import Layout
 
-__all__ = ["Requests", "requests_of", "Fetched", "fetch", "owned_blocks", "prefixed", "local_lists", "return_gradients"]
+__all__ = ["Requests", "requests_of", "Fetched", "fetch", "owned_blocks", "prefixed", "local_lists", "local_prepared",
+           "local_forward", "local_backward", "prefix_gradients", "add_returned", "return_gradients"]
 
 
 class Requests(NamedTuple):
@@ -128,22 +130,45 @@ def local_lists(rows: torch.Tensor, fetched: Fetched, layout: Layout, tables, ti
     return torch.where(keep, out, -1).to(torch.int32)
 
 
-def return_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, layout: Layout, tables, kv_block: int,
-                     group: Group) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dk, dv) of this rank's own shard: its own part of the local gradients plus, in fp32 and source rank
-    order, what the other ranks computed for the blocks they fetched from it."""
+def local_prepared(rows: torch.Tensor, fetched: Fetched, call) -> BlockLists:
+    """This rank's lists over [prefix | own shard], prepared for its causal kernels (`call`: a `_Call`)."""
+    lists = local_lists(rows, fetched, call.layout, call.tables, call.tile_chunk, call.spec.kv_block, call.spec.causal)
+    return call.causal_attn.prepare(lists, rows.shape[2] * call.spec.q_tile, fetched.k.shape[2])
+
+
+def local_forward(q, k_local, v_local, prepared: BlockLists, call) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of this rank's queries: the one causal attention over [prefix | own shard]."""
+    return call.causal_attn(q, k_local, v_local, block_idx=prepared, scale=call.scale, return_lse=True)
+
+
+def local_backward(do, q, k_local, v_local, o, lse, prepared: BlockLists, call) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of the local attention; dk, dv over [prefix | own shard]."""
+    return call.causal_attn._gradients(do, q, k_local, v_local, o, lse, prepared.block_idx, call.scale,
+                                       prepared.reverse_index())
+
+
+def prefix_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, n_blocks: int,
+                     kv_block: int) -> torch.Tensor:
+    """[n, 2, kv_block, D]: dK, dV of the fetched blocks, in request order (what goes back to their owners)."""
     b, hkv, _, d = dk.shape
     cut = fetched.width * kv_block
-    n_blocks = tables[0].numel()
-    grads = torch.stack([dk, dv])
-    prefix = grads[:, :, :, :cut].reshape(2, b * hkv, fetched.width, kv_block, d)
+    prefix = torch.stack([dk[:, :, :cut], dv[:, :, :cut]]).reshape(2, b * hkv, fetched.width, kv_block, d)
     ids = fetched.requests.ids
-    out = prefix[:, ids // n_blocks, fetched.slot].transpose(0, 1)  # [n, 2, kv_block, D] in request order
-    back = group.all_to_all(out, fetched.requests.counts, fetched.incoming_counts)
-    own = grads[:, :, :, cut:].float().contiguous()
+    return prefix[:, ids // n_blocks, fetched.slot].transpose(0, 1)
+
+
+def add_returned(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, fetched: Fetched, tables,
+                 kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dk, dv) of this rank's own shard: the own part of the local gradients plus, in fp32 and source rank
+    order, `back` ([n, 2, kv_block, D]: what the other ranks computed for the blocks they fetched from it, in
+    the order of `fetched.incoming`)."""
+    b, hkv, _, d = dk.shape
+    cut = fetched.width * kv_block
+    own = torch.stack([dk[:, :, cut:], dv[:, :, cut:]]).float().contiguous()
     n_local = own.shape[3] // kv_block
     blocks = own.view(2, b * hkv * n_local, kv_block, d)
     _, local, _ = tables
+    n_blocks = local.numel()
     rows = (fetched.incoming // n_blocks) * n_local + local[fetched.incoming % n_blocks]
     start = 0
     for count in fetched.incoming_counts:  # fixed order; one source names a block once
@@ -151,3 +176,12 @@ def return_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, layou
         blocks.index_add_(1, rows[part], back[part].transpose(0, 1).float())
         start += count
     return own[0].to(dk.dtype), own[1].to(dv.dtype)
+
+
+def return_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, tables, kv_block: int,
+                     group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dk, dv) of this rank's own shard from the local gradients over [prefix | own shard]: the prefix's go
+    back to their owners (the fetch's all_to_all reversed), and each owner adds what it receives."""
+    out = prefix_gradients(dk, dv, fetched, tables[0].numel(), kv_block)
+    back = group.all_to_all(out, fetched.requests.counts, fetched.incoming_counts)
+    return add_returned(dk, dv, back, fetched, tables, kv_block)

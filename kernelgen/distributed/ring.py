@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 
 from ..backends.triton import combine_partials
-from ..dispatch import SparseAttention, get_kernel
-from ..inputs import Shapes
+from ..dispatch import get_kernel
+from ..inputs import BlockLists, Shapes
 from ..spec import Spec
 
-__all__ = ["step_lists", "merge_partials", "ring_forward", "ring_backward"]
+__all__ = ["step_lists", "step_prepared", "forward_step", "backward_step", "merge_partials", "ring_forward",
+           "ring_backward"]
 
 
 def step_lists(rows: torch.Tensor, src: int, tables, tile_chunk: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -48,10 +49,23 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, dtype) -> tuple
                             used, dtype)
 
 
-def _attend(attn: SparseAttention, q, k, v, lists, scale):
-    prepared = attn.prepare(lists, q.shape[2], k.shape[2])
-    o, lse = attn(q, k, v, block_idx=prepared, scale=scale, return_lse=True)
-    return o, lse, prepared
+def step_prepared(rows, src: int, n_q: int, call) -> BlockLists:
+    """The prepared lists of the ring step over rank `src`'s shard (`call`: a `_Call`; `n_q` = shard length)."""
+    lists = step_lists(rows, src, call.tables, call.tile_chunk, call.spec.causal)
+    return call.attn_for(src).prepare(lists, n_q, n_q)
+
+
+def forward_step(q, kv, prepared: BlockLists, src: int, call) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of this rank's queries over rank `src`'s shard, kv = stack([k, v]) of it: one step's partial."""
+    return call.attn_for(src)(q, kv[0], kv[1], block_idx=prepared, scale=call.scale, return_lse=True)
+
+
+def backward_step(do, q, kv, o, lse, prepared: BlockLists, src: int, call) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dkv) of one step: this rank's queries' terms over rank `src`'s shard, driven by the *merged* o and
+    lse; dkv = fp32 stack([dk, dv]) of that shard (what travels on round the ring)."""
+    dq, dk, dv = call.attn_for(src)._gradients(do, q, kv[0], kv[1], o, lse, prepared.block_idx, call.scale,
+                                               prepared.reverse_index())
+    return dq, torch.stack([dk, dv]).float()
 
 
 def ring_forward(q, k, v, rows, ctx) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -65,10 +79,8 @@ def ring_forward(q, k, v, rows, ctx) -> tuple[torch.Tensor, torch.Tensor, list]:
     for t in range(world):
         src = (rank - t) % world
         recv, works = group.ring_exchange([kv]) if t < world - 1 else (None, [])
-        attn = ctx.attn_for(src)
-        lists = step_lists(rows, src, ctx.tables, ctx.tile_chunk, ctx.spec.causal)
-        o_part[:, :, :, t], lse_part[..., t], prepared = _attend(attn, q, kv[0], kv[1], lists, ctx.scale)
-        steps.append(prepared)
+        steps.append(step_prepared(rows, src, n, ctx))
+        o_part[:, :, :, t], lse_part[..., t] = forward_step(q, kv, steps[-1], src, ctx)
         for work in works:
             work.wait()
         if recv is not None:
@@ -87,13 +99,10 @@ def ring_backward(do, q, k, v, o, lse, steps, ctx) -> tuple[torch.Tensor, torch.
         src = (rank - t) % world
         sends = ([kv] if t < world - 1 else []) + ([acc] if t > 0 else [])
         recv, works = group.ring_exchange(sends) if sends else ([], [])
-        attn = ctx.attn_for(src)
-        dq_t, dk_t, dv_t = attn._gradients(do, q, kv[0], kv[1], o, lse, steps[t].block_idx, ctx.scale,
-                                           steps[t].reverse_index())
+        dq_t, term = backward_step(do, q, kv, o, lse, steps[t], src, ctx)
         dq += dq_t
         for work in works:
             work.wait()
-        term = torch.stack([dk_t, dv_t]).float()
         acc = term if t == 0 else recv[-1] + term
         if t < world - 1:
             kv = recv[0]
