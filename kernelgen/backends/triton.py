@@ -337,6 +337,10 @@ def kv_attn_smem_bytes(spec: Spec, cfg: KvAttnConfig, elem_bytes: int = 2) -> in
 
 
 KV_ATTN_STEPS = (1, 2, 4, 8, 16)
+# fp32 words per thread of a kernel's accumulators and score tiles; past them Triton spills (a forward
+# holds its output and scores, a backward more tiles at once)
+FWD_REGS_LIMIT = 192
+BWD_REGS_LIMIT = 256
 
 
 def kv_attn_infeasible(spec: Spec, cfg: KvAttnConfig, arch: str) -> str | None:
@@ -352,15 +356,10 @@ def kv_attn_infeasible(spec: Spec, cfg: KvAttnConfig, arch: str) -> str | None:
         return f"num_stages={cfg.num_stages}; expected 1 to 4"
     if cfg.combine_rows not in (16, 32, 64, 128):
         return f"combine_rows={cfg.combine_rows}; expected 16, 32, 64 or 128"
-    regs = cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps)
-    if regs > 192:
-        return (f"block_m * (head_dim + kv_block) / (32 * num_warps) = {regs} fp32 registers per thread; at most 192 "
-                "(Triton spills past it): more warps or fewer rows")
-    smem = kv_attn_smem_bytes(spec, cfg)
-    if smem > arch_facts(arch).smem_per_block:
-        return (f"{smem} B of shared memory (one K and one V block and num_stages step rows); at most "
-                f"{arch_facts(arch).smem_per_block}")
-    return None
+    return _resources(cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps),
+                      "block_m * (head_dim + kv_block) / (32 * num_warps)", kv_attn_smem_bytes(spec, cfg),
+                      "one K and one V block and the pipelined step rows", arch_facts(arch).smem_per_block,
+                      FWD_REGS_LIMIT)
 
 
 def kv_attn_default(spec: Spec, arch: str) -> KvAttnConfig:
@@ -400,15 +399,10 @@ def decode_infeasible(spec: Spec, cfg: DecodeConfig, arch: str) -> str | None:
         return f"splits={cfg.splits}; expected one of {DECODE_SPLITS}"
     if cfg.num_warps not in (1, 2, 4, 8) or cfg.num_stages < 1:
         return f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}; expected 1, 2, 4 or 8 warps and >= 1 stage"
-    regs = decode_rows(spec) * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps)
-    if regs > 192:
-        return (f"rows * (head_dim + kv_block) / (32 * num_warps) = {regs} fp32 registers per thread; at most 192 "
-                "(Triton spills past it): more warps")
-    smem = decode_smem_bytes(spec, cfg)
-    if smem > arch_facts(arch).smem_per_block:
-        return (f"{smem} B of shared memory (num_stages K and V blocks and the rows: decode_smem_bytes); at most "
-                f"{arch_facts(arch).smem_per_block} on {arch}: fewer stages")
-    return None
+    return _resources(decode_rows(spec) * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps),
+                      "rows * (head_dim + kv_block) / (32 * num_warps)", decode_smem_bytes(spec, cfg),
+                      f"num_stages K and V blocks and the rows, on {arch}: fewer stages",
+                      arch_facts(arch).smem_per_block, FWD_REGS_LIMIT)
 
 
 def decode_default(spec: Spec, arch: str) -> DecodeConfig:
@@ -542,7 +536,7 @@ def kv_index_select_space(spec: Spec, arch: str):
 
 # ---- backward: feasibility, defaults, spaces --------------------------------------------------------
 
-BWD_REGS_LIMIT = 256  # fp32 words per thread of accumulators and score tiles; past it Triton spills
+
 
 
 def bwd_dq_smem_bytes(spec: Spec, cfg: BwdDqConfig, elem_bytes: int = 2) -> int:
@@ -559,10 +553,11 @@ def bwd_dkdv_smem_bytes(spec: Spec, cfg: BwdDkdvConfig, elem_bytes: int = 2) -> 
     return rows * spec.head_dim * elem_bytes + 2048  # and up to 2 KB of the pipeline's barriers
 
 
-def _bwd_resources(regs: int, regs_what: str, smem: int, smem_what: str, smem_limit: int) -> str | None:
-    """Why a backward kernel's tiles do not fit (`regs` fp32 registers per thread, `smem` bytes), or None."""
-    if regs > BWD_REGS_LIMIT:
-        return (f"{regs_what} = {regs} fp32 registers per thread; at most {BWD_REGS_LIMIT} (Triton spills past "
+def _resources(regs: int, regs_what: str, smem: int, smem_what: str, smem_limit: int,
+               regs_limit: int = BWD_REGS_LIMIT) -> str | None:
+    """Why a kernel's tiles do not fit (`regs` fp32 registers per thread, `smem` bytes), or None."""
+    if regs > regs_limit:
+        return (f"{regs_what} = {regs} fp32 registers per thread; at most {regs_limit} (Triton spills past "
                 "it): more warps or smaller tiles")
     if smem > smem_limit:
         return f"{smem} B of shared memory ({smem_what}); at most {smem_limit}"
@@ -577,7 +572,7 @@ def _bwd_warps_stages(spec: Spec) -> tuple[int, int]:
 def bwd_dq_infeasible(spec: Spec, cfg: BwdDqConfig, arch: str) -> str | None:
     """Why the dQ kernel cannot run `cfg` for `spec`, or None: the forward's row packing, registers for dQ,
     Q, dO and the P and dP tiles of one block, and K and V buffers that fit in shared memory."""
-    return pack_infeasible(spec, cfg.block_m) or _bwd_resources(
+    return pack_infeasible(spec, cfg.block_m) or _resources(
         cfg.block_m * (2 * spec.head_dim + 2 * spec.kv_block) // (32 * cfg.num_warps),
         "block_m * (2 * head_dim + 2 * kv_block) / (32 * num_warps) for dQ, Q, dO, P and dP",
         bwd_dq_smem_bytes(spec, cfg), "num_stages K and V blocks, Q and dO", arch_facts(arch).smem_per_block)
@@ -610,7 +605,7 @@ def _dkdv_infeasible(spec: Spec, cfg, arch: str, rows_infeasible, dq_rows: int =
     kernel's) and shared memory (`bwd_dkdv_smem_bytes`)."""
     if cfg.block_n < 16 or cfg.block_n > spec.kv_block or spec.kv_block % cfg.block_n:
         return f"block_n={cfg.block_n} must be >= 16 and split a KV block (kv_block={spec.kv_block}) evenly"
-    return rows_infeasible() or _bwd_resources(
+    return rows_infeasible() or _resources(
         (cfg.block_n * (3 * spec.head_dim + 2 * cfg.block_m) + dq_rows * spec.head_dim) // (32 * cfg.num_warps),
         "(block_n * (3 * head_dim + 2 * block_m) + dq rows * head_dim) / (32 * num_warps) for dK, dV, K, V, P, dP "
         "and a dQ partial",
