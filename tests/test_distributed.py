@@ -180,7 +180,10 @@ def test_layout_tables():
     x = torch.arange(64.0).view(1, 1, 64, 1)
     shards = [kd.Layout("zigzag", 2, r, 64).take(x) for r in range(2)]
     assert torch.equal(lay.assemble(shards), x)
-    assert kd.traffic((1, 8, 131072, 128), 2, 2, 128, 1000).path == "sparse"
+    assert kd.traffic((1, 8, 131072, 128), 2, 2, 128, 1000).path() == "sparse"
+    # more blocks than a shard's worth: the ring moves fewer bytes forward, the fetch fewer forward and backward
+    most = kd.traffic((1, 8, 131072, 128), 2, 2, 128, 9000)
+    assert most.path() == "dense" and most.path(backward=True) == "sparse"
 
 
 @pytest.mark.gpu

@@ -170,7 +170,7 @@ def run_context_parallel(names=None, out_dir=None, log=print, device="cuda", seq
                 _project(path, ranks[path], moved, CP_WORLD)
         row["sparse_dense_bytes_ratio_fwd"] = moved.sparse / moved.dense
         row["sparse_dense_bytes_ratio_fwd_bwd"] = row["sparse_bytes_fwd_bwd"] / row["dense_bytes_fwd_bwd"]
-        row.update(auto_path=moved.path, nvlink_bytes_per_s_assumed=NVLINK_BYTES_PER_S, ranks=ranks)
+        row.update(auto_path=moved.path(), auto_path_training=moved.path(backward=True), nvlink_bytes_per_s_assumed=NVLINK_BYTES_PER_S, ranks=ranks)
         rows.append(row)
         _dump_rows(rows, out_dir, "context_parallel.json")
     _table(rows, log)

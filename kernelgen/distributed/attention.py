@@ -66,9 +66,11 @@ class Traffic(NamedTuple):
     dense_backward: int = 0
     sparse_backward: int = 0
 
-    @property
-    def path(self) -> str:
-        """The path `path="auto"` takes: the one whose forward moves fewer bytes."""
+    def path(self, backward: bool = False) -> str:
+        """The path `path="auto"` takes: the one that moves fewer bytes in a forward, or, when a backward will
+        run, in the forward and backward together (the ring's backward sends more than its forward)."""
+        if backward:
+            return "sparse" if self.sparse + self.sparse_backward < self.dense + self.dense_backward else "dense"
         return "sparse" if self.sparse < self.dense else "dense"
 
 
@@ -143,9 +145,9 @@ def _prepare_call(q, k, v, spec: Spec, group, layout: str, given: bool, scale) -
     return _Call.of(spec, lay, g, q.device, scale)
 
 
-def _choose(rows, call: _Call, k, path: str):
-    """(path, requests or None): "sparse" when the fetch moves fewer bytes than the ring (every rank decides
-    alike: the counts are all-reduced)."""
+def _choose(rows, call: _Call, k, path: str, backward: bool):
+    """(path, requests or None): "sparse" when the fetch moves fewer bytes than the ring, counting the backward's
+    when one will run (every rank decides alike: the counts are all-reduced)."""
     if path == "dense":
         return "dense", None
     requests = requests_of(rows, call.layout, call.tables, call.tile_chunk, call.spec.causal)
@@ -154,7 +156,7 @@ def _choose(rows, call: _Call, k, path: str):
     counts = torch.tensor(requests.counts, dtype=torch.int64, device=k.device)
     answered = torch.stack(call.group.all_gather(counts))[:, call.group.rank].sum()
     most = int(call.group.all_max(torch.maximum(counts.sum(), answered)))
-    chosen = traffic(k.shape, k.element_size(), call.group.world, call.spec.kv_block, most).path
+    chosen = traffic(k.shape, k.element_size(), call.group.world, call.spec.kv_block, most).path(backward)
     return chosen, requests if chosen == "sparse" else None
 
 
@@ -220,7 +222,8 @@ def attention(q_shard: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Tenso
         rows = select_rows(q_shard, k_shard, spec, call.layout, call.group)
     else:
         rows = _rows(block_idx, spec, call.layout, b, hkv, q_shard.device)
-    chosen, requests = _choose(rows, call, k_shard, path)
+    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q_shard, k_shard, v_shard))
+    chosen, requests = _choose(rows, call, k_shard, path, backward)
     o, lse = _ContextParallel.apply(q_shard, k_shard, v_shard, call, rows, chosen, requests)
     return (o, lse) if return_lse else o
 
