@@ -3,6 +3,8 @@
 #   PART=tests bash tools/gpu_session.sh    every GPU test (pytest -m gpu), TileLang's in $SHARDS processes
 #   PART=tune  bash tools/gpu_session.sh    kernelgen tune --preset bench (every backend, the benchmark shapes)
 #   PART=bench bash tools/gpu_session.sh    kernelgen bench with the anchors and the dispatch overhead
+#   PART=more  bash tools/gpu_session.sh    bench --backward, --kv-centric (fla-core from $FLA if set) and
+#                                           --context-parallel
 # Logs and results go to $OUT (default /tmp/out); the user DB a tune fills is copied there as winners.db,
 # which `kernelgen db bundle $OUT/winners.db` merges into the bundled tuning_db/winners.db.
 set -u
@@ -30,6 +32,10 @@ if [ "$PART" = tests ]; then
   gpu_tests block_lists 1
   gpu_tests lookup 1
   wait
+  for f in backward kv_centric kv_backward index_selector kv_index_selector decode transformers distributed; do
+    gpu_tests $f 1
+  done
+  wait
   for f in "$OUT"/gpu_tests_*.log; do echo "-- $f"; grep -E "passed|failed|skipped|FAILED|rror" "$f" | tail -8; done
 fi
 if [ "$PART" = tune ]; then
@@ -39,4 +45,11 @@ if [ "$PART" = tune ]; then
 fi
 if [ "$PART" = bench ]; then
   timeout ${BENCH_TIMEOUT:-540} python3 -m kernelgen.cli bench --out "$OUT" --overhead ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "$PART" = more ]; then
+  [ -n "${FLA:-}" ] && export PYTHONPATH=$FLA${PYTHONPATH:+:$PYTHONPATH}
+  for what in backward kv-centric context-parallel; do
+    timeout ${BENCH_TIMEOUT:-180} python3 -m kernelgen.cli bench --$what --out "$OUT" 2>&1 | tee "$OUT/bench_$what.log" \
+      | grep -vE "Warning|^ *$" | tail -20
+  done
 fi
