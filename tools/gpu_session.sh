@@ -5,6 +5,7 @@
 #   PART=bench bash tools/gpu_session.sh    kernelgen bench with the anchors and the dispatch overhead
 #   PART=more  bash tools/gpu_session.sh    bench --backward, --kv-centric (fla-core from $FLA if set) and
 #                                           --context-parallel
+#   PART=examples bash tools/gpu_session.sh examples/quality_tiny.py and examples/hf_llama_sparse.py
 # Logs and results go to $OUT (default /tmp/out); the user DB a tune fills is copied there as winners.db,
 # which `kernelgen db bundle $OUT/winners.db` merges into the bundled tuning_db/winners.db.
 set -u
@@ -52,4 +53,9 @@ if [ "$PART" = more ]; then
     timeout ${BENCH_TIMEOUT:-180} python3 -m kernelgen.cli bench --$what --out "$OUT" 2>&1 | tee "$OUT/bench_$what.log" \
       | grep -vE "Warning|^ *$" | tail -20
   done
+fi
+if [ "$PART" = examples ]; then
+  timeout ${EXAMPLE_TIMEOUT:-240} python3 examples/quality_tiny.py --out "$OUT/quality" 2>&1 | tee "$OUT/quality.log" | tail -25
+  timeout ${EXAMPLE_TIMEOUT:-240} python3 examples/hf_llama_sparse.py --out "$OUT/hf_llama_sparse.json" 2>&1 \
+    | tee "$OUT/hf_llama_sparse.log" | tail -15
 fi
