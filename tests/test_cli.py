@@ -154,6 +154,19 @@ def test_tune_preset_bench_dry_run_plans_every_backend_the_arch_runs():
     one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "nope", "--dry-run"), "preset 'nope' is unknown")
 
 
+def test_tune_presets_take_roles_and_the_kv_shapes():
+    """--role narrows a preset (the backward's studies alone); the kv preset plans the per-query roles."""
+    from kernelgen.tuning.presets import studies
+
+    backward = studies("bench", "sm_90", ["c"], ["triton"], ["bwd_dq", "bwd_dkdv"])
+    assert [s.role for s in backward] == ["bwd_dq", "bwd_dkdv"] and all(s.spec.selector == "given" for s in backward)
+    kv = studies("kv", "sm_90", ["kv_nsa32k"])
+    assert [s.role for s in kv] == ["kv_attn", "kv_bwd", "kv_select"]
+    assert all(s.spec.per_query and s.shape["n_k"] == 32768 for s in kv)
+    assert studies("kv", "sm_90", None, ["tilelang"]) == []  # per-query lists run in Triton only
+    one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "kv", "--shapes", "c", "--dry-run"), "shape 'c'")
+
+
 def _triton_attn_points(output: str) -> list[AttnConfig]:
     return [AttnConfig(**c) for c in printed_configs(output) if "use_tma" in c]
 

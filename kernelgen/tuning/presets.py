@@ -4,6 +4,8 @@
           that runs on the arch (the whole space when it is small), the selector, and the backward's dQ and
           dK/dV kernels of each backend that has them, timed on the shape's own workload, as the bundled
           winners are made.
+  kv      the KV-centric bench shapes (KV_CENTRIC_SHAPES, per-query lists): kv_attn, the backward (kv_bwd)
+          and the mean selector (kv_select), Triton.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from .. import backends
 from ..archs import check_arch
 from ..errors import KernelgenValueError
 from ..spec import Spec
-from ..workloads import SHAPES
+from ..workloads import KV_CENTRIC_SHAPES, SHAPES
 
 __all__ = ["Study", "PRESETS", "studies"]
 
@@ -41,7 +43,7 @@ def _bench(arch: str, shape_names, backend_names) -> Iterator[Study]:
             raise KernelgenValueError(f"shape {name!r} is unknown; expected some of "
                                       f"{[n for n in SHAPES if n != 'tiny']}")
         shape = SHAPES[name]
-        workload = {"batch": shape.batch, "heads_kv": shape.heads_kv, "n_q": shape.n_q, "n_k": shape.n_k}
+        workload = _workload(shape)
         for backend_name in backend_names:
             backend = backends.get(backend_name)
             spec = shape.spec("given").replace(backend=backend.name)
@@ -59,7 +61,28 @@ def _bench(arch: str, shape_names, backend_names) -> Iterator[Study]:
             yield Study(f"{name} select", shape.spec("mean"), "select", shape.n_k, SELECT_TRIALS, workload)
 
 
-PRESETS = {"bench": _bench}
+KV_TRIALS = {"kv_attn": 16, "kv_bwd": 12, "kv_select": 8}
+DEFAULT_SHAPES = {"bench": ["a32k", "b", "c", "c_dense"], "kv": list(KV_CENTRIC_SHAPES)}
+
+
+def _workload(shape) -> dict:
+    return {"batch": shape.batch, "heads_kv": shape.heads_kv, "n_q": shape.n_q, "n_k": shape.n_k}
+
+
+def _kv(arch: str, shape_names, backend_names) -> Iterator[Study]:
+    """Per-query lists run in Triton only: `backend_names` must allow it."""
+    if "triton" not in backend_names:
+        return
+    for name in shape_names:
+        if name not in KV_CENTRIC_SHAPES:
+            raise KernelgenValueError(f"shape {name!r} is unknown; expected some of {list(KV_CENTRIC_SHAPES)}")
+        shape = KV_CENTRIC_SHAPES[name]
+        for role, trials in KV_TRIALS.items():
+            spec = shape.spec("mean" if role == "kv_select" else "given")
+            yield Study(f"{name} {role}", spec, role, shape.n_k, trials, _workload(shape))
+
+
+PRESETS = {"bench": _bench, "kv": _kv}
 
 
 def studies(preset: str, arch: str, shape_names=None, backend_names=None, roles=None) -> list[Study]:
@@ -67,6 +90,6 @@ def studies(preset: str, arch: str, shape_names=None, backend_names=None, roles=
     (default: every registered one that runs on `arch`) and roles (default: all)."""
     if preset not in PRESETS:
         raise KernelgenValueError(f"preset {preset!r} is unknown; expected one of {sorted(PRESETS)}")
-    shape_names = shape_names or ["a32k", "b", "c", "c_dense"]
+    shape_names = shape_names or DEFAULT_SHAPES[preset]
     chosen = PRESETS[preset](check_arch(arch), shape_names, backend_names or backends.names())
     return [study for study in chosen if roles is None or study.role in roles]
