@@ -70,16 +70,17 @@ def _workload(shape) -> dict:
 
 
 def _kv(arch: str, shape_names, backend_names) -> Iterator[Study]:
-    """Per-query lists run in Triton only: `backend_names` must allow it."""
-    if "triton" not in backend_names:
-        return
+    """The per-query roles of each backend that runs them (Triton)."""
     for name in shape_names:
         if name not in KV_CENTRIC_SHAPES:
             raise KernelgenValueError(f"shape {name!r} is unknown; expected some of {list(KV_CENTRIC_SHAPES)}")
         shape = KV_CENTRIC_SHAPES[name]
-        for role, trials in KV_TRIALS.items():
-            spec = shape.spec("mean" if role == "kv_select" else "given")
-            yield Study(f"{name} {role}", spec, role, shape.n_k, trials, _workload(shape))
+        for backend_name in backend_names:
+            backend = backends.get(backend_name)
+            for role, trials in KV_TRIALS.items():
+                spec = shape.spec("mean" if role == "kv_select" else "given").replace(backend=backend.name)
+                if role in backend.roles and not backend.spec_unsupported(spec) and not backend.arch_unsupported(arch):
+                    yield Study(f"{name} {role} {backend.name}", spec, role, shape.n_k, trials, _workload(shape))
 
 
 PRESETS = {"bench": _bench, "kv": _kv}
