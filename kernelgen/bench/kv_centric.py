@@ -5,7 +5,7 @@ same random per-query lists (`random_query_lists`, seed 0):
 
 - kernelgen's KV-centric forward, the lists prepared once; on `SELECTOR_SHAPES` also each selector's
   pipeline (`SELECTORS`: `mean`, and `index` on random bf16 index vectors, Hi = 4, Di = 64, `selector_index`):
-  selection and attention, and selection alone, so the selection overhead reads off;
+  selection and attention, and selection alone with its share of the prepared forward (`of_prepared_forward`);
 - dense SDPA on cuDNN, forward and forward+backward (every visible pair);
 - FlexAttention (torch.compile'd) over a BlockMask of each Q tile's union of listed blocks, with a
   mask_mod that looks each (query, block) up in a dense bool membership tensor [B, Hkv, Nq, n_blocks]
@@ -98,7 +98,8 @@ def run_kv_centric(shape_names=None, out_dir=None, log=print) -> list[dict]:
         prepared = attn.prepare(lists, shape.n_q, shape.n_k)
         with torch.no_grad():
             ours = attn(q, k, v, block_idx=prepared)
-            record(name, "kernelgen kv_centric prepared", _bench(lambda: attn(q, k, v, block_idx=prepared)), flops,
+            forward_ms = _bench(lambda: attn(q, k, v, block_idx=prepared))
+            record(name, "kernelgen kv_centric prepared", forward_ms, flops,
                    backend=attn.served("attn", shape.n_k, dtype, device).backend.name)
 
         def backward():
@@ -122,8 +123,9 @@ def run_kv_centric(shape_names=None, out_dir=None, log=print) -> list[dict]:
                         sel_flops = useful_flops(attn_sel.select(q, k, index=index), given, shape.n_q, shape.n_k)
                         record(name, f"kernelgen kv_centric {selector} (select+attn)",
                                _bench(lambda: attn_sel(q, k, v, index=index)), sel_flops)
-                        record(name, f"kernelgen kv_centric {selector} select only",
-                               _bench(lambda: attn_sel.select(q, k, index=index)), 0.0)
+                        select_ms = _bench(lambda: attn_sel.select(q, k, index=index))
+                        record(name, f"kernelgen kv_centric {selector} select only", select_ms, 0.0,
+                               of_prepared_forward=f"{select_ms / forward_ms:.1%}")
                 attempt(name, f"the {selector} pipeline", pipeline)
 
         def sdpa():
