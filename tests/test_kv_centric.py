@@ -120,6 +120,20 @@ def test_a_popular_block_is_split_across_tasks(device):
     assert torch.allclose(small, large, atol=1e-5)
 
 
+def test_prepared_lists_split_their_tasks_once(device, monkeypatch):
+    """The forward's task split is kept with a prepared list set's reverse index: a second call reuses it."""
+    import kernelgen.reverse_index as reverse_index
+
+    spec = kv_spec(top_k=2, causal=True, sink=1, selector="given")
+    q, k, v = make_inputs(1, 1, 1, 40, 40, 64, torch.float32, device, 5)
+    attn = kernelgen.get_kernel(spec)
+    lists = attn.prepare(reference.select_blocks(q, k, spec.replace(selector="mean")), 40, 40)
+    splits = []
+    monkeypatch.setattr(reverse_index, "split_tasks", lambda *a: splits.append(a) or split_tasks(*a))
+    first, second = attn(q, k, v, block_idx=lists), attn(q, k, v, block_idx=lists)
+    assert len(splits) == 1 and torch.equal(first, second)
+
+
 def test_reverse_index_and_tasks_cover_every_pair_once():
     gen = torch.Generator().manual_seed(29)
     n_blocks, nq, top_k = 5, 37, 3

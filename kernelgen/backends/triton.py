@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..archs import arch_facts
 from ..errors import KernelgenValueError
 from ..inputs import LOG2E, empty, next_pow2, softmax_scale
-from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks, split_tasks
+from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
 
@@ -760,7 +760,7 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
     g_pad = next_pow2(spec.gqa_group)
     queries = cfg.block_m // g_pad  # per step
     n_pairs = shapes.n_q * spec.top_k
-    task_block, task_start = split_tasks(reverse.offsets, n_pairs, queries * cfg.steps)
+    task_block, task_start = reverse.tasks(n_pairs, queries * cfg.steps)
     part_dtype = torch.float32 if cfg.partials_fp32 else q.dtype
     o_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, spec.top_k, spec.head_dim, device=q.device,
                    dtype=part_dtype)
