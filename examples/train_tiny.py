@@ -14,8 +14,10 @@ is not differentiated, as in NSA and DSA. Prints both loss curves side by side a
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
+import random
 import time
 
 import torch
@@ -28,10 +30,19 @@ from kernelgen import Spec
 
 def make_batch(gen: torch.Generator, batch: int, n: int, vocab: int, bigram: torch.Tensor, device) -> torch.Tensor:
     """[batch, n + 1] tokens: a bigram chain with copied spans pasted in."""
-    seq = torch.empty(batch, n + 1, dtype=torch.long)
-    seq[:, 0] = torch.randint(vocab, (batch,), generator=gen)
-    for t in range(1, n + 1):
-        seq[:, t] = torch.multinomial(bigram[seq[:, t - 1]], 1, generator=gen).squeeze(1)
+    # The chain is sampled in plain Python (bisect on each row's CDF): one torch call per token would take
+    # seconds per batch at N=32768.
+    cdf = bigram.double().cumsum(-1).tolist()
+    rng = random.Random(int(torch.randint(2**62, (1,), generator=gen)))
+    rows = []
+    for _ in range(batch):
+        token = rng.randrange(vocab)
+        row = [token]
+        for _ in range(n):
+            token = min(bisect.bisect(cdf[token], rng.random()), vocab - 1)
+            row.append(token)
+        rows.append(row)
+    seq = torch.tensor(rows, dtype=torch.long)
     span = max(8, n // 32)
     for b in range(batch):
         for _ in range(4):  # four retrieval spans per sequence
