@@ -70,9 +70,13 @@ def test_lists_match_the_reference(device, case):
     assert_same_score_sets(lists, reference.select_blocks(q, k, spec, index), reference.block_scores(q, k, spec, index))
 
 
-@pytest.mark.parametrize("cfg", [KvIndexSelectConfig(queries=16, heads=1, chunk=1, num_warps=4),   # merges of 4 steps
-                                 KvIndexSelectConfig(queries=32, heads=2, chunk=8, num_warps=8)])  # a step per merge
-def test_configs_choose_the_same_lists(device, cfg):
+@pytest.mark.parametrize("cfg,scratch", [
+    (KvIndexSelectConfig(queries=16, heads=1, chunk=1, span=2, rows=8, width=4), None),  # 5 spans, 3 merges a row
+    (KvIndexSelectConfig(queries=32, heads=2, chunk=8, span=8, rows=16, width=16, num_warps=8), None),  # one merge
+    (KvIndexSelectConfig(queries=16, heads=1, chunk=2, span=4, rows=16, width=8), 4 * 9 * 16)])  # 16 queries a chunk
+def test_configs_choose_the_same_lists(device, cfg, scratch, monkeypatch):
+    if scratch:  # a scratch of one 16-query chunk: the launcher walks the queries in 4 chunks
+        monkeypatch.setattr(kernelgen.backends.triton, "KV_INDEX_SCORES_BYTES", scratch)
     spec = kv_index_spec(top_k=4, causal=True, local=1, sink=1)
     q, k, _, index = make(spec, 1, 1, 50, 140, device, index_heads=2, index_dim=32)
     lists = kernelgen.get_kernel(spec, configs={"kv_select_index": cfg}).select(q, k, index=index)
@@ -103,6 +107,8 @@ def test_configs_and_workload(device):
     backend = kernelgen.backends.get("triton")
     assert "registers" in backend.infeasible(spec, "kv_select_index", KvIndexSelectConfig(queries=128, chunk=4), "sm_90")
     assert "queries=8" in backend.infeasible(spec, "kv_select_index", KvIndexSelectConfig(queries=8), "sm_90")
+    assert "span=3" in backend.infeasible(spec, "kv_select_index", KvIndexSelectConfig(chunk=2, span=3), "sm_90")
+    assert "width=48" in backend.infeasible(spec, "kv_select_index", KvIndexSelectConfig(width=48), "sm_90")
     assert_workload_judges_lists(kv_index_spec(kv_block=32, top_k=2, causal=True), device, 48, 80)
 
 

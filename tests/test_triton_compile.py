@@ -48,13 +48,13 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
              "kv_select": (kv_select_smem_bytes, "kv_select_topk"),
              "kv_attn": (lambda spec, cfg, arch: kv_attn_smem_bytes(spec, cfg), "kv_attn_partial"),
              "select_index": (lambda spec, cfg, arch: index_select_smem_bytes(spec, cfg), "select_index_topk"),
-             "kv_select_index": (kv_index_select_smem_bytes, "kv_select_index_topk"),
+             "kv_select_index": (kv_index_select_smem_bytes, "kv_index_block_scores"),
              "bwd_dq": (lambda spec, cfg, arch: bwd_dq_smem_bytes(spec, cfg), "attn_bwd_dq"),
              "bwd_dkdv": (lambda spec, cfg, arch: bwd_dkdv_smem_bytes(spec, cfg), "attn_bwd_dkdv"),
              "decode": (lambda spec, cfg, arch: decode_smem_bytes(spec, cfg), "decode_partial")}
 # the kernels each role launches (beyond these: select's merge_topk and decode's kv_combine with splits > 1)
 KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_select": {"pool", "kv_select_topk"},
-           "select_index": {"select_index_topk"}, "kv_select_index": {"kv_select_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
+           "select_index": {"select_index_topk"}, "kv_select_index": {"kv_index_block_scores", "kv_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
            "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"},
            "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}, "decode": {"decode_partial"}}
 

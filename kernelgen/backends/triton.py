@@ -156,14 +156,19 @@ class IndexSelectConfig(_JsonConfig):
 
 @dataclass(frozen=True)
 class KvIndexSelectConfig(_JsonConfig):
-    """The index selector for per-query lists (KV-centric): queries per program (their running lists stay in
-    registers; they share each key load), heads: index heads per tl.dot (packed with the queries as its
-    heads * queries rows; at most next_pow2(Hi) at launch), chunk: KV blocks scored per step (chunk * kv_block
-    keys)."""
+    """The index selector for per-query lists (KV-centric), two kernels. Block scores: queries per program
+    (they share each key load), heads: index heads per tl.dot (packed with the queries as its heads * queries
+    rows; at most next_pow2(Hi) at launch), chunk: KV blocks scored per step (chunk * kv_block keys), span:
+    KV blocks per program (programs over one query tile split its blocks), num_warps and num_stages. Top-k:
+    rows: queries per program (their running lists in registers), width: blocks merged into them at once
+    (at least next_pow2(top_k))."""
 
-    queries: int = 32
-    heads: int = 4
+    queries: int = 64
+    heads: int = 1
     chunk: int = 2
+    span: int = 32
+    rows: int = 16
+    width: int = 32
     num_warps: int = 8
     num_stages: int = 1
 
@@ -478,9 +483,9 @@ def index_select_space(spec: Spec, arch: str):
 # ---- the index selector for per-query lists (KV-centric): feasibility, defaults, space ----------------------
 
 def kv_index_select_width(spec: Spec, cfg: KvIndexSelectConfig) -> int:
-    """Blocks merged into the running lists at once: a step's chunk, or next_pow2(top_k) when that is more
-    (tl.topk takes next_pow2(top_k) of them)."""
-    return max(cfg.chunk, next_pow2(spec.top_k))
+    """Blocks merged into the running lists at once: the config's width, or next_pow2(top_k) when that is
+    more (tl.topk takes next_pow2(top_k) of them)."""
+    return max(cfg.width, next_pow2(spec.top_k))
 
 
 def kv_index_select_smem_bytes(spec: Spec, cfg: KvIndexSelectConfig, arch: str, elem_bytes: int = 2) -> int:
@@ -499,9 +504,9 @@ def kv_index_select_smem_bytes(spec: Spec, cfg: KvIndexSelectConfig, arch: str, 
 
 def kv_index_select_infeasible(spec: Spec, cfg: KvIndexSelectConfig, arch: str) -> str | None:
     """Why the per-query index selector cannot run `cfg` for `spec` on `arch`, or None: queries from 16 (tl.dot's
-    smallest M, whatever Hi) to 128, heads 1 to 8, chunk a power of two, the step's score tiles (the product of
-    heads * queries rows and the heads' sum) and the running lists in registers, and shared memory
-    (`kv_index_select_smem_bytes`)."""
+    smallest M, whatever Hi) to 128, heads 1 to 8, chunk a power of two and span a multiple of it, the step's
+    score tiles (the product of heads * queries rows and the heads' sum) in registers, shared memory
+    (`kv_index_select_smem_bytes`), and the top-k's rows a power of two, width one, their keys in registers."""
     if cfg.queries not in (16, 32, 64, 128):
         return f"queries={cfg.queries}; expected 16, 32, 64 or 128"
     if cfg.heads not in (1, 2, 4, 8):
@@ -510,9 +515,13 @@ def kv_index_select_infeasible(spec: Spec, cfg: KvIndexSelectConfig, arch: str) 
                                     "fewer queries or heads")
     if reason:
         return reason
-    running = cfg.queries * max(kv_index_select_width(spec, cfg), 2 * next_pow2(spec.top_k))
+    if cfg.span < cfg.chunk or cfg.span % cfg.chunk:
+        return f"span={cfg.span} blocks; expected a multiple of chunk={cfg.chunk}"
+    if cfg.rows not in (8, 16, 32, 64) or cfg.width < 1 or cfg.width & (cfg.width - 1):
+        return f"rows={cfg.rows}, width={cfg.width}; expected rows 8 to 64 and width, powers of two"
+    running = cfg.rows * max(kv_index_select_width(spec, cfg), 2 * next_pow2(spec.top_k))
     if running > 8192:
-        return f"queries * max(chunk, 2 * next_pow2(top_k)) = {running} keys of the top-k merges; at most 8192"
+        return f"rows * max(width, 2 * next_pow2(top_k)) = {running} keys of the top-k merges; at most 8192"
     smem = kv_index_select_smem_bytes(spec, cfg, arch)
     if smem > arch_facts(arch).smem_per_block:
         return (f"{smem} B of shared memory (a step's keys, the query rows and the heads' product tile: "
@@ -522,16 +531,21 @@ def kv_index_select_infeasible(spec: Spec, cfg: KvIndexSelectConfig, arch: str) 
 
 
 def kv_index_select_default(spec: Spec, arch: str) -> KvIndexSelectConfig:
-    # about 128 keys per step against the Hi = 4 heads of 32 queries (128 packed rows), as the Q-centric default
+    # about 128 keys per step against 64 queries, one index head per product (a heads' sum would reshape the
+    # product tile through shared memory: 6-7x slower on an H200); 16 queries' lists merged 32 blocks at a time
     chunk = max(1, 128 // spec.kv_block)
+    width = max(32, next_pow2(spec.top_k))
+    rows = 16 if 16 * max(width, 2 * next_pow2(spec.top_k)) <= 8192 else 8
     return _first_feasible(spec, arch, kv_index_select_infeasible, (
-        KvIndexSelectConfig(queries=q, heads=h, chunk=chunk, num_warps=8, num_stages=1)
-        for q, h in ((32, 4), (32, 2), (16, 4), (16, 2), (16, 1))))
+        KvIndexSelectConfig(queries=q, heads=h, chunk=chunk, span=max(chunk, 32), rows=rows, width=width,
+                            num_warps=w, num_stages=1)
+        for q, h, w in ((64, 1, 8), (64, 1, 4), (32, 1, 4), (32, 2, 8), (16, 4, 8), (16, 1, 4))))
 
 
 def kv_index_select_space(spec: Spec, arch: str):
-    return (KvIndexSelectConfig(queries=q, heads=h, chunk=c, num_warps=w, num_stages=n)
-            for q, h, c, w, n in itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 4, 8), (4, 8), (1, 2)))
+    return (KvIndexSelectConfig(queries=q, heads=h, chunk=c, span=sp, rows=r, width=wd, num_warps=w, num_stages=n)
+            for q, h, c, sp, r, wd, w, n in itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 4, 8), (16, 32, 64),
+                                                              (8, 16, 32), (32, 64, 128, 256), (4, 8), (1, 2)))
 
 
 # ---- backward: feasibility, defaults, spaces --------------------------------------------------------
@@ -846,20 +860,34 @@ def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes,
     return block_idx
 
 
+KV_INDEX_SCORES_BYTES = 1 << 28  # the index selector's block-score scratch at most (queries taken in chunks)
+
+
 def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
                            k_idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1) chosen by the index selector from
-    checked index tensors (`inputs.check_index`), as `launch_select_index`'s."""
+    checked index tensors (`inputs.check_index`), as `launch_select_index`'s: block scores into a scratch of
+    at most KV_INDEX_SCORES_BYTES, a chunk of queries at a time, then each chunk's top-k."""
     index_heads = q_idx.shape[1] // shapes.heads_kv
+    n_blocks, bh = shapes.n_kv_blocks, shapes.batch * shapes.heads_kv
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q_idx.device, dtype=torch.int32)
     stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
-    mod.kv_select_index_topk[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv)](
-        q_idx, k_idx, w, block_idx, shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, index_heads,
-        *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2], *block_idx.stride()[:3],
-        INDEX_DIM=q_idx.shape[3], KV_BLOCK=spec.kv_block, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k),
-        SINK=spec.sink, N_LOCAL=spec.n_local, QUERIES=cfg.queries, HEADS_STEP=min(cfg.heads, next_pow2(index_heads)),
-        CHUNK=cfg.chunk, WIDTH=kv_index_select_width(spec, cfg), CAUSAL=spec.causal,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    step = max(cfg.queries, cfg.rows)
+    chunk_q = min(triton.cdiv(shapes.n_q, step), max(1, KV_INDEX_SCORES_BYTES // (4 * bh * n_blocks * step))) * step
+    scores = torch.empty(bh, chunk_q, n_blocks, device=q_idx.device, dtype=torch.float32)
+    for q0 in range(0, shapes.n_q, chunk_q):
+        n_chunk = min(chunk_q, shapes.n_q - q0)
+        mod.kv_index_block_scores[(triton.cdiv(n_chunk, cfg.queries), bh, triton.cdiv(n_blocks, cfg.span))](
+            q_idx, k_idx, w, scores, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, index_heads,
+            *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2], *scores.stride()[:2],
+            INDEX_DIM=q_idx.shape[3], KV_BLOCK=spec.kv_block, QUERIES=cfg.queries,
+            HEADS_STEP=min(cfg.heads, next_pow2(index_heads)), CHUNK=cfg.chunk, SPAN=cfg.span, CAUSAL=spec.causal,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        mod.kv_index_topk[(triton.cdiv(n_chunk, cfg.rows), bh)](
+            scores, block_idx, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, *scores.stride()[:2],
+            *block_idx.stride()[:3], KV_BLOCK=spec.kv_block, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k),
+            SINK=spec.sink, N_LOCAL=spec.n_local, ROWS=cfg.rows, WIDTH=kv_index_select_width(spec, cfg),
+            CAUSAL=spec.causal, num_warps=4)
     return block_idx
 
 

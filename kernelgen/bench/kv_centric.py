@@ -4,7 +4,8 @@ For each shape of `kernelgen.workloads.KV_CENTRIC_SHAPES`, in one process on one
 same random per-query lists (`random_query_lists`, seed 0):
 
 - kernelgen's KV-centric forward, the lists prepared once; on `SELECTOR_SHAPES` also each selector's
-  pipeline (`SELECTORS`: `mean`, and `index` on random bf16 index vectors, Hi = 4, Di = 64, `selector_index`):
+  pipeline (`SELECTORS`: `mean`, and `index` on random bf16 index vectors, Hi = 4, Di = 64, `selector_index`,
+  and the same vectors in e4m3 (`index_fp8.to_fp8_index`; sm_90 only)):
   selection and attention, and selection alone with its share of the prepared forward (`of_prepared_forward`);
 - dense SDPA on cuDNN, forward and forward+backward (every visible pair);
 - FlexAttention (torch.compile'd) over a BlockMask of each Q tile's union of listed blocks, with a
@@ -29,6 +30,7 @@ import torch
 
 from ..dispatch import get_kernel
 from ..errors import KernelgenRuntimeError
+from ..index_fp8 import to_fp8_index
 from ..interop import to_block_mask
 from ..roles import WorkloadShape, index_inputs
 from ..spec import Spec
@@ -40,7 +42,7 @@ from .measure import _bench, _dump_rows, _rel_diff
 __all__ = ["run_kv_centric", "fla_nsa_unsupported", "SELECTOR_SHAPES", "SELECTORS", "selector_index"]
 
 SELECTOR_SHAPES = ("kv_nsa32k",)  # shapes on which the selector pipelines are also timed (NSA's shape)
-SELECTORS = ("mean", "index")  # the selectors timed there
+SELECTORS = ("mean", "index", "index fp8")  # the selectors timed there ("index fp8": e4m3 index vectors, sm_90)
 INDEX_HEADS, INDEX_DIM = 4, 64  # the index selector's inputs there (Hi, Di), as a lightning indexer's
 
 
@@ -117,8 +119,10 @@ def run_kv_centric(shape_names=None, out_dir=None, log=print) -> list[dict]:
         if name in SELECTOR_SHAPES:
             for selector in SELECTORS:
                 def pipeline(selector=selector):
-                    index = selector_index(shape, device, dtype) if selector == "index" else None
-                    attn_sel = get_kernel(shape.spec(selector))
+                    index = selector_index(shape, device, dtype) if selector.startswith("index") else None
+                    if selector.endswith("fp8"):
+                        index = to_fp8_index(*index)
+                    attn_sel = get_kernel(shape.spec(selector.split()[0]))
                     with torch.no_grad():  # useful FLOPs of its own lists
                         sel_flops = useful_flops(attn_sel.select(q, k, index=index), given, shape.n_q, shape.n_k)
                         record(name, f"kernelgen kv_centric {selector} (select+attn)",
