@@ -69,20 +69,27 @@ class Fetched(NamedTuple):
     incoming_counts: list[int]
 
 
-def owned_blocks(k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, tables, kv_block: int) -> torch.Tensor:
-    """[n, 2, kv_block, D]: K and V of the blocks of this rank's shards that flat request ids name."""
+def _block_rows(flat: torch.Tensor, tables, n_local: int) -> torch.Tensor:
+    """Rows of a shard viewed as [B * Hkv * n_local, kv_block, D] that flat request ids name."""
     _, local, _ = tables
     n_blocks = local.numel()
+    return (flat // n_blocks) * n_local + local[flat % n_blocks]
+
+
+def owned_blocks(k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, tables, kv_block: int) -> torch.Tensor:
+    """[n, 2, kv_block, D]: K and V of the blocks of this rank's shards that flat request ids name."""
     b, hkv, n, d = k.shape
-    blocks = torch.stack([k, v]).view(2, b * hkv, n // kv_block, kv_block, d)
-    return blocks[:, flat // n_blocks, local[flat % n_blocks]].transpose(0, 1)
+    rows = _block_rows(flat, tables, n // kv_block)
+    # gather each tensor's blocks, then interleave them: the shards themselves are never copied whole
+    picked = [x.reshape(b * hkv * (n // kv_block), kv_block * d).index_select(0, rows) for x in (k, v)]
+    return torch.stack(picked, 1).view(-1, 2, kv_block, d)
 
 
 def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: torch.Tensor, n_blocks: int,
              kv_block: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """(K_local, V_local, width, slot): the received blocks ([n, 2, kv_block, D] in request order) laid out as
     the prefix of this rank's shards."""
-    b, hkv, _, d = k.shape
+    b, hkv, n, d = k.shape
     bh = requests.ids // n_blocks
     per_head = torch.bincount(bh, minlength=b * hkv)
     width = int(per_head.max()) if bh.numel() else 0
@@ -90,10 +97,16 @@ def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: tor
     by_head = torch.argsort(bh * requests.ids.numel() + torch.arange(bh.numel(), device=bh.device))
     slot = torch.empty_like(bh)
     slot[by_head] = torch.arange(bh.numel(), device=bh.device) - (per_head.cumsum(0) - per_head)[bh[by_head]]
-    prefix = k.new_zeros(2, b * hkv, width, kv_block, d)
-    prefix[:, bh, slot] = received.transpose(0, 1)
-    prefix = prefix.view(2, b, hkv, width * kv_block, d)
-    return torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2), width, slot
+    cut = width * kv_block
+    out = []
+    for i, x in enumerate((k, v)):  # written in place: [zeroed prefix | own shard], no concatenation
+        local = x.new_empty(b, hkv, cut + n, d)
+        local[:, :, cut:] = x
+        prefix = local[:, :, :cut].view(b * hkv, width, kv_block, d)
+        prefix.zero_()
+        prefix[bh, slot] = received[:, i]
+        out.append(local)
+    return out[0], out[1], width, slot
 
 
 def fetch(k: torch.Tensor, v: torch.Tensor, requests: Requests, layout: Layout, tables, kv_block: int,
@@ -152,30 +165,34 @@ def prefix_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, n_blo
     """[n, 2, kv_block, D]: dK, dV of the fetched blocks, in request order (what goes back to their owners)."""
     b, hkv, _, d = dk.shape
     cut = fetched.width * kv_block
-    prefix = torch.stack([dk[:, :, :cut], dv[:, :, :cut]]).reshape(2, b * hkv, fetched.width, kv_block, d)
-    ids = fetched.requests.ids
-    return prefix[:, ids // n_blocks, fetched.slot].transpose(0, 1)
+    bh = fetched.requests.ids // n_blocks
+    picked = [x[:, :, :cut].view(b * hkv, fetched.width, kv_block, d)[bh, fetched.slot] for x in (dk, dv)]
+    return torch.stack(picked, 1)
 
 
 def add_returned(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, fetched: Fetched, tables,
                  kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) of this rank's own shard: the own part of the local gradients plus, in fp32 and source rank
     order, `back` ([n, 2, kv_block, D]: what the other ranks computed for the blocks they fetched from it, in
-    the order of `fetched.incoming`)."""
+    the order of `fetched.incoming`). Only the blocks named in `back` are widened to fp32 and rounded again."""
     b, hkv, _, d = dk.shape
     cut = fetched.width * kv_block
-    own = torch.stack([dk[:, :, cut:], dv[:, :, cut:]]).float().contiguous()
-    n_local = own.shape[3] // kv_block
-    blocks = own.view(2, b * hkv * n_local, kv_block, d)
-    _, local, _ = tables
-    n_blocks = local.numel()
-    rows = (fetched.incoming // n_blocks) * n_local + local[fetched.incoming % n_blocks]
-    start = 0
-    for count in fetched.incoming_counts:  # fixed order; one source names a block once
-        part = slice(start, start + count)
-        blocks.index_add_(1, rows[part], back[part].transpose(0, 1).float())
-        start += count
-    return own[0].to(dk.dtype), own[1].to(dv.dtype)
+    n_local = (dk.shape[2] - cut) // kv_block
+    rows = _block_rows(fetched.incoming, tables, n_local)
+    touched, where = torch.unique(rows, return_inverse=True)
+    out = []
+    for i, x in enumerate((dk, dv)):
+        own = x[:, :, cut:].contiguous()
+        blocks = own.view(b * hkv * n_local, kv_block, d)
+        total = blocks[touched].float()
+        start = 0
+        for count in fetched.incoming_counts:  # fixed order; one source names a block once
+            part = slice(start, start + count)
+            total.index_add_(0, where[part], back[part, i].float())
+            start += count
+        blocks[touched] = total.to(x.dtype)
+        out.append(own)
+    return out[0], out[1]
 
 
 def return_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, tables, kv_block: int,
