@@ -4,8 +4,9 @@
           that runs on the arch (the whole space when it is small), the selector, and the backward's dQ and
           dK/dV kernels of each backend that has them, timed on the shape's own workload, as the bundled
           winners are made.
-  kv      the KV-centric bench shapes (KV_CENTRIC_SHAPES, per-query lists): kv_attn, the backward (kv_bwd)
-          and the mean selector (kv_select), Triton.
+  kv      the KV-centric bench shapes (KV_CENTRIC_SHAPES, per-query lists): kv_attn, the backward (kv_bwd),
+          the mean selector (kv_select) and the index selector (kv_select_index, on Hi = 4, Di = 64 index
+          vectors), Triton.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def _bench(arch: str, shape_names, backend_names) -> Iterator[Study]:
             yield Study(f"{name} select", shape.spec("mean"), "select", shape.n_k, SELECT_TRIALS, workload)
 
 
-KV_TRIALS = {"kv_attn": 16, "kv_bwd": 12, "kv_select": 8}
+KV_TRIALS = {"kv_attn": 16, "kv_bwd": 12, "kv_select": 8, "kv_select_index": 12}
+KV_SELECTORS = {"kv_select": "mean", "kv_select_index": "index"}  # the selector each selection role tunes
 DEFAULT_SHAPES = {"bench": ["a32k", "b", "c", "c_dense"], "kv": list(KV_CENTRIC_SHAPES)}
 
 
@@ -78,7 +80,7 @@ def _kv(arch: str, shape_names, backend_names) -> Iterator[Study]:
         for backend_name in backend_names:
             backend = backends.get(backend_name)
             for role, trials in KV_TRIALS.items():
-                spec = shape.spec("mean" if role == "kv_select" else "given").replace(backend=backend.name)
+                spec = shape.spec(KV_SELECTORS.get(role, "given")).replace(backend=backend.name)
                 if role in backend.roles and not backend.spec_unsupported(spec) and not backend.arch_unsupported(arch):
                     yield Study(f"{name} {role} {backend.name}", spec, role, shape.n_k, trials, _workload(shape))
 
