@@ -251,3 +251,47 @@ def test_two_gpu_tool_smoke_on_the_cpu(tmp_path):
     assert [(r["kind"], r["path"]) for r in rows] == [("local_heavy", "sparse")]
     assert all(r["check_ok"] and r["rel_diff_dk"] < 1e-4 and r["fwd_bwd_ms"] > 0 for r in rows), [
         {key: val for key, val in r.items() if "rel" in key} for r in rows]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_returned_gradients_add_in_fp32_once_rounded(dtype):
+    """add_returned: blocks named by one source take one 16-bit add, bit for bit the fp32 sum rounded once;
+    blocks named by several sources are summed in fp32 in source order; untouched blocks are kept."""
+    from kernelgen.distributed.fetch import Fetched, Requests, add_returned
+
+    g = torch.Generator().manual_seed(0)
+    b, hkv, kv_block, d, n_local, width = 1, 2, 4, 8, 6, 2
+    tables = (torch.zeros(n_local, dtype=torch.long), torch.arange(n_local), torch.zeros(n_local, dtype=torch.long))
+    dk, dv = (torch.randn(b, hkv, (width + n_local) * kv_block, d, generator=g).to(dtype) for _ in range(2))
+    for incoming, counts in (([3, 7, 8], [3]), ([3, 7, 8, 3, 7], [3, 2])):  # flat ids bh * n_local + block
+        ids = torch.tensor(incoming)
+        back = torch.randn(len(incoming), 2, kv_block, d, generator=g).to(dtype)
+        fetched = Fetched(dk, dv, width, torch.zeros(0, dtype=torch.long), Requests(torch.zeros(0, dtype=torch.long), []),
+                          ids, counts)
+        got = add_returned(dk, dv, back, fetched, tables, kv_block)
+        for i, x in enumerate((dk, dv)):
+            want = x[:, :, width * kv_block:].float().reshape(b * hkv * n_local, kv_block, d).clone()
+            for j, flat in enumerate(incoming):  # in source order
+                want[flat] += back[j, i].float()
+            assert torch.equal(got[i], want.to(dtype).view_as(got[i]))
+
+
+def test_prefix_layout_of_received_blocks():
+    """prefixed: each received block at its head's slot (the heads' requests in order), the slots no request
+    fills zero, then the own shard unchanged."""
+    from kernelgen.distributed.fetch import Requests, prefixed
+
+    g = torch.Generator().manual_seed(1)
+    b, hkv, kv_block, d, n, n_blocks = 1, 3, 4, 8, 12, 10
+    k, v = (torch.randn(b, hkv, n, d, generator=g) for _ in range(2))
+    ids = torch.tensor([0 * n_blocks + 2, 0 * n_blocks + 5, 2 * n_blocks + 1])  # head 0 asks 2, head 2 one, head 1 none
+    received = torch.randn(3, 2, kv_block, d, generator=g)
+    k_l, v_l, width, slot = prefixed(k, v, Requests(ids, [3]), received, n_blocks, kv_block)
+    assert width == 2 and slot.tolist() == [0, 1, 0]
+    for i, (x, local) in enumerate(((k, k_l), (v, v_l))):
+        assert local.shape == (b, hkv, width * kv_block + n, d)
+        assert torch.equal(local[:, :, width * kv_block:], x)
+        prefix = local[0, :, :width * kv_block].reshape(hkv, width, kv_block, d)
+        assert torch.equal(prefix[0, 0], received[0, i]) and torch.equal(prefix[0, 1], received[1, i])
+        assert torch.equal(prefix[2, 0], received[2, i])
+        assert not prefix[1].any() and not prefix[2, 1].any()

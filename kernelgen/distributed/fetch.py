@@ -98,13 +98,19 @@ def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: tor
     slot = torch.empty_like(bh)
     slot[by_head] = torch.arange(bh.numel(), device=bh.device) - (per_head.cumsum(0) - per_head)[bh[by_head]]
     cut = width * kv_block
+    per_row = (cut + n) // kv_block  # blocks per (batch, KV head) of the local K/V
+    used = torch.zeros(b * hkv, width, dtype=torch.bool, device=k.device)
+    used[bh, slot] = True
+    unused = (~used).nonzero(as_tuple=True)
+    rows = bh * per_row + slot  # of the local K/V as [B * Hkv * per_row, kv_block * D] blocks
+    free_rows = unused[0] * per_row + unused[1]
     out = []
-    for i, x in enumerate((k, v)):  # written in place: [zeroed prefix | own shard], no concatenation
+    for i, x in enumerate((k, v)):  # written in place: [prefix | own shard], no concatenation
         local = x.new_empty(b, hkv, cut + n, d)
         local[:, :, cut:] = x
-        prefix = local[:, :, :cut].view(b * hkv, width, kv_block, d)
-        prefix.zero_()
-        prefix[bh, slot] = received[:, i]
+        blocks = local.view(b * hkv * per_row, kv_block * d)
+        blocks.index_copy_(0, rows, received[:, i].reshape(rows.numel(), kv_block * d))
+        blocks.index_fill_(0, free_rows, 0)  # the slots no list names: zeros, never garbage
         out.append(local)
     return out[0], out[1], width, slot
 
@@ -163,34 +169,39 @@ def local_backward(do, q, k_local, v_local, o, lse, prepared: BlockLists, call) 
 def prefix_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, n_blocks: int,
                      kv_block: int) -> torch.Tensor:
     """[n, 2, kv_block, D]: dK, dV of the fetched blocks, in request order (what goes back to their owners)."""
-    b, hkv, _, d = dk.shape
-    cut = fetched.width * kv_block
-    bh = fetched.requests.ids // n_blocks
-    picked = [x[:, :, :cut].view(b * hkv, fetched.width, kv_block, d)[bh, fetched.slot] for x in (dk, dv)]
-    return torch.stack(picked, 1)
+    b, hkv, n, d = dk.shape
+    per_row = n // kv_block  # blocks per (batch, KV head) of the local K/V: the prefix's, then the own shard's
+    rows = (fetched.requests.ids // n_blocks) * per_row + fetched.slot
+    picked = [x.reshape(b * hkv * per_row, kv_block * d).index_select(0, rows) for x in (dk, dv)]
+    return torch.stack(picked, 1).view(-1, 2, kv_block, d)
 
 
 def add_returned(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, fetched: Fetched, tables,
                  kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) of this rank's own shard: the own part of the local gradients plus, in fp32 and source rank
     order, `back` ([n, 2, kv_block, D]: what the other ranks computed for the blocks they fetched from it, in
-    the order of `fetched.incoming`). Only the blocks named in `back` are widened to fp32 and rounded again."""
+    the order of `fetched.incoming`). Only the blocks named in `back` are touched."""
     b, hkv, _, d = dk.shape
     cut = fetched.width * kv_block
     n_local = (dk.shape[2] - cut) // kv_block
     rows = _block_rows(fetched.incoming, tables, n_local)
     touched, where = torch.unique(rows, return_inverse=True)
+    once = touched.numel() == rows.numel()  # no block named by two sources (always so on 2 ranks)
     out = []
     for i, x in enumerate((dk, dv)):
         own = x[:, :, cut:].contiguous()
-        blocks = own.view(b * hkv * n_local, kv_block, d)
-        total = blocks[touched].float()
-        start = 0
-        for count in fetched.incoming_counts:  # fixed order; one source names a block once
-            part = slice(start, start + count)
-            total.index_add_(0, where[part], back[part, i].float())
-            start += count
-        blocks[touched] = total.to(x.dtype)
+        blocks = own.view(b * hkv * n_local, kv_block * d)
+        returned = back[:, i].reshape(rows.numel(), kv_block * d)
+        if once:  # a 16-bit add rounds fp32(own) + fp32(returned) once: the fp32 sum below, in one pass
+            blocks.index_copy_(0, rows, torch.add(blocks.index_select(0, rows), returned))
+        else:
+            total = blocks.index_select(0, touched).float()
+            start = 0
+            for count in fetched.incoming_counts:  # fixed order; one source names a block once
+                part = slice(start, start + count)
+                total.index_add_(0, where[part], returned[part].float())
+                start += count
+            blocks.index_copy_(0, touched, total.to(x.dtype))
         out.append(own)
     return out[0], out[1]
 
