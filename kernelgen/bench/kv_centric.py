@@ -42,7 +42,8 @@ from .measure import _bench, _dump_rows, _rel_diff
 __all__ = ["run_kv_centric", "fla_nsa_unsupported", "SELECTOR_SHAPES", "SELECTORS", "selector_index"]
 
 SELECTOR_SHAPES = ("kv_nsa32k",)  # shapes on which the selector pipelines are also timed (NSA's shape)
-SELECTORS = ("mean", "index", "index fp8")  # the selectors timed there ("index fp8": e4m3 index vectors, sm_90)
+# the selector pipelines timed there: row label -> (the spec's selector, index vectors in e4m3 (sm_90 only))
+SELECTORS = {"mean": ("mean", False), "index": ("index", False), "index fp8": ("index", True)}
 INDEX_HEADS, INDEX_DIM = 4, 64  # the index selector's inputs there (Hi, Di), as a lightning indexer's
 
 
@@ -117,12 +118,12 @@ def run_kv_centric(shape_names=None, out_dir=None, log=print) -> list[dict]:
             record(name, "kernelgen kv_centric fwd+bwd", both, 0.0, bwd_ms=bwd, deterministic=same)
         attempt(name, "kernelgen fwd+bwd", backward)
         if name in SELECTOR_SHAPES:
-            for selector in SELECTORS:
-                def pipeline(selector=selector):
-                    index = selector_index(shape, device, dtype) if selector.startswith("index") else None
-                    if selector.endswith("fp8"):
+            for selector, (spec_selector, fp8) in SELECTORS.items():
+                def pipeline(selector=selector, spec_selector=spec_selector, fp8=fp8):
+                    index = selector_index(shape, device, dtype) if spec_selector == "index" else None
+                    if fp8:
                         index = to_fp8_index(*index)
-                    attn_sel = get_kernel(shape.spec(selector.split()[0]))
+                    attn_sel = get_kernel(shape.spec(spec_selector))
                     with torch.no_grad():  # useful FLOPs of its own lists
                         sel_flops = useful_flops(attn_sel.select(q, k, index=index), given, shape.n_q, shape.n_k)
                         record(name, f"kernelgen kv_centric {selector} (select+attn)",

@@ -76,13 +76,17 @@ def _block_rows(flat: torch.Tensor, tables, n_local: int) -> torch.Tensor:
     return (flat // n_blocks) * n_local + local[flat % n_blocks]
 
 
+def _gather_blocks(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, kv_block: int) -> torch.Tensor:
+    """[n, 2, kv_block, D]: the blocks at `rows` of k and v ([B, Hkv, N, D], seen as [B * Hkv * N / kv_block,
+    kv_block * D]) interleaved, the form the all_to_all carries: only those blocks are copied, never k or v whole."""
+    d = k.shape[3]
+    picked = [x.reshape(-1, kv_block * d).index_select(0, rows) for x in (k, v)]
+    return torch.stack(picked, 1).view(-1, 2, kv_block, d)
+
+
 def owned_blocks(k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, tables, kv_block: int) -> torch.Tensor:
     """[n, 2, kv_block, D]: K and V of the blocks of this rank's shards that flat request ids name."""
-    b, hkv, n, d = k.shape
-    rows = _block_rows(flat, tables, n // kv_block)
-    # gather each tensor's blocks, then interleave them: the shards themselves are never copied whole
-    picked = [x.reshape(b * hkv * (n // kv_block), kv_block * d).index_select(0, rows) for x in (k, v)]
-    return torch.stack(picked, 1).view(-1, 2, kv_block, d)
+    return _gather_blocks(k, v, _block_rows(flat, tables, k.shape[2] // kv_block), kv_block)
 
 
 def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: torch.Tensor, n_blocks: int,
@@ -169,40 +173,37 @@ def local_backward(do, q, k_local, v_local, o, lse, prepared: BlockLists, call) 
 def prefix_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, n_blocks: int,
                      kv_block: int) -> torch.Tensor:
     """[n, 2, kv_block, D]: dK, dV of the fetched blocks, in request order (what goes back to their owners)."""
-    b, hkv, n, d = dk.shape
-    per_row = n // kv_block  # blocks per (batch, KV head) of the local K/V: the prefix's, then the own shard's
-    rows = (fetched.requests.ids // n_blocks) * per_row + fetched.slot
-    picked = [x.reshape(b * hkv * per_row, kv_block * d).index_select(0, rows) for x in (dk, dv)]
-    return torch.stack(picked, 1).view(-1, 2, kv_block, d)
+    per_row = dk.shape[2] // kv_block  # blocks per (batch, KV head) of the local K/V: the prefix's, then the own
+    return _gather_blocks(dk, dv, (fetched.requests.ids // n_blocks) * per_row + fetched.slot, kv_block)
 
 
 def add_returned(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, fetched: Fetched, tables,
                  kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) of this rank's own shard: the own part of the local gradients plus, in fp32 and source rank
     order, `back` ([n, 2, kv_block, D]: what the other ranks computed for the blocks they fetched from it, in
-    the order of `fetched.incoming`). Only the blocks named in `back` are touched."""
+    the order of `fetched.incoming`)."""
     b, hkv, _, d = dk.shape
     cut = fetched.width * kv_block
     n_local = (dk.shape[2] - cut) // kv_block
     rows = _block_rows(fetched.incoming, tables, n_local)
-    touched, where = torch.unique(rows, return_inverse=True)
-    once = touched.numel() == rows.numel()  # no block named by two sources (always so on 2 ranks)
+    one_source = sum(1 for count in fetched.incoming_counts if count) <= 1  # always so on 2 ranks
     out = []
     for i, x in enumerate((dk, dv)):
-        own = x[:, :, cut:].contiguous()
-        blocks = own.view(b * hkv * n_local, kv_block * d)
         returned = back[:, i].reshape(rows.numel(), kv_block * d)
-        if once:  # a 16-bit add rounds fp32(own) + fp32(returned) once: the fp32 sum below, in one pass
+        if one_source:  # each block named once: a 16-bit add rounds fp32(own) + fp32(returned) once, as below
+            own = x[:, :, cut:].contiguous()
+            blocks = own.view(b * hkv * n_local, kv_block * d)
             blocks.index_copy_(0, rows, torch.add(blocks.index_select(0, rows), returned))
-        else:
-            total = blocks.index_select(0, touched).float()
-            start = 0
-            for count in fetched.incoming_counts:  # fixed order; one source names a block once
-                part = slice(start, start + count)
-                total.index_add_(0, where[part], returned[part].float())
-                start += count
-            blocks.index_copy_(0, touched, total.to(x.dtype))
-        out.append(own)
+            out.append(own)
+            continue
+        total = x[:, :, cut:].float().contiguous()
+        blocks = total.view(b * hkv * n_local, kv_block * d)
+        start = 0
+        for count in fetched.incoming_counts:  # fixed order; one source names a block once
+            part = slice(start, start + count)
+            blocks.index_add_(0, rows[part], returned[part].float())
+            start += count
+        out.append(total.to(x.dtype))
     return out[0], out[1]
 
 
