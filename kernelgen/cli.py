@@ -6,6 +6,7 @@ line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -108,6 +109,7 @@ def _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa
 
 
 # options shared by the commands that take a spec
+DEFAULT_TRIALS = 30  # per role of one spec
 SPEC_FILE = typer.Option(None, "--spec", help="Spec JSON file (Spec.to_json()); overrides the spec options.")
 HEAD_DIM = typer.Option(128, help="Head dimension D.")
 KV_BLOCK = typer.Option(64, help="Keys per KV block.")
@@ -173,7 +175,8 @@ def tune(
     arch: str = typer.Option(..., help="GPU architecture to tune for, e.g. sm_90 (must be the GPU present)."),
     seq: Optional[int] = typer.Option(None, help="Sequence length; tuned for its power-of-two bucket."),
     role: Optional[List[str]] = typer.Option(None, help="Kernel roles to tune (default: every tuned role)."),
-    trials: int = typer.Option(30, help="Trials per role (Optuna)."),
+    trials: Optional[int] = typer.Option(None, help="Trials per role (Optuna; default 30, with --preset or "
+                                                    "--model each study's own count)."),
     timeout: Optional[float] = typer.Option(None, help="Seconds per role's study."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the search space and the trials; run nothing."),
     workers: int = typer.Option(1, help="Worker processes measuring one study's trials at once, one per GPU "
@@ -207,7 +210,7 @@ def tune(
     from .tuning.storage import parse_storage
 
     check_arch(arch)
-    check_budget(trials, timeout)
+    check_budget(DEFAULT_TRIALS if trials is None else trials, timeout)
     check_workers(workers)
     if storage is not None:
         try:
@@ -237,12 +240,14 @@ def tune(
                 _fail("--model needs --seq: the sequence length to tune the model's attention for")
             sparse = dict(kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, selector=selector,
                           local=local, sink=sink)
-            chosen_studies = list(model_studies(read_model_config(model), check_seq(seq), trials, arch, sparse,
-                                                names))
+            chosen_studies = list(model_studies(read_model_config(model), check_seq(seq), trials or DEFAULT_TRIALS,
+                                                arch, sparse, names))
         else:
             chosen = [s for s in (shapes or "").split(",") if s] or None
             chosen_studies = studies(preset, arch, chosen, names, role or None)
         for study in chosen_studies:  # only what the arch runs
+            if trials is not None:  # an explicit --trials sets every study's
+                study = dataclasses.replace(study, trials=trials)
             if dry_run:
                 _print_plan(plan(study.spec, study.role, seq=study.seq, arch=arch, trials=study.trials,
                                  shape=study.shape))
@@ -259,6 +264,7 @@ def tune(
         if name not in ROLES or not ROLES[name].tuned:
             _fail(f"--role {name!r} is not a tuned role; expected some of {[n for n, r in ROLES.items() if r.tuned]}")
     roles = [r for r in roles if r not in SELECTION_ROLES or r == spec.selection_role]  # the spec's selector only
+    trials = DEFAULT_TRIALS if trials is None else trials
     for r in roles:
         p = plan(spec, r, seq=seq, arch=arch, trials=trials)
         if dry_run:

@@ -168,6 +168,15 @@ def test_tune_presets_take_roles_and_the_kv_shapes():
     one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "kv", "--shapes", "c", "--dry-run"), "shape 'c'")
 
 
+def test_tune_trials_override_a_presets_own_counts():
+    """A preset plans each study's own trial count; an explicit --trials sets them all."""
+    base = ("tune", "--arch", "sm_90", "--preset", "kv", "--shapes", "kv_nsa32k", "--role", "kv_bwd", "--dry-run")
+    own = invoke(*base)
+    assert own.exit_code == 0 and "12 trials" in own.output and "40 trials" not in own.output
+    given = invoke(*base, "--trials", "40")
+    assert given.exit_code == 0 and "40 trials" in given.output and "12 trials" not in given.output
+
+
 def _triton_attn_points(output: str) -> list[AttnConfig]:
     return [AttnConfig(**c) for c in printed_configs(output) if "use_tma" in c]
 

@@ -295,3 +295,14 @@ def test_prefix_layout_of_received_blocks():
         assert torch.equal(prefix[0, 0], received[0, i]) and torch.equal(prefix[0, 1], received[1, i])
         assert torch.equal(prefix[2, 0], received[2, i])
         assert not prefix[1].any() and not prefix[2, 1].any()
+    # two owners: requests come (owner, head, block) ordered; a head's slots follow the owners in turn
+    ids = torch.tensor([0 * n_blocks + 2, 2 * n_blocks + 1, 0 * n_blocks + 5, 1 * n_blocks + 0])
+    received = torch.randn(4, 2, kv_block, d, generator=g)
+    k_l, v_l, width, slot = prefixed(k, v, Requests(ids, [2, 2]), received, n_blocks, kv_block)
+    assert width == 2 and slot.tolist() == [0, 0, 1, 0]
+    for i, (x, local) in enumerate(((k, k_l), (v, v_l))):
+        assert torch.equal(local[:, :, width * kv_block:], x)
+        prefix = local[0, :, :width * kv_block].reshape(hkv, width, kv_block, d)
+        for j, (h, s) in enumerate(((0, 0), (2, 0), (0, 1), (1, 0))):
+            assert torch.equal(prefix[h, s], received[j, i])
+        assert not prefix[1, 1].any() and not prefix[2, 1].any()

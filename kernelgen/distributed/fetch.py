@@ -76,12 +76,26 @@ def _block_rows(flat: torch.Tensor, tables, n_local: int) -> torch.Tensor:
     return (flat // n_blocks) * n_local + local[flat % n_blocks]
 
 
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """`x` ([rows, block elements], rows contiguous) seen as 8-byte words where its rows allow: the index
+    kernels then move a row in a quarter of the elements of 16-bit data (one thread per element)."""
+    row_bytes = x.shape[-1] * x.element_size()
+    if x.stride(-1) == 1 and row_bytes % 8 == 0 and x.storage_offset() * x.element_size() % 8 == 0 \
+            and all(s * x.element_size() % 8 == 0 for s in x.stride()[:-1]):
+        return x.view(torch.int64)
+    return x
+
+
 def _gather_blocks(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, kv_block: int) -> torch.Tensor:
     """[n, 2, kv_block, D]: the blocks at `rows` of k and v ([B, Hkv, N, D], seen as [B * Hkv * N / kv_block,
-    kv_block * D]) interleaved, the form the all_to_all carries: only those blocks are copied, never k or v whole."""
+    kv_block * D]) interleaved, the form the all_to_all carries: only those blocks are copied, each once, never
+    k or v whole."""
     d = k.shape[3]
-    picked = [x.reshape(-1, kv_block * d).index_select(0, rows) for x in (k, v)]
-    return torch.stack(picked, 1).view(-1, 2, kv_block, d)
+    out = k.new_empty(rows.numel(), 2, kv_block, d)
+    for i, x in enumerate((k, v)):
+        torch.index_select(_words(x.reshape(-1, kv_block * d)), 0, rows,
+                           out=_words(out[:, i].view(rows.numel(), kv_block * d)))
+    return out
 
 
 def owned_blocks(k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, tables, kv_block: int) -> torch.Tensor:
@@ -94,27 +108,41 @@ def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: tor
     """(K_local, V_local, width, slot): the received blocks ([n, 2, kv_block, D] in request order) laid out as
     the prefix of this rank's shards."""
     b, hkv, n, d = k.shape
+    heads, world = b * hkv, len(requests.counts)
     bh = requests.ids // n_blocks
-    per_head = torch.bincount(bh, minlength=b * hkv)
-    width = int(per_head.max()) if bh.numel() else 0
-    # slot of each request in its head's prefix: its rank among that head's requests (owner, then block order)
+    owner = torch.repeat_interleave(torch.arange(world, device=bh.device),
+                                    torch.tensor(requests.counts, device=bh.device), output_size=bh.numel())
+    # the one host sync: requests per (owner, head) size the prefix and cut `received` into runs
+    pair_counts = torch.bincount(owner * heads + bh, minlength=world * heads).view(world, heads).tolist()
+    per_head = [sum(column) for column in zip(*pair_counts)]
+    width = max(per_head, default=0)
+    # slot of each request in its head's prefix: its rank among that head's requests (owner, then block), so
+    # the requests of one (owner, head) are one run of `received` and one run of slots, and a head's
+    # requests fill slots 0 .. count - 1 of its `width`
     by_head = torch.argsort(bh * requests.ids.numel() + torch.arange(bh.numel(), device=bh.device))
+    head_counts = torch.tensor(per_head, device=bh.device, dtype=torch.int64)
     slot = torch.empty_like(bh)
-    slot[by_head] = torch.arange(bh.numel(), device=bh.device) - (per_head.cumsum(0) - per_head)[bh[by_head]]
+    slot[by_head] = torch.arange(bh.numel(), device=bh.device) - (head_counts.cumsum(0) - head_counts)[bh[by_head]]
     cut = width * kv_block
-    per_row = (cut + n) // kv_block  # blocks per (batch, KV head) of the local K/V
-    used = torch.zeros(b * hkv, width, dtype=torch.bool, device=k.device)
-    used[bh, slot] = True
-    unused = (~used).nonzero(as_tuple=True)
-    rows = bh * per_row + slot  # of the local K/V as [B * Hkv * per_row, kv_block * D] blocks
-    free_rows = unused[0] * per_row + unused[1]
     out = []
     for i, x in enumerate((k, v)):  # written in place: [prefix | own shard], no concatenation
         local = x.new_empty(b, hkv, cut + n, d)
         local[:, :, cut:] = x
-        blocks = local.view(b * hkv * per_row, kv_block * d)
-        blocks.index_copy_(0, rows, received[:, i].reshape(rows.numel(), kv_block * d))
-        blocks.index_fill_(0, free_rows, 0)  # the slots no list names: zeros, never garbage
+        prefix = local.view(heads, -1, kv_block, d)
+        runs, sources, free = [], [], []
+        start, filled = 0, [0] * heads
+        for row in pair_counts:  # requests in (owner, head) order, each run copied whole
+            for h, count in enumerate(row):
+                if count:
+                    runs.append(prefix[h, filled[h]:filled[h] + count])
+                    sources.append(received[start:start + count, i])
+                    start += count
+                    filled[h] += count
+        unnamed = [prefix[h, count:width] for h, count in enumerate(per_head) if count < width]
+        if runs:
+            torch._foreach_copy_(runs, sources)
+        if unnamed:  # the slots no list names: zeros, never garbage
+            torch._foreach_zero_(unnamed)
         out.append(local)
     return out[0], out[1], width, slot
 
@@ -193,7 +221,8 @@ def add_returned(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, fetched
         if one_source:  # each block named once: a 16-bit add rounds fp32(own) + fp32(returned) once, as below
             own = x[:, :, cut:].contiguous()
             blocks = own.view(b * hkv * n_local, kv_block * d)
-            blocks.index_copy_(0, rows, torch.add(blocks.index_select(0, rows), returned))
+            summed = torch.add(_words(blocks).index_select(0, rows).view(x.dtype), returned)
+            _words(blocks).index_copy_(0, rows, _words(summed))
             out.append(own)
             continue
         total = x[:, :, cut:].float().contiguous()
