@@ -77,13 +77,21 @@ def _block_rows(flat: torch.Tensor, tables, n_local: int) -> torch.Tensor:
 
 
 def _words(x: torch.Tensor) -> torch.Tensor:
-    """`x` ([rows, block elements], rows contiguous) seen as 8-byte words where its rows allow: the index
-    kernels then move a row in a quarter of the elements of 16-bit data (one thread per element)."""
-    row_bytes = x.shape[-1] * x.element_size()
-    if x.stride(-1) == 1 and row_bytes % 8 == 0 and x.storage_offset() * x.element_size() % 8 == 0 \
-            and all(s * x.element_size() % 8 == 0 for s in x.stride()[:-1]):
+    """`x` (last dim contiguous) seen as 8-byte words where its sizes and strides allow: the index and strided
+    copy kernels move one element per thread, so 16-bit rows move in a quarter of the elements."""
+    size = x.element_size()
+    if x.stride(-1) == 1 and x.shape[-1] * size % 8 == 0 and x.storage_offset() * size % 8 == 0 \
+            and all(s * size % 8 == 0 for s in x.stride()[:-1]) and x.dtype != torch.int64:
         return x.view(torch.int64)
     return x
+
+
+def _as_words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dst, src) both seen as 8-byte words where both allow, else as they are: a strided copy (a shard into
+    the local K/V, runs of the interleaved received blocks) moves one element per thread, so 16-bit data
+    moves 4x slower than words."""
+    words = _words(dst), _words(src)
+    return words if words[0].dtype == words[1].dtype else (dst, src)
 
 
 def _gather_blocks(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, kv_block: int) -> torch.Tensor:
@@ -127,15 +135,16 @@ def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: tor
     out = []
     for i, x in enumerate((k, v)):  # written in place: [prefix | own shard], no concatenation
         local = x.new_empty(b, hkv, cut + n, d)
-        local[:, :, cut:] = x
+        torch.Tensor.copy_(*_as_words(local[:, :, cut:], x))
         prefix = local.view(heads, -1, kv_block, d)
         runs, sources, free = [], [], []
         start, filled = 0, [0] * heads
         for row in pair_counts:  # requests in (owner, head) order, each run copied whole
             for h, count in enumerate(row):
                 if count:
-                    runs.append(prefix[h, filled[h]:filled[h] + count])
-                    sources.append(received[start:start + count, i])
+                    run, source = _as_words(prefix[h, filled[h]:filled[h] + count], received[start:start + count, i])
+                    runs.append(run)
+                    sources.append(source)
                     start += count
                     filled[h] += count
         unnamed = [prefix[h, count:width] for h, count in enumerate(per_head) if count < width]
@@ -219,7 +228,8 @@ def add_returned(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, fetched
     for i, x in enumerate((dk, dv)):
         returned = back[:, i].reshape(rows.numel(), kv_block * d)
         if one_source:  # each block named once: a 16-bit add rounds fp32(own) + fp32(returned) once, as below
-            own = x[:, :, cut:].contiguous()
+            own = x.new_empty(b, hkv, n_local * kv_block, d)
+            torch.Tensor.copy_(*_as_words(own, x[:, :, cut:]))
             blocks = own.view(b * hkv * n_local, kv_block * d)
             summed = torch.add(_words(blocks).index_select(0, rows).view(x.dtype), returned)
             _words(blocks).index_copy_(0, rows, _words(summed))
