@@ -306,3 +306,7 @@ def test_prefix_layout_of_received_blocks():
         for j, (h, s) in enumerate(((0, 0), (2, 0), (0, 1), (1, 0))):
             assert torch.equal(prefix[h, s], received[j, i])
         assert not prefix[1, 1].any() and not prefix[2, 1].any()
+    # the run lengths requests_of hands over (per owner and head) give the same layout without counting ids
+    given = prefixed(k, v, Requests(ids, [2, 2], [[1, 0, 1], [1, 1, 0]]), received, n_blocks, kv_block)
+    assert given[2] == width and torch.equal(given[3], slot)
+    assert torch.equal(given[0], k_l) and torch.equal(given[1], v_l)

@@ -31,10 +31,12 @@ __all__ = ["Requests", "requests_of", "Fetched", "fetch", "owned_blocks", "prefi
 
 class Requests(NamedTuple):
     """What a rank asks for: `ids` int64 flat request ids sorted by (owner, bh, block), `counts[s]` of them
-    held by rank s (a host list)."""
+    held by rank s, `head_counts[s][bh]` of those for (batch x KV head) bh (host lists; None: counted from
+    `ids` when needed, at the cost of a sync)."""
 
     ids: torch.Tensor
     counts: list[int]
+    head_counts: list[list[int]] | None = None
 
 
 def requests_of(rows: torch.Tensor, layout: Layout, tables, tile_chunk: torch.Tensor, causal: bool) -> Requests:
@@ -53,8 +55,9 @@ def requests_of(rows: torch.Tensor, layout: Layout, tables, tile_chunk: torch.Te
     flat = bh * n_blocks + block
     holder = owner[block]
     order = torch.argsort(holder * (b * hkv * n_blocks) + flat)  # unique keys: (owner, bh, block)
-    counts = torch.bincount(holder, minlength=layout.world)
-    return Requests(flat[order], counts.tolist())
+    head_counts = torch.bincount(holder * (b * hkv) + bh, minlength=layout.world * b * hkv)
+    head_counts = head_counts.view(layout.world, b * hkv).tolist()  # the requests' one host sync
+    return Requests(flat[order], [sum(row) for row in head_counts], head_counts)
 
 
 class Fetched(NamedTuple):
@@ -117,39 +120,41 @@ def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: tor
     the prefix of this rank's shards."""
     b, hkv, n, d = k.shape
     heads, world = b * hkv, len(requests.counts)
-    bh = requests.ids // n_blocks
-    owner = torch.repeat_interleave(torch.arange(world, device=bh.device),
-                                    torch.tensor(requests.counts, device=bh.device), output_size=bh.numel())
-    # the one host sync: requests per (owner, head) size the prefix and cut `received` into runs
-    pair_counts = torch.bincount(owner * heads + bh, minlength=world * heads).view(world, heads).tolist()
-    per_head = [sum(column) for column in zip(*pair_counts)]
+    head_counts = requests.head_counts
+    if head_counts is None:
+        owner = torch.repeat_interleave(torch.arange(world), torch.tensor(requests.counts)).to(k.device)
+        head_counts = torch.bincount(owner * heads + requests.ids // n_blocks, minlength=world * heads)
+        head_counts = head_counts.view(world, heads).tolist()
+    per_head = [sum(column) for column in zip(*head_counts)]
     width = max(per_head, default=0)
     # slot of each request in its head's prefix: its rank among that head's requests (owner, then block), so
     # the requests of one (owner, head) are one run of `received` and one run of slots, and a head's
-    # requests fill slots 0 .. count - 1 of its `width`
-    by_head = torch.argsort(bh * requests.ids.numel() + torch.arange(bh.numel(), device=bh.device))
-    head_counts = torch.tensor(per_head, device=bh.device, dtype=torch.int64)
-    slot = torch.empty_like(bh)
-    slot[by_head] = torch.arange(bh.numel(), device=bh.device) - (head_counts.cumsum(0) - head_counts)[bh[by_head]]
+    # requests fill slots 0 .. count - 1 of its `width`. Counted on the host from the run lengths: no sync.
+    runs = torch.tensor(head_counts, dtype=torch.int64)  # [world, heads]
+    lengths = runs.flatten()
+    first_slot = (runs.cumsum(0) - runs).flatten()  # earlier owners' requests of the same head
+    first_request = lengths.cumsum(0) - lengths
+    slot = torch.arange(int(lengths.sum())) + torch.repeat_interleave(first_slot - first_request, lengths)
+    slot = (slot.pin_memory() if k.is_cuda else slot).to(k.device, non_blocking=True)
     cut = width * kv_block
     out = []
     for i, x in enumerate((k, v)):  # written in place: [prefix | own shard], no concatenation
         local = x.new_empty(b, hkv, cut + n, d)
         torch.Tensor.copy_(*_as_words(local[:, :, cut:], x))
         prefix = local.view(heads, -1, kv_block, d)
-        runs, sources, free = [], [], []
+        targets, sources = [], []
         start, filled = 0, [0] * heads
-        for row in pair_counts:  # requests in (owner, head) order, each run copied whole
+        for row in head_counts:  # requests in (owner, head) order, each run copied whole
             for h, count in enumerate(row):
                 if count:
-                    run, source = _as_words(prefix[h, filled[h]:filled[h] + count], received[start:start + count, i])
-                    runs.append(run)
+                    target, source = _as_words(prefix[h, filled[h]:filled[h] + count], received[start:start + count, i])
+                    targets.append(target)
                     sources.append(source)
                     start += count
                     filled[h] += count
         unnamed = [prefix[h, count:width] for h, count in enumerate(per_head) if count < width]
-        if runs:
-            torch._foreach_copy_(runs, sources)
+        if targets:
+            torch._foreach_copy_(targets, sources)
         if unnamed:  # the slots no list names: zeros, never garbage
             torch._foreach_zero_(unnamed)
         out.append(local)
