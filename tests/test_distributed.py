@@ -253,6 +253,15 @@ def test_two_gpu_tool_smoke_on_the_cpu(tmp_path):
         {key: val for key, val in r.items() if "rel" in key} for r in rows]
 
 
+def _wire(blocks: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[n, 2, kv_block, D] K/V pairs in the all_to_all's form: per segment of `counts`, its K then its V blocks."""
+    out, start = [], 0
+    for count in counts:
+        out += [blocks[start:start + count, 0], blocks[start:start + count, 1]]
+        start += count
+    return torch.cat(out)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_returned_gradients_add_in_fp32_once_rounded(dtype):
     """add_returned: blocks named by one source take one 16-bit add, bit for bit the fp32 sum rounded once;
@@ -268,7 +277,7 @@ def test_returned_gradients_add_in_fp32_once_rounded(dtype):
         back = torch.randn(len(incoming), 2, kv_block, d, generator=g).to(dtype)
         fetched = Fetched(dk, dv, width, torch.zeros(0, dtype=torch.long), Requests(torch.zeros(0, dtype=torch.long), []),
                           ids, counts)
-        got = add_returned(dk, dv, back, fetched, tables, kv_block)
+        got = add_returned(dk, dv, _wire(back, counts), fetched, tables, kv_block)
         for i, x in enumerate((dk, dv)):
             want = x[:, :, width * kv_block:].float().reshape(b * hkv * n_local, kv_block, d).clone()
             for j, flat in enumerate(incoming):  # in source order
@@ -286,7 +295,7 @@ def test_prefix_layout_of_received_blocks():
     k, v = (torch.randn(b, hkv, n, d, generator=g) for _ in range(2))
     ids = torch.tensor([0 * n_blocks + 2, 0 * n_blocks + 5, 2 * n_blocks + 1])  # head 0 asks 2, head 2 one, head 1 none
     received = torch.randn(3, 2, kv_block, d, generator=g)
-    k_l, v_l, width, slot = prefixed(k, v, Requests(ids, [3]), received, n_blocks, kv_block)
+    k_l, v_l, width, slot = prefixed(k, v, Requests(ids, [3]), _wire(received, [3]), n_blocks, kv_block)
     assert width == 2 and slot.tolist() == [0, 1, 0]
     for i, (x, local) in enumerate(((k, k_l), (v, v_l))):
         assert local.shape == (b, hkv, width * kv_block + n, d)
@@ -298,7 +307,7 @@ def test_prefix_layout_of_received_blocks():
     # two owners: requests come (owner, head, block) ordered; a head's slots follow the owners in turn
     ids = torch.tensor([0 * n_blocks + 2, 2 * n_blocks + 1, 0 * n_blocks + 5, 1 * n_blocks + 0])
     received = torch.randn(4, 2, kv_block, d, generator=g)
-    k_l, v_l, width, slot = prefixed(k, v, Requests(ids, [2, 2]), received, n_blocks, kv_block)
+    k_l, v_l, width, slot = prefixed(k, v, Requests(ids, [2, 2]), _wire(received, [2, 2]), n_blocks, kv_block)
     assert width == 2 and slot.tolist() == [0, 0, 1, 0]
     for i, (x, local) in enumerate(((k, k_l), (v, v_l))):
         assert torch.equal(local[:, :, width * kv_block:], x)
@@ -307,6 +316,6 @@ def test_prefix_layout_of_received_blocks():
             assert torch.equal(prefix[h, s], received[j, i])
         assert not prefix[1, 1].any() and not prefix[2, 1].any()
     # the run lengths requests_of hands over (per owner and head) give the same layout without counting ids
-    given = prefixed(k, v, Requests(ids, [2, 2], [[1, 0, 1], [1, 1, 0]]), received, n_blocks, kv_block)
+    given = prefixed(k, v, Requests(ids, [2, 2], [[1, 0, 1], [1, 1, 0]]), _wire(received, [2, 2]), n_blocks, kv_block)
     assert given[2] == width and torch.equal(given[3], slot)
     assert torch.equal(given[0], k_l) and torch.equal(given[1], v_l)

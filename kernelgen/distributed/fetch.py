@@ -10,8 +10,8 @@ Glossary
             the kernels' causal rule `key <= query + Nk - Nq` is then exact in global positions: every prefix
             key is visible, and own keys obey the shard's own diagonal.
 
-Two all_to_all exchanges move the data: the requested ids (with their counts), then the blocks, K and V
-together. The backward sends the prefix's dK/dV back the same way reversed; each owner adds them to its
+Two all_to_all exchanges move the data: the requested ids (with their counts), then the blocks, each rank's
+K blocks then its V blocks, so that the runs a receiver lays out are contiguous. The backward sends the prefix's dK/dV back the same way reversed; each owner adds them to its
 own shard's gradients in fp32, source rank by source rank (a source names a pair once: no two terms of one
 exchange meet, and the order of the sum is fixed).
 """
@@ -97,27 +97,42 @@ def _as_words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch
     return words if words[0].dtype == words[1].dtype else (dst, src)
 
 
-def _gather_blocks(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, kv_block: int) -> torch.Tensor:
-    """[n, 2, kv_block, D]: the blocks at `rows` of k and v ([B, Hkv, N, D], seen as [B * Hkv * N / kv_block,
-    kv_block * D]) interleaved, the form the all_to_all carries: only those blocks are copied, each once, never
-    k or v whole."""
+def _gather_blocks(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, counts: list[int],
+                   kv_block: int) -> torch.Tensor:
+    """[2 * n, kv_block, D]: the blocks at `rows` of k and v ([B, Hkv, N, D], seen as [B * Hkv * N / kv_block,
+    kv_block * D]) in the form the all_to_all carries: per segment of `counts` (one a rank), its K blocks then
+    its V blocks (2 * count rows), so that every run of K or V is contiguous. Only those blocks are copied,
+    each once, never k or v whole."""
     d = k.shape[3]
-    out = k.new_empty(rows.numel(), 2, kv_block, d)
-    for i, x in enumerate((k, v)):
-        torch.index_select(_words(x.reshape(-1, kv_block * d)), 0, rows,
-                           out=_words(out[:, i].view(rows.numel(), kv_block * d)))
+    out = k.new_empty(2 * rows.numel(), kv_block, d)
+    flat = out.view(-1, kv_block * d)
+    start = 0
+    for count in counts:
+        for i, x in enumerate((k, v)):
+            if count:
+                torch.index_select(_words(x.reshape(-1, kv_block * d)), 0, rows[start:start + count],
+                                   out=_words(flat[2 * start + i * count:2 * start + (i + 1) * count]))
+        start += count
     return out
 
 
-def owned_blocks(k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, tables, kv_block: int) -> torch.Tensor:
-    """[n, 2, kv_block, D]: K and V of the blocks of this rank's shards that flat request ids name."""
-    return _gather_blocks(k, v, _block_rows(flat, tables, k.shape[2] // kv_block), kv_block)
+def _segment(buffer: torch.Tensor, counts: list[int], rank: int, i: int) -> torch.Tensor:
+    """The K (i = 0) or V (i = 1) blocks of `rank`'s segment of a buffer in `_gather_blocks`'s form."""
+    start = 2 * sum(counts[:rank]) + i * counts[rank]
+    return buffer[start:start + counts[rank]]
+
+
+def owned_blocks(k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, counts: list[int], tables,
+                 kv_block: int) -> torch.Tensor:
+    """K and V of the blocks of this rank's shards that flat request ids name (`counts[s]` of them from rank
+    s), in `_gather_blocks`'s form."""
+    return _gather_blocks(k, v, _block_rows(flat, tables, k.shape[2] // kv_block), counts, kv_block)
 
 
 def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: torch.Tensor, n_blocks: int,
              kv_block: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """(K_local, V_local, width, slot): the received blocks ([n, 2, kv_block, D] in request order) laid out as
-    the prefix of this rank's shards."""
+    """(K_local, V_local, width, slot): the received blocks (in `_gather_blocks`'s form, segments by owner, each
+    in request order) laid out as the prefix of this rank's shards."""
     b, hkv, n, d = k.shape
     heads, world = b * hkv, len(requests.counts)
     head_counts = requests.head_counts
@@ -143,11 +158,12 @@ def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: tor
         torch.Tensor.copy_(*_as_words(local[:, :, cut:], x))
         prefix = local.view(heads, -1, kv_block, d)
         targets, sources = [], []
-        start, filled = 0, [0] * heads
-        for row in head_counts:  # requests in (owner, head) order, each run copied whole
+        filled = [0] * heads
+        for owner, row in enumerate(head_counts):  # requests in (owner, head) order, each run copied whole
+            blocks, start = _segment(received, requests.counts, owner, i), 0
             for h, count in enumerate(row):
                 if count:
-                    target, source = _as_words(prefix[h, filled[h]:filled[h] + count], received[start:start + count, i])
+                    target, source = _as_words(prefix[h, filled[h]:filled[h] + count], blocks[start:start + count])
                     targets.append(target)
                     sources.append(source)
                     start += count
@@ -167,8 +183,8 @@ def fetch(k: torch.Tensor, v: torch.Tensor, requests: Requests, layout: Layout, 
     counts_in = group.all_to_all(torch.tensor(requests.counts, dtype=torch.int64, device=k.device)[:, None],
                                  [1] * group.world, [1] * group.world)[:, 0].tolist()
     incoming = group.all_to_all(requests.ids, requests.counts, counts_in)
-    served = owned_blocks(k, v, incoming, tables, kv_block)
-    received = group.all_to_all(served, counts_in, requests.counts)  # [n, 2, kv_block, D], in request order
+    served = owned_blocks(k, v, incoming, counts_in, tables, kv_block)
+    received = group.all_to_all(served, [2 * c for c in counts_in], [2 * c for c in requests.counts])
     k_local, v_local, width, slot = prefixed(k, v, requests, received, tables[0].numel(), kv_block)
     return Fetched(k_local, v_local, width, slot, requests, incoming, counts_in)
 
@@ -214,39 +230,42 @@ def local_backward(do, q, k_local, v_local, o, lse, prepared: BlockLists, call) 
 
 def prefix_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, n_blocks: int,
                      kv_block: int) -> torch.Tensor:
-    """[n, 2, kv_block, D]: dK, dV of the fetched blocks, in request order (what goes back to their owners)."""
+    """dK, dV of the fetched blocks in `_gather_blocks`'s form, segments by owner (what goes back to them)."""
     per_row = dk.shape[2] // kv_block  # blocks per (batch, KV head) of the local K/V: the prefix's, then the own
-    return _gather_blocks(dk, dv, (fetched.requests.ids // n_blocks) * per_row + fetched.slot, kv_block)
+    return _gather_blocks(dk, dv, (fetched.requests.ids // n_blocks) * per_row + fetched.slot,
+                          fetched.requests.counts, kv_block)
 
 
 def add_returned(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, fetched: Fetched, tables,
                  kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) of this rank's own shard: the own part of the local gradients plus, in fp32 and source rank
-    order, `back` ([n, 2, kv_block, D]: what the other ranks computed for the blocks they fetched from it, in
-    the order of `fetched.incoming`)."""
+    order, `back` (what the other ranks computed for the blocks they fetched from it, in `_gather_blocks`'s
+    form, segments by source rank in the order of `fetched.incoming`)."""
     b, hkv, _, d = dk.shape
     cut = fetched.width * kv_block
     n_local = (dk.shape[2] - cut) // kv_block
     rows = _block_rows(fetched.incoming, tables, n_local)
-    one_source = sum(1 for count in fetched.incoming_counts if count) <= 1  # always so on 2 ranks
+    counts = fetched.incoming_counts
+    sources = [s for s, count in enumerate(counts) if count]
     out = []
     for i, x in enumerate((dk, dv)):
-        returned = back[:, i].reshape(rows.numel(), kv_block * d)
-        if one_source:  # each block named once: a 16-bit add rounds fp32(own) + fp32(returned) once, as below
+        if len(sources) <= 1:  # each block named once: a 16-bit add rounds fp32(own) + fp32(returned) once, as below
             own = x.new_empty(b, hkv, n_local * kv_block, d)
             torch.Tensor.copy_(*_as_words(own, x[:, :, cut:]))
-            blocks = own.view(b * hkv * n_local, kv_block * d)
-            summed = torch.add(_words(blocks).index_select(0, rows).view(x.dtype), returned)
-            _words(blocks).index_copy_(0, rows, _words(summed))
+            if sources:
+                returned = _segment(back, counts, sources[0], i).reshape(rows.numel(), kv_block * d)
+                blocks = own.view(b * hkv * n_local, kv_block * d)
+                summed = torch.add(_words(blocks).index_select(0, rows).view(x.dtype), returned)
+                _words(blocks).index_copy_(0, rows, _words(summed))
             out.append(own)
             continue
         total = x[:, :, cut:].float().contiguous()
         blocks = total.view(b * hkv * n_local, kv_block * d)
         start = 0
-        for count in fetched.incoming_counts:  # fixed order; one source names a block once
-            part = slice(start, start + count)
-            blocks.index_add_(0, rows[part], returned[part].float())
-            start += count
+        for source in sources:  # fixed order; one source names a block once
+            returned = _segment(back, counts, source, i).reshape(counts[source], kv_block * d)
+            blocks.index_add_(0, rows[start:start + counts[source]], returned.float())
+            start += counts[source]
         out.append(total.to(x.dtype))
     return out[0], out[1]
 
@@ -256,5 +275,5 @@ def return_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, table
     """(dk, dv) of this rank's own shard from the local gradients over [prefix | own shard]: the prefix's go
     back to their owners (the fetch's all_to_all reversed), and each owner adds what it receives."""
     out = prefix_gradients(dk, dv, fetched, tables[0].numel(), kv_block)
-    back = group.all_to_all(out, fetched.requests.counts, fetched.incoming_counts)
+    back = group.all_to_all(out, [2 * c for c in fetched.requests.counts], [2 * c for c in fetched.incoming_counts])
     return add_returned(dk, dv, back, fetched, tables, kv_block)

@@ -149,12 +149,13 @@ def _sparse(calls: list[_Call], shards: dict) -> list[RankRun]:
     incoming = [_from_each([req.ids for req in requests], asked, r) for r in range(world)]
     incoming_counts = [[asked[s][r] for s in range(world)] for r in range(world)]
     pieces = [[] for _ in calls]
-    served = [_piece(pieces[r], "fwd", "gather", owned_blocks, *shards["kv"][r], incoming[r], tables, kv_block)
-              for r in range(world)]
+    served = [_piece(pieces[r], "fwd", "gather", owned_blocks, *shards["kv"][r], incoming[r], incoming_counts[r],
+                     tables, kv_block) for r in range(world)]
+    served_rows = [[2 * c for c in row] for row in incoming_counts]  # K and V rows of each block
     runs, fetched, prepared, local_grads = [], [], [], []
     for r, call in enumerate(calls):
         q, rows = shards["q"][r], shards["rows"][r]
-        received = _from_each(served, incoming_counts, r)
+        received = _from_each(served, served_rows, r)
         k_l, v_l, width, slot = _piece(pieces[r], "fwd", "prefix", prefixed, *shards["kv"][r], requests[r], received,
                                        n_blocks, kv_block)
         fetched.append(Fetched(k_l, v_l, width, slot, requests[r], incoming[r], incoming_counts[r]))
@@ -172,7 +173,7 @@ def _sparse(calls: list[_Call], shards: dict) -> list[RankRun]:
         outs.append(_piece(pieces[r], "bwd", "gradients out", prefix_gradients, grads[1], grads[2], fetched[r],
                            n_blocks, kv_block))
     for r, run in enumerate(runs):
-        back = _from_each(outs, asked, r)
+        back = _from_each(outs, [[2 * c for c in row] for row in asked], r)
         run.dq = local_grads[r][0]
         run.dk, run.dv = _piece(pieces[r], "bwd", "gradients in", add_returned, local_grads[r][1], local_grads[r][2],
                                 back, fetched[r], tables, kv_block)
