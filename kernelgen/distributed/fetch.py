@@ -97,12 +97,6 @@ def _as_words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch
     return words if words[0].dtype == words[1].dtype else (dst, src)
 
 
-def _head_runs(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(dst[b, h], src[b, h]) for each (batch, head) of two [B, H, N, D] tensors: a strided copy between them
-    as contiguous runs, which a foreach copy moves in one vectorised launch."""
-    return [(dst[b, h], src[b, h]) for b in range(dst.shape[0]) for h in range(dst.shape[1])]
-
-
 def _gather_blocks(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, counts: list[int],
                    kv_block: int) -> torch.Tensor:
     """[2 * n, kv_block, D]: the blocks at `rows` of k and v ([B, Hkv, N, D], seen as [B * Hkv * N / kv_block,
@@ -158,30 +152,29 @@ def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: tor
     slot = torch.arange(int(lengths.sum())) + torch.repeat_interleave(first_slot - first_request, lengths)
     slot = (slot.pin_memory() if k.is_cuda else slot).to(k.device, non_blocking=True)
     cut = width * kv_block
-    local_kv, targets, sources, unnamed = [], [], [], []
+    out = []
     for i, x in enumerate((k, v)):  # written in place: [prefix | own shard], no concatenation
         local = x.new_empty(b, hkv, cut + n, d)
-        local_kv.append(local)
+        torch.Tensor.copy_(*_as_words(local[:, :, cut:], x))
         prefix = local.view(heads, -1, kv_block, d)
-        pairs = _head_runs(local[:, :, cut:], x)  # the own shard
+        targets, sources = [], []
         filled = [0] * heads
         for owner, row in enumerate(head_counts):  # requests in (owner, head) order, each run copied whole
             blocks, start = _segment(received, requests.counts, owner, i), 0
             for h, count in enumerate(row):
                 if count:
-                    pairs.append((prefix[h, filled[h]:filled[h] + count], blocks[start:start + count]))
+                    target, source = _as_words(prefix[h, filled[h]:filled[h] + count], blocks[start:start + count])
+                    targets.append(target)
+                    sources.append(source)
                     start += count
                     filled[h] += count
-        for target, source in (_as_words(*pair) for pair in pairs):
-            targets.append(target)
-            sources.append(source)
-        unnamed += [_words(prefix[h, count:width]) for h, count in enumerate(per_head) if count < width]
-    # contiguous runs of one dtype: one multi-tensor launch moves them all (a strided copy would move an element
-    # per thread)
-    torch._foreach_copy_(targets, sources)
-    if unnamed:  # the slots no list names: zeros, never garbage
-        torch._foreach_zero_(unnamed)
-    return local_kv[0], local_kv[1], width, slot
+        unnamed = [prefix[h, count:width] for h, count in enumerate(per_head) if count < width]
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        if unnamed:  # the slots no list names: zeros, never garbage
+            torch._foreach_zero_(unnamed)
+        out.append(local)
+    return out[0], out[1], width, slot
 
 
 def fetch(k: torch.Tensor, v: torch.Tensor, requests: Requests, layout: Layout, tables, kv_block: int,
@@ -258,7 +251,7 @@ def add_returned(dk: torch.Tensor, dv: torch.Tensor, back: torch.Tensor, fetched
     for i, x in enumerate((dk, dv)):
         if len(sources) <= 1:  # each block named once: a 16-bit add rounds fp32(own) + fp32(returned) once, as below
             own = x.new_empty(b, hkv, n_local * kv_block, d)
-            torch._foreach_copy_(*zip(*(_as_words(*pair) for pair in _head_runs(own, x[:, :, cut:]))))
+            torch.Tensor.copy_(*_as_words(own, x[:, :, cut:]))
             if sources:
                 returned = _segment(back, counts, sources[0], i).reshape(rows.numel(), kv_block * d)
                 blocks = own.view(b * hkv * n_local, kv_block * d)
