@@ -11,8 +11,9 @@ Glossary
             key is visible, and own keys obey the shard's own diagonal.
 
 Two all_to_all exchanges move the data: the requested ids (with their counts), then the blocks, each rank's
-K blocks then its V blocks, so that the runs a receiver lays out are contiguous. The backward sends the prefix's dK/dV back the same way reversed; each owner adds them to its
-own shard's gradients in fp32, source rank by source rank (a source names a pair once: no two terms of one
+K blocks then its V blocks (`wire_rows` rows for `counts` blocks), so that the runs a receiver lays out are
+contiguous. The backward sends the prefix's dK/dV back the same way reversed; each owner adds them to its own
+shard's gradients in fp32, source rank by source rank (a source names a pair once: no two terms of one
 exchange meet, and the order of the sum is fixed).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..inputs import BlockLists
 from .comm import Group
 from .layout import Layout
 
-__all__ = ["Requests", "requests_of", "Fetched", "fetch", "owned_blocks", "prefixed", "local_lists", "local_prepared",
+__all__ = ["Requests", "requests_of", "Fetched", "fetch", "wire_rows", "owned_blocks", "prefixed", "local_lists", "local_prepared",
            "local_forward", "local_backward", "prefix_gradients", "add_returned", "return_gradients"]
 
 
@@ -116,6 +117,11 @@ def _gather_blocks(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, counts:
     return out
 
 
+def wire_rows(counts: list[int]) -> list[int]:
+    """Rows of `_gather_blocks`'s form per rank for `counts[s]` blocks each: a K and a V row a block."""
+    return [2 * count for count in counts]
+
+
 def _segment(buffer: torch.Tensor, counts: list[int], rank: int, i: int) -> torch.Tensor:
     """The K (i = 0) or V (i = 1) blocks of `rank`'s segment of a buffer in `_gather_blocks`'s form."""
     start = 2 * sum(counts[:rank]) + i * counts[rank]
@@ -184,7 +190,7 @@ def fetch(k: torch.Tensor, v: torch.Tensor, requests: Requests, layout: Layout, 
                                  [1] * group.world, [1] * group.world)[:, 0].tolist()
     incoming = group.all_to_all(requests.ids, requests.counts, counts_in)
     served = owned_blocks(k, v, incoming, counts_in, tables, kv_block)
-    received = group.all_to_all(served, [2 * c for c in counts_in], [2 * c for c in requests.counts])
+    received = group.all_to_all(served, wire_rows(counts_in), wire_rows(requests.counts))
     k_local, v_local, width, slot = prefixed(k, v, requests, received, tables[0].numel(), kv_block)
     return Fetched(k_local, v_local, width, slot, requests, incoming, counts_in)
 
@@ -275,5 +281,5 @@ def return_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, table
     """(dk, dv) of this rank's own shard from the local gradients over [prefix | own shard]: the prefix's go
     back to their owners (the fetch's all_to_all reversed), and each owner adds what it receives."""
     out = prefix_gradients(dk, dv, fetched, tables[0].numel(), kv_block)
-    back = group.all_to_all(out, [2 * c for c in fetched.requests.counts], [2 * c for c in fetched.incoming_counts])
+    back = group.all_to_all(out, wire_rows(fetched.requests.counts), wire_rows(fetched.incoming_counts))
     return add_returned(dk, dv, back, fetched, tables, kv_block)

@@ -27,7 +27,7 @@ from ..spec import Spec
 from .attention import _Call
 from .comm import Group
 from .fetch import (Fetched, add_returned, local_backward, local_forward, local_prepared, owned_blocks,
-                    prefix_gradients, prefixed, requests_of)
+                    prefix_gradients, prefixed, requests_of, wire_rows)
 from .layout import Layout
 from .ring import backward_step, forward_step, merge_partials, step_prepared
 
@@ -151,11 +151,10 @@ def _sparse(calls: list[_Call], shards: dict) -> list[RankRun]:
     pieces = [[] for _ in calls]
     served = [_piece(pieces[r], "fwd", "gather", owned_blocks, *shards["kv"][r], incoming[r], incoming_counts[r],
                      tables, kv_block) for r in range(world)]
-    served_rows = [[2 * c for c in row] for row in incoming_counts]  # K and V rows of each block
     runs, fetched, prepared, local_grads = [], [], [], []
     for r, call in enumerate(calls):
         q, rows = shards["q"][r], shards["rows"][r]
-        received = _from_each(served, served_rows, r)
+        received = _from_each(served, [wire_rows(row) for row in incoming_counts], r)
         k_l, v_l, width, slot = _piece(pieces[r], "fwd", "prefix", prefixed, *shards["kv"][r], requests[r], received,
                                        n_blocks, kv_block)
         fetched.append(Fetched(k_l, v_l, width, slot, requests[r], incoming[r], incoming_counts[r]))
@@ -173,7 +172,7 @@ def _sparse(calls: list[_Call], shards: dict) -> list[RankRun]:
         outs.append(_piece(pieces[r], "bwd", "gradients out", prefix_gradients, grads[1], grads[2], fetched[r],
                            n_blocks, kv_block))
     for r, run in enumerate(runs):
-        back = _from_each(outs, [[2 * c for c in row] for row in asked], r)
+        back = _from_each(outs, [wire_rows(row) for row in asked], r)
         run.dq = local_grads[r][0]
         run.dk, run.dv = _piece(pieces[r], "bwd", "gradients in", add_returned, local_grads[r][1], local_grads[r][2],
                                 back, fetched[r], tables, kv_block)
