@@ -120,7 +120,7 @@ class SparseAttention:
     def _served(self, role: str, bucket: int, dtype, device) -> Served:
         # cached per length bucket: the DB is read once per (role, bucket, dtype, device)
         get_role(role)  # an unknown role is named as such, not as one a backend lacks
-        backend = backends.runner(self._backend(bucket, dtype, device), role)
+        backend = backends.runner(self._backend(bucket, dtype, device), role, device)
         reason = backend.unsupported(self.spec, device)
         if reason:  # never a silent fallback to another backend
             raise KernelgenValueError(reason)
