@@ -32,7 +32,7 @@ from ..errors import KernelgenValueError
 from ..inputs import softmax_scale
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
-from .triton import pack_infeasible
+from .triton import _JsonConfig, pack_infeasible
 
 __all__ = ["TileLangBackend", "TileLangAttnConfig", "TARGETS", "HOPPER", "ATTN_OUT_IDX", "DTYPES",
            "canonical_dtype", "attn_source", "attn_module", "build_attn", "build_attn_from", "target_arch", "lower",
@@ -324,21 +324,28 @@ def launch_attn(kernel, spec: Spec, config, shapes: Shapes, q, k, v, block_idx, 
 def compiled_attn(spec: Spec, config: TileLangAttnConfig, problem: Problem):
     """The forward for one problem shape (cached here and on disk by TileLang)."""
     arch = target_arch(problem.device)
-    if not hopper(arch):
-        why = _mma_infeasible(spec, config, _arch(arch))
-        if why:
-            raise KernelgenValueError(f"configs['attn'] = {config} cannot run on {arch}: {why} "
-                                      "(backends.tilelang.attn_space lists the points of each arch)")
+    _refuse_infeasible("attn", config, arch, None if hopper(arch) else _mma_infeasible(spec, config, _arch(arch)))
+    return compile_attn(_build_for(build_attn, spec, config, problem), config, arch)
+
+
+def _refuse_infeasible(role: str, config, arch: str, why: str | None) -> None:
+    """Raise, before anything is lowered, where `config` of `role` cannot run on the device's `arch`."""
+    if why:
+        raise KernelgenValueError(f"configs[{role!r}] = {config} cannot run on {arch}: {why} "
+                                  f"(backends.tilelang.{role}_space lists the points of each arch)")
+
+
+def _build_for(build, spec: Spec, config, problem: Problem):
+    """The prim_func that `build` (build_attn, build_bwd_dkdv) gives for `config` and one problem shape."""
     shapes = problem.shapes
-    func = build_attn(spec, problem.dtype, batch=shapes.batch, heads_kv=shapes.heads_kv, seq_q=shapes.n_q,
-                      seq_k=shapes.n_k, config=config)
-    return compile_attn(func, config, arch)
+    return build(spec, problem.dtype, batch=shapes.batch, heads_kv=shapes.heads_kv, seq_q=shapes.n_q,
+                 seq_k=shapes.n_k, config=config)
 
 
 # ---- the backward's dK/dV -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class TileLangBwdDkdvConfig:
+class TileLangBwdDkdvConfig(_JsonConfig):
     """TileLang dK and dV of the Q-centric backward: block_n keys of one KV block per program (dK and dV in
     fp32 registers), walking the Q tiles that list the block block_m queries of one head a step (block_m
     divides q_tile). threads: 128 or 256. num_stages: Q and dO steps in flight (cp.async, no producer
@@ -348,9 +355,6 @@ class TileLangBwdDkdvConfig:
     block_m: int = 64
     num_stages: int = 1
     threads: int = 128
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
 # fp32 registers per thread that dK, dV, P^T and dP^T may hold (of 255; the rest hold addresses, the bf16
@@ -456,14 +460,8 @@ def launch_bwd_dkdv(kernel, spec: Spec, config, shapes: Shapes, q, k, v, do, lse
 def compiled_bwd_dkdv(spec: Spec, config: TileLangBwdDkdvConfig, problem: Problem):
     """The dK/dV kernel for one problem shape (cached here and on disk by TileLang)."""
     arch = target_arch(problem.device)
-    why = bwd_dkdv_infeasible(spec, config, arch)
-    if why:
-        raise KernelgenValueError(f"configs['bwd_dkdv'] = {config} cannot run on {arch}: {why} "
-                                  "(backends.tilelang.bwd_dkdv_space lists the points of each arch)")
-    shapes = problem.shapes
-    func = build_bwd_dkdv(spec, problem.dtype, batch=shapes.batch, heads_kv=shapes.heads_kv, seq_q=shapes.n_q,
-                          seq_k=shapes.n_k, config=config)
-    return compile_bwd_dkdv(func, arch)
+    _refuse_infeasible("bwd_dkdv", config, arch, bwd_dkdv_infeasible(spec, config, arch))
+    return compile_bwd_dkdv(_build_for(build_bwd_dkdv, spec, config, problem), arch)
 
 
 class TileLangBackend(Backend):
