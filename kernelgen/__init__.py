@@ -15,7 +15,7 @@ if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
 
 from . import backends, reference  # noqa: E402
 from .backends.gluon import GluonAttnConfig  # noqa: E402
-from .backends.tilelang import TileLangAttnConfig  # noqa: E402
+from .backends.tilelang import TileLangAttnConfig, TileLangBwdDkdvConfig  # noqa: E402
 from .backends.triton import (AttnConfig, BwdDkdvConfig, BwdDqConfig, DecodeConfig, IndexSelectConfig,  # noqa: E402
                                 KvAttnConfig, KvBwdConfig, KvIndexSelectConfig, KvSelectConfig, SelectConfig)
 from .dispatch import SparseAttention, get_kernel  # noqa: E402
@@ -29,7 +29,8 @@ from .spec import Spec  # noqa: E402
 __all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "ReverseIndex", "build_reverse_index", "AttnConfig",
            "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig", "KvSelectConfig", "KvAttnConfig",
            "KvBwdConfig", "KvIndexSelectConfig", "DecodeConfig",
-           "TileLangAttnConfig", "GluonAttnConfig", "KernelgenError", "KernelgenValueError", "KernelgenTypeError",
+           "TileLangAttnConfig", "TileLangBwdDkdvConfig", "GluonAttnConfig",
+           "KernelgenError", "KernelgenValueError", "KernelgenTypeError",
            "KernelgenRuntimeError", "KernelgenNotImplementedError", "backends", "reference", "from_block_mask",
            "to_block_mask"]
 __version__ = "0.1.0"

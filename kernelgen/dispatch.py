@@ -116,11 +116,23 @@ class SparseAttention:
             return backends.of_config("attn", self._fixed["attn"]).name
         return fastest_backend(self.spec, bucket, dtype, device)
 
+    def _role_backend(self, role: str, bucket: int, dtype, device) -> Backend:
+        """The backend that runs `role`: under auto, the one a pinned config belongs to, else for a role besides
+        the attention the backend whose tuned row for it is fastest (the backward's dK/dV: Triton or TileLang);
+        otherwise the attention's backend where it has the role, the fallback where it has not."""
+        if self.spec.backend == backends.AUTO and role != "attn":
+            if role in self._fixed:
+                return backends.of_config(role, self._fixed[role])
+            fastest = fastest_backend(self.spec, bucket, dtype, device, role)
+            if fastest is not None:
+                return backends.get(fastest)
+        return backends.runner(self._backend(bucket, dtype, device), role, device)
+
     @functools.lru_cache(maxsize=256)
     def _served(self, role: str, bucket: int, dtype, device) -> Served:
         # cached per length bucket: the DB is read once per (role, bucket, dtype, device)
         get_role(role)  # an unknown role is named as such, not as one a backend lacks
-        backend = backends.runner(self._backend(bucket, dtype, device), role)
+        backend = self._role_backend(role, bucket, dtype, device)
         reason = backend.unsupported(self.spec, device)
         if reason:  # never a silent fallback to another backend
             raise KernelgenValueError(reason)

@@ -9,7 +9,8 @@ import torch
 
 import kernelgen.device
 import kernelgen.dispatch
-from kernelgen import AttnConfig, GluonAttnConfig, SelectConfig, Spec, TileLangAttnConfig, backends
+from kernelgen import (AttnConfig, BwdDkdvConfig, GluonAttnConfig, SelectConfig, Spec, TileLangAttnConfig,
+                       TileLangBwdDkdvConfig, backends)
 from kernelgen.codegen import render
 from kernelgen.dispatch import SparseAttention
 from kernelgen.errors import KernelgenValueError
@@ -273,6 +274,29 @@ def test_fastest_backend_skips_backends_that_cannot_serve(user_db, tilelang_inst
     assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == rule_backend(AUTO, "sm_90", {"gluon"}.__contains__)
     monkeypatch.setattr(GLUON, "unsupported", unsupported)
     assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == backends.FALLBACK
+
+
+@pytest.mark.parametrize("tl_ms, expect", [(4.8, "tilelang"), (5.6, "triton")])
+def test_auto_serves_each_backward_role_from_its_fastest_backend(user_db, tilelang_installed, tl_ms, expect):
+    """Under auto, the backward's dK/dV (Triton's and TileLang's) goes to the backend whose own tuned row for
+    that role is faster, whichever backend runs the attention; roles one backend has stay there; a pinned
+    config names its backend; with no row the role runs where the attention runs."""
+    _add_backend(user_db, "tilelang", 0.1, TL_WINNER)  # the attention: TileLang
+    attn = SparseAttention(AUTO)
+    assert attn.backend(32768) == "tilelang"
+    assert attn.served("bwd_dkdv", 32768).backend is TILELANG  # no dK/dV row: the attention's backend
+    assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA, "bwd_dkdv") is None
+    triton_dkdv = BwdDkdvConfig(block_n=64, block_m=64, num_warps=4, num_stages=2)
+    tilelang_dkdv = TileLangBwdDkdvConfig(block_n=64, block_m=64, num_stages=2, threads=128)
+    _add(user_db, GIVEN, role="bwd_dkdv", config=triton_dkdv, ms=5.4)
+    _add(user_db, GIVEN.replace(backend="tilelang"), role="bwd_dkdv", config=tilelang_dkdv, ms=tl_ms)
+    attn = SparseAttention(AUTO)
+    served = attn.served("bwd_dkdv", 32768)
+    assert (served.backend.name, served.source) == (expect, "user DB")
+    assert served.config == (tilelang_dkdv if expect == "tilelang" else triton_dkdv)
+    assert attn.served("bwd_dq", 32768).backend is TRITON  # only Triton has it
+    pinned = SparseAttention(AUTO, {"bwd_dkdv": triton_dkdv}).served("bwd_dkdv", 32768)
+    assert (pinned.backend, pinned.source) == (TRITON, "pinned")
 
 
 def test_auto_with_a_pinned_config_follows_its_type():

@@ -69,11 +69,16 @@ def check_spec(spec) -> None:
         raise KernelgenValueError(reason)
 
 
-def runner(backend: str, role: str) -> Backend:
+def runner(backend: str, role: str, device=None) -> Backend:
     """The backend that runs `role` for a spec served by `backend`: that backend if it has the role, else
-    the fallback (selection and list normalising run in Triton for the TileLang and Gluon forwards)."""
+    the fallback (selection and list normalising run in Triton for the TileLang and Gluon forwards). On
+    `device`, a role the backend marks optional (`RoleImpl.optional`: TileLang's dK/dV backward) runs on the
+    fallback where the backend cannot run (the CPU's interpreter)."""
     chosen = get(backend)
-    return chosen if role in chosen.roles else get(FALLBACK)
+    impl = chosen.roles.get(role)
+    if impl is None or (impl.optional and device is not None and chosen.device_unsupported(device)):
+        return get(FALLBACK)
+    return chosen
 
 
 def of_config(role: str, config) -> Backend:

@@ -38,6 +38,9 @@ class RoleImpl:
     default      (spec, arch) -> the config served on `arch` when nothing is tuned
     space        (spec, arch) -> candidate configs (the feasible ones are kept: `Backend.config_space`)
     infeasible   (spec, config, arch) -> why the kernel cannot run that config on `arch`, or None
+    optional     the registry's fallback runs the role where this backend cannot run at all (a device it
+                 does not run on: `backends.runner`); the backward's roles, which the fallback runs for every
+                 backend, are; a forward is never swapped silently
     launch       (kernel, spec, config, shapes, *args) -> the role's output (`kernelgen.roles` lists the args)
 
     `arch` is a checked arch string ("sm_89", or "cpu": `kernelgen.archs`), whose hardware facts
@@ -50,6 +53,7 @@ class RoleImpl:
     default: Callable[[Spec, str], Any] = lambda spec, arch: None
     space: Callable[[Spec, str], Iterable] = lambda spec, arch: [None]
     infeasible: Callable[[Spec, Any, str], str | None] = lambda spec, config, arch: None
+    optional: bool = False
 
 
 def distribution_version(*names: str) -> str | None:

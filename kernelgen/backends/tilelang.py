@@ -1,6 +1,8 @@
 """The TileLang backend: the attention forward, compiled per problem shape and arch: wgmma, TMA and warp
 specialisation on Hopper (sm_90a); mma.sync and a cp.async pipeline on sm_80, sm_86 and sm_89, from the
-same template. Selection and list normalising run on the fallback backend.
+same template. Also the Q-centric backward's dK/dV (`bwd_dkdv`: wgmma on Hopper, mma.sync before, a
+cp.async pipeline on both). Selection, list normalising and the rest of the backward run on the fallback
+backend.
 
 Build the forward prim_func from the rendered template, lower it to CUDA source, compile it to a cubin.
 
@@ -30,12 +32,15 @@ from ..errors import KernelgenValueError
 from ..inputs import softmax_scale
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
-from .triton import pack_infeasible
+from .triton import _JsonConfig, pack_infeasible
 
 __all__ = ["TileLangBackend", "TileLangAttnConfig", "TARGETS", "HOPPER", "ATTN_OUT_IDX", "DTYPES",
            "canonical_dtype", "attn_source", "attn_module", "build_attn", "build_attn_from", "target_arch", "lower",
            "compile_kernel", "compile_attn", "attn_pass_configs", "attn_smem_bytes", "attn_default", "attn_space",
-           "attn_infeasible", "FAST_MATH", "NO_WARP_SPECIALISATION", "UNROLLED_PIPELINE_DRAIN"]
+           "attn_infeasible", "FAST_MATH", "NO_WARP_SPECIALISATION", "UNROLLED_PIPELINE_DRAIN",
+           "TileLangBwdDkdvConfig", "BWD_DKDV_OUT_IDX", "bwd_dkdv_source", "build_bwd_dkdv", "compile_bwd_dkdv",
+           "bwd_dkdv_pass_configs", "bwd_dkdv_smem_bytes", "bwd_dkdv_default", "bwd_dkdv_space",
+           "bwd_dkdv_infeasible"]
 
 log = logging.getLogger("kernelgen")
 
@@ -48,6 +53,9 @@ HOPPER = "sm_90"
 # attn_fwd(Q, K, V, block_idx, scale, O, LSE): O and LSE are allocated and returned by the kernel
 ATTN_OUT_IDX = [5, 6]
 DTYPES = ("bfloat16", "float16")
+BWD_DKDV_TEMPLATE = "tilelang/bwd_dkdv.py.j2"
+# attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, OFFSETS, TILES, scale, dK, dV): dK and dV allocated and returned
+BWD_DKDV_OUT_IDX = [9, 10]
 
 
 def canonical_dtype(dtype: Any) -> str:
@@ -70,10 +78,13 @@ def attn_source(spec: Spec, dtype: Any, config=None) -> str:
 def attn_module(spec: Spec, dtype: Any, config=None):
     """The rendered forward module, imported from its content-addressed file (TileLang reads the
     kernel's source with `inspect`)."""
+    return _module("attn", attn_source(spec, dtype, config))
+
+
+def _module(role: str, source: str):
     from ..codegen.render import module_name
 
-    source = attn_source(spec, dtype, config)
-    return load_module(module_name("tilelang", "attn", source), source)
+    return load_module(module_name("tilelang", role, source), source)
 
 
 def build_attn(spec: Spec, dtype: Any, *, batch: int, heads_kv: int, seq_q: int, seq_k: int, config=None, **tunables):
@@ -313,26 +324,160 @@ def launch_attn(kernel, spec: Spec, config, shapes: Shapes, q, k, v, block_idx, 
 def compiled_attn(spec: Spec, config: TileLangAttnConfig, problem: Problem):
     """The forward for one problem shape (cached here and on disk by TileLang)."""
     arch = target_arch(problem.device)
-    if not hopper(arch):
-        why = _mma_infeasible(spec, config, _arch(arch))
-        if why:
-            raise KernelgenValueError(f"configs['attn'] = {config} cannot run on {arch}: {why} "
-                                      "(backends.tilelang.attn_space lists the points of each arch)")
+    _refuse_infeasible("attn", config, arch, None if hopper(arch) else _mma_infeasible(spec, config, _arch(arch)))
+    return compile_attn(_build_for(build_attn, spec, config, problem), config, arch)
+
+
+def _refuse_infeasible(role: str, config, arch: str, why: str | None) -> None:
+    """Raise, before anything is lowered, where `config` of `role` cannot run on the device's `arch`."""
+    if why:
+        raise KernelgenValueError(f"configs[{role!r}] = {config} cannot run on {arch}: {why} "
+                                  f"(backends.tilelang.{role}_space lists the points of each arch)")
+
+
+def _build_for(build, spec: Spec, config, problem: Problem):
+    """The prim_func that `build` (build_attn, build_bwd_dkdv) gives for `config` and one problem shape."""
     shapes = problem.shapes
-    func = build_attn(spec, problem.dtype, batch=shapes.batch, heads_kv=shapes.heads_kv, seq_q=shapes.n_q,
-                      seq_k=shapes.n_k, config=config)
-    return compile_attn(func, config, arch)
+    return build(spec, problem.dtype, batch=shapes.batch, heads_kv=shapes.heads_kv, seq_q=shapes.n_q,
+                 seq_k=shapes.n_k, config=config)
+
+
+# ---- the backward's dK/dV -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TileLangBwdDkdvConfig(_JsonConfig):
+    """TileLang dK and dV of the Q-centric backward: block_n keys of one KV block per program (dK and dV in
+    fp32 registers), walking the Q tiles that list the block block_m queries of one head a step (block_m
+    divides q_tile). threads: 128 or 256. num_stages: Q and dO steps in flight (cp.async, no producer
+    warpgroup on any arch: bwd_dkdv_pass_configs)."""
+
+    block_n: int = 64
+    block_m: int = 64
+    num_stages: int = 1
+    threads: int = 128
+
+
+# fp32 registers per thread that dK, dV, P^T and dP^T may hold (of 255; the rest hold addresses, the bf16
+# casts and the loop's state): at 192 the H200's D=128, 64 x 64 kernel took 242 (ptxas, no spill)
+BWD_DKDV_REGS_LIMIT = 192
+
+
+def bwd_dkdv_smem_bytes(spec: Spec, cfg: TileLangBwdDkdvConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of the dK/dV kernel: K and V, num_stages + 1 buffers of a step's Q and dO, the output
+    staging tile, and (programs whose warps do not hold whole 16-key slices) P^T and dS^T. An upper bound of
+    what TileLang 0.1.15 plans (a CPU test checks)."""
+    rows = 3 * cfg.block_n + 2 * (cfg.num_stages + 1) * cfg.block_m
+    operands = 0 if cfg.block_n % (cfg.threads // 2) == 0 else 2 * cfg.block_n * cfg.block_m * elem_bytes
+    return rows * spec.head_dim * elem_bytes + operands + 2 * (cfg.num_stages + 1) * cfg.block_m * 4
+
+
+def bwd_dkdv_infeasible(spec: Spec, cfg: TileLangBwdDkdvConfig, arch: str) -> str | None:
+    """Why the TileLang dK/dV kernel cannot run `cfg` for `spec` on `arch`, or None: block_n splits a KV block,
+    block_m splits a Q tile (a step is queries of one head), registers for dK, dV, P^T and dP^T, and shared
+    memory within the arch's."""
+    arch = _arch(arch)
+    if cfg.threads not in (128, 256) or cfg.num_stages not in (1, 2):
+        return f"threads={cfg.threads}, num_stages={cfg.num_stages}; expected threads 128 or 256, num_stages 1 or 2"
+    if cfg.block_n not in (32, 64, 128) or spec.kv_block % cfg.block_n:
+        return f"block_n={cfg.block_n} must be 32, 64 or 128 and split a KV block (kv_block={spec.kv_block}) evenly"
+    if cfg.block_m not in (16, 32, 64, 128) or spec.q_tile % cfg.block_m:
+        return (f"block_m={cfg.block_m} must be 16, 32, 64 or 128 and split a Q tile (q_tile={spec.q_tile}) evenly: "
+                "a step holds queries of one head")
+    regs = cfg.block_n * (2 * spec.head_dim + 2 * cfg.block_m) // cfg.threads
+    if regs > BWD_DKDV_REGS_LIMIT:
+        return (f"block_n * (2 * head_dim + 2 * block_m) / threads = {regs} fp32 registers per thread for dK, dV, "
+                f"P^T and dP^T; at most {BWD_DKDV_REGS_LIMIT}: more threads or smaller tiles")
+    smem, limit = bwd_dkdv_smem_bytes(spec, cfg), arch_facts(arch).smem_per_block
+    if smem > limit:
+        return (f"{smem} B of shared memory (K, V and num_stages={cfg.num_stages} + 1 steps of Q and dO at "
+                f"head_dim={spec.head_dim}); {arch} allows at most {limit} B per block")
+    return None
+
+
+def bwd_dkdv_default(spec: Spec, arch: str) -> TileLangBwdDkdvConfig:
+    """The config served on `arch` when nothing is tuned: the first feasible of 64 keys and 64 queries (32 off
+    Hopper, where mma.sync fragments take more registers), one warpgroup, two stages (on the H200 at shape c,
+    the fastest of eight configs: 0.95x the Triton kernel's time; one stage 1.02x)."""
+    rows = (64, 32, 16) if hopper(arch) else (32, 64, 16)
+    why = None
+    for n, m, threads, stages in itertools.product((64, 128, 32), rows, (128, 256), (2, 1)):
+        cfg = TileLangBwdDkdvConfig(block_n=n, block_m=m, num_stages=stages, threads=threads)
+        why = bwd_dkdv_infeasible(spec, cfg, arch)
+        if why is None:
+            return cfg
+    raise KernelgenValueError(f"no feasible TileLang dK/dV config for {spec} on {arch}; the last: {why}")
+
+
+def bwd_dkdv_space(spec: Spec, arch: str):
+    """The candidate configs (bwd_dkdv_infeasible sorts out the rest)."""
+    return (TileLangBwdDkdvConfig(block_n=n, block_m=m, num_stages=s, threads=t)
+            for n, m, s, t in itertools.product((32, 64, 128), (16, 32, 64, 128), (1, 2), (128, 256)))
+
+
+def bwd_dkdv_source(spec: Spec, dtype: Any, config=None) -> str:
+    """Rendered dK/dV module for a spec and dtype; its `build(**shape, **tunables)` gives the prim_func."""
+    from ..codegen.render import render
+
+    return render(BWD_DKDV_TEMPLATE, spec, config, dtype=canonical_dtype(dtype))
+
+
+def build_bwd_dkdv(spec: Spec, dtype: Any, *, batch: int, heads_kv: int, seq_q: int, seq_k: int, config=None,
+                   **tunables):
+    """The dK/dV prim_func for one problem shape. `config` (TileLangBwdDkdvConfig) or explicit `tunables`
+    (block_M, block_N, num_stages, threads) set the tile parameters."""
+    if config is not None:
+        tunables = {"block_M": config.block_m, "block_N": config.block_n, "num_stages": config.num_stages,
+                    "threads": config.threads, **tunables}
+    module = _module("bwd_dkdv", bwd_dkdv_source(spec, dtype, config))
+    return module.build(batch=batch, heads_q=heads_kv * spec.gqa_group, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
+                        head_dim=spec.head_dim, kv_block=spec.kv_block, q_tile=spec.q_tile, top_k=spec.top_k,
+                        causal=spec.causal, dtype=canonical_dtype(dtype), **tunables)
+
+
+def bwd_dkdv_pass_configs(arch: str) -> dict:
+    """The dK/dV kernel's build options, on every arch: fast math, TileLang's plain cp.async pipeline (no
+    producer warpgroup: the one-warpgroup forward hung with one on the H200; attn_pass_configs) and the
+    drain unrolled, without which TileLang 0.1.15 generates no code for two stages (UNROLLED_PIPELINE_DRAIN)."""
+    return {**FAST_MATH, **NO_WARP_SPECIALISATION, **UNROLLED_PIPELINE_DRAIN}
+
+
+def compile_bwd_dkdv(prim_func, arch: str, **kwargs: Any):
+    """compile_kernel for a dK/dV prim_func (build_bwd_dkdv) with its build options for `arch`."""
+    return compile_kernel(prim_func, arch, out_idx=BWD_DKDV_OUT_IDX,
+                          **{"pass_configs": bwd_dkdv_pass_configs(arch), **kwargs})
+
+
+def launch_bwd_dkdv(kernel, spec: Spec, config, shapes: Shapes, q, k, v, do, lse, delta, reverse, scale):
+    """(dk, dv) (k's shape and dtype): per KV block, over the Q tiles the reverse index says list it. The
+    kernel reads dense tensors of this exact shape, so strided inputs are copied first."""
+    scale = softmax_scale(scale, spec)
+    offsets, tiles = reverse
+    dk, dv = kernel(*(x.contiguous() for x in (q, k, v, do, lse, delta, offsets, tiles)), scale)
+    return dk, dv
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_bwd_dkdv(spec: Spec, config: TileLangBwdDkdvConfig, problem: Problem):
+    """The dK/dV kernel for one problem shape (cached here and on disk by TileLang)."""
+    arch = target_arch(problem.device)
+    _refuse_infeasible("bwd_dkdv", config, arch, bwd_dkdv_infeasible(spec, config, arch))
+    return compile_bwd_dkdv(_build_for(build_bwd_dkdv, spec, config, problem), arch)
 
 
 class TileLangBackend(Backend):
     name = "tilelang"
-    summary = ("the attention forward in TileLang, compiled per problem shape (sm_80 to sm_90: wgmma and TMA on "
-               "Hopper, mma and cp.async before)")
+    summary = ("the attention forward and the backward's dK/dV in TileLang, compiled per problem shape (sm_80 to "
+               "sm_90: wgmma and TMA on Hopper, mma and cp.async before)")
     archs = tuple(TARGETS)
     per_shape = True
     compilers = {"tilelang_version": ("tilelang",)}
     roles = {"attn": RoleImpl(launch=launch_attn, template=TEMPLATE, config_type=TileLangAttnConfig,
-                              default=attn_default, space=attn_space, infeasible=attn_infeasible)}
+                              default=attn_default, space=attn_space, infeasible=attn_infeasible),
+             # the Q-centric backward's dK/dV (bwd_delta and bwd_dq run on the fallback); on the CPU the
+             # fallback's runs it (optional)
+             "bwd_dkdv": RoleImpl(launch=launch_bwd_dkdv, template=BWD_DKDV_TEMPLATE,
+                                  config_type=TileLangBwdDkdvConfig, default=bwd_dkdv_default, space=bwd_dkdv_space,
+                                  infeasible=bwd_dkdv_infeasible, optional=True)}
 
     def not_installed(self) -> str | None:
         if importlib.util.find_spec("tilelang") is None:
@@ -344,4 +489,6 @@ class TileLangBackend(Backend):
         if problem is None or problem.device.type != "cuda":
             raise KernelgenValueError("backend='tilelang' runs on CUDA GPUs only (lowering and compiling work without "
                                       "one: kernelgen.backends.tilelang.lower / compile_kernel)")
+        if role == "bwd_dkdv":
+            return compiled_bwd_dkdv(spec, config, problem)
         return compiled_attn(spec, config, problem)

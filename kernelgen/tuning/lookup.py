@@ -213,14 +213,15 @@ def recheck(backend, spec: Spec, role: str, config, bucket: int, dtype: torch.dt
 
 # ---- auto ------------------------------------------------------------------------------------------
 
-def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device) -> str:
-    """For `Spec.backend == "auto"`: the registered backend whose own tuned attention for this spec is
-    fastest, among those that can serve it on this device. Each backend's row is its nearest tuned bucket;
-    the row nearer this bucket wins (an exact bucket beats a neighbour's), and between rows equally near,
-    the faster. With no tuned row, the backend the measured rule prefers (`rule_backend`)."""
+def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device, role: str = "attn") -> str | None:
+    """For `Spec.backend == "auto"`: the registered backend whose own tuned `role` for this spec is fastest,
+    among those that have the role and can serve the spec on this device. Each backend's row is its nearest
+    tuned bucket; the row nearer this bucket wins (an exact bucket beats a neighbour's), and between rows
+    equally near, the faster. With no tuned row: for the attention, the backend the measured rule prefers
+    (`rule_backend`); for another role, None (it runs where the attention runs: `backends.runner`)."""
     servable = {}
     for backend in backends.all_backends():
-        if "attn" not in backend.roles:
+        if role not in backend.roles:
             continue
         try:
             servable[backend.name] = not cannot_serve(backend, spec, device)
@@ -230,12 +231,14 @@ def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device)
     for name, ok in servable.items():
         if ok:
             backend = backends.get(name)
-            row = tuned_row(backend, get_role("attn").kernel_spec(spec, name), "attn", bucket, dtype, device)
+            row = tuned_row(backend, get_role(role).kernel_spec(spec, name), role, bucket, dtype, device)
             if row is not None:
                 rows[name] = row
     if rows:  # the row measured nearest this bucket first, then the faster one
         return min(rows, key=lambda b: (abs(rows[b]["bucket"].bit_length() - int(bucket).bit_length()),
                                         rows[b]["median_ms"]))
+    if role != "attn":
+        return None
     try:
         arch = _target(device).arch
     except Exception:
