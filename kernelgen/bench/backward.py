@@ -70,9 +70,9 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
         first, second = _grads(ours, leaves, grad), _grads(ours, leaves, grad)
         deterministic = all(torch.equal(a, b) for a, b in zip(first, second))
         both, bwd = _timed(ours, leaves, grad)
-        served = attn.served("attn", shape.n_k, dtype, device)
-        record(name, "kernelgen (auto fwd, triton bwd)", both, bwd, deterministic=deterministic,
-               fwd_backend=served.backend.name)
+        record(name, "kernelgen (auto)", both, bwd, deterministic=deterministic,
+               fwd_backend=attn.served("attn", shape.n_k, dtype, device).backend.name,
+               dkdv_backend=attn.served("bwd_dkdv", shape.n_k, dtype, device).backend.name)
         try:
             flex = flex_call(q, k, v, flex_block_mask(idx, spec, shape), spec)
             flex_grads = _grads(flex, leaves, grad)
