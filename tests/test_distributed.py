@@ -275,8 +275,8 @@ def test_returned_gradients_add_in_fp32_once_rounded(dtype):
     for incoming, counts in (([3, 7, 8], [3]), ([3, 7, 8, 3, 7], [3, 2])):  # flat ids bh * n_local + block
         ids = torch.tensor(incoming)
         back = torch.randn(len(incoming), 2, kv_block, d, generator=g).to(dtype)
-        fetched = Fetched(dk, dv, width, torch.zeros(0, dtype=torch.long), Requests(torch.zeros(0, dtype=torch.long), []),
-                          ids, counts)
+        nothing_asked = Requests(torch.zeros(0, dtype=torch.long), [], [])
+        fetched = Fetched(dk, dv, width, torch.zeros(0, dtype=torch.long), nothing_asked, ids, counts)
         got = add_returned(dk, dv, _wire(back, counts), fetched, tables, kv_block)
         for i, x in enumerate((dk, dv)):
             want = x[:, :, width * kv_block:].float().reshape(b * hkv * n_local, kv_block, d).clone()
@@ -295,7 +295,7 @@ def test_prefix_layout_of_received_blocks():
     k, v = (torch.randn(b, hkv, n, d, generator=g) for _ in range(2))
     ids = torch.tensor([0 * n_blocks + 2, 0 * n_blocks + 5, 2 * n_blocks + 1])  # head 0 asks 2, head 2 one, head 1 none
     received = torch.randn(3, 2, kv_block, d, generator=g)
-    k_l, v_l, width, slot = prefixed(k, v, Requests(ids, [3]), _wire(received, [3]), n_blocks, kv_block)
+    k_l, v_l, width, slot = prefixed(k, v, Requests(ids, [3], [[2, 0, 1]]), _wire(received, [3]), kv_block)
     assert width == 2 and slot.tolist() == [0, 1, 0]
     for i, (x, local) in enumerate(((k, k_l), (v, v_l))):
         assert local.shape == (b, hkv, width * kv_block + n, d)
@@ -307,7 +307,8 @@ def test_prefix_layout_of_received_blocks():
     # two owners: requests come (owner, head, block) ordered; a head's slots follow the owners in turn
     ids = torch.tensor([0 * n_blocks + 2, 2 * n_blocks + 1, 0 * n_blocks + 5, 1 * n_blocks + 0])
     received = torch.randn(4, 2, kv_block, d, generator=g)
-    k_l, v_l, width, slot = prefixed(k, v, Requests(ids, [2, 2]), _wire(received, [2, 2]), n_blocks, kv_block)
+    requests = Requests(ids, [2, 2], [[1, 0, 1], [1, 1, 0]])  # per owner: head 0 and 2, then head 0 and 1
+    k_l, v_l, width, slot = prefixed(k, v, requests, _wire(received, [2, 2]), kv_block)
     assert width == 2 and slot.tolist() == [0, 0, 1, 0]
     for i, (x, local) in enumerate(((k, k_l), (v, v_l))):
         assert torch.equal(local[:, :, width * kv_block:], x)
@@ -315,7 +316,3 @@ def test_prefix_layout_of_received_blocks():
         for j, (h, s) in enumerate(((0, 0), (2, 0), (0, 1), (1, 0))):
             assert torch.equal(prefix[h, s], received[j, i])
         assert not prefix[1, 1].any() and not prefix[2, 1].any()
-    # the run lengths requests_of hands over (per owner and head) give the same layout without counting ids
-    given = prefixed(k, v, Requests(ids, [2, 2], [[1, 0, 1], [1, 1, 0]]), _wire(received, [2, 2]), n_blocks, kv_block)
-    assert given[2] == width and torch.equal(given[3], slot)
-    assert torch.equal(given[0], k_l) and torch.equal(given[1], v_l)

@@ -32,12 +32,11 @@ __all__ = ["Requests", "requests_of", "Fetched", "fetch", "wire_rows", "owned_bl
 
 class Requests(NamedTuple):
     """What a rank asks for: `ids` int64 flat request ids sorted by (owner, bh, block), `counts[s]` of them
-    held by rank s, `head_counts[s][bh]` of those for (batch x KV head) bh (host lists; None: counted from
-    `ids` when needed, at the cost of a sync)."""
+    held by rank s, `head_counts[s][bh]` of those for (batch x KV head) bh (host lists)."""
 
     ids: torch.Tensor
     counts: list[int]
-    head_counts: list[list[int]] | None = None
+    head_counts: list[list[int]]
 
 
 def requests_of(rows: torch.Tensor, layout: Layout, tables, tile_chunk: torch.Tensor, causal: bool) -> Requests:
@@ -135,17 +134,12 @@ def owned_blocks(k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, counts: l
     return _gather_blocks(k, v, _block_rows(flat, tables, k.shape[2] // kv_block), counts, kv_block)
 
 
-def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: torch.Tensor, n_blocks: int,
+def prefixed(k: torch.Tensor, v: torch.Tensor, requests: Requests, received: torch.Tensor,
              kv_block: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """(K_local, V_local, width, slot): the received blocks (in `_gather_blocks`'s form, segments by owner, each
     in request order) laid out as the prefix of this rank's shards."""
     b, hkv, n, d = k.shape
-    heads, world = b * hkv, len(requests.counts)
-    head_counts = requests.head_counts
-    if head_counts is None:
-        owner = torch.repeat_interleave(torch.arange(world), torch.tensor(requests.counts)).to(k.device)
-        head_counts = torch.bincount(owner * heads + requests.ids // n_blocks, minlength=world * heads)
-        head_counts = head_counts.view(world, heads).tolist()
+    heads, head_counts = b * hkv, requests.head_counts
     per_head = [sum(column) for column in zip(*head_counts)]
     width = max(per_head, default=0)
     # slot of each request in its head's prefix: its rank among that head's requests (owner, then block), so
@@ -191,7 +185,7 @@ def fetch(k: torch.Tensor, v: torch.Tensor, requests: Requests, layout: Layout, 
     incoming = group.all_to_all(requests.ids, requests.counts, counts_in)
     served = owned_blocks(k, v, incoming, counts_in, tables, kv_block)
     received = group.all_to_all(served, wire_rows(counts_in), wire_rows(requests.counts))
-    k_local, v_local, width, slot = prefixed(k, v, requests, received, tables[0].numel(), kv_block)
+    k_local, v_local, width, slot = prefixed(k, v, requests, received, kv_block)
     return Fetched(k_local, v_local, width, slot, requests, incoming, counts_in)
 
 
