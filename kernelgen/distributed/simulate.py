@@ -156,7 +156,7 @@ def _sparse(calls: list[_Call], shards: dict) -> list[RankRun]:
         q, rows = shards["q"][r], shards["rows"][r]
         received = _from_each(served, [wire_rows(row) for row in incoming_counts], r)
         k_l, v_l, width, slot = _piece(pieces[r], "fwd", "prefix", prefixed, *shards["kv"][r], requests[r], received,
-                                       n_blocks, kv_block)
+                                       kv_block)
         fetched.append(Fetched(k_l, v_l, width, slot, requests[r], incoming[r], incoming_counts[r]))
         prepared.append(local_prepared(rows, fetched[r], call))
         o, lse = _piece(pieces[r], "fwd", "attention", local_forward, q, k_l, v_l, prepared[r], call)
