@@ -122,7 +122,7 @@ class SparseAttention:
         otherwise the attention's backend where it has the role, the fallback where it has not."""
         if self.spec.backend == backends.AUTO and role != "attn":
             if role in self._fixed:
-                return backends.of_config(role, self._fixed[role])
+                return self._pinned_backend(role, self._fixed[role])
             fastest = fastest_backend(self.spec, bucket, dtype, device, role)
             if fastest is not None:
                 return backends.get(fastest)
