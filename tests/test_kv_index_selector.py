@@ -73,12 +73,16 @@ def test_lists_match_the_reference(device, case):
 @pytest.mark.parametrize("cfg,scratch", [
     (KvIndexSelectConfig(queries=16, heads=1, chunk=1, span=2, rows=8, width=4), None),  # 5 spans, 3 merges a row
     (KvIndexSelectConfig(queries=32, heads=2, chunk=8, span=8, rows=16, width=16, num_warps=8), None),  # one merge
-    (KvIndexSelectConfig(queries=16, heads=1, chunk=2, span=4, rows=16, width=8), 4 * 9 * 16)])  # 16 queries a chunk
-def test_configs_choose_the_same_lists(device, cfg, scratch, monkeypatch):
+    (KvIndexSelectConfig(queries=16, heads=1, chunk=2, span=4, rows=16, width=8), 4 * 9 * 16),  # 16 queries a chunk
+    # index vectors held: one per head, two heads a product (Hi = 3: the second's packed rows half empty)
+    (KvIndexSelectConfig(queries=16, heads=1, chunk=1, span=2, rows=8, width=4, hold=True), None),
+    (KvIndexSelectConfig(queries=32, heads=2, chunk=2, span=4, rows=16, width=16, num_stages=2, hold=True), None)])
+@pytest.mark.parametrize("index_heads", [2, 3])
+def test_configs_choose_the_same_lists(device, cfg, scratch, index_heads, monkeypatch):
     if scratch:  # a scratch of one 16-query chunk: the launcher walks the queries in 4 chunks
         monkeypatch.setattr(kernelgen.backends.triton, "KV_INDEX_SCORES_BYTES", scratch)
     spec = kv_index_spec(top_k=4, causal=True, local=1, sink=1)
-    q, k, _, index = make(spec, 1, 1, 50, 140, device, index_heads=2, index_dim=32)
+    q, k, _, index = make(spec, 1, 1, 50, 140, device, index_heads=index_heads, index_dim=32)
     lists = kernelgen.get_kernel(spec, configs={"kv_select_index": cfg}).select(q, k, index=index)
     assert_same_score_sets(lists, reference.select_blocks(q, k, spec, index), reference.block_scores(q, k, spec, index))
 
@@ -142,12 +146,13 @@ def test_an_exported_module_selects_as_get_kernel(tmp_path, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,causal,shared", [(4096, True, False), (16384, True, True), (65536, False, False)])
-def test_kv_index_selector_gpu(dtype, n, causal, shared):
+@pytest.mark.parametrize("hold", [False, True])
+def test_kv_index_selector_gpu(dtype, n, causal, shared, hold):
     g = 4
     spec = Spec(head_dim=128, kv_block=64, top_k=16, causal=causal, gqa_group=g, selector="index",
                 schedule="kv_centric", local=1, sink=1)
     q, k, v, index = make(spec, 1, 2, n, n, "cuda", dtype, index_heads=4, index_dim=64, shared=shared)
-    attn = kernelgen.get_kernel(spec)
+    attn = kernelgen.get_kernel(spec, configs={"kv_select_index": KvIndexSelectConfig(hold=True)} if hold else None)
     lists = attn.select(q, k, index=index)
     assert torch.equal(attn.select(q, k, index=index), lists)  # deterministic
     assert_valid_selection(lists, q, k, spec, index=index, tol=1e-2)  # bf16/fp16 index products

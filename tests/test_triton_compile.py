@@ -124,6 +124,11 @@ def _cases(arch) -> list[Case]:
             cases.append(Case(spec, _defaults(spec, arch, [selection, attn]), 2000, index={**INDEX, "dtype": dtype}))
         cases.append(Case(spec, {selection: _largest(spec, arch, role=selection),
                                  attn: default_config(spec, attn, arch)}, 2000, index={**INDEX, "dtype": "float16"}))
+    # the per-query index selector holding its index vectors: the default's shape, and the largest such point
+    held = dataclasses.replace(default_config(KV_INDEX_SPEC, "kv_select_index", arch), hold=True)
+    for cfg in (held, _largest(KV_INDEX_SPEC, arch, lambda c: c.hold, role="kv_select_index")):
+        cases.append(Case(KV_INDEX_SPEC, {"kv_select_index": cfg, "kv_attn": default_config(KV_INDEX_SPEC, "kv_attn", arch)},
+                          2000, index={**INDEX, "dtype": "bfloat16"}))
     return cases
 
 

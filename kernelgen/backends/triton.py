@@ -16,9 +16,11 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..archs import arch_facts
+from ..device import device_arch
 from ..errors import KernelgenValueError
 from ..inputs import LOG2E, empty, next_pow2, softmax_scale
 from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks
+from ..roles import INDEX_HEADS
 from ..spec import Spec
 from .base import Backend, Problem, RoleImpl, Shapes
 
@@ -161,7 +163,9 @@ class KvIndexSelectConfig(_JsonConfig):
     rows; at most next_pow2(Hi) at launch), chunk: KV blocks scored per step (chunk * kv_block keys), span:
     KV blocks per program (programs over one query tile split its blocks), num_warps and num_stages. Top-k:
     rows: queries per program (their running lists in registers), width: blocks merged into them at once
-    (at least next_pow2(top_k))."""
+    (at least next_pow2(top_k)). hold: a block-scores program reads its queries' index vectors once and keeps
+    them in shared memory, instead of reading them with every step's keys; a call whose index vectors would
+    not fit (`kv_index_select_smem_bytes` at its Hi and Di) runs without holding them (the same scores)."""
 
     queries: int = 64
     heads: int = 1
@@ -171,6 +175,7 @@ class KvIndexSelectConfig(_JsonConfig):
     width: int = 32
     num_warps: int = 8
     num_stages: int = 1
+    hold: bool = False
 
 
 # ---- attention: feasibility, defaults, space -------------------------------------------------------
@@ -488,14 +493,21 @@ def kv_index_select_width(spec: Spec, cfg: KvIndexSelectConfig) -> int:
     return max(cfg.width, next_pow2(spec.top_k))
 
 
-def kv_index_select_smem_bytes(spec: Spec, cfg: KvIndexSelectConfig, arch: str, elem_bytes: int = 2) -> int:
-    """Shared memory of the per-query index selector, with 16-bit index vectors of the largest dim: a step's keys
-    and num_stages copies of the packed query rows (the products' operands), and with heads > 1 the fp32 product
-    tile that the heads' sum reshapes. Triton 3.6 needs the larger of the two with mma.sync (sm_80 to sm_89) and
-    their sum (give or take) with wgmma (sm_90): offline compiles over queries 16-128, heads 1-4, chunk 1-8,
-    kv_block 16-256, 1 and 2 stages, Di 64 and 128 (tests/test_triton_compile.py checks it bounds them)."""
+def kv_index_select_smem_bytes(spec: Spec, cfg: KvIndexSelectConfig, arch: str, elem_bytes: int = 2,
+                               index_heads: int = INDEX_HEADS, index_dim: int = INDEX_SMEM_DIM) -> int:
+    """Shared memory of the per-query index selector, with 16-bit index vectors (of the largest dim unless
+    told): a step's keys and num_stages copies of the packed query rows (the products' operands), or with
+    hold, num_stages steps' keys and every index head's query rows (`index_heads` of them, Hi; the tuned
+    inputs' unless told), and with heads > 1 the fp32 product tile that the heads' sum reshapes. Triton 3.6
+    needs the larger of the two with mma.sync (sm_80 to sm_89) and their sum (give or take) with wgmma
+    (sm_90): offline compiles over queries 16-128, heads 1-4, chunk 1-8, kv_block 16-256, 1 and 2 stages, Di 64
+    and 128 (tests/test_triton_compile.py checks it bounds them)."""
     keys, rows = cfg.chunk * spec.kv_block, cfg.heads * cfg.queries
-    operands = (keys + cfg.num_stages * rows) * INDEX_SMEM_DIM * elem_bytes
+    if cfg.hold:
+        held = -(-index_heads // cfg.heads) * rows
+        operands = (cfg.num_stages * keys + held) * index_dim * elem_bytes
+    else:
+        operands = (keys + cfg.num_stages * rows) * index_dim * elem_bytes
     head_sum = 4 * rows * keys if cfg.heads > 1 else 0
     if arch_facts(arch).mma == "mma.sync":
         return max(operands, head_sum)
@@ -532,20 +544,24 @@ def kv_index_select_infeasible(spec: Spec, cfg: KvIndexSelectConfig, arch: str) 
 
 def kv_index_select_default(spec: Spec, arch: str) -> KvIndexSelectConfig:
     # about 128 keys per step against 64 queries, one index head per product (a heads' sum would reshape the
-    # product tile through shared memory: 6-7x slower on an H200); 16 queries' lists merged 32 blocks at a time
+    # product tile through shared memory: 6-7x slower on an H200); 16 queries' lists merged 32 blocks at a time.
+    # Index vectors held in shared memory by 4 warps: 3.29 ms against 4.41 unheld on 8 warps at kv_nsa32k (H200)
     chunk = max(1, 128 // spec.kv_block)
     width = max(32, next_pow2(spec.top_k))
     rows = 16 if 16 * max(width, 2 * next_pow2(spec.top_k)) <= 8192 else 8
     return _first_feasible(spec, arch, kv_index_select_infeasible, (
         KvIndexSelectConfig(queries=q, heads=h, chunk=chunk, span=max(chunk, 32), rows=rows, width=width,
-                            num_warps=w, num_stages=1)
-        for q, h, w in ((64, 1, 8), (64, 1, 4), (32, 1, 4), (32, 2, 8), (16, 4, 8), (16, 1, 4))))
+                            num_warps=w, num_stages=1, hold=hold)
+        for q, h, w, hold in ((64, 1, 4, True), (64, 1, 8, False), (32, 1, 4, False), (32, 2, 8, False),
+                              (16, 4, 8, False), (16, 1, 4, False))))
 
 
 def kv_index_select_space(spec: Spec, arch: str):
-    return (KvIndexSelectConfig(queries=q, heads=h, chunk=c, span=sp, rows=r, width=wd, num_warps=w, num_stages=n)
-            for q, h, c, sp, r, wd, w, n in itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 4, 8), (16, 32, 64),
-                                                              (8, 16, 32), (32, 64, 128, 256), (4, 8), (1, 2)))
+    return (KvIndexSelectConfig(queries=q, heads=h, chunk=c, span=sp, rows=r, width=wd, num_warps=w, num_stages=n,
+                                hold=hold)
+            for q, h, c, sp, r, wd, w, n, hold in itertools.product(
+                (16, 32, 64, 128), (1, 2, 4), (1, 2, 4, 8), (16, 32, 64), (8, 16, 32), (32, 64, 128, 256), (4, 8), (1, 2),
+                (False, True)))
 
 
 # ---- backward: feasibility, defaults, spaces --------------------------------------------------------
@@ -869,6 +885,9 @@ def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Sh
     checked index tensors (`inputs.check_index`), as `launch_select_index`'s: block scores into a scratch of
     at most KV_INDEX_SCORES_BYTES, a chunk of queries at a time, then each chunk's top-k."""
     index_heads = q_idx.shape[1] // shapes.heads_kv
+    arch = device_arch(q_idx.device)
+    hold = cfg.hold and kv_index_select_smem_bytes(spec, cfg, arch, q_idx.element_size(), index_heads,
+                                                   q_idx.shape[3]) <= arch_facts(arch).smem_per_block
     n_blocks, bh = shapes.n_kv_blocks, shapes.batch * shapes.heads_kv
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q_idx.device, dtype=torch.int32)
     stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
@@ -882,7 +901,7 @@ def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Sh
             *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2], *scores.stride()[:2],
             INDEX_DIM=q_idx.shape[3], KV_BLOCK=spec.kv_block, QUERIES=cfg.queries,
             HEADS_STEP=min(cfg.heads, next_pow2(index_heads)), CHUNK=cfg.chunk, SPAN=cfg.span, CAUSAL=spec.causal,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            HOLD=hold, INDEX_HEADS=index_heads if hold else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         mod.kv_index_topk[(triton.cdiv(n_chunk, cfg.rows), bh)](
             scores, block_idx, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, *scores.stride()[:2],
             *block_idx.stride()[:3], KV_BLOCK=spec.kv_block, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k),
