@@ -1,12 +1,11 @@
 """Checks shared by the kernel tests: errors against the float64 reference, selection validity, offline
-compiles for a GPU arch (tests/offline_compile.py), and a read-only directory."""
+compiles for a GPU arch (tools/offline_compile.py), and a read-only directory."""
 import contextlib
-import json
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -101,51 +100,25 @@ def cubin_bytes(kernel) -> bytes:
         return e.object
 
 
-def compile_offline(cases: list[dict], arch: str, processes: int = 1, timeout: float = 1200) -> list[dict]:
-    """Run tests/offline_compile.py for `arch` on `cases` (its JSON case format) in up to `processes`
-    parallel processes; its result per case, in order: {"kernels": [[name, shared_bytes], ...]} or
-    {"error": "..."}."""
-    import kernelgen
+def _offline_compile_tool():
+    """tools/offline_compile.py as a module (tools/ is not a package)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / "offline_compile.py"
+    spec = importlib.util.spec_from_file_location("offline_compile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    # the kernelgen this process imported, whatever the script's directory puts first on sys.path
-    root = str(Path(kernelgen.__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    script = Path(__file__).with_name("offline_compile.py")
-    chunks = [list(range(len(cases)))[i::processes] for i in range(max(1, min(processes, len(cases))))]
-    results: list = [None] * len(cases)
-    with contextlib.ExitStack() as stack:
-        runs = []
-        for chunk in chunks:  # output to files: a full pipe cannot stall a process
-            stdin, stdout, stderr = (stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(3))
-            stdin.write(json.dumps([cases[i] for i in chunk]))
-            stdin.seek(0)
-            proc = stack.enter_context(subprocess.Popen([sys.executable, str(script), arch], stdin=stdin,
-                                                        stdout=stdout, stderr=stderr, text=True, env=env))
-            runs.append((chunk, proc, stdout, stderr))
-        try:
-            for chunk, proc, stdout, stderr in runs:
-                proc.wait(timeout)
-                stdout.seek(0)
-                stderr.seek(0)
-                out, err = stdout.read(), stderr.read()
-                assert proc.returncode == 0, err[-3000:]
-                lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-                assert [r["case"] for r in lines] == list(range(len(chunk))), err[-3000:]
-                for i, result in zip(chunk, lines):
-                    results[i] = result
-        finally:  # a failure or a timeout leaves no compile running
-            for _, proc, _, _ in runs:
-                if proc.poll() is None:
-                    proc.kill()
-    return results
+
+def compile_offline(cases: list[dict], arch: str, processes: int = 1, timeout: float = 1200) -> list[dict]:
+    """tools/offline_compile.py's results for `arch` on `cases` (its JSON case format), in order:
+    {"kernels": [[name, shared_bytes], ...]} or {"error": "..."}."""
+    return _offline_compile_tool().compile_offline(cases, arch, processes, timeout)
 
 
 def assert_exported_module_matches_get_kernel(backend: str, tmp_path) -> None:
     """The module `kernelgen export` writes for a `backend` spec computes what get_kernel computes with the
     configs baked into it: same lists, bit-identical o and lse (GPU: bf16, 8k keys, causal, G=4)."""
     import dataclasses
-    import importlib.util
-    import sys
 
     import kernelgen
     from kernelgen import Spec

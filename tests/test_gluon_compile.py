@@ -1,5 +1,5 @@
 """Every feasible config of the Gluon forward compiles for sm_90 (ptxas included) on this GPU-less machine,
-through its real launch path (kernelgen.backends.gluon.launch_attn, run by tests/offline_compile.py: TMA
+through its real launch path (kernelgen.backends.gluon.launch_attn, run by tools/offline_compile.py: TMA
 descriptors over CPU tensors), and asks for the shared memory the tuner's estimate says: what only a Hopper
 GPU would otherwise show (a layout the compiler refuses, an over-full shared memory) fails here, in CI."""
 import dataclasses

@@ -1,5 +1,5 @@
 """Every Triton kernel compiles for sm_80, sm_89 and sm_90 (ptxas included) on this GPU-less machine, through
-the Triton backend's real launchers (tests/offline_compile.py), with each arch's default configs and the points
+the Triton backend's real launchers (tools/offline_compile.py), with each arch's default configs and the points
 of its space nearest its shared memory limit, and fits that arch's shared memory: what the interpreter cannot
 see (a compiler assertion, an over-full shared memory on a 99 KB GPU) fails here, in CI, not on the next GPU run.
 One compile process per arch, side by side."""
@@ -70,7 +70,7 @@ class Case(NamedTuple):
 
     @property
     def roles(self) -> list[str]:
-        """The roles tests/offline_compile.py compiles for the case."""
+        """The roles tools/offline_compile.py compiles for the case."""
         lists, selection, attn = forward_roles(self.spec)
         return [selection or lists, attn, *(["decode"] if self.decode else []),
                 *(backward_roles(self.spec) if self.backward else ())]
@@ -133,7 +133,7 @@ def _cases(arch) -> list[Case]:
 
 
 def _job(case: Case) -> dict:
-    """tests/offline_compile.py's form of a case."""
+    """tools/offline_compile.py's form of a case."""
     job = {"spec": case.spec.to_dict(), "n": case.n, "backward": case.backward,
            **{role: dataclasses.asdict(cfg) for role, cfg in case.configs.items()}}
     return job if case.index is None else {**job, "index": case.index}
@@ -184,3 +184,15 @@ def test_kernels_compile_for_each_arch_and_fit_its_shared_memory():
                 keys = spec.kv_block * attn.kv_per_iter
                 margin = keys // 2 * spec.head_dim * 2 if facts.mma == "mma.sync" and attn.num_stages > 1 else 0
                 assert estimate <= asked + margin + 1024, (arch, attn, estimate, kernels)
+
+
+def test_offline_compile_reports_each_kernels_registers_spills_and_products():
+    """tools/offline_compile.py's "resources" (what tools/kv_bwd_sweep.py --ptxas prints): ptxas's register
+    count within the arch's 255, no spills at the default, and the attention's products as wgmma on sm_90."""
+    spec = SPECS[3][0]  # given lists: the lists kernel, then the attention
+    (result,) = compile_offline([{"spec": spec.to_dict(), "n": 1000, "resources": True}], "sm_90")
+    assert "error" not in result, result
+    used = {r["name"]: r for r in result["resources"]}
+    assert set(used) == {name for name, _ in result["kernels"]}
+    attn = used["attn_fwd"]
+    assert 0 < attn["registers"] <= 255 and attn["spill_stores"] == 0 and attn["wgmma"] >= 2, attn

@@ -8,26 +8,20 @@ prepared once, one forward): the backward alone (`torch.autograd.grad` of the fo
 its dQ merge and `bwd_delta`) at each feasible config of block_n 64/32, block_m 64/128/32, 8/4 warps, 2/3/1
 stages (bf16 dQ partials), `do_bench` median, until `--budget` seconds have passed.
 
-With --ptxas, each config's `kv_bwd_dkdv` is compiled for sm_90 (Triton, then `ptxas -v` from the CUDA
-toolkit on PATH) and the table gives its wgmma products, registers, spills and shared memory: what decides
-how many programs share an SM.
+With --ptxas, each config's `kv_bwd_dkdv` is compiled for sm_90 through the real launch path
+(tools/offline_compile.py, with the shape's spec at 4096 tokens) and the table gives its wgmma products,
+registers, spill stores and shared memory: what decides how many programs share an SM.
 """
 import argparse
 import itertools
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 
-if "--ptxas" in sys.argv:  # compile, never interpret: before kernelgen's import picks the interpreter
-    os.environ["TRITON_INTERPRET"] = "0"
-
-from kernelgen import KvBwdConfig  # noqa: E402
-from kernelgen.backends.triton import kv_bwd_infeasible  # noqa: E402
-from kernelgen.workloads import KV_CENTRIC_SHAPES  # noqa: E402
+from kernelgen import KvBwdConfig
+from kernelgen.backends.triton import kv_bwd_infeasible
+from kernelgen.workloads import KV_CENTRIC_SHAPES
 
 CONFIGS = [KvBwdConfig(block_n=n, block_m=m, num_warps=w, num_stages=s)
            for n, m, w, s in itertools.product((64, 32), (64, 128, 32), (8, 4), (2, 3, 1))]
@@ -67,51 +61,21 @@ def sweep(name: str, budget: float, t0: float) -> list[dict]:
 
 
 def ptxas(name: str) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kernelgen.codegen.cache import load_module
-    from kernelgen.codegen.render import render
+    from offline_compile import compile_offline  # this directory's
 
     given = KV_CENTRIC_SHAPES[name].spec("given")
-    fn = load_module("kv_bwd_ptxas", render("triton/kv_bwd.py.j2", given)).kv_bwd_dkdv
-    pointers = {"Q", "K", "V", "DO", "DK", "DV", "DQ_PART"}
-    floats = {"qk_scale", "scale"}
+    configs = feasible(given)
+    cases = [{"spec": given.to_dict(), "n": 4096, "kv_bwd": json.loads(cfg.to_json()), "resources": True}
+             for cfg in configs]
     print(f"{name}: block_n block_m warps stages | wgmma registers spill-stores shared")
-    for cfg in feasible(given):
-        constexprs = dict(HEAD_DIM=given.head_dim, KV_BLOCK=given.kv_block, GROUP=given.gqa_group,
-                          GROUP_PAD=1 << (given.gqa_group - 1).bit_length(), BLOCK_N=cfg.block_n,
-                          BLOCK_M=cfg.block_m, CAUSAL=given.causal)
-        signature = {}
-        for arg in fn.arg_names:
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif arg in pointers:
-                signature[arg] = "*bf16"
-            elif arg in ("LSE", "DELTA"):
-                signature[arg] = "*fp32"
-            elif arg in ("OFFSETS", "QUERIES_OF", "SLOTS_OF"):
-                signature[arg] = "*i32"
-            else:
-                signature[arg] = "fp32" if arg in floats else "i32"
-        # as the JIT specialises them: pointers and integers divisible by 16
-        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
-                 if signature[arg] not in ("constexpr", "fp32")}
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "k.ptx")
-            with open(path, "w") as f:
-                f.write(kernel.asm["ptx"])
-            info = subprocess.run(["ptxas", "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                                  capture_output=True, text=True).stderr
-        registers = re.search(r"Used (\d+) registers", info)
-        spills = re.search(r"(\d+) bytes spill stores", info)
+    for cfg, result in zip(configs, compile_offline(cases, "sm_90", processes=os.cpu_count() or 1)):
+        if "error" in result:
+            print(f"  {cfg}: {result['error'].strip()}")
+            continue
+        (used,) = [r for r in result["resources"] if r["name"] == "kv_bwd_dkdv"]
+        shared = dict(result["kernels"])["kv_bwd_dkdv"]
         print(f"  {cfg.block_n:3d} {cfg.block_m:3d} {cfg.num_warps} {cfg.num_stages} | "
-              f"{kernel.asm['ttgir'].count('warp_group_dot '):5d} {registers.group(1) if registers else '?':>9} "
-              f"{spills.group(1) if spills else '?':>12} {kernel.metadata.shared:6d}")
+              f"{used['wgmma']:5d} {used['registers']:9d} {used['spill_stores']:12d} {shared:6d}")
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""Compile kernelgen's Triton and Gluon kernels for a GPU arch on a machine without a GPU (run as a script:
-`python tests/offline_compile.py sm_89`).
+"""Maintainers: compile kernelgen's Triton and Gluon kernels for a GPU arch on a machine without a GPU.
+
+    echo '[{"spec": {...}, "n": 4096, "backward": true, "resources": true}]' | python tools/offline_compile.py sm_90
 
 Triton is given a stand-in driver that names the target (the arch, warp size 32) and never launches:
 every `kernel[grid](...)` that the backends' launchers (`RoleImpl.launch`) make compiles (ptxas included: a
@@ -17,19 +18,70 @@ A case: {"spec": Spec fields, "n": seq length} and, per role, that role's config
 (dispatch checks them), and compiled where the spec runs the role; a role without one gets the arch's default.
 "backward": true, or a backward role's config, compiles the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv)
 too; a "decode" config, the decode role's (after the forward's, over its lists); "index": {"heads": Hi, "dim": Di,
-"dtype": "float16" or "bfloat16"} gives the index selector its tensors.
+"dtype": "float16" or "bfloat16"} gives the index selector its tensors. "resources": true adds, per kernel,
+{"name", "registers", "spill_stores", "wgmma"} under "resources" (`ptxas -v` of its PTX, Triton's own ptxas;
+wgmma: the warp-group products in its TTGIR): what decides how many programs share an SM.
+
+`compile_offline` runs this script in subprocesses from another process (the tests, whose process runs the
+interpreter, and tools/kv_bwd_sweep.py).
 """
+import contextlib
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # real compiles (the test process runs the interpreter)
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "0"  # real compiles, before kernelgen's import picks the interpreter
 
 import torch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+def compile_offline(cases: list[dict], arch: str, processes: int = 1, timeout: float = 1200) -> list[dict]:
+    """Run this script for `arch` on `cases` (its JSON case format) in up to `processes` parallel processes;
+    its result per case, in order: {"kernels": [[name, shared_bytes], ...]} (and "resources" where asked) or
+    {"error": "..."}."""
+    import kernelgen
+
+    # the kernelgen the calling process imported, whatever the script's directory puts first on sys.path
+    root = str(Path(kernelgen.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    chunks = [list(range(len(cases)))[i::processes] for i in range(max(1, min(processes, len(cases))))]
+    results: list = [None] * len(cases)
+    with contextlib.ExitStack() as stack:
+        runs = []
+        for chunk in chunks:  # output to files: a full pipe cannot stall a process
+            stdin, stdout, stderr = (stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(3))
+            stdin.write(json.dumps([cases[i] for i in chunk]))
+            stdin.seek(0)
+            proc = stack.enter_context(subprocess.Popen([sys.executable, __file__, arch], stdin=stdin,
+                                                        stdout=stdout, stderr=stderr, text=True, env=env))
+            runs.append((chunk, proc, stdout, stderr))
+        try:
+            for chunk, proc, stdout, stderr in runs:
+                proc.wait(timeout)
+                stdout.seek(0)
+                stderr.seek(0)
+                out, err = stdout.read(), stderr.read()
+                if proc.returncode != 0:
+                    raise RuntimeError(err[-3000:])
+                lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+                if [r["case"] for r in lines] != list(range(len(chunk))):
+                    raise RuntimeError(err[-3000:])
+                for i, result in zip(chunk, lines):
+                    results[i] = result
+        finally:  # a failure or a timeout leaves no compile running
+            for _, proc, _, _ in runs:
+                if proc.poll() is None:
+                    proc.kill()
+    return results
 
 
 class OfflineDriver:
@@ -51,7 +103,7 @@ class OfflineDriver:
         return torch.device("cpu")
 
 
-compiled: list = []
+compiled: list = []  # the current case's kernels: (name, Triton's compiled kernel)
 _run = JITFunction.run
 
 
@@ -59,8 +111,26 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
     if not kernel.asm.get("cubin"):
         raise RuntimeError(f"{self.fn.__name__}: no cubin (ptxas did not run)")
-    compiled.append([self.fn.__name__, kernel.metadata.shared])
+    compiled.append((self.fn.__name__, kernel))
     return kernel
+
+
+def _resources(name: str, kernel, capability: int) -> dict:
+    """Registers and spill stores of a compiled kernel (`ptxas -v` of its PTX) and its wgmma products."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run([get_ptxas(capability).path, f"-arch={arch}", "-v", ptx, "-o",
+                               os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores", info)
+    return dict(name=name, registers=int(registers.group(1)) if registers else None,
+                spill_stores=int(spills.group(1)) if spills else None,
+                wgmma=kernel.asm.get("ttgir", "").count("warp_group_dot "))
 
 
 def _launch_args(role: str, t: dict, shapes) -> tuple:
@@ -93,12 +163,14 @@ _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), 
 
 
 def main(arch: str) -> None:
+    """Compile each case of the JSON list on stdin; a JSON line per case on stdout."""
     from kernelgen import Spec, backends, get_kernel
     from kernelgen.archs import check_arch
     from kernelgen.inputs import Shapes, check_block_idx, check_index
     from kernelgen.roles import ROLES, WorkloadShape, backward_roles, forward_roles, get_role, index_inputs
 
-    driver.set_active(OfflineDriver(int(check_arch(arch).removeprefix("sm_"))))
+    capability = int(check_arch(arch).removeprefix("sm_"))
+    driver.set_active(OfflineDriver(capability))
     JITFunction.run = _compile_only
 
     def run(spec, role, config, shapes, *args):
@@ -146,7 +218,10 @@ def main(arch: str) -> None:
                 t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))
                 if role in (lists_role, selection):  # never launched: whatever ids, only compiles
                     t["lists"] = t["lists"].clamp(-1, shapes.n_kv_blocks - 1)
-            print(json.dumps({"case": i, "kernels": compiled}), flush=True)
+            result = {"case": i, "kernels": [[name, kernel.metadata.shared] for name, kernel in compiled]}
+            if case.get("resources"):
+                result["resources"] = [_resources(name, kernel, capability) for name, kernel in compiled]
+            print(json.dumps(result), flush=True)
         except Exception as error:  # report per case; the test names it
             print(json.dumps({"case": i, "error": "".join(traceback.format_exception_only(error))[-2000:]}),
                   flush=True)
