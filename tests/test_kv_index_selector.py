@@ -152,7 +152,7 @@ def test_kv_index_selector_gpu(dtype, n, causal, shared, hold):
     spec = Spec(head_dim=128, kv_block=64, top_k=16, causal=causal, gqa_group=g, selector="index",
                 schedule="kv_centric", local=1, sink=1)
     q, k, v, index = make(spec, 1, 2, n, n, "cuda", dtype, index_heads=4, index_dim=64, shared=shared)
-    attn = kernelgen.get_kernel(spec, configs={"kv_select_index": KvIndexSelectConfig(hold=True)} if hold else None)
+    attn = kernelgen.get_kernel(spec, configs={"kv_select_index": KvIndexSelectConfig(hold=hold)})
     lists = attn.select(q, k, index=index)
     assert torch.equal(attn.select(q, k, index=index), lists)  # deterministic
     assert_valid_selection(lists, q, k, spec, index=index, tol=1e-2)  # bf16/fp16 index products
