@@ -7,6 +7,10 @@ the block's side. The reverse index is that walk, as CSR:
     offsets  int32 [B, Hkv, n_kv_blocks + 1]: block j's tiles are tiles[b, h, offsets[b, h, j]:offsets[b, h, j + 1]]
     tiles    int32 [B, Hkv, n_q_tiles * top_k]: the tile ids grouped by block, ascending within a block;
              -1 past offsets[b, h, n_kv_blocks] (slots of empty list entries)
+    order    int32 [B * Hkv * n_kv_blocks]: the blocks as (b * Hkv + h) * n_kv_blocks + j, those listed by
+             the most tiles first (ties: ascending). A kernel with a program per block launches its programs
+             in this order, so that the longest walks start first and none is left running alone at the end
+             (content-chosen lists are uneven: a few blocks are listed by two to four times the mean).
 
 It is built on the lists' device by deterministic torch ops of static shapes (no host sync, CUDA-graph
 and torch.compile friendly): one sort of the keys block * n_q_tiles + tile, and a binary search for each
@@ -23,14 +27,15 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ReverseIndex", "build_reverse_index", "QueryReverseIndex", "build_query_reverse_index", "split_tasks", "max_tasks"]
+__all__ = ["ReverseIndex", "build_reverse_index", "heaviest_first", "QueryReverseIndex", "build_query_reverse_index", "split_tasks", "max_tasks"]
 
 
 class ReverseIndex(NamedTuple):
-    """The Q tiles that list each KV block (CSR; see the module's docstring)."""
+    """The Q tiles that list each KV block (CSR), and the blocks heaviest first (see the module's docstring)."""
 
     offsets: torch.Tensor
     tiles: torch.Tensor
+    order: torch.Tensor
 
 
 def build_reverse_index(block_idx: torch.Tensor, n_kv_blocks: int) -> ReverseIndex:
@@ -40,7 +45,15 @@ def build_reverse_index(block_idx: torch.Tensor, n_kv_blocks: int) -> ReverseInd
     offsets, keys, _, none = _sorted_pairs(block_idx, n_kv_blocks)
     n_tiles = block_idx.shape[2]
     tiles = torch.where(keys < none, keys % n_tiles, -1).to(torch.int32)
-    return ReverseIndex(offsets, tiles)
+    return ReverseIndex(offsets, tiles, heaviest_first(offsets))
+
+
+def heaviest_first(offsets: torch.Tensor) -> torch.Tensor:
+    """int32 [B * Hkv * n_kv_blocks]: the blocks of CSR `offsets` [B, Hkv, n_kv_blocks + 1] as flat ids
+    (b * Hkv + h) * n_kv_blocks + j, the longest first, ties in ascending order (a stable sort: the same
+    order every run)."""
+    counts = (offsets[..., 1:] - offsets[..., :-1]).flatten()
+    return torch.sort(counts, descending=True, stable=True).indices.to(torch.int32)
 
 
 def _sorted_pairs(block_idx: torch.Tensor, n_kv_blocks: int):

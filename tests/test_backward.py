@@ -168,10 +168,34 @@ def test_reverse_index_against_python(device):
     lists = torch.where(torch.cat([torch.ones_like(lists[..., :1], dtype=torch.bool),
                                    lists[..., 1:] != lists[..., :-1]], -1), lists, -1)  # repeats: empty slots
     lists = reference.normalize_block_idx(lists, n_blocks)
-    offsets, tiles = build_reverse_index(lists.to(device), n_blocks)
+    offsets, tiles, order = build_reverse_index(lists.to(device), n_blocks)
     want_offsets, want_tiles = python_reverse_index(lists, n_blocks)
-    assert offsets.dtype == tiles.dtype == torch.int32
+    assert offsets.dtype == tiles.dtype == order.dtype == torch.int32
     assert torch.equal(offsets.cpu(), want_offsets) and torch.equal(tiles.cpu(), want_tiles)
+    # every block once, those listed by the most tiles first, ties in ascending order
+    counts = (want_offsets[..., 1:] - want_offsets[..., :-1]).flatten().tolist()
+    want_order = sorted(range(len(counts)), key=lambda block: (-counts[block], block))
+    assert order.cpu().tolist() == want_order and len(set(want_order)) == 2 * 3 * n_blocks
+
+
+def test_the_dkdv_launch_order_changes_no_bit(device, monkeypatch):
+    """The programs' launch order (`ReverseIndex.order`, heaviest first) only schedules: each block's program
+    computes the same sums in the same order, so another order gives the same gradients, bit for bit."""
+    import kernelgen.reverse_index as reverse_index
+
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, gqa_group=2, selector="given")
+    q, k, v, do = leaves(2, 2, 2, 110, 150, 64, torch.float32, device, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    lists = torch.randint(-2, 7, (2, 2, 4, 4), generator=gen).to(device)  # -1, -2 and 5, 6: empty slots
+    heaviest, _ = run_backward(spec, q, k, v, do, lists)
+    heaviest = [g.clone() for g in heaviest]
+    grid_order = torch.arange(2 * 2 * 5, device=device, dtype=torch.int32)
+    used = build_reverse_index(kernelgen.get_kernel(spec).prepare(lists, 110, 150).block_idx, 5).order
+    assert not torch.equal(used, grid_order) and not torch.equal(used, grid_order.flip(0))
+    monkeypatch.setattr(reverse_index, "heaviest_first", lambda offsets: grid_order.flip(0))
+    reversed_, _ = run_backward(spec, q, k, v, do, lists)
+    for a, b in zip(heaviest, reversed_):
+        assert torch.equal(a, b)
 
 
 def test_prepared_lists_backpropagate_and_keep_their_reverse_index(device):

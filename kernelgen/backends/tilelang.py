@@ -54,8 +54,8 @@ HOPPER = "sm_90"
 ATTN_OUT_IDX = [5, 6]
 DTYPES = ("bfloat16", "float16")
 BWD_DKDV_TEMPLATE = "tilelang/bwd_dkdv.py.j2"
-# attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, OFFSETS, TILES, scale, dK, dV): dK and dV allocated and returned
-BWD_DKDV_OUT_IDX = [9, 10]
+# attn_bwd_dkdv(Q, K, V, dO, LSE, Delta, OFFSETS, TILES, ORDER, scale, dK, dV): dK and dV allocated and returned
+BWD_DKDV_OUT_IDX = [10, 11]
 
 
 def canonical_dtype(dtype: Any) -> str:
@@ -448,11 +448,12 @@ def compile_bwd_dkdv(prim_func, arch: str, **kwargs: Any):
 
 
 def launch_bwd_dkdv(kernel, spec: Spec, config, shapes: Shapes, q, k, v, do, lse, delta, reverse, scale):
-    """(dk, dv) (k's shape and dtype): per KV block, over the Q tiles the reverse index says list it. The
-    kernel reads dense tensors of this exact shape, so strided inputs are copied first."""
+    """(dk, dv) (k's shape and dtype): per KV block, over the Q tiles the reverse index says list it, the blocks
+    listed most launched first (`reverse.order`). The kernel reads dense tensors of this exact shape, so strided
+    inputs are copied first."""
     scale = softmax_scale(scale, spec)
-    offsets, tiles = reverse
-    dk, dv = kernel(*(x.contiguous() for x in (q, k, v, do, lse, delta, offsets, tiles)), scale)
+    dk, dv = kernel(*(x.contiguous() for x in (q, k, v, do, lse, delta, reverse.offsets, reverse.tiles,
+                                                 reverse.order)), scale)
     return dk, dv
 
 

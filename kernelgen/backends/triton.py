@@ -966,29 +966,23 @@ def launch_bwd_dq(mod, spec: Spec, cfg: BwdDqConfig, shapes: Shapes, q, k, v, do
     return dq
 
 
-def _launch_dkdv(kernel, spec: Spec, cfg, shapes: Shapes, q, k, v, do, lse, delta, offsets, walk, scale, **meta):
-    """(dk, dv) (k's shape and dtype) of a dK/dV kernel: one program per block_n keys of a KV block, walking
-    `walk` (Q tiles or queries) from `offsets` (CSR per block)."""
+def launch_bwd_dkdv(mod, spec: Spec, cfg: BwdDkdvConfig, shapes: Shapes, q, k, v, do, lse, delta,
+                    reverse: ReverseIndex, scale):
+    """(dk, dv) (k's shape and dtype): one program per block_n keys of a KV block, over the Q tiles the reverse
+    index says list it, the blocks listed most launched first (`reverse.order`)."""
     scale = softmax_scale(scale, spec)
     dk = empty(*k.shape, device=k.device, dtype=k.dtype)
     dv = empty(*v.shape, device=v.device, dtype=v.dtype)
-    grid = (shapes.n_kv_blocks * (spec.kv_block // cfg.block_n), shapes.batch * shapes.heads_kv)
-    kernel[grid](
-        q, k, v, do, lse, delta, dk, dv, offsets, walk,
+    grid = (reverse.order.numel() * (spec.kv_block // cfg.block_n),)
+    mod.attn_bwd_dkdv[grid](
+        q, k, v, do, lse, delta, dk, dv, reverse.offsets, reverse.tiles, reverse.order,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
-        *dk.stride()[:3], *dv.stride()[:3], *offsets.stride()[:2], *walk.stride()[:2],
-        shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E, scale,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, BLOCK_N=cfg.block_n,
-        BLOCK_M=cfg.block_m, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **meta)
+        *dk.stride()[:3], *dv.stride()[:3], *reverse.offsets.stride()[:2], *reverse.tiles.stride()[:2],
+        shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, scale * LOG2E, scale,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return dk, dv
-
-
-def launch_bwd_dkdv(mod, spec: Spec, cfg: BwdDkdvConfig, shapes: Shapes, q, k, v, do, lse, delta,
-                    reverse: ReverseIndex, scale):
-    """(dk, dv) (k's shape and dtype): per KV block, over the Q tiles the reverse index says list it."""
-    offsets, tiles = reverse
-    return _launch_dkdv(mod.attn_bwd_dkdv, spec, cfg, shapes, q, k, v, do, lse, delta, offsets, tiles, scale,
-                        Q_TILE=spec.q_tile)
 
 
 def launch_kv_bwd(mod, spec: Spec, cfg: KvBwdConfig, shapes: Shapes, q, k, v, do, lse, delta,
