@@ -545,7 +545,8 @@ def kv_index_select_infeasible(spec: Spec, cfg: KvIndexSelectConfig, arch: str) 
 def kv_index_select_default(spec: Spec, arch: str) -> KvIndexSelectConfig:
     # about 128 keys per step against 64 queries, one index head per product (a heads' sum would reshape the
     # product tile through shared memory: 6-7x slower on an H200); 16 queries' lists merged 32 blocks at a time.
-    # Index vectors held in shared memory by 4 warps: 3.29 ms against 4.41 unheld on 8 warps at kv_nsa32k (H200)
+    # Index vectors held in shared memory by 4 warps: 3.24 ms against 4.44 unheld on 8 warps at kv_nsa32k on an
+    # H200 (`kernelgen tune --preset kv --role kv_select_index`'s default, before and after)
     chunk = max(1, 128 // spec.kv_block)
     width = max(32, next_pow2(spec.top_k))
     rows = 16 if 16 * max(width, 2 * next_pow2(spec.top_k)) <= 8192 else 8
@@ -879,15 +880,23 @@ def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes,
 KV_INDEX_SCORES_BYTES = 1 << 28  # the index selector's block-score scratch at most (queries taken in chunks)
 
 
+@functools.lru_cache(maxsize=256)
+def _index_vectors_fit(spec: Spec, cfg: KvIndexSelectConfig, arch: str, elem_bytes: int, index_heads: int,
+                       index_dim: int) -> bool:
+    """Whether a block-scores program holding its queries' index vectors (`hold`) fits the arch's shared
+    memory at a call's Hi and Di (once per call shape, off the launch path)."""
+    return kv_index_select_smem_bytes(spec, cfg, arch, elem_bytes, index_heads, index_dim) <= \
+        arch_facts(arch).smem_per_block
+
+
 def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
                            k_idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1) chosen by the index selector from
     checked index tensors (`inputs.check_index`), as `launch_select_index`'s: block scores into a scratch of
     at most KV_INDEX_SCORES_BYTES, a chunk of queries at a time, then each chunk's top-k."""
     index_heads = q_idx.shape[1] // shapes.heads_kv
-    arch = device_arch(q_idx.device)
-    hold = cfg.hold and kv_index_select_smem_bytes(spec, cfg, arch, q_idx.element_size(), index_heads,
-                                                   q_idx.shape[3]) <= arch_facts(arch).smem_per_block
+    hold = cfg.hold and _index_vectors_fit(spec, cfg, device_arch(q_idx.device), q_idx.element_size(), index_heads,
+                                           q_idx.shape[3])
     n_blocks, bh = shapes.n_kv_blocks, shapes.batch * shapes.heads_kv
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q_idx.device, dtype=torch.int32)
     stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
