@@ -8,7 +8,8 @@ import re
 import pytest
 
 import kernelgen
-from kernelgen import AttnConfig, GluonAttnConfig, KernelgenTypeError, KernelgenValueError, SelectConfig, Spec
+from kernelgen import (AttnConfig, GluonAttnConfig, KernelgenTypeError, KernelgenValueError, KvIndexSelectConfig,
+                       SelectConfig, Spec)
 from kernelgen import TileLangAttnConfig, backends
 from kernelgen.backends import gluon as gluon_backend
 from kernelgen.backends import tilelang as tilelang_backend
@@ -163,15 +164,17 @@ def test_a_config_of_another_type_is_infeasible(arch):
                                     dict(overlap="yes"), dict(pingpong=1), dict(overlap=False, pingpong=True),
                                     dict(block_m=64, threads=128, num_stages=1, pingpong=True)])
 def test_tilelang_pinned_config_outside_the_kernel_s_range_is_refused(change):
-    """A pinned TileLang config the kernel was never built for (thread count, stages, a non-bool switch)
-    is a clear error, not a launch of an untested shape."""
+    """A pinned TileLang config the kernel was never built for (thread count, stages, a non-bool switch: a
+    type error, as for every backend's configs) is a clear error, not a launch of an untested shape."""
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
     cfg = TILELANG.default_config(spec, "attn", "sm_90")
     assert type(cfg) is TileLangAttnConfig
     TILELANG.check_config(spec, "attn", cfg, "sm_90")
     # overlap with two warpgroups: allowed
     TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, pingpong=True), "sm_90")
-    with pytest.raises(KernelgenValueError, match="not feasible"):
+    non_bool = any(type(v) is not bool for k, v in change.items() if k in ("overlap", "pingpong"))
+    error, match = (KernelgenTypeError, "must be bool") if non_bool else (KernelgenValueError, "not feasible")
+    with pytest.raises(error, match=match):
         TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, **change), "sm_90")
 
 
@@ -385,7 +388,6 @@ def test_tilelang_spaces_per_arch_nest_and_hopper_is_unchanged():
     (TileLangAttnConfig(128, 2, 256, overlap=True, pingpong=True), "expected overlap=False, pingpong=False"),
     (TileLangAttnConfig(128, 2, 256), r"163840 B of shared memory .* sm_89 allows at most 101376 B per block"),
     (TileLangAttnConfig(64, 3, 256), "threads=256 .* needs block_m=128"),
-    (TileLangAttnConfig(128, 1, 256, overlap="yes"), "expected bools"),
 ])
 def test_tilelang_config_infeasible_on_sm89_says_why(cfg, why):
     spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
@@ -419,3 +421,21 @@ def test_tilelang_config_functions_name_an_arch_they_do_not_build_for(arch, monk
     monkeypatch.setattr(tilelang_backend, "device_arch", lambda _device: arch)
     with pytest.raises(KernelgenValueError, match=re.escape(expected)):
         tilelang_backend.target_arch("cuda")
+
+
+def test_pinned_config_fields_have_their_declared_types():
+    """A tunable of the wrong type (a float, a string, an int for a flag) is named, never compared or rendered."""
+    spec = Spec(head_dim=128, kv_block=64, top_k=16, causal=True, gqa_group=4, selector="index",
+                schedule="kv_centric")
+    with pytest.raises(KernelgenTypeError, match=r"configs\['kv_select_index'\]\.hold must be bool, got 3"):
+        SparseAttention(spec, {"kv_select_index": KvIndexSelectConfig(hold=3)})
+    with pytest.raises(KernelgenTypeError, match=r"configs\['kv_select_index'\]\.queries must be int, got 64\.0"):
+        SparseAttention(spec, {"kv_select_index": KvIndexSelectConfig(queries=64.0)})
+    with pytest.raises(KernelgenTypeError, match=r"configs\['attn'\]\.block_m must be int, got '64'"):
+        SparseAttention(Spec(head_dim=128, kv_block=64, top_k=16, selector="given"), {"attn": AttnConfig(block_m="64")})
+    tilelang = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")
+    with pytest.raises(KernelgenTypeError, match=r"configs\['attn'\]\.overlap must be bool, got 'yes'"):
+        TILELANG.check_config(tilelang, "attn", TileLangAttnConfig(128, 1, 256, overlap="yes"), "sm_89")
+    with pytest.raises(KernelgenTypeError, match=r"\.use_tma must be bool, got 1"):
+        TRITON.check_config(spec.replace(schedule="q_centric", selector="given"), "attn", AttnConfig(use_tma=1),
+                            ANY_ARCH)

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +178,8 @@ class Backend:
         if impl.config_type is not None and type(config) is not impl.config_type:
             raise KernelgenTypeError(f"configs[{role!r}] must be a {impl.config_type.__name__} for "
                                      f"backend={self.name!r}, got {type(config).__name__}")
+        if impl.config_type is not None:
+            _check_field_types(role, config)
         reason = self.infeasible(spec, role, config, arch)
         if reason:
             where = "any arch" if arch is ANY_ARCH else arch
@@ -215,3 +218,18 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<kernelgen backend {self.name!r}>"
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(config_type) -> dict[str, type]:
+    return typing.get_type_hints(config_type)
+
+
+def _check_field_types(role: str, config) -> None:
+    """Every tunable of a pinned config has its declared type (int or bool; a bool is not an int here), so a
+    wrong one is named, not compared, rendered or launched."""
+    for name, kind in _field_types(type(config)).items():
+        value = getattr(config, name)
+        if type(value) is not kind:
+            raise KernelgenTypeError(f"configs[{role!r}].{name} must be {kind.__name__}, got {value!r} "
+                                     f"({type(value).__name__})")

@@ -230,17 +230,8 @@ def attn_smem_bytes(spec: Spec, cfg: TileLangAttnConfig, elem_bytes: int = 2) ->
     return (cfg.block_m + 2 * cfg.num_stages * spec.kv_block) * spec.head_dim * elem_bytes
 
 
-def _switches_infeasible(cfg: TileLangAttnConfig) -> str | None:
-    if not isinstance(cfg.overlap, bool) or not isinstance(cfg.pingpong, bool):
-        return f"overlap={cfg.overlap!r}, pingpong={cfg.pingpong!r}; expected bools"
-    return None
-
-
 def _mma_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | None:
     """Why `cfg` cannot run on `arch` off Hopper (mma.sync and cp.async), or None: what that arch lacks."""
-    switches = _switches_infeasible(cfg)
-    if switches:
-        return switches
     if cfg.overlap or cfg.pingpong:
         return (f"overlap={cfg.overlap}, pingpong={cfg.pingpong} on {arch}: both schedule Hopper's asynchronous "
                 f"wgmma, and {arch} runs mma.sync; expected overlap=False, pingpong=False")
@@ -274,9 +265,6 @@ def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | Non
     if cfg.threads == 128 and cfg.num_stages != 1:
         return ("threads=128 allows num_stages=1 only: that forward is built without warp specialisation (it hung "
                 "with it on the H200), and TileLang 0.1.15 generates no code for that pipeline with more stages")
-    switches = _switches_infeasible(cfg)
-    if switches:
-        return switches
     if cfg.pingpong and not (cfg.overlap and cfg.threads == 256):
         return "pingpong=True needs overlap=True and threads=256 (two consumer warpgroups taking turns)"
     if spec.head_dim == 64 and cfg.num_stages == 3:
