@@ -79,7 +79,6 @@ class QueryReverseIndex(NamedTuple):
     offsets  int32 [B, Hkv, n_kv_blocks + 1]: block j's pairs are [offsets[.., j], offsets[.., j + 1])
     queries  int32 [B, Hkv, Nq * top_k]: the queries grouped by block, ascending within a block; -1 past the end
     slots    int32 [B, Hkv, Nq * top_k]: the block's slot in that query's list; -1 past the end
-    order    int32 [B * Hkv * n_kv_blocks]: the blocks listed by the most queries first (`heaviest_first`)
     split    {(n_pairs, queries per task): `split_tasks`' result}, filled by `tasks`: prepared lists keep
              their reverse index, so each of their calls reuses the split rather than recomputing it
     """
@@ -87,7 +86,6 @@ class QueryReverseIndex(NamedTuple):
     offsets: torch.Tensor
     queries: torch.Tensor
     slots: torch.Tensor
-    order: torch.Tensor
     split: dict
 
     def tasks(self, n_pairs: int, queries_per_task: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +104,7 @@ def build_query_reverse_index(block_idx: torch.Tensor, n_kv_blocks: int) -> Quer
     used = keys < none
     queries = torch.where(used, keys % n_q, -1).to(torch.int32)
     slots = torch.where(used, order % top_k, -1).to(torch.int32)
-    return QueryReverseIndex(offsets, queries, slots, heaviest_first(offsets), {})
+    return QueryReverseIndex(offsets, queries, slots, {})
 
 
 def max_tasks(n_kv_blocks: int, n_pairs: int, queries_per_task: int) -> int:

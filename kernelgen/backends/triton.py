@@ -1004,11 +1004,11 @@ def launch_kv_bwd(mod, spec: Spec, cfg: KvBwdConfig, shapes: Shapes, q, k, v, do
     dv = empty(*v.shape, device=v.device, dtype=v.dtype)
     dq_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, spec.top_k * parts, spec.head_dim, device=q.device,
                     dtype=torch.float32 if cfg.dq_partials_fp32 else q.dtype)
-    mod.kv_bwd_dkdv[(reverse.order.numel() * parts,)](  # the blocks listed most first
-        q, k, v, do, lse, delta, dk, dv, dq_part, reverse.offsets, reverse.queries, reverse.slots, reverse.order,
+    mod.kv_bwd_dkdv[(shapes.n_kv_blocks * parts, shapes.batch * shapes.heads_kv)](
+        q, k, v, do, lse, delta, dk, dv, dq_part, reverse.offsets, reverse.queries, reverse.slots,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3], *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2],
-        *dq_part.stride()[:4], shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, scale * LOG2E, scale,
+        *dq_part.stride()[:4], shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E, scale,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=next_pow2(spec.gqa_group),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
