@@ -233,3 +233,35 @@ def test_context_parallel_smoke_run(monkeypatch, tmp_path):
         sparse = row["ranks"]["sparse"]
         assert [r["rank"] for r in sparse] == [0, 1] and sparse[0]["requested_blocks"] > 0
     assert any("sparse/dense bytes" in line for line in lines)
+
+
+def test_backward_timing_replays_the_step_without_touching_grad(monkeypatch):
+    """The training bench's graph figures time a step that returns its gradients (a captured step cannot
+    accumulate into .grad), and the backward alone is the step less the forward, eager and replayed."""
+    import triton.testing
+
+    from kernelgen.bench import backward
+
+    x = torch.randn(4, requires_grad=True)
+    grad = torch.ones(4)
+    replayed = []
+
+    def graph(fn, log=print):
+        replayed.append(fn())
+        return 3.0 if isinstance(replayed[-1], tuple) else 1.25
+
+    def bench(fn, grad_to_none=(), **kwargs):  # the step fills x.grad, the forward alone does not
+        fn()
+        ms = 4.0 if x.grad is not None else 1.5
+        for leaf in grad_to_none:
+            leaf.grad = None
+        return ms
+
+    monkeypatch.setattr(triton.testing, "do_bench", bench)
+    monkeypatch.setattr(backward, "_bench_graph", graph)
+    times = backward._timed(lambda: x * 2, [x], grad)
+    assert times == dict(both=4.0, bwd=2.5, fwd_bwd_graph_ms=3.0, bwd_graph_ms=1.75)
+    step_grads = replayed[0]
+    assert torch.equal(step_grads[0], torch.full((4,), 2.0))
+    monkeypatch.setattr(backward, "_bench_graph", lambda fn, log=print: None)  # a step that cannot be captured
+    assert backward._timed(lambda: x * 2, [x], grad)["bwd_graph_ms"] is None

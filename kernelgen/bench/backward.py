@@ -3,8 +3,10 @@
 For each shape, in one process on one GPU (bf16): kernelgen's forward+backward and backward alone, over
 the `mean` selector's lists prepared once; FlexAttention (torch.compile'd) over a BlockMask of exactly
 those lists, forward+backward and backward alone; dense SDPA on cuDNN, forward+backward. do_bench
-medians, gradients set to None between calls; the backward alone is forward+backward less the forward. kernelgen's gradients are compared with Flex's (relative
-L2), and two backward runs are compared bit for bit (`deterministic`).
+medians, gradients set to None between calls; the backward alone is forward+backward less the forward.
+The same step replayed from a CUDA graph (`fwd_bwd_graph_ms`, `bwd_graph_ms`) leaves the host's launch
+cost out: on a small shape the eager figure is the host's, not the kernels'. kernelgen's gradients are
+compared with Flex's (relative L2), and two backward runs are compared bit for bit (`deterministic`).
 """
 from __future__ import annotations
 
@@ -13,25 +15,30 @@ import torch
 from ..dispatch import get_kernel
 from ..workloads import SHAPES
 from .anchors import flex_block_mask, flex_call, sdpa_dense_anchors
-from .measure import _bench, _dump_rows, _rel_diff
+from .measure import _bench_graph, _dump_rows, _rel_diff
 
 __all__ = ["run_backward", "BACKWARD_SHAPES"]
 
 BACKWARD_SHAPES = ("b16k", "c", "a32k")
 
 
-def _timed(fn, leaves, grad):
-    """(fwd+bwd ms, bwd ms) of `fn` (returns o) with o.backward(grad). The backward alone is the difference
-    from the forward timed with its graph recorded: a compiled backward (Flex's) cannot be replayed on a
-    retained graph."""
+def _timed(fn, leaves, grad, log=print) -> dict:
+    """fwd+bwd and bwd ms of `fn` (returns o) with o.backward(grad), eager and replayed from a CUDA graph
+    (None where the step cannot be captured). The backward alone is the difference from the forward timed
+    with its graph recorded: a compiled backward (Flex's) cannot be replayed on a retained graph."""
     import triton.testing
 
     def step():
         fn().backward(grad)
 
+    def graph_step():  # no .grad to accumulate into: a captured step allocates from the graph's pool
+        return torch.autograd.grad(fn(), leaves, grad)
+
     both = triton.testing.do_bench(step, grad_to_none=leaves, return_mode="median")
     fwd = triton.testing.do_bench(fn, return_mode="median")
-    return both, both - fwd
+    both_graph, fwd_graph = _bench_graph(graph_step, log=log), _bench_graph(fn, log=log)
+    bwd_graph = None if both_graph is None or fwd_graph is None else both_graph - fwd_graph
+    return dict(both=both, bwd=both - fwd, fwd_bwd_graph_ms=both_graph, bwd_graph_ms=bwd_graph)
 
 
 def _grads(fn, leaves, grad):
@@ -47,10 +54,14 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
     device, dtype = torch.device("cuda"), torch.bfloat16
     rows = []
 
-    def record(name, impl, both, bwd, **extra):
-        rows.append(dict(shape=name, impl=impl, fwd_bwd_ms=both, bwd_ms=bwd, **extra))
-        bwd_text = "" if bwd is None else f"  bwd {bwd:8.3f} ms"
-        log(f"{name:8s} {impl:28s} fwd+bwd {both:8.3f} ms{bwd_text} " + " ".join(f"{k}={v}" for k, v in extra.items()))
+    def record(name, impl, times, **extra):
+        both, bwd, both_graph, bwd_graph = (times[key] for key in ("both", "bwd", "fwd_bwd_graph_ms", "bwd_graph_ms"))
+        rows.append(dict(shape=name, impl=impl, fwd_bwd_ms=both, bwd_ms=bwd, fwd_bwd_graph_ms=both_graph,
+                         bwd_graph_ms=bwd_graph, **extra))
+        graph_text = "" if both_graph is None else f" (graph {both_graph:8.3f})"
+        bwd_text = f"  bwd {bwd:8.3f} ms" + ("" if bwd_graph is None else f" (graph {bwd_graph:8.3f})")
+        log(f"{name:8s} {impl:28s} fwd+bwd {both:8.3f} ms{graph_text}{bwd_text} "
+            + " ".join(f"{k}={v}" for k, v in extra.items()))
         _dump_rows(rows, out_dir, "backward.json")
 
     for name in names:
@@ -69,16 +80,14 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
 
         first, second = _grads(ours, leaves, grad), _grads(ours, leaves, grad)
         deterministic = all(torch.equal(a, b) for a, b in zip(first, second))
-        both, bwd = _timed(ours, leaves, grad)
-        record(name, "kernelgen (auto)", both, bwd, deterministic=deterministic,
+        record(name, "kernelgen (auto)", _timed(ours, leaves, grad, log), deterministic=deterministic,
                fwd_backend=attn.served("attn", shape.n_k, dtype, device).backend.name,
                dkdv_backend=attn.served("bwd_dkdv", shape.n_k, dtype, device).backend.name)
         try:
             flex = flex_call(q, k, v, flex_block_mask(idx, spec, shape), spec)
             flex_grads = _grads(flex, leaves, grad)
             diff = max(_rel_diff(a, b) for a, b in zip(first, flex_grads))
-            both, bwd = _timed(flex, leaves, grad)
-            record(name, "flex (same BlockMask)", both, bwd, grad_rel_diff_vs_kernelgen=f"{diff:.1e}")
+            record(name, "flex (same BlockMask)", _timed(flex, leaves, grad, log), grad_rel_diff_vs_kernelgen=f"{diff:.1e}")
         except Exception as error:  # report, never hide (Flex has no backward at 64x64 blocks)
             log(f"{name}: FlexAttention fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
         from torch.nn.attention import sdpa_kernel
@@ -86,8 +95,8 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
         anchor = sdpa_dense_anchors(q, k, v, spec)[0]  # cuDNN
         try:
             with sdpa_kernel(anchor.backend):
-                both, bwd = _timed(anchor.fn, leaves, grad)
-            record(name, f"{anchor.label}", both, bwd)
+                times = _timed(anchor.fn, leaves, grad, log)
+            record(name, f"{anchor.label}", times)
         except Exception as error:
             log(f"{name}: {anchor.label} fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
         del q, k, v, grad, lists, first, second
