@@ -391,6 +391,40 @@ def test_gpu_backward_after_another_backend_s_forward(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", [name for name in backends.names() if name != backends.FALLBACK])
+def test_gpu_training_step_replays_from_a_cuda_graph(backend):
+    """A forward and backward captured in one CUDA graph (as torch.compile's reduce-overhead mode and the
+    training bench capture them) replay to the eager step's gradients, bit for bit."""
+    spec = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=8, causal=True, gqa_group=2, selector="given",
+                backend=backend)
+    if backends.get(backend).unsupported(spec, "cuda"):
+        pytest.skip(backends.get(backend).unsupported(spec, "cuda"))
+    q, k, v, do = leaves(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "cuda", seed=5)
+    attn = kernelgen.get_kernel(spec)
+    gen = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, spec.n_kv_blocks(4096), (1, 2, spec.n_q_tiles(4096), 8), generator=gen).int().cuda()
+    lists = attn.prepare(raw, 4096, 4096)
+
+    def step():
+        return torch.autograd.grad(attn(q, k, v, block_idx=lists), (q, k, v), do)
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the default stream, as torch.cuda.graph asks
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for grad in captured:
+        grad.fill_(float("nan"))  # the replay must write every element
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+
+
+@pytest.mark.gpu
 def test_gpu_prepared_lists_and_given_lists():
     spec = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=8, causal=True, gqa_group=2, selector="given")
     q, k, v, do = leaves(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "cuda", seed=2)
