@@ -391,7 +391,7 @@ def test_gpu_backward_after_another_backend_s_forward(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", [name for name in backends.names() if name != backends.FALLBACK])
+@pytest.mark.parametrize("backend", backends.names())
 def test_gpu_training_step_replays_from_a_cuda_graph(backend):
     """A forward and backward captured in one CUDA graph (as torch.compile's reduce-overhead mode and the
     training bench capture them) replay to the eager step's gradients, bit for bit."""
