@@ -23,7 +23,7 @@ BACKWARD_SHAPES = ("b16k", "c", "a32k")
 
 
 def _timed(fn, leaves, grad, log=print) -> dict:
-    """fwd+bwd and bwd ms of `fn` (returns o) with o.backward(grad), eager and replayed from a CUDA graph
+    """The row's times: fwd+bwd and bwd ms of `fn` (returns o) with o.backward(grad), eager and replayed from a CUDA graph
     (None where the step cannot be captured). The backward alone is the difference from the forward timed
     with its graph recorded: a compiled backward (Flex's) cannot be replayed on a retained graph."""
     import triton.testing
@@ -38,7 +38,7 @@ def _timed(fn, leaves, grad, log=print) -> dict:
     fwd = triton.testing.do_bench(fn, return_mode="median")
     both_graph, fwd_graph = _bench_graph(graph_step, log=log), _bench_graph(fn, log=log)
     bwd_graph = None if both_graph is None or fwd_graph is None else both_graph - fwd_graph
-    return dict(both=both, bwd=both - fwd, fwd_bwd_graph_ms=both_graph, bwd_graph_ms=bwd_graph)
+    return dict(fwd_bwd_ms=both, bwd_ms=both - fwd, fwd_bwd_graph_ms=both_graph, bwd_graph_ms=bwd_graph)
 
 
 def _grads(fn, leaves, grad):
@@ -55,12 +55,13 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
     rows = []
 
     def record(name, impl, times, **extra):
-        both, bwd, both_graph, bwd_graph = (times[key] for key in ("both", "bwd", "fwd_bwd_graph_ms", "bwd_graph_ms"))
-        rows.append(dict(shape=name, impl=impl, fwd_bwd_ms=both, bwd_ms=bwd, fwd_bwd_graph_ms=both_graph,
-                         bwd_graph_ms=bwd_graph, **extra))
-        graph_text = "" if both_graph is None else f" (graph {both_graph:8.3f})"
-        bwd_text = f"  bwd {bwd:8.3f} ms" + ("" if bwd_graph is None else f" (graph {bwd_graph:8.3f})")
-        log(f"{name:8s} {impl:28s} fwd+bwd {both:8.3f} ms{graph_text}{bwd_text} "
+        rows.append(dict(shape=name, impl=impl, **times, **extra))
+
+        def ms(key):
+            graph = times[key.replace("_ms", "_graph_ms")]
+            return f"{times[key]:8.3f} ms" + ("" if graph is None else f" (graph {graph:8.3f})")
+
+        log(f"{name:8s} {impl:28s} fwd+bwd {ms('fwd_bwd_ms')}  bwd {ms('bwd_ms')} "
             + " ".join(f"{k}={v}" for k, v in extra.items()))
         _dump_rows(rows, out_dir, "backward.json")
 
