@@ -286,11 +286,13 @@ class SparseAttention:
 
     def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale,
                    reverse: ReverseIndex | QueryReverseIndex | None = None,
-                   needs=(True, True, True)) -> tuple[torch.Tensor | None, ...]:
+                   needs=(True, True, True), shapes: Shapes | None = None) -> tuple[torch.Tensor | None, ...]:
         """(dq, dk, dv) of o = attn(q, k, v, block_idx=..., scale=scale) given do, its forward's o and lse,
         and the lists it attended over, in the kernels' form (`block_idx`; `reverse`, their reverse index,
-        is built when None: a QueryReverseIndex for per-query lists). A gradient that `needs` leaves out is None, and not computed."""
-        shapes = check_qkv(q, k, v, self.spec)
+        is built when None: a QueryReverseIndex for per-query lists). A gradient that `needs` leaves out is None,
+        and not computed. `shapes`: the forward's checked shapes of these q, k, v (checked again when None)."""
+        if shapes is None:
+            shapes = check_qkv(q, k, v, self.spec)
         if do.stride(-1) != 1:  # the kernels read rows with unit stride (an expanded do of o.sum() has 0)
             do = do.contiguous()
         delta_role, *grad_roles = self._backward_plan(seq_bucket(shapes.n_k), q.dtype, q.device)
@@ -322,7 +324,8 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn: SparseAttention, shapes: Shapes, block_idx, scale, index):
         o, lse, used = attn._attend(q, k, v, shapes, block_idx, scale, index)
-        ctx.attn, ctx.scale = attn, scale
+        ctx.attn, ctx.scale, ctx.shapes = attn, scale, shapes
+        ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor made and filled for it per backward
         ctx.prepared = used if isinstance(used, BlockLists) else None
         ctx.save_for_backward(q, k, v, o, lse, used.block_idx if ctx.prepared is not None else used)
         ctx.mark_non_differentiable(lse)
@@ -331,9 +334,12 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # no double backward: the gradients are not differentiated
     def backward(ctx, do, _dlse):
+        if do is None:  # o did not reach the loss (only lse, which has no gradient)
+            return (None,) * 8
         q, k, v, o, lse, block_idx = ctx.saved_tensors
         reverse = ctx.prepared.reverse_index() if ctx.prepared is not None else None
-        dq, dk, dv = ctx.attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3])
+        dq, dk, dv = ctx.attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3],
+                                         ctx.shapes)
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -227,6 +227,21 @@ def test_return_lse_carries_no_gradient_and_only_some_inputs_require_grad(device
     assert_grads_close([k_only.grad], [want[1]], torch.float32)
 
 
+def test_the_backward_gets_no_zero_tensor_for_lse_s_gradient(device, monkeypatch):
+    """lse has no gradient, so autograd hands the backward None for it rather than a zero tensor it would
+    allocate and fill on every step."""
+    from kernelgen.dispatch import _AttentionFunction
+
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2)
+    q, k, v, do = leaves(1, 1, 1, 64, 64, 64, torch.float32, device, seed=5)
+    seen, backward = [], _AttentionFunction.backward
+    monkeypatch.setattr(_AttentionFunction, "backward",
+                        staticmethod(lambda ctx, do, dlse: seen.append(dlse) or backward(ctx, do, dlse)))
+    kernelgen.get_kernel(spec)(q, k, v).backward(do)
+    assert seen == [None]
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
 def test_backward_roles_are_served_like_the_forward_s(device):
     """Configs come from `_served` (pinned, DB or default); a spec whose backend lacks a backward role, or
     cannot run where its role is optional (TileLang's bwd_dkdv on the CPU), has it run by the fallback, Triton."""

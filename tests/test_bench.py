@@ -240,7 +240,7 @@ def test_backward_timing_replays_the_step_without_touching_grad(monkeypatch):
     accumulate into .grad), and the backward alone is the step less the forward, eager and replayed."""
     import triton.testing
 
-    from kernelgen.bench import backward
+    from kernelgen.bench import backward, measure
 
     x = torch.randn(4, requires_grad=True)
     grad = torch.ones(4)
@@ -263,5 +263,12 @@ def test_backward_timing_replays_the_step_without_touching_grad(monkeypatch):
     assert times == dict(fwd_bwd_ms=4.0, bwd_ms=2.5, fwd_bwd_graph_ms=3.0, bwd_graph_ms=1.75)
     step_grads = replayed[0]
     assert torch.equal(step_grads[0], torch.full((4,), 2.0))
-    monkeypatch.setattr(backward, "_bench_graph", lambda fn, log=print: None)  # a step that cannot be captured
-    assert backward._timed(lambda: x * 2, [x], grad)["bwd_graph_ms"] is None
+    monkeypatch.setattr(backward, "_bench_graph", measure._bench_graph)  # a step that cannot be captured
+
+    def capture_fails(fn, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", capture_fails)
+    logged = []
+    assert backward._timed(lambda: x * 2, [x], grad, logged.append, "a32k cudnn")["bwd_graph_ms"] is None
+    assert logged and all(line.startswith("a32k cudnn: (graph timing failed: RuntimeError") for line in logged)

@@ -22,10 +22,11 @@ __all__ = ["run_backward", "BACKWARD_SHAPES"]
 BACKWARD_SHAPES = ("b16k", "c", "a32k")
 
 
-def _timed(fn, leaves, grad, log=print) -> dict:
-    """The row's times: fwd+bwd and bwd ms of `fn` (returns o) with o.backward(grad), eager and replayed from a CUDA graph
-    (None where the step cannot be captured). The backward alone is the difference from the forward timed
-    with its graph recorded: a compiled backward (Flex's) cannot be replayed on a retained graph."""
+def _timed(fn, leaves, grad, log=print, label: str = "") -> dict:
+    """The row's times: fwd+bwd and bwd ms of `fn` (returns o) with o.backward(grad), eager and replayed from a
+    CUDA graph (None where the step cannot be captured, logged under `label`). The backward alone is the
+    difference from the forward timed with its graph recorded: a compiled backward (Flex's) cannot be
+    replayed on a retained graph."""
     import triton.testing
 
     def step():
@@ -36,7 +37,11 @@ def _timed(fn, leaves, grad, log=print) -> dict:
 
     both = triton.testing.do_bench(step, grad_to_none=leaves, return_mode="median")
     fwd = triton.testing.do_bench(fn, return_mode="median")
-    both_graph, fwd_graph = _bench_graph(graph_step, log=log), _bench_graph(fn, log=log)
+
+    def labelled(message):
+        log(f"{label}: {message}" if label else message)
+
+    both_graph, fwd_graph = _bench_graph(graph_step, log=labelled), _bench_graph(fn, log=labelled)
     bwd_graph = None if both_graph is None or fwd_graph is None else both_graph - fwd_graph
     return dict(fwd_bwd_ms=both, bwd_ms=both - fwd, fwd_bwd_graph_ms=both_graph, bwd_graph_ms=bwd_graph)
 
@@ -81,14 +86,16 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
 
         first, second = _grads(ours, leaves, grad), _grads(ours, leaves, grad)
         deterministic = all(torch.equal(a, b) for a, b in zip(first, second))
-        record(name, "kernelgen (auto)", _timed(ours, leaves, grad, log), deterministic=deterministic,
+        record(name, "kernelgen (auto)", _timed(ours, leaves, grad, log, f"{name} kernelgen"),
+               deterministic=deterministic,
                fwd_backend=attn.served("attn", shape.n_k, dtype, device).backend.name,
                dkdv_backend=attn.served("bwd_dkdv", shape.n_k, dtype, device).backend.name)
         try:
             flex = flex_call(q, k, v, flex_block_mask(idx, spec, shape), spec)
             flex_grads = _grads(flex, leaves, grad)
             diff = max(_rel_diff(a, b) for a, b in zip(first, flex_grads))
-            record(name, "flex (same BlockMask)", _timed(flex, leaves, grad, log), grad_rel_diff_vs_kernelgen=f"{diff:.1e}")
+            record(name, "flex (same BlockMask)", _timed(flex, leaves, grad, log, f"{name} flex"),
+                   grad_rel_diff_vs_kernelgen=f"{diff:.1e}")
         except Exception as error:  # report, never hide (Flex has no backward at 64x64 blocks)
             log(f"{name}: FlexAttention fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
         from torch.nn.attention import sdpa_kernel
@@ -96,7 +103,7 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
         anchor = sdpa_dense_anchors(q, k, v, spec)[0]  # cuDNN
         try:
             with sdpa_kernel(anchor.backend):
-                times = _timed(anchor.fn, leaves, grad, log)
+                times = _timed(anchor.fn, leaves, grad, log, f"{name} {anchor.label}")
             record(name, f"{anchor.label}", times)
         except Exception as error:
             log(f"{name}: {anchor.label} fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
