@@ -272,3 +272,22 @@ def test_backward_timing_replays_the_step_without_touching_grad(monkeypatch):
     logged = []
     assert backward._timed(lambda: x * 2, [x], grad, logged.append, "a32k cudnn")["bwd_graph_ms"] is None
     assert logged and all(line.startswith("a32k cudnn: (graph timing failed: RuntimeError") for line in logged)
+
+
+def test_dense_anchor_attends_over_repeated_k_and_v_that_are_leaves():
+    """The dense anchors' K/V are k and v repeated to the query heads, as leaves of their own (a step over
+    views of k and v does not capture in a CUDA graph), requiring grad as k and v do."""
+    from kernelgen.bench.anchors import sdpa_dense_anchors
+
+    spec = kernelgen.Spec(head_dim=64, kv_block=16, top_k=2, gqa_group=2, causal=True)
+    q = torch.randn(1, 4, 32, 64, requires_grad=True)
+    k, v = torch.randn(1, 2, 32, 64, requires_grad=True), torch.randn(1, 2, 32, 64)
+    anchor = sdpa_dense_anchors(q, k, v, spec)[0]
+    aq, kd, vd = anchor.leaves
+    assert aq is q and kd.is_leaf and vd.is_leaf and kd.requires_grad and not vd.requires_grad
+    assert torch.equal(kd, k.repeat_interleave(2, 1)) and torch.equal(vd, v.repeat_interleave(2, 1))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            is_causal=True)
+    assert torch.allclose(anchor.fn(), want)
+    dq, dkd = torch.autograd.grad(anchor.fn(), (q, kd), torch.ones_like(q))
+    assert dkd.shape == (1, 4, 32, 64) and dq.shape == q.shape

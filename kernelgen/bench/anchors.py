@@ -64,23 +64,26 @@ def flex_call(q, k, v, block_mask, spec: Spec) -> Callable[[], torch.Tensor]:
 
 
 class DenseAnchor(NamedTuple):
-    """One dense SDPA anchor: call `fn` inside `torch.nn.attention.sdpa_kernel(backend)`."""
+    """One dense SDPA anchor: call `fn` inside `torch.nn.attention.sdpa_kernel(backend)`; its gradients are
+    those of `leaves` (q and the repeated k and v)."""
 
     label: str
     backend: object  # torch.nn.attention.SDPBackend
     fn: Callable[[], torch.Tensor]
+    leaves: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def sdpa_dense_anchors(q, k, v, spec: Spec) -> list[DenseAnchor]:
     """Dense SDPA on cuDNN and on flash over all keys (causal as spec is), k and v repeated to the query
-    heads: the dense work a sparse kernel is weighed against."""
+    heads: the dense work a sparse kernel is weighed against. The repeated k and v are leaves of their own
+    (requiring grad as k and v do): a step over views of k and v does not capture in a CUDA graph (torch
+    2.11, cuDNN), so the sum of their gradients back to the KV heads is left out of the anchor."""
     from torch.nn.attention import SDPBackend
 
-    kd = k.repeat_interleave(spec.gqa_group, 1)
-    vd = v.repeat_interleave(spec.gqa_group, 1)
+    kd, vd = (x.detach().repeat_interleave(spec.gqa_group, 1).requires_grad_(x.requires_grad) for x in (k, v))
 
     def dense():
         return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=spec.causal)
 
-    return [DenseAnchor("sdpa cudnn (dense)", SDPBackend.CUDNN_ATTENTION, dense),
-            DenseAnchor("sdpa flash (dense)", SDPBackend.FLASH_ATTENTION, dense)]
+    return [DenseAnchor("sdpa cudnn (dense)", SDPBackend.CUDNN_ATTENTION, dense, (q, kd, vd)),
+            DenseAnchor("sdpa flash (dense)", SDPBackend.FLASH_ATTENTION, dense, (q, kd, vd))]

@@ -14,7 +14,7 @@ import torch
 
 from ..dispatch import get_kernel
 from ..workloads import SHAPES
-from .anchors import flex_block_mask, flex_call
+from .anchors import flex_block_mask, flex_call, sdpa_dense_anchors
 from .measure import _bench_graph, _dump_rows, _rel_diff
 
 __all__ = ["run_backward", "BACKWARD_SHAPES"]
@@ -98,24 +98,16 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
                    grad_rel_diff_vs_kernelgen=f"{diff:.1e}")
         except Exception as error:  # report, never hide (Flex has no backward at 64x64 blocks)
             log(f"{name}: FlexAttention fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import sdpa_kernel
 
-        # k and v repeated to the query heads as leaves of their own: a step whose dense K/V are views of
-        # k and v does not capture in a CUDA graph (torch 2.11, cuDNN); the sum back to the KV heads is
-        # left out of the anchor
-        kd, vd = (x.detach().repeat_interleave(spec.gqa_group, 1).requires_grad_() for x in (k, v))
-
-        def dense():
-            return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=spec.causal)
-
-        label = "sdpa cudnn (dense)"
+        anchor = sdpa_dense_anchors(q, k, v, spec)[0]  # cuDNN
         try:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                times = _timed(dense, [q, kd, vd], grad, log, f"{name} {label}")
-            record(name, label, times)
+            with sdpa_kernel(anchor.backend):
+                times = _timed(anchor.fn, list(anchor.leaves), grad, log, f"{name} {anchor.label}")
+            record(name, anchor.label, times)
         except Exception as error:
-            log(f"{name}: {label} fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
-        del kd, vd
+            log(f"{name}: {anchor.label} fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
+        del anchor
         del q, k, v, grad, lists, first, second
         torch.cuda.empty_cache()
     return rows
