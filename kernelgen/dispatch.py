@@ -32,6 +32,7 @@ from .device import device_arch, interpreting
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
 from .roles import DECODE_MAX_QUERIES, backward_roles, forward_roles, get_role
 from .spec import Spec
+from .tile_union import UNION_MAX_INFLATION, TileUnion, build_tile_union
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
 from .tuning.lookup import fastest_backend, recheck, served_config
@@ -231,10 +232,25 @@ class SparseAttention:
         checked = check_block_idx(block_idx, spec, shapes, block_idx.device, self.validate_lists)
         # the lists' form does not depend on the dtype of the calls that read them
         lists = self._run("lists", torch.empty(0, dtype=torch.bfloat16, device=block_idx.device), shapes, checked)
-        # per-query lists carry their reverse index from the start: every forward walks it
-        reverse = build_query_reverse_index(lists, shapes.n_kv_blocks) if spec.per_query else None
-        return BlockLists._made_by_prepare(lists, spec.kv_block, spec.top_k, shapes.n_kv_blocks, spec.per_query,
-                                           reverse)
+        if not spec.per_query:
+            return BlockLists._made_by_prepare(lists, spec.kv_block, spec.top_k, shapes.n_kv_blocks)
+        # per-query lists carry their reverse index from the start (the gathered forward and the backward walk
+        # it) and, where neighbouring queries' lists are close enough, the tile union the union design needs
+        reverse = build_query_reverse_index(lists, shapes.n_kv_blocks)
+        return BlockLists._made_by_prepare(lists, spec.kv_block, spec.top_k, shapes.n_kv_blocks, True, reverse,
+                                           self._union_for(lists, shapes))
+
+    def _union_for(self, lists: torch.Tensor, shapes: Shapes) -> TileUnion | None:
+        """The tile union of prepared per-query lists when the union design computes at most
+        UNION_MAX_INFLATION times the pairs they hold (one host sync, at prepare time), else None. A pinned
+        kv_attn config keeps the gathered design; a pinned kv_attn_union config, the union design."""
+        if "kv_attn" in self._fixed and "kv_attn_union" not in self._fixed:
+            return None
+        served = self._served("kv_attn_union", seq_bucket(shapes.n_k), torch.bfloat16, lists.device)
+        union = build_tile_union(lists, served.config.tile_q, shapes.n_kv_blocks)
+        if "kv_attn_union" in self._fixed or union.inflation(lists) <= UNION_MAX_INFLATION:
+            return union
+        return None
 
     def _forget_served(self) -> None:
         """Read the tuning DB again on the next call (a background tune has stored a winner)."""
@@ -277,7 +293,10 @@ class SparseAttention:
         else:
             checked = check_block_idx(block_idx, self.spec, shapes, q.device, self.validate_lists)
             used = normalised = self._launch(lists, q, shapes, checked)
-        if attn.role == "kv_attn":
+        if attn.role == "kv_attn" and isinstance(used, BlockLists) and used.union is not None:
+            union = self._served("kv_attn_union", seq_bucket(shapes.n_k), q.dtype, q.device)
+            o, lse = self._launch(union, q, shapes, q, k, v, normalised, used.union, scale)
+        elif attn.role == "kv_attn":
             reverse = used.reverse_index() if isinstance(used, BlockLists) else None
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale)
         else:

@@ -69,19 +69,24 @@ class BlockLists:
                  the contract)
     kv_block, top_k, n_kv_blocks, per_query   what it was made for; a call with other values is a ValueError
 
+    union        per-query lists only: the `kernelgen.tile_union.TileUnion` of consecutive queries' lists when
+                 `prepare` found them close enough to run the union design (`kv_attn_union`), else None (the
+                 gathered design, `kv_attn`)
+
     Only `prepare` makes them (the kernels trust their order: a hand-made one could name a block the
     kernels would read out of bounds), so the constructor refuses. `reverse_index()` is built on the
     device when a backward first needs it, then kept with the lists."""
-    __slots__ = ("block_idx", "kv_block", "top_k", "n_kv_blocks", "per_query", "_reverse")
+    __slots__ = ("block_idx", "kv_block", "top_k", "n_kv_blocks", "per_query", "_reverse", "union")
 
     def __init__(self, *args, **kwargs):
         raise KernelgenTypeError("BlockLists are made by SparseAttention.prepare(block_idx, seq_q, seq_k), not by hand")
 
     @classmethod
     def _made_by_prepare(cls, block_idx: torch.Tensor, kv_block: int, top_k: int, n_kv_blocks: int,
-                         per_query: bool = False, reverse: QueryReverseIndex | None = None) -> BlockLists:
+                         per_query: bool = False, reverse: QueryReverseIndex | None = None,
+                         union=None) -> BlockLists:
         lists = object.__new__(cls)
-        for name, value in zip(cls.__slots__, (block_idx, kv_block, top_k, n_kv_blocks, per_query, reverse)):
+        for name, value in zip(cls.__slots__, (block_idx, kv_block, top_k, n_kv_blocks, per_query, reverse, union)):
             object.__setattr__(lists, name, value)
         return lists
 
@@ -97,8 +102,9 @@ class BlockLists:
         raise AttributeError("BlockLists are read-only")
 
     def __repr__(self) -> str:
+        design = "" if self.union is None else f", union of {self.union.tile_q} queries"
         return (f"BlockLists(shape={tuple(self.block_idx.shape)}, kv_block={self.kv_block}, top_k={self.top_k}, "
-                f"n_kv_blocks={self.n_kv_blocks}, device={self.block_idx.device})")
+                f"n_kv_blocks={self.n_kv_blocks}{design}, device={self.block_idx.device})")
 
 
 def check_qkv(q, k, v, spec: Spec) -> Shapes:

@@ -19,6 +19,9 @@ KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalis
   kv_select_index (q_idx, k_idx, w)      per-query lists chosen by the index selector
   kv_attn   (q, k, v, block_idx, reverse, scale)   (o, lse): partials per (block, query chunk) task of
             `reverse` (a `kernelgen.reverse_index.QueryReverseIndex` of the lists; None: built), merged per row
+  kv_attn_union (q, k, v, block_idx, union, scale)   (o, lse): a tile of consecutive queries over the union
+            of their lists (`union`: a `kernelgen.tile_union.TileUnion` of the lists; None: built), each row
+            masked to its own query's list; served to prepared lists whose union is small (`prepare`)
   kv_bwd    (q, k, v, do, lse, delta, block_idx, reverse, scale)   (dq, dk, dv): one walk of `reverse` per
             KV block gives dk, dv and dq's partials; their merge per row gives dq
 Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a KV cache):
@@ -299,6 +302,11 @@ register_role(Role("kv_select_index", "per-query block lists chosen by the index
                    workload=select_index_workload))
 register_role(Role("kv_attn", "attention over per-query lists: partials per (KV block, query chunk) task, merged "
                    "per query and head through lse", canonical=_KERNEL_READS_LISTS, workload=kv_attn_workload))
+
+# the union design of the same forward: no partials, the products of every query of a tile over the tile's union
+register_role(Role("kv_attn_union", "attention over per-query lists, a tile of consecutive queries over the union of "
+                   "their blocks, each row masked to its own query's list", canonical=_KERNEL_READS_LISTS,
+                   workload=kv_attn_workload))
 
 
 register_role(Role("kv_bwd", "backward over per-query lists: dk, dv and the dq partials per KV block, over the (query, "

@@ -14,6 +14,7 @@ import torch
 from .spec import DEFAULT_Q_TILE, Spec
 
 __all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "KV_CENTRIC_SHAPES", "random_query_lists",
+           "agreeing_query_lists",
            "visible_pairs", "useful_flops", "dense_flops"]
 
 
@@ -111,6 +112,38 @@ def random_query_lists(spec: Spec, batch: int, heads_kv: int, n_q: int, n_k: int
         out[:, :, start:start + len(query)] = torch.nn.functional.pad(picked, (0, spec.top_k - picked.shape[-1]),
                                                                       value=-1)
     return out
+
+
+def agreeing_query_lists(spec: Spec, batch: int, heads_kv: int, n_q: int, n_k: int, own: int, span: int = 64,
+                         device="cuda", seed: int = 0) -> torch.Tensor:
+    """Per-query lists whose neighbours agree, as content-chosen ones do (NSA's selections move slowly along
+    the sequence), int32 [B, Hkv, Nq, top_k], canonical: each span of `span` consecutive queries shares
+    top_k - own blocks drawn once among those its first query sees (with causal, less one for each query's
+    diagonal block, which it always holds), and each query draws `own` more of its own among those it sees."""
+    n_blocks = spec.n_kv_blocks(n_k)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks = torch.arange(n_blocks, device=device)
+    query = torch.arange(n_q, device=device)
+    n_spans = -(-n_q // span)
+    shared = max(0, spec.top_k - own - spec.causal)
+    # per span: its shared blocks are the `shared` best-scored blocks its first query sees
+    span_scores = torch.rand(batch, heads_kv, n_spans, n_blocks, device=device, generator=gen)
+    own_scores = torch.rand(batch, heads_kv, n_q, n_blocks, device=device, generator=gen)
+    last_key = query + (n_k - n_q)  # bottom-right aligned
+    if spec.causal:
+        first_key = (query[::span] + (n_k - n_q))[:, None]
+        span_scores = torch.where(blocks * spec.kv_block > first_key, -1.0, span_scores)
+    rank = span_scores.argsort(-1, descending=True).argsort(-1)  # 0: the span's best block
+    in_shared = (rank < shared) & (span_scores >= 0)
+    scores = torch.where(in_shared[:, :, query // span], 2.0 + own_scores, own_scores)
+    if spec.causal:
+        diagonal = torch.div(last_key, spec.kv_block, rounding_mode="floor")[:, None]
+        scores = torch.where(blocks > diagonal, -1.0, scores)
+        scores = torch.where(blocks == diagonal, 4.0, scores)
+    picked_scores, picked = scores.topk(min(spec.top_k, n_blocks), dim=-1)
+    picked = torch.where(picked_scores >= 0, picked, n_blocks).sort(-1).values
+    picked = torch.where(picked < n_blocks, picked, -1).to(torch.int32)
+    return torch.nn.functional.pad(picked, (0, spec.top_k - picked.shape[-1]), value=-1)
 
 
 def visible_pairs(block_idx: torch.Tensor, spec: Spec, n_q: int, n_k: int) -> torch.Tensor:

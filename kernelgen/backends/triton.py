@@ -22,10 +22,11 @@ from ..inputs import LOG2E, empty, next_pow2, softmax_scale
 from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks
 from ..roles import INDEX_HEADS
 from ..spec import Spec
+from ..tile_union import TileUnion, build_tile_union
 from .base import Backend, Problem, RoleImpl, Shapes
 
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
-           "KvSelectConfig", "KvIndexSelectConfig", "KvAttnConfig", "KvBwdConfig", "DecodeConfig", "attn_smem_bytes",
+           "KvSelectConfig", "KvIndexSelectConfig", "KvAttnConfig", "KvUnionConfig", "KvBwdConfig", "DecodeConfig", "attn_smem_bytes",
            "bwd_dq_smem_bytes", "bwd_dkdv_smem_bytes", "kv_select_smem_bytes", "kv_attn_smem_bytes", "decode_smem_bytes",
            "index_select_smem_bytes", "kv_index_select_smem_bytes", "pack_infeasible", "rendered_module", "pool_reps",
            "select_from_reps", "combine_partials"]
@@ -115,6 +116,18 @@ class KvAttnConfig(_JsonConfig):
     num_stages: int = 2
     partials_fp32: bool = False
     combine_rows: int = 32
+
+
+@dataclass(frozen=True)
+class KvUnionConfig(_JsonConfig):
+    """The KV-centric schedule's union design: tile_q consecutive queries attend over the union of their
+    lists (`kernelgen.tile_union`), each row masked to its own query's blocks; block_m: packed rows per
+    program (the G heads x tile_q queries, head-major, split as the Q-centric forward splits a tile)."""
+
+    tile_q: int = 8
+    block_m: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
 
 
 @dataclass(frozen=True)
@@ -384,6 +397,44 @@ def kv_attn_space(spec: Spec, arch: str):
     return (KvAttnConfig(block_m=m, steps=t, num_warps=w, num_stages=s, partials_fp32=f, combine_rows=r)
             for m, t, w, s, f, r in itertools.product(TILE_ROWS, KV_ATTN_STEPS, (4, 8), (1, 2, 3), (False, True),
                                                       (32, 64)))
+
+
+UNION_TILE_Q = (1, 2, 4, 8, 16, 32, 64)
+
+
+def kv_union_infeasible(spec: Spec, cfg: KvUnionConfig, arch: str) -> str | None:
+    """Why the union design cannot run `cfg` for `spec` on `arch`, or None: the Q-centric forward's row
+    packing with tile_q queries for a tile, its registers, and its shared memory at one block a step."""
+    if cfg.tile_q not in UNION_TILE_Q:
+        return f"tile_q={cfg.tile_q}; expected one of {UNION_TILE_Q}"
+    rows = spec.gqa_group * cfg.tile_q
+    whole_tiles = cfg.block_m > cfg.tile_q
+    if (cfg.block_m not in TILE_ROWS or cfg.block_m > rows
+            or (cfg.tile_q % cfg.block_m if not whole_tiles
+                else cfg.block_m % cfg.tile_q or spec.gqa_group % (cfg.block_m // cfg.tile_q))):
+        return (f"block_m={cfg.block_m} must be one of {TILE_ROWS}, at most gqa_group * tile_q = {rows}, and split a "
+                f"tile of tile_q={cfg.tile_q} queries evenly or hold whole tiles of a number of heads that divides "
+                f"gqa_group={spec.gqa_group}")
+    if cfg.num_stages not in (1, 2, 3, 4):
+        return f"num_stages={cfg.num_stages}; expected 1 to 4"
+    return _resources(cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps),
+                      "block_m * (head_dim + kv_block) / (32 * num_warps)",
+                      attn_smem_bytes(spec, AttnConfig(block_m=cfg.block_m, num_stages=cfg.num_stages), arch),
+                      "num_stages K and V blocks and the tile's rows", arch_facts(arch).smem_per_block,
+                      FWD_REGS_LIMIT)
+
+
+def kv_union_default(spec: Spec, arch: str) -> KvUnionConfig:
+    """Tiles of 8 queries (128 rows at G = 16) first, then whatever packs; the H200 sweep in DESIGN.md."""
+    warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
+    return _first_feasible(spec, arch, kv_union_infeasible, (
+        KvUnionConfig(tile_q=t, block_m=m, num_warps=w, num_stages=s)
+        for t in (8, 4, 16, 2, 32, 1, 64) for m in (128, 64, 256, 32, 16) for s in (2, 1) for w in (warps, 4)))
+
+
+def kv_union_space(spec: Spec, arch: str):
+    return (KvUnionConfig(tile_q=t, block_m=m, num_warps=w, num_stages=s)
+            for t, m, w, s in itertools.product(UNION_TILE_Q, TILE_ROWS, (4, 8), (1, 2, 3)))
 
 
 # ---- decode: feasibility, defaults, space ----------------------------------------------------------
@@ -807,6 +858,29 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
     return combine_partials(mod, spec, cfg, shapes, o_part, lse_part, block_idx, q.dtype)
 
 
+def launch_kv_attn_union(mod, spec: Spec, cfg: KvUnionConfig, shapes: Shapes, q, k, v, block_idx,
+                         union: TileUnion | None, scale):
+    """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised per-query lists, a program per
+    (tile of cfg.tile_q queries, head split) over the tile's union (`union`: built here when None or made
+    for another tile_q)."""
+    scale = softmax_scale(scale, spec)
+    if union is None or union.tile_q != cfg.tile_q:
+        union = build_tile_union(block_idx, cfg.tile_q, shapes.n_kv_blocks)
+    o = empty(*q.shape, device=q.device, dtype=q.dtype)
+    lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
+    n_tiles, length = union.lists.shape[2:]
+    splits = spec.gqa_group * cfg.tile_q // cfg.block_m
+    mod.kv_attn_union[(n_tiles * splits, shapes.batch * shapes.heads_kv)](
+        q, k, v, o, lse, union.lists, union.member,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+        *union.lists.stride()[:3], *union.member.stride()[:3],
+        shapes.n_q, shapes.n_k, n_tiles, shapes.heads_kv, scale * LOG2E,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=cfg.tile_q,
+        UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=cfg.block_m, CAUSAL=spec.causal,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o, lse
+
+
 def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part, lse_part, used, dtype):
     """(o [B, Hq, Nq, D] in `dtype`, lse float32 [B, Hq, Nq]): each row's spec.top_k partials (o_part [B, Hq, Nq,
     top_k, D], lse_part [B, Hq, Nq, top_k], any strides) merged through their lse in slot order, the slots
@@ -1064,6 +1138,9 @@ class TritonBackend(Backend):
                                     space=kv_index_select_space, infeasible=kv_index_select_infeasible),
         "kv_attn": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn.py.j2", config_type=KvAttnConfig,
                             default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible),
+        "kv_attn_union": RoleImpl(launch=launch_kv_attn_union, template="triton/kv_attn_union.py.j2",
+                                  config_type=KvUnionConfig, default=kv_union_default, space=kv_union_space,
+                                  infeasible=kv_union_infeasible),
         # a few queries (decode) over either schedule's lists: split-KV over each query's list
         "decode": RoleImpl(launch=launch_decode, template="triton/decode.py.j2", config_type=DecodeConfig,
                            default=decode_default, space=decode_space, infeasible=decode_infeasible),

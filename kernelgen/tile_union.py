@@ -1,0 +1,81 @@
+"""Per-query lists seen by a tile of consecutive queries: the union of their blocks, and who lists which.
+
+The KV-centric schedule's union design (`kv_attn_union`) attends a tile of `tile_q` consecutive queries
+(their G heads packed as rows) over the union of the tile's per-query lists, loading each block once, and
+masks each row to the blocks its own query lists. It writes no partial outputs, so it moves far less than
+the gathered design (`kv_attn`) wherever neighbouring queries list nearly the same blocks, and wastes
+products where they do not. `inflation` is that waste: the (query, block) pairs the union design computes
+over the pairs the lists hold; the dispatcher serves the union design to prepared lists whose inflation is
+low (`UNION_MAX_INFLATION`).
+
+    lists    int32 [B, Hkv, n_tiles, union_len]: each tile's blocks ascending, then -1
+    member   int32 [B, Hkv, Nq, ceil(union_len / 32)]: bit s % 32 of word s // 32 is set where the query's
+             own list holds the tile's block at slot s
+
+Built on the lists' device by deterministic torch ops of static shapes (no host sync): a sort of each
+tile's tile_q * top_k ids, repeats out, a second sort, and a binary search of each id in its tile's union.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["TileUnion", "build_tile_union", "union_len", "UNION_MAX_INFLATION"]
+
+# Prepared lists run the union design when it computes at most this many times the pairs their lists hold:
+# on an H200 the union design's products run about 3x the gathered design's rate per useful pair (see
+# docs/DESIGN.md, "The KV-centric union design").
+UNION_MAX_INFLATION = 2.5
+
+
+class TileUnion(NamedTuple):
+    """The union of each tile's per-query lists and each query's membership bits (see the module's docstring)."""
+
+    tile_q: int
+    lists: torch.Tensor
+    member: torch.Tensor
+
+    def inflation(self, block_idx: torch.Tensor) -> float:
+        """(query, block) pairs the union design computes (every query of a tile over the tile's union, the
+        last tile's missing queries not counted) over the pairs `block_idx` holds (valid ids); a host sync."""
+        n_q = block_idx.shape[2]
+        per_tile = (self.lists >= 0).sum(-1)  # [B, Hkv, n_tiles]
+        queries = torch.full((per_tile.shape[-1],), self.tile_q, device=per_tile.device)
+        queries[-1] = n_q - self.tile_q * (per_tile.shape[-1] - 1)
+        computed = (per_tile * queries).sum()
+        held = (block_idx >= 0).sum()
+        return float(computed) / max(1, int(held))
+
+
+def union_len(tile_q: int, top_k: int, n_kv_blocks: int) -> int:
+    """Slots of a tile's union: all its queries' ids, or every block."""
+    return min(tile_q * top_k, n_kv_blocks)
+
+
+def build_tile_union(block_idx: torch.Tensor, tile_q: int, n_kv_blocks: int) -> TileUnion:
+    """The tile unions of per-query lists in the kernels' form (int32 [B, Hkv, Nq, top_k], valid ids
+    ascending then -1: `SparseAttention.prepare` or the `lists` role makes them, without repeats)."""
+    b, h, n_q, top_k = block_idx.shape
+    n_tiles = -(-n_q // tile_q)
+    length = union_len(tile_q, top_k, n_kv_blocks)
+    none = torch.iinfo(torch.int32).max  # sorts after every id
+    ids = torch.where((block_idx >= 0) & (block_idx < n_kv_blocks), block_idx, none)
+    ids = torch.nn.functional.pad(ids, (0, 0, 0, n_tiles * tile_q - n_q), value=none)
+    ids = torch.sort(ids.reshape(b, h, n_tiles, tile_q * top_k), dim=-1).values
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    ids = torch.sort(torch.where(repeat, none, ids), dim=-1).values[..., :length]
+    lists = torch.where(ids == none, -1, ids).to(torch.int32).contiguous()
+    # each query's ids found in its tile's union: their slots, as bits
+    tile_of = torch.arange(n_q, device=block_idx.device) // tile_q
+    union_of_query = ids[:, :, tile_of]  # [B, Hkv, Nq, length], `none` past the union
+    held = (block_idx >= 0) & (block_idx < n_kv_blocks)
+    held[..., 1:] &= block_idx[..., 1:] != block_idx[..., :-1]  # ascending: a repeat (never in the kernels' form) once
+    slot = torch.searchsorted(union_of_query, torch.where(held, block_idx, none).contiguous())
+    words = -(-length // 32)
+    bit = torch.where(held, torch.ones_like(slot) << (slot % 32), 0)
+    member = torch.zeros(b, h, n_q, words, dtype=torch.int64, device=block_idx.device)
+    member.scatter_add_(-1, torch.where(held, slot // 32, 0), bit)  # an id held once: bits never collide
+    member = torch.where(member >= 2 ** 31, member - 2 ** 32, member).to(torch.int32).contiguous()
+    return TileUnion(tile_q, lists, member)

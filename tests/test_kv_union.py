@@ -1,0 +1,195 @@
+"""The KV-centric schedule's union design (`kv_attn_union`): a tile of consecutive queries over the union of
+their per-query lists, each row masked to its own query's list. Against the float64 reference on the CPU
+(interpreter, fp32/fp16): the grid of masks, given lists with empty, repeated and out-of-range ids and an
+empty row, gradients through it; the tile union itself against sets; which design `prepare` serves. GPU
+cases are marked gpu."""
+import pytest
+import torch
+
+import kernelgen
+from kernelgen import KvAttnConfig, KvUnionConfig, Spec, reference
+from kernelgen.backends.triton import kv_union_default, kv_union_infeasible, kv_union_space
+from kernelgen.errors import KernelgenValueError
+from kernelgen.tile_union import UNION_MAX_INFLATION, build_tile_union
+from kernelgen.workloads import agreeing_query_lists, random_query_lists
+from checks import assert_close_to_reference
+from test_backward import assert_grads_close, leaves
+from test_triton_fwd import make_inputs
+
+
+def kv_spec(**fields):
+    return Spec(schedule="kv_centric", **{"head_dim": 64, "kv_block": 32, "top_k": 3, "selector": "given", **fields})
+
+
+def union_config(tile_q, block_m=16, num_warps=4, num_stages=1):
+    return {"kv_attn_union": KvUnionConfig(tile_q=tile_q, block_m=block_m, num_warps=num_warps, num_stages=num_stages)}
+
+
+def attend_union(spec, q, k, v, idx, configs):
+    """o, lse over `idx` through the union design (pinned: prepare serves it whatever the lists)."""
+    attn = kernelgen.get_kernel(spec, configs=configs)
+    lists = attn.prepare(idx, q.shape[2], k.shape[2])
+    assert lists.union is not None and lists.union.tile_q == configs["kv_attn_union"].tile_q
+    return attn(q, k, v, block_idx=lists, return_lse=True)
+
+
+def check_union(spec, q, k, v, idx, configs):
+    o, lse = attend_union(spec, q, k, v, idx, configs)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.dtype == torch.float32
+    assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
+    return o, lse
+
+
+# causal, G, D, kv_block, (Nq, Nk), tile_q, block_m: GQA 1/2/4, D 64/128, kv_block 32/64, Nq <, =, > Nk, ragged
+# ends, a program holding part of a tile (block_m < tile_q), one tile's heads split over programs, whole tiles
+CASES = [
+    (False, 1, 64, 32, (70, 100), 16, 16),
+    (True, 2, 64, 64, (100, 100), 8, 16),
+    (True, 4, 128, 32, (90, 50), 4, 16),
+    (False, 2, 128, 64, (45, 130), 32, 16),
+    (True, 1, 64, 32, (40, 97), 64, 32),
+    (True, 4, 64, 32, (77, 160), 8, 32),
+]
+
+
+@pytest.mark.parametrize("causal, g, d, kv_block, lengths, tile_q, block_m", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_against_reference(causal, g, d, kv_block, lengths, tile_q, block_m, dtype, device):
+    nq, nk = lengths
+    spec = kv_spec(head_dim=d, kv_block=kv_block, causal=causal, gqa_group=g)
+    q, k, v = make_inputs(1, 2, g, nq, nk, d, dtype, device, nq + nk)
+    idx = reference.select_blocks(q.float(), k.float(), spec.replace(selector="mean"))
+    check_union(spec, q, k, v, idx, union_config(tile_q, block_m))
+
+
+def test_given_lists_empty_repeated_out_of_range_and_an_empty_row(device):
+    spec = kv_spec(top_k=4, causal=True, gqa_group=2)
+    nq, nk = 60, 100  # 4 blocks
+    q, k, v = make_inputs(1, 2, 2, nq, nk, 64, torch.float32, device, 13)
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    idx = torch.randint(-2, 6, (1, 2, nq, 4), generator=gen, dtype=torch.int32)  # -1, -2, 4, 5: empty slots
+    idx[0, 0, 5] = torch.tensor([2, 2, 1, 2])  # repeats count once
+    idx[0, 1, 7] = -1  # an empty row: o = 0, lse = -inf
+    idx[0, 1, 8] = torch.tensor([3, 7, -1, 2**31 - 1])
+    o, lse = check_union(spec, q, k, v, idx.to(device), union_config(8))
+    assert (o[0, 2:4, 7] == 0).all() and torch.isinf(lse[0, 2:4, 7]).all()
+
+
+def test_causal_rows_that_see_nothing(device):
+    """Nq > Nk: the first Nq - Nk queries see no key, whatever their tile's union holds."""
+    spec = kv_spec(top_k=2, causal=True)
+    q, k, v = make_inputs(1, 1, 1, 70, 40, 64, torch.float32, device, 17)
+    idx = reference.select_blocks(q, k, spec.replace(selector="mean"))
+    o, lse = check_union(spec, q, k, v, idx, union_config(16))
+    assert (o[:, :, :30] == 0).all() and torch.isinf(lse[:, :, :30]).all()
+
+
+def test_gradients_through_the_union_forward(device):
+    """The backward is the schedule's (kv_bwd): it reads the union forward's o and lse."""
+    spec = kv_spec(top_k=2, causal=True, gqa_group=2)
+    q, k, v, do = leaves(1, 2, 2, 70, 100, 64, torch.float32, device, 3)
+    idx = reference.select_blocks(q.detach(), k.detach(), spec.replace(selector="mean"))
+    attn = kernelgen.get_kernel(spec, configs=union_config(16))
+    lists = attn.prepare(idx, 70, 100)
+    assert lists.union is not None
+    attn(q, k, v, block_idx=lists).backward(do)
+    want = reference.sparse_attention_grads(q, k, v, do, spec, idx)
+    assert_grads_close((q.grad, k.grad, v.grad), want, q.dtype)
+
+
+def test_deterministic(device):
+    spec = kv_spec(top_k=3, causal=True, gqa_group=2, kv_block=64)
+    q, k, v = make_inputs(1, 1, 2, 90, 200, 64, torch.float16, device, 19)
+    idx = reference.select_blocks(q.float(), k.float(), spec.replace(selector="mean"))
+    first = attend_union(spec, q, k, v, idx, union_config(8))
+    second = attend_union(spec, q, k, v, idx, union_config(8))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# ---- the tile union ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tile_q, n_blocks, top_k", [(4, 10, 3), (8, 80, 6), (16, 200, 5), (3, 7, 4)])
+def test_the_tile_union_and_membership_bits_against_sets(tile_q, n_blocks, top_k):
+    """Every tile's union is the set of its queries' valid ids, ascending then -1; a query's bit at slot s is
+    set exactly where its list holds the union's block s (unions longer than 32 blocks take several words,
+    bit 31 included)."""
+    gen = torch.Generator().manual_seed(tile_q * n_blocks)
+    nq = 5 * tile_q + 1  # a partial last tile
+    idx = torch.randint(-1, n_blocks + 2, (2, 1, nq, top_k), generator=gen, dtype=torch.int32)
+    idx = reference.normalize_block_idx(idx, n_blocks)
+    union = build_tile_union(idx, tile_q, n_blocks)
+    length = min(tile_q * top_k, n_blocks)
+    assert union.lists.shape == (2, 1, 6, length) and union.member.shape == (2, 1, nq, -(-length // 32))
+    assert union.lists.dtype == union.member.dtype == torch.int32
+    for b in range(2):
+        for tile in range(6):
+            rows = idx[b, 0, tile * tile_q:(tile + 1) * tile_q]
+            want = sorted({int(i) for i in rows.flatten() if i >= 0})
+            got = union.lists[b, 0, tile].tolist()
+            assert got == want + [-1] * (length - len(want))
+            for query in range(tile * tile_q, min(nq, (tile + 1) * tile_q)):
+                words = union.member[b, 0, query].tolist()
+                bits = {s for s in range(length) if (words[s // 32] >> (s % 32)) & 1}
+                assert {got[s] for s in bits} == {int(i) for i in idx[b, 0, query] if i >= 0}
+    held = int((idx >= 0).sum())
+    computed = sum(int((union.lists[b, 0, t] >= 0).sum()) * min(tile_q, nq - t * tile_q)
+                   for b in range(2) for t in range(6))
+    assert union.inflation(idx) == pytest.approx(computed / held)
+
+
+# ---- which design prepare serves -----------------------------------------------------------------------
+
+def test_prepare_serves_the_union_design_to_agreeing_lists_only(device):
+    spec = kv_spec(top_k=4, kv_block=16, gqa_group=2)
+    nq = 256  # 16 blocks
+    agreeing = agreeing_query_lists(spec, 1, 1, nq, nq, own=0, device="cpu").to(device)
+    random = random_query_lists(spec, 1, 1, nq, nq, device="cpu").to(device)
+    attn = kernelgen.get_kernel(spec, configs=union_config(8))
+    agree = kernelgen.get_kernel(spec).prepare(agreeing, nq, nq)
+    assert agree.union is not None and agree.union.inflation(agree.block_idx) <= UNION_MAX_INFLATION
+    scattered = kernelgen.get_kernel(spec).prepare(random, nq, nq)
+    assert scattered.union is None  # eight queries' random picks cover most of the 16 blocks: inflation about 3.6
+    assert "union of 8 queries" in repr(attn.prepare(random, nq, nq))  # a pinned union config serves it anyway
+    gathered = kernelgen.get_kernel(spec, configs={"kv_attn": KvAttnConfig(block_m=16)})
+    assert gathered.prepare(agreeing, nq, nq).union is None  # a pinned gathered config keeps the gathered design
+    q, k, v = make_inputs(1, 1, 2, nq, nq, 64, torch.float32, device, 29)
+    for lists, raw in ((agree, agreeing), (scattered, random)):
+        o, lse = kernelgen.get_kernel(spec)(q, k, v, block_idx=lists, return_lse=True)
+        ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=raw)
+        assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
+
+
+def test_configs_are_checked():
+    spec = kv_spec(gqa_group=16, head_dim=128, kv_block=64, top_k=16)
+    for arch in ("sm_80", "sm_89", "sm_90"):
+        cfg = kv_union_default(spec, arch)
+        assert kv_union_infeasible(spec, cfg, arch) is None and cfg in set(kv_union_space(spec, arch))
+    assert "tile_q=3" in kv_union_infeasible(spec, KvUnionConfig(tile_q=3), "sm_90")
+    assert "block_m=256" in kv_union_infeasible(spec, KvUnionConfig(tile_q=8, block_m=256), "sm_90")  # > 16 * 8 rows
+    assert kv_union_infeasible(kv_spec(gqa_group=3), KvUnionConfig(tile_q=8, block_m=32), "sm_90")  # 4 heads of 3
+    with pytest.raises(KernelgenValueError, match="tile_q"):
+        kernelgen.get_kernel(spec, configs={"kv_attn_union": KvUnionConfig(tile_q=5)})
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, d, kv_block, g, causal", [(4096, 128, 128, 16, False), (16384, 128, 64, 16, True),
+                                                       (32768, 64, 64, 16, True)])
+def test_gpu_against_reference(n, d, kv_block, g, causal, dtype):
+    """Agreeing lists served the union design by prepare's rule; a slice of rows checked in float64."""
+    spec = kv_spec(head_dim=d, kv_block=kv_block, gqa_group=g, top_k=16, causal=causal)
+    idx = agreeing_query_lists(spec, 1, 1, n, n, own=2, seed=1)
+    q, k, v = make_inputs(1, 1, g, n, n, d, dtype, "cuda", 3)
+    attn = kernelgen.get_kernel(spec)
+    lists = attn.prepare(idx, n, n)
+    assert lists.union is not None
+    o, lse = attn(q, k, v, block_idx=lists, return_lse=True)
+    o2, lse2 = attn(q, k, v, block_idx=lists, return_lse=True)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    rows = slice(n - 512, n)
+    ref_o, ref_lse, _ = reference.sparse_attention(q[:, :4, rows].double(), k.double(), v.double(), spec,
+                                                   block_idx=idx[:, :, rows])
+    assert_close_to_reference(o[:, :4, rows], lse[:, :4, rows], ref_o, ref_lse, dtype)

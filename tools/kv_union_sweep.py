@@ -1,0 +1,78 @@
+"""Maintainers: the KV-centric schedule's two forward designs on one CUDA GPU, as the lists' agreement varies.
+
+    python tools/kv_union_sweep.py [SHAPE ...]     # OUT=DIR for kv_union_sweep.json (default /tmp)
+
+For each shape of `kernelgen.workloads.KV_CENTRIC_SHAPES` (default: all; bf16) and each kind of per-query
+lists (`random_query_lists`, and `agreeing_query_lists` with own = 0, 2, 4, 8 blocks per query), prints:
+- the gathered design (`kv_attn`, its served config), lists prepared once, `do_bench` median;
+- the union design (`kv_attn_union`) at each config of a small grid (tile_q 1-16, the rows that hold
+  whole queries, 4/8 warps, 1/2 stages), with its inflation (products computed over those the lists hold);
+- the fastest union config, and its time over the gathered design's.
+`kv_union_default` and `tile_union.UNION_MAX_INFLATION` are set from this sweep (docs/DESIGN.md).
+"""
+import json
+import os
+import sys
+
+import torch
+import triton.testing
+
+from kernelgen import KvUnionConfig, get_kernel
+from kernelgen.backends.triton import kv_union_infeasible
+from kernelgen.tile_union import build_tile_union
+from kernelgen.workloads import KV_CENTRIC_SHAPES, agreeing_query_lists, random_query_lists
+
+
+def bench(fn) -> float:
+    with torch.no_grad():
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def grid(spec):
+    for tile_q in (1, 2, 4, 8, 16):
+        for block_m in sorted({min(64, spec.gqa_group * tile_q), 64, 128}):
+            for warps in (4, 8):
+                for stages in (1, 2):
+                    cfg = KvUnionConfig(tile_q=tile_q, block_m=block_m, num_warps=warps, num_stages=stages)
+                    if kv_union_infeasible(spec, cfg, "sm_90") is None:
+                        yield cfg
+
+
+out = os.environ.get("OUT", "/tmp")
+rows = []
+for name in sys.argv[1:] or list(KV_CENTRIC_SHAPES):
+    shape = KV_CENTRIC_SHAPES[name]
+    spec = shape.spec("given")
+    q, k, v = shape.inputs(torch.device("cuda"), torch.bfloat16)
+    kinds = {"random": random_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k)}
+    for own in (0, 2, 4, 8):
+        kinds[f"agree{own}"] = agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, own)
+    configs = list(grid(spec))
+    for kind, lists in kinds.items():
+        gathered_attn = get_kernel(spec, configs={"kv_attn": get_kernel(spec).config("kv_attn", shape.n_q, shape.n_k)})
+        prepared = gathered_attn.prepare(lists, shape.n_q, shape.n_k)
+        gathered = bench(lambda: gathered_attn(q, k, v, block_idx=prepared))
+        ref = gathered_attn(q, k, v, block_idx=prepared)
+        rows.append(dict(shape=name, lists=kind, design="gathered", ms=gathered))
+        inflation = {t: build_tile_union(prepared.block_idx, t, spec.n_kv_blocks(shape.n_k)).inflation(prepared.block_idx)
+                     for t in (1, 2, 4, 8, 16)}
+        best = None
+        for cfg in configs:
+            try:
+                attn = get_kernel(spec, configs={"kv_attn_union": cfg})
+                union_lists = attn.prepare(lists, shape.n_q, shape.n_k)
+                ms = bench(lambda: attn(q, k, v, block_idx=union_lists))
+                diff = ((attn(q, k, v, block_idx=union_lists).float() - ref.float()).norm() / ref.float().norm()).item()
+            except Exception as e:  # a config the compiler refuses: reported, the sweep goes on
+                print(name, kind, cfg, "failed", type(e).__name__, str(e)[:160], flush=True)
+                continue
+            rows.append(dict(shape=name, lists=kind, design="union", config=cfg.to_json(), ms=ms,
+                             inflation=inflation[cfg.tile_q], rel_diff=diff))
+            if best is None or ms < best[0]:
+                best = (ms, cfg, diff)
+        print(f"{name:10s} {kind:7s} inflation " + " ".join(f"{t}:{x:.2f}" for t, x in inflation.items())
+              + f" | gathered {gathered:.3f} ms | union best {best[0]:.3f} ms ({best[0] / gathered:.2f}x) "
+              f"{best[1].to_json()} diff {best[2]:.1e}", flush=True)
+    del q, k, v, kinds
+    torch.cuda.empty_cache()
+    json.dump(rows, open(f"{out}/kv_union_sweep.json", "w"), indent=1)
