@@ -32,7 +32,7 @@ from .device import device_arch, interpreting
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
 from .roles import DECODE_MAX_QUERIES, backward_roles, forward_roles, get_role
 from .spec import Spec
-from .tile_union import UNION_MAX_INFLATION, TileUnion, build_tile_union
+from .tile_union import TileUnion, build_tile_union, union_max_inflation
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
 from .tuning.lookup import fastest_backend, recheck, served_config
@@ -241,14 +241,15 @@ class SparseAttention:
                                            self._union_for(lists, shapes))
 
     def _union_for(self, lists: torch.Tensor, shapes: Shapes) -> TileUnion | None:
-        """The tile union of prepared per-query lists when the union design computes at most
-        UNION_MAX_INFLATION times the pairs they hold (one host sync, at prepare time), else None. A pinned
-        kv_attn config keeps the gathered design; a pinned kv_attn_union config, the union design."""
+        """The tile union of prepared per-query lists when the union design computes few enough products
+        beyond the pairs they hold to be the faster design (`tile_union.union_max_inflation`; one host sync,
+        at prepare time), else None. A pinned kv_attn config keeps the gathered design; a pinned
+        kv_attn_union config, the union design."""
         if "kv_attn" in self._fixed and "kv_attn_union" not in self._fixed:
             return None
         served = self._served("kv_attn_union", seq_bucket(shapes.n_k), torch.bfloat16, lists.device)
         union = build_tile_union(lists, served.config.tile_q, shapes.n_kv_blocks)
-        if "kv_attn_union" in self._fixed or union.inflation(lists) <= UNION_MAX_INFLATION:
+        if "kv_attn_union" in self._fixed or union.inflation(lists) <= union_max_inflation(self.spec.kv_block):
             return union
         return None
 

@@ -40,7 +40,7 @@ from . import reference
 from .errors import KernelgenValueError
 from .reverse_index import build_query_reverse_index, build_reverse_index
 from .spec import Spec
-from .workloads import useful_flops
+from .workloads import agreeing_query_lists, useful_flops
 
 __all__ = ["Role", "ROLES", "BACKWARD_ROLES", "KV_BACKWARD_ROLES", "forward_roles", "backward_roles",
            "DECODE_MAX_QUERIES", "register_role", "get_role", "SELECTION_ROLES", "Workload", "WorkloadShape",
@@ -303,10 +303,24 @@ register_role(Role("kv_select_index", "per-query block lists chosen by the index
 register_role(Role("kv_attn", "attention over per-query lists: partials per (KV block, query chunk) task, merged "
                    "per query and head through lse", canonical=_KERNEL_READS_LISTS, workload=kv_attn_workload))
 
+def kv_union_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    """The union design is served to lists whose neighbours agree: it is tuned on such lists (each span of 64
+    queries sharing all but 2 of its blocks, `workloads.agreeing_query_lists`), not on a selector's picks from
+    random inputs, which agree no more than random lists do."""
+    q, k, v = _inputs(spec, shape, device, dtype)
+    lists = agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, own=2, device=device)
+    flops = useful_flops(lists, spec, shape.n_q, shape.n_k)
+    judge = lambda out: None  # noqa: E731
+    if check:
+        ref = reference.sparse_attention(q, k, v, spec.replace(selector="given"), block_idx=lists)[0]
+        judge = lambda out: _rel_l2_error("o", out[0], ref, REL_L2_TOL[out[0].dtype])  # noqa: E731
+    return Workload((q, k, v, lists, None, None), judge, flops)
+
+
 # the union design of the same forward: no partials, the products of every query of a tile over the tile's union
 register_role(Role("kv_attn_union", "attention over per-query lists, a tile of consecutive queries over the union of "
                    "their blocks, each row masked to its own query's list", canonical=_KERNEL_READS_LISTS,
-                   workload=kv_attn_workload))
+                   workload=kv_union_workload))
 
 
 register_role(Role("kv_bwd", "backward over per-query lists: dk, dv and the dq partials per KV block, over the (query, "

@@ -6,7 +6,7 @@ masks each row to the blocks its own query lists. It writes no partial outputs, 
 the gathered design (`kv_attn`) wherever neighbouring queries list nearly the same blocks, and wastes
 products where they do not. `inflation` is that waste: the (query, block) pairs the union design computes
 over the pairs the lists hold; the dispatcher serves the union design to prepared lists whose inflation is
-low (`UNION_MAX_INFLATION`).
+low (`union_max_inflation`).
 
     lists    int32 [B, Hkv, n_tiles, union_len]: each tile's blocks ascending, then -1
     member   int32 [B, Hkv, Nq, ceil(union_len / 32)]: bit s % 32 of word s // 32 is set where the query's
@@ -21,12 +21,15 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["TileUnion", "build_tile_union", "union_len", "UNION_MAX_INFLATION"]
+__all__ = ["TileUnion", "build_tile_union", "union_len", "union_max_inflation"]
 
-# Prepared lists run the union design when it computes at most this many times the pairs their lists hold:
-# on an H200 the union design's products run about 3x the gathered design's rate per useful pair (see
-# docs/DESIGN.md, "The KV-centric union design").
-UNION_MAX_INFLATION = 2.5
+
+def union_max_inflation(kv_block: int) -> float:
+    """The inflation below which the union design is the faster one. Both designs' times grow with the pairs
+    the lists hold; the gathered design's partials cost a fixed number of bytes per (query, head, block), which
+    larger blocks amortise. On an H200 (tools/kv_union_sweep.py, docs/DESIGN.md) the two met at inflation
+    2.8-3.4 with 64-key blocks and 1.3 with 128-key ones: 2.6 at 64 keys, halved per doubling above."""
+    return 2.6 * min(1.0, 64 / kv_block)
 
 
 class TileUnion(NamedTuple):

@@ -124,9 +124,9 @@ class KvUnionConfig(_JsonConfig):
     lists (`kernelgen.tile_union`), each row masked to its own query's blocks; block_m: packed rows per
     program (the G heads x tile_q queries, head-major, split as the Q-centric forward splits a tile)."""
 
-    tile_q: int = 8
-    block_m: int = 128
-    num_warps: int = 8
+    tile_q: int = 4
+    block_m: int = 64
+    num_warps: int = 4
     num_stages: int = 2
 
 
@@ -425,11 +425,13 @@ def kv_union_infeasible(spec: Spec, cfg: KvUnionConfig, arch: str) -> str | None
 
 
 def kv_union_default(spec: Spec, arch: str) -> KvUnionConfig:
-    """Tiles of 8 queries (128 rows at G = 16) first, then whatever packs; the H200 sweep in DESIGN.md."""
-    warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
+    """A program of 64 rows holding whole tiles (4 queries at G = 16), 4 warps, 2 stages: the fastest point of
+    the H200 sweep on most list kinds (tools/kv_union_sweep.py, docs/DESIGN.md); then whatever packs."""
+    rows = (64, 128, 32, 16, 256)
+    tiles = sorted(UNION_TILE_Q, key=lambda t: abs(next_pow2(spec.gqa_group) * t - 64))
     return _first_feasible(spec, arch, kv_union_infeasible, (
         KvUnionConfig(tile_q=t, block_m=m, num_warps=w, num_stages=s)
-        for t in (8, 4, 16, 2, 32, 1, 64) for m in (128, 64, 256, 32, 16) for s in (2, 1) for w in (warps, 4)))
+        for t in tiles for m in rows for s in (2, 1) for w in (4, 8)))
 
 
 def kv_union_space(spec: Spec, arch: str):

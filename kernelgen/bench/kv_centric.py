@@ -1,13 +1,17 @@
 """`kernelgen bench --kv-centric`: per-query lists (the KV-centric schedule) against the kernels that take them.
 
-For each shape of `kernelgen.workloads.KV_CENTRIC_SHAPES`, in one process on one GPU (bf16), over the
-same random per-query lists (`random_query_lists`, seed 0):
+For each shape of `kernelgen.workloads.KV_CENTRIC_SHAPES`, in one process on one GPU (bf16), over two
+per-query list sets: random ones (`random_query_lists`, seed 0: neighbours agree by chance only), and ones
+whose neighbours agree (`agreeing_query_lists`: each span of 64 queries shares all but AGREEING_OWN of a
+query's blocks), the rows of each set labelled `lists`:
 
-- kernelgen's KV-centric forward, the lists prepared once; on `SELECTOR_SHAPES` also each selector's
+- kernelgen's KV-centric forward, the lists prepared once, in the design `prepare` serves (`design`: the
+  gathered one, or the union one with its inflation), and where that is the union design, the gathered
+  design over the same lists too; on `SELECTOR_SHAPES` (random lists) also each selector's
   pipeline (`SELECTORS`: `mean`, and `index` on random bf16 index vectors, Hi = 4, Di = 64, `selector_index`,
   and the same vectors in e4m3 (`index_fp8.to_fp8_index`; sm_90 only)):
   selection and attention, and selection alone with its share of the prepared forward (`of_prepared_forward`);
-- dense SDPA on cuDNN, forward and forward+backward (every visible pair);
+- dense SDPA on cuDNN, forward and forward+backward (every visible pair; once per shape);
 - FlexAttention (torch.compile'd) over a BlockMask of each Q tile's union of listed blocks, with a
   mask_mod that looks each (query, block) up in a dense bool membership tensor [B, Hkv, Nq, n_blocks]
   (`kernelgen.to_block_mask` with a Q block of kv_block queries);
@@ -34,7 +38,7 @@ from ..index_fp8 import to_fp8_index
 from ..interop import to_block_mask
 from ..roles import WorkloadShape, index_inputs
 from ..spec import Spec
-from ..workloads import KV_CENTRIC_SHAPES, dense_flops, useful_flops
+from ..workloads import KV_CENTRIC_SHAPES, agreeing_query_lists, dense_flops, useful_flops
 from .anchors import flex_call, sdpa_dense_anchors
 from .backward import _grads, _timed
 from .measure import _bench, _dump_rows, _rel_diff
@@ -45,6 +49,7 @@ SELECTOR_SHAPES = ("kv_nsa32k",)  # shapes on which the selector pipelines are a
 # the selector pipelines timed there: row label -> (the spec's selector, index vectors in e4m3 (sm_90 only))
 SELECTORS = {"mean": ("mean", False), "index": ("index", False), "index fp8": ("index", True)}
 INDEX_HEADS, INDEX_DIM = 4, 64  # the index selector's inputs there (Hi, Di), as a lightning indexer's
+AGREEING_OWN = 2  # the agreeing lists: each span of 64 queries shares all but this many blocks a query
 
 
 def selector_index(shape, device, dtype, seed: int = 0):
@@ -95,98 +100,126 @@ def run_kv_centric(shape_names=None, out_dir=None, log=print) -> list[dict]:
         shape = KV_CENTRIC_SHAPES[name]
         given = shape.spec("given")
         q, k, v = shape.inputs(device, dtype)
-        lists = shape.query_lists(device)
-        flops = useful_flops(lists, given, shape.n_q, shape.n_k)
-        attn = get_kernel(given)
-        prepared = attn.prepare(lists, shape.n_q, shape.n_k)
-        with torch.no_grad():
-            ours = attn(q, k, v, block_idx=prepared)
-            forward_ms = _bench(lambda: attn(q, k, v, block_idx=prepared))
-            record(name, "kernelgen kv_centric prepared", forward_ms, flops,
-                   backend=attn.served("attn", shape.n_k, dtype, device).backend.name)
-
-        def backward():
-            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-            grad = torch.randn_like(q)
-
-            def call():
-                return attn(*leaves, block_idx=prepared)
-
-            times = _timed(call, leaves, grad)
-            first, second = _grads(call, leaves, grad), _grads(call, leaves, grad)
-            same = all(torch.equal(a, b) for a, b in zip(first, second))
-            record(name, "kernelgen kv_centric fwd+bwd", times.pop("fwd_bwd_ms"), 0.0, **times, deterministic=same)
-        attempt(name, "kernelgen fwd+bwd", backward)
-        if name in SELECTOR_SHAPES:
-            for selector, (spec_selector, fp8) in SELECTORS.items():
-                def pipeline(selector=selector, spec_selector=spec_selector, fp8=fp8):
-                    index = selector_index(shape, device, dtype) if spec_selector == "index" else None
-                    if fp8:
-                        index = to_fp8_index(*index)
-                    attn_sel = get_kernel(shape.spec(spec_selector))
-                    with torch.no_grad():  # useful FLOPs of its own lists
-                        sel_flops = useful_flops(attn_sel.select(q, k, index=index), given, shape.n_q, shape.n_k)
-                        record(name, f"kernelgen kv_centric {selector} (select+attn)",
-                               _bench(lambda: attn_sel(q, k, v, index=index)), sel_flops)
-                        select_ms = _bench(lambda: attn_sel.select(q, k, index=index))
-                        record(name, f"kernelgen kv_centric {selector} select only", select_ms, 0.0,
-                               of_prepared_forward=f"{select_ms / forward_ms:.1%}")
-                attempt(name, f"the {selector} pipeline", pipeline)
-
-        def sdpa():
-            from torch.nn.attention import sdpa_kernel
-
-            anchor = sdpa_dense_anchors(*(x.detach().requires_grad_() for x in (q, k, v)), given)[0]  # cuDNN
-            with sdpa_kernel(anchor.backend):
-                with torch.no_grad():
-                    fwd = _bench(anchor.fn)
-                times = _timed(anchor.fn, list(anchor.leaves), torch.randn_like(q))
-            record(name, anchor.label, fwd, dense_flops(shape), fwd_bwd_ms=times["fwd_bwd_ms"],
-                   fwd_bwd_graph_ms=times["fwd_bwd_graph_ms"])
-        attempt(name, "sdpa cudnn (dense)", sdpa)
-
-        def flex():
-            flex_tile = shape.kv_block  # Flex's kernel tile must divide the BlockMask's blocks
-            flex_spec = Spec(head_dim=shape.head_dim, kv_block=shape.kv_block, q_tile=flex_tile,
-                             causal=shape.causal, gqa_group=given.gqa_group)
-
-            def build():
-                return to_block_mask(lists, given, shape.n_q, shape.n_k, q_block=flex_tile)
-
-            block_mask = build()
-            fn = flex_call(q, k, v, block_mask, flex_spec)
-            diff = _rel_diff(fn(), ours)
-            record(name, "flex (tile union + membership mask_mod)", _bench(fn), flops,
-                   rel_diff_vs_kernelgen=f"{diff:.1e}", visited_blocks=int(block_mask.kv_num_blocks.sum()
-                                                                          + block_mask.full_kv_num_blocks.sum()))
-            record(name, "flex membership + BlockMask build", _bench(build), 0.0)
-        attempt(name, "FlexAttention", flex)
-
-        def fla():
-            reason = fla_nsa_unsupported(given)
-            if reason:
-                log(f"{name}: fla NSA skipped: {reason}")
-                return
-            try:
-                from fla.ops.nsa.parallel import ParallelNSAFunction
-            except ImportError as error:
-                log(f"{name}: fla NSA skipped: fla-core is not importable ({error})")
-                return
-            # its layout: q [B, T, Hq, D], k/v [B, T, Hkv, D], lists [B, T, Hkv, S] (transposed before timing)
-            qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
-            indices = lists.transpose(1, 2).contiguous()
-            scale = shape.head_dim ** -0.5
-
-            def call():
-                return ParallelNSAFunction.apply(qt, kt, vt, indices, given.top_k, shape.kv_block, scale, None)
-
-            with torch.no_grad():
-                diff = _rel_diff(call().transpose(1, 2), ours)
-                fwd = _bench(call)
-            times = _timed(call, [qt, kt, vt], torch.randn_like(qt))
-            record(name, "fla ParallelNSAFunction", fwd, flops, fwd_bwd_ms=times["fwd_bwd_ms"],
-                   fwd_bwd_graph_ms=times["fwd_bwd_graph_ms"], rel_diff_vs_kernelgen=f"{diff:.1e}")
-        attempt(name, "fla NSA", fla)
-        del q, k, v, lists, prepared, ours
+        for kind, lists in (("random", shape.query_lists(device)),
+                            ("agreeing", agreeing_query_lists(given, shape.batch, shape.heads_kv, shape.n_q, shape.n_k,
+                                                              AGREEING_OWN, device=device))):
+            ours = _lists_rows(name, shape, kind, lists, q, k, v, record, attempt, log)
+            if kind == "random":
+                _dense_row(name, shape, q, k, v, record, attempt)
+        del q, k, v, lists, ours
         torch.cuda.empty_cache()
     return rows
+
+
+def _lists_rows(name, shape, kind, lists, q, k, v, record, attempt, log):
+    """Every row over one list set (`kind`: random, or agreeing neighbours): kernelgen prepared (the design
+    prepare serves, its inflation), the gathered design where prepare served the union one, forward+backward,
+    the selector pipelines (random lists, SELECTOR_SHAPES), FlexAttention and fla-core over the same lists.
+    Returns kernelgen's output."""
+    device, dtype = q.device, q.dtype
+    given = shape.spec("given")
+    flops = useful_flops(lists, given, shape.n_q, shape.n_k)
+    attn = get_kernel(given)
+    prepared = attn.prepare(lists, shape.n_q, shape.n_k)
+    union = prepared.union
+    design = dict(lists=kind, design="gathered" if union is None else f"union of {union.tile_q} queries")
+    if union is not None:
+        design["inflation"] = f"{union.inflation(prepared.block_idx):.2f}"
+    with torch.no_grad():
+        ours = attn(q, k, v, block_idx=prepared)
+        forward_ms = _bench(lambda: attn(q, k, v, block_idx=prepared))
+        record(name, "kernelgen kv_centric prepared", forward_ms, flops,
+               backend=attn.served("kv_attn", shape.n_k, dtype, device).backend.name, **design)
+        if union is not None:
+            gathered = get_kernel(given, configs={"kv_attn": attn.config("kv_attn", shape.n_q, shape.n_k, dtype, device)})
+            gathered_lists = gathered.prepare(lists, shape.n_q, shape.n_k)
+            record(name, "kernelgen kv_centric gathered", _bench(lambda: gathered(q, k, v, block_idx=gathered_lists)),
+                   flops, lists=kind, rel_diff_vs_kernelgen=f"{_rel_diff(gathered(q, k, v, block_idx=gathered_lists), ours):.1e}")
+
+    def backward():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        grad = torch.randn_like(q)
+
+        def call():
+            return attn(*leaves, block_idx=prepared)
+
+        times = _timed(call, leaves, grad)
+        first, second = _grads(call, leaves, grad), _grads(call, leaves, grad)
+        same = all(torch.equal(a, b) for a, b in zip(first, second))
+        record(name, "kernelgen kv_centric fwd+bwd", times.pop("fwd_bwd_ms"), 0.0, **times, deterministic=same,
+               **design)
+    attempt(name, "kernelgen fwd+bwd", backward)
+    if name in SELECTOR_SHAPES and kind == "random":
+        for selector, (spec_selector, fp8) in SELECTORS.items():
+            def pipeline(selector=selector, spec_selector=spec_selector, fp8=fp8):
+                index = selector_index(shape, device, dtype) if spec_selector == "index" else None
+                if fp8:
+                    index = to_fp8_index(*index)
+                attn_sel = get_kernel(shape.spec(spec_selector))
+                with torch.no_grad():  # useful FLOPs of its own lists
+                    sel_flops = useful_flops(attn_sel.select(q, k, index=index), given, shape.n_q, shape.n_k)
+                    record(name, f"kernelgen kv_centric {selector} (select+attn)",
+                           _bench(lambda: attn_sel(q, k, v, index=index)), sel_flops)
+                    select_ms = _bench(lambda: attn_sel.select(q, k, index=index))
+                    record(name, f"kernelgen kv_centric {selector} select only", select_ms, 0.0,
+                           of_prepared_forward=f"{select_ms / forward_ms:.1%}")
+            attempt(name, f"the {selector} pipeline", pipeline)
+
+    def flex():
+        flex_tile = shape.kv_block  # Flex's kernel tile must divide the BlockMask's blocks
+        flex_spec = Spec(head_dim=shape.head_dim, kv_block=shape.kv_block, q_tile=flex_tile,
+                         causal=shape.causal, gqa_group=given.gqa_group)
+
+        def build():
+            return to_block_mask(lists, given, shape.n_q, shape.n_k, q_block=flex_tile)
+
+        block_mask = build()
+        fn = flex_call(q, k, v, block_mask, flex_spec)
+        diff = _rel_diff(fn(), ours)
+        record(name, "flex (tile union + membership mask_mod)", _bench(fn), flops, lists=kind,
+               rel_diff_vs_kernelgen=f"{diff:.1e}", visited_blocks=int(block_mask.kv_num_blocks.sum()
+                                                                      + block_mask.full_kv_num_blocks.sum()))
+        record(name, "flex membership + BlockMask build", _bench(build), 0.0, lists=kind)
+    attempt(name, "FlexAttention", flex)
+
+    def fla():
+        reason = fla_nsa_unsupported(given)
+        if reason:
+            log(f"{name}: fla NSA skipped: {reason}")
+            return
+        try:
+            from fla.ops.nsa.parallel import ParallelNSAFunction
+        except ImportError as error:
+            log(f"{name}: fla NSA skipped: fla-core is not importable ({error})")
+            return
+        # its layout: q [B, T, Hq, D], k/v [B, T, Hkv, D], lists [B, T, Hkv, S] (transposed before timing)
+        qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+        indices = lists.transpose(1, 2).contiguous()
+        scale = shape.head_dim ** -0.5
+
+        def call():
+            return ParallelNSAFunction.apply(qt, kt, vt, indices, given.top_k, shape.kv_block, scale, None)
+
+        with torch.no_grad():
+            diff = _rel_diff(call().transpose(1, 2), ours)
+            fwd = _bench(call)
+        times = _timed(call, [qt, kt, vt], torch.randn_like(qt))
+        record(name, "fla ParallelNSAFunction", fwd, flops, lists=kind, fwd_bwd_ms=times["fwd_bwd_ms"],
+               fwd_bwd_graph_ms=times["fwd_bwd_graph_ms"], rel_diff_vs_kernelgen=f"{diff:.1e}")
+    attempt(name, "fla NSA", fla)
+    return ours
+
+
+def _dense_row(name, shape, q, k, v, record, attempt):
+    """Dense SDPA on cuDNN, forward and forward+backward: every visible pair, whatever the lists."""
+    def sdpa():
+        from torch.nn.attention import sdpa_kernel
+
+        anchor = sdpa_dense_anchors(*(x.detach().requires_grad_() for x in (q, k, v)), shape.spec("given"))[0]
+        with sdpa_kernel(anchor.backend):
+            with torch.no_grad():
+                fwd = _bench(anchor.fn)
+            times = _timed(anchor.fn, list(anchor.leaves), torch.randn_like(q))
+        record(name, anchor.label, fwd, dense_flops(shape), fwd_bwd_ms=times["fwd_bwd_ms"],
+               fwd_bwd_graph_ms=times["fwd_bwd_graph_ms"])
+    attempt(name, "sdpa cudnn (dense)", sdpa)
