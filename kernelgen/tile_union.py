@@ -28,8 +28,8 @@ def union_max_inflation(kv_block: int) -> float:
     """The inflation below which the union design is the faster one. Both designs' times grow with the pairs
     the lists hold; the gathered design's partials cost a fixed number of bytes per (query, head, block), which
     larger blocks amortise. On an H200 (tools/kv_union_sweep.py, docs/DESIGN.md) the two met at inflation
-    2.8-3.4 with 64-key blocks and 1.3 with 128-key ones: 2.6 at 64 keys, halved per doubling above."""
-    return 2.6 * min(1.0, 64 / kv_block)
+    2.8-3.4 with 64-key blocks and 1.3 with 128-key ones: 2.4 at 64 keys, halved per doubling above."""
+    return 2.4 * min(1.0, 64 / kv_block)
 
 
 class TileUnion(NamedTuple):
