@@ -17,8 +17,8 @@ from . import backends, reference  # noqa: E402
 from .backends.gluon import GluonAttnConfig  # noqa: E402
 from .backends.tilelang import TileLangAttnConfig, TileLangBwdDkdvConfig  # noqa: E402
 from .backends.triton import (AttnConfig, BwdDkdvConfig, BwdDqConfig, DecodeConfig, IndexSelectConfig,  # noqa: E402
-                                KvAttnConfig, KvBwdConfig, KvIndexSelectConfig, KvSelectConfig, KvUnionConfig,
-                                SelectConfig)
+                                KvAttnConfig, KvBwdConfig, KvIndexSelectConfig, KvSelectConfig, KvUnionBwdConfig,
+                                KvUnionConfig, SelectConfig)
 from .dispatch import SparseAttention, get_kernel  # noqa: E402
 from .errors import (KernelgenError, KernelgenNotImplementedError, KernelgenRuntimeError, KernelgenTypeError,  # noqa: E402
                      KernelgenValueError)
@@ -29,7 +29,7 @@ from .spec import Spec  # noqa: E402
 
 __all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "ReverseIndex", "build_reverse_index", "AttnConfig",
            "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig", "KvSelectConfig", "KvAttnConfig",
-           "KvUnionConfig", "KvBwdConfig", "KvIndexSelectConfig", "DecodeConfig",
+           "KvUnionConfig", "KvUnionBwdConfig", "KvBwdConfig", "KvIndexSelectConfig", "DecodeConfig",
            "TileLangAttnConfig", "TileLangBwdDkdvConfig", "GluonAttnConfig",
            "KernelgenError", "KernelgenValueError", "KernelgenTypeError",
            "KernelgenRuntimeError", "KernelgenNotImplementedError", "backends", "reference", "from_block_mask",

@@ -306,17 +306,23 @@ class SparseAttention:
 
     def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale,
                    reverse: ReverseIndex | QueryReverseIndex | None = None,
-                   needs=(True, True, True), shapes: Shapes | None = None) -> tuple[torch.Tensor | None, ...]:
+                   needs=(True, True, True), shapes: Shapes | None = None,
+                   union: TileUnion | None = None) -> tuple[torch.Tensor | None, ...]:
         """(dq, dk, dv) of o = attn(q, k, v, block_idx=..., scale=scale) given do, its forward's o and lse,
         and the lists it attended over, in the kernels' form (`block_idx`; `reverse`, their reverse index,
-        is built when None: a QueryReverseIndex for per-query lists). A gradient that `needs` leaves out is None,
-        and not computed. `shapes`: the forward's checked shapes of these q, k, v (checked again when None)."""
+        is built when None: a QueryReverseIndex for per-query lists; `union`: prepared per-query lists' tile
+        union, whose backward runs instead). A gradient that `needs` leaves out is None, and not computed.
+        `shapes`: the forward's checked shapes of these q, k, v (checked again when None)."""
         if shapes is None:
             shapes = check_qkv(q, k, v, self.spec)
         if do.stride(-1) != 1:  # the kernels read rows with unit stride (an expanded do of o.sum() has 0)
             do = do.contiguous()
         delta_role, *grad_roles = self._backward_plan(seq_bucket(shapes.n_k), q.dtype, q.device)
         delta = self._launch(delta_role, q, shapes, o, do)
+        if union is not None:  # the union design's: dq per tile, dk and dv per block over the unions
+            served = self._served("kv_bwd_union", seq_bucket(shapes.n_k), q.dtype, q.device)
+            grads = self._launch(served, q, shapes, q, k, v, do, lse, delta, block_idx, union, scale)
+            return tuple(grad if need else None for grad, need in zip(grads, needs))
         if self.spec.per_query:  # one walk of the reverse index gives all three
             if reverse is None:
                 reverse = build_query_reverse_index(block_idx, shapes.n_kv_blocks)
@@ -357,9 +363,10 @@ class _AttentionFunction(torch.autograd.Function):
         if do is None:  # o did not reach the loss (only lse, which has no gradient)
             return (None,) * 8
         q, k, v, o, lse, block_idx = ctx.saved_tensors
-        reverse = ctx.prepared.reverse_index() if ctx.prepared is not None else None
+        union = ctx.prepared.union if ctx.prepared is not None else None
+        reverse = ctx.prepared.reverse_index() if ctx.prepared is not None and union is None else None
         dq, dk, dv = ctx.attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3],
-                                         ctx.shapes)
+                                         ctx.shapes, union)
         return dq, dk, dv, None, None, None, None, None
 
 

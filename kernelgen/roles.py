@@ -22,6 +22,8 @@ KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalis
   kv_attn_union (q, k, v, block_idx, union, scale)   (o, lse): a tile of consecutive queries over the union
             of their lists (`union`: a `kernelgen.tile_union.TileUnion` of the lists; None: built), each row
             masked to its own query's list; served to prepared lists whose union is small (`prepare`)
+  kv_bwd_union (q, k, v, do, lse, delta, block_idx, union, scale)   (dq, dk, dv) of the union design: dq per
+            tile over its union, dk and dv per KV block over the tiles whose union holds it (`union`: None: built)
   kv_bwd    (q, k, v, do, lse, delta, block_idx, reverse, scale)   (dq, dk, dv): one walk of `reverse` per
             KV block gives dk, dv and dq's partials; their merge per row gives dq
 Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a KV cache):
@@ -321,6 +323,29 @@ def kv_union_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bo
 register_role(Role("kv_attn_union", "attention over per-query lists, a tile of consecutive queries over the union of "
                    "their blocks, each row masked to its own query's list", canonical=_KERNEL_READS_LISTS,
                    workload=kv_union_workload))
+
+
+def kv_bwd_union_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    """kv_bwd's workload over the lists the union design is tuned on (`kv_union_workload`'s)."""
+    q, k, v, do, lse, delta, _, grads = _backward_workload(spec, shape, device, dtype, check=False)
+    lists = agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, own=2, device=device)
+    if check:
+        given = spec.replace(selector="given")
+        o, lse, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)
+        grads = reference.sparse_attention_grads(q, k, v, do, given, lists)
+        lse, delta = lse.float(), (do.float() * o.to(dtype).float()).sum(-1)
+    flops = 2.5 * useful_flops(lists, spec, shape.n_q, shape.n_k)  # 5 products (S, dP, dV, dK, dQ) to the forward's 2
+
+    def judge(out) -> str | None:
+        return next(filter(None, (_rel_l2_error(name, grad, want, GRAD_REL_L2_TOL[grad.dtype])
+                                  for name, grad, want in zip(("dq", "dk", "dv"), out, grads))), None)
+
+    return Workload((q, k, v, do, lse, delta, lists, None, None), judge if check else (lambda out: None), flops)
+
+
+register_role(Role("kv_bwd_union", "backward of the union design: dq per tile over its union, dk and dv per KV block "
+                   "over the tiles whose union holds it, each row masked to its own query's list",
+                   canonical=_KERNEL_READS_LISTS, workload=kv_bwd_union_workload))
 
 
 register_role(Role("kv_bwd", "backward over per-query lists: dk, dv and the dq partials per KV block, over the (query, "

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from .reverse_index import QueryReverseIndex, build_query_reverse_index, heaviest_first
+
 __all__ = ["TileUnion", "build_tile_union", "union_len", "union_max_inflation"]
 
 
@@ -33,11 +35,23 @@ def union_max_inflation(kv_block: int) -> float:
 
 
 class TileUnion(NamedTuple):
-    """The union of each tile's per-query lists and each query's membership bits (see the module's docstring)."""
+    """The union of each tile's per-query lists and each query's membership bits (see the module's docstring);
+    `cache` keeps what the backward derives from them (`reverse_index`)."""
 
     tile_q: int
     lists: torch.Tensor
     member: torch.Tensor
+    cache: dict
+
+    def reverse_index(self) -> tuple[QueryReverseIndex, torch.Tensor]:
+        """For each KV block, the (tile, union slot) pairs of the unions that hold it (the query reverse index
+        of the unions, a tile for a query), and the blocks held by the most tiles first (`heaviest_first`):
+        the union backward's dK/dV walk. Built on the device at the first call, then kept."""
+        if "reverse" not in self.cache:
+            n_kv_blocks = int(self.cache["n_kv_blocks"])
+            reverse = build_query_reverse_index(self.lists, n_kv_blocks)
+            self.cache["reverse"] = (reverse, heaviest_first(reverse.offsets))
+        return self.cache["reverse"]
 
     def inflation(self, block_idx: torch.Tensor) -> float:
         """(query, block) pairs the union design computes (every query of a tile over the tile's union, the
@@ -81,4 +95,4 @@ def build_tile_union(block_idx: torch.Tensor, tile_q: int, n_kv_blocks: int) -> 
     member = torch.zeros(b, h, n_q, words, dtype=torch.int64, device=block_idx.device)
     member.scatter_add_(-1, torch.where(held, slot // 32, 0), bit)  # an id held once: bits never collide
     member = torch.where(member >= 2 ** 31, member - 2 ** 32, member).to(torch.int32).contiguous()
-    return TileUnion(tile_q, lists, member)
+    return TileUnion(tile_q, lists, member, {"n_kv_blocks": n_kv_blocks})

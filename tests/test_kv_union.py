@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernelgen
-from kernelgen import KvAttnConfig, KvUnionConfig, Spec, reference
+from kernelgen import KvAttnConfig, KvUnionBwdConfig, KvUnionConfig, Spec, reference
 from kernelgen.backends.triton import kv_union_default, kv_union_infeasible, kv_union_space
 from kernelgen.errors import KernelgenValueError
 from kernelgen.tile_union import build_tile_union, union_max_inflation
@@ -85,17 +85,56 @@ def test_causal_rows_that_see_nothing(device):
     assert (o[:, :, :30] == 0).all() and torch.isinf(lse[:, :, :30]).all()
 
 
-def test_gradients_through_the_union_forward(device):
-    """The backward is the schedule's (kv_bwd): it reads the union forward's o and lse."""
-    spec = kv_spec(top_k=2, causal=True, gqa_group=2)
-    q, k, v, do = leaves(1, 2, 2, 70, 100, 64, torch.float32, device, 3)
-    idx = reference.select_blocks(q.detach(), k.detach(), spec.replace(selector="mean"))
-    attn = kernelgen.get_kernel(spec, configs=union_config(16))
-    lists = attn.prepare(idx, 70, 100)
+def union_grads(spec, q, k, v, do, idx, configs):
+    attn = kernelgen.get_kernel(spec, configs=configs)
+    lists = attn.prepare(idx, q.shape[2], k.shape[2])
     assert lists.union is not None
+    for x in (q, k, v):
+        x.grad = None
     attn(q, k, v, block_idx=lists).backward(do)
-    want = reference.sparse_attention_grads(q, k, v, do, spec, idx)
-    assert_grads_close((q.grad, k.grad, v.grad), want, q.dtype)
+    return q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+
+def bwd_config(tile_q, block_m=16, dq_block_m=16, block_n=16):
+    return {**union_config(tile_q), "kv_bwd_union": KvUnionBwdConfig(tile_q=tile_q, dq_block_m=dq_block_m, dq_warps=4,
+                                                                     dq_stages=1, block_n=block_n, block_m=block_m,
+                                                                     num_warps=4, num_stages=1)}
+
+
+# causal, G, kv_block, (Nq, Nk), dtype, tile_q, dK/dV rows: the forward's grid of masks
+GRAD_CASES = [
+    (True, 1, 32, (70, 100), torch.float32, 16, 16),
+    (False, 4, 64, (45, 130), torch.float16, 4, 16),
+    (True, 4, 32, (90, 50), torch.float32, 8, 32),
+    (False, 2, 32, (60, 60), torch.float16, 16, 32),
+    (True, 2, 64, (40, 97), torch.float16, 8, 16),
+]
+
+
+@pytest.mark.parametrize("causal, g, kv_block, lengths, dtype, tile_q, block_m", GRAD_CASES)
+def test_gradients_of_the_union_design(causal, g, kv_block, lengths, dtype, tile_q, block_m, device):
+    """The union design's backward (kv_bwd_union) against float64 autograd, two runs bitwise equal."""
+    nq, nk = lengths
+    spec = kv_spec(kv_block=kv_block, causal=causal, gqa_group=g, top_k=2)
+    q, k, v, do = leaves(1, 2, g, nq, nk, 64, dtype, device, nq + nk)
+    idx = reference.select_blocks(q.detach().float(), k.detach().float(), spec.replace(selector="mean"))
+    configs = bwd_config(tile_q, block_m, block_n=min(32, kv_block))
+    grads = union_grads(spec, q, k, v, do, idx, configs)
+    assert_grads_close(grads, reference.sparse_attention_grads(q, k, v, do, spec, idx), dtype)
+    assert all(torch.equal(a, b) for a, b in zip(grads, union_grads(spec, q, k, v, do, idx, configs)))
+
+
+def test_gradients_over_given_lists_with_empty_repeated_out_of_range_ids_and_an_empty_row(device):
+    spec = kv_spec(top_k=4, causal=True, gqa_group=2)
+    q, k, v, do = leaves(1, 2, 2, 60, 100, 64, torch.float32, device, 7)
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    idx = torch.randint(-2, 6, (1, 2, 60, 4), generator=gen, dtype=torch.int32)
+    idx[0, 0, 5] = torch.tensor([2, 2, 1, 2])
+    idx[0, 1, 7] = -1
+    idx = idx.to(device)
+    grads = union_grads(spec, q, k, v, do, idx, bwd_config(8))
+    assert_grads_close(grads, reference.sparse_attention_grads(q, k, v, do, spec, idx), q.dtype)
+    assert (grads[0][0, 2:4, 7] == 0).all()  # the empty row: no gradient, never NaN
 
 
 def test_deterministic(device):
@@ -193,3 +232,27 @@ def test_gpu_against_reference(n, d, kv_block, g, causal, dtype):
     ref_o, ref_lse, _ = reference.sparse_attention(q[:, :4, rows].double(), k.double(), v.double(), spec,
                                                    block_idx=idx[:, :, rows])
     assert_close_to_reference(o[:, :4, rows], lse[:, :4, rows], ref_o, ref_lse, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d, causal", [(128, True), (64, False)])
+def test_gpu_gradients(d, causal, dtype):
+    """4k queries, G = 16, 64-key blocks, agreeing lists: the union design's backward against float64 autograd;
+    two backward runs bitwise equal."""
+    n, g = 4096, 16
+    spec = kv_spec(head_dim=d, kv_block=64, gqa_group=g, top_k=16, causal=causal)
+    idx = agreeing_query_lists(spec, 1, 1, n, n, own=2, seed=2)
+    q, k, v, do = leaves(1, 1, g, n, n, d, dtype, "cuda", 4)
+    attn = kernelgen.get_kernel(spec)
+    lists = attn.prepare(idx, n, n)
+    assert lists.union is not None
+    runs = []
+    for _ in range(2):
+        for x in (q, k, v):
+            x.grad = None
+        attn(q, k, v, block_idx=lists).backward(do)
+        runs.append((q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    want = reference.sparse_attention_grads(*(x.detach().double() for x in (q, k, v, do)), spec, idx)
+    assert_grads_close(runs[0], want, dtype)

@@ -1,6 +1,7 @@
 """Maintainers: the KV-centric schedule's two forward designs on one CUDA GPU, as the lists' agreement varies.
 
     python tools/kv_union_sweep.py [SHAPE ...]     # OUT=DIR for kv_union_sweep.json (default /tmp)
+    python tools/kv_union_sweep.py --backward [SHAPE ...]
 
 For each shape of `kernelgen.workloads.KV_CENTRIC_SHAPES` (default: all; bf16) and each kind of per-query
 lists (`random_query_lists`, and `agreeing_query_lists` with own = 0, 2, 4, 8 blocks per query), prints:
@@ -8,7 +9,10 @@ lists (`random_query_lists`, and `agreeing_query_lists` with own = 0, 2, 4, 8 bl
 - the union design (`kv_attn_union`) at each config of a small grid (tile_q 1-16, the rows that hold
   whole queries, 4/8 warps, 1/2 stages), with its inflation (products computed over those the lists hold);
 - the fastest union config, and its time over the gathered design's.
-`kv_union_default` and `tile_union.UNION_MAX_INFLATION` are set from this sweep (docs/DESIGN.md).
+`kv_union_default` and `tile_union.union_max_inflation` are set from this sweep (docs/DESIGN.md).
+With --backward, on random lists and agreeing ones (own = 2): forward+backward with the gathered design's
+backward (kv_bwd) and with the union design's (kv_bwd_union) at a grid of its configs, the union forward's
+default config, `do_bench` median of a forward and `o.backward(do)`.
 """
 import json
 import os
@@ -17,8 +21,8 @@ import sys
 import torch
 import triton.testing
 
-from kernelgen import KvUnionConfig, get_kernel
-from kernelgen.backends.triton import kv_union_infeasible
+from kernelgen import KvUnionBwdConfig, KvUnionConfig, get_kernel
+from kernelgen.backends.triton import kv_union_bwd_infeasible, kv_union_infeasible
 from kernelgen.tile_union import build_tile_union
 from kernelgen.workloads import KV_CENTRIC_SHAPES, agreeing_query_lists, random_query_lists
 
@@ -38,8 +42,51 @@ def grid(spec):
                         yield cfg
 
 
+def backward_grid(spec):
+    for dq in ((64, 4, 2), (64, 8, 2)):
+        for block_n, block_m, warps in ((64, 32, 4), (64, 64, 4), (64, 64, 8), (32, 64, 4), (32, 32, 4), (64, 16, 4)):
+            cfg = KvUnionBwdConfig(tile_q=4, dq_block_m=dq[0], dq_warps=dq[1], dq_stages=dq[2], block_n=block_n,
+                                   block_m=block_m, num_warps=warps, num_stages=2)
+            if kv_union_bwd_infeasible(spec, cfg, "sm_90") is None:
+                yield cfg
+
+
+def sweep_backward(names):
+    rows = []
+    for name in names:
+        shape = KV_CENTRIC_SHAPES[name]
+        spec = shape.spec("given")
+        leaves = [x.requires_grad_() for x in shape.inputs(torch.device("cuda"), torch.bfloat16)]
+        do = torch.randn_like(leaves[0])
+        kinds = {"random": random_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k),
+                 "agree2": agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, 2)}
+        for kind, lists in kinds.items():
+            timings = {}
+            gathered = get_kernel(spec, configs={"kv_attn": get_kernel(spec).config("kv_attn", shape.n_q, shape.n_k)})
+            union_fwd = {"kv_attn_union": get_kernel(spec).config("kv_attn_union", shape.n_q, shape.n_k)}
+            for label, attn in [("gathered fwd+bwd", gathered)] + [
+                    (cfg.to_json(), get_kernel(spec, configs={**union_fwd, "kv_bwd_union": cfg}))
+                    for cfg in backward_grid(spec)]:
+                prepared = attn.prepare(lists, shape.n_q, shape.n_k)
+                try:
+                    ms = triton.testing.do_bench(lambda: attn(*leaves, block_idx=prepared).backward(do), warmup=10,
+                                                 rep=60, return_mode="median", grad_to_none=leaves)
+                except Exception as e:  # a config the compiler refuses: reported, the sweep goes on
+                    print(name, kind, label, "failed", type(e).__name__, str(e)[:160], flush=True)
+                    continue
+                timings[label] = ms
+                rows.append(dict(shape=name, lists=kind, backward=label, fwd_bwd_ms=ms))
+            best = min((v, k) for k, v in timings.items() if k != "gathered fwd+bwd")
+            print(f"{name:10s} {kind:7s} gathered fwd+bwd {timings['gathered fwd+bwd']:.3f} ms | union fwd+bwd best "
+                  f"{best[0]:.3f} ms {best[1]}", flush=True)
+        json.dump(rows, open(f"{out}/kv_union_backward.json", "w"), indent=1)
+
+
 out = os.environ.get("OUT", "/tmp")
 rows = []
+if sys.argv[1:2] == ["--backward"]:
+    sweep_backward(sys.argv[2:] or list(KV_CENTRIC_SHAPES))
+    sys.exit(0)
 for name in sys.argv[1:] or list(KV_CENTRIC_SHAPES):
     shape = KV_CENTRIC_SHAPES[name]
     spec = shape.spec("given")

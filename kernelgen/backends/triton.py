@@ -26,7 +26,7 @@ from ..tile_union import TileUnion, build_tile_union
 from .base import Backend, Problem, RoleImpl, Shapes
 
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
-           "KvSelectConfig", "KvIndexSelectConfig", "KvAttnConfig", "KvUnionConfig", "KvBwdConfig", "DecodeConfig", "attn_smem_bytes",
+           "KvSelectConfig", "KvIndexSelectConfig", "KvAttnConfig", "KvUnionConfig", "KvUnionBwdConfig", "KvBwdConfig", "DecodeConfig", "attn_smem_bytes",
            "bwd_dq_smem_bytes", "bwd_dkdv_smem_bytes", "kv_select_smem_bytes", "kv_attn_smem_bytes", "decode_smem_bytes",
            "index_select_smem_bytes", "kv_index_select_smem_bytes", "pack_infeasible", "rendered_module", "pool_reps",
            "select_from_reps", "combine_partials"]
@@ -126,6 +126,23 @@ class KvUnionConfig(_JsonConfig):
 
     tile_q: int = 4
     block_m: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class KvUnionBwdConfig(_JsonConfig):
+    """The union design's backward: dq_block_m packed rows per dQ program (the forward's walk of a tile's
+    union; at most the tile's G * tile_q rows), and block_n keys of one KV block per dK/dV program, walking the
+    tiles whose union holds the block block_m packed rows a step. tile_q: the tiles of a call whose lists
+    bring none (prepared lists bring their forward's)."""
+
+    tile_q: int = 4
+    dq_block_m: int = 64
+    dq_warps: int = 4
+    dq_stages: int = 2
+    block_n: int = 64
+    block_m: int = 32
     num_warps: int = 4
     num_stages: int = 2
 
@@ -402,19 +419,24 @@ def kv_attn_space(spec: Spec, arch: str):
 UNION_TILE_Q = (1, 2, 4, 8, 16, 32, 64)
 
 
+def _union_packs(spec: Spec, tile_q: int, block_m: int) -> bool:
+    """Programs of block_m packed rows cover tiles of tile_q queries' G heads evenly (the Q-centric rule)."""
+    if block_m not in TILE_ROWS or block_m > spec.gqa_group * tile_q:
+        return False
+    if block_m <= tile_q:
+        return tile_q % block_m == 0
+    return block_m % tile_q == 0 and spec.gqa_group % (block_m // tile_q) == 0
+
+
 def kv_union_infeasible(spec: Spec, cfg: KvUnionConfig, arch: str) -> str | None:
     """Why the union design cannot run `cfg` for `spec` on `arch`, or None: the Q-centric forward's row
     packing with tile_q queries for a tile, its registers, and its shared memory at one block a step."""
     if cfg.tile_q not in UNION_TILE_Q:
         return f"tile_q={cfg.tile_q}; expected one of {UNION_TILE_Q}"
-    rows = spec.gqa_group * cfg.tile_q
-    whole_tiles = cfg.block_m > cfg.tile_q
-    if (cfg.block_m not in TILE_ROWS or cfg.block_m > rows
-            or (cfg.tile_q % cfg.block_m if not whole_tiles
-                else cfg.block_m % cfg.tile_q or spec.gqa_group % (cfg.block_m // cfg.tile_q))):
-        return (f"block_m={cfg.block_m} must be one of {TILE_ROWS}, at most gqa_group * tile_q = {rows}, and split a "
-                f"tile of tile_q={cfg.tile_q} queries evenly or hold whole tiles of a number of heads that divides "
-                f"gqa_group={spec.gqa_group}")
+    if not _union_packs(spec, cfg.tile_q, cfg.block_m):
+        return (f"block_m={cfg.block_m} must be one of {TILE_ROWS}, at most gqa_group * tile_q = "
+                f"{spec.gqa_group * cfg.tile_q}, and split a tile of tile_q={cfg.tile_q} queries evenly or hold whole "
+                f"tiles of a number of heads that divides gqa_group={spec.gqa_group}")
     if cfg.num_stages not in (1, 2, 3, 4):
         return f"num_stages={cfg.num_stages}; expected 1 to 4"
     return _resources(cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps),
@@ -437,6 +459,54 @@ def kv_union_default(spec: Spec, arch: str) -> KvUnionConfig:
 def kv_union_space(spec: Spec, arch: str):
     return (KvUnionConfig(tile_q=t, block_m=m, num_warps=w, num_stages=s)
             for t, m, w, s in itertools.product(UNION_TILE_Q, TILE_ROWS, (4, 8), (1, 2, 3)))
+
+
+def union_rows(spec: Spec, tile_q: int, block_m: int) -> int | None:
+    """The rows a program of the union design takes for tiles of tile_q queries: block_m, or the largest power
+    of two below it that packs (the forward's packing rule, `kv_union_infeasible`); None if none of 16 or more."""
+    block_m = min(block_m, next_pow2(spec.gqa_group * tile_q))
+    while block_m >= 16:
+        if _union_packs(spec, tile_q, block_m):
+            return block_m
+        block_m //= 2
+    return None
+
+
+def kv_union_bwd_infeasible(spec: Spec, cfg: KvUnionBwdConfig, arch: str) -> str | None:
+    """Why the union backward cannot run `cfg` for `spec` on `arch`, or None: rows that pack for its tile_q
+    (dQ and dK/dV alike), whole key slices of a block, and the Q-centric backward kernels' resources."""
+    if cfg.tile_q not in UNION_TILE_Q:
+        return f"tile_q={cfg.tile_q}; expected one of {UNION_TILE_Q}"
+    for name, rows in (("dq_block_m", cfg.dq_block_m), ("block_m", cfg.block_m)):
+        if not _union_packs(spec, cfg.tile_q, rows):
+            return (f"{name}={rows} must be one of {TILE_ROWS} and pack tiles of tile_q={cfg.tile_q} queries of "
+                    f"gqa_group={spec.gqa_group} heads (kv_union_infeasible)")
+    dq = BwdDqConfig(cfg.dq_block_m, cfg.dq_warps, cfg.dq_stages)
+    dq_why = _resources(cfg.dq_block_m * (2 * spec.head_dim + 2 * spec.kv_block) // (32 * cfg.dq_warps),
+                        "dq_block_m * (2 * head_dim + 2 * kv_block) / (32 * dq_warps) for dQ, Q, dO, P and dP",
+                        bwd_dq_smem_bytes(spec, dq), "dq_stages K and V blocks, Q and dO", arch_facts(arch).smem_per_block)
+    if dq_why:
+        return f"dQ: {dq_why}"
+    dkdv_why = _dkdv_infeasible(spec, BwdDkdvConfig(cfg.block_n, cfg.block_m, cfg.num_warps, cfg.num_stages), arch,
+                                lambda: None)
+    return f"dK/dV: {dkdv_why}" if dkdv_why else None
+
+
+def kv_union_bwd_default(spec: Spec, arch: str) -> KvUnionBwdConfig:
+    fwd = kv_union_default(spec, arch)
+    return _first_feasible(spec, arch, kv_union_bwd_infeasible, (
+        KvUnionBwdConfig(tile_q=fwd.tile_q, dq_block_m=dq.block_m, dq_warps=dq.num_warps, dq_stages=dq.num_stages,
+                         block_n=n, block_m=m, num_warps=w, num_stages=st)
+        for dq in (BwdDqConfig(fwd.block_m, 4, 2), BwdDqConfig(fwd.block_m, 8, 2), BwdDqConfig(32, 4, 2),
+                   BwdDqConfig(16, 4, 1))
+        for n in (min(64, spec.kv_block), 32, 16) for m in (32, 64, 16) for w in (4, 8) for st in (2, 1)))
+
+
+def kv_union_bwd_space(spec: Spec, arch: str):
+    return (KvUnionBwdConfig(tile_q=t, dq_block_m=qm, dq_warps=qw, dq_stages=qs, block_n=n, block_m=m, num_warps=w,
+                             num_stages=st)
+            for t, qm, qw, qs, n, m, w, st in itertools.product(UNION_TILE_Q, (32, 64, 128), (4, 8), (1, 2),
+                                                                 (32, 64), (16, 32, 64), (4, 8), (1, 2)))
 
 
 # ---- decode: feasibility, defaults, space ----------------------------------------------------------
@@ -883,6 +953,41 @@ def launch_kv_attn_union(mod, spec: Spec, cfg: KvUnionConfig, shapes: Shapes, q,
     return o, lse
 
 
+def launch_kv_bwd_union(mod, spec: Spec, cfg: KvUnionBwdConfig, shapes: Shapes, q, k, v, do, lse, delta,
+                        block_idx, union: TileUnion | None, scale):
+    """(dq, dk, dv) of the union design over normalised per-query lists: dQ per tile over its union, dK/dV per
+    KV block over the tiles whose union holds it (`union`, the forward's: built here for cfg.tile_q when None)."""
+    scale = softmax_scale(scale, spec)
+    if union is None:
+        union = build_tile_union(block_idx, cfg.tile_q, shapes.n_kv_blocks)
+    dq_rows, rows = union_rows(spec, union.tile_q, cfg.dq_block_m), union_rows(spec, union.tile_q, cfg.block_m)
+    if dq_rows is None or rows is None:
+        raise KernelgenValueError(f"no rows of 16 or more pack tiles of {union.tile_q} queries of gqa_group="
+                                  f"{spec.gqa_group} heads; prepare the lists for another kv_attn_union tile_q")
+    dq = empty(*q.shape, device=q.device, dtype=q.dtype)
+    dk = empty(*k.shape, device=k.device, dtype=k.dtype)
+    dv = empty(*v.shape, device=v.device, dtype=v.dtype)
+    n_tiles, length = union.lists.shape[2:]
+    common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
+              *delta.stride()[:2])
+    mod.union_bwd_dq[(n_tiles * (spec.gqa_group * union.tile_q // dq_rows), shapes.batch * shapes.heads_kv)](
+        q, k, v, do, lse, delta, dq, union.lists, union.member, *common, *dq.stride()[:3],
+        *union.lists.stride()[:3], *union.member.stride()[:3],
+        shapes.n_q, shapes.n_k, n_tiles, shapes.heads_kv, scale * LOG2E, scale,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=union.tile_q,
+        UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=dq_rows, CAUSAL=spec.causal,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
+    reverse, order = union.reverse_index()
+    mod.union_bwd_dkdv[(order.numel() * (spec.kv_block // cfg.block_n),)](
+        q, k, v, do, lse, delta, dk, dv, union.member, reverse.offsets, reverse.queries, reverse.slots, order,
+        *common, *dk.stride()[:3], *dv.stride()[:3], *union.member.stride()[:3], *reverse.offsets.stride()[:2],
+        *reverse.queries.stride()[:2],
+        shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, scale * LOG2E, scale,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, TILE_Q=union.tile_q, GROUP=spec.gqa_group,
+        BLOCK_N=cfg.block_n, BLOCK_M=rows, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dq, dk, dv
+
+
 def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part, lse_part, used, dtype):
     """(o [B, Hq, Nq, D] in `dtype`, lse float32 [B, Hq, Nq]): each row's spec.top_k partials (o_part [B, Hq, Nq,
     top_k, D], lse_part [B, Hq, Nq, top_k], any strides) merged through their lse in slot order, the slots
@@ -1143,6 +1248,9 @@ class TritonBackend(Backend):
         "kv_attn_union": RoleImpl(launch=launch_kv_attn_union, template="triton/kv_attn_union.py.j2",
                                   config_type=KvUnionConfig, default=kv_union_default, space=kv_union_space,
                                   infeasible=kv_union_infeasible),
+        "kv_bwd_union": RoleImpl(launch=launch_kv_bwd_union, template="triton/kv_bwd_union.py.j2",
+                                 config_type=KvUnionBwdConfig, default=kv_union_bwd_default,
+                                 space=kv_union_bwd_space, infeasible=kv_union_bwd_infeasible),
         # a few queries (decode) over either schedule's lists: split-KV over each query's list
         "decode": RoleImpl(launch=launch_decode, template="triton/decode.py.j2", config_type=DecodeConfig,
                            default=decode_default, space=decode_space, infeasible=decode_infeasible),
