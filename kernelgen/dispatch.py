@@ -253,6 +253,14 @@ class SparseAttention:
             return union
         return None
 
+    def _union_backward(self, union: TileUnion, block_idx: torch.Tensor) -> bool:
+        """Whether the backward over prepared lists whose forward ran the union design runs the union design's
+        too: where a config pins one of the two backwards, that one; else where the lists' inflation is at most
+        `union_max_inflation(kv_block, backward=True)` (measured at prepare time: no sync here)."""
+        if "kv_bwd_union" in self._fixed or "kv_bwd" in self._fixed:
+            return "kv_bwd_union" in self._fixed
+        return union.inflation(block_idx) <= union_max_inflation(self.spec.kv_block, backward=True)
+
     def _forget_served(self) -> None:
         """Read the tuning DB again on the next call (a background tune has stored a winner)."""
         for cached in (self._backend, self._served, self._plan, self._backward_plan):
@@ -364,6 +372,8 @@ class _AttentionFunction(torch.autograd.Function):
             return (None,) * 8
         q, k, v, o, lse, block_idx = ctx.saved_tensors
         union = ctx.prepared.union if ctx.prepared is not None else None
+        if union is not None and not ctx.attn._union_backward(union, ctx.prepared.block_idx):
+            union = None  # the gathered design's backward reads the union forward's o and lse alike
         reverse = ctx.prepared.reverse_index() if ctx.prepared is not None and union is None else None
         dq, dk, dv = ctx.attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3],
                                          ctx.shapes, union)

@@ -26,12 +26,14 @@ from .reverse_index import QueryReverseIndex, build_query_reverse_index, heavies
 __all__ = ["TileUnion", "build_tile_union", "union_len", "union_max_inflation"]
 
 
-def union_max_inflation(kv_block: int) -> float:
-    """The inflation below which the union design is the faster one. Both designs' times grow with the pairs
-    the lists hold; the gathered design's partials cost a fixed number of bytes per (query, head, block), which
-    larger blocks amortise. On an H200 (tools/kv_union_sweep.py, docs/DESIGN.md) the two met at inflation
-    2.8-3.4 with 64-key blocks and 1.3 with 128-key ones: 2.4 at 64 keys, halved per doubling above."""
-    return 2.4 * min(1.0, 64 / kv_block)
+def union_max_inflation(kv_block: int, backward: bool = False) -> float:
+    """The inflation below which the union design is the faster one, for the forward or the backward. Both
+    designs' times grow with the pairs the lists hold; the gathered design's partials cost a fixed number of
+    bytes per (query, head, block), which larger blocks amortise. On an H200 (tools/kv_union_sweep.py,
+    docs/DESIGN.md) the forwards met at inflation 2.8-3.4 with 64-key blocks and 1.3 with 128-key ones, the
+    backwards at 1.2-1.5 with 64-key blocks (the union backward's dK/dV steps are a tile's rows, 64 at G = 16,
+    where the gathered one packs a block's queries): 2.4 and 1.4 at 64 keys, halved per doubling above."""
+    return (1.4 if backward else 2.4) * min(1.0, 64 / kv_block)
 
 
 class TileUnion(NamedTuple):
@@ -55,14 +57,18 @@ class TileUnion(NamedTuple):
 
     def inflation(self, block_idx: torch.Tensor) -> float:
         """(query, block) pairs the union design computes (every query of a tile over the tile's union, the
-        last tile's missing queries not counted) over the pairs `block_idx` holds (valid ids); a host sync."""
+        last tile's missing queries not counted) over the pairs `block_idx` holds (valid ids); a host sync,
+        then kept in `cache`."""
+        if "inflation" in self.cache:
+            return self.cache["inflation"]
         n_q = block_idx.shape[2]
         per_tile = (self.lists >= 0).sum(-1)  # [B, Hkv, n_tiles]
         queries = torch.full((per_tile.shape[-1],), self.tile_q, device=per_tile.device)
         queries[-1] = n_q - self.tile_q * (per_tile.shape[-1] - 1)
         computed = (per_tile * queries).sum()
         held = (block_idx >= 0).sum()
-        return float(computed) / max(1, int(held))
+        self.cache["inflation"] = float(computed) / max(1, int(held))
+        return self.cache["inflation"]
 
 
 def union_len(tile_q: int, top_k: int, n_kv_blocks: int) -> int:

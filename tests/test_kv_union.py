@@ -3,12 +3,14 @@ their per-query lists, each row masked to its own query's list. Against the floa
 (interpreter, fp32/fp16): the grid of masks, given lists with empty, repeated and out-of-range ids and an
 empty row, gradients through it; the tile union itself against sets; which design `prepare` serves. GPU
 cases are marked gpu."""
+import dataclasses
+
 import pytest
 import torch
 
 import kernelgen
 from kernelgen import KvAttnConfig, KvUnionBwdConfig, KvUnionConfig, Spec, reference
-from kernelgen.backends.triton import kv_union_default, kv_union_infeasible, kv_union_space
+from kernelgen.backends.triton import kv_union_bwd_default, kv_union_default, kv_union_infeasible, kv_union_space
 from kernelgen.errors import KernelgenValueError
 from kernelgen.tile_union import build_tile_union, union_max_inflation
 from kernelgen.workloads import agreeing_query_lists, random_query_lists
@@ -199,6 +201,32 @@ def test_prepare_serves_the_union_design_to_agreeing_lists_only(device):
         assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
 
 
+def test_the_backward_runs_the_union_design_only_where_lists_agree_closely(device, monkeypatch):
+    """Prepared lists whose forward ran the union design: the union backward at inflation <= 1.4 (64-key blocks),
+    the gathered one (kv_bwd, over the same o and lse) above; a pinned backward config decides alone."""
+    from kernelgen.backends.triton import TritonBackend
+
+    spec = kv_spec(top_k=4, kv_block=16, gqa_group=2)
+    nq = 256
+    close = agreeing_query_lists(spec, 1, 1, nq, nq, own=0, device="cpu").to(device)
+    loose = agreeing_query_lists(spec, 1, 1, nq, nq, own=2, device="cpu").to(device)
+    ran = []
+    for role in ("kv_bwd", "kv_bwd_union"):
+        impl = TritonBackend.roles[role]
+        monkeypatch.setitem(TritonBackend.roles, role, dataclasses.replace(
+            impl, launch=lambda *a, role=role, launch=impl.launch: ran.append(role) or launch(*a)))
+    q, k, v, do = leaves(1, 1, 2, nq, nq, 64, torch.float32, device, 31)
+    forward = union_config(8)  # the union forward whatever the inflation; the backward unpinned
+    for lists, configs, want in ((close, forward, "kv_bwd_union"), (loose, forward, "kv_bwd"),
+                                 (loose, bwd_config(8), "kv_bwd_union")):
+        attn = kernelgen.get_kernel(spec, configs=configs)
+        prepared = attn.prepare(lists, nq, nq)
+        assert prepared.union is not None, prepared.union
+        ran.clear()
+        attn(q, k, v, block_idx=prepared).backward(do)
+        assert ran == [want], (prepared.union.inflation(prepared.block_idx), ran)
+
+
 def test_configs_are_checked():
     spec = kv_spec(gqa_group=16, head_dim=128, kv_block=64, top_k=16)
     for arch in ("sm_80", "sm_89", "sm_90"):
@@ -218,13 +246,13 @@ def test_configs_are_checked():
 @pytest.mark.parametrize("n, d, kv_block, g, causal", [(4096, 128, 128, 16, False), (16384, 128, 64, 16, True),
                                                        (32768, 64, 64, 16, True)])
 def test_gpu_against_reference(n, d, kv_block, g, causal, dtype):
-    """Agreeing lists served the union design by prepare's rule; a slice of rows checked in float64."""
+    """Agreeing lists through the union design; a slice of rows checked in float64."""
     spec = kv_spec(head_dim=d, kv_block=kv_block, gqa_group=g, top_k=16, causal=causal)
     idx = agreeing_query_lists(spec, 1, 1, n, n, own=2, seed=1)
     q, k, v = make_inputs(1, 1, g, n, n, d, dtype, "cuda", 3)
-    attn = kernelgen.get_kernel(spec)
+    attn = kernelgen.get_kernel(spec, configs={"kv_attn_union": kv_union_default(spec, "sm_90")})
     lists = attn.prepare(idx, n, n)
-    assert lists.union is not None
+    assert lists.union is not None  # pinned: at 128-key blocks these lists' inflation, 1.3, serves the gathered one
     o, lse = attn(q, k, v, block_idx=lists, return_lse=True)
     o2, lse2 = attn(q, k, v, block_idx=lists, return_lse=True)
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
@@ -244,7 +272,7 @@ def test_gpu_gradients(d, causal, dtype):
     spec = kv_spec(head_dim=d, kv_block=64, gqa_group=g, top_k=16, causal=causal)
     idx = agreeing_query_lists(spec, 1, 1, n, n, own=2, seed=2)
     q, k, v, do = leaves(1, 1, g, n, n, d, dtype, "cuda", 4)
-    attn = kernelgen.get_kernel(spec)
+    attn = kernelgen.get_kernel(spec, configs={"kv_bwd_union": kv_union_bwd_default(spec, "sm_90")})
     lists = attn.prepare(idx, n, n)
     assert lists.union is not None
     runs = []
