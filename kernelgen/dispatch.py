@@ -249,17 +249,19 @@ class SparseAttention:
             return None
         served = self._served("kv_attn_union", seq_bucket(shapes.n_k), torch.bfloat16, lists.device)
         union = build_tile_union(lists, served.config.tile_q, shapes.n_kv_blocks)
-        if "kv_attn_union" in self._fixed or union.inflation(lists) <= union_max_inflation(self.spec.kv_block):
+        limit = union_max_inflation(self.spec.kv_block, self.spec.head_dim)
+        if "kv_attn_union" in self._fixed or union.inflation(lists) <= limit:
             return union
         return None
 
     def _union_backward(self, union: TileUnion, block_idx: torch.Tensor) -> bool:
         """Whether the backward over prepared lists whose forward ran the union design runs the union design's
         too: where a config pins one of the two backwards, that one; else where the lists' inflation is at most
-        `union_max_inflation(kv_block, backward=True)` (measured at prepare time: no sync here)."""
+        `union_max_inflation(kv_block, head_dim, backward=True)` (measured at prepare time: no sync here)."""
         if "kv_bwd_union" in self._fixed or "kv_bwd" in self._fixed:
             return "kv_bwd_union" in self._fixed
-        return union.inflation(block_idx) <= union_max_inflation(self.spec.kv_block, backward=True)
+        return union.inflation(block_idx) <= union_max_inflation(self.spec.kv_block, self.spec.head_dim,
+                                                                 backward=True)
 
     def _forget_served(self) -> None:
         """Read the tuning DB again on the next call (a background tune has stored a winner)."""

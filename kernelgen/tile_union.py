@@ -26,14 +26,15 @@ from .reverse_index import QueryReverseIndex, build_query_reverse_index, heavies
 __all__ = ["TileUnion", "build_tile_union", "union_len", "union_max_inflation"]
 
 
-def union_max_inflation(kv_block: int, backward: bool = False) -> float:
+def union_max_inflation(kv_block: int, head_dim: int, backward: bool = False) -> float:
     """The inflation below which the union design is the faster one, for the forward or the backward. Both
     designs' times grow with the pairs the lists hold; the gathered design's partials cost a fixed number of
     bytes per (query, head, block), which larger blocks amortise. On an H200 (tools/kv_union_sweep.py,
-    docs/DESIGN.md) the forwards met at inflation 2.8-3.4 with 64-key blocks and 1.3 with 128-key ones, the
-    backwards at 1.2-1.5 with 64-key blocks (the union backward's dK/dV steps are a tile's rows, 64 at G = 16,
-    where the gathered one packs a block's queries): 2.4 and 1.4 at 64 keys, halved per doubling above."""
-    return (1.4 if backward else 2.4) * min(1.0, 64 / kv_block)
+    docs/DESIGN.md) the forwards met at inflation 2.8-3.4 with 64-key blocks and 1.3 with 128-key ones; the
+    backwards, with 64-key blocks, at 1.5 (head_dim 128) and 1.2 (head_dim 64): 2.4 for the forward and 1.4
+    (1.2 at head_dim 64) for the backward at 64 keys, halved per doubling above."""
+    limit = 2.4 if not backward else 1.4 if head_dim >= 128 else 1.2
+    return limit * min(1.0, 64 / kv_block)
 
 
 class TileUnion(NamedTuple):

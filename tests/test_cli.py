@@ -161,8 +161,9 @@ def test_tune_presets_take_roles_and_the_kv_shapes():
     backward = studies("bench", "sm_90", ["c"], ["triton"], ["bwd_dq", "bwd_dkdv"])
     assert [s.role for s in backward] == ["bwd_dq", "bwd_dkdv"] and all(s.spec.selector == "given" for s in backward)
     kv = studies("kv", "sm_90", ["kv_nsa32k"])
-    assert [s.role for s in kv] == ["kv_attn", "kv_attn_union", "kv_bwd", "kv_select", "kv_select_index"]
-    assert [s.spec.selector for s in kv] == ["given", "given", "given", "mean", "index"]
+    assert [s.role for s in kv] == ["kv_attn", "kv_attn_union", "kv_bwd", "kv_bwd_union", "kv_select",
+                                    "kv_select_index"]
+    assert [s.spec.selector for s in kv] == ["given", "given", "given", "given", "mean", "index"]
     assert all(s.spec.per_query and s.shape["n_k"] == 32768 for s in kv)
     assert studies("kv", "sm_90", None, ["tilelang"]) == []  # per-query lists run in Triton only
     one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "kv", "--shapes", "c", "--dry-run"), "shape 'c'")

@@ -499,7 +499,9 @@ def kv_union_bwd_default(spec: Spec, arch: str) -> KvUnionBwdConfig:
                          block_n=n, block_m=m, num_warps=w, num_stages=st)
         for dq in (BwdDqConfig(fwd.block_m, 4, 2), BwdDqConfig(fwd.block_m, 8, 2), BwdDqConfig(32, 4, 2),
                    BwdDqConfig(16, 4, 1))
-        for n in (min(64, spec.kv_block), 32, 16) for m in (32, 64, 16) for w in (4, 8) for st in (2, 1)))
+        # H200 sweep (tools/kv_union_sweep.py --backward): 32 rows a dK/dV step at head_dim 128, 64 at 64
+        for n in (min(64, spec.kv_block), 32, 16) for m in ((64, 32, 16) if spec.head_dim <= 64 else (32, 64, 16))
+        for w in (4, 8) for st in (2, 1)))
 
 
 def kv_union_bwd_space(spec: Spec, arch: str):

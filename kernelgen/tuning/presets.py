@@ -5,7 +5,7 @@
           dK/dV kernels of each backend that has them, timed on the shape's own workload, as the bundled
           winners are made.
   kv      the KV-centric bench shapes (KV_CENTRIC_SHAPES, per-query lists): kv_attn and its union design
-          (kv_attn_union, on lists whose neighbours agree), the backward (kv_bwd),
+          (kv_attn_union, on lists whose neighbours agree), the backward (kv_bwd, and kv_bwd_union on such lists),
           the mean selector (kv_select) and the index selector (kv_select_index, on Hi = 4, Di = 64 index
           vectors), Triton.
 """
@@ -63,7 +63,8 @@ def _bench(arch: str, shape_names, backend_names) -> Iterator[Study]:
             yield Study(f"{name} select", shape.spec("mean"), "select", shape.n_k, SELECT_TRIALS, workload)
 
 
-KV_TRIALS = {"kv_attn": 16, "kv_attn_union": 12, "kv_bwd": 12, "kv_select": 8, "kv_select_index": 12}
+KV_TRIALS = {"kv_attn": 16, "kv_attn_union": 12, "kv_bwd": 12, "kv_bwd_union": 12, "kv_select": 8,
+             "kv_select_index": 12}
 KV_SELECTORS = {"kv_select": "mean", "kv_select_index": "index"}  # the selector each selection role tunes
 DEFAULT_SHAPES = {"bench": ["a32k", "b", "c", "c_dense"], "kv": list(KV_CENTRIC_SHAPES)}
 
