@@ -10,7 +10,7 @@ from typing import NamedTuple
 import pytest
 
 from checks import compile_offline, config_space, default_config
-from kernelgen import SelectConfig, Spec
+from kernelgen import AttnConfig, SelectConfig, Spec
 from kernelgen.archs import arch_facts
 from kernelgen.backends.triton import (attn_smem_bytes, bwd_dkdv_smem_bytes, bwd_dq_smem_bytes, decode_smem_bytes,
                                        index_select_smem_bytes, kv_attn_smem_bytes, kv_index_select_smem_bytes,
@@ -51,12 +51,16 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
              "kv_select_index": (kv_index_select_smem_bytes, "kv_index_block_scores"),
              "bwd_dq": (lambda spec, cfg, arch: bwd_dq_smem_bytes(spec, cfg), "attn_bwd_dq"),
              "bwd_dkdv": (lambda spec, cfg, arch: bwd_dkdv_smem_bytes(spec, cfg), "attn_bwd_dkdv"),
-             "decode": (lambda spec, cfg, arch: decode_smem_bytes(spec, cfg), "decode_partial")}
+             "decode": (lambda spec, cfg, arch: decode_smem_bytes(spec, cfg), "decode_partial"),
+             "kv_attn_union": (lambda spec, cfg, arch: attn_smem_bytes(spec, AttnConfig(block_m=cfg.block_m,
+                                                                                        num_stages=cfg.num_stages), arch),
+                               "kv_attn_union")}
 # the kernels each role launches (beyond these: select's merge_topk and decode's kv_combine with splits > 1)
 KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_select": {"pool", "kv_select_topk"},
            "select_index": {"select_index_topk"}, "kv_select_index": {"kv_index_block_scores", "kv_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
            "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"},
-           "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}, "decode": {"decode_partial"}}
+           "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}, "decode": {"decode_partial"},
+           "kv_attn_union": {"kv_attn_union"}, "kv_bwd_union": {"union_bwd_dq", "union_bwd_dkdv"}}
 
 
 class Case(NamedTuple):
@@ -67,13 +71,15 @@ class Case(NamedTuple):
     index: dict | None = None  # the index selector's tensors: {"heads", "dim", "dtype"}
     backward: bool = False  # the backward's roles too
     decode: bool = False  # the decode role too (a call of a few queries), with configs["decode"]
+    union: bool = False  # the per-query union design too (its backward where `backward`)
 
     @property
     def roles(self) -> list[str]:
         """The roles tools/offline_compile.py compiles for the case."""
         lists, selection, attn = forward_roles(self.spec)
-        return [selection or lists, attn, *(["decode"] if self.decode else []),
-                *(backward_roles(self.spec) if self.backward else ())]
+        union_bwd = ["kv_bwd_union"] if self.union and self.backward else []
+        return [selection or lists, attn, *(["decode"] if self.decode else []), *(["kv_attn_union"] if self.union else []),
+                *((*backward_roles(self.spec), *union_bwd) if self.backward else ())]
 
 
 def _largest(spec, arch, keep=lambda cfg: True, role="attn"):
@@ -109,9 +115,13 @@ def _cases(arch) -> list[Case]:
     cases += [Case(spec, {**_defaults(spec, arch, ["attn", "select"]),
                           **{role: _largest(spec, arch, role=role) for role in ("bwd_dq", "bwd_dkdv")}}, 2000,
                    backward=True) for spec in BACKWARD_SPECS]
-    for spec in KV_SPECS:  # with their backward and decode (the arch's defaults)
+    for spec in KV_SPECS:  # with their backward, decode and the union design (the arch's defaults)
         cases.append(Case(spec, _defaults(spec, arch, [r for r in forward_roles(spec)[1:] if r] + ["decode"]), 2000,
-                          backward=True, decode=True))
+                          backward=True, decode=True, union=True))
+    # the union design's largest point, 128 rows of 8 queries at G = 16
+    union_spec = KV_SPECS[1].replace(gqa_group=16)
+    cases.append(Case(union_spec, {"kv_attn_union": _largest(union_spec, arch, lambda c: c.tile_q == 8,
+                                                             role="kv_attn_union")}, 2000, union=True))
     # decode over Q-centric lists: the arch's default, and its largest point at D 256
     for spec, cfg in ((SPECS[1][0], default_config(SPECS[1][0], "decode", arch)),
                       (SPECS[4][0], _largest(SPECS[4][0], arch, role="decode"))):
@@ -134,7 +144,7 @@ def _cases(arch) -> list[Case]:
 
 def _job(case: Case) -> dict:
     """tools/offline_compile.py's form of a case."""
-    job = {"spec": case.spec.to_dict(), "n": case.n, "backward": case.backward,
+    job = {"spec": case.spec.to_dict(), "n": case.n, "backward": case.backward, "union": case.union,
            **{role: dataclasses.asdict(cfg) for role, cfg in case.configs.items()}}
     return job if case.index is None else {**job, "index": case.index}
 

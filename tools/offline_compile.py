@@ -17,7 +17,8 @@ A case: {"spec": Spec fields, "n": seq length} and, per role, that role's config
 "attn": AttnConfig's, or GluonAttnConfig's for a spec of backend "gluon"; "select", "kv_attn", "bwd_dq"): pinned
 (dispatch checks them), and compiled where the spec runs the role; a role without one gets the arch's default.
 "backward": true, or a backward role's config, compiles the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv)
-too; a "decode" config, the decode role's (after the forward's, over its lists); "index": {"heads": Hi, "dim": Di,
+too; a "decode" config, the decode role's (after the forward's, over its lists); "union": true, a per-query
+spec's union design too (kv_attn_union after the forward, kv_bwd_union after the backward); "index": {"heads": Hi, "dim": Di,
 "dtype": "float16" or "bfloat16"} gives the index selector its tensors. "resources": true adds, per kernel,
 {"name", "registers", "spill_stores", "wgmma"} under "resources" (`ptxas -v` of its PTX, Triton's own ptxas;
 wgmma: the warp-group products in its TTGIR): what decides how many programs share an SM.
@@ -146,20 +147,23 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
             "kv_select_index": lambda: t["index"],
             "attn": lambda: (q, k, v, t["lists"], None),
             "kv_attn": lambda: (q, k, v, t["lists"], None, None),  # its reverse index: built by the launcher
+            "kv_attn_union": lambda: (q, k, v, t["lists"], None, None),  # its tile union: built by the launcher
             "decode": lambda: (q, k, v, t["lists"], None),
             "bwd_delta": lambda: (t["o"], t["o"]),
             "bwd_dq": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None),
             "bwd_dkdv": lambda: (q, k, v, t["o"], t["lse"], t["delta"],
                                  build_reverse_index(t["lists"], shapes.n_kv_blocks), None),
             "kv_bwd": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"],
-                               build_query_reverse_index(t["lists"], shapes.n_kv_blocks), None)}[role]()
+                               build_query_reverse_index(t["lists"], shapes.n_kv_blocks), None),
+            "kv_bwd_union": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None, None)}[role]()
 
 
 # what each role's launch returns, by name, for the roles after it
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
             "kv_select_index": ("lists",),
-            "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "decode": ("o", "lse"), "bwd_delta": ("delta",),
-            "bwd_dq": ("dq",), "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv")}
+            "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "kv_attn_union": ("o", "lse"), "decode": ("o", "lse"),
+            "bwd_delta": ("delta",), "bwd_dq": ("dq",), "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv"),
+            "kv_bwd_union": ("dq", "dk", "dv")}
 
 
 def main(arch: str) -> None:
@@ -195,8 +199,10 @@ def main(arch: str) -> None:
             roles = [selection or lists_role, attn_role]
             if "decode" in case:  # a call of a few queries: its attention
                 roles.append("decode")
+            if case.get("union"):
+                roles.append("kv_attn_union")
             if case.get("backward") or any(role in case for role in backward_roles(spec)):
-                roles += backward_roles(spec)
+                roles += backward_roles(spec) + (("kv_bwd_union",) if case.get("union") else ())
             configs = {role: backends.runner(spec.backend, role).config_from_dict(role, case[role])
                        for role in ROLES if role in case}
             get_kernel(spec, configs=configs)  # the spec and the pinned configs pass dispatch's checks
