@@ -65,7 +65,10 @@ class SparseAttention:
     attn(q, k, v, block_idx=lists)        calls with them skip that step (one launch fewer per call)
     attn(q, k, v, return_lse=True)        also return lse (float32 [B, Hq, Nq]; it carries no gradient)
     attn.select(q, k)                     the lists the selector would use
-    With Spec(schedule="kv_centric") the lists are per query: int32 [B, Hkv, Nq, top_k].
+    With Spec(schedule="kv_centric") the lists are per query: int32 [B, Hkv, Nq, top_k]. prepare() serves
+    them the union design where neighbouring queries' lists agree closely (`BlockLists.union`); configs=
+    {"kv_attn_union": KvUnionConfig(...)} (and "kv_bwd_union" for the backward) pins it for raw and
+    selected lists too, built every call.
     attn(q, k, v, index=(q_idx, k_idx, w))    Spec(selector="index"): lists from index vectors
                                           (`inputs.INDEX_LAYOUT`); attn.select(q, k, index=...) likewise
 
@@ -304,9 +307,13 @@ class SparseAttention:
         else:
             checked = check_block_idx(block_idx, self.spec, shapes, q.device, self.validate_lists)
             used = normalised = self._launch(lists, q, shapes, checked)
-        if attn.role == "kv_attn" and isinstance(used, BlockLists) and used.union is not None:
+        prepared_union = used.union if isinstance(used, BlockLists) else None
+        if attn.role == "kv_attn" and (prepared_union is not None
+                                       or ("kv_attn_union" in self._fixed and not isinstance(used, BlockLists))):
+            # prepared lists whose union is close enough, or raw and selected lists under a pinned union config
+            # (the caller knows they agree; the launcher builds their union each call)
             union = self._served("kv_attn_union", seq_bucket(shapes.n_k), q.dtype, q.device)
-            o, lse = self._launch(union, q, shapes, q, k, v, normalised, used.union, scale)
+            o, lse = self._launch(union, q, shapes, q, k, v, normalised, prepared_union, scale)
         elif attn.role == "kv_attn":
             reverse = used.reverse_index() if isinstance(used, BlockLists) else None
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale)
@@ -373,12 +380,16 @@ class _AttentionFunction(torch.autograd.Function):
         if do is None:  # o did not reach the loss (only lse, which has no gradient)
             return (None,) * 8
         q, k, v, o, lse, block_idx = ctx.saved_tensors
+        attn = ctx.attn
         union = ctx.prepared.union if ctx.prepared is not None else None
-        if union is not None and not ctx.attn._union_backward(union, ctx.prepared.block_idx):
+        if union is not None and not attn._union_backward(union, ctx.prepared.block_idx):
             union = None  # the gathered design's backward reads the union forward's o and lse alike
+        elif ctx.prepared is None and attn.spec.per_query and "kv_bwd_union" in attn._fixed:
+            # raw or selected lists under a pinned union backward config: their union, for its tile_q
+            union = build_tile_union(block_idx, attn._fixed["kv_bwd_union"].tile_q, ctx.shapes.n_kv_blocks)
         reverse = ctx.prepared.reverse_index() if ctx.prepared is not None and union is None else None
-        dq, dk, dv = ctx.attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3],
-                                         ctx.shapes, union)
+        dq, dk, dv = attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3],
+                                     ctx.shapes, union)
         return dq, dk, dv, None, None, None, None, None
 
 

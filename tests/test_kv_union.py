@@ -228,6 +228,32 @@ def test_the_backward_runs_the_union_design_only_where_lists_agree_closely(devic
         assert ran == [want], (prepared.union.inflation(prepared.block_idx), ran)
 
 
+def test_a_pinned_union_config_serves_raw_and_selected_lists(device, monkeypatch):
+    """Raw lists and the selector's own (no prepare, no sync) run the union design, forward and backward, where
+    configs pin it: against the float64 reference."""
+    from kernelgen.backends.triton import TritonBackend
+
+    ran = []
+    for role in ("kv_attn", "kv_attn_union", "kv_bwd", "kv_bwd_union"):
+        impl = TritonBackend.roles[role]
+        monkeypatch.setitem(TritonBackend.roles, role, dataclasses.replace(
+            impl, launch=lambda *a, role=role, launch=impl.launch: ran.append(role) or launch(*a)))
+    for selector in ("given", "mean"):
+        spec = kv_spec(top_k=3, causal=True, gqa_group=2, selector=selector)
+        q, k, v, do = leaves(1, 2, 2, 70, 100, 64, torch.float32, device, 37)
+        idx = reference.select_blocks(q.detach(), k.detach(), spec.replace(selector="mean"))
+        attn = kernelgen.get_kernel(spec, configs=bwd_config(8))
+        ran.clear()
+        o, lse = attn(q, k, v, block_idx=idx if selector == "given" else None, return_lse=True)
+        o.backward(do)
+        assert ran == ["kv_attn_union", "kv_bwd_union"], ran
+        given = spec.replace(selector="given")
+        ref_o, ref_lse, _ = reference.sparse_attention(q.detach(), k.detach(), v.detach(), given, block_idx=idx)
+        assert_close_to_reference(o.detach(), lse, ref_o, ref_lse, q.dtype)
+        assert_grads_close((q.grad, k.grad, v.grad), reference.sparse_attention_grads(q, k, v, do, given, idx),
+                           q.dtype)
+
+
 def test_configs_are_checked():
     spec = kv_spec(gqa_group=16, head_dim=128, kv_block=64, top_k=16)
     for arch in ("sm_80", "sm_89", "sm_90"):
