@@ -480,13 +480,17 @@ def quality(
                                                                              "the file records, else not)."),
     out: Path = typer.Option(Path("quality-out"), help="Directory for quality.csv and quality.png."),
     device: Optional[str] = typer.Option(None, help="Where to compute: cpu or cuda (default: cuda when present)."),
+    schedule: str = typer.Option("q_centric", help="q_centric (a list per Q tile) or kv_centric (a list per "
+                                                   "query; adds the union design's inflation)."),
 ):
     """Attention-mass recall and output error of each selector's block lists against dense attention, per
-    layer and head, for q/k/v captured from a model."""
+    layer and head, for q/k/v captured from a model; per-query lists also report how closely neighbouring
+    queries' lists agree (the KV-centric union design's inflation)."""
     import torch
 
     from .quality import load_qkv, plot_recall, selection_quality, summarize, write_csv
     from .spec import Spec
+    from .tile_union import union_max_inflation
 
     if not qkv.is_file():
         _fail(f"--qkv {qkv}: no such file")
@@ -517,18 +521,25 @@ def quality(
     if q.shape[1] % max(1, k.shape[1]):
         _fail(f"--qkv {qkv}: q has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}")
     spec = Spec(head_dim=q.shape[-1], kv_block=kv_block, q_tile=q_tile, top_k=max(budgets), causal=causal,
-                gqa_group=q.shape[1] // k.shape[1], local=local, sink=sink)
+                gqa_group=q.shape[1] // k.shape[1], local=local, sink=sink, schedule=schedule)
     _check_out_dir(out)
     rows = selection_quality(layers, spec, chosen, budgets, device=torch.device(device))
-    table = Table("selector", "top_k", "recall (mean)", "recall (lowest)", "rel. error (mean)", "rel. error (max)",
-                  "lowest recall at")
+    columns = ["selector", "top_k", "recall (mean)", "recall (lowest)", "rel. error (mean)", "rel. error (max)",
+               "lowest recall at"] + (["inflation (mean)"] if spec.per_query else [])
+    table = Table(*columns)
     for row in summarize(rows):
         table.add_row(row["selector"], str(row["top_k"]), f"{row['recall_mean']:.4f}", f"{row['recall_min']:.4f}",
-                      f"{row['rel_error_mean']:.2e}", f"{row['rel_error_max']:.2e}", row["worst"] or "-")
+                      f"{row['rel_error_mean']:.2e}", f"{row['rel_error_max']:.2e}", row["worst"] or "-",
+                      *([f"{row['inflation_mean']:.2f}"] if spec.per_query else []))
     n_q, n_k = q.shape[2], k.shape[2]
     console.print(f"{len(layers)} layers, {q.shape[1]} query heads, Nq={n_q}, Nk={n_k}, "
-                  f"{'causal' if causal else 'not causal'}, kv_block={kv_block}, q_tile={q_tile}, local={local}, "
+                  f"{'causal' if causal else 'not causal'}, kv_block={kv_block}, "
+                  f"{'per-query lists' if spec.per_query else f'q_tile={q_tile}'}, local={local}, "
                   f"sink={sink} ({spec.n_kv_blocks(n_k)} KV blocks)")
+    if spec.per_query:
+        console.print("inflation: the pairs the KV-centric union design computes over those the lists hold; "
+                      "prepare() serves it at most "
+                      f"{union_max_inflation(kv_block, spec.head_dim):.2f}")
     console.print(table)
     console.print(f"per layer and head: {write_csv(rows, out / 'quality.csv')}")
     png = plot_recall(rows, out / "quality.png")

@@ -11,6 +11,11 @@ For each layer, selector and top_k, per query head:
 - **rel_error**: the relative L2 error of kernelgen's sparse output (the softmax renormalised over the listed
   blocks, docs/SEMANTICS.md) against the dense output, over the head's queries: `||o_sparse - o_dense|| /
   ||o_dense||`. Needs v.
+- **inflation** (per-query lists, `Spec(schedule="kv_centric")`; NaN for Q-centric ones): how closely
+  neighbouring queries' lists agree, as the KV-centric union design pays for it: the (query, block) pairs it
+  computes over a tile of `tile_union.union_tile_q(G)` queries over those the lists hold, per KV head
+  (`TileUnion.inflation`). `SparseAttention.prepare` serves the union design where it is at most
+  `tile_union.union_max_inflation`.
 
 The dense softmax is computed a chunk of queries at a time (about `chunk_elements` scores per chunk): no
 `Nq x Nk` tensor is held at once. `kernelgen quality --qkv FILE.pt` runs it from the command line.
@@ -33,7 +38,7 @@ __all__ = ["capture_qkv", "load_qkv", "selection_quality", "summarize", "write_c
            "FIELDS"]
 
 QUALITY_SELECTORS = ("mean", "multi:r", "index")
-FIELDS = ("layer", "head", "selector", "top_k", "recall", "rel_error")
+FIELDS = ("layer", "head", "selector", "top_k", "recall", "rel_error", "inflation")
 _INDEX_KEYS = ("q_idx", "k_idx", "w")
 
 
@@ -164,7 +169,8 @@ def selection_quality(layers: Mapping[str, Mapping], spec: Spec, selectors: Iter
                fp16 and bf16 on a CUDA device, the reference elsewhere (the CPU interpreter is slow).
     device     where to compute (default: q's device). Scores are float32 on a GPU, float64 on the CPU.
 
-    Returns rows `{"layer", "head", "selector", "top_k", "recall", "rel_error"}` (rel_error NaN without v),
+    Returns rows `{"layer", "head", "selector", "top_k", "recall", "rel_error", "inflation"}` (rel_error NaN
+    without v, inflation NaN for Q-centric lists),
     layers in order, then selectors, top_ks and heads."""
     if not isinstance(spec, Spec):
         raise KernelgenTypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
@@ -247,8 +253,12 @@ def _layer_quality(name, layer, base: Spec, specs: dict, scale, use_kernels, dev
     b, hq, n_q, _ = q.shape
     g, n_k = base.gqa_group, k.shape[2]
     n_blocks, kv_block, per_list = base.n_kv_blocks(n_k), base.kv_block, base.list_queries
-    member = {key: block_membership(_select(q, k, spec, index if spec.selector == "index" else None, use_kernels),
-                                    n_blocks) for key, spec in specs.items()}  # [B, Hkv, n_lists, n_blocks]
+    lists = {key: _select(q, k, spec, index if spec.selector == "index" else None, use_kernels)
+             for key, spec in specs.items()}
+    member = {key: block_membership(idx, n_blocks) for key, idx in lists.items()}  # [B, Hkv, n_lists, n_blocks]
+    # per KV head, over the batch: how much the union design would compute beyond the lists (per-query lists)
+    inflation = {key: (_inflation(idx, g, n_blocks) if base.per_query else torch.full((hq // g,), math.nan))
+                 for key, idx in lists.items()}
     work = torch.float64 if q.device.type == "cpu" else torch.float32
     kd = k.to(work).repeat_interleave(g, 1)
     vd = None if v is None else v.to(work).repeat_interleave(g, 1)
@@ -287,13 +297,23 @@ def _layer_quality(name, layer, base: Spec, specs: dict, scale, use_kernels, dev
             rel = math.sqrt(err_sq[sel, top_k][h] / dense_sq[h]) if vd is not None and dense_sq[h] > 0 else math.nan
             out.append(dict(layer=name, head=h, selector=sel, top_k=top_k,
                             recall=float(recall[sel, top_k][h] / counted[h]) if counted[h] else math.nan,
-                            rel_error=rel))
+                            rel_error=rel, inflation=float(inflation[sel, top_k][h // g])))
     return out
 
 
+def _inflation(lists: torch.Tensor, g: int, n_blocks: int) -> torch.Tensor:
+    """float64 [Hkv]: the union design's inflation of each KV head's per-query lists, over the batch."""
+    from .reference import normalize_block_idx
+    from .tile_union import build_tile_union, union_tile_q
+
+    lists = normalize_block_idx(lists, n_blocks)
+    computed, held = build_tile_union(lists, union_tile_q(g), n_blocks).pair_counts(lists)
+    return (computed.sum(0).double() / held.sum(0).clamp(min=1)).cpu()
+
+
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per selector and top_k, over every layer and head: recall mean and min, rel_error mean and max, and the
-    (layer, head) of the lowest recall."""
+    """Per selector and top_k, over every layer and head: recall mean and min, rel_error mean and max, inflation
+    mean (NaN for Q-centric lists), and the (layer, head) of the lowest recall."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["selector"], row["top_k"]), []).append(row)
@@ -302,9 +322,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         recalls = [r["recall"] for r in group if r["recall"] == r["recall"]]
         errors = [r["rel_error"] for r in group if r["rel_error"] == r["rel_error"]]
         worst = min((r for r in group if r["recall"] == r["recall"]), key=lambda r: r["recall"], default=None)
+        inflations = [r["inflation"] for r in group if r["inflation"] == r["inflation"]]
         out.append(dict(selector=sel, top_k=top_k, recall_mean=_mean(recalls),
                         recall_min=min(recalls, default=math.nan), rel_error_mean=_mean(errors),
-                        rel_error_max=max(errors, default=math.nan),
+                        rel_error_max=max(errors, default=math.nan), inflation_mean=_mean(inflations),
                         worst=None if worst is None else f"{worst['layer']} head {worst['head']}"))
     return out
 
@@ -315,14 +336,15 @@ def _mean(values) -> float:
 
 def write_csv(rows: list[dict], path) -> str:
     """quality.csv: one row per (layer, head, selector, top_k), then the summary rows (layer and head "all":
-    recall and rel_error are the means over every layer and head)."""
+    recall, rel_error and inflation are the means over every layer and head)."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(FIELDS)
         for row in rows:
             writer.writerow([row[x] for x in FIELDS])
         for row in summarize(rows):
-            writer.writerow(["all", "all", row["selector"], row["top_k"], row["recall_mean"], row["rel_error_mean"]])
+            writer.writerow(["all", "all", row["selector"], row["top_k"], row["recall_mean"], row["rel_error_mean"],
+                             row["inflation_mean"]])
     return str(path)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from .reverse_index import QueryReverseIndex, build_query_reverse_index, heaviest_first
 
-__all__ = ["TileUnion", "build_tile_union", "union_len", "union_max_inflation"]
+__all__ = ["TileUnion", "build_tile_union", "union_len", "union_max_inflation", "union_tile_q"]
 
 
 def union_max_inflation(kv_block: int, head_dim: int, backward: bool = False) -> float:
@@ -60,16 +60,29 @@ class TileUnion(NamedTuple):
         """(query, block) pairs the union design computes (every query of a tile over the tile's union, the
         last tile's missing queries not counted) over the pairs `block_idx` holds (valid ids); a host sync,
         then kept in `cache`."""
-        if "inflation" in self.cache:
-            return self.cache["inflation"]
+        if "inflation" not in self.cache:
+            computed, held = self.pair_counts(block_idx)
+            self.cache["inflation"] = float(computed.sum()) / max(1, int(held.sum()))
+        return self.cache["inflation"]
+
+    def inflation_per_head(self, block_idx: torch.Tensor) -> torch.Tensor:
+        """`inflation` of each (batch, KV head)'s lists: float64 [B, Hkv] (1 where a head's lists are empty)."""
+        computed, held = self.pair_counts(block_idx)
+        return torch.where(held > 0, computed.double() / held.clamp(min=1), 1.0)
+
+    def pair_counts(self, block_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pairs computed, pairs held) per (batch, KV head), int64 [B, Hkv]."""
         n_q = block_idx.shape[2]
         per_tile = (self.lists >= 0).sum(-1)  # [B, Hkv, n_tiles]
         queries = torch.full((per_tile.shape[-1],), self.tile_q, device=per_tile.device)
         queries[-1] = n_q - self.tile_q * (per_tile.shape[-1] - 1)
-        computed = (per_tile * queries).sum()
-        held = (block_idx >= 0).sum()
-        self.cache["inflation"] = float(computed) / max(1, int(held))
-        return self.cache["inflation"]
+        return (per_tile * queries).sum(-1), (block_idx >= 0).sum((-2, -1))
+
+
+def union_tile_q(gqa_group: int) -> int:
+    """The queries of a tile whose G heads make 64 packed rows (4 at G = 16): the union design's default tile,
+    the fastest on most list kinds of the H200 sweep (docs/DESIGN.md)."""
+    return max(1, 64 // (1 << (gqa_group - 1).bit_length()))
 
 
 def union_len(tile_q: int, top_k: int, n_kv_blocks: int) -> int:

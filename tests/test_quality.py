@@ -81,6 +81,31 @@ def test_full_coverage_keeps_everything_and_recall_grows_with_top_k(causal):
     assert summary["index", n_blocks]["recall_mean"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_per_query_lists_report_the_union_designs_inflation(causal):
+    """Per-query lists: recall and error as brute force has them, and per KV head the union design's inflation
+    over tiles of union_tile_q(G) queries, pooled over the batch; Q-centric lists report NaN."""
+    from kernelgen.tile_union import build_tile_union, union_tile_q
+
+    spec = Spec(head_dim=64, kv_block=16, causal=causal, gqa_group=2, schedule="kv_centric")
+    layer = _layer(b=2, n_q=80, n_k=160)
+    rows = selection_quality({"l": layer}, spec, ["mean"], [3])
+    chosen = spec.replace(selector="mean", top_k=3)
+    recall, error = _brute_force(layer, chosen)
+    torch.testing.assert_close(_by_head(rows, "mean", 3, "recall"), recall, rtol=0, atol=1e-12)
+    torch.testing.assert_close(_by_head(rows, "mean", 3, "rel_error"), error, rtol=1e-9, atol=1e-12)
+    lists = reference.select_blocks(layer["q"], layer["k"], chosen)
+    union = build_tile_union(lists, union_tile_q(2), spec.n_kv_blocks(160))
+    for hkv in range(2):
+        computed = sum(int((union.lists[b, hkv, t] >= 0).sum()) * min(32, 80 - 32 * t) for b in range(2)
+                       for t in range(3))
+        want = computed / int((lists[:, hkv] >= 0).sum())
+        assert _by_head(rows, "mean", 3, "inflation")[2 * hkv:2 * hkv + 2].tolist() == pytest.approx([want] * 2)
+    assert summarize(rows)[0]["inflation_mean"] >= 1
+    q_centric = selection_quality({"l": layer}, Spec(head_dim=64, kv_block=16, q_tile=16, gqa_group=2), ["mean"], [3])
+    assert all(math.isnan(r["inflation"]) for r in q_centric)
+
+
 def test_the_selection_kernels_give_the_reference_lists():
     spec = Spec(head_dim=64, kv_block=16, q_tile=16, causal=True, gqa_group=2)
     layer = _layer(n_q=64, n_k=64, seed=4)
@@ -182,6 +207,19 @@ def test_cli_writes_the_table_csv_and_plot(tmp_path):
         assert (out / "quality.png").stat().st_size > 0
     else:
         assert "matplotlib is not installed" in result.output and not (out / "quality.png").exists()
+
+
+def test_cli_reports_per_query_lists_union_inflation(tmp_path):
+    path = _save(tmp_path)
+    out = tmp_path / "out"
+    result = invoke("quality", "--qkv", str(path), "--kv-block", "16", "--top-k", "1,2", "--schedule", "kv_centric",
+                    "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "inflation" in result.output and "per-query lists" in result.output
+    with open(out / "quality.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert all(float(r["inflation"]) >= 1 for r in rows)
+    one_line_error(invoke("quality", "--qkv", str(path), "--schedule", "kv_centric", "--q-tile", "16"), "q_tile")
 
 
 def test_cli_bad_input_is_one_line(tmp_path):

@@ -22,7 +22,7 @@ from ..inputs import LOG2E, empty, next_pow2, softmax_scale
 from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks
 from ..roles import INDEX_HEADS
 from ..spec import Spec
-from ..tile_union import TileUnion, build_tile_union
+from ..tile_union import TileUnion, build_tile_union, union_tile_q
 from .base import Backend, Problem, RoleImpl, Shapes
 
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
@@ -450,7 +450,7 @@ def kv_union_default(spec: Spec, arch: str) -> KvUnionConfig:
     """A program of 64 rows holding whole tiles (4 queries at G = 16), 4 warps, 2 stages: the fastest point of
     the H200 sweep on most list kinds (tools/kv_union_sweep.py, docs/DESIGN.md); then whatever packs."""
     rows = (64, 128, 32, 16, 256)
-    tiles = sorted(UNION_TILE_Q, key=lambda t: abs(next_pow2(spec.gqa_group) * t - 64))
+    tiles = sorted(UNION_TILE_Q, key=lambda t: (t != union_tile_q(spec.gqa_group), abs(next_pow2(spec.gqa_group) * t - 64)))
     return _first_feasible(spec, arch, kv_union_infeasible, (
         KvUnionConfig(tile_q=t, block_m=m, num_warps=w, num_stages=s)
         for t in tiles for m in rows for s in (2, 1) for w in (4, 8)))
