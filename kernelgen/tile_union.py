@@ -104,12 +104,13 @@ def build_tile_union(block_idx: torch.Tensor, tile_q: int, n_kv_blocks: int) -> 
     repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
     ids = torch.sort(torch.where(repeat, none, ids), dim=-1).values[..., :length]
     lists = torch.where(ids == none, -1, ids).to(torch.int32).contiguous()
-    # each query's ids found in its tile's union: their slots, as bits
-    tile_of = torch.arange(n_q, device=block_idx.device) // tile_q
-    union_of_query = ids[:, :, tile_of]  # [B, Hkv, Nq, length], `none` past the union
+    # each query's ids found in its tile's union (one binary search per id, against its tile's union only):
+    # their slots, as bits
     held = (block_idx >= 0) & (block_idx < n_kv_blocks)
     held[..., 1:] &= block_idx[..., 1:] != block_idx[..., :-1]  # ascending: a repeat (never in the kernels' form) once
-    slot = torch.searchsorted(union_of_query, torch.where(held, block_idx, none).contiguous())
+    wanted = torch.nn.functional.pad(torch.where(held, block_idx, none), (0, 0, 0, n_tiles * tile_q - n_q), value=none)
+    slot = torch.searchsorted(ids.contiguous(), wanted.reshape(b, h, n_tiles, tile_q * top_k))
+    slot = slot.reshape(b, h, n_tiles * tile_q, top_k)[:, :, :n_q]
     words = -(-length // 32)
     bit = torch.where(held, torch.ones_like(slot) << (slot % 32), 0)
     member = torch.zeros(b, h, n_q, words, dtype=torch.int64, device=block_idx.device)
