@@ -41,7 +41,8 @@ def test_quality_tiny_reports_each_length(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "No CUDA GPU" in result.stdout and "N=64" in result.stdout and "N=128" in result.stdout
     rows = (tmp_path / "quality_N64.csv").read_text().splitlines()
-    assert rows[0] == "layer,head,selector,top_k,recall,rel_error" and (tmp_path / "quality_N128.csv").exists()
+    assert rows[0] == "layer,head,selector,top_k,recall,rel_error,inflation"
+    assert (tmp_path / "quality_N128.csv").exists()
     full = [float(r.split(",")[4]) for r in rows[1:] if r.split(",")[3] == "8"]  # 4 blocks of 16 keys: all listed
     assert full and all(abs(x - 1) < 1e-9 for x in full)
 
