@@ -73,7 +73,8 @@ class ExportError(KernelgenError, RuntimeError):
 def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector),
     `attn`, `decode` (a call of a few queries), and its backward's, under the schedule's role names
-    (`roles.forward_roles`, `roles.backward_roles`)."""
+    (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the gathered design only: their
+    kv_attn config is pinned, and a pinned kv_attn keeps prepared lists off the union design."""
     lists, selection, attn = forward_roles(spec)
     backward = backward_roles(spec)
     return (lists, *((selection,) if selection else ()), attn, forward_roles(spec, 1)[2]) + backward

@@ -254,6 +254,27 @@ def test_a_pinned_union_config_serves_raw_and_selected_lists(device, monkeypatch
                            q.dtype)
 
 
+def test_an_exported_module_runs_the_gathered_design(tmp_path, device):
+    """An exported per-query module pins every role it embeds, kv_attn included: its prepare never serves the
+    union design, whose kernels it does not carry."""
+    import importlib.util
+
+    from kernelgen.export import export_module
+
+    spec = kv_spec(top_k=4, kv_block=16, gqa_group=2)
+    path = export_module(spec, tmp_path / "kv_mod.py", arch="cpu" if device == "cpu" else None)
+    loader = importlib.util.spec_from_file_location("kv_mod", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    lists = agreeing_query_lists(spec, 1, 1, 256, 256, own=0, device="cpu").to(device)
+    prepared = module.prepare(lists, 256, 256)
+    assert prepared.union is None
+    q, k, v = make_inputs(1, 1, 2, 256, 256, 64, torch.float32, device, 43)
+    o, lse = module.attn(q, k, v, block_idx=prepared, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=lists)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
+
+
 def test_configs_are_checked():
     spec = kv_spec(gqa_group=16, head_dim=128, kv_block=64, top_k=16)
     for arch in ("sm_80", "sm_89", "sm_90"):
