@@ -30,12 +30,12 @@ from .inputs import (BlockLists, Shapes, check_block_idx, check_block_lists, che
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
-from .roles import DECODE_MAX_QUERIES, backward_roles, forward_roles, get_role
+from .roles import DECODE_MAX_QUERIES, backward_roles, forward_roles, get_role, union_workload_inflation
 from .spec import Spec
 from .tile_union import TileUnion, build_tile_union, union_max_inflation
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
-from .tuning.lookup import fastest_backend, recheck, served_config
+from .tuning.lookup import fastest_backend, recheck, served_config, tuned_row
 
 __all__ = ["get_kernel", "SparseAttention", "Served"]
 
@@ -247,30 +247,46 @@ class SparseAttention:
 
     def _union_for(self, lists: torch.Tensor, shapes: Shapes) -> TileUnion | None:
         """The tile union of prepared per-query lists when the union design computes few enough products
-        beyond the pairs they hold to be the faster design (`tile_union.union_max_inflation`; one host sync,
-        at prepare time), else None. A pinned kv_attn config keeps the gathered design; a pinned
-        kv_attn_union config, the union design."""
+        beyond the pairs they hold to be the faster design (`_union_limit`; one host sync, at prepare time),
+        else None. A pinned kv_attn config keeps the gathered design; a pinned kv_attn_union config, the union
+        design."""
         if "kv_attn" in self._fixed and "kv_attn_union" not in self._fixed:
             return None
-        served = self._served("kv_attn_union", seq_bucket(shapes.n_k), torch.bfloat16, lists.device)
+        bucket = seq_bucket(shapes.n_k)
+        served = self._served("kv_attn_union", bucket, torch.bfloat16, lists.device)
         union = build_tile_union(lists, served.config.tile_q, shapes.n_kv_blocks)
-        limit = union_max_inflation(self.spec.kv_block, self.spec.head_dim)
-        if "kv_attn_union" in self._fixed or union.inflation(lists) <= limit:
+        if "kv_attn_union" in self._fixed or union.inflation(lists) <= self._union_limit(bucket, torch.bfloat16,
+                                                                                        lists.device):
             return union
         return None
 
-    def _union_backward(self, union: TileUnion, block_idx: torch.Tensor) -> bool:
+    def _union_backward(self, union: TileUnion, block_idx: torch.Tensor, shapes: Shapes, dtype, device) -> bool:
         """Whether the backward over prepared lists whose forward ran the union design runs the union design's
-        too: where a config pins one of the two backwards, that one; else where the lists' inflation is at most
-        `union_max_inflation(kv_block, head_dim, backward=True)` (measured at prepare time: no sync here)."""
+        too: where a config pins one of the two backwards, that one; else where the lists' inflation
+        (measured at prepare time: no sync here) is at most `_union_limit` of the backward."""
         if "kv_bwd_union" in self._fixed or "kv_bwd" in self._fixed:
             return "kv_bwd_union" in self._fixed
-        return union.inflation(block_idx) <= union_max_inflation(self.spec.kv_block, self.spec.head_dim,
-                                                                 backward=True)
+        return union.inflation(block_idx) <= self._union_limit(seq_bucket(shapes.n_k), dtype, device, backward=True)
+
+    @functools.lru_cache(maxsize=256)
+    def _union_limit(self, bucket: int, dtype, device, backward: bool = False) -> float:
+        """The inflation up to which the union design (forward, or backward) is the faster one. Where the
+        tuning DB holds this spec's own winners of both designs on this GPU, from their rates: each design's
+        time is proportional to the pairs it computes (the union design's to its inflation), so the two meet
+        at union rate x its workload's inflation / gathered rate. Otherwise `tile_union.union_max_inflation`,
+        measured on an H200."""
+        gathered, union = ("kv_bwd", "kv_bwd_union") if backward else ("kv_attn", "kv_attn_union")
+        served = [self._served(role, bucket, dtype, device) for role in (gathered, union)]
+        rows = [tuned_row(s.backend, s.spec, s.role, bucket, dtype, device) if s.source in ("user DB", "bundled DB")
+                else None for s in served]
+        if all(row is not None and (row.get("tflops") or 0) > 0 for row in rows):
+            inflation = union_workload_inflation(self.spec, int(rows[1]["bucket"]), served[1].config.tile_q)
+            return rows[1]["tflops"] * inflation / rows[0]["tflops"]
+        return union_max_inflation(self.spec.kv_block, self.spec.head_dim, backward)
 
     def _forget_served(self) -> None:
         """Read the tuning DB again on the next call (a background tune has stored a winner)."""
-        for cached in (self._backend, self._served, self._plan, self._backward_plan):
+        for cached in (self._backend, self._served, self._plan, self._backward_plan, self._union_limit):
             cached.cache_clear()
         self._shape_kernels.clear()
         self._generation = autotune.generation
@@ -384,7 +400,8 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, block_idx = ctx.saved_tensors
         attn = ctx.attn
         union = ctx.prepared.union if ctx.prepared is not None else None
-        if union is not None and not attn._union_backward(union, ctx.prepared.block_idx):
+        if union is not None and not attn._union_backward(union, ctx.prepared.block_idx, ctx.shapes, q.dtype,
+                                                          q.device):
             union = None  # the gathered design's backward reads the union forward's o and lse alike
         elif ctx.prepared is None and attn.spec.per_query and "kv_bwd_union" in attn._fixed:
             # raw or selected lists under a pinned union backward config: their union, for its tile_q

@@ -32,6 +32,7 @@ Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -305,12 +306,30 @@ register_role(Role("kv_select_index", "per-query block lists chosen by the index
 register_role(Role("kv_attn", "attention over per-query lists: partials per (KV block, query chunk) task, merged "
                    "per query and head through lse", canonical=_KERNEL_READS_LISTS, workload=kv_attn_workload))
 
+UNION_WORKLOAD_OWN = 2  # the union design's workload lists: each span of 64 queries shares all but 2 of a query's
+
+
+def union_workload_lists(spec: Spec, shape: WorkloadShape, device) -> torch.Tensor:
+    return agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, own=UNION_WORKLOAD_OWN,
+                                device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def union_workload_inflation(spec: Spec, n: int, tile_q: int) -> float:
+    """The inflation of the union design's workload lists at n queries and keys and tiles of tile_q: what its
+    tuned rate is per pair the lists hold (one KV head's lists on the CPU; inflation is a per-head statistic)."""
+    from .tile_union import build_tile_union
+
+    lists = union_workload_lists(spec, WorkloadShape(1, 1, n, n), "cpu")
+    return build_tile_union(lists, tile_q, spec.n_kv_blocks(n)).inflation(lists)
+
+
 def kv_union_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
     """The union design is served to lists whose neighbours agree: it is tuned on such lists (each span of 64
     queries sharing all but 2 of its blocks, `workloads.agreeing_query_lists`), not on a selector's picks from
     random inputs, which agree no more than random lists do."""
     q, k, v = _inputs(spec, shape, device, dtype)
-    lists = agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, own=2, device=device)
+    lists = union_workload_lists(spec, shape, device)
     flops = useful_flops(lists, spec, shape.n_q, shape.n_k)
     judge = lambda out: None  # noqa: E731
     if check:
@@ -328,7 +347,7 @@ register_role(Role("kv_attn_union", "attention over per-query lists, a tile of c
 def kv_bwd_union_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
     """kv_bwd's workload over the lists the union design is tuned on (`kv_union_workload`'s)."""
     q, k, v, do, lse, delta, _, grads = _backward_workload(spec, shape, device, dtype, check=False)
-    lists = agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, own=2, device=device)
+    lists = union_workload_lists(spec, shape, device)
     if check:
         given = spec.replace(selector="given")
         o, lse, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)

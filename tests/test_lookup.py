@@ -569,3 +569,32 @@ def test_bundled_winners_are_served_under_another_torch_on_the_gpu(monkeypatch, 
         lookup._fingerprint.cache_clear()
         lookup._winners.cache_clear()
         lookup.recheck.cache_clear()
+
+
+# ---- the KV-centric schedule's two designs, chosen from their tuned rates ------------------------------
+
+def test_the_union_designs_limit_comes_from_both_designs_tuned_rates(user_db):
+    """With this spec's own winners of both designs on this GPU, the inflation up to which prepare serves the
+    union design is where their rates meet (union rate x its workload's inflation / gathered rate), for the
+    forward and the backward alike; with either missing, the H200 rule."""
+    from kernelgen import KvAttnConfig, KvBwdConfig, KvUnionBwdConfig, KvUnionConfig
+    from kernelgen.dispatch import SparseAttention
+    from kernelgen.roles import union_workload_inflation
+    from kernelgen.tile_union import union_max_inflation
+
+    spec = Spec(head_dim=128, kv_block=64, top_k=16, gqa_group=16, causal=True, schedule="kv_centric",
+                selector="given")
+    bucket = 4096
+    assert SparseAttention(spec)._union_limit(bucket, torch.bfloat16, CUDA) == union_max_inflation(64, 128)
+    for role, config, tflops in (("kv_attn", KvAttnConfig(), 100.0), ("kv_attn_union", KvUnionConfig(tile_q=4), 150.0),
+                                 ("kv_bwd", KvBwdConfig(block_m=32), 120.0),
+                                 ("kv_bwd_union", KvUnionBwdConfig(tile_q=8, block_m=32), 90.0)):
+        user_db.upsert(**{**_row(spec, role, config=config, bucket=bucket), "tflops": tflops})
+    attn = SparseAttention(spec)
+    forward = 150.0 * union_workload_inflation(spec, bucket, 4) / 100.0
+    backward = 90.0 * union_workload_inflation(spec, bucket, 8) / 120.0  # its rate per pair computed at its tile
+    assert union_workload_inflation(spec, bucket, 4) > 1
+    assert attn._union_limit(bucket, torch.bfloat16, CUDA) == pytest.approx(forward)
+    assert attn._union_limit(bucket, torch.bfloat16, CUDA, backward=True) == pytest.approx(backward)
+    pinned = SparseAttention(spec, {"kv_attn": KvAttnConfig()})  # a pinned design has no tuned rate
+    assert pinned._union_limit(bucket, torch.bfloat16, CUDA) == union_max_inflation(64, 128)
