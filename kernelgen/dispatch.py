@@ -5,7 +5,8 @@ A call's roles and who runs them: `lists` (caller-given lists to the kernels' fo
 spec's selector), then `attn` (`decode` for a call of at most `roles.DECODE_MAX_QUERIES` queries, decoding
 against a KV cache); with inputs that require grad, its backward runs `bwd_delta`, `bwd_dq` and `bwd_dkdv`
 over the lists the forward used (`_AttentionFunction`; the KV-centric schedule's: `kv_select` or
-`kv_select_index`, `kv_attn`, and `kv_bwd` in the backward). The spec's backend runs each role it
+`kv_select_index`, `kv_attn` or, for prepared lists whose neighbours agree, `kv_attn_union`, and `kv_bwd` or
+`kv_bwd_union` in the backward). The spec's backend runs each role it
 has; the registry's fallback runs the others (`backends.runner`). A role's config is, in this order:
 pinned by the caller, the tuning DB's winner for the spec, the nearest tuned spec's winner (user DB, then
 the bundled one; `kernelgen.tuning.lookup.served_config`), or the backend's default. A winner measured
