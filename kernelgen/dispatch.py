@@ -312,6 +312,11 @@ class SparseAttention:
     def _attend(self, q, k, v, shapes: Shapes, block_idx, scale, index=None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The forward of a checked call: (o, lse, the lists it attended over: the BlockLists given, else
         the normalised or selected int32 tensor). `index`: the index selector's (q_idx, k_idx, w)."""
+        return self._forward(q, k, v, shapes, block_idx, scale, index)[:3]
+
+    def _forward(self, q, k, v, shapes: Shapes, block_idx, scale, index=None):
+        """`_attend`'s (o, lse, lists), and the tile union the forward built for raw or selected lists under a
+        pinned union config (None otherwise): a backward of the union design reuses it."""
         lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device, shapes.n_q <= DECODE_MAX_QUERIES)
         if block_idx is not None and index is not None:
             raise KernelgenValueError("pass block_idx= or index=, not both: index= chooses the lists block_idx= gives")
@@ -326,19 +331,22 @@ class SparseAttention:
         else:
             checked = check_block_idx(block_idx, self.spec, shapes, q.device, self.validate_lists)
             used = normalised = self._launch(lists, q, shapes, checked)
-        prepared_union = used.union if isinstance(used, BlockLists) else None
-        if attn.role == "kv_attn" and (prepared_union is not None
-                                       or ("kv_attn_union" in self._fixed and not isinstance(used, BlockLists))):
+        prepared = isinstance(used, BlockLists)
+        built = None  # the union built here for raw or selected lists
+        if attn.role == "kv_attn" and ((prepared and used.union is not None)
+                                       or (not prepared and "kv_attn_union" in self._fixed)):
             # prepared lists whose union is close enough, or raw and selected lists under a pinned union config
-            # (the caller knows they agree; the launcher builds their union each call)
-            union = self._served("kv_attn_union", seq_bucket(shapes.n_k), q.dtype, q.device)
-            o, lse = self._launch(union, q, shapes, q, k, v, normalised, prepared_union, scale)
+            # (the caller knows they agree: their union is built each call)
+            served = self._served("kv_attn_union", seq_bucket(shapes.n_k), q.dtype, q.device)
+            union = used.union if prepared else build_tile_union(normalised, served.config.tile_q, shapes.n_kv_blocks)
+            built = None if prepared else union
+            o, lse = self._launch(served, q, shapes, q, k, v, normalised, union, scale)
         elif attn.role == "kv_attn":
-            reverse = used.reverse_index() if isinstance(used, BlockLists) else None
+            reverse = used.reverse_index() if prepared else None
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale)
         else:
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale)
-        return o, lse, used
+        return o, lse, used, built
 
     def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale,
                    reverse: ReverseIndex | QueryReverseIndex | None = None,
@@ -385,7 +393,7 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn: SparseAttention, shapes: Shapes, block_idx, scale, index):
-        o, lse, used = attn._attend(q, k, v, shapes, block_idx, scale, index)
+        o, lse, used, ctx.built_union = attn._forward(q, k, v, shapes, block_idx, scale, index)
         ctx.attn, ctx.scale, ctx.shapes = attn, scale, shapes
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor made and filled for it per backward
         ctx.prepared = used if isinstance(used, BlockLists) else None
@@ -405,8 +413,10 @@ class _AttentionFunction(torch.autograd.Function):
                                                           q.device):
             union = None  # the gathered design's backward reads the union forward's o and lse alike
         elif ctx.prepared is None and attn.spec.per_query and "kv_bwd_union" in attn._fixed:
-            # raw or selected lists under a pinned union backward config: their union, for its tile_q
-            union = build_tile_union(block_idx, attn._fixed["kv_bwd_union"].tile_q, ctx.shapes.n_kv_blocks)
+            # raw or selected lists under a pinned union backward config: the union the forward built, else
+            # theirs for the backward config's tile_q
+            union = ctx.built_union or build_tile_union(block_idx, attn._fixed["kv_bwd_union"].tile_q,
+                                                         ctx.shapes.n_kv_blocks)
         reverse = ctx.prepared.reverse_index() if ctx.prepared is not None and union is None else None
         dq, dk, dv = attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3],
                                      ctx.shapes, union)

@@ -117,9 +117,11 @@ def _lists(q, k, spec: Spec) -> torch.Tensor:
     return reference.select_blocks(q, k, chooser).to(torch.int32)
 
 
-def attention_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+def attention_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True,
+                       lists: torch.Tensor | None = None) -> Workload:
+    """The attention over `lists` (default: the reference selector's on the inputs, `_lists`)."""
     q, k, v = _inputs(spec, shape, device, dtype)
-    lists = _lists(q, k, spec)
+    lists = _lists(q, k, spec) if lists is None else lists
     flops = useful_flops(lists, spec, shape.n_q, shape.n_k)
     if not check:
         return Workload((q, k, v, lists, None), lambda out: None, flops)
@@ -137,13 +139,14 @@ def _rel_l2_error(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) 
     return None if err < tol else f"{name} differs from the reference: rel. L2 error {err:.3e} >= {tol}"
 
 
-def _backward_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool):
-    """(q, k, v, do, lse, delta, lists, float64 (dq, dk, dv) or None): a backward's inputs. Checked
-    workloads run the reference forward and its autograd; timed ones take stand-ins of the same shapes (a
-    finite lse, so that every P is finite)."""
+def _backward_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool,
+                       lists: torch.Tensor | None = None):
+    """(q, k, v, do, lse, delta, lists, float64 (dq, dk, dv) or None): a backward's inputs over `lists` (default:
+    `_lists`'). Checked workloads run the reference forward and its autograd; timed ones take stand-ins of the
+    same shapes (a finite lse, so that every P is finite)."""
     q, k, v = _inputs(spec, shape, device, dtype)
     do = _inputs(spec, shape, device, dtype, seed=1)[0]
-    lists = _lists(q, k, spec)
+    lists = _lists(q, k, spec) if lists is None else lists
     given = spec.replace(selector="given")
     if check:
         o, lse, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)
@@ -180,8 +183,15 @@ def bwd_dkdv_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bo
 
 
 def kv_bwd_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
-    q, k, v, do, lse, delta, lists, grads = _backward_workload(spec, shape, device, dtype, check)
-    reverse = build_query_reverse_index(lists, spec.n_kv_blocks(shape.n_k))
+    return _per_query_bwd_workload(spec, shape, device, dtype, check, None,
+                                   lambda lists: build_query_reverse_index(lists, spec.n_kv_blocks(shape.n_k)))
+
+
+def _per_query_bwd_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool, lists, walk) -> Workload:
+    """A backward over per-query lists (`_backward_workload`'s), giving dq, dk and dv; `walk(lists)` is the
+    launch's argument after the lists (kv_bwd's reverse index; the union design's tile union, or None)."""
+    q, k, v, do, lse, delta, lists, grads = _backward_workload(spec, shape, device, dtype, check, lists)
+    reverse = walk(lists)
     flops = 2.5 * useful_flops(lists, spec, shape.n_q, shape.n_k)  # 5 products (S, dP, dV, dK, dQ) to the forward's 2
 
     def judge(out) -> str | None:
@@ -328,14 +338,9 @@ def kv_union_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bo
     """The union design is served to lists whose neighbours agree: it is tuned on such lists (each span of 64
     queries sharing all but 2 of its blocks, `workloads.agreeing_query_lists`), not on a selector's picks from
     random inputs, which agree no more than random lists do."""
-    q, k, v = _inputs(spec, shape, device, dtype)
-    lists = union_workload_lists(spec, shape, device)
-    flops = useful_flops(lists, spec, shape.n_q, shape.n_k)
-    judge = lambda out: None  # noqa: E731
-    if check:
-        ref = reference.sparse_attention(q, k, v, spec.replace(selector="given"), block_idx=lists)[0]
-        judge = lambda out: _rel_l2_error("o", out[0], ref, REL_L2_TOL[out[0].dtype])  # noqa: E731
-    return Workload((q, k, v, lists, None, None), judge, flops)
+    workload = attention_workload(spec, shape, device, dtype, check, union_workload_lists(spec, shape, device))
+    q, k, v, lists, scale = workload.args
+    return dataclasses.replace(workload, args=(q, k, v, lists, None, scale))
 
 
 # the union design of the same forward: no partials, the products of every query of a tile over the tile's union
@@ -345,21 +350,10 @@ register_role(Role("kv_attn_union", "attention over per-query lists, a tile of c
 
 
 def kv_bwd_union_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
-    """kv_bwd's workload over the lists the union design is tuned on (`kv_union_workload`'s)."""
-    q, k, v, do, lse, delta, _, grads = _backward_workload(spec, shape, device, dtype, check=False)
-    lists = union_workload_lists(spec, shape, device)
-    if check:
-        given = spec.replace(selector="given")
-        o, lse, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)
-        grads = reference.sparse_attention_grads(q, k, v, do, given, lists)
-        lse, delta = lse.float(), (do.float() * o.to(dtype).float()).sum(-1)
-    flops = 2.5 * useful_flops(lists, spec, shape.n_q, shape.n_k)  # 5 products (S, dP, dV, dK, dQ) to the forward's 2
-
-    def judge(out) -> str | None:
-        return next(filter(None, (_rel_l2_error(name, grad, want, GRAD_REL_L2_TOL[grad.dtype])
-                                  for name, grad, want in zip(("dq", "dk", "dv"), out, grads))), None)
-
-    return Workload((q, k, v, do, lse, delta, lists, None, None), judge if check else (lambda out: None), flops)
+    """kv_bwd's workload over the lists the union design is tuned on (`kv_union_workload`'s); the launcher
+    builds their tile union for the config's tile_q."""
+    return _per_query_bwd_workload(spec, shape, device, dtype, check, union_workload_lists(spec, shape, device),
+                                   lambda lists: None)
 
 
 register_role(Role("kv_bwd_union", "backward of the union design: dq per tile over its union, dk and dv per KV block "

@@ -160,16 +160,16 @@ class Spec:
         role = "select_index" if self.selector == "index" else "select"
         return f"kv_{role}" if self.per_query else role
 
-    def packs_rows(self, block_m: int) -> bool:
-        """Whether programs of `block_m` packed rows (the G heads x q_tile queries of a tile, head-major)
-        cover the rows evenly: block_m splits one head's tile, or holds whole tiles of a number of heads
-        that divides gqa_group."""
-        rows = self.gqa_group * self.q_tile
-        if block_m < 1 or block_m > rows:
+    def packs_rows(self, block_m: int, tile: int | None = None) -> bool:
+        """Whether programs of `block_m` packed rows (the G heads x `tile` queries of a tile, head-major;
+        default q_tile) cover the rows evenly: block_m splits one head's tile, or holds whole tiles of a
+        number of heads that divides gqa_group."""
+        tile = self.q_tile if tile is None else tile
+        if block_m < 1 or block_m > self.gqa_group * tile:
             return False
-        if block_m <= self.q_tile:
-            return self.q_tile % block_m == 0
-        return block_m % self.q_tile == 0 and self.gqa_group % (block_m // self.q_tile) == 0
+        if block_m <= tile:
+            return tile % block_m == 0
+        return block_m % tile == 0 and self.gqa_group % (block_m // tile) == 0
 
     def n_q_tiles(self, nq: int) -> int:
         """Lists per (batch, KV head): Q tiles, or queries for per-query lists."""

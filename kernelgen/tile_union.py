@@ -42,6 +42,7 @@ class TileUnion(NamedTuple):
     `cache` keeps what the backward derives from them (`reverse_index`)."""
 
     tile_q: int
+    n_kv_blocks: int
     lists: torch.Tensor
     member: torch.Tensor
     cache: dict
@@ -51,8 +52,7 @@ class TileUnion(NamedTuple):
         of the unions, a tile for a query), and the blocks held by the most tiles first (`heaviest_first`):
         the union backward's dK/dV walk. Built on the device at the first call, then kept."""
         if "reverse" not in self.cache:
-            n_kv_blocks = int(self.cache["n_kv_blocks"])
-            reverse = build_query_reverse_index(self.lists, n_kv_blocks)
+            reverse = build_query_reverse_index(self.lists, self.n_kv_blocks)
             self.cache["reverse"] = (reverse, heaviest_first(reverse.offsets))
         return self.cache["reverse"]
 
@@ -116,4 +116,4 @@ def build_tile_union(block_idx: torch.Tensor, tile_q: int, n_kv_blocks: int) -> 
     member = torch.zeros(b, h, n_q, words, dtype=torch.int64, device=block_idx.device)
     member.scatter_add_(-1, torch.where(held, slot // 32, 0), bit)  # an id held once: bits never collide
     member = torch.where(member >= 2 ** 31, member - 2 ** 32, member).to(torch.int32).contiguous()
-    return TileUnion(tile_q, lists, member, {"n_kv_blocks": n_kv_blocks})
+    return TileUnion(tile_q, n_kv_blocks, lists, member, {})

@@ -231,8 +231,12 @@ def test_the_backward_runs_the_union_design_only_where_lists_agree_closely(devic
 def test_a_pinned_union_config_serves_raw_and_selected_lists(device, monkeypatch):
     """Raw lists and the selector's own (no prepare, no sync) run the union design, forward and backward, where
     configs pin it: against the float64 reference."""
+    import kernelgen.dispatch
     from kernelgen.backends.triton import TritonBackend
 
+    builds = []
+    build = kernelgen.dispatch.build_tile_union
+    monkeypatch.setattr(kernelgen.dispatch, "build_tile_union", lambda *a: builds.append(a) or build(*a))
     ran = []
     for role in ("kv_attn", "kv_attn_union", "kv_bwd", "kv_bwd_union"):
         impl = TritonBackend.roles[role]
@@ -244,9 +248,11 @@ def test_a_pinned_union_config_serves_raw_and_selected_lists(device, monkeypatch
         idx = reference.select_blocks(q.detach(), k.detach(), spec.replace(selector="mean"))
         attn = kernelgen.get_kernel(spec, configs=bwd_config(8))
         ran.clear()
+        builds.clear()
         o, lse = attn(q, k, v, block_idx=idx if selector == "given" else None, return_lse=True)
         o.backward(do)
         assert ran == ["kv_attn_union", "kv_bwd_union"], ran
+        assert len(builds) == 1  # the backward reuses the union the forward built
         given = spec.replace(selector="given")
         ref_o, ref_lse, _ = reference.sparse_attention(q.detach(), k.detach(), v.detach(), given, block_idx=idx)
         assert_close_to_reference(o.detach(), lse, ref_o, ref_lse, q.dtype)

@@ -421,11 +421,7 @@ UNION_TILE_Q = (1, 2, 4, 8, 16, 32, 64)
 
 def _union_packs(spec: Spec, tile_q: int, block_m: int) -> bool:
     """Programs of block_m packed rows cover tiles of tile_q queries' G heads evenly (the Q-centric rule)."""
-    if block_m not in TILE_ROWS or block_m > spec.gqa_group * tile_q:
-        return False
-    if block_m <= tile_q:
-        return tile_q % block_m == 0
-    return block_m % tile_q == 0 and spec.gqa_group % (block_m // tile_q) == 0
+    return block_m in TILE_ROWS and spec.packs_rows(block_m, tile_q)
 
 
 def kv_union_infeasible(spec: Spec, cfg: KvUnionConfig, arch: str) -> str | None:
@@ -481,10 +477,7 @@ def kv_union_bwd_infeasible(spec: Spec, cfg: KvUnionBwdConfig, arch: str) -> str
         if not _union_packs(spec, cfg.tile_q, rows):
             return (f"{name}={rows} must be one of {TILE_ROWS} and pack tiles of tile_q={cfg.tile_q} queries of "
                     f"gqa_group={spec.gqa_group} heads (kv_union_infeasible)")
-    dq = BwdDqConfig(cfg.dq_block_m, cfg.dq_warps, cfg.dq_stages)
-    dq_why = _resources(cfg.dq_block_m * (2 * spec.head_dim + 2 * spec.kv_block) // (32 * cfg.dq_warps),
-                        "dq_block_m * (2 * head_dim + 2 * kv_block) / (32 * dq_warps) for dQ, Q, dO, P and dP",
-                        bwd_dq_smem_bytes(spec, dq), "dq_stages K and V blocks, Q and dO", arch_facts(arch).smem_per_block)
+    dq_why = _dq_resources(spec, BwdDqConfig(cfg.dq_block_m, cfg.dq_warps, cfg.dq_stages), arch)
     if dq_why:
         return f"dQ: {dq_why}"
     dkdv_why = _dkdv_infeasible(spec, BwdDkdvConfig(cfg.block_n, cfg.block_m, cfg.num_warps, cfg.num_stages), arch,
@@ -728,7 +721,12 @@ def _bwd_warps_stages(spec: Spec) -> tuple[int, int]:
 def bwd_dq_infeasible(spec: Spec, cfg: BwdDqConfig, arch: str) -> str | None:
     """Why the dQ kernel cannot run `cfg` for `spec`, or None: the forward's row packing, registers for dQ,
     Q, dO and the P and dP tiles of one block, and K and V buffers that fit in shared memory."""
-    return pack_infeasible(spec, cfg.block_m) or _resources(
+    return pack_infeasible(spec, cfg.block_m) or _dq_resources(spec, cfg, arch)
+
+
+def _dq_resources(spec: Spec, cfg: BwdDqConfig, arch: str) -> str | None:
+    """A dQ kernel's registers and shared memory (either design's: the Q-centric one and the union one)."""
+    return _resources(
         cfg.block_m * (2 * spec.head_dim + 2 * spec.kv_block) // (32 * cfg.num_warps),
         "block_m * (2 * head_dim + 2 * kv_block) / (32 * num_warps) for dQ, Q, dO, P and dP",
         bwd_dq_smem_bytes(spec, cfg), "num_stages K and V blocks, Q and dO", arch_facts(arch).smem_per_block)
