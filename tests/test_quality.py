@@ -220,6 +220,7 @@ def test_cli_reports_per_query_lists_union_inflation(tmp_path):
         rows = list(csv.DictReader(f))
     assert all(float(r["inflation"]) >= 1 for r in rows)
     one_line_error(invoke("quality", "--qkv", str(path), "--schedule", "kv_centric", "--q-tile", "16"), "q_tile")
+    one_line_error(invoke("quality", "--qkv", str(path), "--schedule", "bogus"), "schedule")
 
 
 def test_cli_bad_input_is_one_line(tmp_path):
