@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from .errors import KernelgenValueError
 from .reverse_index import QueryReverseIndex, build_query_reverse_index, heaviest_first
 
 __all__ = ["TileUnion", "build_tile_union", "union_len", "union_max_inflation", "union_tile_q"]
@@ -93,6 +94,12 @@ def union_len(tile_q: int, top_k: int, n_kv_blocks: int) -> int:
 def build_tile_union(block_idx: torch.Tensor, tile_q: int, n_kv_blocks: int) -> TileUnion:
     """The tile unions of per-query lists in the kernels' form (int32 [B, Hkv, Nq, top_k], valid ids
     ascending then -1: `SparseAttention.prepare` or the `lists` role makes them, without repeats)."""
+    if not isinstance(block_idx, torch.Tensor) or block_idx.dim() != 4 or block_idx.dtype != torch.int32:
+        raise KernelgenValueError("block_idx must be per-query lists in the kernels' form, int32 [B, Hkv, Nq, top_k]; "
+                                  f"got {getattr(block_idx, 'dtype', type(block_idx).__name__)} "
+                                  f"{tuple(getattr(block_idx, 'shape', ()))}")
+    if not isinstance(tile_q, int) or tile_q < 1:
+        raise KernelgenValueError(f"tile_q={tile_q!r}; expected an int >= 1")
     b, h, n_q, top_k = block_idx.shape
     n_tiles = -(-n_q // tile_q)
     length = union_len(tile_q, top_k, n_kv_blocks)

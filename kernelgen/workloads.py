@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import KernelgenValueError
+
 from .spec import DEFAULT_Q_TILE, Spec
 
 __all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "KV_CENTRIC_SHAPES", "random_query_lists",
@@ -120,6 +122,9 @@ def agreeing_query_lists(spec: Spec, batch: int, heads_kv: int, n_q: int, n_k: i
     the sequence), int32 [B, Hkv, Nq, top_k], canonical: each span of `span` consecutive queries shares
     top_k - own blocks drawn once among those its first query sees (with causal, less one for each query's
     diagonal block, which it always holds), and each query draws `own` more of its own among those it sees."""
+    if not (isinstance(own, int) and 0 <= own <= spec.top_k) or not (isinstance(span, int) and span >= 1):
+        raise KernelgenValueError(f"agreeing_query_lists: own={own!r} must be an int in [0, top_k={spec.top_k}] and "
+                                  f"span={span!r} an int >= 1")
     n_blocks = spec.n_kv_blocks(n_k)
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks = torch.arange(n_blocks, device=device)

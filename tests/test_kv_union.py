@@ -281,6 +281,18 @@ def test_an_exported_module_runs_the_gathered_design(tmp_path, device):
     assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
 
 
+def test_the_helpers_reject_bad_input():
+    spec = kv_spec(top_k=4)
+    for own, span in ((-1, 64), (5, 64), (2, 0)):
+        with pytest.raises(KernelgenValueError, match="own=|span="):
+            agreeing_query_lists(spec, 1, 1, 64, 64, own=own, span=span, device="cpu")
+    lists = torch.zeros(1, 1, 8, 4, dtype=torch.int32)
+    with pytest.raises(KernelgenValueError, match="int32"):
+        build_tile_union(lists.long(), 4, 8)
+    with pytest.raises(KernelgenValueError, match="tile_q"):
+        build_tile_union(lists, 0, 8)
+
+
 def test_configs_are_checked():
     spec = kv_spec(gqa_group=16, head_dim=128, kv_block=64, top_k=16)
     for arch in ("sm_80", "sm_89", "sm_90"):
