@@ -468,26 +468,15 @@ def union_rows(spec: Spec, tile_q: int, block_m: int) -> int | None:
     return None
 
 
-def union_dkdv_rows(spec: Spec, tile_q: int, block_m: int) -> int | None:
-    """The rows a union dK/dV step takes for tiles of tile_q queries: block_m where it holds whole tiles'
-    rows (several (tile, slot) pairs a step), else `union_rows`."""
-    if block_m in TILE_ROWS and block_m % (spec.gqa_group * tile_q) == 0:
-        return block_m
-    return union_rows(spec, tile_q, block_m)
-
-
 def kv_union_bwd_infeasible(spec: Spec, cfg: KvUnionBwdConfig, arch: str) -> str | None:
     """Why the union backward cannot run `cfg` for `spec` on `arch`, or None: rows that pack for its tile_q
-    (dQ: part of a tile or whole tiles of some heads; dK/dV: that, or the rows of several tiles), whole key
-    slices of a block, and the Q-centric backward kernels' resources."""
+    (dQ and dK/dV alike), whole key slices of a block, and the Q-centric backward kernels' resources."""
     if cfg.tile_q not in UNION_TILE_Q:
         return f"tile_q={cfg.tile_q}; expected one of {UNION_TILE_Q}"
-    for name, rows, several in (("dq_block_m", cfg.dq_block_m, False), ("block_m", cfg.block_m, True)):
-        if not (_union_packs(spec, cfg.tile_q, rows)
-                or several and rows in TILE_ROWS and rows % (spec.gqa_group * cfg.tile_q) == 0):
+    for name, rows in (("dq_block_m", cfg.dq_block_m), ("block_m", cfg.block_m)):
+        if not _union_packs(spec, cfg.tile_q, rows):
             return (f"{name}={rows} must be one of {TILE_ROWS} and pack tiles of tile_q={cfg.tile_q} queries of "
-                    f"gqa_group={spec.gqa_group} heads (kv_union_infeasible)"
-                    + (f", or hold the rows of whole tiles ({spec.gqa_group * cfg.tile_q} each)" if several else ""))
+                    f"gqa_group={spec.gqa_group} heads (kv_union_infeasible)")
     dq_why = _dq_resources(spec, BwdDqConfig(cfg.dq_block_m, cfg.dq_warps, cfg.dq_stages), arch)
     if dq_why:
         return f"dQ: {dq_why}"
@@ -503,16 +492,16 @@ def kv_union_bwd_default(spec: Spec, arch: str) -> KvUnionBwdConfig:
                          block_n=n, block_m=m, num_warps=w, num_stages=st)
         for dq in (BwdDqConfig(fwd.block_m, 4, 2), BwdDqConfig(fwd.block_m, 8, 2), BwdDqConfig(32, 4, 2),
                    BwdDqConfig(16, 4, 1))
-        # H200 sweep (tools/kv_union_sweep.py --backward): 32 rows a dK/dV step at head_dim 128, 64 at 64
-        for n in (min(64, spec.kv_block), 32, 16) for m in ((64, 32, 16) if spec.head_dim <= 64 else (32, 64, 16))
-        for w in (4, 8) for st in (2, 1)))
+        # H200 (agreeing lists, kv_nsa32k and kv_d64_64k): 64 keys x 64 rows a dK/dV step on 4 warps, 2 stages, was
+        # the fastest at head_dim 128 and 64; 8 warps took 1.7-3x as long
+        for n in (min(64, spec.kv_block), 32, 16) for m in (64, 32, 16) for w in (4, 8) for st in (2, 1)))
 
 
 def kv_union_bwd_space(spec: Spec, arch: str):
     return (KvUnionBwdConfig(tile_q=t, dq_block_m=qm, dq_warps=qw, dq_stages=qs, block_n=n, block_m=m, num_warps=w,
                              num_stages=st)
             for t, qm, qw, qs, n, m, w, st in itertools.product(UNION_TILE_Q, (32, 64, 128), (4, 8), (1, 2),
-                                                                 (32, 64), (16, 32, 64, 128), (4, 8), (1, 2)))
+                                                                 (32, 64), (16, 32, 64), (4, 8), (1, 2)))
 
 
 # ---- decode: feasibility, defaults, space ----------------------------------------------------------
@@ -971,7 +960,7 @@ def launch_kv_bwd_union(mod, spec: Spec, cfg: KvUnionBwdConfig, shapes: Shapes, 
     scale = softmax_scale(scale, spec)
     if union is None:
         union = build_tile_union(block_idx, cfg.tile_q, shapes.n_kv_blocks)
-    dq_rows, rows = union_rows(spec, union.tile_q, cfg.dq_block_m), union_dkdv_rows(spec, union.tile_q, cfg.block_m)
+    dq_rows, rows = union_rows(spec, union.tile_q, cfg.dq_block_m), union_rows(spec, union.tile_q, cfg.block_m)
     if dq_rows is None or rows is None:
         raise KernelgenValueError(f"no rows of 16 or more pack tiles of {union.tile_q} queries of gqa_group="
                                   f"{spec.gqa_group} heads; prepare the lists for another kv_attn_union tile_q")
