@@ -20,10 +20,10 @@ KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalis
   kv_attn   (q, k, v, block_idx, reverse, scale)   (o, lse): partials per (block, query chunk) task of
             `reverse` (a `kernelgen.reverse_index.QueryReverseIndex` of the lists; None: built), merged per row
   kv_attn_union (q, k, v, block_idx, union, scale)   (o, lse): a tile of consecutive queries over the union
-            of their lists (`union`: a `kernelgen.tile_union.TileUnion` of the lists; None: built), each row
-            masked to its own query's list; served to prepared lists whose union is small (`prepare`)
+            of their lists (`union`: a `kernelgen.tile_union.TileUnion` of the lists, or `TileUnions`; None:
+            built), each row masked to its own query's list; served to prepared lists whose union is small
   kv_bwd_union (q, k, v, do, lse, delta, block_idx, union, scale)   (dq, dk, dv) of the union design: dq per
-            tile over its union, dk and dv per KV block over the tiles whose union holds it (`union`: None: built)
+            tile over its union, dk and dv per KV block over the tiles whose union holds it (`union`: as above)
   kv_bwd    (q, k, v, do, lse, delta, block_idx, reverse, scale)   (dq, dk, dv): one walk of `reverse` per
             KV block gives dk, dv and dq's partials; their merge per row gives dq
 Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a KV cache):
@@ -189,7 +189,7 @@ def kv_bwd_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool
 
 def _per_query_bwd_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool, lists, walk) -> Workload:
     """A backward over per-query lists (`_backward_workload`'s), giving dq, dk and dv; `walk(lists)` is the
-    launch's argument after the lists (kv_bwd's reverse index; the union design's tile union, or None)."""
+    launch's argument after the lists (kv_bwd's reverse index; the union design's `TileUnions`)."""
     q, k, v, do, lse, delta, lists, grads = _backward_workload(spec, shape, device, dtype, check, lists)
     reverse = walk(lists)
     flops = 2.5 * useful_flops(lists, spec, shape.n_q, shape.n_k)  # 5 products (S, dP, dV, dK, dQ) to the forward's 2
@@ -338,9 +338,11 @@ def kv_union_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bo
     """The union design is served to lists whose neighbours agree: it is tuned on such lists (each span of 64
     queries sharing all but 2 of its blocks, `workloads.agreeing_query_lists`), not on a selector's picks from
     random inputs, which agree no more than random lists do."""
+    from .tile_union import TileUnions
+
     workload = attention_workload(spec, shape, device, dtype, check, union_workload_lists(spec, shape, device))
     q, k, v, lists, scale = workload.args
-    return dataclasses.replace(workload, args=(q, k, v, lists, None, scale))
+    return dataclasses.replace(workload, args=(q, k, v, lists, TileUnions(lists, spec.n_kv_blocks(shape.n_k)), scale))
 
 
 # the union design of the same forward: no partials, the products of every query of a tile over the tile's union
@@ -350,10 +352,12 @@ register_role(Role("kv_attn_union", "attention over per-query lists, a tile of c
 
 
 def kv_bwd_union_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
-    """kv_bwd's workload over the lists the union design is tuned on (`kv_union_workload`'s); the launcher
-    builds their tile union for the config's tile_q."""
+    """kv_bwd's workload over the lists the union design is tuned on (`kv_union_workload`'s), their tile union
+    for each trial's tile_q built once (as kv_bwd's reverse index is)."""
+    from .tile_union import TileUnions
+
     return _per_query_bwd_workload(spec, shape, device, dtype, check, union_workload_lists(spec, shape, device),
-                                   lambda lists: None)
+                                   lambda lists: TileUnions(lists, spec.n_kv_blocks(shape.n_k)))
 
 
 register_role(Role("kv_bwd_union", "backward of the union design: dq per tile over its union, dk and dv per KV block "

@@ -24,7 +24,8 @@ import torch
 from .errors import KernelgenValueError
 from .reverse_index import QueryReverseIndex, build_query_reverse_index, heaviest_first
 
-__all__ = ["TileUnion", "build_tile_union", "union_len", "union_max_inflation", "union_tile_q"]
+__all__ = ["TileUnion", "TileUnions", "build_tile_union", "union_for", "union_len", "union_max_inflation",
+           "union_tile_q"]
 
 
 def union_max_inflation(kv_block: int, head_dim: int, backward: bool = False) -> float:
@@ -124,3 +125,28 @@ def build_tile_union(block_idx: torch.Tensor, tile_q: int, n_kv_blocks: int) -> 
     member.scatter_add_(-1, torch.where(held, slot // 32, 0), bit)  # an id held once: bits never collide
     member = torch.where(member >= 2 ** 31, member - 2 ** 32, member).to(torch.int32).contiguous()
     return TileUnion(tile_q, n_kv_blocks, lists, member, {})
+
+
+class TileUnions(dict):
+    """The tile unions of one list set by tile_q, each built at its first use: what a tuner's trials of
+    several tile_q share, so that a trial times the kernels and not the build (served lists carry theirs,
+    built once by `prepare`)."""
+
+    def __init__(self, block_idx: torch.Tensor, n_kv_blocks: int):
+        super().__init__()
+        self.block_idx, self.n_kv_blocks = block_idx, n_kv_blocks
+
+    def __missing__(self, tile_q: int) -> TileUnion:
+        self[tile_q] = union = build_tile_union(self.block_idx, tile_q, self.n_kv_blocks)
+        return union
+
+
+def union_for(union: TileUnion | TileUnions | None, block_idx: torch.Tensor, tile_q: int,
+              n_kv_blocks: int) -> TileUnion:
+    """The tile union of `block_idx` for tiles of tile_q: `union` if it is that one, the one a TileUnions
+    holds or builds, else built here."""
+    if isinstance(union, TileUnions):
+        return union[tile_q]
+    if union is not None and union.tile_q == tile_q:
+        return union
+    return build_tile_union(block_idx, tile_q, n_kv_blocks)

@@ -260,6 +260,29 @@ def test_a_pinned_union_config_serves_raw_and_selected_lists(device, monkeypatch
                            q.dtype)
 
 
+def test_tuning_workloads_build_a_tile_union_once_per_tile_q(device, monkeypatch):
+    """A tuner's trials time the kernels, not the union's build: the workload builds each tile_q's union once
+    (as kv_bwd's workload builds its reverse index once), and a trial's output still matches."""
+    import kernelgen.tile_union
+    from kernelgen.backends.triton import TritonBackend
+    from kernelgen.roles import ROLES, WorkloadShape
+    from kernelgen.tuning.worker import _launcher, _shapes
+
+    builds = []
+    build = kernelgen.tile_union.build_tile_union
+    monkeypatch.setattr(kernelgen.tile_union, "build_tile_union", lambda *a: builds.append(a[1]) or build(*a))
+    spec = kv_spec(top_k=4, kv_block=16, gqa_group=2)
+    for role, cfgs in (("kv_attn_union", [union_config(t)["kv_attn_union"] for t in (8, 16, 8)]),
+                       ("kv_bwd_union", [bwd_config(t)["kv_bwd_union"] for t in (8, 16, 8)])):
+        shape = WorkloadShape(1, 1, 128, 128)
+        workload = ROLES[role].workload(spec, shape, device, torch.float32)
+        builds.clear()
+        for cfg in cfgs:
+            out = _launcher(TritonBackend(), spec, role, cfg, workload, _shapes(spec, shape), torch.float32, device)()
+            assert workload.check(out) is None, (role, cfg)
+        assert builds == [8, 16], (role, builds)
+
+
 def test_an_exported_module_runs_the_gathered_design(tmp_path, device):
     """An exported per-query module pins every role it embeds, kv_attn included: its prepare never serves the
     union design, whose kernels it does not carry."""

@@ -22,7 +22,7 @@ from ..inputs import LOG2E, empty, next_pow2, softmax_scale
 from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks
 from ..roles import INDEX_HEADS
 from ..spec import Spec
-from ..tile_union import TileUnion, build_tile_union, union_tile_q
+from ..tile_union import TileUnion, TileUnions, union_for, union_tile_q
 from .base import Backend, Problem, RoleImpl, Shapes
 
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
@@ -931,13 +931,12 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
 
 
 def launch_kv_attn_union(mod, spec: Spec, cfg: KvUnionConfig, shapes: Shapes, q, k, v, block_idx,
-                         union: TileUnion | None, scale):
+                         union: TileUnion | TileUnions | None, scale):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised per-query lists, a program per
-    (tile of cfg.tile_q queries, head split) over the tile's union (`union`: built here when None or made
+    (tile of cfg.tile_q queries, head split) over the tile's union (`union_for`: built here when None or made
     for another tile_q)."""
     scale = softmax_scale(scale, spec)
-    if union is None or union.tile_q != cfg.tile_q:
-        union = build_tile_union(block_idx, cfg.tile_q, shapes.n_kv_blocks)
+    union = union_for(union, block_idx, cfg.tile_q, shapes.n_kv_blocks)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
     n_tiles, length = union.lists.shape[2:]
@@ -954,12 +953,13 @@ def launch_kv_attn_union(mod, spec: Spec, cfg: KvUnionConfig, shapes: Shapes, q,
 
 
 def launch_kv_bwd_union(mod, spec: Spec, cfg: KvUnionBwdConfig, shapes: Shapes, q, k, v, do, lse, delta,
-                        block_idx, union: TileUnion | None, scale):
+                        block_idx, union: TileUnion | TileUnions | None, scale):
     """(dq, dk, dv) of the union design over normalised per-query lists: dQ per tile over its union, dK/dV per
-    KV block over the tiles whose union holds it (`union`, the forward's: built here for cfg.tile_q when None)."""
+    KV block over the tiles whose union holds it (`union`: the forward's, whatever its tile_q; else
+    `union_for` cfg.tile_q)."""
     scale = softmax_scale(scale, spec)
-    if union is None:
-        union = build_tile_union(block_idx, cfg.tile_q, shapes.n_kv_blocks)
+    if not isinstance(union, TileUnion):
+        union = union_for(union, block_idx, cfg.tile_q, shapes.n_kv_blocks)
     dq_rows, rows = union_rows(spec, union.tile_q, cfg.dq_block_m), union_rows(spec, union.tile_q, cfg.block_m)
     if dq_rows is None or rows is None:
         raise KernelgenValueError(f"no rows of 16 or more pack tiles of {union.tile_q} queries of gqa_group="
