@@ -539,7 +539,7 @@ def quality(
     if spec.per_query:
         console.print("inflation: the pairs the KV-centric union design computes over those the lists hold; "
                       "prepare() serves it at most "
-                      f"{union_max_inflation(kv_block, spec.head_dim):.2f}")
+                      f"{union_max_inflation(kv_block):.2f}")
     console.print(table)
     console.print(f"per layer and head: {write_csv(rows, out / 'quality.csv')}")
     png = plot_recall(rows, out / "quality.png")

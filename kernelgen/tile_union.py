@@ -28,15 +28,19 @@ __all__ = ["TileUnion", "TileUnions", "build_tile_union", "union_for", "union_le
            "union_tile_q"]
 
 
-def union_max_inflation(kv_block: int, head_dim: int, backward: bool = False) -> float:
-    """The inflation below which the union design is the faster one, for the forward or the backward. Both
-    designs' times grow with the pairs the lists hold; the gathered design's partials cost a fixed number of
-    bytes per (query, head, block), which larger blocks amortise. On an H200 (tools/kv_union_sweep.py,
-    docs/DESIGN.md) the forwards met at inflation 2.8-3.4 with 64-key blocks and 1.3 with 128-key ones; the
-    backwards, with 64-key blocks, at 1.5 (head_dim 128) and 1.2 (head_dim 64): 2.4 for the forward and 1.4
-    (1.2 at head_dim 64) for the backward at 64 keys, halved per doubling above."""
-    limit = 2.4 if not backward else 1.4 if head_dim >= 128 else 1.2
-    return limit * min(1.0, 64 / kv_block)
+def union_max_inflation(kv_block: int, backward: bool = False) -> float:
+    """The inflation below which the union design is the faster one, for the forward or the backward, where no
+    tuned rates of both designs say (`SparseAttention._union_limit`). Both designs' times grow with the pairs
+    the lists hold; the gathered design's partials cost a fixed number of bytes per (query, head, block),
+    which larger blocks amortise. On an H200 (tools/kv_union_sweep.py and the tuned rates, docs/DESIGN.md)
+    the forwards met at inflation 2.8-3.4 with 64-key blocks and about 1.5 with 128-key ones; the backwards
+    at about 1.7 with 64-key blocks (head_dim 64 and 128) and 1.25 with 128-key ones. Halved per doubling
+    of the block above 128 keys."""
+    if kv_block <= 64:
+        limit = 1.7 if backward else 2.4
+    else:
+        limit = 1.25 if backward else 1.5
+    return limit * min(1.0, 128 / kv_block)
 
 
 class TileUnion(NamedTuple):

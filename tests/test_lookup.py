@@ -585,7 +585,7 @@ def test_the_union_designs_limit_comes_from_both_designs_tuned_rates(user_db):
     spec = Spec(head_dim=128, kv_block=64, top_k=16, gqa_group=16, causal=True, schedule="kv_centric",
                 selector="given")
     bucket = 4096
-    assert SparseAttention(spec)._union_limit(bucket, torch.bfloat16, CUDA) == union_max_inflation(64, 128)
+    assert SparseAttention(spec)._union_limit(bucket, torch.bfloat16, CUDA) == union_max_inflation(64)
     for role, config, tflops in (("kv_attn", KvAttnConfig(), 100.0), ("kv_attn_union", KvUnionConfig(tile_q=4), 150.0),
                                  ("kv_bwd", KvBwdConfig(block_m=32), 120.0),
                                  ("kv_bwd_union", KvUnionBwdConfig(tile_q=8, block_m=32), 90.0)):
@@ -597,4 +597,4 @@ def test_the_union_designs_limit_comes_from_both_designs_tuned_rates(user_db):
     assert attn._union_limit(bucket, torch.bfloat16, CUDA) == pytest.approx(forward)
     assert attn._union_limit(bucket, torch.bfloat16, CUDA, backward=True) == pytest.approx(backward)
     pinned = SparseAttention(spec, {"kv_attn": KvAttnConfig()})  # a pinned design has no tuned rate
-    assert pinned._union_limit(bucket, torch.bfloat16, CUDA) == union_max_inflation(64, 128)
+    assert pinned._union_limit(bucket, torch.bfloat16, CUDA) == union_max_inflation(64)
