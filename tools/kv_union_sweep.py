@@ -2,6 +2,7 @@
 
     python tools/kv_union_sweep.py [SHAPE ...]     # OUT=DIR for kv_union_sweep.json (default /tmp)
     python tools/kv_union_sweep.py --backward [SHAPE ...]
+    python tools/kv_union_sweep.py --kernels [SHAPE ...]
 
 For each shape of `kernelgen.workloads.KV_CENTRIC_SHAPES` (default: all; bf16) and each kind of per-query
 lists (`random_query_lists`, and `agreeing_query_lists` with own = 0, 2, 4, 8 blocks per query), prints:
@@ -13,6 +14,9 @@ lists (`random_query_lists`, and `agreeing_query_lists` with own = 0, 2, 4, 8 bl
 With --backward, on random lists and agreeing ones (own = 2): forward+backward with the gathered design's
 backward (kv_bwd) and with the union design's (kv_bwd_union) at a grid of its configs, the union forward's
 default config, `do_bench` median of a forward and `o.backward(do)`.
+With --kernels, on agreeing lists (own = 2): each kernel's CUDA time (torch profiler, the mean of 3
+forward+backward steps) with the union forward's served config and the union backward's served dQ, at a grid
+of dK/dV configs (keys x rows a step, warps, stages).
 """
 import json
 import os
@@ -82,10 +86,56 @@ def sweep_backward(names):
         json.dump(rows, open(f"{out}/kv_union_backward.json", "w"), indent=1)
 
 
+def kernel_ms(attn, leaves, lists, do) -> dict:
+    """Each kernel's CUDA time (ms) in one forward+backward step, averaged over 3 profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        attn(*leaves, block_idx=lists).backward(do)
+
+    step(), step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    return {e.key[:32]: round(e.device_time_total / 3e3, 3) for e in prof.key_averages() if e.device_time_total > 20}
+
+
+def sweep_kernels(names):
+    rows = []
+    for name in names:
+        shape = KV_CENTRIC_SHAPES[name]
+        spec = shape.spec("given")
+        leaves = [x.requires_grad_() for x in shape.inputs(torch.device("cuda"), torch.bfloat16)]
+        do = torch.randn_like(leaves[0])
+        lists = agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, 2)
+        served = get_kernel(spec)
+        fwd = served.config("kv_attn_union", shape.n_q, shape.n_k)
+        bwd = served.config("kv_bwd_union", shape.n_q, shape.n_k)
+        for block_n, block_m, warps, stages in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 16, 4, 2),
+                                                (64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2)):
+            cfg = KvUnionBwdConfig(tile_q=fwd.tile_q, dq_block_m=bwd.dq_block_m, dq_warps=bwd.dq_warps,
+                                   dq_stages=bwd.dq_stages, block_n=block_n, block_m=block_m, num_warps=warps,
+                                   num_stages=stages)
+            if kv_union_bwd_infeasible(spec, cfg, "sm_90") is not None:
+                continue
+            attn = get_kernel(spec, configs={"kv_attn_union": fwd, "kv_bwd_union": cfg})
+            ms = kernel_ms(attn, leaves, attn.prepare(lists, shape.n_q, shape.n_k), do)
+            rows.append(dict(shape=name, dkdv=[block_n, block_m, warps, stages], kernels=ms))
+            print(f"{name:10s} dK/dV {block_n} x {block_m}, {warps} warps, {stages} stages: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in ms.items() if "union" in k), flush=True)
+        del leaves, do, lists
+        torch.cuda.empty_cache()
+        json.dump(rows, open(f"{out}/kv_union_kernels.json", "w"), indent=1)
+
+
 out = os.environ.get("OUT", "/tmp")
 rows = []
-if sys.argv[1:2] == ["--backward"]:
-    sweep_backward(sys.argv[2:] or list(KV_CENTRIC_SHAPES))
+if sys.argv[1:2] in (["--backward"], ["--kernels"]):
+    (sweep_backward if sys.argv[1] == "--backward" else sweep_kernels)(sys.argv[2:] or list(KV_CENTRIC_SHAPES))
     sys.exit(0)
 for name in sys.argv[1:] or list(KV_CENTRIC_SHAPES):
     shape = KV_CENTRIC_SHAPES[name]
