@@ -55,13 +55,17 @@ def backward_grid(spec):
                 yield cfg
 
 
+def backward_inputs(name):
+    """A shape's spec (given lists), q, k and v as leaves, and do: bf16 on the GPU."""
+    shape = KV_CENTRIC_SHAPES[name]
+    leaves = [x.requires_grad_() for x in shape.inputs(torch.device("cuda"), torch.bfloat16)]
+    return shape, shape.spec("given"), leaves, torch.randn_like(leaves[0])
+
+
 def sweep_backward(names):
     rows = []
     for name in names:
-        shape = KV_CENTRIC_SHAPES[name]
-        spec = shape.spec("given")
-        leaves = [x.requires_grad_() for x in shape.inputs(torch.device("cuda"), torch.bfloat16)]
-        do = torch.randn_like(leaves[0])
+        shape, spec, leaves, do = backward_inputs(name)
         kinds = {"random": random_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k),
                  "agree2": agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, 2)}
         for kind, lists in kinds.items():
@@ -107,10 +111,7 @@ def kernel_ms(attn, leaves, lists, do) -> dict:
 def sweep_kernels(names):
     rows = []
     for name in names:
-        shape = KV_CENTRIC_SHAPES[name]
-        spec = shape.spec("given")
-        leaves = [x.requires_grad_() for x in shape.inputs(torch.device("cuda"), torch.bfloat16)]
-        do = torch.randn_like(leaves[0])
+        shape, spec, leaves, do = backward_inputs(name)
         lists = agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, 2)
         served = get_kernel(spec)
         fwd = served.config("kv_attn_union", shape.n_q, shape.n_k)
