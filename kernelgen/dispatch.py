@@ -283,7 +283,7 @@ class SparseAttention:
         if all(row is not None and (row.get("tflops") or 0) > 0 for row in rows):
             inflation = union_workload_inflation(self.spec, int(rows[1]["bucket"]), served[1].config.tile_q)
             return rows[1]["tflops"] * inflation / rows[0]["tflops"]
-        return union_max_inflation(self.spec.kv_block, backward)
+        return union_max_inflation(self.spec.kv_block, backward=backward)
 
     def _forget_served(self) -> None:
         """Read the tuning DB again on the next call (a background tune has stored a winner)."""

@@ -21,14 +21,14 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import KernelgenValueError
+from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, build_query_reverse_index, heaviest_first
 
 __all__ = ["TileUnion", "TileUnions", "build_tile_union", "union_for", "union_len", "union_max_inflation",
            "union_tile_q"]
 
 
-def union_max_inflation(kv_block: int, backward: bool = False) -> float:
+def union_max_inflation(kv_block: int, *, backward: bool = False) -> float:
     """The inflation below which the union design is the faster one, for the forward or the backward, where no
     tuned rates of both designs say (`SparseAttention._union_limit`). Both designs' times grow with the pairs
     the lists hold; the gathered design's partials cost a fixed number of bytes per (query, head, block),
@@ -151,6 +151,8 @@ def union_for(union: TileUnion | TileUnions | None, block_idx: torch.Tensor, til
     holds or builds, else built here."""
     if isinstance(union, TileUnions):
         return union[tile_q]
+    if union is not None and not isinstance(union, TileUnion):
+        raise KernelgenTypeError(f"union must be a TileUnion, TileUnions or None; got {type(union).__name__}")
     if union is not None and union.tile_q == tile_q:
         return union
     return build_tile_union(block_idx, tile_q, n_kv_blocks)

@@ -12,7 +12,7 @@ import kernelgen
 from kernelgen import KvAttnConfig, KvUnionBwdConfig, KvUnionConfig, Spec, reference
 from kernelgen.backends.triton import kv_union_bwd_default, kv_union_default, kv_union_infeasible, kv_union_space
 from kernelgen.errors import KernelgenValueError
-from kernelgen.tile_union import build_tile_union, union_max_inflation
+from kernelgen.tile_union import build_tile_union, union_for, union_max_inflation
 from kernelgen.workloads import agreeing_query_lists, random_query_lists
 from checks import assert_close_to_reference
 from test_backward import assert_grads_close, leaves
@@ -314,6 +314,10 @@ def test_the_helpers_reject_bad_input():
         build_tile_union(lists.long(), 4, 8)
     with pytest.raises(KernelgenValueError, match="tile_q"):
         build_tile_union(lists, 0, 8)
+    with pytest.raises(TypeError, match="union must be"):
+        union_for("a union", lists, 4, 8)
+    with pytest.raises(TypeError):  # backward is keyword-only: a head_dim passed second is no silent backward=True
+        union_max_inflation(64, 128)
 
 
 def test_configs_are_checked():

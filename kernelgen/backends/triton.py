@@ -142,7 +142,7 @@ class KvUnionBwdConfig(_JsonConfig):
     dq_warps: int = 4
     dq_stages: int = 2
     block_n: int = 64
-    block_m: int = 32
+    block_m: int = 64
     num_warps: int = 4
     num_stages: int = 2
 
