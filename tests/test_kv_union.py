@@ -11,10 +11,11 @@ import torch
 import kernelgen
 from kernelgen import KvAttnConfig, KvUnionBwdConfig, KvUnionConfig, Spec, reference
 from kernelgen.backends.triton import kv_union_bwd_default, kv_union_default, kv_union_infeasible, kv_union_space
+from kernelgen.archs import arch_facts
 from kernelgen.errors import KernelgenValueError
 from kernelgen.tile_union import build_tile_union, union_for, union_max_inflation
 from kernelgen.workloads import agreeing_query_lists, random_query_lists
-from checks import assert_close_to_reference
+from checks import TEST_ARCH, assert_close_to_reference
 from test_backward import assert_grads_close, leaves
 from test_triton_fwd import make_inputs
 
@@ -97,30 +98,33 @@ def union_grads(spec, q, k, v, do, idx, configs):
     return q.grad.clone(), k.grad.clone(), v.grad.clone()
 
 
-def bwd_config(tile_q, block_m=16, dq_block_m=16, block_n=16):
+def bwd_config(tile_q, block_m=16, dq_block_m=16, block_n=16, use_tma=False):
     return {**union_config(tile_q), "kv_bwd_union": KvUnionBwdConfig(tile_q=tile_q, dq_block_m=dq_block_m, dq_warps=4,
                                                                      dq_stages=1, block_n=block_n, block_m=block_m,
-                                                                     num_warps=4, num_stages=1)}
+                                                                     num_warps=4, num_stages=1, use_tma=use_tma)}
 
 
-# causal, G, kv_block, (Nq, Nk), dtype, tile_q, dK/dV rows: the forward's grid of masks
+# causal, G, kv_block, (Nq, Nk), dtype, tile_q, dK/dV rows, use_tma: the forward's grid of masks; the dK/dV's
+# Q and dO through tensor descriptors in boxes of heads x queries (4 x 4, 2 x 8) and of part of a tile (1 x 16)
 GRAD_CASES = [
-    (True, 1, 32, (70, 100), torch.float32, 16, 16),
-    (False, 4, 64, (45, 130), torch.float16, 4, 16),
-    (True, 4, 32, (90, 50), torch.float32, 8, 32),
-    (False, 2, 32, (60, 60), torch.float16, 16, 32),
-    (True, 2, 64, (40, 97), torch.float16, 8, 16),
+    (True, 1, 32, (70, 100), torch.float32, 16, 16, True),
+    (False, 4, 64, (45, 130), torch.float16, 4, 16, True),
+    (True, 4, 32, (90, 50), torch.float32, 8, 32, False),
+    (False, 2, 32, (60, 60), torch.float16, 16, 32, False),
+    (True, 2, 64, (40, 97), torch.float16, 8, 16, True),
 ]
 
 
-@pytest.mark.parametrize("causal, g, kv_block, lengths, dtype, tile_q, block_m", GRAD_CASES)
-def test_gradients_of_the_union_design(causal, g, kv_block, lengths, dtype, tile_q, block_m, device):
+@pytest.mark.parametrize("causal, g, kv_block, lengths, dtype, tile_q, block_m, use_tma", GRAD_CASES)
+def test_gradients_of_the_union_design(causal, g, kv_block, lengths, dtype, tile_q, block_m, use_tma, device):
     """The union design's backward (kv_bwd_union) against float64 autograd, two runs bitwise equal."""
+    if use_tma and not arch_facts(TEST_ARCH).tma:
+        pytest.skip(f"use_tma needs TMA, which {TEST_ARCH} lacks")
     nq, nk = lengths
     spec = kv_spec(kv_block=kv_block, causal=causal, gqa_group=g, top_k=2)
     q, k, v, do = leaves(1, 2, g, nq, nk, 64, dtype, device, nq + nk)
     idx = reference.select_blocks(q.detach().float(), k.detach().float(), spec.replace(selector="mean"))
-    configs = bwd_config(tile_q, block_m, block_n=min(32, kv_block))
+    configs = bwd_config(tile_q, block_m, block_n=min(32, kv_block), use_tma=use_tma)
     grads = union_grads(spec, q, k, v, do, idx, configs)
     assert_grads_close(grads, reference.sparse_attention_grads(q, k, v, do, spec, idx), dtype)
     assert all(torch.equal(a, b) for a, b in zip(grads, union_grads(spec, q, k, v, do, idx, configs)))
@@ -357,15 +361,19 @@ def test_gpu_against_reference(n, d, kv_block, g, causal, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("use_tma", [False, True])
 @pytest.mark.parametrize("d, causal", [(128, True), (64, False)])
-def test_gpu_gradients(d, causal, dtype):
+def test_gpu_gradients(d, causal, use_tma, dtype):
     """4k queries, G = 16, 64-key blocks, agreeing lists: the union design's backward against float64 autograd;
     two backward runs bitwise equal."""
+    if use_tma and not arch_facts(TEST_ARCH).tma:
+        pytest.skip(f"use_tma needs TMA, which {TEST_ARCH} lacks")
     n, g = 4096, 16
     spec = kv_spec(head_dim=d, kv_block=64, gqa_group=g, top_k=16, causal=causal)
     idx = agreeing_query_lists(spec, 1, 1, n, n, own=2, seed=2)
     q, k, v, do = leaves(1, 1, g, n, n, d, dtype, "cuda", 4)
-    attn = kernelgen.get_kernel(spec, configs={"kv_bwd_union": kv_union_bwd_default(spec, "sm_90")})
+    cfg = dataclasses.replace(kv_union_bwd_default(spec, "sm_90"), use_tma=use_tma)
+    attn = kernelgen.get_kernel(spec, configs={"kv_bwd_union": cfg})
     lists = attn.prepare(idx, n, n)
     assert lists.union is not None
     runs = []

@@ -16,7 +16,7 @@ backward (kv_bwd) and with the union design's (kv_bwd_union) at a grid of its co
 default config, `do_bench` median of a forward and `o.backward(do)`.
 With --kernels, on agreeing lists (own = 2): each kernel's CUDA time (torch profiler, the mean of 3
 forward+backward steps) with the union forward's served config and the union backward's served dQ, at a grid
-of dK/dV configs (keys x rows a step, warps, stages).
+of dK/dV configs (keys x rows a step, warps, stages, use_tma).
 """
 import json
 import os
@@ -116,17 +116,18 @@ def sweep_kernels(names):
         served = get_kernel(spec)
         fwd = served.config("kv_attn_union", shape.n_q, shape.n_k)
         bwd = served.config("kv_bwd_union", shape.n_q, shape.n_k)
-        for block_n, block_m, warps, stages in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 16, 4, 2),
-                                                (64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2)):
+        for block_n, block_m, warps, stages, tma in ((64, 64, 4, 2, False), (64, 64, 4, 2, True), (64, 64, 4, 3, True),
+                                                     (64, 32, 4, 2, True), (64, 64, 8, 2, True), (32, 64, 4, 2, True),
+                                                     (32, 32, 4, 2, True)):
             cfg = KvUnionBwdConfig(tile_q=fwd.tile_q, dq_block_m=bwd.dq_block_m, dq_warps=bwd.dq_warps,
                                    dq_stages=bwd.dq_stages, block_n=block_n, block_m=block_m, num_warps=warps,
-                                   num_stages=stages)
+                                   num_stages=stages, use_tma=tma)
             if kv_union_bwd_infeasible(spec, cfg, "sm_90") is not None:
                 continue
             attn = get_kernel(spec, configs={"kv_attn_union": fwd, "kv_bwd_union": cfg})
             ms = kernel_ms(attn, leaves, attn.prepare(lists, shape.n_q, shape.n_k), do)
-            rows.append(dict(shape=name, dkdv=[block_n, block_m, warps, stages], kernels=ms))
-            print(f"{name:10s} dK/dV {block_n} x {block_m}, {warps} warps, {stages} stages: "
+            rows.append(dict(shape=name, dkdv=[block_n, block_m, warps, stages, tma], kernels=ms))
+            print(f"{name:10s} dK/dV {block_n} x {block_m}, {warps} warps, {stages} stages, tma {tma:d}: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in ms.items() if "union" in k), flush=True)
         del leaves, do, lists
         torch.cuda.empty_cache()

@@ -134,8 +134,9 @@ class KvUnionConfig(_JsonConfig):
 class KvUnionBwdConfig(_JsonConfig):
     """The union design's backward: dq_block_m packed rows per dQ program (the forward's walk of a tile's
     union; at most the tile's G * tile_q rows), and block_n keys of one KV block per dK/dV program, walking the
-    tiles whose union holds the block block_m packed rows a step. tile_q: the tiles of a call whose lists
-    bring none (prepared lists bring their forward's)."""
+    tiles whose union holds the block block_m packed rows a step; use_tma: the dK/dV loads each step's Q and dO
+    rows as one box of a tensor descriptor (sm_90), not through per-row pointers. tile_q: the tiles of a call
+    whose lists bring none (prepared lists bring their forward's)."""
 
     tile_q: int = 4
     dq_block_m: int = 64
@@ -145,6 +146,7 @@ class KvUnionBwdConfig(_JsonConfig):
     block_m: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    use_tma: bool = False
 
 
 @dataclass(frozen=True)
@@ -477,6 +479,8 @@ def kv_union_bwd_infeasible(spec: Spec, cfg: KvUnionBwdConfig, arch: str) -> str
         if not _union_packs(spec, cfg.tile_q, rows):
             return (f"{name}={rows} must be one of {TILE_ROWS} and pack tiles of tile_q={cfg.tile_q} queries of "
                     f"gqa_group={spec.gqa_group} heads (kv_union_infeasible)")
+    if cfg.use_tma and not arch_facts(arch).tma:
+        return f"use_tma=True needs TMA (sm_90), which {arch} lacks"
     dq_why = _dq_resources(spec, BwdDqConfig(cfg.dq_block_m, cfg.dq_warps, cfg.dq_stages), arch)
     if dq_why:
         return f"dQ: {dq_why}"
@@ -499,9 +503,10 @@ def kv_union_bwd_default(spec: Spec, arch: str) -> KvUnionBwdConfig:
 
 def kv_union_bwd_space(spec: Spec, arch: str):
     return (KvUnionBwdConfig(tile_q=t, dq_block_m=qm, dq_warps=qw, dq_stages=qs, block_n=n, block_m=m, num_warps=w,
-                             num_stages=st)
-            for t, qm, qw, qs, n, m, w, st in itertools.product(UNION_TILE_Q, (32, 64, 128), (4, 8), (1, 2),
-                                                                 (32, 64), (16, 32, 64), (4, 8), (1, 2)))
+                             num_stages=st, use_tma=tma)
+            for t, qm, qw, qs, n, m, w, st, tma in itertools.product(
+                UNION_TILE_Q, (32, 64, 128), (4, 8), (1, 2), (32, 64), (16, 32, 64), (4, 8), (1, 2, 3),
+                (False, True) if arch_facts(arch).tma else (False,)))
 
 
 # ---- decode: feasibility, defaults, space ----------------------------------------------------------
@@ -978,13 +983,20 @@ def launch_kv_bwd_union(mod, spec: Spec, cfg: KvUnionBwdConfig, shapes: Shapes, 
         UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=dq_rows, CAUSAL=spec.causal,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     reverse, order = union.reverse_index()
+    q_arg, do_arg = q, do
+    use_tma = cfg.use_tma and _tma_ok(q) and _tma_ok(do)  # else the pointer path: same result
+    if use_tma:
+        box = [1, max(1, rows // union.tile_q), min(rows, union.tile_q), spec.head_dim]
+        q_arg = TensorDescriptor(q, list(q.shape), list(q.stride()), box)
+        do_arg = TensorDescriptor(do, list(do.shape), list(do.stride()), box)
     mod.union_bwd_dkdv[(order.numel() * (spec.kv_block // cfg.block_n),)](
-        q, k, v, do, lse, delta, dk, dv, union.member, reverse.offsets, reverse.queries, reverse.slots, order,
+        q_arg, k, v, do_arg, lse, delta, dk, dv, union.member, reverse.offsets, reverse.queries, reverse.slots, order,
         *common, *dk.stride()[:3], *dv.stride()[:3], *union.member.stride()[:3], *reverse.offsets.stride()[:2],
         *reverse.queries.stride()[:2],
         shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, scale * LOG2E, scale,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, TILE_Q=union.tile_q, GROUP=spec.gqa_group,
-        BLOCK_N=cfg.block_n, BLOCK_M=rows, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, BLOCK_M=rows, USE_TMA=use_tma, CAUSAL=spec.causal, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return dq, dk, dv
 
 
