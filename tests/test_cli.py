@@ -1,5 +1,6 @@
 """Every `kernelgen` command through typer's test runner (CPU)."""
 import contextlib
+import dataclasses
 from pathlib import Path
 import json
 import re
@@ -179,7 +180,8 @@ def test_tune_trials_override_a_presets_own_counts():
 
 
 def _triton_attn_points(output: str) -> list[AttnConfig]:
-    return [AttnConfig(**c) for c in printed_configs(output) if "use_tma" in c]
+    fields = {f.name for f in dataclasses.fields(AttnConfig)}
+    return [AttnConfig(**c) for c in printed_configs(output) if set(c) == fields]
 
 
 @pytest.mark.parametrize("options", [

@@ -491,9 +491,12 @@ def kv_union_bwd_infeasible(spec: Spec, cfg: KvUnionBwdConfig, arch: str) -> str
 
 def kv_union_bwd_default(spec: Spec, arch: str) -> KvUnionBwdConfig:
     fwd = kv_union_default(spec, arch)
+    # H200: the dK/dV's Q and dO through tensor descriptors took kv_nsa32k's (head_dim 128) from 8.96 to 7.66 ms
+    # and kv_d64_64k's from 2.98 to 3.05 (tools/kv_union_sweep.py --kernels)
+    tma = arch_facts(arch).tma and spec.head_dim >= 128
     return _first_feasible(spec, arch, kv_union_bwd_infeasible, (
         KvUnionBwdConfig(tile_q=fwd.tile_q, dq_block_m=dq.block_m, dq_warps=dq.num_warps, dq_stages=dq.num_stages,
-                         block_n=n, block_m=m, num_warps=w, num_stages=st)
+                         block_n=n, block_m=m, num_warps=w, num_stages=st, use_tma=tma)
         for dq in (BwdDqConfig(fwd.block_m, 4, 2), BwdDqConfig(fwd.block_m, 8, 2), BwdDqConfig(32, 4, 2),
                    BwdDqConfig(16, 4, 1))
         # H200 (agreeing lists, kv_nsa32k and kv_d64_64k): 64 keys x 64 rows a dK/dV step on 4 warps, 2 stages, was
