@@ -10,7 +10,8 @@ import torch
 
 import kernelgen
 from kernelgen import KvAttnConfig, KvUnionBwdConfig, KvUnionConfig, Spec, reference
-from kernelgen.backends.triton import kv_union_bwd_default, kv_union_default, kv_union_infeasible, kv_union_space
+from kernelgen.backends.triton import (kv_union_bwd_default, kv_union_bwd_infeasible, kv_union_default,
+                                       kv_union_infeasible, kv_union_space)
 from kernelgen.archs import arch_facts
 from kernelgen.errors import KernelgenValueError
 from kernelgen.tile_union import build_tile_union, union_for, union_max_inflation
@@ -24,8 +25,14 @@ def kv_spec(**fields):
     return Spec(schedule="kv_centric", **{"head_dim": 64, "kv_block": 32, "top_k": 3, "selector": "given", **fields})
 
 
-def union_config(tile_q, block_m=16, num_warps=4, num_stages=1):
-    return {"kv_attn_union": KvUnionConfig(tile_q=tile_q, block_m=block_m, num_warps=num_warps, num_stages=num_stages)}
+def union_config(tile_q, block_m=16, num_warps=4, num_stages=1, use_tma=False):
+    return {"kv_attn_union": KvUnionConfig(tile_q=tile_q, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
+                                           use_tma=use_tma)}
+
+
+def skip_without_tma(use_tma):
+    if use_tma and not arch_facts(TEST_ARCH).tma:
+        pytest.skip(f"use_tma needs TMA, which {TEST_ARCH} lacks")
 
 
 def attend_union(spec, q, k, v, idx, configs):
@@ -44,26 +51,28 @@ def check_union(spec, q, k, v, idx, configs):
     return o, lse
 
 
-# causal, G, D, kv_block, (Nq, Nk), tile_q, block_m: GQA 1/2/4, D 64/128, kv_block 32/64, Nq <, =, > Nk, ragged
-# ends, a program holding part of a tile (block_m < tile_q), one tile's heads split over programs, whole tiles
+# causal, G, D, kv_block, (Nq, Nk), tile_q, block_m, use_tma: GQA 1/2/4, D 64/128, kv_block 32/64, Nq <, =, > Nk,
+# ragged ends (zero-filled by the copy engine where use_tma), a program holding part of a tile (block_m < tile_q),
+# one tile's heads split over programs, whole tiles
 CASES = [
-    (False, 1, 64, 32, (70, 100), 16, 16),
-    (True, 2, 64, 64, (100, 100), 8, 16),
-    (True, 4, 128, 32, (90, 50), 4, 16),
-    (False, 2, 128, 64, (45, 130), 32, 16),
-    (True, 1, 64, 32, (40, 97), 64, 32),
-    (True, 4, 64, 32, (77, 160), 8, 32),
+    (False, 1, 64, 32, (70, 100), 16, 16, True),
+    (True, 2, 64, 64, (100, 100), 8, 16, False),
+    (True, 4, 128, 32, (90, 50), 4, 16, True),
+    (False, 2, 128, 64, (45, 130), 32, 16, False),
+    (True, 1, 64, 32, (40, 97), 64, 32, False),
+    (True, 4, 64, 32, (77, 160), 8, 32, True),
 ]
 
 
-@pytest.mark.parametrize("causal, g, d, kv_block, lengths, tile_q, block_m", CASES)
+@pytest.mark.parametrize("causal, g, d, kv_block, lengths, tile_q, block_m, use_tma", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_against_reference(causal, g, d, kv_block, lengths, tile_q, block_m, dtype, device):
+def test_against_reference(causal, g, d, kv_block, lengths, tile_q, block_m, use_tma, dtype, device):
+    skip_without_tma(use_tma)
     nq, nk = lengths
     spec = kv_spec(head_dim=d, kv_block=kv_block, causal=causal, gqa_group=g)
     q, k, v = make_inputs(1, 2, g, nq, nk, d, dtype, device, nq + nk)
     idx = reference.select_blocks(q.float(), k.float(), spec.replace(selector="mean"))
-    check_union(spec, q, k, v, idx, union_config(tile_q, block_m))
+    check_union(spec, q, k, v, idx, union_config(tile_q, block_m, use_tma=use_tma))
 
 
 def test_given_lists_empty_repeated_out_of_range_and_an_empty_row(device):
@@ -99,9 +108,11 @@ def union_grads(spec, q, k, v, do, idx, configs):
 
 
 def bwd_config(tile_q, block_m=16, dq_block_m=16, block_n=16, use_tma=False):
-    return {**union_config(tile_q), "kv_bwd_union": KvUnionBwdConfig(tile_q=tile_q, dq_block_m=dq_block_m, dq_warps=4,
-                                                                     dq_stages=1, block_n=block_n, block_m=block_m,
-                                                                     num_warps=4, num_stages=1, use_tma=use_tma)}
+    """The union design's forward and backward; use_tma: every kernel's loads through tensor descriptors."""
+    return {**union_config(tile_q, use_tma=use_tma),
+            "kv_bwd_union": KvUnionBwdConfig(tile_q=tile_q, dq_block_m=dq_block_m, dq_warps=4, dq_stages=1,
+                                             dq_use_tma=use_tma, block_n=block_n, block_m=block_m, num_warps=4,
+                                             num_stages=1, use_tma=use_tma)}
 
 
 # causal, G, kv_block, (Nq, Nk), dtype, tile_q, dK/dV rows, use_tma: the forward's grid of masks; the dK/dV's
@@ -118,8 +129,7 @@ GRAD_CASES = [
 @pytest.mark.parametrize("causal, g, kv_block, lengths, dtype, tile_q, block_m, use_tma", GRAD_CASES)
 def test_gradients_of_the_union_design(causal, g, kv_block, lengths, dtype, tile_q, block_m, use_tma, device):
     """The union design's backward (kv_bwd_union) against float64 autograd, two runs bitwise equal."""
-    if use_tma and not arch_facts(TEST_ARCH).tma:
-        pytest.skip(f"use_tma needs TMA, which {TEST_ARCH} lacks")
+    skip_without_tma(use_tma)
     nq, nk = lengths
     spec = kv_spec(kv_block=kv_block, causal=causal, gqa_group=g, top_k=2)
     q, k, v, do = leaves(1, 2, g, nq, nk, 64, dtype, device, nq + nk)
@@ -330,6 +340,11 @@ def test_configs_are_checked():
         cfg = kv_union_default(spec, arch)
         assert kv_union_infeasible(spec, cfg, arch) is None and cfg in set(kv_union_space(spec, arch))
     assert "tile_q=3" in kv_union_infeasible(spec, KvUnionConfig(tile_q=3), "sm_90")
+    for arch in ("sm_80", "sm_89"):
+        assert "needs TMA" in kv_union_infeasible(spec, KvUnionConfig(use_tma=True), arch)
+        assert "dq_use_tma=True needs TMA" in kv_union_bwd_infeasible(spec, KvUnionBwdConfig(dq_use_tma=True), arch)
+        assert "use_tma=True needs TMA" in kv_union_bwd_infeasible(spec, KvUnionBwdConfig(use_tma=True), arch)
+        assert not any(c.use_tma for c in kv_union_space(spec, arch))
     assert "block_m=256" in kv_union_infeasible(spec, KvUnionConfig(tile_q=8, block_m=256), "sm_90")  # > 16 * 8 rows
     assert kv_union_infeasible(kv_spec(gqa_group=3), KvUnionConfig(tile_q=8, block_m=32), "sm_90")  # 4 heads of 3
     with pytest.raises(KernelgenValueError, match="tile_q"):
@@ -366,13 +381,12 @@ def test_gpu_against_reference(n, d, kv_block, g, causal, dtype):
 def test_gpu_gradients(d, causal, use_tma, dtype):
     """4k queries, G = 16, 64-key blocks, agreeing lists: the union design's backward against float64 autograd;
     two backward runs bitwise equal."""
-    if use_tma and not arch_facts(TEST_ARCH).tma:
-        pytest.skip(f"use_tma needs TMA, which {TEST_ARCH} lacks")
+    skip_without_tma(use_tma)
     n, g = 4096, 16
     spec = kv_spec(head_dim=d, kv_block=64, gqa_group=g, top_k=16, causal=causal)
     idx = agreeing_query_lists(spec, 1, 1, n, n, own=2, seed=2)
     q, k, v, do = leaves(1, 1, g, n, n, d, dtype, "cuda", 4)
-    cfg = dataclasses.replace(kv_union_bwd_default(spec, "sm_90"), use_tma=use_tma)
+    cfg = dataclasses.replace(kv_union_bwd_default(spec, "sm_90"), dq_use_tma=use_tma, use_tma=use_tma)
     attn = kernelgen.get_kernel(spec, configs={"kv_bwd_union": cfg})
     lists = attn.prepare(idx, n, n)
     assert lists.union is not None

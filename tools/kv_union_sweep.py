@@ -16,8 +16,9 @@ backward (kv_bwd) and with the union design's (kv_bwd_union) at a grid of its co
 default config, `do_bench` median of a forward and `o.backward(do)`.
 With --kernels, on agreeing lists (own = 2): each kernel's CUDA time (torch profiler, the mean of 3
 forward+backward steps) with the union forward's served config and the union backward's served dQ, at a grid
-of dK/dV configs (keys x rows a step, warps, stages, use_tma).
+of dK/dV configs (keys x rows a step, warps, stages, use_tma), with every kernel's use_tma set alike.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -119,12 +120,14 @@ def sweep_kernels(names):
         for block_n, block_m, warps, stages, tma in ((64, 64, 4, 2, False), (64, 64, 4, 2, True), (64, 64, 4, 3, True),
                                                      (64, 32, 4, 2, True), (64, 64, 8, 2, True), (32, 64, 4, 2, True),
                                                      (32, 32, 4, 2, True)):
+            # tma: every kernel's loads through tensor descriptors (the forward's and dQ's K and V too)
             cfg = KvUnionBwdConfig(tile_q=fwd.tile_q, dq_block_m=bwd.dq_block_m, dq_warps=bwd.dq_warps,
-                                   dq_stages=bwd.dq_stages, block_n=block_n, block_m=block_m, num_warps=warps,
-                                   num_stages=stages, use_tma=tma)
+                                   dq_stages=bwd.dq_stages, dq_use_tma=tma, block_n=block_n, block_m=block_m,
+                                   num_warps=warps, num_stages=stages, use_tma=tma)
             if kv_union_bwd_infeasible(spec, cfg, "sm_90") is not None:
                 continue
-            attn = get_kernel(spec, configs={"kv_attn_union": fwd, "kv_bwd_union": cfg})
+            attn = get_kernel(spec, configs={"kv_attn_union": dataclasses.replace(fwd, use_tma=tma),
+                                             "kv_bwd_union": cfg})
             ms = kernel_ms(attn, leaves, attn.prepare(lists, shape.n_q, shape.n_k), do)
             rows.append(dict(shape=name, dkdv=[block_n, block_m, warps, stages, tma], kernels=ms))
             print(f"{name:10s} dK/dV {block_n} x {block_m}, {warps} warps, {stages} stages, tma {tma:d}: "

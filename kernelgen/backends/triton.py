@@ -122,26 +122,30 @@ class KvAttnConfig(_JsonConfig):
 class KvUnionConfig(_JsonConfig):
     """The KV-centric schedule's union design: tile_q consecutive queries attend over the union of their
     lists (`kernelgen.tile_union`), each row masked to its own query's blocks; block_m: packed rows per
-    program (the G heads x tile_q queries, head-major, split as the Q-centric forward splits a tile)."""
+    program (the G heads x tile_q queries, head-major, split as the Q-centric forward splits a tile); use_tma:
+    K and V blocks through tensor descriptors (sm_90), not pointers."""
 
     tile_q: int = 4
     block_m: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    use_tma: bool = False
 
 
 @dataclass(frozen=True)
 class KvUnionBwdConfig(_JsonConfig):
     """The union design's backward: dq_block_m packed rows per dQ program (the forward's walk of a tile's
     union; at most the tile's G * tile_q rows), and block_n keys of one KV block per dK/dV program, walking the
-    tiles whose union holds the block block_m packed rows a step; use_tma: the dK/dV loads each step's Q and dO
-    rows as one box of a tensor descriptor (sm_90), not through per-row pointers. tile_q: the tiles of a call
-    whose lists bring none (prepared lists bring their forward's)."""
+    tiles whose union holds the block block_m packed rows a step; dq_use_tma: the dQ loads K and V blocks
+    through tensor descriptors (sm_90); use_tma: the dK/dV loads each step's Q and dO rows as one box of a
+    tensor descriptor, not through per-row pointers. tile_q: the tiles of a call whose lists bring none
+    (prepared lists bring their forward's)."""
 
     tile_q: int = 4
     dq_block_m: int = 64
     dq_warps: int = 4
     dq_stages: int = 2
+    dq_use_tma: bool = False
     block_n: int = 64
     block_m: int = 64
     num_warps: int = 4
@@ -437,6 +441,8 @@ def kv_union_infeasible(spec: Spec, cfg: KvUnionConfig, arch: str) -> str | None
                 f"tiles of a number of heads that divides gqa_group={spec.gqa_group}")
     if cfg.num_stages not in (1, 2, 3, 4):
         return f"num_stages={cfg.num_stages}; expected 1 to 4"
+    if cfg.use_tma and not arch_facts(arch).tma:
+        return f"use_tma=True needs TMA (sm_90), which {arch} lacks"
     return _resources(cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps),
                       "block_m * (head_dim + kv_block) / (32 * num_warps)",
                       attn_smem_bytes(spec, AttnConfig(block_m=cfg.block_m, num_stages=cfg.num_stages), arch),
@@ -454,9 +460,13 @@ def kv_union_default(spec: Spec, arch: str) -> KvUnionConfig:
         for t in tiles for m in rows for s in (2, 1) for w in (4, 8)))
 
 
+def _tma_choices(arch: str) -> tuple[bool, ...]:
+    return (False, True) if arch_facts(arch).tma else (False,)
+
+
 def kv_union_space(spec: Spec, arch: str):
-    return (KvUnionConfig(tile_q=t, block_m=m, num_warps=w, num_stages=s)
-            for t, m, w, s in itertools.product(UNION_TILE_Q, TILE_ROWS, (4, 8), (1, 2, 3)))
+    return (KvUnionConfig(tile_q=t, block_m=m, num_warps=w, num_stages=s, use_tma=tma)
+            for t, m, w, s, tma in itertools.product(UNION_TILE_Q, TILE_ROWS, (4, 8), (1, 2, 3), _tma_choices(arch)))
 
 
 def union_rows(spec: Spec, tile_q: int, block_m: int) -> int | None:
@@ -479,8 +489,9 @@ def kv_union_bwd_infeasible(spec: Spec, cfg: KvUnionBwdConfig, arch: str) -> str
         if not _union_packs(spec, cfg.tile_q, rows):
             return (f"{name}={rows} must be one of {TILE_ROWS} and pack tiles of tile_q={cfg.tile_q} queries of "
                     f"gqa_group={spec.gqa_group} heads (kv_union_infeasible)")
-    if cfg.use_tma and not arch_facts(arch).tma:
-        return f"use_tma=True needs TMA (sm_90), which {arch} lacks"
+    for name, on in (("dq_use_tma", cfg.dq_use_tma), ("use_tma", cfg.use_tma)):
+        if on and not arch_facts(arch).tma:
+            return f"{name}=True needs TMA (sm_90), which {arch} lacks"
     dq_why = _dq_resources(spec, BwdDqConfig(cfg.dq_block_m, cfg.dq_warps, cfg.dq_stages), arch)
     if dq_why:
         return f"dQ: {dq_why}"
@@ -505,11 +516,11 @@ def kv_union_bwd_default(spec: Spec, arch: str) -> KvUnionBwdConfig:
 
 
 def kv_union_bwd_space(spec: Spec, arch: str):
-    return (KvUnionBwdConfig(tile_q=t, dq_block_m=qm, dq_warps=qw, dq_stages=qs, block_n=n, block_m=m, num_warps=w,
-                             num_stages=st, use_tma=tma)
-            for t, qm, qw, qs, n, m, w, st, tma in itertools.product(
-                UNION_TILE_Q, (32, 64, 128), (4, 8), (1, 2), (32, 64), (16, 32, 64), (4, 8), (1, 2, 3),
-                (False, True) if arch_facts(arch).tma else (False,)))
+    return (KvUnionBwdConfig(tile_q=t, dq_block_m=qm, dq_warps=qw, dq_stages=qs, dq_use_tma=qt, block_n=n, block_m=m,
+                             num_warps=w, num_stages=st, use_tma=tma)
+            for t, qm, qw, qs, qt, n, m, w, st, tma in itertools.product(
+                UNION_TILE_Q, (32, 64, 128), (4, 8), (1, 2), _tma_choices(arch), (32, 64), (16, 32, 64), (4, 8),
+                (1, 2, 3), _tma_choices(arch)))
 
 
 # ---- decode: feasibility, defaults, space ----------------------------------------------------------
@@ -949,13 +960,14 @@ def launch_kv_attn_union(mod, spec: Spec, cfg: KvUnionConfig, shapes: Shapes, q,
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
     n_tiles, length = union.lists.shape[2:]
     splits = spec.gqa_group * cfg.tile_q // cfg.block_m
+    use_tma, k_arg, v_arg = _kv_block_descriptors(spec, cfg.use_tma, k, v)
     mod.kv_attn_union[(n_tiles * splits, shapes.batch * shapes.heads_kv)](
-        q, k, v, o, lse, union.lists, union.member,
+        q, k_arg, v_arg, o, lse, union.lists, union.member,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         *union.lists.stride()[:3], *union.member.stride()[:3],
         shapes.n_q, shapes.n_k, n_tiles, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=cfg.tile_q,
-        UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=cfg.block_m, CAUSAL=spec.causal,
+        UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=cfg.block_m, USE_TMA=use_tma, CAUSAL=spec.causal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
@@ -978,12 +990,13 @@ def launch_kv_bwd_union(mod, spec: Spec, cfg: KvUnionBwdConfig, shapes: Shapes, 
     n_tiles, length = union.lists.shape[2:]
     common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2],
               *delta.stride()[:2])
+    dq_tma, k_arg, v_arg = _kv_block_descriptors(spec, cfg.dq_use_tma, k, v)
     mod.union_bwd_dq[(n_tiles * (spec.gqa_group * union.tile_q // dq_rows), shapes.batch * shapes.heads_kv)](
-        q, k, v, do, lse, delta, dq, union.lists, union.member, *common, *dq.stride()[:3],
+        q, k_arg, v_arg, do, lse, delta, dq, union.lists, union.member, *common, *dq.stride()[:3],
         *union.lists.stride()[:3], *union.member.stride()[:3],
         shapes.n_q, shapes.n_k, n_tiles, shapes.heads_kv, scale * LOG2E, scale,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=union.tile_q,
-        UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=dq_rows, CAUSAL=spec.causal,
+        UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=dq_rows, DQ_TMA=dq_tma, CAUSAL=spec.causal,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     reverse, order = union.reverse_index()
     q_arg, do_arg = q, do
@@ -1121,6 +1134,16 @@ def _tma_ok(x: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in x.stride()[:-1])
 
 
+def _kv_block_descriptors(spec: Spec, use_tma: bool, k, v):
+    """(use_tma, K, V) for a kernel that loads whole KV blocks: [B, Hkv, Nk, D] tensor descriptors of one block
+    where asked and the tensors allow, else the tensors themselves (the pointer path: the same result)."""
+    if not (use_tma and _tma_ok(k) and _tma_ok(v)):
+        return False, k, v
+    block = [1, 1, spec.kv_block, spec.head_dim]
+    return True, TensorDescriptor(k, list(k.shape), list(k.stride()), block), \
+        TensorDescriptor(v, list(v.shape), list(v.stride()), block)
+
+
 def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists."""
     scale = softmax_scale(scale, spec)
@@ -1128,12 +1151,7 @@ def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
     splits = spec.gqa_group * spec.q_tile // cfg.block_m
     grid = (shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)
-    k_arg, v_arg = k, v
-    use_tma = cfg.use_tma and _tma_ok(k) and _tma_ok(v)  # else the pointer path: same result
-    if use_tma:
-        block = [1, 1, spec.kv_block, spec.head_dim]
-        k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), block)
-        v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), block)
+    use_tma, k_arg, v_arg = _kv_block_descriptors(spec, cfg.use_tma, k, v)
     mod.attn_fwd[grid](
         q, k_arg, v_arg, o, lse, block_idx,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
