@@ -452,11 +452,13 @@ def kv_union_infeasible(spec: Spec, cfg: KvUnionConfig, arch: str) -> str | None
 
 def kv_union_default(spec: Spec, arch: str) -> KvUnionConfig:
     """A program of 64 rows holding whole tiles (4 queries at G = 16), 4 warps, 2 stages: the fastest point of
-    the H200 sweep on most list kinds (tools/kv_union_sweep.py, docs/DESIGN.md); then whatever packs."""
+    the H200 sweep on most list kinds (tools/kv_union_sweep.py, docs/DESIGN.md); then whatever packs. K and V
+    through tensor descriptors where the arch has TMA (H200: 4.47 -> 3.55 ms at kv_nsa32k, 1.14 -> 1.03 at
+    kv_d64_64k)."""
     rows = (64, 128, 32, 16, 256)
     tiles = sorted(UNION_TILE_Q, key=lambda t: (t != union_tile_q(spec.gqa_group), abs(next_pow2(spec.gqa_group) * t - 64)))
     return _first_feasible(spec, arch, kv_union_infeasible, (
-        KvUnionConfig(tile_q=t, block_m=m, num_warps=w, num_stages=s)
+        KvUnionConfig(tile_q=t, block_m=m, num_warps=w, num_stages=s, use_tma=arch_facts(arch).tma)
         for t in tiles for m in rows for s in (2, 1) for w in (4, 8)))
 
 
@@ -502,12 +504,12 @@ def kv_union_bwd_infeasible(spec: Spec, cfg: KvUnionBwdConfig, arch: str) -> str
 
 def kv_union_bwd_default(spec: Spec, arch: str) -> KvUnionBwdConfig:
     fwd = kv_union_default(spec, arch)
-    # H200: the dK/dV's Q and dO through tensor descriptors took kv_nsa32k's (head_dim 128) from 8.96 to 7.66 ms
-    # and kv_d64_64k's from 2.98 to 3.05 (tools/kv_union_sweep.py --kernels)
-    tma = arch_facts(arch).tma and spec.head_dim >= 128
+    # H200 (tools/kv_union_sweep.py --kernels): through tensor descriptors the dQ took 4.63 -> 3.76 ms at
+    # kv_nsa32k and 1.11 -> 1.08 at kv_d64_64k, the dK/dV 8.88 -> 7.81 and 2.99 -> 3.02
+    tma = arch_facts(arch).tma
     return _first_feasible(spec, arch, kv_union_bwd_infeasible, (
         KvUnionBwdConfig(tile_q=fwd.tile_q, dq_block_m=dq.block_m, dq_warps=dq.num_warps, dq_stages=dq.num_stages,
-                         block_n=n, block_m=m, num_warps=w, num_stages=st, use_tma=tma)
+                         dq_use_tma=tma, block_n=n, block_m=m, num_warps=w, num_stages=st, use_tma=tma)
         for dq in (BwdDqConfig(fwd.block_m, 4, 2), BwdDqConfig(fwd.block_m, 8, 2), BwdDqConfig(32, 4, 2),
                    BwdDqConfig(16, 4, 1))
         # H200 (agreeing lists, kv_nsa32k and kv_d64_64k): 64 keys x 64 rows a dK/dV step on 4 warps, 2 stages, was
