@@ -32,10 +32,12 @@ def union_max_inflation(kv_block: int, *, backward: bool = False) -> float:
     """The inflation below which the union design is the faster one, for the forward or the backward, where no
     tuned rates of both designs say (`SparseAttention._union_limit`). Both designs' times grow with the pairs
     the lists hold; the gathered design's partials cost a fixed number of bytes per (query, head, block),
-    which larger blocks amortise. On an H200 (tools/kv_union_sweep.py and the tuned rates, docs/DESIGN.md)
-    the forwards met at inflation 2.8-3.4 with 64-key blocks and about 1.5 with 128-key ones; the backwards
-    at about 1.7 with 64-key blocks (head_dim 64 and 128) and 1.25 with 128-key ones. Halved per doubling
-    of the block above 128 keys."""
+    which larger blocks amortise. On an H200 with pointer loads (tools/kv_union_sweep.py and the tuned rates,
+    docs/DESIGN.md) the forwards met at inflation 2.8-3.4 with 64-key blocks and about 1.5 with 128-key ones;
+    the backwards at about 1.7 with 64-key blocks (head_dim 64 and 128) and 1.25 with 128-key ones. Tensor
+    descriptors move the H200's tuned crossovers higher (forward 3.5-4.1 and 2.2, backward 1.75-1.95 and
+    1.43), which only the tuned rates bring; the rule keeps the pointer path's, which GPUs without TMA run.
+    Halved per doubling of the block above 128 keys."""
     if kv_block <= 64:
         limit = 1.7 if backward else 2.4
     else:
