@@ -8,13 +8,13 @@ import torch
 
 import kernelgen
 from kernelgen import BwdDkdvConfig, BwdDqConfig, Spec, backends, reference
-from kernelgen.archs import ARCHS
+from kernelgen.archs import ARCHS, arch_facts
 from kernelgen.backends.triton import bwd_dkdv_smem_bytes, bwd_dq_smem_bytes
 from kernelgen.custom_ops import sparse_attention
 from kernelgen.reverse_index import build_reverse_index
 from kernelgen.roles import BACKWARD_ROLES
 from kernelgen.tuning.worker import check_config
-from checks import compile_offline, default_config
+from checks import TEST_ARCH, compile_offline, default_config
 
 # relative L2 error, max-abs error over the largest reference magnitude (inputs and do are randn)
 GRAD_TOLERANCE = {
@@ -124,11 +124,15 @@ CONFIGS = [
      "bwd_dkdv": BwdDkdvConfig(block_n=16, block_m=16, num_warps=4, num_stages=1)},
     {"bwd_dq": BwdDqConfig(block_m=128, num_warps=8, num_stages=2),
      "bwd_dkdv": BwdDkdvConfig(block_n=32, block_m=128, num_warps=8, num_stages=2)},
+    {"bwd_dq": BwdDqConfig(block_m=64, num_warps=4, num_stages=2, use_tma=True),  # the last block zero-filled
+     "bwd_dkdv": BwdDkdvConfig(block_n=64, block_m=64, num_warps=4, num_stages=2)},
 ]
 
 
-@pytest.mark.parametrize("configs", CONFIGS, ids=["split-tiles", "packed-heads"])
+@pytest.mark.parametrize("configs", CONFIGS, ids=["split-tiles", "packed-heads", "dq-tma"])
 def test_pinned_configs(configs, device):
+    if configs["bwd_dq"].use_tma and not arch_facts(TEST_ARCH).tma:
+        pytest.skip(f"use_tma needs TMA, which {TEST_ARCH} lacks")
     spec = Spec(head_dim=64, kv_block=64, q_tile=32, top_k=3, causal=True, gqa_group=4, local=1)
     check_against_reference(spec, *leaves(1, 1, 4, 170, 200, 64, torch.float16, device, seed=11), configs=configs)
 

@@ -75,11 +75,12 @@ class _JsonConfig:
 @dataclass(frozen=True)
 class BwdDqConfig(_JsonConfig):
     """dQ of the backward: block_m packed rows (G heads x Q_TILE queries) per program, as the forward's,
-    walking the tile's list."""
+    walking the tile's list; use_tma: K and V blocks through tensor descriptors (sm_90), not pointers."""
 
     block_m: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    use_tma: bool = False
 
 
 @dataclass(frozen=True)
@@ -742,6 +743,8 @@ def _bwd_warps_stages(spec: Spec) -> tuple[int, int]:
 def bwd_dq_infeasible(spec: Spec, cfg: BwdDqConfig, arch: str) -> str | None:
     """Why the dQ kernel cannot run `cfg` for `spec`, or None: the forward's row packing, registers for dQ,
     Q, dO and the P and dP tiles of one block, and K and V buffers that fit in shared memory."""
+    if cfg.use_tma and not arch_facts(arch).tma:
+        return f"use_tma=True needs TMA (sm_90), which {arch} lacks"
     return pack_infeasible(spec, cfg.block_m) or _dq_resources(spec, cfg, arch)
 
 
@@ -763,8 +766,8 @@ def bwd_dq_default(spec: Spec, arch: str) -> BwdDqConfig:
 
 
 def bwd_dq_space(spec: Spec, arch: str):
-    return (BwdDqConfig(block_m=m, num_warps=w, num_stages=s)
-            for m, w, s in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4)))
+    return (BwdDqConfig(block_m=m, num_warps=w, num_stages=s, use_tma=t)
+            for m, w, s, t in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4), _tma_choices(arch)))
 
 
 def bwd_dkdv_infeasible(spec: Spec, cfg: BwdDkdvConfig, arch: str) -> str | None:
@@ -1180,14 +1183,15 @@ def launch_bwd_dq(mod, spec: Spec, cfg: BwdDqConfig, shapes: Shapes, q, k, v, do
     scale = softmax_scale(scale, spec)
     dq = empty(*q.shape, device=q.device, dtype=q.dtype)
     splits = spec.gqa_group * spec.q_tile // cfg.block_m
+    use_tma, k_arg, v_arg = _kv_block_descriptors(spec, cfg.use_tma, k, v)
     mod.attn_bwd_dq[(shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)](
-        q, k, v, do, lse, delta, dq, block_idx,
+        q, k_arg, v_arg, do, lse, delta, dq, block_idx,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
         *dq.stride()[:3], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E, scale,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
-        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, CAUSAL=spec.causal,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
+        CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq
 
 
