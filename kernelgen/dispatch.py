@@ -57,6 +57,13 @@ class Served:
     kernel: Any = None
 
 
+def _local_device(device) -> torch.device:
+    """`device`, or where None this machine's GPU, or its CPU where it has none (the interpreter)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 class SparseAttention:
     """Callable returned by `get_kernel(spec)`.
 
@@ -100,18 +107,18 @@ class SparseAttention:
         return backends.runner(self.spec.backend, role)
 
     # ---- what is served ----------------------------------------------------------------------------
-    def config(self, role: str, n_q: int, n_k: int, dtype=torch.bfloat16, device="cuda"):
+    def config(self, role: str, n_q: int, n_k: int, dtype=torch.bfloat16, device=None):
         """The config a call of these lengths runs `role` with: pinned, else the tuning DB's winner for this
-        device, dtype and length bucket, else the default."""
-        return self._served(role, seq_bucket(n_k), dtype, torch.device(device)).config
+        device (default: the GPU, or the CPU where there is none), dtype and length bucket, else the default."""
+        return self._served(role, seq_bucket(n_k), dtype, _local_device(device)).config
 
-    def served(self, role: str, n_k: int, dtype=torch.bfloat16, device="cuda") -> Served:
-        """Backend, config and its source for `role` in a call with n_k keys."""
-        return self._served(role, seq_bucket(n_k), dtype, torch.device(device))
+    def served(self, role: str, n_k: int, dtype=torch.bfloat16, device=None) -> Served:
+        """Backend, config and its source for `role` in a call with n_k keys (device: as `config`'s)."""
+        return self._served(role, seq_bucket(n_k), dtype, _local_device(device))
 
-    def backend(self, n_k: int, dtype=torch.bfloat16, device="cuda") -> str:
-        """The backend that runs the attention of a call with n_k keys."""
-        return self._backend(seq_bucket(n_k), dtype, torch.device(device))
+    def backend(self, n_k: int, dtype=torch.bfloat16, device=None) -> str:
+        """The backend that runs the attention of a call with n_k keys (device: as `config`'s)."""
+        return self._backend(seq_bucket(n_k), dtype, _local_device(device))
 
     @functools.lru_cache(maxsize=256)
     def _backend(self, bucket: int, dtype, device) -> str:

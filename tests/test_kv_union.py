@@ -274,6 +274,20 @@ def test_a_pinned_union_config_serves_raw_and_selected_lists(device, monkeypatch
                            q.dtype)
 
 
+def test_the_served_union_configs_pin_as_the_readme_says(device):
+    """README's recipe: `attn.config(role, n_q, n_k)`, on this machine's GPU or else its CPU when no device is
+    named, pinned for both union roles, runs raw lists through the union design."""
+    spec = kv_spec(top_k=3, causal=True, gqa_group=2)
+    attn = kernelgen.get_kernel(spec)
+    configs = {r: attn.config(r, 70, 100) for r in ("kv_attn_union", "kv_bwd_union")}
+    assert configs == {r: attn.config(r, 70, 100, device=device) for r in configs}
+    q, k, v = make_inputs(1, 2, 2, 70, 100, 64, torch.float32, device, 41)
+    idx = reference.select_blocks(q, k, spec.replace(selector="mean"))
+    o, lse = kernelgen.get_kernel(spec, configs=configs)(q, k, v, block_idx=idx, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=idx)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
+
+
 def test_tuning_workloads_build_a_tile_union_once_per_tile_q(device, monkeypatch):
     """A tuner's trials time the kernels, not the union's build: the workload builds each tile_q's union once
     (as kv_bwd's workload builds its reverse index once), and a trial's output still matches."""
