@@ -167,20 +167,20 @@ def test_auto_serves_the_faster_backend(user_db, tilelang_installed, tl_ms, expe
     _add_backend(user_db, "triton", 0.2, WINNER)
     _add_backend(user_db, "tilelang", tl_ms, TL_WINNER)
     attn = SparseAttention(AUTO)
-    assert attn.backend(32768) == expect
+    assert attn.backend(32768, device=CUDA) == expect
     assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == expect
-    assert attn.config("attn", 32768, 32768) == (TL_WINNER if expect == "tilelang" else WINNER)
-    assert attn.served("attn", 32768).source == "user DB"
-    assert attn.backend(32768, torch.float16) == rule_backend(AUTO, "sm_90")  # nothing tuned for fp16: the rule
-    assert isinstance(attn.config("select", 32768, 32768), SelectConfig)  # selection stays in Triton
-    assert attn.served("select", 32768).backend is TRITON
+    assert attn.config("attn", 32768, 32768, device=CUDA) == (TL_WINNER if expect == "tilelang" else WINNER)
+    assert attn.served("attn", 32768, device=CUDA).source == "user DB"
+    assert attn.backend(32768, torch.float16, device=CUDA) == rule_backend(AUTO, "sm_90")  # nothing tuned for fp16: the rule
+    assert isinstance(attn.config("select", 32768, 32768, device=CUDA), SelectConfig)  # selection stays in Triton
+    assert attn.served("select", 32768, device=CUDA).backend is TRITON
 
 
 def test_auto_compares_the_same_bucket_first(user_db, tilelang_installed):
     _add_backend(user_db, "triton", 0.2, WINNER, bucket=32768)
     _add_backend(user_db, "tilelang", 0.1, TL_WINNER, bucket=65536)  # faster, but measured on longer inputs
-    assert SparseAttention(AUTO).backend(32768) == "triton"
-    assert SparseAttention(AUTO).backend(65536) == "tilelang"
+    assert SparseAttention(AUTO).backend(32768, device=CUDA) == "triton"
+    assert SparseAttention(AUTO).backend(65536, device=CUDA) == "tilelang"
 
 
 def test_a_row_outside_the_current_space_is_a_miss(user_db, tilelang_installed, caplog):
@@ -194,36 +194,36 @@ def test_a_row_outside_the_current_space_is_a_miss(user_db, tilelang_installed, 
     with caplog.at_level("WARNING", logger="kernelgen"):
         assert lookup.tuned_config(TILELANG, tilelang_spec, "attn", 32768, torch.bfloat16, CUDA) == (None, None)
     assert "does not run" in caplog.text
-    served = SparseAttention(tilelang_spec).served("attn", 32768)
+    served = SparseAttention(tilelang_spec).served("attn", 32768, device=CUDA)
     assert (served.config, served.source) == (TILELANG.default_config(tilelang_spec, "attn", "sm_90"), "default")
-    assert SparseAttention(AUTO).backend(32768) == "triton"
-    assert SparseAttention(AUTO).config("attn", 32768, 32768) == WINNER
+    assert SparseAttention(AUTO).backend(32768, device=CUDA) == "triton"
+    assert SparseAttention(AUTO).config("attn", 32768, 32768, device=CUDA) == WINNER
 
 
 def test_auto_without_rows_follows_the_measured_rule(user_db, tilelang_installed, monkeypatch):
     """No winner for the spec: the backend the rule measured fastest for its block size on this arch,
     among those that can serve it, with its default config; Triton where the rule knows nothing."""
     monkeypatch.setattr(GLUON, "not_installed", lambda: None)
-    assert SparseAttention(AUTO).backend(32768) == "gluon"  # 64-key blocks on sm_90
-    assert SparseAttention(AUTO).config("attn", 32768, 32768) == GLUON.default_config(GIVEN, "attn", "sm_90")
+    assert SparseAttention(AUTO).backend(32768, device=CUDA) == "gluon"  # 64-key blocks on sm_90
+    assert SparseAttention(AUTO).config("attn", 32768, 32768, device=CUDA) == GLUON.default_config(GIVEN, "attn", "sm_90")
     blocks128 = AUTO.replace(kv_block=128, q_tile=128)
-    assert SparseAttention(blocks128).backend(32768) == "tilelang"
+    assert SparseAttention(blocks128).backend(32768, device=CUDA) == "tilelang"
     monkeypatch.setattr(TILELANG, "not_installed", lambda: "no TileLang here")
-    assert SparseAttention(blocks128).backend(32768) == "gluon"  # the rule's next choice
+    assert SparseAttention(blocks128).backend(32768, device=CUDA) == "gluon"  # the rule's next choice
     monkeypatch.setattr(GLUON, "not_installed", lambda: "no Gluon here")
-    assert SparseAttention(blocks128).backend(32768) == "triton"
+    assert SparseAttention(blocks128).backend(32768, device=CUDA) == "triton"
     _fake_gpu(monkeypatch, "sm_89", "NVIDIA L40S")
     monkeypatch.setattr(TILELANG, "not_installed", lambda: None)
-    assert SparseAttention(blocks128).backend(32768) == "triton"  # not measured there: the fallback
+    assert SparseAttention(blocks128).backend(32768, device=CUDA) == "triton"  # not measured there: the fallback
     assert lookup.fastest_backend(blocks128, 32768, torch.bfloat16, torch.device("cpu")) == "triton"
 
 
 def test_auto_with_rows_of_one_backend_serves_it(user_db, monkeypatch):
     _add_backend(user_db, "tilelang", 0.1, TL_WINNER)
     monkeypatch.setattr(TILELANG, "not_installed", lambda: "no TileLang here")
-    assert SparseAttention(AUTO).backend(32768) == rule_backend(AUTO, "sm_90", lambda b: b != "tilelang")
+    assert SparseAttention(AUTO).backend(32768, device=CUDA) == rule_backend(AUTO, "sm_90", lambda b: b != "tilelang")
     monkeypatch.setattr(TILELANG, "not_installed", lambda: None)
-    assert SparseAttention(AUTO).backend(32768) == "tilelang"
+    assert SparseAttention(AUTO).backend(32768, device=CUDA) == "tilelang"
 
 
 def test_an_arch_is_served_the_configs_it_runs(user_db, monkeypatch, caplog):
@@ -269,7 +269,7 @@ def test_fastest_backend_skips_backends_that_cannot_serve(user_db, tilelang_inst
     monkeypatch.setattr(TILELANG, "unsupported", unsupported)
     assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == "triton"
     assert asked == [(AUTO, CUDA)]
-    assert SparseAttention(AUTO).backend(32768) == "triton"
+    assert SparseAttention(AUTO).backend(32768, device=CUDA) == "triton"
     monkeypatch.setattr(TRITON, "unsupported", unsupported)  # then no backend has a row it may serve: the rule's
     assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == rule_backend(AUTO, "sm_90", {"gluon"}.__contains__)
     monkeypatch.setattr(GLUON, "unsupported", unsupported)
@@ -283,19 +283,19 @@ def test_auto_serves_each_backward_role_from_its_fastest_backend(user_db, tilela
     config names its backend; with no row the role runs where the attention runs."""
     _add_backend(user_db, "tilelang", 0.1, TL_WINNER)  # the attention: TileLang
     attn = SparseAttention(AUTO)
-    assert attn.backend(32768) == "tilelang"
-    assert attn.served("bwd_dkdv", 32768).backend is TILELANG  # no dK/dV row: the attention's backend
+    assert attn.backend(32768, device=CUDA) == "tilelang"
+    assert attn.served("bwd_dkdv", 32768, device=CUDA).backend is TILELANG  # no dK/dV row: the attention's backend
     assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA, "bwd_dkdv") is None
     triton_dkdv = BwdDkdvConfig(block_n=64, block_m=64, num_warps=4, num_stages=2)
     tilelang_dkdv = TileLangBwdDkdvConfig(block_n=64, block_m=64, num_stages=2, threads=128)
     _add(user_db, GIVEN, role="bwd_dkdv", config=triton_dkdv, ms=5.4)
     _add(user_db, GIVEN.replace(backend="tilelang"), role="bwd_dkdv", config=tilelang_dkdv, ms=tl_ms)
     attn = SparseAttention(AUTO)
-    served = attn.served("bwd_dkdv", 32768)
+    served = attn.served("bwd_dkdv", 32768, device=CUDA)
     assert (served.backend.name, served.source) == (expect, "user DB")
     assert served.config == (tilelang_dkdv if expect == "tilelang" else triton_dkdv)
-    assert attn.served("bwd_dq", 32768).backend is TRITON  # only Triton has it
-    pinned = SparseAttention(AUTO, {"bwd_dkdv": triton_dkdv}).served("bwd_dkdv", 32768)
+    assert attn.served("bwd_dq", 32768, device=CUDA).backend is TRITON  # only Triton has it
+    pinned = SparseAttention(AUTO, {"bwd_dkdv": triton_dkdv}).served("bwd_dkdv", 32768, device=CUDA)
     assert (pinned.backend, pinned.source) == (TRITON, "pinned")
 
 
@@ -321,9 +321,9 @@ def test_auto_serves_gluon_when_its_row_is_fastest(user_db, tilelang_installed, 
     _add_backend(user_db, "tilelang", 0.15, TL_WINNER)
     _add_backend(user_db, "gluon", gl_ms, GL_WINNER)
     attn = SparseAttention(AUTO)
-    assert attn.backend(32768) == expect
-    assert attn.config("attn", 32768, 32768) == (GL_WINNER if expect == "gluon" else TL_WINNER)
-    assert isinstance(attn.config("select", 32768, 32768), SelectConfig)  # selection stays in Triton
+    assert attn.backend(32768, device=CUDA) == expect
+    assert attn.config("attn", 32768, 32768, device=CUDA) == (GL_WINNER if expect == "gluon" else TL_WINNER)
+    assert isinstance(attn.config("select", 32768, 32768, device=CUDA), SelectConfig)  # selection stays in Triton
 
 
 def test_auto_skips_gluon_off_hopper_or_without_gluon(user_db, gluon_importable, monkeypatch):
@@ -332,10 +332,10 @@ def test_auto_skips_gluon_off_hopper_or_without_gluon(user_db, gluon_importable,
     for arch in ("sm_90", "sm_100"):
         _add_backend(user_db, "triton", 0.2, WINNER, arch=arch)
         _add_backend(user_db, "gluon", 0.1, GL_WINNER, arch=arch)
-    assert SparseAttention(AUTO).backend(32768) == "gluon"
+    assert SparseAttention(AUTO).backend(32768, device=CUDA) == "gluon"
     assert GLUON.unsupported(GIVEN, CUDA) is None
     _fake_gpu(monkeypatch, "sm_100", "NVIDIA B200")
-    assert SparseAttention(AUTO).backend(32768) == "triton"
+    assert SparseAttention(AUTO).backend(32768, device=CUDA) == "triton"
     assert "runs on sm_90 only" in GLUON.unsupported(GIVEN, CUDA)
     _fake_gpu(monkeypatch, "sm_90", "NVIDIA H200")
     assert GLUON.unsupported(GIVEN, CUDA) is None
@@ -343,7 +343,7 @@ def test_auto_skips_gluon_off_hopper_or_without_gluon(user_db, gluon_importable,
     assert GLUON.unsupported(GIVEN.replace(head_dim=256), CUDA)
     monkeypatch.setattr(GLUON, "not_installed", lambda: "no Gluon in this Triton")
     assert GLUON.unsupported(GIVEN, CUDA) == "no Gluon in this Triton"
-    assert SparseAttention(AUTO).backend(32768) == "triton"
+    assert SparseAttention(AUTO).backend(32768, device=CUDA) == "triton"
 
 
 def test_editing_one_template_keeps_the_other_roles_winners(user_db, tmp_path):
