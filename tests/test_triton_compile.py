@@ -196,7 +196,7 @@ def test_kernels_compile_for_each_arch_and_fit_its_shared_memory():
                 assert estimate <= asked + margin + 1024, (arch, attn, estimate, kernels)
 
 
-def test_offline_compile_reports_each_kernels_registers_spills_and_products():
+def test_offline_compile_reports_each_kernels_registers_spills_products_and_loop():
     """tools/offline_compile.py's "resources" (what tools/kv_bwd_sweep.py --ptxas prints): ptxas's register
     count within the arch's 255, no spills at the default, and the attention's products as wgmma on sm_90."""
     spec = SPECS[3][0]  # given lists: the lists kernel, then the attention
@@ -206,3 +206,8 @@ def test_offline_compile_reports_each_kernels_registers_spills_and_products():
     assert set(used) == {name for name, _ in result["kernels"]}
     attn = used["attn_fwd"]
     assert 0 < attn["registers"] <= 255 and attn["spill_stores"] == 0 and attn["wgmma"] >= 2, attn
+    # its loop over the list: the two products of a step (issued as several wgmma instructions), one exp2
+    # per score and thread at least, and every instruction of the iteration counted once, by kind
+    loop = attn["loop"]
+    assert loop["mma"] >= 2 and loop["mufu"] >= 16, loop
+    assert loop["instructions"] == sum(v for k, v in loop.items() if k != "instructions"), loop

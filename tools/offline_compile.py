@@ -20,8 +20,9 @@ A case: {"spec": Spec fields, "n": seq length} and, per role, that role's config
 too; a "decode" config, the decode role's (after the forward's, over its lists); "union": true, a per-query
 spec's union design too (kv_attn_union after the forward, kv_bwd_union after the backward); "index": {"heads": Hi, "dim": Di,
 "dtype": "float16" or "bfloat16"} gives the index selector its tensors. "resources": true adds, per kernel,
-{"name", "registers", "spill_stores", "wgmma"} under "resources" (`ptxas -v` of its PTX, Triton's own ptxas;
-wgmma: the warp-group products in its TTGIR): what decides how many programs share an SM.
+{"name", "registers", "spill_stores", "wgmma", "loop"} under "resources" (`ptxas -v` of its PTX, Triton's own
+ptxas; wgmma: the warp-group products in its TTGIR; loop: its longest loop's instructions per iteration and
+warp, by kind, from its SASS): what decides how many programs share an SM, and what a step issues.
 
 `compile_offline` runs this script in subprocesses from another process (the tests, whose process runs the
 interpreter, and tools/kv_bwd_sweep.py).
@@ -116,8 +117,37 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     return kernel
 
 
+# SASS opcodes by the pipe or kind of work they take, for `_loop_mix` (anything else counts as "int": integer,
+# predicate and address arithmetic, moves)
+_OPCODE_KINDS = {"HGMMA": "mma", "HMMA": "mma", "MUFU": "mufu",
+                 **dict.fromkeys(("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "F2FP", "FCHK"), "fp32"),
+                 **dict.fromkeys(("LDG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "UTMALDG", "UBLKCP", "LDS", "LDSM", "STS",
+                                  "STG", "LDC", "ULDC", "SYNCS", "ARRIVES", "FENCE", "MEMBAR"), "mem"),
+                 **dict.fromkeys(("BAR", "BRA", "BSSY", "BSYNC", "WARPSYNC", "WARPGROUP", "NOP", "EXIT", "YIELD"), "ctl")}
+
+
+def _loop_mix(sass: str) -> dict:
+    """The kernel's longest loop in its SASS (Triton's `asm["sass"]`: labels, then a control code and an
+    instruction per line): its instructions per iteration and warp, by kind (`_OPCODE_KINDS`)."""
+    labels, ops = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\w+):\s*$", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+        elif "\t" in line and line.split("\t", 1)[1].strip():
+            ops.append(re.sub(r"^@!?U?P[T\d]+\s+", "", line.split("\t", 1)[1].strip().rstrip(";")))
+    loops = [ops[labels[op.split()[-1]]:at + 1] for at, op in enumerate(ops)
+             if op.startswith("BRA") and labels.get(op.split()[-1], at + 1) <= at]
+    body = max(loops, key=len, default=[])
+    mix = {"instructions": len(body), **dict.fromkeys(("mma", "mufu", "fp32", "int", "mem", "ctl"), 0)}
+    for op in body:
+        mix[_OPCODE_KINDS.get(op.split()[0].split(".")[0], "int")] += 1
+    return mix
+
+
 def _resources(name: str, kernel, capability: int) -> dict:
-    """Registers and spill stores of a compiled kernel (`ptxas -v` of its PTX) and its wgmma products."""
+    """Registers and spill stores of a compiled kernel (`ptxas -v` of its PTX), its wgmma products, and the
+    instruction mix of its longest loop (`_loop_mix`)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
@@ -131,7 +161,7 @@ def _resources(name: str, kernel, capability: int) -> dict:
     spills = re.search(r"(\d+) bytes spill stores", info)
     return dict(name=name, registers=int(registers.group(1)) if registers else None,
                 spill_stores=int(spills.group(1)) if spills else None,
-                wgmma=kernel.asm.get("ttgir", "").count("warp_group_dot "))
+                wgmma=kernel.asm.get("ttgir", "").count("warp_group_dot "), loop=_loop_mix(kernel.asm["sass"]))
 
 
 def _launch_args(role: str, t: dict, shapes) -> tuple:
