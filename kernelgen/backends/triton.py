@@ -1004,12 +1004,9 @@ def launch_kv_bwd_union(mod, spec: Spec, cfg: KvUnionBwdConfig, shapes: Shapes, 
         UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=dq_rows, DQ_TMA=dq_tma, CAUSAL=spec.causal,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     reverse, order = union.reverse_index()
-    q_arg, do_arg = q, do
-    use_tma = cfg.use_tma and _tma_ok(q) and _tma_ok(do)  # else the pointer path: same result
-    if use_tma:
-        box = [1, max(1, rows // union.tile_q), min(rows, union.tile_q), spec.head_dim]
-        q_arg = TensorDescriptor(q, list(q.shape), list(q.stride()), box)
-        do_arg = TensorDescriptor(do, list(do.shape), list(do.stride()), box)
+    # a step's rows: heads x consecutive queries of [B, Hq, Nq, D]
+    use_tma, q_arg, do_arg = _descriptors(
+        cfg.use_tma, [1, max(1, rows // union.tile_q), min(rows, union.tile_q), spec.head_dim], q, do)
     mod.union_bwd_dkdv[(order.numel() * (spec.kv_block // cfg.block_n),)](
         q_arg, k, v, do_arg, lse, delta, dk, dv, union.member, reverse.offsets, reverse.queries, reverse.slots, order,
         *common, *dk.stride()[:3], *dv.stride()[:3], *union.member.stride()[:3], *reverse.offsets.stride()[:2],
@@ -1139,14 +1136,17 @@ def _tma_ok(x: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0 and all((s * size) % 16 == 0 for s in x.stride()[:-1])
 
 
+def _descriptors(use_tma: bool, box: list[int], *tensors):
+    """(use_tma, *tensors as tensor descriptors of `box`) where asked and every tensor allows, else (False,
+    *tensors): the pointer path, the same result."""
+    if not (use_tma and all(_tma_ok(x) for x in tensors)):
+        return (False, *tensors)
+    return (True, *(TensorDescriptor(x, list(x.shape), list(x.stride()), box) for x in tensors))
+
+
 def _kv_block_descriptors(spec: Spec, use_tma: bool, k, v):
-    """(use_tma, K, V) for a kernel that loads whole KV blocks: [B, Hkv, Nk, D] tensor descriptors of one block
-    where asked and the tensors allow, else the tensors themselves (the pointer path: the same result)."""
-    if not (use_tma and _tma_ok(k) and _tma_ok(v)):
-        return False, k, v
-    block = [1, 1, spec.kv_block, spec.head_dim]
-    return True, TensorDescriptor(k, list(k.shape), list(k.stride()), block), \
-        TensorDescriptor(v, list(v.shape), list(v.stride()), block)
+    """(use_tma, K, V) for a kernel that loads whole KV blocks: [B, Hkv, Nk, D] descriptors of one block."""
+    return _descriptors(use_tma, [1, 1, spec.kv_block, spec.head_dim], k, v)
 
 
 def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale):
