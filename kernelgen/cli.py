@@ -84,26 +84,32 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kerne
     logging.getLogger("kernelgen").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-def _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink, backend):
+def _spec_from_file(spec_file) -> "Spec":
+    from .spec import Spec
+
+    try:
+        data = json.loads(Path(spec_file).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        _fail(f"--spec {spec_file}: {getattr(error, 'strerror', None) or error}: expected a Spec's JSON "
+              "(Spec.to_json())")
+    if not isinstance(data, dict):
+        _fail(f"--spec {spec_file}: expected a JSON object of Spec fields (Spec.to_json()), got {type(data).__name__}")
+    try:
+        return Spec.from_dict(data)
+    except KernelgenError as error:
+        _fail(f"--spec {spec_file}: {error}")
+
+
+def _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink, backend,
+                       schedule="q_centric"):
     from . import backends
     from .spec import Spec
 
     if spec_file is not None:
-        try:
-            data = json.loads(Path(spec_file).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            _fail(f"--spec {spec_file}: {getattr(error, 'strerror', None) or error}: expected a Spec's JSON "
-                  "(Spec.to_json())")
-        if not isinstance(data, dict):
-            _fail(f"--spec {spec_file}: expected a JSON object of Spec fields (Spec.to_json()), got "
-                  f"{type(data).__name__}")
-        try:
-            spec = Spec.from_dict(data)
-        except KernelgenError as error:
-            _fail(f"--spec {spec_file}: {error}")
+        spec = _spec_from_file(spec_file)
     else:
         spec = Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal,
-                    gqa_group=gqa_group, selector=selector, local=local, sink=sink, backend=backend)
+                    gqa_group=gqa_group, selector=selector, local=local, sink=sink, backend=backend, schedule=schedule)
     backends.check_spec(spec)
     return spec
 
@@ -122,6 +128,7 @@ SELECTOR = typer.Option("mean", help="mean | multi:r | index | given (index: tun
 LOCAL = typer.Option(0, help="Local blocks forced into every list.")
 SINK = typer.Option(0, help="Sink blocks forced into every list.")
 BACKEND = typer.Option("triton", help="A registered backend (see `kernelgen info`), or auto (served, not tuned).")
+SCHEDULE = typer.Option("q_centric", help="q_centric (a list per Q tile) or kv_centric (a list per query).")
 
 
 def _check_out_dir(directory: Path) -> None:
@@ -133,17 +140,39 @@ def _check_out_dir(directory: Path) -> None:
         _fail(f"--out: cannot write to {directory} ({problem})")
 
 
-def _print_plan(p: dict) -> None:
+LISTED_SPACE = 16  # a dry run lists every config of a space this small (else with --space)
+
+
+def _check_plan(p: dict) -> dict:
     if not p["space"]:  # as tune() would say: nothing to try
         _fail(f"no feasible {p['role']} config for this spec on {p['backend']} (study {p['study_name']}): the "
               "search space is empty; nothing to tune")
+    return p
+
+
+def _print_plan(p: dict, every_config: bool) -> None:
+    """A study's plan: its space as each field's values, the trials (every config on a grid; on TPE the
+    default and its neighbours first), and every config where the space is small or `every_config`."""
+    from .tuning.plan import config_key, seeds
+
     console.print(f"[bold]{p['role']}[/bold] ({p['backend']}): study {p['study_name']}, bucket {p['bucket']}, "
                   f"sampler {p['sampler']}, {p['trials']} trials over a space of {p['space_size']} configs, "
                   f"benchmark shape {p['shape']}")
-    table = Table("#", "config")
-    for i, cfg in enumerate(p["space"]):
-        table.add_row(str(i), json.dumps(cfg, sort_keys=True))
-    console.print(table)
+    fields = Table("field", "values", box=None)
+    for name, values in p["params"].items():
+        fields.add_row(name, ", ".join(str(v) for v in values))
+    console.print(fields)
+    if p["sampler"] == "grid":
+        console.print("trials: every config of the space")
+    else:
+        first = seeds(p["default"], p["params"], {config_key(c) for c in p["space"]})
+        console.print(f"trials: first the default and its neighbours ({len(first)}), then TPE's samples; the "
+                      f"default {json.dumps(p['default'], sort_keys=True)}")
+    if every_config or p["space_size"] <= LISTED_SPACE:
+        table = Table("#", "config")
+        for i, cfg in enumerate(p["space"]):
+            table.add_row(str(i), json.dumps(cfg, sort_keys=True))
+        console.print(table)
 
 
 def _tune_one(spec, role, seq, arch, trials, timeout, shape=None, label=None, workers=1, storage=None):
@@ -178,7 +207,10 @@ def tune(
     trials: Optional[int] = typer.Option(None, help="Trials per role (Optuna; default 30, with --preset or "
                                                     "--model each study's own count)."),
     timeout: Optional[float] = typer.Option(None, help="Seconds per role's study."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the search space and the trials; run nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print each study's space (each field's values), its "
+                                                          "trials and, for a small space, every config; run "
+                                                          "nothing."),
+    every_config: bool = typer.Option(False, "--space", help="With --dry-run: list every config of every space."),
     workers: int = typer.Option(1, help="Worker processes measuring one study's trials at once, one per GPU "
                                         "(cuda:0 to cuda:N-1; CUDA_VISIBLE_DEVICES chooses which)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage of the studies, shared by every process that "
@@ -197,12 +229,12 @@ def tune(
                                                     "from its \"kernelgen\" object, else the spec options)."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
-    sink: int = SINK, backend: str = BACKEND,
+    sink: int = SINK, backend: str = BACKEND, schedule: str = SCHEDULE,
 ):
     """Search tile, warp and stage parameters on this GPU and store the winners in the user tuning DB."""
     from . import backends as registry
     from .device import current_arch
-    from .roles import ROLES, SELECTION_ROLES
+    from .roles import ROLES, tuned_roles
     from .archs import check_arch
     from .tuning.model import model_studies, read_model_config
     from .tuning.plan import check_budget, check_seq, check_workers, plan
@@ -219,6 +251,9 @@ def tune(
             _fail(f"--storage: {error}")
     if not dry_run:
         present = current_arch()
+        if arch == "cpu":
+            _fail("--arch cpu: the interpreter is not tuned (it runs the default configs); give --dry-run to see "
+                  "a plan, or a GPU's arch on that GPU")
         if present is None:
             _fail("no CUDA GPU here: tuning needs the GPU it tunes for (use --dry-run to see the plan)")
         if present != arch:
@@ -240,38 +275,39 @@ def tune(
                 _fail("--model needs --seq: the sequence length to tune the model's attention for")
             sparse = dict(kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, selector=selector,
                           local=local, sink=sink)
-            chosen_studies = list(model_studies(read_model_config(model), check_seq(seq), DEFAULT_TRIALS, arch,
-                                                sparse, names))
+            try:
+                config = read_model_config(model)
+            except (KernelgenError, OSError, ValueError) as error:
+                _fail(f"--model {model}: {getattr(error, 'strerror', None) or error}")
+            chosen_studies = list(model_studies(config, check_seq(seq), DEFAULT_TRIALS, arch, sparse, names))
         else:
             chosen = [s for s in (shapes or "").split(",") if s] or None
             chosen_studies = studies(preset, arch, chosen, names, role or None)
-        for study in chosen_studies:  # only what the arch runs
-            if trials is not None:  # an explicit --trials sets every study's
-                study = dataclasses.replace(study, trials=trials)
-            if dry_run:
-                _print_plan(plan(study.spec, study.role, seq=study.seq, arch=arch, trials=study.trials,
-                                 shape=study.shape))
-            else:
-                _tune_one(study.spec, study.role, study.seq, arch, study.trials, timeout, study.shape, study.label,
-                          workers, storage)
-        return
-    if seq is None:
-        _fail("--seq is required (or --preset)")
-    spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local,
-                              sink, backend)
-    roles = role or [name for name, r in ROLES.items() if r.tuned]
-    for name in roles:
-        if name not in ROLES or not ROLES[name].tuned:
-            _fail(f"--role {name!r} is not a tuned role; expected some of {[n for n, r in ROLES.items() if r.tuned]}")
-    roles = [r for r in roles if r not in SELECTION_ROLES or r == spec.selection_role]  # the spec's selector only
-    trials = DEFAULT_TRIALS if trials is None else trials
-    for r in roles:
-        p = plan(spec, r, seq=seq, arch=arch, trials=trials)
+        if trials is not None:  # an explicit --trials sets every study's
+            chosen_studies = [dataclasses.replace(study, trials=trials) for study in chosen_studies]
+        runs = [(study.spec, study.role, study.seq, study.trials, study.shape, study.label) for study in chosen_studies]
+    else:
+        if seq is None:
+            _fail("--seq is required (or --preset)")
+        spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local,
+                                  sink, backend, schedule)
+        own = tuned_roles(spec)
+        for name in role or ():
+            if name not in ROLES or not ROLES[name].tuned:
+                _fail(f"--role {name!r} is not a tuned role; expected some of "
+                      f"{[n for n, r in ROLES.items() if r.tuned]}")
+            if name not in own:
+                _fail(f"--role {name!r}: calls of this spec ({spec.schedule}, selector {spec.selector!r}) never run "
+                      f"it; its tuned roles: {', '.join(own)}")
+        trials = DEFAULT_TRIALS if trials is None else trials
+        runs = [(spec, r, seq, trials, None, None) for r in (role or own)]
+    # every study planned (and so checked) before any is printed or run
+    plans = [_check_plan(plan(spec, r, seq=n, arch=arch, trials=t, shape=shape)) for spec, r, n, t, shape, _ in runs]
+    for p, (spec, r, n, t, shape, label) in zip(plans, runs):
         if dry_run:
-            _print_plan(p)
+            _print_plan(p, every_config)
         else:
-            _tune_one(spec, r, seq, arch, trials, timeout, workers=workers, storage=storage)
-
+            _tune_one(spec, r, n, arch, t, timeout, shape, label, workers, storage)
 
 
 def _all_rows(path: Optional[Path], **filters) -> list[dict]:
@@ -305,12 +341,28 @@ def db_list(spec_key: Optional[str] = typer.Option(None, help="Only this spec ke
 
 @db_app.command("show")
 @clean_errors
-def db_show(spec_key: str = typer.Argument(..., help="Spec key (see `kernelgen db list`)."),
+def db_show(spec_key: Optional[str] = typer.Argument(None, help="Spec key (see `kernelgen db list`)."),
+            spec_file: Optional[Path] = typer.Option(None, "--spec", help="Instead of a key: a Spec JSON file "
+                                                                          "(Spec.to_json()); shows the winners of "
+                                                                          "every role its calls run, each stored "
+                                                                          "under that role's key."),
             path: Optional[Path] = typer.Option(None, help="Only this DB file (default: the user DB and the bundled DB).")):
     """Every stored field of a spec key's winners, as JSON."""
-    rows = _all_rows(path, spec_key=spec_key)
-    if not rows:
-        _fail(f"no rows for spec key {spec_key} (see `kernelgen db list`)")
+    from . import backends as registry
+    from .roles import get_role, tuned_roles
+
+    if (spec_key is None) == (spec_file is None):
+        _fail("give a spec key or --spec FILE (one of them)")
+    if spec_file is not None:
+        spec = _spec_from_file(spec_file)
+        keys = sorted({get_role(role).key(spec, name) for role in tuned_roles(spec) for name in registry.names()})
+        rows = [row for key in keys for row in _all_rows(path, spec_key=key)]
+        if not rows:
+            _fail(f"no rows for the spec in {spec_file} (its roles' keys: {', '.join(keys)})")
+    else:
+        rows = _all_rows(path, spec_key=spec_key)
+        if not rows:
+            _fail(f"no rows for spec key {spec_key} (see `kernelgen db list`)")
     console.print_json(json.dumps(rows, default=str))
 
 
@@ -353,7 +405,7 @@ def export(
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
     sink: int = SINK, backend: str = typer.Option("triton", help="A registered backend, or auto with --seq: its "
-                                                   "kernels are baked in."),
+                                                   "kernels are baked in."), schedule: str = SCHEDULE,
     arch: Optional[str] = typer.Option(None, help="GPU architecture the module is for, e.g. sm_89: its default "
                                                   "configs, or with --seq its tuned winners, are baked in (default: "
                                                   "the GPU present's, else cpu)."),
@@ -370,7 +422,7 @@ def export(
     from .export import export_module, tuned_configs
 
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
-                              backend)
+                              backend, schedule)
     from .archs import check_arch
     from .device import current_arch
 
@@ -457,6 +509,13 @@ def bench(
         run(names, str(out))
         return
 
+    import torch
+
+    names = benchmark._names(shapes, "bench shapes") or []
+    gpu_only = [n for n in names + (benchmark._names(sweep, "sweep shapes") or []) if n != benchmark.SMOKE_SHAPE]
+    if gpu_only and not torch.cuda.is_available():
+        _fail(f"shapes {', '.join(gpu_only)} need a CUDA GPU; on a CPU the bench runs only its "
+              f"{benchmark.SMOKE_SHAPE!r} smoke run in the interpreter (no --shapes)")
     _check_out_dir(out)
     benchmark.main(shapes=shapes, out=str(out), overhead=overhead, sweep=sweep, graph=graph,
                    stall_timeout=stall_timeout)
@@ -518,12 +577,20 @@ def quality(
         causal = all(bool(layer.get("causal", False)) for layer in layers.values())
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        where = None
+    if where is None or where.type not in ("cpu", "cuda"):
+        _fail(f"--device {device!r}: expected cpu or cuda (cuda:N)")
+    if where.type == "cuda" and not (torch.cuda.is_available() and (where.index or 0) < torch.cuda.device_count()):
+        _fail(f"--device {device}: no such CUDA GPU here ({torch.cuda.device_count()} visible); give --device cpu")
     if q.shape[1] % max(1, k.shape[1]):
         _fail(f"--qkv {qkv}: q has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}")
     spec = Spec(head_dim=q.shape[-1], kv_block=kv_block, q_tile=q_tile, top_k=max(budgets), causal=causal,
                 gqa_group=q.shape[1] // k.shape[1], local=local, sink=sink, schedule=schedule)
     _check_out_dir(out)
-    rows = selection_quality(layers, spec, chosen, budgets, device=torch.device(device))
+    rows = selection_quality(layers, spec, chosen, budgets, device=where)
     columns = ["selector", "top_k", "recall (mean)", "recall (lowest)", "rel. error (mean)", "rel. error (max)",
                "lowest recall at"] + (["inflation (mean)"] if spec.per_query else [])
     table = Table(*columns)

@@ -394,6 +394,15 @@ def backward_roles(spec: Spec) -> tuple[str, ...]:
     return KV_BACKWARD_ROLES if spec.per_query else BACKWARD_ROLES
 
 
+def tuned_roles(spec: Spec) -> tuple[str, ...]:
+    """The tuned roles that calls of `spec` can run: its selector's, the forward's (both designs of per-query
+    lists), decode's and the backward's; a tune of the spec tunes these."""
+    _, selection, attn = forward_roles(spec)
+    names = [selection, attn, *(["kv_attn_union"] if spec.per_query else []), "decode", *backward_roles(spec),
+             *(["kv_bwd_union"] if spec.per_query else [])]
+    return tuple(n for n in names if n is not None and ROLES[n].tuned)
+
+
 def forward_roles(spec: Spec, n_q: int | None = None) -> tuple[str, str | None, str]:
     """(lists, the selection role or None for given lists, attn): the roles of a forward of `spec`'s
     schedule and selector; a call of n_q <= DECODE_MAX_QUERIES queries attends with `decode`."""

@@ -44,3 +44,17 @@ def test_off_by_default(tmp_path, monkeypatch):
     monkeypatch.setenv(autotune.ENV, "1")
     monkeypatch.setenv(autotune.TRIALS_ENV, "lots")
     assert autotune.enabled() and autotune._trials() == autotune.DEFAULT_TRIALS
+
+
+def test_the_switch_reads_the_usual_words_and_says_when_it_cannot(monkeypatch, caplog):
+    for value in ("1", "true", "Yes", " on "):
+        monkeypatch.setenv(autotune.ENV, value)
+        assert autotune.enabled(), value
+    for value in ("", "0", "false", "NO", "off"):
+        monkeypatch.setenv(autotune.ENV, value)
+        assert not autotune.enabled(), value
+    assert not caplog.records
+    monkeypatch.setenv(autotune.ENV, "sometimes")
+    with caplog.at_level("WARNING", logger="kernelgen"):
+        assert not autotune.enabled() and not autotune.enabled()
+    assert len(caplog.records) == 1 and "'sometimes' is neither on" in caplog.records[0].getMessage()

@@ -101,6 +101,63 @@ def test_tune_dry_run_gluon_prints_the_gluon_space():
     assert '"num_stages": 4' not in result.output and "num_warps" not in result.output
 
 
+def _planned_roles(output: str) -> list[str]:
+    return re.findall(r"^([a-z_]+) \([a-z]+\): study", output, flags=re.M)
+
+
+def test_tune_plans_the_roles_the_spec_s_calls_run():
+    """A spec's tune covers its selector, its schedule's forward (both per-query designs), decode and the
+    backward: no role of the other schedule, no other selector's."""
+    base = ("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--dry-run")
+    result = invoke(*base)
+    assert result.exit_code == 0, result.output
+    assert _planned_roles(result.output) == ["select", "attn", "decode", "bwd_dq", "bwd_dkdv"]
+    result = invoke(*base, "--schedule", "kv_centric", "--selector", "index")
+    assert result.exit_code == 0, result.output
+    assert _planned_roles(result.output) == ["kv_select_index", "kv_attn", "kv_attn_union", "decode", "kv_bwd",
+                                             "kv_bwd_union"]
+    result = invoke(*base, "--selector", "given", "--role", "bwd_dq")
+    assert result.exit_code == 0 and _planned_roles(result.output) == ["bwd_dq"]
+
+
+def test_tune_dry_run_summarises_a_large_space_and_lists_it_on_request():
+    """A space of 66 configs: each field's values and the first trials, and every config only with --space."""
+    base = ("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--role", "attn", "--dry-run")
+    summary, every = invoke(*base), invoke(*base, "--space")
+    assert summary.exit_code == 0 and every.exit_code == 0, (summary.output, every.output)
+    size = int(re.search(r"space of (\d+) configs", flat(summary.output)).group(1))
+    assert size > 16 and "block_m 16, 32, 64" in flat(summary.output)
+    assert "the default and its neighbours" in flat(summary.output)
+    assert len(printed_configs(summary.output)) == 1  # the default alone
+    assert len(printed_configs(every.output)) == size + 1
+
+
+def test_tune_checks_every_study_before_printing_any():
+    result = invoke("tune", "--arch", "sm_89", "--seq", "4096", "--backend", "gluon", "--dry-run")
+    one_line_error(result, "runs on sm_90 only")
+    assert result.stdout == ""
+
+
+def test_db_show_spec_finds_every_role_s_rows(tmp_path):
+    """The attention's and the backward's winners sit under the lists-reading key, the selector's under the
+    spec's own: --spec shows both."""
+    spec = SHAPES["c"].spec("mean")
+    bundled = {(r["spec_key"], r["role"]) for r in read_only_rows(BUNDLED_DB_PATH)}
+    (tmp_path / "c.json").write_text(spec.to_json())
+    result = invoke("db", "show", "--spec", str(tmp_path / "c.json"))
+    assert result.exit_code == 0, result.output
+    shown = {(r["spec_key"], r["role"]) for r in json.loads(result.stdout)}
+    assert {"select", "attn", "bwd_dq", "bwd_dkdv"} <= {role for _, role in shown} and shown <= bundled
+    assert (spec.key(), "select") in shown and (get_role("attn").key(spec, "triton"), "attn") in shown
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_bench_gpu_shapes_on_a_cpu_are_a_clear_error(tmp_path):
+    one_line_error(invoke("bench", "--shapes", "a32k,tiny", "--out", str(tmp_path / "b")), "a32k", "CUDA GPU")
+    one_line_error(invoke("bench", "--sweep", "c", "--out", str(tmp_path / "b")), "c", "CUDA GPU")
+    assert not (tmp_path / "b").exists()
+
+
 def test_tune_gluon_spec_the_kernel_cannot_compute_is_a_clear_error():
     result = invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "128", "--kv-block", "32",
                     "--backend", "gluon", "--dry-run")
@@ -195,7 +252,7 @@ def test_tune_dry_run_plans_only_what_the_arch_runs(options):
     assert (spec.head_dim, spec.kv_block, spec.q_tile, spec.gqa_group, spec.causal) == (128, 128, 128, 4, True)
     plans = {}
     for arch in ("sm_89", "sm_90"):
-        result = invoke("tune", "--arch", arch, *options, "--dry-run")
+        result = invoke("tune", "--arch", arch, *options, "--dry-run", "--space")
         assert result.exit_code == 0, result.output
         plans[arch] = result.output
     sm89, sm90 = _triton_attn_points(plans["sm_89"]), _triton_attn_points(plans["sm_90"])
@@ -390,6 +447,7 @@ def _bad_files(root: Path) -> None:
     (root / "list.json").write_text("[64, 64]")
     (root / "fields.json").write_text('{"head_dim": 64, "banana": 1}')
     (root / "a_dir").mkdir()
+    torch.save({x: torch.zeros(1, 2, 128, 64) for x in "qkv"}, root / "qkv.pt")
     for name, table in (("foreign.db", "winners (role TEXT, backend TEXT)"), ("no_winners.db", "other (x)")):
         with contextlib.closing(sqlite3.connect(root / name)) as conn:
             conn.execute(f"CREATE TABLE {table}")
@@ -406,7 +464,9 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
     (DRY + ["--seq", "abc"], ["'--seq'", "integer"]),
     (DRY + ["--timeout", "soon"], ["'--timeout'"]),
     (DRY + ["--banana", "1"], ["No such option: --banana"]),
-    (["db", "show"], ["Missing argument", "kernelgen db show --help"]),
+    (["db", "show"], ["give a spec key or --spec FILE"]),
+    (["db", "show", "abc", "--spec", "{FILES}/fields.json"], ["give a spec key or --spec FILE"]),
+    (["db", "show", "--spec", "{FILES}/corrupt.json"], ["--spec", "corrupt.json"]),
     (["db", "clear", "--spec-key"], ["--spec-key", "requires an argument"]),
     (["db", "bundle"], ["Missing argument"]),
     (["export"], ["Missing option '--out'"]),
@@ -436,6 +496,14 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
     (DRY + ["--selector", "banana"], ["selector='banana' is unknown"]),
     (DRY + ["--selector", "multi:x"], ["selector='multi:x'"]),
     (DRY + ["--role", "banana"], ["--role 'banana' is not a tuned role"]),
+    (DRY + ["--role", "kv_attn"], ["--role 'kv_attn'", "q_centric", "never run it", "bwd_dkdv"]),
+    (DRY + ["--schedule", "kv_centric", "--role", "attn"], ["--role 'attn'", "kv_centric", "kv_bwd_union"]),
+    (DRY + ["--schedule", "banana"], ["schedule='banana' is unknown"]),
+    (["tune", "--arch", "cpu", "--seq", "256", "--role", "attn"], ["--arch cpu", "--dry-run"]),
+    (DRY + ["--model", "{FILES}/missing.json"], ["--model", "missing.json", "No such file"]),
+    (["quality", "--qkv", "{FILES}/qkv.pt", "--device", "tpu", "--out", "{FILES}/q"], ["--device 'tpu'", "cpu or cuda"]),
+    (["quality", "--qkv", "{FILES}/qkv.pt", "--device", "cuda:99", "--out", "{FILES}/q"], ["--device cuda:99",
+                                                                                            "no such CUDA GPU"]),
     (["tune", "--arch", "sm_90", "--preset", "bench", "--shapes", "banana", "--dry-run"], ["shape 'banana'"]),
     (["tune", "--arch", "sm_90", "--preset", "bench", "--backends", "banana", "--dry-run"], ["backend='banana'"]),
     (["export", "--out", "{FILES}/m.py", "--backend", "banana"], ["backend='banana' is unknown"]),

@@ -5,7 +5,7 @@ tuned spec's), it asks for a short tune of that role in a separate process (`pyt
 kernelgen.tuning.autotune`); the call is served meanwhile. The winner goes to the user DB; when the
 process ends, `generation` moves on and every `SparseAttention` reads the DB again on its next call.
 
-KERNELGEN_AUTOTUNE=1           switch it on
+KERNELGEN_AUTOTUNE=1           switch it on (also true, yes, on)
 KERNELGEN_AUTOTUNE_TRIALS=N    configs a tune measures (default 8)
 """
 from __future__ import annotations
@@ -32,8 +32,17 @@ _running: dict[tuple, subprocess.Popen] = {}
 _requested: set[tuple] = set()
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+_warned: set[str] = set()
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV, "0") == "1"
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in _ON and value not in _OFF and value not in _warned:
+        _warned.add(value)  # once per value: this runs on every call
+        log.warning("%s=%r is neither on (%s) nor off (%s): off", ENV, os.environ[ENV], ", ".join(_ON),
+                    ", ".join(_OFF[1:]))
+    return value in _ON
 
 
 def _trials() -> int:
