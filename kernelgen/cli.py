@@ -275,11 +275,8 @@ def tune(
                 _fail("--model needs --seq: the sequence length to tune the model's attention for")
             sparse = dict(kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, selector=selector,
                           local=local, sink=sink)
-            try:
-                config = read_model_config(model)
-            except (KernelgenError, OSError, ValueError) as error:
-                _fail(f"--model {model}: {getattr(error, 'strerror', None) or error}")
-            chosen_studies = list(model_studies(config, check_seq(seq), DEFAULT_TRIALS, arch, sparse, names))
+            chosen_studies = list(model_studies(read_model_config(model), check_seq(seq), DEFAULT_TRIALS, arch,
+                                                sparse, names))
         else:
             chosen = [s for s in (shapes or "").split(",") if s] or None
             chosen_studies = studies(preset, arch, chosen, names, role or None)

@@ -52,8 +52,9 @@ def test_studies_cover_every_backend_the_arch_runs_and_the_selector():
     studies = list(model_studies({**LLAMA, "kernelgen": {**SPARSE, "selector": "mean"}}, 32768, 10, "sm_90"))
     roles = [(s.role, s.spec.backend) for s in studies]
     assert ("select", "triton") in roles and ("attn", "triton") in roles and ("attn", "tilelang") in roles
+    assert ("decode", "triton") in roles  # generation, a token at a time
     assert all(s.shape == {"batch": 1, "heads_kv": 8, "n_q": 32768, "n_k": 32768} for s in studies)
-    assert all(s.spec.selector == "given" for s in studies if s.role == "attn")
+    assert all(s.spec.selector == "given" for s in studies if s.role in ("attn", "decode"))
 
 
 def test_cli_dry_run_plans_each_study(tmp_path, monkeypatch):

@@ -34,6 +34,8 @@ def read_model_config(path: str | Path) -> dict:
         config = json.loads(Path(path).read_text())
     except json.JSONDecodeError as error:
         raise KernelgenValueError(f"--model {path}: not JSON ({error})") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise KernelgenValueError(f"--model {path}: {getattr(error, 'strerror', None) or error}") from None
     if not isinstance(config, dict):
         raise KernelgenValueError(f"--model {path}: expected a JSON object (a Hugging Face config.json)")
     return config
@@ -94,8 +96,8 @@ def model_specs(config: dict, sparse: dict | None = None) -> list[tuple[str, Spe
 
 def model_studies(config: dict, seq: int, trials: int, arch: str, sparse: dict | None = None,
                   backend_names=None) -> Iterator[Study]:
-    """Each distinct spec's attention on every backend that runs on `arch`, and its selector, timed on the
-    model's heads at `seq` tokens (batch 1)."""
+    """Each distinct spec's attention (prefill, and decode where the backend has it) on every backend that runs
+    on `arch`, and its selector, timed on the model's heads at `seq` tokens (batch 1)."""
     text = config.get("text_config", config)
     for layer_type, spec in model_specs(config, sparse):
         heads_kv = text.get("num_key_value_heads") or text["num_attention_heads"]
@@ -111,5 +113,9 @@ def model_studies(config: dict, seq: int, trials: int, arch: str, sparse: dict |
                 continue  # nothing of this backend fits the arch
             yield Study(f"{label} attn {name}", given, "attn", seq, space if space <= GRID_MAX else min(space, trials),
                         workload)
+            decode = len(backend.config_space(given, "decode", arch)) if "decode" in backend.roles else 0
+            if decode:  # generation: a token at a time against the KV cache
+                yield Study(f"{label} decode {name}", given, "decode", seq,
+                            decode if decode <= GRID_MAX else min(decode, trials), workload)
         if spec.selects:  # the spec's selection role: select, or select_index (synthetic index inputs)
             yield Study(f"{label} {spec.selection_role}", spec, spec.selection_role, seq, trials, workload)
