@@ -203,7 +203,8 @@ def _tune_one(spec, role, seq, arch, trials, timeout, shape=None, label=None, wo
 def tune(
     arch: str = typer.Option(..., help="GPU architecture to tune for, e.g. sm_90 (must be the GPU present)."),
     seq: Optional[int] = typer.Option(None, help="Sequence length; tuned for its power-of-two bucket."),
-    role: Optional[List[str]] = typer.Option(None, help="Kernel roles to tune (default: every tuned role the spec's calls run)."),
+    role: Optional[List[str]] = typer.Option(None, help="Kernel roles to tune (default: every tuned role the spec's "
+                                                        "calls run)."),
     trials: Optional[int] = typer.Option(None, help="Trials per role (Optuna; default 30, with --preset or "
                                                     "--model each study's own count)."),
     timeout: Optional[float] = typer.Option(None, help="Seconds per role's study."),
