@@ -71,6 +71,7 @@ class Workload:
     args: tuple                                  # the launch's arguments after (kernel, spec, config, shapes)
     check: Callable[[Any], str | None]           # why the output is wrong, or None
     flops: float | None = None                   # useful FLOPs of one launch (attention roles)
+    shape: WorkloadShape | None = None           # the inputs' shape, where not the one asked for (decode's)
 
 
 @dataclass(frozen=True)
@@ -380,7 +381,8 @@ DECODE_MAX_QUERIES = 16
 
 def decode_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
     """The attention's workload with one query: the last token of the sequence, against every key."""
-    return attention_workload(spec, shape._replace(n_q=1), device, dtype, check)
+    one = shape._replace(n_q=1)
+    return dataclasses.replace(attention_workload(spec, one, device, dtype, check), shape=one)
 
 
 register_role(Role("decode", "attention of a few queries (decoding) over either schedule's lists: split-KV per query, "

@@ -109,3 +109,21 @@ def test_long_cache_on_gpu(schedule):
     spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=2, sink=1)
     q, k, v = make_inputs(2, 2, 4, 1, 65536, 128, torch.bfloat16, "cuda", 1)
     check(spec, q, k, v)
+
+
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_the_tuner_launches_decode_on_its_one_query(schedule):
+    """The tuner's decode trial: its inputs hold one query, so its launch's shapes say one query (a launch
+    told the trial's sequence length read past q and wrote past o), and the default config passes the
+    tuner's own check against the reference."""
+    from kernelgen import backends
+    from kernelgen.tuning.worker import _Inputs, check_config
+
+    spec = decode_spec(schedule=schedule)
+    inputs = _Inputs(spec, "decode", 256, "cpu")
+    q = inputs.check.args[0]
+    assert q.shape[2] == inputs.check_shapes.n_q == inputs.bench_shapes.n_q == 1
+    assert inputs.check_shapes.n_k == inputs.check.args[1].shape[2]
+    triton = backends.get("triton")
+    assert check_config(triton, spec, "decode", triton.default_config(spec, "decode", "cpu"), 256, torch.float16,
+                        "cpu") is None

@@ -71,9 +71,9 @@ class _Inputs:
         workload = get_role(role).workload
         check, bench = (WorkloadShape(*s) for s in trial_shapes(spec, seq, cpu, shape))
         self.check = workload(spec, check, device, self.dtype, check=True)
-        self.check_shapes = _shapes(spec, check)
+        self.check_shapes = _shapes(spec, self.check.shape or check)
         self.bench = self.check if cpu else workload(spec, bench, device, self.dtype, check=False)
-        self.bench_shapes = _shapes(spec, bench)
+        self.bench_shapes = _shapes(spec, self.bench.shape or bench)
 
 
 def _shapes(spec: Spec, shape: WorkloadShape) -> Shapes:
@@ -96,7 +96,8 @@ def check_config(backend: Backend, spec: Spec, role: str, config, seq: int, dtyp
     device = torch.device(device)
     check, _ = (WorkloadShape(*s) for s in trial_shapes(spec, seq, device.type == "cpu", None))
     workload = get_role(role).workload(spec, check, device, dtype, check=True)
-    return workload.check(_launcher(backend, spec, role, config, workload, _shapes(spec, check), dtype, device)())
+    return workload.check(_launcher(backend, spec, role, config, workload, _shapes(spec, workload.shape or check),
+                                    dtype, device)())
 
 
 def _measure(job: dict, cache: dict) -> dict:
