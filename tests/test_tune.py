@@ -21,13 +21,14 @@ import kernelgen.roles
 from kernelgen import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError, Spec, backends, reference
 from kernelgen.archs import ARCHS, check_arch
 from kernelgen.backends.triton import attn_smem_bytes
-from kernelgen.roles import get_role, valid_top_k
+from kernelgen.roles import get_role, tuned_roles, valid_top_k
 from kernelgen.tuning import TuneResult, plan, tune, tune_inputs_shape
 from kernelgen.tuning import study as study_module
 from kernelgen.tuning import worker as worker_module
 from kernelgen.tuning.buckets import seq_bucket
 from kernelgen.tuning.db import TuningDB, Winners, current_fingerprint
 from kernelgen.tuning.plan import tuned_backend
+from kernelgen.tuning.worker import check_config
 
 # the module (`kernelgen.tuning.plan` is the function `plan`, as `from kernelgen.tuning import plan` gives)
 plan_module = importlib.import_module("kernelgen.tuning.plan")
@@ -596,3 +597,19 @@ def test_trial_shapes_are_what_the_worker_checks_and_times():
     assert plan_module.trial_shapes(spec, 16384, False, workload)[1] == (2, 1, 4096, 16384)
     cpu_check, cpu_bench = plan_module.trial_shapes(spec, 16384, True, None)
     assert cpu_check == cpu_bench == (1, 1, plan_module.CPU_MAX_SEQ, plan_module.CPU_MAX_SEQ)
+
+
+_TRIAL_SPECS = [Spec(**{"head_dim": 64, "kv_block": 32, "q_tile": 32, "top_k": 3, "causal": True, "gqa_group": 2,
+                        "local": 1, "selector": selector, **extra})
+                for selector in ("mean", "index") for extra in ({}, {"schedule": "kv_centric", "q_tile": 64})]
+
+
+@pytest.mark.parametrize("spec, role", [(spec, role) for spec in _TRIAL_SPECS for role in tuned_roles(spec)],
+                         ids=lambda x: x if isinstance(x, str) else f"{x.schedule}-{x.selector}")
+def test_every_role_s_trial_passes_its_own_check(spec, role):
+    """Each tuned role's trial, with the default config, against the float64 reference in the interpreter:
+    the tuner's workload, its launch shapes and the kernels agree (a trial told the wrong shapes fails
+    every config, and nothing is written)."""
+    backend, kernel_spec = tuned_backend(spec, role)
+    config = backend.default_config(kernel_spec, role, "cpu")
+    assert check_config(backend, kernel_spec, role, config, 256, torch.float16, "cpu") is None
