@@ -569,3 +569,42 @@ def test_interpreter_works_when_torch_dynamo_imported_triton_first(tmp_path, dev
                    env={"TRITON_INTERPRET": None, **where})
     expected = kernelgen.reference.sparse_attention(q, k, v, spec)[0]
     assert ((o.double() - expected).norm() / expected.norm()).item() < 1e-4
+
+
+GPU_TRAIN_CHILD = BLOCKING + textwrap.dedent('''
+    import torch
+
+    module = load(sys.argv[1])
+    x = {name: t.cuda() for name, t in torch.load(sys.argv[2]).items()}
+    q, k, v = (x[name].requires_grad_() for name in "qkv")
+    o = module.attn(q, k, v)
+    o.backward(x["do"])
+    leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+    assert not leaked, leaked
+    torch.save({"idx": module.select(q, k).cpu(), "o": o.detach().cpu(),
+                **{f"d{name}": t.grad.cpu() for name, t in zip("qkv", (q, k, v))}}, sys.argv[3])
+''')
+
+
+@pytest.mark.gpu
+def test_gpu_exported_module_with_tuned_winners_trains(tmp_path):
+    """The module `kernelgen export --seq` writes, with the winners this GPU would be served baked in, runs
+    forward and backward on the GPU without kernelgen, bit for bit as get_kernel with those configs."""
+    from kernelgen.device import current_arch
+    from kernelgen.export import tuned_configs
+    from kernelgen.workloads import SHAPES
+
+    spec, configs, _ = tuned_configs(SHAPES["c"].spec("mean"), arch=current_arch(), seq=4096)
+    path = export_module(spec, tmp_path / "kg_c.py", configs, current_arch())
+    x = dict(zip(("q", "k", "v", "do"), _inputs(1, 2, 4, 4096, 4096, 128, torch.bfloat16, 7)))
+    x["do"] = torch.randn_like(x["q"])
+    torch.save(x, tmp_path / "inputs.pt")
+    out = _run_child(tmp_path, GPU_TRAIN_CHILD, str(path), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"),
+                     env={"TRITON_INTERPRET": None})
+    attn = kernelgen.get_kernel(spec, configs=configs)
+    q, k, v = (x[name].cuda().requires_grad_() for name in "qkv")
+    o = attn(q, k, v)
+    o.backward(x["do"].cuda())
+    assert torch.equal(out["idx"], attn.select(q, k).cpu())
+    for name, want in (("o", o.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert not torch.isnan(out[name]).any() and torch.equal(out[name], want.cpu()), name
