@@ -5,7 +5,8 @@ the `mean` selector's lists prepared once; FlexAttention (torch.compile'd) over 
 those lists, forward+backward and backward alone; dense SDPA on cuDNN, forward+backward. do_bench
 medians, gradients set to None between calls; the backward alone is forward+backward less the forward.
 The same step replayed from a CUDA graph (`fwd_bwd_graph_ms`, `bwd_graph_ms`) leaves the host's launch
-cost out: on a small shape the eager figure is the host's, not the kernels'. kernelgen's gradients are
+cost out: on a small shape the eager figure is the host's, not the kernels'; `host_ms` is the host's time
+to enqueue one step. kernelgen's gradients are
 compared with Flex's (relative L2), and two backward runs are compared bit for bit (`deterministic`).
 """
 from __future__ import annotations
@@ -37,13 +38,33 @@ def _timed(fn, leaves, grad, log=print, label: str = "") -> dict:
 
     both = triton.testing.do_bench(step, grad_to_none=leaves, return_mode="median")
     fwd = triton.testing.do_bench(fn, return_mode="median")
+    host = _host_ms(step, leaves)
 
     def labelled(message):
         log(f"{label}: {message}" if label else message)
 
     both_graph, fwd_graph = _bench_graph(graph_step, log=labelled), _bench_graph(fn, log=labelled)
     bwd_graph = None if both_graph is None or fwd_graph is None else both_graph - fwd_graph
-    return dict(fwd_bwd_ms=both, bwd_ms=both - fwd, fwd_bwd_graph_ms=both_graph, bwd_graph_ms=bwd_graph)
+    return dict(fwd_bwd_ms=both, bwd_ms=both - fwd, fwd_bwd_graph_ms=both_graph, bwd_graph_ms=bwd_graph,
+                host_ms=host)
+
+
+def _host_ms(step, leaves, n: int = 30) -> float:
+    """The host's median time to enqueue one step on an idle GPU (synchronised before, not after): where it
+    exceeds the step's GPU time (the graph replay), the eager step waits on the host."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(n):
+        for x in leaves:
+            x.grad = None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def _grads(fn, leaves, grad):
@@ -66,7 +87,7 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
             graph = times[key.replace("_ms", "_graph_ms")]
             return f"{times[key]:8.3f} ms" + ("" if graph is None else f" (graph {graph:8.3f})")
 
-        log(f"{name:8s} {impl:28s} fwd+bwd {ms('fwd_bwd_ms')}  bwd {ms('bwd_ms')} "
+        log(f"{name:8s} {impl:28s} fwd+bwd {ms('fwd_bwd_ms')}  bwd {ms('bwd_ms')}  host {times['host_ms']:7.3f} ms "
             + " ".join(f"{k}={v}" for k, v in extra.items()))
         _dump_rows(rows, out_dir, "backward.json")
 
