@@ -139,7 +139,9 @@ def _explain_qkv(q, k, v, spec: Spec) -> None:
         if t.dim() != 4:
             raise KernelgenValueError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
-            raise KernelgenTypeError(f"{name}.dtype must be float16, bfloat16 or float32, got {t.dtype}")
+            expected = "float16 or float32 (bfloat16 on a GPU)" if t.device.type == "cpu" else \
+                "float16, bfloat16 or float32"
+            raise KernelgenTypeError(f"{name}.dtype must be {expected}, got {t.dtype}")
         if t.shape[-1] != spec.head_dim:
             raise KernelgenValueError(f"{name}.shape[-1] = {t.shape[-1]} does not match spec.head_dim = {spec.head_dim}")
         if t.stride(-1) != 1:
