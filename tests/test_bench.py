@@ -260,7 +260,9 @@ def test_backward_timing_replays_the_step_without_touching_grad(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", bench)
     monkeypatch.setattr(backward, "_bench_graph", graph)
     times = backward._timed(lambda: x * 2, [x], grad)
+    host = times.pop("host_ms")  # the host's enqueue of one step, timed for real
     assert times == dict(fwd_bwd_ms=4.0, bwd_ms=2.5, fwd_bwd_graph_ms=3.0, bwd_graph_ms=1.75)
+    assert 0 < host < 1000 and x.grad is None  # the timing leaves no gradient behind
     step_grads = replayed[0]
     assert torch.equal(step_grads[0], torch.full((4,), 2.0))
     monkeypatch.setattr(backward, "_bench_graph", measure._bench_graph)  # a step that cannot be captured

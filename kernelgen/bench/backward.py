@@ -55,15 +55,18 @@ def _host_ms(step, leaves, n: int = 30) -> float:
     import statistics
     import time
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(n):
         for x in leaves:
             x.grad = None
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         step()
         times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
+    sync()
+    for x in leaves:
+        x.grad = None
     return statistics.median(times)
 
 
