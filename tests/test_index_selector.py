@@ -74,6 +74,9 @@ CASES = [
     (True, 1, 1, 4, 64, False, 150, 90, 32, 16, 2, 0, 0),      # Nq > Nk: the first tiles see no key
     (False, 1, 2, 1, 64, True, 77, 333, 64, 64, 5, 2, 1),      # ragged, non-causal local/sink
     (True, 2, 1, 3, 32, False, 96, 96, 16, 16, 8, 2, 0),       # Hi=3 (padded to 4), top_k >= most tiles' blocks
+    (False, 1, 1, 1, 32, False, 16, 32, 16, 16, 1, 0, 0),      # top_k = 1: one block a list
+    (False, 2, 1, 2, 32, False, 40, 70, 16, 32, 1, 0, 1),      # top_k = 1, the sink forced
+    (True, 2, 1, 2, 32, True, 40, 70, 16, 32, 1, 0, 0),        # top_k = 1, causal: the diagonal forced
 ]
 
 

@@ -1073,7 +1073,7 @@ def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes,
     index_heads = q_idx.shape[1] // shapes.heads_kv
     heads_step = min(next_pow2(index_heads), cfg.rows)  # as many heads per product as the rows hold
     q_rows = min(cfg.rows // heads_step, spec.q_tile)
-    top_k_pad = next_pow2(spec.top_k)
+    top_k_pad = max(2, next_pow2(spec.top_k))  # tl.topk and tl.sort of a [1, 1] tensor fail in Triton 3.6
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q_idx.device,
                       dtype=torch.int32)
     stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
