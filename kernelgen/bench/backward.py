@@ -11,6 +11,9 @@ compared with Flex's (relative L2), and two backward runs are compared bit for b
 """
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from ..dispatch import get_kernel
@@ -52,9 +55,6 @@ def _timed(fn, leaves, grad, log=print, label: str = "") -> dict:
 def _host_ms(step, leaves, n: int = 30) -> float:
     """The host's median time to enqueue one step on an idle GPU (synchronised before, not after): where it
     exceeds the step's GPU time (the graph replay), the eager step waits on the host."""
-    import statistics
-    import time
-
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(n):

@@ -108,14 +108,10 @@ def model_studies(config: dict, seq: int, trials: int, arch: str, sparse: dict |
             given = spec.replace(selector="given", backend=name)
             if "attn" not in backend.roles or backend.spec_unsupported(given) or backend.arch_unsupported(arch):
                 continue
-            space = len(backend.config_space(given, "attn", arch))  # a small space is searched whole
-            if not space:
-                continue  # nothing of this backend fits the arch
-            yield Study(f"{label} attn {name}", given, "attn", seq, space if space <= GRID_MAX else min(space, trials),
-                        workload)
-            decode = len(backend.config_space(given, "decode", arch)) if "decode" in backend.roles else 0
-            if decode:  # generation: a token at a time against the KV cache
-                yield Study(f"{label} decode {name}", given, "decode", seq,
-                            decode if decode <= GRID_MAX else min(decode, trials), workload)
+            for role in ("attn", "decode"):  # prefill; generation, a token at a time against the KV cache
+                space = len(backend.config_space(given, role, arch)) if role in backend.roles else 0
+                if space:  # else nothing of this backend fits the arch; a small space is searched whole
+                    yield Study(f"{label} {role} {name}", given, role, seq,
+                                space if space <= GRID_MAX else min(space, trials), workload)
         if spec.selects:  # the spec's selection role: select, or select_index (synthetic index inputs)
             yield Study(f"{label} {spec.selection_role}", spec, spec.selection_role, seq, trials, workload)
