@@ -195,8 +195,10 @@ def attention(
         mask = mask.repeat_interleave(g, dim=1)
     s = (q.double() @ kd.transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, -torch.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    seen = mask.any(-1).expand(s.shape[:-1])
+    # a row that sees no key takes its logsumexp over zeros: lse's gradient there is 0, not NaN
+    lse = torch.where(seen, torch.logsumexp(s.masked_fill(~seen[..., None], 0.0), dim=-1), -torch.inf)
+    p = torch.exp(s - torch.where(seen, lse, 0.0)[..., None])
     o = p @ vd
     return o, lse
 
@@ -232,11 +234,18 @@ def sparse_attention_grads(
     spec: Spec,
     block_idx: torch.Tensor,
     scale: float | None = None,
+    stored_o: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), float64: the gradients of sum(o * do) for o = sparse_attention(q, k, v, spec,
     block_idx, scale)[0], by torch.autograd through `attention`, for the fixed lists `block_idx` (selection
     is not differentiated). One chunk of queries at a time: each chunk's rows give their own dq, and
-    their dk and dv add up."""
+    their dk and dv add up.
+
+    `stored_o`: the forward's output as a kernel stored it (rounded to its dtype). The backward takes
+    delta = rowsum(do * o) from it, as FlashAttention's does; with it given, the gradients are that
+    algorithm's in exact arithmetic. The two differ by delta's rounding error times P: a relative 1e-2 of a
+    bf16 dq where rows see one or two keys, whose exact dq is (nearly) 0. The correction is the gradient of
+    -sum_i err_i * lse_i (d lse_i / d s_ij = P_ij), err_i = rowsum(do_i * (stored_o_i - o_i))."""
     nq, nk = q.shape[2], k.shape[2]
     kd = k.detach().double().requires_grad_()
     vd = v.detach().double().requires_grad_()
@@ -245,9 +254,15 @@ def sparse_attention_grads(
     dv = torch.zeros_like(vd)
     for rows in _query_chunks(q, nk, spec):
         qd = q[:, :, rows.start : rows.stop].detach().double().requires_grad_()
+        do_rows = do[:, :, rows.start : rows.stop].double()
         with torch.enable_grad():
-            o, _ = attention(qd, kd, vd, token_mask(block_idx, spec, nq, nk, rows), scale)
-            dq_rows, dk_rows, dv_rows = torch.autograd.grad(o, (qd, kd, vd), do[:, :, rows.start : rows.stop].double())
+            o, lse = attention(qd, kd, vd, token_mask(block_idx, spec, nq, nk, rows), scale)
+            outputs, grad_outputs = [o], [do_rows]
+            if stored_o is not None:
+                err = ((stored_o[:, :, rows.start : rows.stop].double() - o.detach()) * do_rows).sum(-1)
+                outputs.append(lse)
+                grad_outputs.append(torch.where(torch.isinf(lse.detach()), 0.0, -err))
+            dq_rows, dk_rows, dv_rows = torch.autograd.grad(outputs, (qd, kd, vd), grad_outputs)
         dqs.append(dq_rows)
         dk += dk_rows
         dv += dv_rows

@@ -100,10 +100,10 @@ def cubin_bytes(kernel) -> bytes:
         return e.object
 
 
-def _offline_compile_tool():
-    """tools/offline_compile.py as a module (tools/ is not a package)."""
-    path = Path(__file__).resolve().parent.parent / "tools" / "offline_compile.py"
-    spec = importlib.util.spec_from_file_location("offline_compile", path)
+def tool(name: str):
+    """tools/<name>.py as a module (tools/ is not a package)."""
+    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -112,7 +112,7 @@ def _offline_compile_tool():
 def compile_offline(cases: list[dict], arch: str, processes: int = 1, timeout: float = 1200) -> list[dict]:
     """tools/offline_compile.py's results for `arch` on `cases` (its JSON case format), in order:
     {"kernels": [[name, shared_bytes], ...]} or {"error": "..."}."""
-    return _offline_compile_tool().compile_offline(cases, arch, processes, timeout)
+    return tool("offline_compile").compile_offline(cases, arch, processes, timeout)
 
 
 def assert_exported_module_matches_get_kernel(backend: str, tmp_path) -> None:

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import kernelgen
 import kernelgen.distributed as kd
 from kernelgen import Spec, reference
+from checks import tool
 
 D = 64
 TOL = 1e-4  # rel. L2 error of fp32 results against float64 (roles.REL_L2_TOL, GRAD_REL_L2_TOL)
@@ -212,33 +213,22 @@ def test_ranks_in_one_process_match_one_gpu_cuda(path, kind):
         assert all(run.requested > 0 for run in runs)
 
 
-def _tool():
-    """tools/context_parallel_2gpu.py as a module."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "tools" / "context_parallel_2gpu.py"
-    spec = importlib.util.spec_from_file_location("context_parallel_2gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_two_gpu_tool_arguments():
-    tool = _tool()
-    assert tool.parse_args([]).reference and tool.parse_args([]).seq == 262144
-    big = tool.parse_args(["--seq", "2097152", "--out", "x.json"])
+    two_gpu = tool("context_parallel_2gpu")
+    assert two_gpu.parse_args([]).reference and two_gpu.parse_args([]).seq == 262144
+    big = two_gpu.parse_args(["--seq", "2097152", "--out", "x.json"])
     assert not big.reference and big.kinds == ["random", "local_heavy"] and big.paths == ["dense", "sparse"]
-    assert tool.parse_args(["--seq", "2097152", "--one-gpu", "on"]).reference
+    assert two_gpu.parse_args(["--seq", "2097152", "--one-gpu", "on"]).reference
     with pytest.raises(SystemExit):
-        tool.parse_args(["--paths", "ring"])
+        two_gpu.parse_args(["--paths", "ring"])
 
 
 def _tool_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    _tool().main(["--smoke", "--kinds", "local_heavy", "--paths", "sparse", "--reps", "1", "--warmup", "0",
+    two_gpu = tool("context_parallel_2gpu")
+    two_gpu.main(["--smoke", "--kinds", "local_heavy", "--paths", "sparse", "--reps", "1", "--warmup", "0",
                   "--out", out])
 
 

@@ -45,6 +45,31 @@ def test_causal_bottom_right_and_empty_rows():
     assert (idx[0, 0, 0] == -1).all()  # tile 0: nothing visible, empty list
 
 
+def test_gradients_of_the_stored_output_are_flashattention_s_algorithm():
+    """With stored_o, delta = rowsum(do * stored_o), as a kernel takes it: dS = P (dP - delta). Exact o gives
+    autograd's gradients; a bf16 o gives the algorithm's, whose dq where a row sees one key is rounding noise
+    (the exact dq is 0 there), and rows that see no key get 0, not NaN."""
+    nq, nk, d = 40, 5, 64  # bottom-right causal: queries 35.. see 1..5 keys, the rest none
+    spec = Spec(head_dim=d, kv_block=16, q_tile=16, top_k=2, causal=True, selector="given")
+    q, k, v, do = rand(1, 1, nq, d), rand(1, 1, nk, d), rand(1, 1, nk, d), rand(1, 1, nq, d)
+    lists = torch.zeros(1, 1, 3, 2, dtype=torch.int32)
+    o, _, _ = reference.sparse_attention(q, k, v, spec, lists)
+    exact = reference.sparse_attention_grads(q, k, v, do, spec, lists)
+    for got, want in zip(reference.sparse_attention_grads(q, k, v, do, spec, lists, stored_o=o), exact):
+        assert torch.equal(got, want)
+    stored = o.to(torch.bfloat16)
+    dq, dk, dv = reference.sparse_attention_grads(q, k, v, do, spec, lists, stored_o=stored)
+    visible = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] - (nq - nk)
+    s = (q[0, 0] @ k[0, 0].T / d**0.5).masked_fill(~visible, -torch.inf)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    ds = p * (do[0, 0] @ v[0, 0].T - (do[0, 0] * stored[0, 0].double()).sum(-1, keepdim=True))
+    assert (dq[0, 0] - ds @ k[0, 0] / d**0.5).abs().max() < 1e-12
+    assert (dk[0, 0] - ds.T @ q[0, 0] / d**0.5).abs().max() < 1e-12
+    assert torch.equal(dv, exact[2])
+    assert (dq[0, 0, : nq - nk] == 0).all() and exact[0][0, 0, nq - nk].abs().max() < 1e-12
+    assert dq[0, 0, nq - nk].abs().max() > 1e-6  # one key: delta's rounding, not 0
+
+
 def test_lse_merges_disjoint_key_sets():
     q, k, v = rand(1, 2, 64, 64), rand(1, 2, 128, 64), rand(1, 2, 128, 64)
     full = torch.ones(1, 2, 64, 128, dtype=torch.bool)

@@ -62,6 +62,8 @@ def test_render_and_build_signature():
     (TileLangBwdDkdvConfig(block_n=128), r"block_n=128 must be .* split a KV block \(kv_block=64\)"),
     (TileLangBwdDkdvConfig(threads=64), "expected threads 128 or 256"),
     (TileLangBwdDkdvConfig(num_stages=3), "num_stages 1 or 2"),
+    # 8 warps cannot split a 32 x 16 gemm into 16 x 8 tiles (it failed to lower on the H200)
+    (TileLangBwdDkdvConfig(block_n=32, block_m=16, threads=256), r"8 warps cannot split the 32 x 16 gemm"),
 ])
 def test_infeasible_configs_say_why(cfg, why):
     spec = _spec(True, 128, 4, 64, 64)
@@ -98,6 +100,8 @@ COMPILE_CASES = [
     ((True, 64, 4, 64, 128), "sm_90a", TileLangBwdDkdvConfig(block_n=64, block_m=64, num_stages=2, threads=128)),
     ((False, 128, 1, 128, 64), "sm_90a", TileLangBwdDkdvConfig(block_n=128, block_m=64, num_stages=1, threads=256)),
     ((True, 128, 4, 64, 64), "sm_90a", TileLangBwdDkdvConfig(block_n=32, block_m=32, num_stages=1, threads=128)),
+    # 8 warps over 32 x 32: two of 16 rows by four of 8 columns (warps_cover's edge)
+    ((False, 64, 2, 64, 64), "sm_90a", TileLangBwdDkdvConfig(block_n=32, block_m=32, num_stages=1, threads=256)),
     ((True, 128, 4, 128, 128), "sm_80", None),
     ((False, 64, 4, 64, 64), "sm_80", TileLangBwdDkdvConfig(block_n=64, block_m=64, num_stages=2, threads=128)),
     ((True, 64, 1, 128, 64), "sm_80", TileLangBwdDkdvConfig(block_n=128, block_m=32, num_stages=2, threads=256)),

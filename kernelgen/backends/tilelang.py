@@ -359,6 +359,12 @@ def bwd_dkdv_smem_bytes(spec: Spec, cfg: TileLangBwdDkdvConfig, elem_bytes: int 
     return rows * spec.head_dim * elem_bytes + operands + 2 * (cfg.num_stages + 1) * cfg.block_m * 4
 
 
+def warps_cover(m: int, n: int, warps: int) -> bool:
+    """Whether TileLang 0.1.15 can lay `warps` warps out over an m x n gemm (T.gemm's warp partition, any
+    policy): warps = wm * wn with wm warps of 16 rows and wn of 8 columns each covering it evenly."""
+    return any(warps % wm == 0 and m % (16 * wm) == 0 and n % (8 * (warps // wm)) == 0 for wm in range(1, warps + 1))
+
+
 def bwd_dkdv_infeasible(spec: Spec, cfg: TileLangBwdDkdvConfig, arch: str) -> str | None:
     """Why the TileLang dK/dV kernel cannot run `cfg` for `spec` on `arch`, or None: block_n splits a KV block,
     block_m splits a Q tile (a step is queries of one head), registers for dK, dV, P^T and dP^T, and shared
@@ -371,6 +377,10 @@ def bwd_dkdv_infeasible(spec: Spec, cfg: TileLangBwdDkdvConfig, arch: str) -> st
     if cfg.block_m not in (16, 32, 64, 128) or spec.q_tile % cfg.block_m:
         return (f"block_m={cfg.block_m} must be 16, 32, 64 or 128 and split a Q tile (q_tile={spec.q_tile}) evenly: "
                 "a step holds queries of one head")
+    for m, n in ((cfg.block_n, cfg.block_m), (cfg.block_n, spec.head_dim)):
+        if not warps_cover(m, n, cfg.threads // 32):
+            return (f"threads={cfg.threads}: {cfg.threads // 32} warps cannot split the {m} x {n} gemm (K Q^T, or dK "
+                    f"and dV) into tiles of 16 rows and 8 columns: fewer threads or a larger block_m")
     regs = cfg.block_n * (2 * spec.head_dim + 2 * cfg.block_m) // cfg.threads
     if regs > BWD_DKDV_REGS_LIMIT:
         return (f"block_n * (2 * head_dim + 2 * block_m) / threads = {regs} fp32 registers per thread for dK, dV, "

@@ -1,0 +1,51 @@
+"""tools/fuzz.py's randomized differential cases: a quick run of them here (on the GPU, every backend at up
+to 4k tokens), and the driver's bookkeeping."""
+import json
+
+import pytest
+
+from checks import tool
+
+fuzz = tool("fuzz")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_cases_match_the_reference_or_are_refused(seed, device):
+    case = fuzz.draw_case(seed, device, max_len=None if device == "cuda" else 40)
+    result = fuzz.run_case(case)
+    assert result["status"] in ("pass", "reject"), (json.dumps(case), result)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(1000, 1064))
+def test_gpu_random_cases_on_every_backend(seed):
+    case = fuzz.draw_case(seed, "cuda")
+    result = fuzz.run_case(case)
+    assert result["status"] in ("pass", "reject"), (json.dumps(case), result)
+
+
+def test_cases_replay_from_their_seed_and_cover_the_variety():
+    assert fuzz.draw_case(7, "cuda") == fuzz.draw_case(7, "cuda")
+    cases = [fuzz.draw_case(seed, "cuda") for seed in range(400)]
+    assert {c["spec"]["backend"] for c in cases} == {"triton", "gluon", "tilelang", "auto"}
+    assert {c["spec"]["schedule"] for c in cases} == {"q_centric", "kv_centric"}
+    assert {c["lists"]["kind"] for c in cases if c["lists"]} == {"raw32", "raw64", "prepared"}
+    assert any(c["index"] and c["index"]["dtype"] == "float8_e4m3fn" for c in cases)
+    assert any(c["nq"] <= 16 for c in cases) and any(c["nq"] > 1024 for c in cases)
+    assert all(c["b"] * c["hkv"] * c["spec"]["gqa_group"] * c["nq"] * c["nk"] <= fuzz.MAX_SCORES["cuda"]
+               for c in cases)
+    assert all(c["spec"]["backend"] == "triton" and c["dtype"] in ("float32", "float16")
+               for c in (fuzz.draw_case(seed, "cpu") for seed in range(100)))
+
+
+def test_a_wrong_result_is_reported_not_passed(monkeypatch):
+    case = fuzz.draw_case(0, "cpu", max_len=32)
+    monkeypatch.setitem(fuzz.OUT_TOLERANCE, case["dtype"], (0.0, 0.0))
+    assert fuzz.run_case(case)["status"] == "wrong"
+
+
+def test_a_process_that_died_leaves_its_seed(tmp_path):
+    rows = [dict(seed=3, status="start"), dict(seed=3, status="pass"), dict(seed=5, status="start")]
+    (tmp_path / "worker-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    outcomes = fuzz.read_results(tmp_path)
+    assert outcomes[3]["status"] == "pass" and outcomes[5]["status"] == "died"
