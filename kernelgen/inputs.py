@@ -26,6 +26,8 @@ LAYOUT = "q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] (heads before sequence, as S
 # Tests set KERNELGEN_POISON=1: outputs start as NaN (lists as INT32_MIN) so unwritten elements fail.
 _POISON = os.environ.get("KERNELGEN_POISON", "0") == "1"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# on a GPU: the kernels' products of float32 would run in tf32, short of what float32 promises
+_GPU_DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DIMS = (32, 64, 128)  # Di of the index selector's vectors
 INDEX_LAYOUT = ("index=(q_idx [B, Hkv*Hi, Nq, Di], k_idx [B, Hkv or 1, Nk, Di], w [B, Hkv*Hi, Nq]): Hi index heads "
                 "per KV head (h*Hi .. h*Hi+Hi-1 belong to KV head h), one index key head per KV head or one shared")
@@ -110,7 +112,7 @@ class BlockLists:
 def check_qkv(q, k, v, spec: Spec) -> Shapes:
     """Reject anything the kernels cannot compute, naming the argument and what was expected."""
     try:  # the common case in one expression (this runs on every call); details only on failure
-        fine = (q.dim() == 4 and k.dim() == 4 and q.dtype in _DTYPES and q.dtype == k.dtype == v.dtype
+        fine = (q.dim() == 4 and k.dim() == 4 and q.dtype in _GPU_DTYPES and q.dtype == k.dtype == v.dtype
                 and q.shape[-1] == spec.head_dim and k.shape == v.shape and k.shape[-1] == spec.head_dim
                 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
                 and q.is_cuda and k.device == q.device and v.device == q.device and not interpreting())
@@ -140,7 +142,7 @@ def _explain_qkv(q, k, v, spec: Spec) -> None:
             raise KernelgenValueError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
             expected = "float16 or float32 (bfloat16 on a GPU)" if t.device.type == "cpu" else \
-                "float16, bfloat16 or float32"
+                "float16 or bfloat16"
             raise KernelgenTypeError(f"{name}.dtype must be {expected}, got {t.dtype}")
         if t.shape[-1] != spec.head_dim:
             raise KernelgenValueError(f"{name}.shape[-1] = {t.shape[-1]} does not match spec.head_dim = {spec.head_dim}")
@@ -150,6 +152,10 @@ def _explain_qkv(q, k, v, spec: Spec) -> None:
             raise KernelgenTypeError(f"{name}.dtype = {t.dtype} differs from q.dtype = {q.dtype}")
         if t.device != q.device:
             raise KernelgenValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if t.device.type == "cuda" and t.dtype not in _GPU_DTYPES:
+            raise KernelgenTypeError(f"{name}.dtype must be float16 or bfloat16 on a GPU, got {t.dtype}: the kernels' "
+                                     "tensor-core products would round float32 to tf32 (cast with .to(torch.bfloat16); "
+                                     "float32 runs in kernelgen.reference and the CPU interpreter)")
     if q.device.type == "cuda":
         if interpreting():
             raise KernelgenValueError("CUDA tensors with TRITON_INTERPRET=1: unset it to run the kernels on the GPU")

@@ -77,10 +77,22 @@ def test_wrong_ndim(attn, device, name, shape):
         attn(**args)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "tilelang", "auto"])
+def test_gpu_float32_is_a_type_error(backend):
+    """float32 runs on the CPU only: on a GPU the kernels' products would round it to tf32."""
+    q, k, v = qkv("cuda", dtype=torch.float32)
+    attn = kernelgen.get_kernel(SPEC.replace(kv_block=64, backend=backend))
+    with pytest.raises(TypeError, match=r"^q\.dtype must be float16 or bfloat16 on a GPU, got torch\.float32: .*tf32"):
+        attn(q, k, v)
+    q, k, v = qkv("cuda", dtype=torch.float16)
+    attn(q, k, v)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float64, torch.bool, torch.uint8])
 def test_unsupported_dtype(attn, device, dtype):
     """The dtypes the call takes on this device: bfloat16 only on a GPU (the interpreter computes garbage)."""
-    expected = "float16 or float32 \\(bfloat16 on a GPU\\)" if device == "cpu" else "float16, bfloat16 or float32"
+    expected = "float16 or float32 \\(bfloat16 on a GPU\\)" if device == "cpu" else "float16 or bfloat16"
     q, k, v = qkv(device)
     bad = (q * 4).to(dtype)
     with pytest.raises(TypeError, match=rf"^q\.dtype must be {expected}, got " + str(dtype)):
