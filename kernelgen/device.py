@@ -1,6 +1,7 @@
 """What the process runs on: the CUDA arch of a device, and whether Triton's CPU interpreter is on."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -8,12 +9,21 @@ import threading
 
 import torch
 
-__all__ = ["interpreting", "interpret_triton_language", "device_arch", "gpu_name", "current_arch"]
+__all__ = ["interpreting", "interpret_triton_language", "device_arch", "gpu_name", "current_arch", "launching_on"]
 
 
 def interpreting() -> bool:
     """Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launching_on(t: torch.Tensor):
+    """A context in which `t`'s GPU is the current device. Triton, Gluon and TileLang launch on the current
+    device and its current stream, not on their tensors' (a model spread over GPUs calls with tensors on
+    another); a no-op where it already is current, and for CPU tensors."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 _language_interpreted = False

@@ -29,7 +29,7 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, Shapes, check_block_idx, check_block_lists, check_index, check_length, check_qkv,
                      lists_layout)
 from .archs import ANY_ARCH
-from .device import device_arch, interpreting
+from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
 from .roles import DECODE_MAX_QUERIES, backward_roles, forward_roles, get_role, union_workload_inflation
 from .spec import Spec
@@ -194,14 +194,16 @@ class SparseAttention:
         return tuple(self._served(role, bucket, dtype, device) for role in backward_roles(self.spec))
 
     def _launch(self, served: Served, like: torch.Tensor, shapes: Shapes, *args):
-        kernel = served.kernel
-        if kernel is None:  # compiled per problem shape: one dict hit per call once built
-            key = (served.role, served.config, shapes, like.dtype, like.device)
-            kernel = self._shape_kernels.get(key)
-            if kernel is None:
-                kernel = self._shape_kernels[key] = self._build(served.backend, served.spec, served.role,
-                                                                served.config, Problem(like.dtype, shapes, like.device))
-        return served.impl.launch(kernel, served.spec, served.config, shapes, *args)
+        with launching_on(like):  # a per-shape kernel is loaded, and every kernel launched, on like's GPU
+            kernel = served.kernel
+            if kernel is None:  # compiled per problem shape: one dict hit per call once built
+                key = (served.role, served.config, shapes, like.dtype, like.device)
+                kernel = self._shape_kernels.get(key)
+                if kernel is None:
+                    kernel = self._shape_kernels[key] = self._build(served.backend, served.spec, served.role,
+                                                                    served.config,
+                                                                    Problem(like.dtype, shapes, like.device))
+            return served.impl.launch(kernel, served.spec, served.config, shapes, *args)
 
     def _run(self, role: str, like: torch.Tensor, shapes: Shapes, *args):
         """Launch any role's kernels for a call of these shapes."""
