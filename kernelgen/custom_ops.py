@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import get_kernel
+from .inputs import autocast_qkv
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks"]
@@ -107,12 +108,14 @@ def _index_args(index) -> tuple:
 
 def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> torch.Tensor:
     """`get_kernel(spec).select(q, k, index=...)` as a custom op."""
+    q, k, _ = autocast_qkv(q, k, k)
     return _select_op(q, k, _spec_json(spec), *_index_args(index))
 
 
 def sparse_attention(q, k, v, spec: Spec, block_idx=None, scale=None, index=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., return_lse=True)` as a custom op; o
     backpropagates (lse carries no gradient)."""
+    q, k, v = autocast_qkv(q, k, v)
     o, lse, _ = _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale),
                          *_index_args(index))
     return o, lse

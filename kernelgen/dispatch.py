@@ -26,8 +26,8 @@ import torch
 from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import (BlockLists, Shapes, check_block_idx, check_block_lists, check_index, check_length, check_qkv,
-                     lists_layout)
+from .inputs import (BlockLists, Shapes, autocast_qkv, check_block_idx, check_block_lists, check_index, check_length,
+                     check_qkv, lists_layout)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -213,6 +213,7 @@ class SparseAttention:
     def select(self, q: torch.Tensor, k: torch.Tensor, *, index=None) -> torch.Tensor:
         if not self.spec.selects:
             raise KernelgenValueError("spec.selector='given' has no selector: pass block_idx to the call")
+        q, k, _ = autocast_qkv(q, k, k)
         shapes = check_qkv(q, k, k, self.spec)
         served = self._served(self.spec.selection_role, seq_bucket(shapes.n_k), q.dtype, q.device)
         return self._select(q, k, shapes, index, served)
@@ -302,6 +303,7 @@ class SparseAttention:
         self._generation = autotune.generation
 
     def __call__(self, q, k, v, *, block_idx=None, index=None, scale=None, return_lse: bool = False):
+        q, k, v = autocast_qkv(q, k, v)
         shapes = self._start_call(q, k, v)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index)

@@ -109,6 +109,16 @@ class BlockLists:
                 f"n_kv_blocks={self.n_kv_blocks}{design}, device={self.block_idx.device})")
 
 
+def autocast_qkv(q, k, v):
+    """q, k and v in CUDA autocast's dtype where it is on, as SDPA's are cast (a float32 model under
+    torch.autocast calls with float32 tensors), else as they are. The casts are differentiable: float32 leaves
+    get float32 gradients."""
+    if isinstance(q, torch.Tensor) and q.is_cuda and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
+    return q, k, v
+
+
 def check_qkv(q, k, v, spec: Spec) -> Shapes:
     """Reject anything the kernels cannot compute, naming the argument and what was expected."""
     try:  # the common case in one expression (this runs on every call); details only on failure

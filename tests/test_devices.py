@@ -1,6 +1,7 @@
-"""Calls on a GPU other than the current device: Triton, Gluon and TileLang launch on the current device, so
-every launch runs under `device.launching_on` its tensors' GPU (a model spread over GPUs, as transformers'
-device_map places it, calls with tensors on each)."""
+"""Where and in what dtype a call runs. On a GPU other than the current device: Triton, Gluon and TileLang
+launch on the current device, so every launch runs under `device.launching_on` its tensors' GPU (a model
+spread over GPUs, as transformers' device_map places it, calls with tensors on each). Under CUDA autocast:
+q, k and v are cast to its dtype, as SDPA's are."""
 import contextlib
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 import kernelgen
 import kernelgen.dispatch
-from kernelgen import Spec, reference
+from kernelgen import Spec, custom_ops, reference
 from kernelgen.device import launching_on
 from checks import assert_close_to_reference
 
@@ -65,3 +66,29 @@ def test_gpu_a_call_on_the_second_gpu(backend):
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec.replace(backend="triton"),
                                                    block_idx=kernelgen.get_kernel(spec).select(q, k))
     assert_close_to_reference(o, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("call", ["get_kernel", "custom_op"])
+def test_gpu_float32_under_autocast_runs_in_its_dtype(call):
+    """float32 leaves under torch.autocast(bfloat16): o in bfloat16, float32 gradients, both those of the
+    bfloat16-cast inputs."""
+    spec = SPEC.replace(kv_block=64, q_tile=64)
+    gen = torch.Generator().manual_seed(2)
+    leaves = [torch.randn(1, h, 4096, 64, generator=gen).cuda().requires_grad_() for h in (4, 2, 2)]
+    do = torch.randn(1, 4, 4096, 64, generator=gen).cuda().to(torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        if call == "get_kernel":
+            o, lse = kernelgen.get_kernel(spec)(*leaves, return_lse=True)
+        else:
+            o, lse = custom_ops.sparse_attention(*leaves, spec)
+    assert o.dtype == torch.bfloat16
+    o.backward(do)
+    q, k, v = (t.detach().to(torch.bfloat16) for t in leaves)
+    lists = kernelgen.get_kernel(spec).select(q, k)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=lists)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, torch.bfloat16)
+    want = reference.sparse_attention_grads(q, k, v, do, spec, lists, stored_o=o)
+    for leaf, ref in zip(leaves, want):
+        assert leaf.grad.dtype == torch.float32
+        assert ((leaf.grad.double() - ref).norm() / ref.norm()).item() < 1e-2
