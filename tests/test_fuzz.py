@@ -46,6 +46,6 @@ def test_a_wrong_result_is_reported_not_passed(monkeypatch):
 
 def test_a_process_that_died_leaves_its_seed(tmp_path):
     rows = [dict(seed=3, status="start"), dict(seed=3, status="pass"), dict(seed=5, status="start")]
-    (tmp_path / "worker-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "worker-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"seed": 5, "sta')
     outcomes = fuzz.read_results(tmp_path)
     assert outcomes[3]["status"] == "pass" and outcomes[5]["status"] == "died"

@@ -29,6 +29,9 @@ import traceback
 from pathlib import Path
 
 os.environ["KERNELGEN_POISON"] = "1"  # outputs start as NaN: an unwritten element fails its check
+TESTS = str(Path(__file__).resolve().parent.parent / "tests")
+if TESTS not in sys.path:
+    sys.path.append(TESTS)  # checks.py: the tests' selection check
 
 # relative L2 error, max-abs error (of o; of a gradient, over its reference's largest magnitude)
 OUT_TOLERANCE = {"float32": (1e-5, 1e-4), "float16": (3e-3, 2e-2), "bfloat16": (1e-2, 6e-2)}
@@ -228,7 +231,6 @@ def run_case(case: dict) -> dict:
     from kernelgen import Spec, reference
     from kernelgen.errors import KernelgenError
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from checks import assert_valid_selection
 
     result, stage = dict(seed=case["seed"]), "spec"
@@ -322,7 +324,10 @@ def read_results(out: Path) -> dict[int, dict]:
     outcomes = {}
     for path in out.glob("worker-*.jsonl"):
         for line in path.read_text().splitlines():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a killed process
+                continue
             if row["status"] == "start":
                 outcomes.setdefault(row["seed"], dict(seed=row["seed"], status="died", message="the process died"))
             else:
