@@ -1,5 +1,5 @@
 """tools/fuzz.py's randomized differential cases: a quick run of them here (on the GPU, every backend at up
-to 4k tokens), and the driver's bookkeeping."""
+to 4k tokens; context-parallel ones on simulated ranks), and the driver's bookkeeping."""
 import json
 
 import pytest
@@ -14,6 +14,13 @@ def test_random_cases_match_the_reference_or_are_refused(seed, device):
     case = fuzz.draw_case(seed, device, max_len=None if device == "cuda" else 40)
     result = fuzz.run_case(case)
     assert result["status"] in ("pass", "reject"), (json.dumps(case), result)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_context_parallel_cases_match_the_whole_sequence(seed):
+    case = fuzz.draw_distributed_case(seed)
+    result = fuzz.run_case(case)
+    assert result["status"] == "pass", (json.dumps(case), result)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,11 @@ KernelgenTypeError is a rejection. Anything else (a wrong value, another excepti
 
     python tools/fuzz.py --minutes 10 [--device cuda] [--workers 4]   # cases until the time is up
     python tools/fuzz.py --case SEED [--device cuda]                   # one case, in full
+    python tools/fuzz.py --distributed --minutes 10                    # context-parallel cases (below)
+
+--distributed draws context-parallel cases instead: 2 to 4 ranks (`kernelgen.distributed.simulate` runs them
+in one process), both layouts, the dense ring and the sparse fetch, given lists with bad ids, a backward; the
+unsharded o, lse and gradients must match the reference of the whole sequence.
 
 Results: one JSON line a case under --out; the summary lists every failure with its seed.
 """
@@ -95,6 +100,42 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
         case["index"] = dict(heads=r.choice([1, 2, 3, 4]), dim=r.choice([32, 64, 128]), shared=r.random() < 0.4,
                              dtype=r.choice(index_dtypes), w_dtype=r.choice(["float32", "float16"]))
     return case
+
+
+def draw_distributed_case(seed: int, device: str = "cpu") -> dict:
+    """A context-parallel case: world, layout, path, and a sequence of whole chunks of blocks and tiles."""
+    r = random.Random(seed)
+    world, layout = r.choice([2, 2, 3, 4]), r.choice(["zigzag", "contiguous"])
+    kv_block, q_tile, g = r.choice([16, 32]), r.choice([16, 32]), r.choice([1, 2, 4])
+    top_k, causal = r.choice([1, 2, 3, 5, 8]), r.random() < 0.6
+    local, sink = r.choice([0, 0, 1, 2]), r.choice([0, 0, 1])
+    if sink + max(local, 1 if causal else 0) > top_k:
+        local = sink = 0
+    chunk = max(kv_block, q_tile) * r.choice([1, 2, 3])
+    n = chunk * world * (2 if layout == "zigzag" else 1)
+    spec = dict(head_dim=64, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, gqa_group=g,
+                selector="given", local=local, sink=sink)
+    return dict(seed=seed, device=device, kind="distributed", spec=spec, world=world, layout=layout,
+                path=r.choice(["dense", "sparse"]), b=r.choice([1, 2]), hkv=r.choice([1, 2]) if g < 4 else 1,
+                nq=n, nk=n, dtype=r.choice(["float32", "float16"]), scale=None, strided=False, index=None,
+                lists=dict(kind="raw32", seed=r.randint(0, 10**6), p_invalid=r.choice([0.0, 0.2]), p_repeat=0.1,
+                           p_empty_row=r.choice([0.0, 0.1]), p_distinct=0.5))
+
+
+def run_distributed_case(case: dict, torch, reference, spec) -> dict:
+    """The whole sequence's o, lse and gradients from the simulated ranks, against the reference."""
+    from kernelgen.distributed.simulate import simulate, unshard_runs
+
+    q, k, v, do, _ = make_inputs(case, spec, torch)
+    lists = make_lists(case, spec, torch)
+    runs = simulate(q, k, v, lists, spec, world=case["world"], layout=case["layout"], path=case["path"], do=do)
+    o, lse = unshard_runs(runs, "o"), unshard_runs(runs, "lse")
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=lists)
+    result = dict(forward=compare_forward(o, lse, ref_o, ref_lse, q, torch))
+    want = reference.sparse_attention_grads(q, k, v, do, spec, lists, stored_o=o)
+    grads = [unshard_runs(runs, name) for name in ("dq", "dk", "dv")]
+    result["backward"] = compare_grads(grads, want, [True] * 3, q.dtype, torch)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -236,6 +277,10 @@ def run_case(case: dict) -> dict:
     result, stage = dict(seed=case["seed"]), "spec"
     try:
         spec = Spec(**case["spec"])
+        if case.get("kind") == "distributed":
+            stage = "distributed"
+            result.update(run_distributed_case(case, torch, reference, spec), status="pass", stage=stage)
+            return result
         stage = "get_kernel"
         configs = pinned_configs(case, spec) if case["pin_configs"] else None
         result["configs"] = {role: repr(c) for role, c in (configs or {}).items()}
@@ -301,12 +346,12 @@ def run_case(case: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------
-def worker(seeds: list[int], device: str, out: Path) -> None:
+def worker(seeds: list[int], device: str, out: Path, distributed: bool = False) -> None:
     """Runs `seeds` in order, a line each in `out` ("start" first: a process that dies leaves its seed). A
     CUDA error spoils the process's context, so the worker stops after one."""
     with out.open("a") as f:
         for seed in seeds:
-            case = draw_case(seed, device)
+            case = (draw_distributed_case if distributed else draw_case)(seed, device)
             f.write(json.dumps(dict(seed=seed, status="start")) + "\n")
             f.flush()
             started = time.time()
@@ -346,7 +391,7 @@ def drive(args) -> int:
                 seeds = list(range(next_seed, next_seed + batch))
                 next_seed += batch
                 cmd = [sys.executable, __file__, "--device", args.device, "--seeds", ",".join(map(str, seeds)),
-                       "--out", str(args.out / f"worker-{slot}.jsonl")]
+                       "--out", str(args.out / f"worker-{slot}.jsonl"), *(["--distributed"] if args.distributed else [])]
                 procs[slot] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
         time.sleep(0.5)
         for slot, proc in list(procs.items()):
@@ -371,18 +416,19 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--case", type=int, help="run one seed and print its case and outcome")
+    parser.add_argument("--distributed", action="store_true", help="context-parallel cases on simulated ranks")
     parser.add_argument("--seeds", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("fuzz-results"))
     args = parser.parse_args()
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     if args.case is not None:
-        case = draw_case(args.case, args.device)
+        case = (draw_distributed_case if args.distributed else draw_case)(args.case, args.device)
         print(json.dumps(case))
         print(json.dumps(run_case(case), indent=1, default=str))
         return 0
     if args.seeds:
-        worker([int(s) for s in args.seeds.split(",")], args.device, args.out)
+        worker([int(s) for s in args.seeds.split(",")], args.device, args.out, args.distributed)
         return 0
     return drive(args)
 
