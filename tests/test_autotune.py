@@ -58,3 +58,21 @@ def test_the_switch_reads_the_usual_words_and_says_when_it_cannot(monkeypatch, c
     with caplog.at_level("WARNING", logger="kernelgen"):
         assert not autotune.enabled() and not autotune.enabled()
     assert len(caplog.records) == 1 and "'sometimes' is neither on" in caplog.records[0].getMessage()
+
+
+def test_the_background_tune_runs_on_the_call_s_gpu(monkeypatch):
+    """A call on cuda:1 tunes on cuda:1: the winner is stored for that GPU's kind (a host's GPUs may differ)."""
+    import json
+
+    jobs = []
+
+    class Started:
+        def __init__(self, argv, **kwargs):
+            jobs.append(json.loads(argv[-1]))
+
+    monkeypatch.setattr(autotune.subprocess, "Popen", Started)
+    monkeypatch.setattr(autotune, "_requested", set())
+    monkeypatch.setattr(autotune, "_running", {})
+    autotune.request(SPEC, "attn", 4096, torch.device("cuda", 1))
+    autotune.request(SPEC, "attn", 4096, torch.device("cpu"))
+    assert [job["device"] for job in jobs] == ["cuda:1", "cpu"]

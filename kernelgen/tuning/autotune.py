@@ -62,8 +62,8 @@ def request(spec: Spec, role: str, bucket: int, device) -> None:
     if key in _requested:
         return
     _requested.add(key)
-    job = dict(spec=spec.to_json(), role=role, seq=bucket, trials=_trials(),
-               device="cpu" if str(device) == "cpu" else None)
+    # on the call's GPU: the winner is stored for that GPU's kind, which another GPU of the host may not be
+    job = dict(spec=spec.to_json(), role=role, seq=bucket, trials=_trials(), device=str(device))
     try:
         stderr = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty tune must never block on it
         _running[key] = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(job)],
