@@ -24,6 +24,13 @@ TOLERANCE = {
     torch.bfloat16: (1e-2, 6e-2),
 }
 
+# gradients: relative L2 error, max-abs error over the largest reference magnitude (inputs and do are randn)
+GRAD_TOLERANCE = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 3e-3),
+    torch.bfloat16: (1e-2, 2e-2),
+}
+
 
 def served_backend(spec, role):
     """(backend, kernel spec) that get_kernel runs `role` of `spec` with: the spec's backend when it has

@@ -3,7 +3,9 @@ to 4k tokens; context-parallel ones on simulated ranks), and the driver's bookke
 import json
 
 import pytest
+import torch
 
+import checks
 from checks import tool
 
 fuzz = tool("fuzz")
@@ -47,7 +49,7 @@ def test_cases_replay_from_their_seed_and_cover_the_variety():
 
 def test_a_wrong_result_is_reported_not_passed(monkeypatch):
     case = fuzz.draw_case(0, "cpu", max_len=32)
-    monkeypatch.setitem(fuzz.OUT_TOLERANCE, case["dtype"], (0.0, 0.0))
+    monkeypatch.setitem(checks.TOLERANCE, getattr(torch, case["dtype"]), (0.0, 0.0))
     assert fuzz.run_case(case)["status"] == "wrong"
 
 

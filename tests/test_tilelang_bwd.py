@@ -183,7 +183,7 @@ def _dkdv(spec, q, k, v, do, configs=None):
 
 
 def _assert_close(got, want, dtype, name):
-    from test_backward import GRAD_TOLERANCE
+    from checks import GRAD_TOLERANCE
 
     rel_tol, abs_tol = GRAD_TOLERANCE[dtype]
     assert got.dtype == dtype and not torch.isnan(got).any(), name
