@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 git rev-parse --short HEAD 2>/dev/null
 if [ "$PART" = tests ]; then
-  # pytest-xdist processes share the GPU (TileLang's tests are nvcc-bound): 6 ran all of them in 5.3 min on an H200
+  # pytest-xdist processes share the GPU (TileLang's tests are nvcc-bound, so several overlap well)
   timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu -n ${WORKERS:-6} -p no:cacheprovider tests 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -vE "Warning|warn" | tail -25
 fi
