@@ -246,6 +246,9 @@ def sparse_attention_grads(
     algorithm's in exact arithmetic. The two differ by delta's rounding error times P: a relative 1e-2 of a
     bf16 dq where rows see one or two keys, whose exact dq is (nearly) 0. The correction is the gradient of
     -sum_i err_i * lse_i (d lse_i / d s_ij = P_ij), err_i = rowsum(do_i * (stored_o_i - o_i))."""
+    if stored_o is not None and stored_o.shape != q.shape:
+        raise KernelgenValueError(f"stored_o.shape = {tuple(stored_o.shape)}; expected q's, {tuple(q.shape)} (the "
+                                  "forward's o)")
     nq, nk = q.shape[2], k.shape[2]
     kd = k.detach().double().requires_grad_()
     vd = v.detach().double().requires_grad_()

@@ -68,6 +68,8 @@ def test_gradients_of_the_stored_output_are_flashattention_s_algorithm():
     assert torch.equal(dv, exact[2])
     assert (dq[0, 0, : nq - nk] == 0).all() and exact[0][0, 0, nq - nk].abs().max() < 1e-12
     assert dq[0, 0, nq - nk].abs().max() > 1e-6  # one key: delta's rounding, not 0
+    with pytest.raises(ValueError, match=r"stored_o.shape = \(1, 1, 39, 64\); expected q's, \(1, 1, 40, 64\)"):
+        reference.sparse_attention_grads(q, k, v, do, spec, lists, stored_o=o[:, :, 1:])
 
 
 def test_lse_merges_disjoint_key_sets():
