@@ -22,12 +22,13 @@ from .backends.triton import (AttnConfig, BwdDkdvConfig, BwdDqConfig, DecodeConf
 from .dispatch import SparseAttention, get_kernel  # noqa: E402
 from .errors import (KernelgenError, KernelgenNotImplementedError, KernelgenRuntimeError, KernelgenTypeError,  # noqa: E402
                      KernelgenValueError)
-from .inputs import BlockLists  # noqa: E402
+from .inputs import BlockLists, KeyReps  # noqa: E402
 from .interop import from_block_mask, to_block_mask  # noqa: E402
 from .reverse_index import ReverseIndex, build_reverse_index  # noqa: E402
 from .spec import Spec  # noqa: E402
 
-__all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "ReverseIndex", "build_reverse_index", "AttnConfig",
+__all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "KeyReps", "ReverseIndex", "build_reverse_index",
+           "AttnConfig",
            "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig", "KvSelectConfig", "KvAttnConfig",
            "KvUnionConfig", "KvUnionBwdConfig", "KvBwdConfig", "KvIndexSelectConfig", "DecodeConfig",
            "TileLangAttnConfig", "TileLangBwdDkdvConfig", "GluonAttnConfig",

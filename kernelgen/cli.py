@@ -465,6 +465,10 @@ def bench(
     kv_centric: bool = typer.Option(False, "--kv-centric", help="Per-query lists (the KV-centric schedule) against "
                                                                 "FlexAttention, SDPA cuDNN and fla-core's NSA kernels "
                                                                 "(shapes kv_b8, kv_nsa32k, kv_d64_64k; GPU only)."),
+    decode: bool = typer.Option(False, "--decode", help="A few queries against a long KV cache (the decode role) "
+                                                        "against FlexAttention (same BlockMask) and dense SDPA, in "
+                                                        "GB/s beside a device copy's (shapes dec_c32k, dec_c128k, "
+                                                        "dec_b64k, dec_spec4; GPU only)."),
     context_parallel: bool = typer.Option(False, "--context-parallel", help="A 2-rank context-parallel run's "
                                           "per-rank kernels (dense ring and sparse fetch), forward and backward, "
                                           "timed on one GPU against one GPU's, the bytes each path moves, and the "
@@ -479,24 +483,26 @@ def bench(
 
         from .bench.context_parallel import run_context_parallel
 
-        if backward or untuned or kv_centric or shapes:
+        if backward or untuned or kv_centric or decode or shapes:
             _fail("--context-parallel is a bench of its own (one shape): give it alone")
         if not torch.cuda.is_available():
             _fail("bench --context-parallel needs a CUDA GPU: it times kernels")
         _check_out_dir(out)
         run_context_parallel(out_dir=str(out))
         return
-    if backward or untuned or kv_centric:  # GPU-only benches of their own
+    if backward or untuned or kv_centric or decode:  # GPU-only benches of their own
         import torch
 
         from .bench.backward import run_backward
+        from .bench.decode import run_decode
         from .bench.kv_centric import run_kv_centric
         from .bench.untuned import run_untuned
-        from .workloads import KV_CENTRIC_SHAPES, SHAPES
+        from .workloads import DECODE_SHAPES, KV_CENTRIC_SHAPES, SHAPES
 
         chosen = [(flag, run, known) for flag, on, run, known in (
             ("--backward", backward, run_backward, SHAPES), ("--untuned", untuned, run_untuned, SHAPES),
-            ("--kv-centric", kv_centric, run_kv_centric, KV_CENTRIC_SHAPES)) if on]
+            ("--kv-centric", kv_centric, run_kv_centric, KV_CENTRIC_SHAPES),
+            ("--decode", decode, run_decode, DECODE_SHAPES)) if on]
         if len(chosen) > 1:
             _fail(f"{' and '.join(flag for flag, _, _ in chosen)} are separate benches: give one")
         flag, run, known = chosen[0]

@@ -26,8 +26,8 @@ import torch
 from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import (BlockLists, Shapes, autocast_qkv, check_block_idx, check_block_lists, check_index, check_length,
-                     check_qkv, lists_layout)
+from .inputs import (BlockLists, KeyReps, Shapes, _explain_qkv, autocast_qkv, check_block_idx, check_block_lists,
+                     check_index, check_key_reps, check_length, check_qkv, lists_layout)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -73,6 +73,9 @@ class SparseAttention:
     attn(q, k, v, block_idx=lists)        calls with them skip that step (one launch fewer per call)
     attn(q, k, v, return_lse=True)        also return lse (float32 [B, Hq, Nq]; it carries no gradient)
     attn.select(q, k)                     the lists the selector would use
+    reps = attn.key_reps(k)               the `mean`/`multi:r` selector's representatives of k's blocks, kept with a
+                                          KV cache (`KeyReps`); attn(q, k, v, key_reps=reps) selects from them, not
+                                          by pooling k (a decode step); key_reps(k, previous=reps) extends them
     With Spec(schedule="kv_centric") the lists are per query: int32 [B, Hkv, Nq, top_k]. prepare() serves
     them the union design where neighbouring queries' lists agree closely (`BlockLists.union`); configs=
     {"kv_attn_union": KvUnionConfig(...)} (and "kv_bwd_union" for the backward) pins it for raw and
@@ -210,23 +213,59 @@ class SparseAttention:
         return self._launch(self._served(role, seq_bucket(shapes.n_k), like.dtype, like.device), like, shapes, *args)
 
     # ---- the calls -----------------------------------------------------------------------------------
-    def select(self, q: torch.Tensor, k: torch.Tensor, *, index=None) -> torch.Tensor:
+    def select(self, q: torch.Tensor, k: torch.Tensor, *, index=None, key_reps: KeyReps | None = None) -> torch.Tensor:
         if not self.spec.selects:
             raise KernelgenValueError("spec.selector='given' has no selector: pass block_idx to the call")
         q, k, _ = autocast_qkv(q, k, k)
         shapes = check_qkv(q, k, k, self.spec)
         served = self._served(self.spec.selection_role, seq_bucket(shapes.n_k), q.dtype, q.device)
-        return self._select(q, k, shapes, index, served)
+        return self._select(q, k, shapes, index, served, key_reps)
 
-    def _select(self, q, k, shapes: Shapes, index, served: Served) -> torch.Tensor:
-        """The selector's lists for a checked call: from q and k, or from `index` (the index selector's)."""
+    def _select(self, q, k, shapes: Shapes, index, served: Served, key_reps: KeyReps | None = None) -> torch.Tensor:
+        """The selector's lists for a checked call: from q and k (or k's kept representatives, `key_reps`), or
+        from `index` (the index selector's)."""
+        k_rep = None if key_reps is None else check_key_reps(key_reps, self.spec, shapes, q.device)
         if self.spec.selector == "index":
             if index is None:
                 raise KernelgenValueError("spec.selector='index' needs index=(q_idx, k_idx, w) (or block_idx=...)")
             return self._launch(served, q, shapes, *check_index(index, self.spec, shapes, q.device))
         if index is not None:
             check_index(index, self.spec, shapes, q.device)  # raises: index= is the index selector's input
-        return self._launch(served, q, shapes, q, k)
+        return self._launch(served, q, shapes, q, k, *(() if k_rep is None else (k_rep,)))  # a plug-in may not keep reps
+
+    def key_reps(self, k: torch.Tensor, *, previous: KeyReps | None = None) -> KeyReps:
+        """The selector's representatives of k's blocks (`KeyReps`), for calls over this k as `key_reps=`:
+        their selection pools q alone, not the whole of k. `previous`: the KeyReps of an earlier k that this
+        one extends (a KV cache that grew: the same keys first, more after); only the blocks from previous's
+        last partial block on are pooled, the others are copied. The reps are the selector's own bits: a call
+        with them selects exactly what a call without them does."""
+        if self.spec.selection_role not in ("select", "kv_select"):
+            raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
+                                      f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
+        (k,) = autocast_qkv(k, None, None)[:1]
+        _explain_qkv(k, k, k, self.spec)  # k alone: the rules q, k and v are held to
+        b, hkv, n_k, _ = k.shape
+        if min(b, hkv, n_k) < 1:
+            raise KernelgenValueError(f"empty input: k {tuple(k.shape)}")
+        spec = self.spec
+        shapes = Shapes(b, hkv * spec.gqa_group, hkv, 1, n_k, 1, spec.n_kv_blocks(n_k))
+        start = 0  # the first block pooled here
+        if previous is not None:
+            if not isinstance(previous, KeyReps):
+                raise KernelgenTypeError(f"previous must be the KeyReps of attn.key_reps, got {type(previous).__name__}")
+            if previous.n_k > n_k:
+                raise KernelgenValueError(f"previous key_reps were made for {previous.n_k} keys; k has {n_k}: a cache "
+                                          "that grew extends them, one that shrank needs attn.key_reps(k)")
+            check_key_reps(previous, spec, shapes._replace(n_k=previous.n_k,
+                                                           n_kv_blocks=spec.n_kv_blocks(previous.n_k)), k.device)
+            start = previous.n_k // spec.kv_block  # its blocks before this one are whole, and unchanged
+            if previous.n_k == n_k:
+                return previous
+        served = self._served("key_reps", seq_bucket(n_k), k.dtype, k.device)
+        reps = self._launch(served, k, shapes, k[:, :, start * spec.kv_block:])
+        if start:
+            reps = torch.cat([previous.reps[:, :, :start], reps], dim=2)
+        return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups)
 
     def prepare(self, block_idx: torch.Tensor, seq_q: int, seq_k: int) -> BlockLists:
         """Given lists checked and normalised once, for calls with seq_q queries and seq_k keys (any
@@ -302,13 +341,14 @@ class SparseAttention:
         self._shape_kernels.clear()
         self._generation = autotune.generation
 
-    def __call__(self, q, k, v, *, block_idx=None, index=None, scale=None, return_lse: bool = False):
+    def __call__(self, q, k, v, *, block_idx=None, index=None, scale=None, return_lse: bool = False,
+                 key_reps: KeyReps | None = None):
         q, k, v = autocast_qkv(q, k, v)
         shapes = self._start_call(q, k, v)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-            o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index)
+            o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps)
         else:
-            o, lse, _ = self._attend(q, k, v, shapes, block_idx, scale, index)
+            o, lse, _ = self._attend(q, k, v, shapes, block_idx, scale, index, key_reps)
         return (o, lse) if return_lse else o
 
     def _start_call(self, q, k, v) -> Shapes:
@@ -320,23 +360,30 @@ class SparseAttention:
             self._forget_served()
         return shapes
 
-    def _attend(self, q, k, v, shapes: Shapes, block_idx, scale, index=None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _attend(self, q, k, v, shapes: Shapes, block_idx, scale, index=None,
+                key_reps: KeyReps | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The forward of a checked call: (o, lse, the lists it attended over: the BlockLists given, else
-        the normalised or selected int32 tensor). `index`: the index selector's (q_idx, k_idx, w)."""
-        return self._forward(q, k, v, shapes, block_idx, scale, index)[:3]
+        the normalised or selected int32 tensor). `index`: the index selector's (q_idx, k_idx, w); `key_reps`:
+        the pooling selectors' kept representatives of k."""
+        return self._forward(q, k, v, shapes, block_idx, scale, index, key_reps)[:3]
 
-    def _forward(self, q, k, v, shapes: Shapes, block_idx, scale, index=None):
+    def _forward(self, q, k, v, shapes: Shapes, block_idx, scale, index=None, key_reps: KeyReps | None = None):
         """`_attend`'s (o, lse, lists), and the tile union the forward built for raw or selected lists under a
         pinned union config (None otherwise): a backward of the union design reuses it."""
         lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device, shapes.n_q <= DECODE_MAX_QUERIES)
         if block_idx is not None and index is not None:
             raise KernelgenValueError("pass block_idx= or index=, not both: index= chooses the lists block_idx= gives")
+        if block_idx is not None and key_reps is not None:
+            raise KernelgenValueError("pass block_idx= or key_reps=, not both: key_reps= feeds the selector, block_idx= "
+                                      "gives the lists")
         if block_idx is None:
             if select is None:
                 if index is not None:
                     check_index(index, self.spec, shapes, q.device)  # raises: not an index spec
+                if key_reps is not None:
+                    check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: no selector to feed
                 raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
-            used = normalised = self._select(q, k, shapes, index, select)
+            used = normalised = self._select(q, k, shapes, index, select, key_reps)
         elif isinstance(block_idx, BlockLists):
             used, normalised = block_idx, check_block_lists(block_idx, self.spec, shapes, q.device)
         else:
@@ -403,8 +450,8 @@ class _AttentionFunction(torch.autograd.Function):
     kept with it; raw or selected lists get theirs in each backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn: SparseAttention, shapes: Shapes, block_idx, scale, index):
-        o, lse, used, ctx.built_union = attn._forward(q, k, v, shapes, block_idx, scale, index)
+    def forward(ctx, q, k, v, attn: SparseAttention, shapes: Shapes, block_idx, scale, index, key_reps):
+        o, lse, used, ctx.built_union = attn._forward(q, k, v, shapes, block_idx, scale, index, key_reps)
         ctx.attn, ctx.scale, ctx.shapes = attn, scale, shapes
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor made and filled for it per backward
         ctx.prepared = used if isinstance(used, BlockLists) else None
@@ -416,7 +463,7 @@ class _AttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # no double backward: the gradients are not differentiated
     def backward(ctx, do, _dlse):
         if do is None:  # o did not reach the loss (only lse, which has no gradient)
-            return (None,) * 8
+            return (None,) * 9
         q, k, v, o, lse, block_idx = ctx.saved_tensors
         attn = ctx.attn
         union = ctx.prepared.union if ctx.prepared is not None else None
@@ -431,7 +478,7 @@ class _AttentionFunction(torch.autograd.Function):
         reverse = ctx.prepared.reverse_index() if ctx.prepared is not None and union is None else None
         dq, dk, dv = attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3],
                                      ctx.shapes, union)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 @functools.lru_cache(maxsize=256)

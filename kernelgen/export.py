@@ -63,7 +63,7 @@ _ALLOWED_ROOTS = frozenset(sys.stdlib_module_names) | {"torch", "triton"}
 # The dtypes a template that takes a `dtype` (a per-shape backend's: its kernel is compiled per problem) is
 # rendered for: the half-precision dtypes a GPU call takes (float32 runs in Triton's interpreter only).
 _RENDER_DTYPES = ("bfloat16", "float16")
-_PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "select", "prepare")
+_PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "select", "prepare", "key_reps")
 
 
 class ExportError(KernelgenError, RuntimeError):
@@ -71,13 +71,15 @@ class ExportError(KernelgenError, RuntimeError):
 
 
 def call_roles(spec: Spec) -> tuple[str, ...]:
-    """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector),
+    """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector; with the
+    `mean` and `multi:r` selectors `key_reps` too),
     `attn`, `decode` (a call of a few queries), and its backward's, under the schedule's role names
     (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the gathered design only: their
     kv_attn config is pinned, and a pinned kv_attn keeps prepared lists off the union design."""
     lists, selection, attn = forward_roles(spec)
     backward = backward_roles(spec)
-    return (lists, *((selection,) if selection else ()), attn, forward_roles(spec, 1)[2]) + backward
+    kept = ("key_reps",) if selection in ("select", "kv_select") else ()  # the pooling selectors' kept reps
+    return (lists, *((selection,) if selection else ()), *kept, attn, forward_roles(spec, 1)[2]) + backward
 
 
 def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str | None = None,
@@ -94,7 +96,8 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
               "default" when the default was baked, else "given").
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)`, `select(q, k)`,
-    `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `SPEC` (the
+    `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `key_reps(k, *,
+    previous=None)` (the pooling selectors' kept representatives, as SparseAttention.key_reps), `SPEC` (the
     spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind them;
     `kernel.validate_lists = True` makes repeated ids in given lists an error). Its inputs are checked
     exactly as get_kernel's are (the same code). Without a CUDA device it selects Triton's interpreter
@@ -609,17 +612,23 @@ kernel = _embedded("dispatch").SparseAttention(
      for role, data in CONFIGS.items()}})
 
 
-def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False):
+def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None):
     """o [B, Hq, Nq, D] (and lse float32 [B, Hq, Nq] with return_lse) over the spec's selection, or over
     block_idx int32/int64 [B, Hkv, n_q_tiles, top_k] when given (-1 empty; out-of-range ids are empty).
-    index: (q_idx, k_idx, w) of the index selector."""
-    return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse)
+    index: (q_idx, k_idx, w) of the index selector; key_reps: k's kept representatives (key_reps(k))."""
+    return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps)
 
 
-def select(q, k, *, index=None):
+def select(q, k, *, index=None, key_reps=None):
     """The block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) the selector chooses
-    (index: (q_idx, k_idx, w) of the index selector)."""
-    return kernel.select(q, k, index=index)
+    (index: (q_idx, k_idx, w) of the index selector; key_reps: as attn's)."""
+    return kernel.select(q, k, index=index, key_reps=key_reps)
+
+
+def key_reps(k, *, previous=None):
+    """The mean or multi:r selector's representatives of k's blocks, kept with a KV cache for attn's and select's
+    key_reps=; previous: those of an earlier k this one extends (only its new blocks are pooled)."""
+    return kernel.key_reps(k, previous=previous)
 
 
 def prepare(block_idx, seq_q, seq_k):

@@ -18,7 +18,8 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "check_qkv", "check_block_idx", "check_block_lists", "check_index", "check_length",
+__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_qkv", "check_block_idx", "check_block_lists",
+           "check_index", "check_length",
            "softmax_scale", "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
 
 LOG2E = 1.4426950408889634
@@ -107,6 +108,63 @@ class BlockLists:
         design = "" if self.union is None else f", union of {self.union.tile_q} queries"
         return (f"BlockLists(shape={tuple(self.block_idx.shape)}, kv_block={self.kv_block}, top_k={self.top_k}, "
                 f"n_kv_blocks={self.n_kv_blocks}{design}, device={self.block_idx.device})")
+
+
+class KeyReps:
+    """The selector's representatives of K's blocks, made once by `SparseAttention.key_reps(k)` and passed as
+    `key_reps=` to the calls over that k: their selection pools q alone instead of the whole of K. Kept
+    with a KV cache and extended as it grows (`key_reps(k, previous=...)` pools only the new blocks), they
+    take a decode step's selection from reading all of K to reading one vector per group of each block.
+
+    reps         float32 [B, Hkv, n_kv_blocks, r, D]: the mean of each of the r groups of consecutive keys of
+                 every block (r = 1 for `mean`, r for `multi:r`; a partial last block averages the keys it
+                 has), as the selector computes them
+    n_k, kv_block, groups   what they were made for; a call with other values is a ValueError
+
+    They hold what k held when they were made; a call passes the same k (or, for a grown cache, reps
+    extended over it). Only `key_reps` makes them, so the constructor refuses."""
+    __slots__ = ("reps", "n_k", "kv_block", "groups")
+
+    def __init__(self, *args, **kwargs):
+        raise KernelgenTypeError("KeyReps are made by SparseAttention.key_reps(k), not by hand")
+
+    @classmethod
+    def _made_by_key_reps(cls, reps: torch.Tensor, n_k: int, kv_block: int, groups: int) -> KeyReps:
+        made = object.__new__(cls)
+        for name, value in zip(cls.__slots__, (reps, n_k, kv_block, groups)):
+            object.__setattr__(made, name, value)
+        return made
+
+    def __setattr__(self, name, value):
+        raise AttributeError("KeyReps are read-only")
+
+    def __repr__(self) -> str:
+        return (f"KeyReps(shape={tuple(self.reps.shape)}, n_k={self.n_k}, kv_block={self.kv_block}, "
+                f"groups={self.groups}, device={self.reps.device})")
+
+
+def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device) -> torch.Tensor:
+    """The representatives tensor of a call's `key_reps=`, if they were made for this spec's blocks and this
+    call's k (its batch, KV heads, length and device): a few comparisons, no launch."""
+    if spec.selection_role not in ("select", "kv_select"):
+        raise KernelgenValueError(f"key_reps= is the input of the pooling selectors (mean, multi:r); spec.selector="
+                                  f"{spec.selector!r} takes none")
+    if not isinstance(key_reps, KeyReps):
+        raise KernelgenTypeError(f"key_reps must be the KeyReps of attn.key_reps(k), got {type(key_reps).__name__}")
+    made = (key_reps.kv_block, key_reps.groups)
+    if made != (spec.kv_block, spec.groups):
+        raise KernelgenValueError(f"key_reps were made for kv_block, groups = {made}; this spec has "
+                                  f"{(spec.kv_block, spec.groups)}")
+    if key_reps.n_k != shapes.n_k:
+        raise KernelgenValueError(f"key_reps were made for n_k = {key_reps.n_k} keys but k has {shapes.n_k}: extend "
+                                  "them with attn.key_reps(k, previous=key_reps)")
+    expected = (shapes.batch, shapes.heads_kv, shapes.n_kv_blocks, spec.groups, spec.head_dim)
+    if tuple(key_reps.reps.shape) != expected:
+        raise KernelgenValueError(f"key_reps hold shape {tuple(key_reps.reps.shape)}; this call's k needs "
+                                  f"[B, Hkv, n_kv_blocks, r, D] = {expected}")
+    if key_reps.reps.device != device:
+        raise KernelgenValueError(f"key_reps are on {key_reps.reps.device} but q is on {device}")
+    return key_reps.reps
 
 
 def autocast_qkv(q, k, v):

@@ -7,7 +7,10 @@ plus one `RoleImpl` per backend that runs it.
 
 Launch signatures, after (kernel, spec, config, shapes):
   lists     (block_idx, validate)        caller-given lists -> int32 lists in the kernels' form
-  select    (q, k)                       lists chosen by spec.selector: int32 [B, Hkv, n_q_tiles, top_k]
+  select    (q, k[, k_rep])              lists chosen by spec.selector: int32 [B, Hkv, n_q_tiles, top_k]; k_rep,
+            passed only by a call given kept reps: k's representatives from `key_reps`
+  key_reps  (k)                          the pooling selectors' representatives of k's blocks: float32
+            [B, Hkv, ceil(n / kv_block), r, D] (k: a view of the cache starting at a block boundary)
   select_index (q_idx, k_idx, w)         the same, chosen by the index selector from checked index tensors
   attn      (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form
   bwd_delta (o, do)                      delta = rowsum(do * o), float32 [B, Hq, Nq]
@@ -15,7 +18,7 @@ Launch signatures, after (kernel, spec, config, shapes):
   bwd_dkdv  (q, k, v, do, lse, delta, reverse, scale)     (dk, dv), walking `reverse`
             (a `kernelgen.reverse_index.ReverseIndex` of the same lists)
 KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalises them as well):
-  kv_select (q, k)                       per-query lists chosen by spec.selector
+  kv_select (q, k[, k_rep])              per-query lists chosen by spec.selector (k_rep: as select's)
   kv_select_index (q_idx, k_idx, w)      per-query lists chosen by the index selector
   kv_attn   (q, k, v, block_idx, reverse, scale)   (o, lse): partials per (block, query chunk) task of
             `reverse` (a `kernelgen.reverse_index.QueryReverseIndex` of the lists; None: built), merged per row
@@ -285,6 +288,8 @@ def get_role(name: str) -> Role:
 register_role(Role("lists", "caller-given block lists to the kernels' form (ids ascending, then -1; out-of-range "
                    "and repeated ids empty)", canonical=_KERNEL_READS_LISTS))
 register_role(Role("select", "block lists chosen by the spec's selector", workload=select_workload))
+register_role(Role("key_reps", "the pooling selectors' representatives of K's blocks, kept with a KV cache so that "
+                   "selection reads them instead of pooling K each call"))
 # the index selector reads index tensors, not q and k: head_dim is no field of its kernels
 register_role(Role("select_index", "block lists chosen by the index selector (token scores from index vectors, a "
                    "block's score the max over its visible tokens)", canonical={"head_dim": 64},

@@ -15,7 +15,7 @@ from .errors import KernelgenValueError
 
 from .spec import DEFAULT_Q_TILE, Spec
 
-__all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "KV_CENTRIC_SHAPES", "random_query_lists",
+__all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "KV_CENTRIC_SHAPES", "DECODE_SHAPES", "random_query_lists",
            "agreeing_query_lists",
            "visible_pairs", "useful_flops", "dense_flops"]
 
@@ -85,6 +85,20 @@ KV_CENTRIC_SHAPES = {
         # NSA's selected-attention shape
         BenchShape("kv_nsa32k", 1, 64, 4, 32768, 32768, 128, 64, DEFAULT_Q_TILE, 16, True, "kv_centric"),
         BenchShape("kv_d64_64k", 1, 16, 1, 65536, 65536, 64, 64, DEFAULT_Q_TILE, 16, True, "kv_centric"),
+    ]
+}
+# `kernelgen bench --decode`: a few queries against a long KV cache (the `decode` role), Q-centric lists.
+DECODE_SHAPES = {
+    s.name: s
+    for s in [
+        # a Llama-3-8B-like layer (Hq32 Hkv8 D128) over a 32k cache, a batch of 8 sequences
+        BenchShape("dec_c32k", 8, 32, 8, 1, 32768, 128, 128, DEFAULT_Q_TILE, 16, True),
+        # the same layer at 128k
+        BenchShape("dec_c128k", 2, 32, 8, 1, 131072, 128, 128, DEFAULT_Q_TILE, 16, True),
+        # shape (b)'s heads: one KV head for 16 query heads, 64k
+        BenchShape("dec_b64k", 8, 16, 1, 1, 65536, 128, 128, DEFAULT_Q_TILE, 16, True),
+        # 4 speculative tokens at once
+        BenchShape("dec_spec4", 8, 32, 8, 4, 32768, 128, 128, DEFAULT_Q_TILE, 16, True),
     ]
 }
 UNTUNED_SHAPES = ("dense16k_d128", "dense16k_d64", "c_g8", "c_g1", "a64k_top32", "b_q8k")

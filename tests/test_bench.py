@@ -293,3 +293,67 @@ def test_dense_anchor_attends_over_repeated_k_and_v_that_are_leaves():
     assert torch.allclose(anchor.fn(), want)
     dq, dkd = torch.autograd.grad(anchor.fn(), (q, kd), torch.ones_like(q))
     assert dkd.shape == (1, 4, 32, 64) and dq.shape == q.shape
+
+
+def test_bench_decode_needs_a_gpu(tmp_path):
+    """On a CPU `kernelgen bench --decode` is one line on stderr and exit status 2; unknown shapes and a second
+    bench flag too."""
+    from typer.testing import CliRunner
+
+    from kernelgen.cli import app
+
+    runner = CliRunner()
+    for args, word in ((["--out", str(tmp_path / "dec")], "CUDA GPU"), (["--shapes", "dec_nope"], "dec_nope"),
+                       (["--kv-centric"], "give one"), (["--context-parallel"], "give it alone")):
+        result = runner.invoke(app, ["bench", "--decode", *args])
+        assert result.exit_code == 2, (result.exit_code, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kernelgen: error: ") and word in lines[0], result.stderr
+    assert not (tmp_path / "dec").exists()
+
+
+def test_decode_shapes_are_decode_calls():
+    from kernelgen.roles import DECODE_MAX_QUERIES, forward_roles
+    from kernelgen.workloads import DECODE_SHAPES
+
+    assert set(DECODE_SHAPES).isdisjoint(SHAPES) and set(DECODE_SHAPES).isdisjoint(KV_CENTRIC_SHAPES)
+    for shape in DECODE_SHAPES.values():
+        assert shape.n_q <= DECODE_MAX_QUERIES and shape.n_q <= shape.q_tile  # one list per call and KV head
+        assert forward_roles(shape.spec("given"), shape.n_q)[-1] == "decode"
+
+
+def test_listed_kv_bytes_counts_each_valid_block_once():
+    """The K and V bytes a decode step reads: distinct in-range ids, a partial last block by its keys; -1, repeats
+    and out-of-range ids read nothing."""
+    from kernelgen.bench.decode import listed_kv_bytes
+
+    spec = kernelgen.Spec(head_dim=64, kv_block=16, top_k=6, causal=True, selector="given")
+    n_k = 16 * 9 + 5  # 10 blocks, the last of 5 keys
+    lists = torch.tensor([[[[0, 3, 3, -1, 9, 10]], [[-1] * 6]]], dtype=torch.int32)  # [B1, Hkv2, 1 tile, 6]
+    assert listed_kv_bytes(lists, spec, n_k, 2) == (16 + 16 + 5) * 64 * 2 * 2
+    assert listed_kv_bytes(lists, spec, n_k, 4) == 2 * listed_kv_bytes(lists, spec, n_k, 2)
+
+
+@pytest.mark.gpu
+def test_decode_bench_rows_on_the_gpu(monkeypatch, tmp_path):
+    """`bench --decode` at a small shape: every kernelgen row, Flex's and the dense anchors' are written, Flex
+    agrees with kernelgen, and GB/s is kv_MB over the replayed time."""
+    import json
+
+    from kernelgen.bench import decode
+    from kernelgen.workloads import BenchShape
+
+    small = BenchShape("dec_small", 2, 8, 2, 1, 8192, 128, 128, 64, 4, True)
+    monkeypatch.setitem(decode.DECODE_SHAPES, "dec_small", small)
+    monkeypatch.setattr(decode, "_bench", lambda fn: (fn(), 1.0)[1])
+    decode.run_decode(["dec_small"], tmp_path, log=lambda line: None)
+    rows = json.loads((tmp_path / "decode.json").read_text())
+    impls = {r["impl"]: r for r in rows}
+    for impl in ("device copy (1 GiB)", "kernelgen decode prepared", "kernelgen mean (select+decode)",
+                 "kernelgen mean, kept reps (select+decode)", "kernelgen key_reps extended by one key",
+                 "kernelgen mean select only", "flex (same BlockMask)", "sdpa flash (dense)"):
+        assert impl in impls, sorted(impls)
+    assert float(impls["flex (same BlockMask)"]["rel_diff_vs_kernelgen"]) < 2e-2
+    ours = impls["kernelgen decode prepared"]
+    assert ours["kv_MB"] * 1e6 == pytest.approx(ours["GBps"] * 1e6 * ours["graph_ms"], rel=1e-2)
+    assert ours["kv_MB"] <= impls["sdpa flash (dense)"]["kv_MB"] * 4 / 64 + 1e-6  # 4 of 64 blocks a KV head

@@ -248,7 +248,7 @@ def test_header_sources_and_imports(tmp_path):
     assert _default_config(MEAN, "select").to_json().strip("{}") in header  # missing role: the default
     assert "needs only\ntorch and triton)" in text.split('"""', 2)[1]
     assert f"SPEC = {MEAN.to_dict()!r}" in text
-    assert "\ndef attn(q, k, v, *, block_idx=None" in text and "\ndef select(q, k, *, index=None)" in text
+    assert "\ndef attn(q, k, v, *, block_idx=None" in text and "\ndef select(q, k, *, index=None, key_reps=None)" in text
 
     sources, rendered = _assignments(text, "_SOURCES"), _assignments(text, "_RENDERED")
     package_dir = Path(kernelgen.__file__).parent
@@ -263,15 +263,16 @@ def test_header_sources_and_imports(tmp_path):
             file = file / "__init__.py" if file.is_dir() else file.with_suffix(".py")
             assert source == file.read_text(), key
     assert "export" not in sources and "codegen.render" in sources and "import jinja2" not in sources["codegen.render"]
-    # every kernel a call builds, verbatim: lists (kernel spec: selector given, no forced blocks), select, attn,
-    # decode (a call of a few queries) and the backward's
-    for role, cfg in (("lists", None), ("select", _default_config(MEAN, "select")), ("attn", MEAN_CONFIGS["attn"]),
+    # every kernel a call builds, verbatim: lists (kernel spec: selector given, no forced blocks), select, the kept
+    # key reps', attn, decode (a call of a few queries) and the backward's
+    for role, cfg in (("lists", None), ("select", _default_config(MEAN, "select")), ("key_reps", None),
+                      ("attn", MEAN_CONFIGS["attn"]),
                       *((role, _default_config(MEAN, role)) for role in ("decode", *BACKWARD_ROLES))):
         kernel_spec = get_role(role).kernel_spec(MEAN, "triton")
         template = str(backends.get("triton").role(role).template)
         source = rendered[(template, kernel_spec.to_json(), None if cfg is None else cfg.to_json(), ())]
         assert source == render(template, kernel_spec, cfg)
-    assert len(rendered) == 4 + len(BACKWARD_ROLES)
+    assert len(rendered) == 5 + len(BACKWARD_ROLES)
 
     # nothing beyond the standard library, torch and triton at module level, and relative imports only of
     # embedded modules: in the file's own code, in each embedded module and in each rendered kernel

@@ -873,12 +873,21 @@ def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod) -> torch.T
     return rep
 
 
-def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1), chosen on the device."""
+def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
+                  k_rep: torch.Tensor | None = None) -> torch.Tensor:
+    """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1), chosen on the device; `k_rep`:
+    k's representatives kept from `launch_key_reps` (None: pooled here)."""
     r = spec.groups
     q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod)
-    k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod)
+    if k_rep is None:
+        k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod)
     return select_from_reps(mod, spec, cfg, shapes, q_rep, k_rep)
+
+
+def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor) -> torch.Tensor:
+    """The selector's representatives of k's blocks (k: any [B, Hkv, n, D] view starting at a block boundary):
+    float32 [B, Hkv, ceil(n / kv_block), r, D], as `launch_select` pools them."""
+    return _pool(k, spec.kv_block, spec.groups, -(-k.shape[2] // spec.kv_block), mod)
 
 
 def pool_reps(mod, spec: Spec, x: torch.Tensor, unit: int) -> torch.Tensor:
@@ -915,9 +924,12 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
     return block_idx
 
 
-def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor):
-    """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1), chosen on the device."""
-    k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod)
+def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
+                     k_rep: torch.Tensor | None = None):
+    """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1), chosen on the device; `k_rep`: as
+    `launch_select`'s."""
+    if k_rep is None:
+        k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod)
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q.device, dtype=torch.int32)
     mod.kv_select_topk[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv)](
         q, k_rep, block_idx, *q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv,
@@ -1264,6 +1276,7 @@ class TritonBackend(Backend):
     schedules = ("q_centric", "kv_centric")
     roles = {
         "lists": RoleImpl(launch=launch_lists, template="triton/lists.py.j2"),
+        "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2"),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
                            default=select_default, space=select_space, infeasible=select_infeasible),
         "select_index": RoleImpl(launch=launch_select_index, template="triton/select_index.py.j2",

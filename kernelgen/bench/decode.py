@@ -1,0 +1,191 @@
+"""`kernelgen bench --decode`: a few queries against a long KV cache, kernelgen against the kernels that serve it.
+
+For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU (bf16):
+
+- kernelgen's `decode` role over lists prepared once, as served (`backend="auto"`), and pinned at each
+  split count of its space (the served config's warps and stages);
+- the `mean` selector's whole pipeline (selection and decode), and its selection alone; the same with the
+  keys' representatives kept (`attn.key_reps`, as a cache keeps them), and their extension by one key;
+- FlexAttention (torch.compile'd) over a BlockMask holding exactly the same lists;
+- dense SDPA (flash, efficient, cuDNN; the KV heads as they are, `enable_gqa`) over the whole cache: every
+  query sees every key, the work of a decode step without sparsity;
+- a device-to-device copy of 1 GiB: the HBM bandwidth a memory-bound kernel can reach on this GPU.
+
+Decode moves bytes, it hardly computes: each row reports `kv_MB`, the K and V bytes of the keys it must
+read (the listed blocks', or the whole cache's), and `GBps` = kv_MB over its replayed time, next to the
+copy's. Times are `do_bench` medians (`ms`, L2 cleared, the host's launch cost included where the host is
+the slower) and CUDA-graph replays (`graph_ms`, the serving figure: decoders replay graphs). The selected
+blocks of one step fit in the L2 cache, so the replay walks ROTATIONS list sets in turn (the `mean`
+selector's, then random ones; FlexAttention gets the same BlockMasks) and reports the time per call: no
+call finds its blocks in L2 from the call before. Outputs are compared with kernelgen's (relative L2).
+
+    kernelgen bench --decode [--shapes dec_c32k] [--out DIR]
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import backends
+from ..backends.triton import DECODE_SPLITS
+from ..device import device_arch
+from ..dispatch import get_kernel
+from ..errors import KernelgenRuntimeError
+from ..workloads import DECODE_SHAPES, random_query_lists, visible_pairs
+from .anchors import flex_block_mask, flex_call
+from .measure import _bench, _bench_graph, _config_json, _dump_rows, _rel_diff
+
+__all__ = ["run_decode", "ROTATIONS", "listed_kv_bytes", "copy_bandwidth"]
+
+ROTATIONS = 8  # list sets a replay walks in turn: 8 steps' blocks are several times H200's 50 MB L2
+
+
+def listed_kv_bytes(block_idx: torch.Tensor, spec, n_k: int, elem_bytes: int) -> int:
+    """K and V bytes a decode step reads over Q-centric lists of one Q tile (`[B, Hkv, 1, top_k]`): the keys of
+    the distinct valid listed blocks (a partial last block counts its keys), times D, times 2 (K and V)."""
+    keys = visible_pairs(block_idx, spec.replace(causal=False), 1, n_k).sum().item()
+    return int(keys) * spec.head_dim * 2 * elem_bytes
+
+
+def copy_bandwidth(n_bytes: int = 2**30) -> float:
+    """GB/s of a device-to-device copy of `n_bytes` (bytes read plus bytes written over the do_bench median)."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    return 2 * n_bytes / ms / 1e6
+
+
+def _rotating_lists(shape, given, first: torch.Tensor, device) -> list[torch.Tensor]:
+    """ROTATIONS list sets `[B, Hkv, 1, top_k]`: `first` (the selector's), then random ones of the last query
+    (`random_query_lists`, seeds 1, 2, ...: the newest block always held, as a causal selector forces)."""
+    return [first] + [random_query_lists(given, shape.batch, shape.heads_kv, 1, shape.n_k, device, seed)
+                      for seed in range(1, ROTATIONS)]
+
+
+def _graph_per_call(calls, log) -> float | None:
+    """Median ms per call of `calls` (no-argument callables) replayed from one CUDA graph in turn."""
+    def walk():
+        for call in calls:
+            call()
+
+    total = _bench_graph(walk, log=log)
+    return None if total is None else total / len(calls)
+
+
+def run_decode(shape_names=None, out_dir=None, log=print) -> list[dict]:
+    """Rows: shape, impl, ms, graph_ms, kv_MB, GBps (and config, rel_diff_vs_kernelgen where they apply); the
+    copy's GB/s as its own row; with `out_dir`, also decode.json there."""
+    if not torch.cuda.is_available():
+        raise KernelgenRuntimeError("bench --decode needs a CUDA GPU: it times kernels")
+    names = list(shape_names or DECODE_SHAPES)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    rows: list[dict] = []
+
+    def record(name, impl, ms, graph_ms, kv_bytes, **extra):
+        per_s = graph_ms or ms
+        row = dict(shape=name, impl=impl, ms=ms, graph_ms=graph_ms, kv_MB=round(kv_bytes / 1e6, 2),
+                   GBps=round(kv_bytes / per_s / 1e6, 1) if kv_bytes else None, **extra)
+        rows.append(row)
+        graph = f" (graph {graph_ms:.4f} ms)" if graph_ms else ""
+        rate = f" {row['GBps']:7.1f} GB/s" if kv_bytes else ""
+        log(f"{name:10s} {impl:34s} {ms:8.4f} ms{graph}{rate} " + " ".join(f"{k}={v}" for k, v in extra.items()))
+        _dump_rows(rows, out_dir, "decode.json")
+
+    def attempt(name, impl, body):
+        try:
+            body()
+        except Exception as error:  # report, never hide: the other rows still run
+            log(f"{name}: {impl} failed: {type(error).__name__}: {str(error)[:300]}")
+
+    bandwidth = copy_bandwidth()
+    rows.append(dict(shape="-", impl="device copy (1 GiB)", GBps=round(bandwidth, 1)))
+    log(f"device-to-device copy: {bandwidth:.0f} GB/s (read + write)")
+    _dump_rows(rows, out_dir, "decode.json")
+    for name in names:
+        shape = DECODE_SHAPES[name]
+        q, k, v = shape.inputs(device, dtype)
+        _shape_rows(name, shape, q, k, v, record, attempt, log)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
+    spec, given = shape.spec("mean"), shape.spec("given").replace(backend=backends.AUTO)
+    elem = q.element_size()
+    selecting = get_kernel(spec.replace(backend=backends.AUTO))
+    lists = _rotating_lists(shape, given, selecting.select(q, k), q.device)
+    kv_bytes = sum(listed_kv_bytes(idx, given, shape.n_k, elem) for idx in lists) // len(lists)
+    attn = get_kernel(given)
+    served = attn.served("decode", shape.n_k, q.dtype, q.device)
+    prepared = [attn.prepare(idx, shape.n_q, shape.n_k) for idx in lists]
+    with torch.no_grad():
+        ours = attn(q, k, v, block_idx=prepared[0])
+
+        def lists_row(impl, kernel, **extra):
+            ms = _bench(lambda: kernel(q, k, v, block_idx=prepared[0]))
+            graph_ms = _graph_per_call([lambda p=p: kernel(q, k, v, block_idx=p) for p in prepared], log)
+            record(name, impl, ms, graph_ms, kv_bytes, **extra)
+
+        lists_row("kernelgen decode prepared", attn, backend=served.backend.name, config=_config_json(served.config),
+                  config_source=served.source)
+        if hasattr(served.config, "splits"):  # the split count: the one tunable a cache's length moves
+            for splits in DECODE_SPLITS:
+                cfg = dataclasses.replace(served.config, splits=splits)
+                if cfg == served.config or served.backend.infeasible(served.spec, "decode", cfg, device_arch(q.device)):
+                    continue
+                pinned = get_kernel(given.replace(backend=served.backend.name), configs={"decode": cfg})
+                attempt(name, f"decode splits={splits}", lambda pinned=pinned, splits=splits: lists_row(
+                    f"kernelgen decode splits={splits}", pinned, config=_config_json(cfg)))
+
+        def pipeline():
+            select_ms = _bench(lambda: selecting.select(q, k))
+            record(name, "kernelgen mean select only", select_ms, _bench_graph(lambda: selecting.select(q, k), log=log),
+                   0)
+            record(name, "kernelgen mean (select+decode)", _bench(lambda: selecting(q, k, v)),
+                   _bench_graph(lambda: selecting(q, k, v), log=log), kv_bytes + k.numel() * elem,
+                   note="kv_MB: the listed blocks' K and V plus the whole K that selection pools")
+
+        def kept():
+            reps = selecting.key_reps(k)
+            assert torch.equal(selecting.select(q, k, key_reps=reps), lists[0])
+            reps_bytes = reps.reps.numel() * reps.reps.element_size()
+            record(name, "kernelgen mean, kept reps (select+decode)", _bench(lambda: selecting(q, k, v, key_reps=reps)),
+                   _bench_graph(lambda: selecting(q, k, v, key_reps=reps), log=log), kv_bytes + reps_bytes,
+                   note="kv_MB: the listed blocks' K and V plus the kept reps")
+            before = selecting.key_reps(k[:, :, :-1])  # the cache one key ago: its last block is pooled again
+            record(name, "kernelgen key_reps extended by one key", _bench(lambda: selecting.key_reps(k, previous=before)),
+                   _bench_graph(lambda: selecting.key_reps(k, previous=before), log=log), 0)
+
+        attempt(name, "mean pipeline", pipeline)
+        attempt(name, "kept reps", kept)
+
+        def flex():
+            calls = [flex_call(q, k, v, flex_block_mask(idx, spec, shape), spec) for idx in lists]
+            diff = _rel_diff(calls[0](), ours)
+            record(name, "flex (same BlockMask)", _bench(calls[0]), _graph_per_call(calls, log), kv_bytes,
+                   rel_diff_vs_kernelgen=f"{diff:.1e}")
+
+        attempt(name, "FlexAttention", flex)
+        _dense_rows(name, q, k, v, record, attempt, log)
+
+
+def _dense_rows(name, q, k, v, record, attempt, log) -> None:
+    """Dense SDPA over the whole cache on each backend that takes the call (the KV heads as they are)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kv_bytes = (k.numel() + v.numel()) * k.element_size()
+
+    def dense():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    for label, backend in (("sdpa flash (dense)", SDPBackend.FLASH_ATTENTION),
+                           ("sdpa efficient (dense)", SDPBackend.EFFICIENT_ATTENTION),
+                           ("sdpa cudnn (dense)", SDPBackend.CUDNN_ATTENTION)):
+        def row(backend=backend, label=label):
+            with sdpa_kernel(backend):
+                dense()
+                record(name, label, _bench(dense), _bench_graph(dense, log=log), kv_bytes)
+
+        attempt(name, label, row)
