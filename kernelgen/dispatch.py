@@ -218,7 +218,8 @@ class SparseAttention:
             raise KernelgenValueError("spec.selector='given' has no selector: pass block_idx to the call")
         q, k, _ = autocast_qkv(q, k, k)
         shapes = check_qkv(q, k, k, self.spec)
-        served = self._served(self.spec.selection_role, seq_bucket(shapes.n_k), q.dtype, q.device)
+        role = forward_roles(self.spec, shapes.n_q)[1]  # the selection a call of these queries runs
+        served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
         return self._select(q, k, shapes, index, served, key_reps)
 
     def _select(self, q, k, shapes: Shapes, index, served: Served, key_reps: KeyReps | None = None) -> torch.Tensor:

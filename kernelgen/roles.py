@@ -30,6 +30,8 @@ KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalis
   kv_bwd    (q, k, v, do, lse, delta, block_idx, reverse, scale)   (dq, dk, dv): one walk of `reverse` per
             KV block gives dk, dv and dq's partials; their merge per row gives dq
 Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a KV cache):
+  decode_select (q, k[, k_rep])          select's, for such a call of the Q-centric schedule (one Q tile: its
+            blocks split over more programs)
   decode    (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form, split-KV per query
 """
 from __future__ import annotations
@@ -375,8 +377,9 @@ register_role(Role("kv_bwd", "backward over per-query lists: dk, dv and the dq p
                    "slot) pairs that list it (the query reverse index), the G query heads summed in the program; "
                    "then dq's merge in slot order", canonical=_KERNEL_READS_LISTS, workload=kv_bwd_workload))
 KV_BACKWARD_ROLES = ("bwd_delta", "kv_bwd")
-# the roles that choose lists, one per (schedule, kind of selector): `Spec.selection_role` names a spec's
-SELECTION_ROLES = ("select", "select_index", "kv_select", "kv_select_index")
+# the roles that choose lists, one per (schedule, kind of selector): `Spec.selection_role` names a spec's; and
+# decode_select, the Q-centric pooling selectors' in a decode call (`forward_roles(spec, 1)`)
+SELECTION_ROLES = ("select", "select_index", "kv_select", "kv_select_index", "decode_select")
 
 
 # Decoding: a call of a few queries (one token, or a few speculative ones) against a long KV cache runs
@@ -390,6 +393,14 @@ def decode_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool
     return dataclasses.replace(attention_workload(spec, one, device, dtype, check), shape=one)
 
 
+def decode_select_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    """The selector's workload with one query: the last token of the sequence, against every block."""
+    one = shape._replace(n_q=1)
+    return dataclasses.replace(select_workload(spec, one, device, dtype, check), shape=one)
+
+
+register_role(Role("decode_select", "the pooling selectors' lists for a call of a few queries (decoding): the select "
+                   "kernel with its blocks split over many programs", workload=decode_select_workload))
 register_role(Role("decode", "attention of a few queries (decoding) over either schedule's lists: split-KV per query, "
                    "its G heads packed, splits merged through lse", canonical=_KERNEL_READS_LISTS,
                    workload=decode_workload))
@@ -405,7 +416,9 @@ def tuned_roles(spec: Spec) -> tuple[str, ...]:
     """The tuned roles that calls of `spec` can run: its selector's, the forward's (both designs of per-query
     lists), decode's and the backward's; a tune of the spec tunes these."""
     _, selection, attn = forward_roles(spec)
-    names = [selection, attn, *(["kv_attn_union"] if spec.per_query else []), "decode", *backward_roles(spec),
+    decode_selection = forward_roles(spec, 1)[1]
+    names = [selection, attn, *(["kv_attn_union"] if spec.per_query else []),
+             *([decode_selection] if decode_selection != selection else []), "decode", *backward_roles(spec),
              *(["kv_bwd_union"] if spec.per_query else [])]
     return tuple(n for n in names if n is not None and ROLES[n].tuned)
 
@@ -414,5 +427,6 @@ def forward_roles(spec: Spec, n_q: int | None = None) -> tuple[str, str | None, 
     """(lists, the selection role or None for given lists, attn): the roles of a forward of `spec`'s
     schedule and selector; a call of n_q <= DECODE_MAX_QUERIES queries attends with `decode`."""
     if n_q is not None and n_q <= DECODE_MAX_QUERIES:
-        return ("lists", spec.selection_role, "decode")
+        selection = "decode_select" if spec.selection_role == "select" else spec.selection_role
+        return ("lists", selection, "decode")
     return ("lists", spec.selection_role, "kv_attn" if spec.per_query else "attn")

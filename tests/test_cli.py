@@ -106,12 +106,12 @@ def _planned_roles(output: str) -> list[str]:
 
 
 def test_tune_plans_the_roles_the_spec_s_calls_run():
-    """A spec's tune covers its selector, its schedule's forward (both per-query designs), decode and the
-    backward: no role of the other schedule, no other selector's."""
+    """A spec's tune covers its selector (and its decode calls' selector), its schedule's forward (both per-query
+    designs), decode and the backward: no role of the other schedule, no other selector's."""
     base = ("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--dry-run")
     result = invoke(*base)
     assert result.exit_code == 0, result.output
-    assert _planned_roles(result.output) == ["select", "attn", "decode", "bwd_dq", "bwd_dkdv"]
+    assert _planned_roles(result.output) == ["select", "attn", "decode_select", "decode", "bwd_dq", "bwd_dkdv"]
     result = invoke(*base, "--schedule", "kv_centric", "--selector", "index")
     assert result.exit_code == 0, result.output
     assert _planned_roles(result.output) == ["kv_select_index", "kv_attn", "kv_attn_union", "decode", "kv_bwd",
@@ -362,7 +362,7 @@ def test_export_writes_an_importable_module(tmp_path):
     assert result.exit_code == 0, result.output
     text = out.read_text()
     compile(text, str(out), "exec")
-    assert "\ndef attn(q, k, v, *, block_idx=None" in text and "\ndef select(q, k, *, index=None)" in text
+    assert "\ndef attn(q, k, v, *, block_idx=None" in text and "\ndef select(q, k, *, index=None, key_reps=None)" in text
     assert f"SPEC = {spec.to_dict()!r}" in text
 
 

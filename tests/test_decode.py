@@ -47,6 +47,11 @@ CASES = [
     ("kv_centric", 4, 3, 200, torch.float32, 1),
     ("kv_centric", 2, 4, 97, torch.float16, 32),
     ("q_centric", 4, 4, 64, torch.float16, 4),
+    # Q-centric programs pack the queries of their list (16 // next_pow2(G) of them): a partial last program, a
+    # causal edge inside the packed queries, and queries that see no key at all (Nk < Nq)
+    ("q_centric", 2, 11, 45, torch.float32, 2),
+    ("q_centric", 1, 16, 40, torch.float16, 1),
+    ("q_centric", 1, 16, 10, torch.float32, 4),
 ]
 
 

@@ -172,9 +172,10 @@ class KvBwdConfig(_JsonConfig):
 
 @dataclass(frozen=True)
 class DecodeConfig(_JsonConfig):
-    """Decode (a few queries, `roles.DECODE_MAX_QUERIES` at most): one program per (batch, KV head, query,
-    split), the query's G heads packed in rows (max(16, next_pow2(G))), each split walking its share of the
-    query's list; splits > 1 adds a combine launch that merges the splits' partials through lse."""
+    """Decode (a few queries, `roles.DECODE_MAX_QUERIES` at most): one program per (batch, KV head, queries,
+    split), the G heads of `decode_queries` queries that share a list packed in rows (max(16, next_pow2(G))),
+    each split walking its share of their list; splits > 1 adds a combine launch that merges the splits'
+    partials through lse."""
 
     splits: int = 8
     num_warps: int = 4
@@ -294,8 +295,9 @@ def attn_space(spec: Spec, arch: str):
 
 # ---- selection: feasibility, defaults, space -------------------------------------------------------
 
-def select_infeasible(spec: Spec, cfg: SelectConfig, arch: str) -> str | None:
-    """Why the selector cannot run `cfg` for `spec`, or None (on every arch alike)."""
+def select_infeasible(spec: Spec, cfg: SelectConfig, arch: str, splits=(1, 2, 4, 8)) -> str | None:
+    """Why the selector cannot run `cfg` for `spec`, or None (on every arch alike); `splits`: the split counts
+    the role takes."""
     gr_pad = next_pow2(spec.gqa_group * spec.groups)
     rows = cfg.tiles * gr_pad
     cols = cfg.chunk * spec.groups
@@ -306,8 +308,8 @@ def select_infeasible(spec: Spec, cfg: SelectConfig, arch: str) -> str | None:
     # tl.topk of a chunk needs at least next_pow2(top_k) columns
     if cfg.chunk < next_pow2(spec.top_k):
         return f"chunk={cfg.chunk} blocks is fewer than next_pow2(top_k) = {next_pow2(spec.top_k)}"
-    if cfg.splits not in (1, 2, 4, 8):
-        return f"splits={cfg.splits}; expected 1, 2, 4 or 8"
+    if cfg.splits not in splits:
+        return f"splits={cfg.splits}; expected one of {splits}"
     return None
 
 
@@ -325,6 +327,32 @@ def select_default(spec: Spec, arch: str) -> SelectConfig:
 def select_space(spec: Spec, arch: str):
     return (SelectConfig(tiles=t, chunk=c, num_warps=w, num_stages=1, splits=n)
             for t, c, w, n in itertools.product((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256), (4, 8), (1, 2, 4)))
+
+
+# ---- the selector of a decode call: feasibility, defaults, space ------------------------------------
+# A call of a few queries has one Q tile: select's grid (tile groups x B*Hkv x splits) is B*Hkv programs for
+# each split, each scanning its share of every block. So decode_select takes the least rows and more splits.
+
+DECODE_SELECT_SPLITS = (1, 2, 4, 8, 16, 32)
+
+
+def decode_select_infeasible(spec: Spec, cfg: SelectConfig, arch: str) -> str | None:
+    return select_infeasible(spec, cfg, arch, DECODE_SELECT_SPLITS)
+
+
+def decode_select_default(spec: Spec, arch: str) -> SelectConfig:
+    # one tile: the fewest rows tl.dot takes; 64-block chunks, 8 splits (H200, bench --decode dec_c32k: a share
+    # of 32 blocks for each of 512 programs)
+    tiles = max(1, 16 // next_pow2(spec.gqa_group * spec.groups))
+    chunk = max(next_pow2(spec.top_k), 64 // spec.groups, 16)
+    return SelectConfig(tiles=tiles, chunk=chunk, num_warps=4, num_stages=1, splits=8)
+
+
+def decode_select_space(spec: Spec, arch: str):
+    gr_pad = next_pow2(spec.gqa_group * spec.groups)
+    return (SelectConfig(tiles=t, chunk=c, num_warps=w, num_stages=1, splits=n)
+            for t, c, w, n in itertools.product(sorted({max(1, 16 // gr_pad), max(1, 32 // gr_pad)}), (16, 32, 64, 128),
+                                                (2, 4), DECODE_SELECT_SPLITS))
 
 
 # ---- KV-centric forward: feasibility, defaults, spaces ---------------------------------------------
@@ -534,6 +562,13 @@ DECODE_SPLITS = (1, 2, 4, 8, 16, 32)
 def decode_rows(spec: Spec) -> int:
     """Packed rows of a decode program: the G heads of one query, padded to tl.dot's 16 at least."""
     return max(16, next_pow2(spec.gqa_group))
+
+
+def decode_queries(spec: Spec) -> int:
+    """Queries a decode program packs into its rows: as many as the padding to 16 rows holds where they share
+    a list (Q-centric: a call's few queries are in one Q tile, q_tile >= 16), so that one K/V block load serves
+    them all; one where each query has its own list."""
+    return 1 if spec.per_query else decode_rows(spec) // next_pow2(spec.gqa_group)
 
 
 def decode_smem_bytes(spec: Spec, cfg: DecodeConfig, elem_bytes: int = 2) -> int:
@@ -1059,13 +1094,14 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
                        dtype=torch.float32)
         lse_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, cfg.splits, device=q.device, dtype=torch.float32)
         split_strides = (o_part.stride(3),)
-    mod.decode_partial[(shapes.n_q * cfg.splits, shapes.batch * shapes.heads_kv)](
+    queries = decode_queries(spec)
+    mod.decode_partial[(triton.cdiv(shapes.n_q, queries) * cfg.splits, shapes.batch * shapes.heads_kv)](
         q, k, v, o_part, lse_part, block_idx,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
         *lse_part.stride()[:3], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, ROWS=decode_rows(spec),
-        LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
+        ROWS=decode_rows(spec), QUERIES=queries, LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits,
         CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.splits > 1:
         every_split = torch.zeros(cfg.splits, device=q.device, dtype=torch.int32)
@@ -1279,6 +1315,9 @@ class TritonBackend(Backend):
         "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2"),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
                            default=select_default, space=select_space, infeasible=select_infeasible),
+        "decode_select": RoleImpl(launch=launch_select, template="triton/decode_select.py.j2", config_type=SelectConfig,
+                                  default=decode_select_default, space=decode_select_space,
+                                  infeasible=decode_select_infeasible),
         "select_index": RoleImpl(launch=launch_select_index, template="triton/select_index.py.j2",
                                  config_type=IndexSelectConfig, default=index_select_default,
                                  space=index_select_space, infeasible=index_select_infeasible),

@@ -19,7 +19,7 @@ from ..archs import check_arch
 from ..backends import Backend
 from ..device import current_arch
 from ..errors import KernelgenTypeError, KernelgenValueError
-from ..roles import ROLES, SELECTION_ROLES, get_role
+from ..roles import ROLES, SELECTION_ROLES, forward_roles, get_role
 from ..spec import Spec
 from .buckets import seq_bucket
 
@@ -92,7 +92,7 @@ def tuned_backend(spec: Spec, role: str) -> tuple[Backend, Spec]:
     if not role_obj.tuned:
         raise KernelgenValueError(f"role={role!r} has no tunables; tuned roles: "
                                   f"{sorted(r for r, o in ROLES.items() if o.tuned)}")
-    if role in SELECTION_ROLES and role != spec.selection_role:
+    if role in SELECTION_ROLES and role not in (spec.selection_role, forward_roles(spec, 1)[1]):
         raise KernelgenValueError(f"role={role!r} does not choose the lists of spec.selector={spec.selector!r}; its "
                                   f"selection role is {spec.selection_role!r}")
     if spec.backend == backends.AUTO:
