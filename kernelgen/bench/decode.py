@@ -151,9 +151,11 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
             reps = selecting.key_reps(k)
             assert torch.equal(selecting.select(q, k, key_reps=reps), lists[0])
             reps_bytes = reps.reps.numel() * reps.reps.element_size()
+            chooser = selecting.served("decode_select", shape.n_k, q.dtype, q.device)
             record(name, "kernelgen mean, kept reps (select+decode)", _bench(lambda: selecting(q, k, v, key_reps=reps)),
                    _bench_graph(lambda: selecting(q, k, v, key_reps=reps), log=log), kv_bytes + reps_bytes,
-                   note="kv_MB: the listed blocks' K and V plus the kept reps")
+                   note="kv_MB: the listed blocks' K and V plus the kept reps",
+                   select_config=_config_json(chooser.config), select_config_source=chooser.source)
             before = selecting.key_reps(k[:, :, :-1])  # the cache one key ago: its last block is pooled again
             record(name, "kernelgen key_reps extended by one key", _bench(lambda: selecting.key_reps(k, previous=before)),
                    _bench_graph(lambda: selecting.key_reps(k, previous=before), log=log), 0)
