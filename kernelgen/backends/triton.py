@@ -336,7 +336,13 @@ def select_space(spec: Spec, arch: str):
 DECODE_SELECT_SPLITS = (1, 2, 4, 8, 16, 32)
 
 
+MERGE_CANDIDATES = 2048  # the most keys merge_topk takes per tile (splits x next_pow2(top_k)), as select's 8 x 256
+
+
 def decode_select_infeasible(spec: Spec, cfg: SelectConfig, arch: str) -> str | None:
+    if cfg.splits * next_pow2(spec.top_k) > MERGE_CANDIDATES:
+        return (f"splits={cfg.splits} x next_pow2(top_k) = {cfg.splits * next_pow2(spec.top_k)} candidate keys to merge "
+                f"per tile; expected at most {MERGE_CANDIDATES}")
     return select_infeasible(spec, cfg, arch, DECODE_SELECT_SPLITS)
 
 
@@ -345,7 +351,8 @@ def decode_select_default(spec: Spec, arch: str) -> SelectConfig:
     # of 32 blocks for each of 512 programs)
     tiles = max(1, 16 // next_pow2(spec.gqa_group * spec.groups))
     chunk = max(next_pow2(spec.top_k), 64 // spec.groups, 16)
-    return SelectConfig(tiles=tiles, chunk=chunk, num_warps=4, num_stages=1, splits=8)
+    splits = max(1, min(8, MERGE_CANDIDATES // next_pow2(spec.top_k)))
+    return SelectConfig(tiles=tiles, chunk=chunk, num_warps=4, num_stages=1, splits=splits)
 
 
 def decode_select_space(spec: Spec, arch: str):

@@ -34,7 +34,7 @@ from ..dispatch import get_kernel
 from ..errors import KernelgenRuntimeError
 from ..workloads import DECODE_SHAPES, random_query_lists, visible_pairs
 from .anchors import flex_block_mask, flex_call
-from .measure import _bench, _bench_graph, _config_json, _dump_rows, _rel_diff
+from .measure import _bench, _bench_graph, _config_json, _dump_rows, _rel_diff, row_attempts
 
 __all__ = ["run_decode", "ROTATIONS", "listed_kv_bytes", "copy_bandwidth"]
 
@@ -92,11 +92,7 @@ def run_decode(shape_names=None, out_dir=None, log=print) -> list[dict]:
         log(f"{name:10s} {impl:34s} {ms:8.4f} ms{graph}{rate} " + " ".join(f"{k}={v}" for k, v in extra.items()))
         _dump_rows(rows, out_dir, "decode.json")
 
-    def attempt(name, impl, body):
-        try:
-            body()
-        except Exception as error:  # report, never hide: the other rows still run
-            log(f"{name}: {impl} failed: {type(error).__name__}: {str(error)[:300]}")
+    attempt = row_attempts(log)
 
     bandwidth = copy_bandwidth()
     rows.append(dict(shape="-", impl="device copy (1 GiB)", GBps=round(bandwidth, 1)))

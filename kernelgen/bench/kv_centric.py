@@ -41,7 +41,7 @@ from ..spec import Spec
 from ..workloads import KV_CENTRIC_SHAPES, agreeing_query_lists, dense_flops, useful_flops
 from .anchors import flex_call, sdpa_dense_anchors
 from .backward import _grads, _timed
-from .measure import _bench, _dump_rows, _rel_diff
+from .measure import _bench, _dump_rows, _rel_diff, row_attempts
 
 __all__ = ["run_kv_centric", "fla_nsa_unsupported", "SELECTOR_SHAPES", "SELECTORS", "selector_index"]
 
@@ -90,11 +90,7 @@ def run_kv_centric(shape_names=None, out_dir=None, log=print) -> list[dict]:
         log(f"{name:10s} {impl:36s} {ms:8.3f} ms{rate} " + " ".join(f"{k}={v}" for k, v in extra.items()))
         _dump_rows(rows, out_dir, "kv_centric.json")
 
-    def attempt(name, impl, body):
-        try:
-            body()
-        except Exception as error:  # report, never hide: the other rows still run
-            log(f"{name}: {impl} failed: {type(error).__name__}: {str(error)[:300]}")
+    attempt = row_attempts(log)
 
     for name in names:
         shape = KV_CENTRIC_SHAPES[name]

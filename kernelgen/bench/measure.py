@@ -77,6 +77,18 @@ def _dump_rows(rows: list[dict], out_dir, filename: str) -> None:
             json.dump(rows, f, indent=1)
 
 
+def row_attempts(log):
+    """attempt(name, impl, body): run one row's `body`; an exception is logged with the shape and the row, never
+    hidden, and the other rows still run."""
+    def attempt(name, impl, body):
+        try:
+            body()
+        except Exception as error:  # report, never hide
+            log(f"{name}: {impl} failed: {type(error).__name__}: {str(error)[:300]}")
+
+    return attempt
+
+
 def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30)).item()
 
