@@ -132,3 +132,17 @@ def test_the_tuner_launches_decode_on_its_one_query(schedule):
     triton = backends.get("triton")
     assert check_config(triton, spec, "decode", triton.default_config(spec, "decode", "cpu"), 256, torch.float16,
                         "cpu") is None
+
+
+@pytest.mark.parametrize("role, n_q", [("select", 200), ("decode_select", 9)])
+def test_top_k_1_with_one_tile_a_program(role, n_q, device):
+    """top_k = 1 with one Q tile per program (tiles = 1: multi:4 at G = 4 fills the 16 rows), the default of a
+    decode call's selector: a running top-k one wide broke tl.topk; now the lists are a valid top-1."""
+    spec = Spec(head_dim=64, kv_block=64, q_tile=128, top_k=1, causal=True, gqa_group=4, selector="multi:4")
+    dtype = torch.float16
+    q, k, v = make_inputs(2, 1, 4, n_q, 39 if n_q < 16 else 300, 64, dtype, device, 7)
+    attn = kernelgen.get_kernel(spec, configs={role: kernelgen.SelectConfig(tiles=1, chunk=16, splits=2)})
+    lists = attn.select(q, k)
+    assert lists.shape[-1] == 1
+    assert_valid_selection(lists, q, k, spec)
+    check(spec, q, k, v)

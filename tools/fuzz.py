@@ -96,6 +96,9 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
         index_dtypes = ["float32", "float16"] + (["bfloat16", "float8_e4m3fn"] if gpu else [])
         case["index"] = dict(heads=r.choice([1, 2, 3, 4]), dim=r.choice([32, 64, 128]), shared=r.random() < 0.4,
                              dtype=r.choice(index_dtypes), w_dtype=r.choice(["float32", "float16"]))
+    # a pooling selector's calls given kept key reps, made for a shorter cache and extended (drawn last: the
+    # draws above stay those of earlier versions of this tool)
+    case["kept_reps"] = case["lists"] is None and selector not in ("given", "index") and r.random() < 0.5
     return case
 
 
@@ -309,8 +312,15 @@ def run_case(case: dict) -> dict:
                 raise Failure(f"select: {e}") from None
             if not torch.equal(ref_lists, attn.select(q, k, index=index)):
                 raise Failure("select: two runs differ")
+        key_reps = None
+        if case.get("kept_reps"):
+            stage = "key_reps"
+            key_reps = attn.key_reps(k, previous=attn.key_reps(k[:, :, :max(1, (2 * nk) // 3)]))
+            if not torch.equal(attn.select(q, k, key_reps=key_reps), ref_lists):
+                raise Failure("key_reps: the lists from kept reps differ from the call's own")
         stage = "forward"
-        call = dict(block_idx=block_idx, index=index if block_idx is None else None, scale=case["scale"])
+        call = dict(block_idx=block_idx, index=index if block_idx is None else None, scale=case["scale"],
+                    key_reps=key_reps)
         o, lse = attn(q, k, v, return_lse=True, **call)
         ref_spec = spec.replace(selector="given", backend="triton")
         ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, ref_spec, block_idx=ref_lists, scale=case["scale"])

@@ -915,6 +915,12 @@ def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod) -> torch.T
     return rep
 
 
+def topk_width(top_k: int) -> int:
+    """The selectors' running top-k width: next_pow2(top_k), at least 2 (tl.topk and tl.sort of a [1, 1] tensor fail
+    in Triton 3.6; the slots past top_k are never stored)."""
+    return max(2, next_pow2(top_k))
+
+
 def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
                   k_rep: torch.Tensor | None = None) -> torch.Tensor:
     """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1), chosen on the device; `k_rep`:
@@ -945,7 +951,7 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
     [B, Hkv, n_kv_blocks, r, D], contiguous), as a context-parallel rank has them after gathering the blocks'."""
     r = spec.groups
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q_rep.device, dtype=torch.int32)
-    n_bh, top_k_pad = shapes.batch * shapes.heads_kv, next_pow2(spec.top_k)
+    n_bh, top_k_pad = shapes.batch * shapes.heads_kv, topk_width(spec.top_k)
     # splits > 1: each split scans a share of the blocks (more programs in flight), then a merge
     cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q_tiles * cfg.splits * top_k_pad,
                                                    device=q_rep.device, dtype=torch.int64)
@@ -977,7 +983,7 @@ def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: to
         q, k_rep, block_idx, *q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv,
         *block_idx.stride()[:3],
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
-        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
+        TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
         QUERIES=cfg.queries, CHUNK=cfg.chunk, CAUSAL=spec.causal, num_warps=cfg.num_warps)
     return block_idx
 
@@ -1128,7 +1134,7 @@ def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes,
     index_heads = q_idx.shape[1] // shapes.heads_kv
     heads_step = min(next_pow2(index_heads), cfg.rows)  # as many heads per product as the rows hold
     q_rows = min(cfg.rows // heads_step, spec.q_tile)
-    top_k_pad = max(2, next_pow2(spec.top_k))  # tl.topk and tl.sort of a [1, 1] tensor fail in Triton 3.6
+    top_k_pad = topk_width(spec.top_k)
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q_idx.device,
                       dtype=torch.int32)
     stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
