@@ -26,8 +26,8 @@ import torch
 from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import (BlockLists, KeyReps, Shapes, _explain_qkv, autocast_qkv, check_block_idx, check_block_lists,
-                     check_index, check_key_reps, check_length, check_qkv, lists_layout)
+from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists, check_index,
+                     check_key_reps, check_keys, check_length, check_qkv, lists_layout)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -243,11 +243,8 @@ class SparseAttention:
         if self.spec.selection_role not in ("select", "kv_select"):
             raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
                                       f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
-        (k,) = autocast_qkv(k, None, None)[:1]
-        _explain_qkv(k, k, k, self.spec)  # k alone: the rules q, k and v are held to
-        b, hkv, n_k, _ = k.shape
-        if min(b, hkv, n_k) < 1:
-            raise KernelgenValueError(f"empty input: k {tuple(k.shape)}")
+        k = autocast_qkv(k, k, k)[0]
+        b, hkv, n_k = check_keys(k, self.spec)
         spec = self.spec
         shapes = Shapes(b, hkv * spec.gqa_group, hkv, 1, n_k, 1, spec.n_kv_blocks(n_k))
         start = 0  # the first block pooled here

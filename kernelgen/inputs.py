@@ -18,8 +18,8 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_qkv", "check_block_idx", "check_block_lists",
-           "check_index", "check_length",
+__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_keys", "check_qkv", "check_block_idx",
+           "check_block_lists", "check_index", "check_length",
            "softmax_scale", "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
 
 LOG2E = 1.4426950408889634
@@ -198,6 +198,15 @@ def check_qkv(q, k, v, spec: Spec) -> Shapes:
     if nq < 1 or nk < 1 or b < 1 or hkv < 1:
         raise KernelgenValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
     return Shapes(b, hq, hkv, nq, nk, spec.n_q_tiles(nq), spec.n_kv_blocks(nk))
+
+
+def check_keys(k, spec: Spec) -> tuple[int, int, int]:
+    """k alone, held to the rules `check_qkv` holds k to (a cache whose representatives are kept): (B, Hkv, Nk)."""
+    _explain_qkv(k, k, k, spec)  # raises naming what is wrong; returns when k passes
+    b, hkv, n_k, _ = k.shape
+    if min(b, hkv, n_k) < 1:
+        raise KernelgenValueError(f"empty input: k {tuple(k.shape)}")
+    return b, hkv, n_k
 
 
 def _explain_qkv(q, k, v, spec: Spec) -> None:
