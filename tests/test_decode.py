@@ -38,6 +38,11 @@ def test_few_queries_are_served_by_decode():
     assert forward_roles(spec, 1)[2] == forward_roles(spec, DECODE_MAX_QUERIES)[2] == "decode"
     assert forward_roles(spec, DECODE_MAX_QUERIES + 1)[2] == "attn"
     assert forward_roles(spec.replace(schedule="kv_centric"), DECODE_MAX_QUERIES + 1)[2] == "kv_attn"
+    # a Q-centric pooling selector's decode call selects with decode_select; the others with their own role
+    mean = spec.replace(selector="mean")
+    assert forward_roles(mean, 1)[1] == "decode_select" and forward_roles(mean, DECODE_MAX_QUERIES + 1)[1] == "select"
+    assert forward_roles(mean.replace(schedule="kv_centric"), 1)[1] == "kv_select"
+    assert forward_roles(spec.replace(selector="index"), 1)[1] == "select_index"
 
 
 # schedule, G, Nq, Nk, dtype, splits: GQA 1/2/4, Nq 1..4, both schedules' lists, one split, more splits than blocks
