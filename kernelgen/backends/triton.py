@@ -571,6 +571,7 @@ def decode_rows(spec: Spec) -> int:
     return max(16, next_pow2(spec.gqa_group))
 
 
+@functools.lru_cache(maxsize=None)  # read on every decode launch
 def decode_queries(spec: Spec) -> int:
     """Queries a decode program packs into its rows: as many as the padding to 16 rows holds where they share
     a list (Q-centric: a call's few queries are in one Q tile, q_tile >= 16), so that one K/V block load serves
