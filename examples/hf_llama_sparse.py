@@ -1,8 +1,8 @@
-"""A 1B-scale Llama-style model (random weights) under transformers: prefill throughput with dense SDPA against
-kernelgen's sparse attention, and how much of the prefill the attention takes.
+"""A 1B-scale Llama-style model (random weights) under transformers: prefill throughput and decode latency with
+dense SDPA against kernelgen's sparse attention, and how much of each the attention takes.
 
-    python examples/hf_llama_sparse.py                       # GPU: bf16, prefill of 32k and 128k tokens
-    python examples/hf_llama_sparse.py --seq 65536 --out hf.json
+    python examples/hf_llama_sparse.py                       # GPU: bf16, 32k and 128k tokens, then 64 steps
+    python examples/hf_llama_sparse.py --seq 65536 --decode 0 --out hf.json      # prefill only
 
 The model: hidden 2048, 16 layers, 32 query heads over 8 KV heads, head_dim 64, MLP 8192 (about 1.2B
 parameters with a 32k vocabulary). kernelgen's spec comes from the config's options (`kernelgen_*`, see
@@ -15,9 +15,16 @@ implementations of the same weights:
   less this one is its attention's time.
 Times are medians of `--repeats` prefills after one warm-up, with the GPU synchronised around each.
 
+Decode (`--decode` steps, batch 1, greedy) runs after a prefill of the prompt into a KV cache, eagerly, as
+`generate()` does, under the same implementations; kernelgen twice: over transformers' `DynamicCache`, where
+each step's selector pools the whole cache again, and over kernelgen's `KeyRepsCache`, which keeps the
+blocks' means with the cache (the lists are the same). A step's time is the mean over the steps after a few
+untimed ones.
+
 Without a CUDA GPU kernelgen runs in Triton's CPU interpreter: the example then runs a tiny model (2 layers,
 hidden 64, 128 tokens, 16-key blocks) in float32, checks that kernelgen with every block listed gives SDPA's
-logits, and says that its times mean nothing.
+logits, that decoding over a `KeyRepsCache` gives the logits a `DynamicCache` does, and says that its times mean
+nothing.
 """
 from __future__ import annotations
 
@@ -41,6 +48,10 @@ except ImportError:
     sys.exit("this example needs transformers: pip install -e '.[hf]'")
 
 IMPLEMENTATIONS = ("sdpa", "kernelgen", "no-op")
+# decode runs: (name, attention implementation, the cache a run decodes over)
+DECODERS = (("no-op", "no-op", transformers.DynamicCache), ("sdpa", "sdpa", transformers.DynamicCache),
+            ("kernelgen", "kernelgen", transformers.DynamicCache),
+            ("kernelgen, kept reps", "kernelgen", kernelgen.integrations.transformers.KeyRepsCache))
 
 
 def no_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -84,6 +95,29 @@ def timed_prefill(model, ids, repeats: int) -> float:
     return statistics.median(times)
 
 
+def decode(model, ids, cache, steps: int) -> torch.Tensor:
+    """Prefill `ids` into `cache`, then `steps` greedy single-token steps: the logits of each step."""
+    with torch.no_grad():
+        logits = [model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]]
+        for _ in range(steps):
+            logits.append(model(logits[-1].argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1])
+    return torch.stack(logits)
+
+
+def timed_decode(model, ids, cache, steps: int, warm: int = 4) -> float:
+    """Mean seconds of a decode step after a prefill and `warm` untimed steps (kernels compiled, lengths seen)."""
+    with torch.no_grad():
+        token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(warm):
+            token = model(token, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, nargs="+", default=None, help="prompt lengths (GPU default 32768 131072)")
@@ -92,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="triton", help="kernelgen's backend for the attention (triton, tilelang, "
                    "gluon or auto); selection and decode run on Triton")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode", type=int, default=64, help="decode steps timed after each prompt (0: none)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -124,6 +159,10 @@ def main(argv=None) -> int:
         print(f"every block listed: logits max-abs difference from SDPA's {error:.2e}")
         assert error < 1e-3 * want.abs().max().item(), error
         model.config.kernelgen_top_k = top_k
+        steps = max(1, min(args.decode, 4))
+        plain, kept = (decode(model, ids, make(config=model.config), steps) for _, _, make in DECODERS[2:])
+        print(f"decode, {steps} steps: logits over a KeyRepsCache equal a DynamicCache's: {torch.equal(plain, kept)}")
+        assert torch.equal(plain, kept)
 
     results = []
     print(f"{'tokens':>8} {'attention':>10} {'prefill s':>10} {'tokens/s':>10} {'attention s':>12} {'attention %':>12}")
@@ -148,15 +187,37 @@ def main(argv=None) -> int:
             print(f"{n:>8} {name:>10} {times[name]:>10.3f} {row['tokens_per_s']:>10.0f} {attention:>12.3f} "
                   f"{100 * row['attention_share']:>11.1f}%")
         print(f"{n:>8} {'no-op':>10} {times['no-op']:>10.3f} {n / times['no-op']:>10.0f}   (the model without attention)")
+        if on_gpu and args.decode:
+            results += decode_rows(model, ids, args.decode)
         del ids
     if args.out:
-        meta = {"device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
+        meta = {"decode_steps": args.decode, "device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
                 "torch": torch.__version__, "transformers": transformers.__version__, "spec": spec.to_dict(),
                 "parameters": params, "dtype": str(dtype), "repeats": args.repeats}
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
         print(f"wrote {args.out}")
     return 0
+
+
+def decode_rows(model, ids, steps: int) -> list[dict]:
+    """Decode after the prompt `ids` under each of DECODERS: ms a step, and the attention's share of it."""
+    n, times = ids.shape[1], {}
+    for name, implementation, make in DECODERS:
+        model.set_attn_implementation(implementation)
+        try:
+            times[name] = timed_decode(model, ids, make(config=model.config), steps)
+        except torch.OutOfMemoryError:
+            print(f"{n:>8} {name:>20}   decode: out of memory")
+        torch.cuda.empty_cache()
+    rows = []
+    for name in [name for name, _, _ in DECODERS[1:] if name in times]:
+        attention = max(0.0, times[name] - times["no-op"])
+        rows.append({"tokens": n, "decode": name, "step_ms": 1e3 * times[name], "attention_ms": 1e3 * attention,
+                     "rest_of_model_ms": 1e3 * times["no-op"]})
+        print(f"{n:>8} decode {name:>20}: {1e3 * times[name]:7.2f} ms a step, attention {1e3 * attention:6.2f} ms")
+    print(f"{n:>8} decode {'no-op':>20}: {1e3 * times['no-op']:7.2f} ms a step (the model without attention)")
+    return rows
 
 
 if __name__ == "__main__":

@@ -138,6 +138,22 @@ class KeyReps:
     def __setattr__(self, name, value):
         raise AttributeError("KeyReps are read-only")
 
+    def index_batch(self, index) -> KeyReps:
+        """The reps of the batch rows `index` picks (any index of k's batch dimension: a KV cache reordered for
+        beam search, or rows kept or repeated): those of k[index]."""
+        if isinstance(index, torch.Tensor):
+            index = index.to(self.reps.device)
+        return KeyReps._made_by_key_reps(self.reps[index], self.n_k, self.kv_block, self.groups)
+
+    def cropped(self, n_k: int) -> KeyReps:
+        """The reps of the whole blocks among the first n_k keys (a KV cache cropped to n_k keys): they extend
+        (`key_reps(k, previous=...)`) over any k that holds those keys first; the extension pools the block that
+        n_k falls in again."""
+        if not 0 <= n_k <= self.n_k:
+            raise KernelgenValueError(f"n_k = {n_k}: these key_reps hold {self.n_k} keys; crop to 0..{self.n_k}")
+        whole = n_k // self.kv_block
+        return KeyReps._made_by_key_reps(self.reps[:, :, :whole], whole * self.kv_block, self.kv_block, self.groups)
+
     def __repr__(self) -> str:
         return (f"KeyReps(shape={tuple(self.reps.shape)}, n_k={self.n_k}, kv_block={self.kv_block}, "
                 f"groups={self.groups}, device={self.reps.device})")

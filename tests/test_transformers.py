@@ -192,3 +192,84 @@ def test_backward_runs_through_kernelgen(models, roles):
         model.eval()
     assert roles["bwd_dq"] == 2 and roles["bwd_dkdv"] == 2
     assert_close(grads[0], grads[1], tol=1e-3)
+
+
+def prefill_then_decode(model, prompt, cache, steps):
+    """Logits of a prefill of `prompt` and of `steps` greedy single-token steps after it, over `cache`."""
+    out = [model(prompt, past_key_values=cache).logits[:, -1]]
+    for _ in range(steps):
+        out.append(model(out[-1].argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("selector", ["mean", "multi:2"])
+def test_key_reps_cache_selects_what_a_plain_cache_does(models, roles, selector):
+    ours, _ = models
+    prompt = tokens(2, 50, seed=5)  # 4 blocks of 16: 1 of the 3 before the diagonal block selected
+    set_options(ours, top_k=2, selector=selector)
+    with torch.no_grad():
+        want = prefill_then_decode(ours, prompt, transformers.DynamicCache(config=ours.config), 2)
+        roles.clear()
+        cache = kg_hf.KeyRepsCache(config=ours.config)
+        got = prefill_then_decode(ours, prompt, cache, 2)
+    assert torch.equal(got, want)  # bit-identical lists, so identical logits
+    assert roles["key_reps"] == 2 * 3 and roles["decode"] == 2 * 2  # 2 layers: the prompt, then 2 steps
+    attn = kg_hf.get_kernel(kg_hf.layer_spec(ours.config))
+    for layer in cache.layers:
+        assert isinstance(layer, kg_hf.KeyRepsLayer) and layer.key_reps.n_k == 52
+        assert torch.equal(layer.key_reps.reps, attn.key_reps(layer.keys).reps)  # extended = made at once
+
+
+def test_decode_selects_from_the_kept_reps(models):
+    """The layer's reps are what selection reads: reps of other keys give other lists, so other logits."""
+    ours, _ = models
+    prompt = tokens(1, 70, seed=6)
+    set_options(ours, top_k=2, local=1)
+    with torch.no_grad():
+        cache = kg_hf.KeyRepsCache(config=ours.config)
+        ours(prompt, past_key_values=cache)
+        step = prompt[:, -1:]
+        want = ours(step, past_key_values=cache).logits
+        cache.crop(-1)
+        attn = kg_hf.get_kernel(kg_hf.layer_spec(ours.config))
+        for layer in cache.layers:  # the reps of reversed keys: the same length, other block means
+            layer.key_reps = attn.key_reps(layer.keys.flip(2))
+        got = ours(step, past_key_values=cache).logits
+    assert not torch.equal(got, want)
+
+
+def test_key_reps_follow_the_cache_through_reorder_crop_and_batch_ops(models):
+    ours, _ = models
+    set_options(ours, top_k=3)
+    attn = kg_hf.get_kernel(kg_hf.layer_spec(ours.config))
+    with torch.no_grad():
+        cache = kg_hf.KeyRepsCache(config=ours.config)
+        ours(tokens(3, 70, seed=7), past_key_values=cache)
+
+        def assert_reps_match_the_keys():
+            for layer in cache.layers:
+                extended = attn.key_reps(layer.keys, previous=layer.key_reps)
+                assert torch.equal(extended.reps, attn.key_reps(layer.keys).reps)
+
+        cache.reorder_cache(torch.tensor([2, 0, 0]))
+        assert_reps_match_the_keys()
+        cache.crop(-7)  # 63 keys: the partial block is pooled again
+        assert cache.layers[0].key_reps.n_k == 48
+        assert_reps_match_the_keys()
+        cache.batch_select_indices(torch.tensor([1, 2]))
+        assert_reps_match_the_keys()
+        cache.batch_repeat_interleave(2)
+        assert cache.layers[0].key_reps.reps.shape[0] == 4
+        assert_reps_match_the_keys()
+        cache.reset()
+        assert all(layer.key_reps is None for layer in cache.layers)
+
+
+def test_key_reps_cache_without_a_config_and_its_refusals():
+    cache = kg_hf.KeyRepsCache()
+    assert cache.layer_class_to_replicate is kg_hf.KeyRepsLayer
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=2)
+    reps = kernelgen.get_kernel(spec).key_reps(torch.randn(1, 1, 40, 64))
+    assert reps.cropped(40).n_k == 32 and reps.cropped(15).reps.shape[2] == 0
+    with pytest.raises(ValueError, match="n_k = 41"):
+        reps.cropped(41)

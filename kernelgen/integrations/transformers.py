@@ -24,6 +24,16 @@ under `"layer_types"`); an attribute wins over the object:
     schedule   "q_centric" or "kv_centric" ("q_centric")
     backend    a kernelgen backend or "auto" ("triton")
 
+**Decoding with kept key representatives.** The `mean` and `multi:r` selectors score blocks by their keys'
+means. A plain cache makes every call pool the whole cache again to choose a few blocks of it, which at long
+context costs more than the decode itself. `KeyRepsCache`, a `DynamicCache` whose layers also keep those means
+(`kernelgen.KeyReps`) and extend them as the cache grows, takes that away; the lists are bit-identical:
+
+    cache = KeyRepsCache(config=model.config)
+    model.generate(ids, past_key_values=cache, max_new_tokens=256)
+
+Its layers follow the cache through beam search's reordering, batch selection and repetition, and cropping.
+
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's
 `"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
 cannot compute falls back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong result: an
@@ -41,14 +51,17 @@ import warnings
 import weakref
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..device import interpreting
 from ..dispatch import get_kernel
 from ..errors import KernelgenValueError
+from ..inputs import KeyReps
 from ..spec import HEAD_DIMS, Spec
 from ..tuning.model import FULL, SPARSE_OPTIONS, model_specs
 
-__all__ = ["NAME", "OPTIONS", "register", "layer_spec", "attention_forward", "KernelgenFallbackWarning"]
+__all__ = ["NAME", "OPTIONS", "register", "layer_spec", "attention_forward", "KernelgenFallbackWarning",
+           "KeyRepsCache", "KeyRepsLayer"]
 
 log = logging.getLogger("kernelgen")
 
@@ -180,6 +193,85 @@ def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | str:
     return n_visible
 
 
+# ---- a cache that keeps the selector's key representatives -----------------------------------------------
+
+class KeyRepsLayer(DynamicLayer):
+    """A `DynamicLayer` that also keeps the kernelgen selector's representatives of its keys (`key_reps`, a
+    `kernelgen.KeyReps`, or None until an attention call makes them). The attention function finds the layer
+    from the keys `update` returns, extends the reps over them and selects from the reps. Every operation that
+    changes the keys other than by appending applies the same change to the reps."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.key_reps: KeyReps | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        keys._kernelgen_reps_layer = weakref.ref(self)  # the attention call receives exactly this tensor
+        return keys, values
+
+    def reset(self) -> None:
+        super().reset()
+        self.key_reps = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.key_reps is not None:
+            self.key_reps = self.key_reps.cropped(min(self.key_reps.n_k, self.get_seq_length()))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.key_reps is not None:
+            self.key_reps = self.key_reps.index_batch(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.key_reps is not None:
+            rows = torch.arange(self.key_reps.reps.shape[0], device=self.key_reps.reps.device)
+            self.key_reps = self.key_reps.index_batch(rows.repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.key_reps is not None:
+            self.key_reps = self.key_reps.index_batch(indices)
+
+
+class KeyRepsCache(DynamicCache):
+    """transformers' `DynamicCache` with `KeyRepsLayer`s in place of its plain `DynamicLayer`s (the layers of
+    other kinds, sliding windows say, stay as they are): kernelgen's decode steps then select their blocks from
+    kept representatives instead of pooling the whole cache. Takes DynamicCache's arguments."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.layers = [_keeping_reps(layer) for layer in self.layers]
+        if self.layer_class_to_replicate is DynamicLayer:
+            self.layer_class_to_replicate = KeyRepsLayer
+
+
+def _keeping_reps(layer):
+    if type(layer) is not DynamicLayer:
+        return layer
+    kept = KeyRepsLayer()
+    if layer.is_initialized:
+        kept.update(layer.keys, layer.values)
+    return kept
+
+
+def _reps_layer(key: torch.Tensor) -> KeyRepsLayer | None:
+    """The KeyRepsLayer whose keys `key` is, or None."""
+    ref = getattr(key, "_kernelgen_reps_layer", None)
+    return None if ref is None else ref()
+
+
+def _extendable(reps: KeyReps | None, spec: Spec, key: torch.Tensor) -> KeyReps | None:
+    """`reps` if `key` extends the keys they were made from under this spec, else None (made afresh)."""
+    if reps is None or (reps.kv_block, reps.groups) != (spec.kv_block, spec.groups):
+        return None
+    if reps.reps.shape[:2] != key.shape[:2] or reps.n_k > key.shape[2] or reps.reps.device != key.device:
+        return None
+    return reps
+
+
 # ---- the attention function ------------------------------------------------------------------------------
 
 def _unsupported(module, query, dropout, kwargs) -> str | None:
@@ -229,9 +321,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         reason = n_keys if isinstance(n_keys, str) else None
     if reason is not None:
         return _fall_back(reason, *args, **kwargs)
+    attn = get_kernel(spec)
+    layer = _reps_layer(key) if spec.selection_role in ("select", "kv_select") else None
     if n_keys < key.shape[2]:
-        key, value = key[:, :, :n_keys], value[:, :, :n_keys]
-    o = get_kernel(spec)(query, key, value, scale=scaling)
+        key, value, layer = key[:, :, :n_keys], value[:, :, :n_keys], None
+    if layer is None:
+        o = attn(query, key, value, scale=scaling)
+    else:  # selection from the layer's kept reps, extended over the keys appended since the last call
+        layer.key_reps = attn.key_reps(key, previous=_extendable(layer.key_reps, spec, key))
+        o = attn(query, key, value, scale=scaling, key_reps=layer.key_reps)
     return o.transpose(1, 2).contiguous(), None
 
 
