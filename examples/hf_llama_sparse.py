@@ -1,7 +1,7 @@
 """A 1B-scale Llama-style model (random weights) under transformers: prefill throughput and decode latency with
 dense SDPA against kernelgen's sparse attention, and how much of each the attention takes.
 
-    python examples/hf_llama_sparse.py                       # GPU: bf16, 32k and 128k tokens, then 64 steps
+    python examples/hf_llama_sparse.py                       # GPU: bf16, 32k and 128k tokens, then 32 steps
     python examples/hf_llama_sparse.py --seq 65536 --decode 0 --out hf.json      # prefill only
 
 The model: hidden 2048, 16 layers, 32 query heads over 8 KV heads, head_dim 64, MLP 8192 (about 1.2B
@@ -15,10 +15,10 @@ implementations of the same weights:
   less this one is its attention's time.
 Times are medians of `--repeats` prefills after one warm-up, with the GPU synchronised around each.
 
-Decode (`--decode` steps, batch 1, greedy) runs after a prefill of the prompt into a KV cache, eagerly, as
-`generate()` does, under the same implementations; kernelgen twice: over transformers' `DynamicCache`, where
+Decode (`--decode` steps at each of `--decode-batch`, greedy) runs after a prefill of the prompt into a KV cache,
+eagerly, as `generate()` does, under the same implementations; kernelgen twice: over transformers' `DynamicCache`, where
 each step's selector pools the whole cache again, and over kernelgen's `KeyRepsCache`, which keeps the
-blocks' means with the cache (the lists are the same). A step's time is the mean over the steps after a few
+blocks' means with the cache (the lists are the same). A step's time is the median over the steps after 16
 untimed ones.
 
 Without a CUDA GPU kernelgen runs in Triton's CPU interpreter: the example then runs a tiny model (2 layers,
@@ -104,18 +104,21 @@ def decode(model, ids, cache, steps: int) -> torch.Tensor:
     return torch.stack(logits)
 
 
-def timed_decode(model, ids, cache, steps: int, warm: int = 4) -> float:
-    """Mean seconds of a decode step after a prefill and `warm` untimed steps (kernels compiled, lengths seen)."""
+def timed_decode(model, ids, cache, steps: int, warm: int = 16) -> float:
+    """Median seconds of a decode step, synchronised around each as `generate()` is (it reads every step's
+    tokens), after a prefill and `warm` untimed steps: every length's kernel variant compiled (Triton
+    specialises a length on its divisibility by 16)."""
+    times = []
     with torch.no_grad():
         token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(warm):
+        for step in range(warm + steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
             token = model(token, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            token = model(token, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+            torch.cuda.synchronize()
+            if step >= warm:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -126,7 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="triton", help="kernelgen's backend for the attention (triton, tilelang, "
                    "gluon or auto); selection and decode run on Triton")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--decode", type=int, default=64, help="decode steps timed after each prompt (0: none)")
+    p.add_argument("--decode", type=int, default=32, help="decode steps timed after each prompt (0: none)")
+    p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 8], help="batch sizes decoded (GPU)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -187,9 +191,9 @@ def main(argv=None) -> int:
             print(f"{n:>8} {name:>10} {times[name]:>10.3f} {row['tokens_per_s']:>10.0f} {attention:>12.3f} "
                   f"{100 * row['attention_share']:>11.1f}%")
         print(f"{n:>8} {'no-op':>10} {times['no-op']:>10.3f} {n / times['no-op']:>10.0f}   (the model without attention)")
-        if on_gpu and args.decode:
-            results += decode_rows(model, ids, args.decode)
         del ids
+        for batch in args.decode_batch if on_gpu and args.decode else ():
+            results += decode_rows(model, config.vocab_size, n, batch, args.decode)
     if args.out:
         meta = {"decode_steps": args.decode, "device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
                 "torch": torch.__version__, "transformers": transformers.__version__, "spec": spec.to_dict(),
@@ -200,23 +204,27 @@ def main(argv=None) -> int:
     return 0
 
 
-def decode_rows(model, ids, steps: int) -> list[dict]:
-    """Decode after the prompt `ids` under each of DECODERS: ms a step, and the attention's share of it."""
-    n, times = ids.shape[1], {}
+def decode_rows(model, vocab: int, n: int, batch: int, steps: int) -> list[dict]:
+    """Decode after a prompt of `batch` × `n` tokens under each of DECODERS: ms a step, and the attention's."""
+    ids = torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(n)).cuda()
+    times = {}
     for name, implementation, make in DECODERS:
         model.set_attn_implementation(implementation)
         try:
             times[name] = timed_decode(model, ids, make(config=model.config), steps)
         except torch.OutOfMemoryError:
-            print(f"{n:>8} {name:>20}   decode: out of memory")
+            print(f"{n:>8} batch {batch} decode {name:>20}: out of memory")
         torch.cuda.empty_cache()
     rows = []
-    for name in [name for name, _, _ in DECODERS[1:] if name in times]:
+    for name in [name for name, _, _ in DECODERS[1:] if name in times and "no-op" in times]:
         attention = max(0.0, times[name] - times["no-op"])
-        rows.append({"tokens": n, "decode": name, "step_ms": 1e3 * times[name], "attention_ms": 1e3 * attention,
-                     "rest_of_model_ms": 1e3 * times["no-op"]})
-        print(f"{n:>8} decode {name:>20}: {1e3 * times[name]:7.2f} ms a step, attention {1e3 * attention:6.2f} ms")
-    print(f"{n:>8} decode {'no-op':>20}: {1e3 * times['no-op']:7.2f} ms a step (the model without attention)")
+        rows.append({"tokens": n, "batch": batch, "decode": name, "step_ms": 1e3 * times[name],
+                     "attention_ms": 1e3 * attention, "rest_of_model_ms": 1e3 * times["no-op"]})
+        print(f"{n:>8} batch {batch} decode {name:>20}: {1e3 * times[name]:7.2f} ms a step, attention "
+              f"{1e3 * attention:6.2f} ms")
+    if "no-op" in times:
+        print(f"{n:>8} batch {batch} decode {'no-op':>20}: {1e3 * times['no-op']:7.2f} ms a step (the model without "
+              "attention)")
     return rows
 
 
