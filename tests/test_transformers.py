@@ -273,3 +273,19 @@ def test_key_reps_cache_without_a_config_and_its_refusals():
     assert reps.cropped(40).n_k == 32 and reps.cropped(15).reps.shape[2] == 0
     with pytest.raises(ValueError, match="n_k = 41"):
         reps.cropped(41)
+
+
+def test_a_modules_spec_follows_its_config(models):
+    """The spec a module keeps is read again when the config's options change, an options object changed in
+    place included."""
+    ours, _ = models
+    module = ours.model.layers[0].self_attn
+    set_options(ours, top_k=2)
+    assert kg_hf._module_spec(module).top_k == 2
+    ours.config.kernelgen_top_k = 3
+    assert kg_hf._module_spec(module).top_k == 3
+    ours.config.kernelgen = {"backend": "auto"}
+    assert kg_hf._module_spec(module).backend == "auto"
+    ours.config.kernelgen["backend"] = "triton"
+    assert kg_hf._module_spec(module).backend == "triton"
+    ours.config.kernelgen = None
