@@ -11,15 +11,12 @@ compared with Flex's (relative L2), and two backward runs are compared bit for b
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from ..dispatch import get_kernel
 from ..workloads import SHAPES
 from .anchors import flex_block_mask, flex_call, sdpa_dense_anchors
-from .measure import _bench_graph, _dump_rows, _rel_diff
+from .measure import _bench_graph, _dump_rows, _rel_diff, host_ms
 
 __all__ = ["run_backward", "BACKWARD_SHAPES"]
 
@@ -52,22 +49,15 @@ def _timed(fn, leaves, grad, log=print, label: str = "") -> dict:
                 host_ms=host)
 
 
-def _host_ms(step, leaves, n: int = 30) -> float:
-    """The host's median time to enqueue one step on an idle GPU (synchronised before, not after): where it
-    exceeds the step's GPU time (the graph replay), the eager step waits on the host."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(n):
+def _host_ms(step, leaves) -> float:
+    """`measure.host_ms` of a training step, its leaves' gradients cleared before each step and after."""
+    def clear():
         for x in leaves:
             x.grad = None
-        sync()
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    sync()
-    for x in leaves:
-        x.grad = None
-    return statistics.median(times)
+
+    host = host_ms(step, before=clear)
+    clear()
+    return host
 
 
 def _grads(fn, leaves, grad):

@@ -14,7 +14,9 @@ For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU
 Decode moves bytes, it hardly computes: each row reports `kv_MB`, the K and V bytes of the keys it must
 read (the listed blocks', or the whole cache's), and `GBps` = kv_MB over its replayed time, next to the
 copy's. Times are `do_bench` medians (`ms`, L2 cleared, the host's launch cost included where the host is
-the slower) and CUDA-graph replays (`graph_ms`, the serving figure: decoders replay graphs). The selected
+the slower), CUDA-graph replays (`graph_ms`, the serving figure where decoders replay graphs), and `host_ms`,
+the host's time to enqueue one call on an idle GPU (what an eager decode step, as transformers runs it,
+waits for where it exceeds the replay). The selected
 blocks of one step fit in the L2 cache, so the replay walks ROTATIONS list sets in turn (the `mean`
 selector's, then random ones; FlexAttention gets the same BlockMasks) and reports the time per call: no
 call finds its blocks in L2 from the call before. Outputs are compared with kernelgen's (relative L2).
@@ -34,7 +36,7 @@ from ..dispatch import get_kernel
 from ..errors import KernelgenRuntimeError
 from ..workloads import DECODE_SHAPES, random_query_lists, visible_pairs
 from .anchors import flex_block_mask, flex_call
-from .measure import _bench, _bench_graph, _config_json, _dump_rows, _rel_diff, row_attempts
+from .measure import _bench, _bench_graph, _config_json, _dump_rows, _rel_diff, host_ms, row_attempts
 
 __all__ = ["run_decode", "ROTATIONS", "listed_kv_bytes", "copy_bandwidth"]
 
@@ -74,7 +76,7 @@ def _graph_per_call(calls, log) -> float | None:
 
 
 def run_decode(shape_names=None, out_dir=None, log=print) -> list[dict]:
-    """Rows: shape, impl, ms, graph_ms, kv_MB, GBps (and config, rel_diff_vs_kernelgen where they apply); the
+    """Rows: shape, impl, ms, graph_ms, host_ms, kv_MB, GBps (and config, rel_diff_vs_kernelgen where they apply); the
     copy's GB/s as its own row; with `out_dir`, also decode.json there."""
     if not torch.cuda.is_available():
         raise KernelgenRuntimeError("bench --decode needs a CUDA GPU: it times kernels")
@@ -82,12 +84,14 @@ def run_decode(shape_names=None, out_dir=None, log=print) -> list[dict]:
     device, dtype = torch.device("cuda"), torch.bfloat16
     rows: list[dict] = []
 
-    def record(name, impl, ms, graph_ms, kv_bytes, **extra):
+    def record(name, impl, call, graph_ms, kv_bytes, **extra):
+        """A row of `call` (no arguments): its do_bench and host times, and `graph_ms` measured apart."""
+        ms = _bench(call)
         per_s = graph_ms or ms
-        row = dict(shape=name, impl=impl, ms=ms, graph_ms=graph_ms, kv_MB=round(kv_bytes / 1e6, 2),
-                   GBps=round(kv_bytes / per_s / 1e6, 1) if kv_bytes else None, **extra)
+        row = dict(shape=name, impl=impl, ms=ms, graph_ms=graph_ms, host_ms=host_ms(call),
+                   kv_MB=round(kv_bytes / 1e6, 2), GBps=round(kv_bytes / per_s / 1e6, 1) if kv_bytes else None, **extra)
         rows.append(row)
-        graph = f" (graph {graph_ms:.4f} ms)" if graph_ms else ""
+        graph = f" (graph {graph_ms:.4f} ms, host {row['host_ms']:.4f} ms)" if graph_ms else ""
         rate = f" {row['GBps']:7.1f} GB/s" if kv_bytes else ""
         log(f"{name:10s} {impl:34s} {ms:8.4f} ms{graph}{rate} " + " ".join(f"{k}={v}" for k, v in extra.items()))
         _dump_rows(rows, out_dir, "decode.json")
@@ -120,9 +124,8 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
         ours = attn(q, k, v, block_idx=prepared[0])
 
         def lists_row(impl, kernel, **extra):
-            ms = _bench(lambda: kernel(q, k, v, block_idx=prepared[0]))
             graph_ms = _graph_per_call([lambda p=p: kernel(q, k, v, block_idx=p) for p in prepared], log)
-            record(name, impl, ms, graph_ms, kv_bytes, **extra)
+            record(name, impl, lambda: kernel(q, k, v, block_idx=prepared[0]), graph_ms, kv_bytes, **extra)
 
         lists_row("kernelgen decode prepared", attn, backend=served.backend.name, config=_config_json(served.config),
                   config_source=served.source)
@@ -136,10 +139,9 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
                     f"kernelgen decode splits={splits}", pinned, config=_config_json(cfg)))
 
         def pipeline():
-            select_ms = _bench(lambda: selecting.select(q, k))
-            record(name, "kernelgen mean select only", select_ms, _bench_graph(lambda: selecting.select(q, k), log=log),
-                   0)
-            record(name, "kernelgen mean (select+decode)", _bench(lambda: selecting(q, k, v)),
+            record(name, "kernelgen mean select only", lambda: selecting.select(q, k),
+                   _bench_graph(lambda: selecting.select(q, k), log=log), 0)
+            record(name, "kernelgen mean (select+decode)", lambda: selecting(q, k, v),
                    _bench_graph(lambda: selecting(q, k, v), log=log), kv_bytes + k.numel() * elem,
                    note="kv_MB: the listed blocks' K and V plus the whole K that selection pools")
 
@@ -148,12 +150,12 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
             assert torch.equal(selecting.select(q, k, key_reps=reps), lists[0])
             reps_bytes = reps.reps.numel() * reps.reps.element_size()
             chooser = selecting.served("decode_select", shape.n_k, q.dtype, q.device)
-            record(name, "kernelgen mean, kept reps (select+decode)", _bench(lambda: selecting(q, k, v, key_reps=reps)),
+            record(name, "kernelgen mean, kept reps (select+decode)", lambda: selecting(q, k, v, key_reps=reps),
                    _bench_graph(lambda: selecting(q, k, v, key_reps=reps), log=log), kv_bytes + reps_bytes,
                    note="kv_MB: the listed blocks' K and V plus the kept reps",
                    select_config=_config_json(chooser.config), select_config_source=chooser.source)
             before = selecting.key_reps(k[:, :, :-1])  # the cache one key ago: its last block is pooled again
-            record(name, "kernelgen key_reps extended by one key", _bench(lambda: selecting.key_reps(k, previous=before)),
+            record(name, "kernelgen key_reps extended by one key", lambda: selecting.key_reps(k, previous=before),
                    _bench_graph(lambda: selecting.key_reps(k, previous=before), log=log), 0)
 
         attempt(name, "mean pipeline", pipeline)
@@ -162,7 +164,7 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
         def flex():
             calls = [flex_call(q, k, v, flex_block_mask(idx, spec, shape), spec) for idx in lists]
             diff = _rel_diff(calls[0](), ours)
-            record(name, "flex (same BlockMask)", _bench(calls[0]), _graph_per_call(calls, log), kv_bytes,
+            record(name, "flex (same BlockMask)", calls[0], _graph_per_call(calls, log), kv_bytes,
                    rel_diff_vs_kernelgen=f"{diff:.1e}")
 
         attempt(name, "FlexAttention", flex)
@@ -184,6 +186,6 @@ def _dense_rows(name, q, k, v, record, attempt, log) -> None:
         def row(backend=backend, label=label):
             with sdpa_kernel(backend):
                 dense()
-                record(name, label, _bench(dense), _bench_graph(dense, log=log), kv_bytes)
+                record(name, label, dense, _bench_graph(dense, log=log), kv_bytes)
 
         attempt(name, label, row)

@@ -29,7 +29,7 @@ from ..tuning.buckets import seq_bucket
 from ..workloads import SHAPES, dense_flops, useful_flops
 from .anchors import flex_block_mask, flex_call, flex_kernel_options, flex_token_mask, sdpa_dense_anchors
 
-__all__ = ["run", "dispatch_overhead", "dispatch_problem", "stall_guard"]
+__all__ = ["run", "dispatch_overhead", "dispatch_problem", "stall_guard", "host_ms"]
 
 
 def _bench(fn, warmup=25, rep=100) -> float:
@@ -50,6 +50,23 @@ def _bench_graph(fn, rep=100, log=print) -> float | None:
     except Exception as error:  # report, never hide: the row keeps its do_bench time
         log(f"(graph timing failed: {type(error).__name__}: {str(error)[:200]})")
         return None
+
+
+def host_ms(fn, n: int = 30, before=None) -> float:
+    """The host's median ms to enqueue one call of `fn` on an idle GPU (synchronised before the call, not
+    after; `before`, if given, runs ahead of each call, untimed): where it exceeds the call's GPU time (its
+    graph replay), an eager call waits on the host."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(n):
+        if before is not None:
+            before()
+        sync()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    sync()
+    return statistics.median(times)
 
 
 def _peak_extra_bytes(fn) -> int:
