@@ -142,13 +142,24 @@ class KeyReps:
         """The reps of the batch rows `index` picks (any index of k's batch dimension: a KV cache reordered for
         beam search, or rows kept or repeated): those of k[index]."""
         if isinstance(index, torch.Tensor):
+            if index.dtype.is_floating_point or index.is_complex():
+                raise KernelgenTypeError(f"index must hold integer or bool batch rows, got dtype {index.dtype}")
             index = index.to(self.reps.device)
-        return KeyReps._made_by_key_reps(self.reps[index], self.n_k, self.kv_block, self.groups)
+        try:
+            reps = self.reps[index]
+        except IndexError as error:
+            raise KernelgenValueError(f"index picks rows outside these key_reps' batch of {self.reps.shape[0]}: "
+                                      f"{error}") from None
+        if reps.dim() != self.reps.dim():
+            raise KernelgenValueError(f"index must pick batch rows (a 1-D index, a slice or a bool mask), got {index!r}")
+        return KeyReps._made_by_key_reps(reps, self.n_k, self.kv_block, self.groups)
 
     def cropped(self, n_k: int) -> KeyReps:
         """The reps of the whole blocks among the first n_k keys (a KV cache cropped to n_k keys): they extend
         (`key_reps(k, previous=...)`) over any k that holds those keys first; the extension pools the block that
         n_k falls in again."""
+        if isinstance(n_k, bool) or not isinstance(n_k, int):
+            raise KernelgenTypeError(f"n_k must be an int, got {type(n_k).__name__}")
         if not 0 <= n_k <= self.n_k:
             raise KernelgenValueError(f"n_k = {n_k}: these key_reps hold {self.n_k} keys; crop to 0..{self.n_k}")
         whole = n_k // self.kv_block

@@ -273,6 +273,15 @@ def test_key_reps_cache_without_a_config_and_its_refusals():
     assert reps.cropped(40).n_k == 32 and reps.cropped(15).reps.shape[2] == 0
     with pytest.raises(ValueError, match="n_k = 41"):
         reps.cropped(41)
+    with pytest.raises(TypeError, match="n_k must be an int"):
+        reps.cropped(16.0)
+    assert torch.equal(reps.index_batch(torch.tensor([0, 0])).reps, reps.reps.repeat(2, 1, 1, 1, 1))
+    with pytest.raises(ValueError, match="outside these key_reps' batch of 1"):
+        reps.index_batch(torch.tensor([1]))
+    with pytest.raises(TypeError, match="integer or bool"):
+        reps.index_batch(torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="must pick batch rows"):
+        reps.index_batch(0)
 
 
 def test_a_modules_spec_follows_its_config(models):
