@@ -15,11 +15,11 @@ implementations of the same weights:
   less this one is its attention's time.
 Times are medians of `--repeats` prefills after one warm-up, with the GPU synchronised around each.
 
-Decode (`--decode` steps at each of `--decode-batch`, greedy) runs after a prefill of the prompt into a KV cache,
-eagerly, as `generate()` does, under the same implementations; kernelgen twice: over transformers' `DynamicCache`, where
-each step's selector pools the whole cache again, and over kernelgen's `KeyRepsCache`, which keeps the
-blocks' means with the cache (the lists are the same). A step's time is the median over the steps after 16
-untimed ones.
+Decode (`--decode` steps at each of `--decode-batch`, greedy) runs after a prefill of the prompt into a KV
+cache, eagerly, as `generate()` does, under the same implementations; kernelgen twice: over transformers'
+`DynamicCache`, where each step's selector pools the whole cache again, and over kernelgen's `KeyRepsCache`,
+which keeps the blocks' means with the cache (the lists are the same). A step's time is the median over the
+steps after 16 untimed ones.
 
 Without a CUDA GPU kernelgen runs in Triton's CPU interpreter: the example then runs a tiny model (2 layers,
 hidden 64, 128 tokens, 16-key blocks) in float32, checks that kernelgen with every block listed gives SDPA's
@@ -95,12 +95,17 @@ def timed_prefill(model, ids, repeats: int) -> float:
     return statistics.median(times)
 
 
+def last_logits(model, ids, cache) -> torch.Tensor:
+    """The logits of the last position after `ids` ([B, n] tokens), cached into `cache`."""
+    return model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+
+
 def decode(model, ids, cache, steps: int) -> torch.Tensor:
     """Prefill `ids` into `cache`, then `steps` greedy single-token steps: the logits of each step."""
     with torch.no_grad():
-        logits = [model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]]
+        logits = [last_logits(model, ids, cache)]
         for _ in range(steps):
-            logits.append(model(logits[-1].argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1])
+            logits.append(last_logits(model, logits[-1].argmax(-1, keepdim=True), cache))
     return torch.stack(logits)
 
 
@@ -110,11 +115,11 @@ def timed_decode(model, ids, cache, steps: int, warm: int = 16) -> float:
     specialises a length on its divisibility by 16)."""
     times = []
     with torch.no_grad():
-        token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        token = last_logits(model, ids, cache).argmax(-1, keepdim=True)
         for step in range(warm + steps):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            token = model(token, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+            token = last_logits(model, token, cache).argmax(-1, keepdim=True)
             torch.cuda.synchronize()
             if step >= warm:
                 times.append(time.perf_counter() - start)
@@ -195,7 +200,8 @@ def main(argv=None) -> int:
         for batch in args.decode_batch if on_gpu and args.decode else ():
             results += decode_rows(model, config.vocab_size, n, batch, args.decode)
     if args.out:
-        meta = {"decode_steps": args.decode, "device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
+        meta = {"decode_steps": args.decode,
+                "device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
                 "torch": torch.__version__, "transformers": transformers.__version__, "spec": spec.to_dict(),
                 "parameters": params, "dtype": str(dtype), "repeats": args.repeats}
         with open(args.out, "w") as f:

@@ -151,7 +151,8 @@ class KeyReps:
             raise KernelgenValueError(f"index picks rows outside these key_reps' batch of {self.reps.shape[0]}: "
                                       f"{error}") from None
         if reps.dim() != self.reps.dim():
-            raise KernelgenValueError(f"index must pick batch rows (a 1-D index, a slice or a bool mask), got {index!r}")
+            raise KernelgenValueError(f"index must pick batch rows (a 1-D index, a slice or a bool mask), got "
+                                      f"{index!r}")
         return KeyReps._made_by_key_reps(reps, self.n_k, self.kv_block, self.groups)
 
     def cropped(self, n_k: int) -> KeyReps:

@@ -16,10 +16,10 @@ read (the listed blocks', or the whole cache's), and `GBps` = kv_MB over its rep
 copy's. Times are `do_bench` medians (`ms`, L2 cleared, the host's launch cost included where the host is
 the slower), CUDA-graph replays (`graph_ms`, the serving figure where decoders replay graphs), and `host_ms`,
 the host's time to enqueue one call on an idle GPU (what an eager decode step, as transformers runs it,
-waits for where it exceeds the replay). The selected
-blocks of one step fit in the L2 cache, so the replay walks ROTATIONS list sets in turn (the `mean`
-selector's, then random ones; FlexAttention gets the same BlockMasks) and reports the time per call: no
-call finds its blocks in L2 from the call before. Outputs are compared with kernelgen's (relative L2).
+waits for where it exceeds the replay). The selected blocks of one step fit in the L2 cache, so the replay
+walks ROTATIONS list sets in turn (the `mean` selector's, then random ones; FlexAttention gets the same
+BlockMasks) and reports the time per call: no call finds its blocks in L2 from the call before. Outputs are
+compared with kernelgen's (relative L2).
 
     kernelgen bench --decode [--shapes dec_c32k] [--out DIR]
 """
@@ -76,8 +76,8 @@ def _graph_per_call(calls, log) -> float | None:
 
 
 def run_decode(shape_names=None, out_dir=None, log=print) -> list[dict]:
-    """Rows: shape, impl, ms, graph_ms, host_ms, kv_MB, GBps (and config, rel_diff_vs_kernelgen where they apply); the
-    copy's GB/s as its own row; with `out_dir`, also decode.json there."""
+    """Rows: shape, impl, ms, graph_ms, host_ms, kv_MB, GBps (and config, rel_diff_vs_kernelgen where they
+    apply); the copy's GB/s as its own row; with `out_dir`, also decode.json there."""
     if not torch.cuda.is_available():
         raise KernelgenRuntimeError("bench --decode needs a CUDA GPU: it times kernels")
     names = list(shape_names or DECODE_SHAPES)
