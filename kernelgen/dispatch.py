@@ -26,8 +26,9 @@ import torch
 from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists, check_index,
-                     check_key_reps, check_keys, check_length, check_qkv, lists_layout)
+from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
+                     check_cache_seqlens, check_index, check_key_reps, check_keys, check_length, check_qkv,
+                     lists_layout)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -196,7 +197,7 @@ class SparseAttention:
         per-query lists), in one lookup."""
         return tuple(self._served(role, bucket, dtype, device) for role in backward_roles(self.spec))
 
-    def _launch(self, served: Served, like: torch.Tensor, shapes: Shapes, *args):
+    def _launch(self, served: Served, like: torch.Tensor, shapes: Shapes, *args, **options):
         with launching_on(like):  # a per-shape kernel is loaded, and every kernel launched, on like's GPU
             kernel = served.kernel
             if kernel is None:  # compiled per problem shape: one dict hit per call once built
@@ -206,40 +207,74 @@ class SparseAttention:
                     kernel = self._shape_kernels[key] = self._build(served.backend, served.spec, served.role,
                                                                     served.config,
                                                                     Problem(like.dtype, shapes, like.device))
-            return served.impl.launch(kernel, served.spec, served.config, shapes, *args)
+            return served.impl.launch(kernel, served.spec, served.config, shapes, *args, **options)
 
     def _run(self, role: str, like: torch.Tensor, shapes: Shapes, *args):
         """Launch any role's kernels for a call of these shapes."""
         return self._launch(self._served(role, seq_bucket(shapes.n_k), like.dtype, like.device), like, shapes, *args)
 
     # ---- the calls -----------------------------------------------------------------------------------
-    def select(self, q: torch.Tensor, k: torch.Tensor, *, index=None, key_reps: KeyReps | None = None) -> torch.Tensor:
+    def select(self, q: torch.Tensor, k: torch.Tensor, *, index=None, key_reps: KeyReps | None = None,
+               cache_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         if not self.spec.selects:
             raise KernelgenValueError("spec.selector='given' has no selector: pass block_idx to the call")
         q, k, _ = autocast_qkv(q, k, k)
         shapes = check_qkv(q, k, k, self.spec)
+        seqlens = self._check_seqlens(cache_seqlens, shapes, q.device)
         role = forward_roles(self.spec, shapes.n_q)[1]  # the selection a call of these queries runs
         served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
-        return self._select(q, k, shapes, index, served, key_reps)
+        return self._select(q, k, shapes, index, served, key_reps, seqlens)
 
-    def _select(self, q, k, shapes: Shapes, index, served: Served, key_reps: KeyReps | None = None) -> torch.Tensor:
+    def _check_seqlens(self, cache_seqlens, shapes: Shapes, device) -> torch.Tensor | None:
+        """A call's checked `cache_seqlens` (None stays None): a decode call's only."""
+        if cache_seqlens is None:
+            return None
+        if shapes.n_q > DECODE_MAX_QUERIES:
+            raise KernelgenValueError(f"cache_seqlens= is for decode calls of at most {DECODE_MAX_QUERIES} queries "
+                                      f"against a KV cache; q has {shapes.n_q} (a prefill of per-row lengths is not "
+                                      "supported: run each row's own length)")
+        return check_cache_seqlens(cache_seqlens, shapes, device)
+
+    @staticmethod
+    def _varlen(served: Served, seqlens: torch.Tensor | None) -> dict:
+        """The launch option that passes a call's `cache_seqlens` to a role that takes them (none without)."""
+        if seqlens is None:
+            return {}
+        if not served.impl.varlen:
+            raise KernelgenValueError(f"cache_seqlens=: the {served.role!r} role of backend {served.backend.name!r} "
+                                      "takes no per-row lengths (the Triton backend's decode, decode_select and "
+                                      "key_reps do: a Q-centric pooling selector, or given lists)")
+        return {"seqlens": seqlens}
+
+    def _select(self, q, k, shapes: Shapes, index, served: Served, key_reps: KeyReps | None = None,
+                seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """The selector's lists for a checked call: from q and k (or k's kept representatives, `key_reps`), or
-        from `index` (the index selector's)."""
-        k_rep = None if key_reps is None else check_key_reps(key_reps, self.spec, shapes, q.device)
+        from `index` (the index selector's); `seqlens`: a decode call's checked cache_seqlens."""
+        varlen = self._varlen(served, seqlens)
+        k_rep = None if key_reps is None else check_key_reps(key_reps, self.spec, shapes, q.device, bool(varlen))
         if self.spec.selector == "index":
             if index is None:
                 raise KernelgenValueError("spec.selector='index' needs index=(q_idx, k_idx, w) (or block_idx=...)")
             return self._launch(served, q, shapes, *check_index(index, self.spec, shapes, q.device))
         if index is not None:
             check_index(index, self.spec, shapes, q.device)  # raises: index= is the index selector's input
-        return self._launch(served, q, shapes, q, k, *(() if k_rep is None else (k_rep,)))  # a plug-in may not keep reps
+        return self._launch(served, q, shapes, q, k, *(() if k_rep is None else (k_rep,)),  # a plug-in may keep none
+                            **varlen)
 
-    def key_reps(self, k: torch.Tensor, *, previous: KeyReps | None = None) -> KeyReps:
+    def key_reps(self, k: torch.Tensor, *, previous: KeyReps | None = None,
+                 cache_seqlens: torch.Tensor | None = None) -> KeyReps:
         """The selector's representatives of k's blocks (`KeyReps`), for calls over this k as `key_reps=`:
         their selection pools q alone, not the whole of k. `previous`: the KeyReps of an earlier k that this
         one extends (a KV cache that grew: the same keys first, more after); only the blocks from previous's
         last partial block on are pooled, the others are copied. The reps are the selector's own bits: a call
-        with them selects exactly what a call without them does."""
+        with them selects exactly what a call without them does.
+
+        `cache_seqlens` (int32 [B], on the device): k is a cache of that capacity whose row b holds
+        cache_seqlens[b] keys, for calls that pass the same cache_seqlens. With `previous` (made so, for this
+        cache), previous is brought to the new lengths in place, on the device, and returned: one launch with
+        no host sync, which a CUDA graph can replay."""
+        if cache_seqlens is not None:
+            return self._key_reps_varlen(k, previous, cache_seqlens)
         if self.spec.selection_role not in ("select", "kv_select"):
             raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
                                       f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
@@ -251,6 +286,9 @@ class SparseAttention:
         if previous is not None:
             if not isinstance(previous, KeyReps):
                 raise KernelgenTypeError(f"previous must be the KeyReps of attn.key_reps, got {type(previous).__name__}")
+            if previous.seqlens is not None:
+                raise KernelgenValueError("previous key_reps were made with cache_seqlens=: grow them with "
+                                          "attn.key_reps(k, cache_seqlens=..., previous=...)")
             if previous.n_k > n_k:
                 raise KernelgenValueError(f"previous key_reps were made for {previous.n_k} keys; k has {n_k}: a cache "
                                           "that grew extends them, one that shrank needs attn.key_reps(k)")
@@ -264,6 +302,32 @@ class SparseAttention:
         if start:
             reps = torch.cat([previous.reps[:, :, :start], reps], dim=2)
         return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups)
+
+    def _key_reps_varlen(self, k: torch.Tensor, previous: KeyReps | None, cache_seqlens) -> KeyReps:
+        """`key_reps` of a cache of per-row lengths: made afresh (every block of the capacity pooled, each row
+        up to its length), or `previous` grown in place."""
+        if self.spec.selection_role not in ("select", "kv_select"):
+            raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
+                                      f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
+        k = autocast_qkv(k, k, k)[0]
+        b, hkv, n_k = check_keys(k, self.spec)
+        spec = self.spec
+        shapes = Shapes(b, hkv * spec.gqa_group, hkv, 1, n_k, 1, spec.n_kv_blocks(n_k))
+        seqlens = check_cache_seqlens(cache_seqlens, shapes, k.device)
+        served = self._served("key_reps", seq_bucket(n_k), k.dtype, k.device)
+        varlen = self._varlen(served, seqlens)
+        if previous is None:
+            reps = self._launch(served, k, shapes, k, **varlen)
+            made = seqlens.clamp(0, n_k)[:, None].expand(b, hkv).contiguous()
+            return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups, made)
+        if not isinstance(previous, KeyReps):
+            raise KernelgenTypeError(f"previous must be the KeyReps of attn.key_reps, got {type(previous).__name__}")
+        if previous.seqlens is None:
+            raise KernelgenValueError("previous key_reps were made without cache_seqlens=: grow them with "
+                                      "attn.key_reps(k, previous=...), or make them with cache_seqlens=")
+        check_key_reps(previous, spec, shapes, k.device, varlen=True)
+        self._launch(served, k, shapes, k, grow=(previous.reps, previous.seqlens), **varlen)
+        return previous
 
     def prepare(self, block_idx: torch.Tensor, seq_q: int, seq_k: int) -> BlockLists:
         """Given lists checked and normalised once, for calls with seq_q queries and seq_k keys (any
@@ -340,13 +404,17 @@ class SparseAttention:
         self._generation = autotune.generation
 
     def __call__(self, q, k, v, *, block_idx=None, index=None, scale=None, return_lse: bool = False,
-                 key_reps: KeyReps | None = None):
+                 key_reps: KeyReps | None = None, cache_seqlens: torch.Tensor | None = None):
         q, k, v = autocast_qkv(q, k, v)
         shapes = self._start_call(q, k, v)
+        seqlens = self._check_seqlens(cache_seqlens, shapes, q.device)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+            if seqlens is not None:
+                raise KernelgenValueError("cache_seqlens= calls (decoding) have no backward: call under "
+                                          "torch.no_grad(), or without cache_seqlens")
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps)
         else:
-            o, lse, _ = self._attend(q, k, v, shapes, block_idx, scale, index, key_reps)
+            o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, seqlens)[:3]
         return (o, lse) if return_lse else o
 
     def _start_call(self, q, k, v) -> Shapes:
@@ -365,9 +433,11 @@ class SparseAttention:
         the pooling selectors' kept representatives of k."""
         return self._forward(q, k, v, shapes, block_idx, scale, index, key_reps)[:3]
 
-    def _forward(self, q, k, v, shapes: Shapes, block_idx, scale, index=None, key_reps: KeyReps | None = None):
+    def _forward(self, q, k, v, shapes: Shapes, block_idx, scale, index=None, key_reps: KeyReps | None = None,
+                 seqlens: torch.Tensor | None = None):
         """`_attend`'s (o, lse, lists), and the tile union the forward built for raw or selected lists under a
-        pinned union config (None otherwise): a backward of the union design reuses it."""
+        pinned union config (None otherwise): a backward of the union design reuses it. `seqlens`: a decode
+        call's checked cache_seqlens."""
         lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device, shapes.n_q <= DECODE_MAX_QUERIES)
         if block_idx is not None and index is not None:
             raise KernelgenValueError("pass block_idx= or index=, not both: index= chooses the lists block_idx= gives")
@@ -381,7 +451,7 @@ class SparseAttention:
                 if key_reps is not None:
                     check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: no selector to feed
                 raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
-            used = normalised = self._select(q, k, shapes, index, select, key_reps)
+            used = normalised = self._select(q, k, shapes, index, select, key_reps, seqlens)
         elif isinstance(block_idx, BlockLists):
             used, normalised = block_idx, check_block_lists(block_idx, self.spec, shapes, q.device)
         else:
@@ -401,7 +471,7 @@ class SparseAttention:
             reverse = used.reverse_index() if prepared else None
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale)
         else:
-            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale)
+            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale, **self._varlen(attn, seqlens))
         return o, lse, used, built
 
     def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale,

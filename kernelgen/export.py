@@ -97,9 +97,10 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
     sources   {role: where its config came from}, written in the module's header (roles left out:
               "default" when the default was baked, else "given").
 
-    The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False)`, `select(q, k)`,
-    `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `key_reps(k, *,
-    previous=None)` (the pooling selectors' kept representatives, as SparseAttention.key_reps), `SPEC` (the
+    The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False, key_reps=None,
+    cache_seqlens=None)`, `select(q, k)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as
+    SparseAttention.prepare), `key_reps(k, *, previous=None, cache_seqlens=None)` (the pooling selectors' kept
+    representatives, as SparseAttention.key_reps), `SPEC` (the
     spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind them;
     `kernel.validate_lists = True` makes repeated ids in given lists an error). Its inputs are checked
     exactly as get_kernel's are (the same code). Without a CUDA device it selects Triton's interpreter
@@ -614,23 +615,26 @@ kernel = _embedded("dispatch").SparseAttention(
      for role, data in CONFIGS.items()}})
 
 
-def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None):
+def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None, cache_seqlens=None):
     """o [B, Hq, Nq, D] (and lse float32 [B, Hq, Nq] with return_lse) over the spec's selection, or over
     block_idx int32/int64 [B, Hkv, n_q_tiles, top_k] when given (-1 empty; out-of-range ids are empty).
-    index: (q_idx, k_idx, w) of the index selector; key_reps: k's kept representatives (key_reps(k))."""
-    return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps)
+    index: (q_idx, k_idx, w) of the index selector; key_reps: k's kept representatives (key_reps(k));
+    cache_seqlens: int32 [B], the keys each batch row of a KV cache holds (a decode call's)."""
+    return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps,
+                  cache_seqlens=cache_seqlens)
 
 
-def select(q, k, *, index=None, key_reps=None):
+def select(q, k, *, index=None, key_reps=None, cache_seqlens=None):
     """The block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) the selector chooses
-    (index: (q_idx, k_idx, w) of the index selector; key_reps: as attn's)."""
-    return kernel.select(q, k, index=index, key_reps=key_reps)
+    (index: (q_idx, k_idx, w) of the index selector; key_reps, cache_seqlens: as attn's)."""
+    return kernel.select(q, k, index=index, key_reps=key_reps, cache_seqlens=cache_seqlens)
 
 
-def key_reps(k, *, previous=None):
+def key_reps(k, *, previous=None, cache_seqlens=None):
     """The mean or multi:r selector's representatives of k's blocks, kept with a KV cache for attn's and select's
-    key_reps=; previous: those of an earlier k this one extends (only its new blocks are pooled)."""
-    return kernel.key_reps(k, previous=previous)
+    key_reps=; previous: those of an earlier k this one extends (only its new blocks are pooled; with
+    cache_seqlens, grown in place to those lengths)."""
+    return kernel.key_reps(k, previous=previous, cache_seqlens=cache_seqlens)
 
 
 def prepare(block_idx, seq_q, seq_k):

@@ -18,8 +18,8 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_keys", "check_qkv", "check_block_idx",
-           "check_block_lists", "check_index", "check_length",
+__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_cache_seqlens", "check_keys", "check_qkv",
+           "check_block_idx", "check_block_lists", "check_index", "check_length",
            "softmax_scale", "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
 
 LOG2E = 1.4426950408889634
@@ -120,18 +120,22 @@ class KeyReps:
                  every block (r = 1 for `mean`, r for `multi:r`; a partial last block averages the keys it
                  has), as the selector computes them
     n_k, kv_block, groups   what they were made for; a call with other values is a ValueError
+    seqlens      reps of a cache of per-row lengths (made with `cache_seqlens=`): int32 [B, Hkv], the keys each
+                 row's reps hold, on the device (n_k is then the cache's capacity, and the reps of blocks past
+                 a row's keys are never read); None otherwise
 
     They hold what k held when they were made; a call passes the same k (or, for a grown cache, reps
     extended over it). Only `key_reps` makes them, so the constructor refuses."""
-    __slots__ = ("reps", "n_k", "kv_block", "groups")
+    __slots__ = ("reps", "n_k", "kv_block", "groups", "seqlens")
 
     def __init__(self, *args, **kwargs):
         raise KernelgenTypeError("KeyReps are made by SparseAttention.key_reps(k), not by hand")
 
     @classmethod
-    def _made_by_key_reps(cls, reps: torch.Tensor, n_k: int, kv_block: int, groups: int) -> KeyReps:
+    def _made_by_key_reps(cls, reps: torch.Tensor, n_k: int, kv_block: int, groups: int,
+                          seqlens: torch.Tensor | None = None) -> KeyReps:
         made = object.__new__(cls)
-        for name, value in zip(cls.__slots__, (reps, n_k, kv_block, groups)):
+        for name, value in zip(cls.__slots__, (reps, n_k, kv_block, groups, seqlens)):
             object.__setattr__(made, name, value)
         return made
 
@@ -153,7 +157,8 @@ class KeyReps:
         if reps.dim() != self.reps.dim():
             raise KernelgenValueError(f"index must pick batch rows (a 1-D index, a slice or a bool mask), got "
                                       f"{index!r}")
-        return KeyReps._made_by_key_reps(reps, self.n_k, self.kv_block, self.groups)
+        seqlens = None if self.seqlens is None else self.seqlens[index]
+        return KeyReps._made_by_key_reps(reps, self.n_k, self.kv_block, self.groups, seqlens)
 
     def cropped(self, n_k: int) -> KeyReps:
         """The reps of the whole blocks among the first n_k keys (a KV cache cropped to n_k keys): they extend
@@ -161,17 +166,39 @@ class KeyReps:
         n_k falls in again."""
         if isinstance(n_k, bool) or not isinstance(n_k, int):
             raise KernelgenTypeError(f"n_k must be an int, got {type(n_k).__name__}")
+        if self.seqlens is not None:
+            raise KernelgenValueError("key_reps made with cache_seqlens follow the lengths they are grown to "
+                                      "(attn.key_reps(k, cache_seqlens=..., previous=reps)); they are not cropped")
         if not 0 <= n_k <= self.n_k:
             raise KernelgenValueError(f"n_k = {n_k}: these key_reps hold {self.n_k} keys; crop to 0..{self.n_k}")
         whole = n_k // self.kv_block
         return KeyReps._made_by_key_reps(self.reps[:, :, :whole], whole * self.kv_block, self.kv_block, self.groups)
 
     def __repr__(self) -> str:
+        lengths = "" if self.seqlens is None else ", per-row lengths"
         return (f"KeyReps(shape={tuple(self.reps.shape)}, n_k={self.n_k}, kv_block={self.kv_block}, "
-                f"groups={self.groups}, device={self.reps.device})")
+                f"groups={self.groups}{lengths}, device={self.reps.device})")
 
 
-def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device) -> torch.Tensor:
+def check_cache_seqlens(cache_seqlens, shapes: Shapes, device) -> torch.Tensor:
+    """A call's `cache_seqlens`: int32 [B], contiguous, on the call's device (values are read on the device:
+    each is clamped to [0, Nk], k's length being the cache's capacity)."""
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise KernelgenTypeError(f"cache_seqlens must be a torch.Tensor (int32 [B]), got "
+                                 f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32:
+        raise KernelgenTypeError(f"cache_seqlens must be int32, got dtype {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (shapes.batch,):
+        raise KernelgenValueError(f"cache_seqlens must have shape [B] = ({shapes.batch},), got "
+                                  f"{tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != device:
+        raise KernelgenValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
+    if shapes.batch > 1 and cache_seqlens.stride(0) != 1:
+        raise KernelgenValueError(f"cache_seqlens must be contiguous, got stride {cache_seqlens.stride(0)}")
+    return cache_seqlens
+
+
+def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device, varlen: bool = False) -> torch.Tensor:
     """The representatives tensor of a call's `key_reps=`, if they were made for this spec's blocks and this
     call's k (its batch, KV heads, length and device): a few comparisons, no launch."""
     if spec.selection_role not in ("select", "kv_select"):
@@ -192,6 +219,10 @@ def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device) -> torch.Tensor
                                   f"[B, Hkv, n_kv_blocks, r, D] = {expected}")
     if key_reps.reps.device != device:
         raise KernelgenValueError(f"key_reps are on {key_reps.reps.device} but q is on {device}")
+    if (key_reps.seqlens is not None) != varlen:
+        made, call = ("with", "passes none") if key_reps.seqlens is not None else ("without", "passes them")
+        raise KernelgenValueError(f"key_reps were made {made} cache_seqlens= but this call {call}: make them as "
+                                  "the calls that read them are made")
     return key_reps.reps
 
 

@@ -211,9 +211,15 @@ def sparse_attention(
     block_idx: torch.Tensor | None = None,
     scale: float | None = None,
     index=None,
+    cache_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Select (unless block_idx is given; `index` = (q_idx, k_idx, w) for the "index" selector) and attend.
-    Returns (o, lse, block_idx), float64. Queries are processed in chunks so that long sequences fit in memory."""
+    Returns (o, lse, block_idx), float64. Queries are processed in chunks so that long sequences fit in memory.
+    `cache_seqlens` ([B] ints): k and v are a cache whose row b holds its first cache_seqlens[b] keys (clamped
+    to [0, Nk]); that row is the call over those keys alone (its queries the last positions of them), and
+    block_idx, where given, holds its lists (the selected ones, where not, padded to k's blocks)."""
+    if cache_seqlens is not None:
+        return _ragged(q, k, v, spec, block_idx, scale, cache_seqlens)
     if block_idx is None:
         block_idx = select_blocks(q, k, spec, index)
     nq, nk = q.shape[2], k.shape[2]
@@ -224,6 +230,26 @@ def sparse_attention(
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2), block_idx
+
+
+def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens):
+    """`sparse_attention` of a cache of per-row lengths: each row's own call, stacked."""
+    outs, lses, lists = [], [], []
+    n_lists = spec.n_q_tiles(q.shape[2])
+    for b, n in enumerate(cache_seqlens.tolist()):
+        n = min(max(int(n), 0), k.shape[2])
+        given = None if block_idx is None else block_idx[b : b + 1]
+        if n == 0:  # no key: o = 0, lse = -inf, no list
+            outs.append(torch.zeros(q[b : b + 1].shape, dtype=torch.float64, device=q.device))
+            lses.append(torch.full(q[b : b + 1].shape[:3], -torch.inf, dtype=torch.float64, device=q.device))
+            lists.append(torch.full((1, k.shape[1], n_lists, spec.top_k), -1, dtype=torch.int32, device=q.device)
+                         if given is None else given)
+            continue
+        o, lse, chosen = sparse_attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], spec, given, scale)
+        outs.append(o)
+        lses.append(lse)
+        lists.append(chosen)
+    return torch.cat(outs), torch.cat(lses), torch.cat(lists)
 
 
 def sparse_attention_grads(

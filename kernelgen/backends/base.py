@@ -43,6 +43,8 @@ class RoleImpl:
                  does not run on: `backends.runner`); the backward's roles, which the fallback runs for every
                  backend, are; a forward is never swapped silently
     launch       (kernel, spec, config, shapes, *args) -> the role's output (`kernelgen.roles` lists the args)
+    varlen       the launcher also takes `seqlens=` (a decode call's `cache_seqlens`: int32 [B] keys per batch
+                 row, read on the device); a call with them is refused where the role it runs lacks this
 
     `arch` is a checked arch string ("sm_89", or "cpu": `kernelgen.archs`), whose hardware facts
     (`kernelgen.archs.arch_facts`: shared memory, TMA, MMA) the rules read.
@@ -55,6 +57,7 @@ class RoleImpl:
     space: Callable[[Spec, str], Iterable] = lambda spec, arch: [None]
     infeasible: Callable[[Spec, Any, str], str | None] = lambda spec, config, arch: None
     optional: bool = False
+    varlen: bool = False
 
 
 def distribution_version(*names: str) -> str | None:

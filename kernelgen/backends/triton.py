@@ -904,14 +904,18 @@ def launch_lists(mod, spec: Spec, config, shapes: Shapes, block_idx: torch.Tenso
     return out
 
 
-def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod) -> torch.Tensor:
+def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod,
+          seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """pool's representatives of x's tiles; `seqlens` (int32 [B]): batch row b holds seqlens[b] rows."""
     b, h, n, d = x.shape
     rep = empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
     # one tile per program: on the H200 (a32k) pooling took 15 us per tensor so, and 3x that with 4
     # tiles per program (the template keeps TILES for a later tunable)
     tiles = 1
-    mod.pool[(triton.cdiv(n_tiles, tiles), b * h)](x, rep, x.stride(0), x.stride(1), x.stride(2), n, h, n_tiles,
+    mod.pool[(triton.cdiv(n_tiles, tiles), b * h)](x, rep, rep if seqlens is None else seqlens, x.stride(0),
+                                                   x.stride(1), x.stride(2), n, h, n_tiles,
                                                    TILE=tile, GROUPS=groups, HEAD_DIM=d, TILES=tiles,
+                                                   VARLEN=seqlens is not None,
                                                    num_warps=8 if tiles * tile * d >= 8192 else 4)
     return rep
 
@@ -923,20 +927,31 @@ def topk_width(top_k: int) -> int:
 
 
 def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
-                  k_rep: torch.Tensor | None = None) -> torch.Tensor:
+                  k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1), chosen on the device; `k_rep`:
-    k's representatives kept from `launch_key_reps` (None: pooled here)."""
+    k's representatives kept from `launch_key_reps` (None: pooled here); `seqlens` (int32 [B]): batch row b
+    holds seqlens[b] of k's keys."""
     r = spec.groups
     q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod)
     if k_rep is None:
-        k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod)
-    return select_from_reps(mod, spec, cfg, shapes, q_rep, k_rep)
+        k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens)
+    return select_from_reps(mod, spec, cfg, shapes, q_rep, k_rep, seqlens)
 
 
-def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor) -> torch.Tensor:
+def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor, *, seqlens: torch.Tensor | None = None,
+                    grow: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The selector's representatives of k's blocks (k: any [B, Hkv, n, D] view starting at a block boundary):
-    float32 [B, Hkv, ceil(n / kv_block), r, D], as `launch_select` pools them."""
-    return _pool(k, spec.kv_block, spec.groups, -(-k.shape[2] // spec.kv_block), mod)
+    float32 [B, Hkv, ceil(n / kv_block), r, D], as `launch_select` pools them. `seqlens` (int32 [B]): batch row
+    b holds seqlens[b] keys; `grow` = (reps, made): reps made for made[b, h] keys (int32 [B, Hkv]), brought to
+    seqlens in place (only the blocks from made's last partial one are pooled) and returned."""
+    if grow is None:
+        return _pool(k, spec.kv_block, spec.groups, -(-k.shape[2] // spec.kv_block), mod, seqlens)
+    reps, made = grow
+    b, h, n, d = k.shape
+    mod.pool_grown[(b * h,)](k, reps, seqlens, made, k.stride(0), k.stride(1), k.stride(2), n, h, reps.shape[2],
+                             TILE=spec.kv_block, GROUPS=spec.groups, HEAD_DIM=d,
+                             num_warps=8 if spec.kv_block * d >= 8192 else 4)
+    return reps
 
 
 def pool_reps(mod, spec: Spec, x: torch.Tensor, unit: int) -> torch.Tensor:
@@ -947,7 +962,7 @@ def pool_reps(mod, spec: Spec, x: torch.Tensor, unit: int) -> torch.Tensor:
 
 
 def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: torch.Tensor,
-                     k_rep: torch.Tensor) -> torch.Tensor:
+                     k_rep: torch.Tensor, seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """`launch_select` from representatives already pooled (`pool_reps`: float32 [B, Hq, n_q_tiles, r, D] and
     [B, Hkv, n_kv_blocks, r, D], contiguous), as a context-parallel rank has them after gathering the blocks'."""
     r = spec.groups
@@ -958,12 +973,13 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
                                                    device=q_rep.device, dtype=torch.int64)
     grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), n_bh, cfg.splits)
     mod.select_topk[grid](
-        q_rep, k_rep, block_idx, cand, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
+        q_rep, k_rep, block_idx, cand, block_idx if seqlens is None else seqlens,
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
         HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block,
         GROUP=spec.gqa_group, GROUPS=r, GR_PAD=next_pow2(spec.gqa_group * r),
         TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local,
-        TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal,
+        TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal, VARLEN=seqlens is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.splits > 1:
         tiles = max(1, min(64, 2048 // (cfg.splits * top_k_pad)))  # about 2K candidate keys per program
@@ -1093,11 +1109,13 @@ def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part,
     return o, lse
 
 
-def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale):
+def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale, *,
+                  seqlens: torch.Tensor | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists (Q-centric or per-query:
     the spec says which) of a call of a few queries: a partial per (query, split), then, with splits > 1,
     kv_combine merges a row's splits in split order (every split writes its partial, so a list of `splits`
-    zeros with zero strides marks every slot used)."""
+    zeros with zero strides marks every slot used). `seqlens` (int32 [B]): batch row b holds seqlens[b] of k's
+    keys, its queries the last positions of those."""
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
@@ -1110,13 +1128,14 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
         split_strides = (o_part.stride(3),)
     queries = decode_queries(spec)
     mod.decode_partial[(triton.cdiv(shapes.n_q, queries) * cfg.splits, shapes.batch * shapes.heads_kv)](
-        q, k, v, o_part, lse_part, block_idx,
+        q, k, v, o_part, lse_part, block_idx, block_idx if seqlens is None else seqlens,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
         *lse_part.stride()[:3], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
-        ROWS=decode_rows(spec), QUERIES=queries, LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits,
-        CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ROWS=decode_rows(spec), QUERIES=queries, LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k,
+        TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal, VARLEN=seqlens is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.splits > 1:
         every_split = torch.zeros(cfg.splits, device=q.device, dtype=torch.int32)
         rows = 16
@@ -1326,12 +1345,12 @@ class TritonBackend(Backend):
     schedules = ("q_centric", "kv_centric")
     roles = {
         "lists": RoleImpl(launch=launch_lists, template="triton/lists.py.j2"),
-        "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2"),
+        "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2", varlen=True),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
                            default=select_default, space=select_space, infeasible=select_infeasible),
         "decode_select": RoleImpl(launch=launch_select, template="triton/decode_select.py.j2", config_type=SelectConfig,
                                   default=decode_select_default, space=decode_select_space,
-                                  infeasible=decode_select_infeasible),
+                                  infeasible=decode_select_infeasible, varlen=True),
         "select_index": RoleImpl(launch=launch_select_index, template="triton/select_index.py.j2",
                                  config_type=IndexSelectConfig, default=index_select_default,
                                  space=index_select_space, infeasible=index_select_infeasible),
@@ -1358,7 +1377,7 @@ class TritonBackend(Backend):
                                  space=kv_union_bwd_space, infeasible=kv_union_bwd_infeasible),
         # a few queries (decode) over either schedule's lists: split-KV over each query's list
         "decode": RoleImpl(launch=launch_decode, template="triton/decode.py.j2", config_type=DecodeConfig,
-                           default=decode_default, space=decode_space, infeasible=decode_infeasible),
+                           default=decode_default, space=decode_space, infeasible=decode_infeasible, varlen=True),
         # its backward (bwd_delta is shared with the Q-centric schedule)
         "kv_bwd": RoleImpl(launch=launch_kv_bwd, template="triton/kv_bwd.py.j2", config_type=KvBwdConfig,
                            default=kv_bwd_default, space=kv_bwd_space, infeasible=kv_bwd_infeasible),

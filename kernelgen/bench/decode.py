@@ -6,6 +6,8 @@ For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU
   split count of its space (the served config's warps and stages);
 - the `mean` selector's whole pipeline (selection and decode), and its selection alone; the same with the
   keys' representatives kept (`attn.key_reps`, as a cache keeps them), and their extension by one key;
+- a whole decode step over a cache of per-row lengths (`cache_seqlens`, every row one key short of the
+  capacity): the kept reps grown in place to the lengths, then the call with them, one CUDA graph for both;
 - FlexAttention (torch.compile'd) over a BlockMask holding exactly the same lists;
 - dense SDPA (flash, efficient, cuDNN; the KV heads as they are, `enable_gqa`) over the whole cache: every
   query sees every key, the work of a decode step without sparsity;
@@ -158,8 +160,23 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
             record(name, "kernelgen key_reps extended by one key", lambda: selecting.key_reps(k, previous=before),
                    _bench_graph(lambda: selecting.key_reps(k, previous=before), log=log), 0)
 
+        def lengths_step():
+            lens = torch.full((shape.batch,), shape.n_k - 1, dtype=torch.int32, device=q.device)
+            reps = selecting.key_reps(k, cache_seqlens=lens)
+
+            def step():
+                selecting.key_reps(k, cache_seqlens=lens, previous=reps)  # the row's last, partial block again
+                return selecting(q, k, v, cache_seqlens=lens, key_reps=reps)
+
+            diff = _rel_diff(step(), selecting(q, k[:, :, :-1], v[:, :, :-1]))
+            record(name, "kernelgen mean, cache_seqlens step", step, _bench_graph(step, log=log),
+                   kv_bytes + reps.reps.numel() * reps.reps.element_size(),
+                   note="key_reps grown in place + select + decode, one graph; kv_MB as kept reps'",
+                   rel_diff_vs_one_key_less=f"{diff:.1e}")
+
         attempt(name, "mean pipeline", pipeline)
         attempt(name, "kept reps", kept)
+        attempt(name, "cache_seqlens step", lengths_step)
 
         def flex():
             calls = [flex_call(q, k, v, flex_block_mask(idx, spec, shape), spec) for idx in lists]

@@ -1,0 +1,162 @@
+"""Decode calls over a KV cache of per-row lengths (`cache_seqlens=`): each batch row is the call over its own
+keys, read on the device, so one launch (and a CUDA graph of it) serves any lengths; kept key representatives
+grow in place."""
+import pytest
+import torch
+
+from kernelgen import DecodeConfig, KeyReps, SelectConfig, Spec, get_kernel, reference
+from kernelgen.errors import KernelgenTypeError, KernelgenValueError
+
+from checks import assert_close_to_reference, assert_valid_selection
+from test_decode import random_lists
+
+LENGTHS = (100, 37, 0, 48, 1)  # a full row, a partial last block, an empty row, a block boundary, one key
+
+
+def _spec(selector="mean", schedule="q_centric", **fields):
+    tile = {} if schedule == "kv_centric" else {"q_tile": 16}
+    return Spec(**{"head_dim": 64, "kv_block": 16, "top_k": 3, "causal": True, "gqa_group": 2, "selector": selector,
+                   "schedule": schedule, "local": 1, "sink": 1, **tile, **fields})
+
+
+def _cache(n_q, dtype, device, capacity=100, lengths=LENGTHS, heads_kv=2, group=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = [torch.randn(len(lengths), h, n, 64, generator=gen).to(device=device, dtype=dtype)
+               for h, n in ((heads_kv * group, n_q), (heads_kv, capacity), (heads_kv, capacity))]
+    return q, k, v, torch.tensor(lengths, dtype=torch.int32, device=device)
+
+
+def _check(spec, q, k, v, lens, block_idx=None, configs=None, key_reps=None):
+    attn = get_kernel(spec, configs=configs)
+    o, lse = attn(q, k, v, block_idx=block_idx, cache_seqlens=lens, key_reps=key_reps, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec if block_idx is None else
+                                                   spec.replace(selector="given"), block_idx, cache_seqlens=lens)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
+    return o, lse
+
+
+@pytest.mark.parametrize("selector, n_q, dtype, causal", [("mean", 1, torch.float32, True),
+                                                          ("multi:2", 3, torch.float16, True),
+                                                          ("mean", 2, torch.float16, False)])
+def test_each_row_selects_and_attends_over_its_own_keys(selector, n_q, dtype, causal, device):
+    """The lists of row b are those of the call over k[b, :, :lengths[b]] alone, bit for bit (pooled in the call
+    or from kept reps), and o, lse match the float64 reference; a row with no key gives o = 0, lse = -inf."""
+    spec = _spec(selector, causal=causal)
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(n_q, dtype, device)
+    lists = attn.select(q, k, cache_seqlens=lens)
+    for b, n in enumerate(LENGTHS):
+        if n:
+            row = (q[b:b + 1], k[b:b + 1, :, :n])
+            assert torch.equal(lists[b:b + 1], attn.select(*row)), b
+            assert_valid_selection(lists[b:b + 1], *row, spec)
+        else:
+            assert (lists[b] == -1).all()
+    reps = attn.key_reps(k, cache_seqlens=lens)
+    assert reps.seqlens.tolist() == [[n, n] for n in LENGTHS] and reps.n_k == 100
+    assert torch.equal(attn.select(q, k, key_reps=reps, cache_seqlens=lens), lists)
+    o, lse = _check(spec, q, k, v, lens)
+    assert (o[2] == 0).all() and torch.isinf(lse[2]).all()
+    o_reps, lse_reps = _check(spec, q, k, v, lens, key_reps=reps)
+    assert torch.equal(o_reps, o) and torch.equal(lse_reps, lse)
+
+
+@pytest.mark.parametrize("schedule, splits", [("q_centric", 1), ("q_centric", 4), ("kv_centric", 2)])
+def test_given_lists_past_a_rows_keys_are_empty(schedule, splits, device):
+    """Given lists (either schedule's) may name blocks past a row's keys, as the row's lists of a full cache
+    would: those are empty slots for that row."""
+    spec = _spec("given", schedule)
+    q, k, v, lens = _cache(3, torch.float32, device)
+    idx = random_lists(spec, len(LENGTHS), 2, 3, 100, seed=3).to(device)
+    _check(spec, q, k, v, lens, block_idx=idx, configs={"decode": DecodeConfig(splits=splits)})
+
+
+def test_lengths_are_read_on_the_device_each_call(device):
+    """Changing cache_seqlens in place (as a decode loop or a CUDA graph's replay does) changes what the next call
+    sees: nothing about the lengths is kept on the host."""
+    spec = _spec("mean")
+    attn = get_kernel(spec, configs={"decode_select": SelectConfig(tiles=8, chunk=16, splits=2)})  # a merge too
+    q, k, v, lens = _cache(1, torch.float32, device)
+    first = attn(q, k, v, cache_seqlens=lens)
+    lens.copy_(torch.tensor([60, 38, 5, 49, 2], dtype=torch.int32))
+    second = attn(q, k, v, cache_seqlens=lens)
+    ref_o, _, _ = reference.sparse_attention(q, k, v, spec, cache_seqlens=lens)
+    assert not torch.equal(first, second)
+    assert ((second.double() - ref_o).norm() / ref_o.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("selector", ["mean", "multi:2"])
+def test_kept_reps_grow_in_place_to_new_lengths(selector, device):
+    """previous= with cache_seqlens brings the reps to the new lengths in place (each row by its own amount: none,
+    one key, across a block boundary, a chunk, and back to fewer keys), equal bit for bit to reps made at once."""
+    attn = get_kernel(_spec(selector))
+    _, k, _, _ = _cache(1, torch.float16, device)
+    reps = attn.key_reps(k, cache_seqlens=torch.tensor([90, 20, 0, 47, 1], dtype=torch.int32, device=device))
+    for lengths in ((100, 21, 0, 48, 1), (100, 33, 16, 49, 17), (64, 33, 40, 49, 3)):
+        lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        assert attn.key_reps(k, cache_seqlens=lens, previous=reps) is reps
+        fresh = attn.key_reps(k, cache_seqlens=lens)
+        assert torch.equal(reps.seqlens, fresh.seqlens)
+        for b, n in enumerate(lengths):
+            blocks = -(-n // 16)
+            assert torch.equal(reps.reps[b, :, :blocks], fresh.reps[b, :, :blocks]), (lengths, b)
+    assert isinstance(reps.index_batch([1, 0]), KeyReps) and reps.index_batch([1, 0]).seqlens[0, 0] == 33
+
+
+def test_bad_cache_seqlens_are_refused_by_name(device):
+    spec = _spec("mean")
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(1, torch.float32, device)
+    reps = attn.key_reps(k, cache_seqlens=lens)
+    plain = attn.key_reps(k)
+    cases = [
+        (lambda: attn(q, k, v, cache_seqlens=lens.tolist()), KernelgenTypeError, "torch.Tensor"),
+        (lambda: attn(q, k, v, cache_seqlens=lens.long()), KernelgenTypeError, "int32"),
+        (lambda: attn(q, k, v, cache_seqlens=lens[:2]), KernelgenValueError, "shape [B]"),
+        (lambda: attn(q, k, v, cache_seqlens=torch.stack([lens, lens], 1)[:, 0]), KernelgenValueError, "contiguous"),
+        (lambda: attn(q.expand(-1, -1, 17, -1), k, v, cache_seqlens=lens), KernelgenValueError, "decode calls"),
+        (lambda: attn(q.requires_grad_(), k, v, cache_seqlens=lens), KernelgenValueError, "no backward"),
+        (lambda: attn(q, k, v, cache_seqlens=lens, key_reps=plain), KernelgenValueError, "made without"),
+        (lambda: attn(q, k, v, key_reps=reps), KernelgenValueError, "made with cache_seqlens"),
+        (lambda: attn.key_reps(k, cache_seqlens=lens, previous=plain), KernelgenValueError, "without cache_seqlens"),
+        (lambda: attn.key_reps(k, previous=reps), KernelgenValueError, "with cache_seqlens"),
+        (lambda: reps.cropped(10), KernelgenValueError, "not cropped"),
+        (lambda: get_kernel(_spec("mean", "kv_centric"))(q, k, v, cache_seqlens=lens), KernelgenValueError,
+         "'kv_select' role"),
+    ]
+    for call, error, words in cases:
+        with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
+            call()
+        q = q.detach()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_long_ragged_cache_on_gpu(schedule):
+    """bf16 rows of 64k, 40k, 1 and 0 keys in a 64k cache: the mean selector (Q-centric) or given per-query lists."""
+    spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=2, sink=1,
+                selector="mean" if schedule == "q_centric" else "given")
+    q, k, v, lens = _cache(2, torch.bfloat16, "cuda", 65536, (65536, 40000, 1, 0), heads_kv=2, group=4)
+    idx = None if spec.selects else random_lists(spec, 4, 2, 2, 65536, seed=4).cuda()
+    _check(spec, q, k, v, lens, block_idx=idx)
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_of_a_decode_step_follows_the_lengths():
+    """One captured step (the kept reps grown to the lengths, then the call with them) replayed as the cache
+    grows: every replay equals the eager call at those lengths, bit for bit."""
+    spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, local=2, sink=1)
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(1, torch.bfloat16, "cuda", 8192, (5000, 127, 8000, 1), heads_kv=2, group=4)
+    reps = attn.key_reps(k, cache_seqlens=lens)
+    attn(q, k, v, cache_seqlens=lens, key_reps=reps)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.key_reps(k, cache_seqlens=lens, previous=reps)
+        o = attn(q, k, v, cache_seqlens=lens, key_reps=reps)
+    for step in range(1, 4):
+        lens += torch.tensor([1, 1, 128, 0], dtype=torch.int32, device="cuda")
+        q.normal_()
+        graph.replay()
+        eager = attn(q, k, v, cache_seqlens=lens, key_reps=attn.key_reps(k, cache_seqlens=lens))
+        assert torch.equal(o, eager), step
