@@ -273,8 +273,6 @@ class SparseAttention:
         cache_seqlens[b] keys, for calls that pass the same cache_seqlens. With `previous` (made so, for this
         cache), previous is brought to the new lengths in place, on the device, and returned: one launch with
         no host sync, which a CUDA graph can replay."""
-        if cache_seqlens is not None:
-            return self._key_reps_varlen(k, previous, cache_seqlens)
         if self.spec.selection_role not in ("select", "kv_select"):
             raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
                                       f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
@@ -282,10 +280,12 @@ class SparseAttention:
         b, hkv, n_k = check_keys(k, self.spec)
         spec = self.spec
         shapes = Shapes(b, hkv * spec.gqa_group, hkv, 1, n_k, 1, spec.n_kv_blocks(n_k))
+        if previous is not None and not isinstance(previous, KeyReps):
+            raise KernelgenTypeError(f"previous must be the KeyReps of attn.key_reps, got {type(previous).__name__}")
+        if cache_seqlens is not None:
+            return self._key_reps_varlen(k, shapes, previous, cache_seqlens)
         start = 0  # the first block pooled here
         if previous is not None:
-            if not isinstance(previous, KeyReps):
-                raise KernelgenTypeError(f"previous must be the KeyReps of attn.key_reps, got {type(previous).__name__}")
             if previous.seqlens is not None:
                 raise KernelgenValueError("previous key_reps were made with cache_seqlens=: grow them with "
                                           "attn.key_reps(k, cache_seqlens=..., previous=...)")
@@ -303,16 +303,10 @@ class SparseAttention:
             reps = torch.cat([previous.reps[:, :, :start], reps], dim=2)
         return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups)
 
-    def _key_reps_varlen(self, k: torch.Tensor, previous: KeyReps | None, cache_seqlens) -> KeyReps:
-        """`key_reps` of a cache of per-row lengths: made afresh (every block of the capacity pooled, each row
-        up to its length), or `previous` grown in place."""
-        if self.spec.selection_role not in ("select", "kv_select"):
-            raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
-                                      f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
-        k = autocast_qkv(k, k, k)[0]
-        b, hkv, n_k = check_keys(k, self.spec)
-        spec = self.spec
-        shapes = Shapes(b, hkv * spec.gqa_group, hkv, 1, n_k, 1, spec.n_kv_blocks(n_k))
+    def _key_reps_varlen(self, k: torch.Tensor, shapes: Shapes, previous: KeyReps | None, cache_seqlens) -> KeyReps:
+        """`key_reps` of a checked cache k of per-row lengths: made afresh (every block of the capacity pooled,
+        each row up to its length), or `previous` grown in place."""
+        spec, (b, hkv, n_k) = self.spec, (shapes.batch, shapes.heads_kv, shapes.n_k)
         seqlens = check_cache_seqlens(cache_seqlens, shapes, k.device)
         served = self._served("key_reps", seq_bucket(n_k), k.dtype, k.device)
         varlen = self._varlen(served, seqlens)
@@ -320,8 +314,6 @@ class SparseAttention:
             reps = self._launch(served, k, shapes, k, **varlen)
             made = seqlens.clamp(0, n_k)[:, None].expand(b, hkv).contiguous()
             return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups, made)
-        if not isinstance(previous, KeyReps):
-            raise KernelgenTypeError(f"previous must be the KeyReps of attn.key_reps, got {type(previous).__name__}")
         if previous.seqlens is None:
             raise KernelgenValueError("previous key_reps were made without cache_seqlens=: grow them with "
                                       "attn.key_reps(k, previous=...), or make them with cache_seqlens=")

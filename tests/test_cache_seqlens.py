@@ -19,9 +19,9 @@ def _spec(selector="mean", schedule="q_centric", **fields):
                    "schedule": schedule, "local": 1, "sink": 1, **tile, **fields})
 
 
-def _cache(n_q, dtype, device, capacity=100, lengths=LENGTHS, heads_kv=2, group=2, seed=0):
+def _cache(n_q, dtype, device, capacity=100, lengths=LENGTHS, heads_kv=2, group=2, head_dim=64, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = [torch.randn(len(lengths), h, n, 64, generator=gen).to(device=device, dtype=dtype)
+    q, k, v = [torch.randn(len(lengths), h, n, head_dim, generator=gen).to(device=device, dtype=dtype)
                for h, n in ((heads_kv * group, n_q), (heads_kv, capacity), (heads_kv, capacity))]
     return q, k, v, torch.tensor(lengths, dtype=torch.int32, device=device)
 
@@ -136,7 +136,7 @@ def test_long_ragged_cache_on_gpu(schedule):
     """bf16 rows of 64k, 40k, 1 and 0 keys in a 64k cache: the mean selector (Q-centric) or given per-query lists."""
     spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=2, sink=1,
                 selector="mean" if schedule == "q_centric" else "given")
-    q, k, v, lens = _cache(2, torch.bfloat16, "cuda", 65536, (65536, 40000, 1, 0), heads_kv=2, group=4)
+    q, k, v, lens = _cache(2, torch.bfloat16, "cuda", 65536, (65536, 40000, 1, 0), heads_kv=2, group=4, head_dim=128)
     idx = None if spec.selects else random_lists(spec, 4, 2, 2, 65536, seed=4).cuda()
     _check(spec, q, k, v, lens, block_idx=idx)
 
@@ -147,7 +147,7 @@ def test_a_cuda_graph_of_a_decode_step_follows_the_lengths():
     grows: every replay equals the eager call at those lengths, bit for bit."""
     spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, local=2, sink=1)
     attn = get_kernel(spec)
-    q, k, v, lens = _cache(1, torch.bfloat16, "cuda", 8192, (5000, 127, 8000, 1), heads_kv=2, group=4)
+    q, k, v, lens = _cache(1, torch.bfloat16, "cuda", 8192, (5000, 127, 8000, 1), heads_kv=2, group=4, head_dim=128)
     reps = attn.key_reps(k, cache_seqlens=lens)
     attn(q, k, v, cache_seqlens=lens, key_reps=reps)  # compiled before capture
     graph = torch.cuda.CUDAGraph()

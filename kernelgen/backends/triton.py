@@ -1113,8 +1113,7 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
                   seqlens: torch.Tensor | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists (Q-centric or per-query:
     the spec says which) of a call of a few queries: a partial per (query, split), then, with splits > 1,
-    kv_combine merges a row's splits in split order (every split writes its partial, so a list of `splits`
-    zeros with zero strides marks every slot used). `seqlens` (int32 [B]): batch row b holds seqlens[b] of k's
+    kv_combine merges a row's splits in split order (every split writes its partial: EVERY_SLOT, no list). `seqlens` (int32 [B]): batch row b holds seqlens[b] of k's
     keys, its queries the last positions of those."""
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
@@ -1137,12 +1136,11 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
         TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal, VARLEN=seqlens is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.splits > 1:
-        every_split = torch.zeros(cfg.splits, device=q.device, dtype=torch.int32)
         rows = 16
         mod.kv_combine[(triton.cdiv(shapes.n_q, rows), shapes.batch * shapes.heads_q)](
-            o_part, lse_part, every_split, o, lse, *o_part.stride()[:4], *lse_part.stride()[:3], 0, 0, 0,
+            o_part, lse_part, lse_part, o, lse, *o_part.stride()[:4], *lse_part.stride()[:3], 0, 0, 0,
             *o.stride()[:3], *lse.stride()[:2], shapes.n_q, shapes.heads_q,
-            HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=cfg.splits, ROWS=rows, num_warps=4)
+            HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=cfg.splits, ROWS=rows, EVERY_SLOT=True, num_warps=4)
     return o, lse
 
 
