@@ -912,11 +912,10 @@ def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod,
     # one tile per program: on the H200 (a32k) pooling took 15 us per tensor so, and 3x that with 4
     # tiles per program (the template keeps TILES for a later tunable)
     tiles = 1
-    mod.pool[(triton.cdiv(n_tiles, tiles), b * h)](x, rep, rep if seqlens is None else seqlens, x.stride(0),
-                                                   x.stride(1), x.stride(2), n, h, n_tiles,
-                                                   TILE=tile, GROUPS=groups, HEAD_DIM=d, TILES=tiles,
-                                                   VARLEN=seqlens is not None,
-                                                   num_warps=8 if tiles * tile * d >= 8192 else 4)
+    kernel, lengths = (mod.pool, ()) if seqlens is None else (mod.pool_varlen, (seqlens,))
+    kernel[(triton.cdiv(n_tiles, tiles), b * h)](x, rep, *lengths, x.stride(0), x.stride(1), x.stride(2), n, h,
+                                                 n_tiles, TILE=tile, GROUPS=groups, HEAD_DIM=d, TILES=tiles,
+                                                 num_warps=8 if tiles * tile * d >= 8192 else 4)
     return rep
 
 
@@ -948,9 +947,9 @@ def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor, *, se
         return _pool(k, spec.kv_block, spec.groups, -(-k.shape[2] // spec.kv_block), mod, seqlens)
     reps, made = grow
     b, h, n, d = k.shape
-    mod.pool_grown[(b * h,)](k, reps, seqlens, made, k.stride(0), k.stride(1), k.stride(2), n, h, reps.shape[2],
-                             TILE=spec.kv_block, GROUPS=spec.groups, HEAD_DIM=d,
-                             num_warps=8 if spec.kv_block * d >= 8192 else 4)
+    mod.pool_grown[(1, b * h)](k, reps, seqlens, made, k.stride(0), k.stride(1), k.stride(2), n, h, reps.shape[2],
+                               TILE=spec.kv_block, GROUPS=spec.groups, HEAD_DIM=d,
+                               num_warps=8 if spec.kv_block * d >= 8192 else 4)
     return reps
 
 
@@ -972,14 +971,14 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
     cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q_tiles * cfg.splits * top_k_pad,
                                                    device=q_rep.device, dtype=torch.int64)
     grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), n_bh, cfg.splits)
-    mod.select_topk[grid](
-        q_rep, k_rep, block_idx, cand, block_idx if seqlens is None else seqlens,
-        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
+    kernel, lengths = (mod.select_topk, ()) if seqlens is None else (mod.select_topk_varlen, (seqlens,))
+    kernel[grid](
+        q_rep, k_rep, block_idx, cand, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
         HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block,
         GROUP=spec.gqa_group, GROUPS=r, GR_PAD=next_pow2(spec.gqa_group * r),
         TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local,
-        TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal, VARLEN=seqlens is not None,
+        TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.splits > 1:
         tiles = max(1, min(64, 2048 // (cfg.splits * top_k_pad)))  # about 2K candidate keys per program
@@ -1109,11 +1108,27 @@ def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part,
     return o, lse
 
 
+_EVERY_SPLIT: dict = {}
+
+
+def _every_split(splits: int, device) -> torch.Tensor:
+    """int32 zeros [splits] on `device`, made once (a fill launch fewer per decode call); made afresh, and not
+    kept, while a CUDA graph is being captured (the graph's memory pool would own it)."""
+    key = (splits, str(device))
+    zeros = _EVERY_SPLIT.get(key)
+    if zeros is None:
+        zeros = torch.zeros(splits, device=device, dtype=torch.int32)
+        if not (zeros.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _EVERY_SPLIT[key] = zeros
+    return zeros
+
+
 def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale, *,
                   seqlens: torch.Tensor | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists (Q-centric or per-query:
     the spec says which) of a call of a few queries: a partial per (query, split), then, with splits > 1,
-    kv_combine merges a row's splits in split order (every split writes its partial: EVERY_SLOT, no list). `seqlens` (int32 [B]): batch row b holds seqlens[b] of k's
+    kv_combine merges a row's splits in split order (every split writes its partial, so a list of `splits`
+    zeros with zero strides marks every slot used: `_every_split`). `seqlens` (int32 [B]): batch row b holds seqlens[b] of k's
     keys, its queries the last positions of those."""
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
@@ -1138,9 +1153,9 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
     if cfg.splits > 1:
         rows = 16
         mod.kv_combine[(triton.cdiv(shapes.n_q, rows), shapes.batch * shapes.heads_q)](
-            o_part, lse_part, lse_part, o, lse, *o_part.stride()[:4], *lse_part.stride()[:3], 0, 0, 0,
-            *o.stride()[:3], *lse.stride()[:2], shapes.n_q, shapes.heads_q,
-            HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=cfg.splits, ROWS=rows, EVERY_SLOT=True, num_warps=4)
+            o_part, lse_part, _every_split(cfg.splits, q.device), o, lse, *o_part.stride()[:4],
+            *lse_part.stride()[:3], 0, 0, 0, *o.stride()[:3], *lse.stride()[:2], shapes.n_q, shapes.heads_q,
+            HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=cfg.splits, ROWS=rows, num_warps=4)
     return o, lse
 
 
