@@ -242,8 +242,8 @@ class SparseAttention:
             return {}
         if not served.impl.varlen:
             raise KernelgenValueError(f"cache_seqlens=: the {served.role!r} role of backend {served.backend.name!r} "
-                                      "takes no per-row lengths (the Triton backend's decode, decode_select and "
-                                      "key_reps do: a Q-centric pooling selector, or given lists)")
+                                      "takes no per-row lengths (the Triton backend's decode, its pooling "
+                                      "selectors' and key_reps do: mean or multi:r, or given lists)")
         return {"seqlens": seqlens}
 
     def _select(self, q, k, shapes: Shapes, index, served: Served, key_reps: KeyReps | None = None,

@@ -35,13 +35,15 @@ def _check(spec, q, k, v, lens, block_idx=None, configs=None, key_reps=None):
     return o, lse
 
 
-@pytest.mark.parametrize("selector, n_q, dtype, causal", [("mean", 1, torch.float32, True),
-                                                          ("multi:2", 3, torch.float16, True),
-                                                          ("mean", 2, torch.float16, False)])
-def test_each_row_selects_and_attends_over_its_own_keys(selector, n_q, dtype, causal, device):
+@pytest.mark.parametrize("schedule, selector, n_q, dtype, causal", [("q_centric", "mean", 1, torch.float32, True),
+                                                                    ("q_centric", "multi:2", 3, torch.float16, True),
+                                                                    ("q_centric", "mean", 2, torch.float16, False),
+                                                                    ("kv_centric", "multi:2", 2, torch.float32, True),
+                                                                    ("kv_centric", "mean", 1, torch.float16, False)])
+def test_each_row_selects_and_attends_over_its_own_keys(schedule, selector, n_q, dtype, causal, device):
     """The lists of row b are those of the call over k[b, :, :lengths[b]] alone, bit for bit (pooled in the call
     or from kept reps), and o, lse match the float64 reference; a row with no key gives o = 0, lse = -inf."""
-    spec = _spec(selector, causal=causal)
+    spec = _spec(selector, schedule, causal=causal)
     attn = get_kernel(spec)
     q, k, v, lens = _cache(n_q, dtype, device)
     lists = attn.select(q, k, cache_seqlens=lens)
@@ -121,8 +123,7 @@ def test_bad_cache_seqlens_are_refused_by_name(device):
         (lambda: attn.key_reps(k, cache_seqlens=lens, previous=plain), KernelgenValueError, "without cache_seqlens"),
         (lambda: attn.key_reps(k, previous=reps), KernelgenValueError, "with cache_seqlens"),
         (lambda: reps.cropped(10), KernelgenValueError, "not cropped"),
-        (lambda: get_kernel(_spec("mean", "kv_centric"))(q, k, v, cache_seqlens=lens), KernelgenValueError,
-         "'kv_select' role"),
+        (lambda: get_kernel(_spec("index"))(q, k, v, cache_seqlens=lens), KernelgenValueError, "'select_index' role"),
     ]
     for call, error, words in cases:
         with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
@@ -131,11 +132,11 @@ def test_bad_cache_seqlens_are_refused_by_name(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
-def test_long_ragged_cache_on_gpu(schedule):
-    """bf16 rows of 64k, 40k, 1 and 0 keys in a 64k cache: the mean selector (Q-centric) or given per-query lists."""
+@pytest.mark.parametrize("schedule, selector", [("q_centric", "mean"), ("kv_centric", "mean"), ("kv_centric", "given")])
+def test_long_ragged_cache_on_gpu(schedule, selector):
+    """bf16 rows of 64k, 40k, 1 and 0 keys in a 64k cache: the mean selector, or given per-query lists."""
     spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=2, sink=1,
-                selector="mean" if schedule == "q_centric" else "given")
+                selector=selector)
     q, k, v, lens = _cache(2, torch.bfloat16, "cuda", 65536, (65536, 40000, 1, 0), heads_kv=2, group=4, head_dim=128)
     idx = None if spec.selects else random_lists(spec, 4, 2, 2, 65536, seed=4).cuda()
     _check(spec, q, k, v, lens, block_idx=idx)

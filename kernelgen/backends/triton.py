@@ -989,14 +989,15 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
 
 
 def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
-                     k_rep: torch.Tensor | None = None):
-    """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1), chosen on the device; `k_rep`: as
-    `launch_select`'s."""
+                     k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None):
+    """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1), chosen on the device; `k_rep`,
+    `seqlens`: as `launch_select`'s."""
     if k_rep is None:
-        k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod)
+        k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod, seqlens)
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q.device, dtype=torch.int32)
-    mod.kv_select_topk[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv)](
-        q, k_rep, block_idx, *q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv,
+    kernel, lengths = (mod.kv_select_topk, ()) if seqlens is None else (mod.kv_select_topk_varlen, (seqlens,))
+    kernel[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv)](
+        q, k_rep, block_idx, *lengths, *q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv,
         *block_idx.stride()[:3],
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
         TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
@@ -1376,7 +1377,8 @@ class TritonBackend(Backend):
                              default=bwd_dkdv_default, space=bwd_dkdv_space, infeasible=bwd_dkdv_infeasible),
         # the KV-centric schedule's forward (per-query lists; the "lists" role normalises them too)
         "kv_select": RoleImpl(launch=launch_kv_select, template="triton/kv_select.py.j2", config_type=KvSelectConfig,
-                              default=kv_select_default, space=kv_select_space, infeasible=kv_select_infeasible),
+                              default=kv_select_default, space=kv_select_space, infeasible=kv_select_infeasible,
+                              varlen=True),
         "kv_select_index": RoleImpl(launch=launch_kv_select_index, template="triton/kv_select_index.py.j2",
                                     config_type=KvIndexSelectConfig, default=kv_index_select_default,
                                     space=kv_index_select_space, infeasible=kv_index_select_infeasible),
