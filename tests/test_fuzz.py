@@ -41,6 +41,7 @@ def test_cases_replay_from_their_seed_and_cover_the_variety():
     assert {c["lists"]["kind"] for c in cases if c["lists"]} == {"raw32", "raw64", "prepared"}
     assert any(c["index"] and c["index"]["dtype"] == "float8_e4m3fn" for c in cases)
     assert any(c["nq"] <= 16 for c in cases) and any(c["nq"] > 1024 for c in cases)
+    assert any(c["ragged"] and c["lists"] for c in cases) and any(c["ragged"] and c["kept_reps"] for c in cases)
     assert all(c["b"] * c["hkv"] * c["spec"]["gqa_group"] * c["nq"] * c["nk"] <= fuzz.MAX_SCORES["cuda"]
                for c in cases)
     assert all(c["spec"]["backend"] == "triton" and c["dtype"] in ("float32", "float16")

@@ -1,7 +1,8 @@
 """Randomized differential check of kernelgen against its float64 oracle, `kernelgen.reference`.
 
 Each case is drawn from its seed: a random Spec (every selector, both schedules, and on a GPU every backend
-and "auto"), ragged lengths with Nq != Nk and decode-sized calls, GQA, forced blocks, a scale, strided
+and "auto"), ragged lengths with Nq != Nk and decode-sized calls (some over a cache of per-row lengths,
+`cache_seqlens`, NaN past each row's keys), GQA, forced blocks, a scale, strided
 views of [B, N, H, D] buffers, given lists holding -1, negative, out-of-range and repeated ids and empty
 rows (raw int32/int64 or prepared), index-selector inputs (fp8 on sm_90), tunables pinned to random points
 of each role's search space, and a backward run twice.
@@ -99,6 +100,10 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
     # a pooling selector's calls given kept key reps, made for a shorter cache and extended (drawn last: the
     # draws above stay those of earlier versions of this tool)
     case["kept_reps"] = case["lists"] is None and selector not in ("given", "index") and r.random() < 0.5
+    # a decode call over a cache of per-row lengths (cache_seqlens): the case's k and v as row 0, other rows
+    # shorter or longer, the capacity past them NaN (a read of it poisons o)
+    case["ragged"] = (dict(extra=r.choice([0, 1, kv_block, 2 * kv_block + 3]), seed=r.randint(0, 10**6))
+                      if nq <= 16 and selector != "index" and r.random() < 0.5 else None)
     return case
 
 
@@ -268,6 +273,42 @@ def compare_grads(grads, want, needs, dtype, torch):
     return errors
 
 
+def run_ragged(case, attn, spec, q, k, v, given, torch, reference) -> None:
+    """A decode call with cache_seqlens over the case's rows and a copy of its first: row 0 of its nk keys, the
+    others of random lengths up to the capacity (nk + extra); each row's lists are those of the call over its
+    keys alone, o and lse the reference's."""
+    q, k, v = (torch.cat([x, x[:1]]) for x in (q, k, v))
+    given = None if given is None else torch.cat([given, given[:1]])
+    nk, cap = case["nk"], case["nk"] + case["ragged"]["extra"]
+    gen = torch.Generator().manual_seed(case["ragged"]["seed"])
+    lengths = [nk] + torch.randint(0, cap + 1, (case["b"],), generator=gen).tolist()
+    lens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
+    k_cache, v_cache = (torch.cat([x, x.new_empty(*x.shape[:2], cap - nk, x.shape[3])], 2) for x in (k, v))
+    for cache in (k_cache, v_cache):  # past each row's keys: NaN, which a read would carry into o
+        for b, n in enumerate(lengths):
+            cache[b, :, n:] = float("nan")
+    key_reps = None
+    if given is None:
+        lists = attn.select(q, k_cache, cache_seqlens=lens)
+        for b, n in enumerate(lengths):
+            own = attn.select(q[b:b + 1], k_cache[b:b + 1, :, :n]) if n else torch.full_like(lists[b:b + 1], -1)
+            if not torch.equal(lists[b:b + 1], own):
+                raise Failure(f"cache_seqlens: row {b}'s lists ({n} keys) differ from its own call's")
+        if case.get("kept_reps"):
+            key_reps = attn.key_reps(k_cache, cache_seqlens=(lens * 2) // 3)
+            attn.key_reps(k_cache, cache_seqlens=lens, previous=key_reps)
+            if not torch.equal(attn.select(q, k_cache, cache_seqlens=lens, key_reps=key_reps), lists):
+                raise Failure("cache_seqlens: the lists from grown kept reps differ from the call's own")
+    else:
+        lists = given
+    o, lse = attn(q, k_cache, v_cache, block_idx=given, scale=case["scale"], cache_seqlens=lens, key_reps=key_reps,
+                  return_lse=True)
+    ref_spec = spec.replace(selector="given", backend="triton")
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k_cache, v_cache, ref_spec, block_idx=lists, scale=case["scale"],
+                                                   cache_seqlens=lens)
+    compare_forward(o, lse, ref_o, ref_lse, q, torch)
+
+
 def run_case(case: dict) -> dict:
     """The case's outcome: status pass / reject / wrong / error, the stage it reached, and the errors."""
     import torch
@@ -325,6 +366,9 @@ def run_case(case: dict) -> dict:
         ref_spec = spec.replace(selector="given", backend="triton")
         ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, ref_spec, block_idx=ref_lists, scale=case["scale"])
         result["forward"] = compare_forward(o, lse, ref_o, ref_lse, q, torch)
+        if case.get("ragged"):
+            stage = "cache_seqlens"
+            run_ragged(case, attn, spec, q, k, v, ref_lists if case["lists"] is not None else None, torch, reference)
         if case["backward"]:
             stage = "backward"
             needs = case["needs_grad"] if any(case["needs_grad"]) else [True, False, False]
