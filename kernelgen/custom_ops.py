@@ -3,6 +3,7 @@
     from kernelgen.custom_ops import sparse_attention, select_blocks
     o, lse = sparse_attention(q, k, v, spec, block_idx=None, scale=None)   # inside torch.compile too
     o, lse = sparse_attention(q, k, v, spec, index=(q_idx, k_idx, w))      # Spec(selector="index")
+    o, lse = sparse_attention(q, k_cache, v_cache, spec, cache_seqlens=lens)  # decode over per-row lengths
 
 The ops take the spec as its JSON text, and the index selector's tensors as three optional arguments (a string is a valid op argument; a dataclass is not) and
 dispatch to `get_kernel(spec)`, so they run exactly the kernels and checks of the eager API. Their
@@ -46,14 +47,16 @@ def _(q, k, spec_json, q_idx=None, k_idx=None, w=None):
 @torch.library.custom_op("kernelgen::sparse_attention", mutates_args=())
 def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None, spec_json: str,
              scale: float | None, q_idx: torch.Tensor | None = None, k_idx: torch.Tensor | None = None,
-             w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             w: torch.Tensor | None = None,
+             cache_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     attn = get_kernel(Spec.from_json(spec_json))
     shapes = attn._start_call(q, k, v)
-    return attn._attend(q, k, v, shapes, block_idx, scale, _index(q_idx, k_idx, w))
+    seqlens = attn._check_seqlens(cache_seqlens, shapes, q.device)
+    return attn._forward(q, k, v, shapes, block_idx, scale, _index(q_idx, k_idx, w), seqlens=seqlens)[:3]
 
 
 @_attn_op.register_fake
-def _(q, k, v, block_idx, spec_json, scale, q_idx=None, k_idx=None, w=None):
+def _(q, k, v, block_idx, spec_json, scale, q_idx=None, k_idx=None, w=None, cache_seqlens=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32),
             _lists_like(q, k, Spec.from_json(spec_json)))
 
@@ -81,7 +84,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse, _dlists):
     q, k, v, o, lse, lists = ctx.saved_tensors
     dq, dk, dv = _attn_backward_op(do, q, k, v, o, lse, lists, ctx.spec_json, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None, None  # nothing for block_idx, spec, scale, index tensors
+    return dq, dk, dv, None, None, None, None, None, None, None  # nothing for block_idx, spec, scale, index, lengths
 
 
 torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_context=_setup_context)
@@ -112,10 +115,16 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> t
     return _select_op(q, k, _spec_json(spec), *_index_args(index))
 
 
-def sparse_attention(q, k, v, spec: Spec, block_idx=None, scale=None, index=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., return_lse=True)` as a custom op; o
-    backpropagates (lse carries no gradient)."""
+def sparse_attention(q, k, v, spec: Spec, block_idx=None, scale=None, index=None,
+                     cache_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., return_lse=True)` as a
+    custom op; o backpropagates (lse carries no gradient; a call with cache_seqlens has no backward)."""
     q, k, v = autocast_qkv(q, k, v)
+    if cache_seqlens is not None and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        from .errors import KernelgenValueError
+
+        raise KernelgenValueError("cache_seqlens= calls (decoding) have no backward: call under torch.no_grad(), "
+                                  "or without cache_seqlens")
     o, lse, _ = _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale),
-                         *_index_args(index))
+                         *_index_args(index), cache_seqlens)
     return o, lse

@@ -78,3 +78,22 @@ def test_compiles_with_dynamic_lengths_and_backpropagates(device):
         assert torch.equal(o, eo * 2) and torch.equal(lse, else_)
         for got, want in zip((q, k, v), leaves):
             assert torch.equal(got.grad, want.grad)
+
+
+def test_a_decode_over_per_row_lengths_compiles(device):
+    """cache_seqlens through the op: fullgraph, bit-equal to the eager call; with grad it is refused by name."""
+    q, k, v = inputs(device)
+    q = q[:, :, -2:]
+    lens = torch.tensor([77], dtype=torch.int32, device=device)
+    compiled = torch.compile(lambda q, k, v, lens: sparse_attention(q, k, v, SPEC, cache_seqlens=lens),
+                             fullgraph=True, backend="eager")
+    o, lse = compiled(q, k, v, lens)
+    eo, else_ = kernelgen.get_kernel(SPEC)(q, k, v, cache_seqlens=lens, return_lse=True)
+    assert torch.equal(o, eo) and torch.equal(lse, else_)
+    assert torch.equal(o, kernelgen.get_kernel(SPEC)(q, k[:, :, :77], v[:, :, :77]))
+    try:
+        sparse_attention(q.requires_grad_(), k, v, SPEC, cache_seqlens=lens)
+    except kernelgen.KernelgenError as error:
+        assert "no backward" in str(error)
+    else:
+        raise AssertionError("a differentiable call with cache_seqlens was not refused")
