@@ -283,7 +283,8 @@ def run_ragged(case, attn, spec, q, k, v, given, torch, reference) -> None:
     gen = torch.Generator().manual_seed(case["ragged"]["seed"])
     lengths = [nk] + torch.randint(0, cap + 1, (case["b"],), generator=gen).tolist()
     lens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
-    k_cache, v_cache = (torch.cat([x, x.new_empty(*x.shape[:2], cap - nk, x.shape[3])], 2) for x in (k, v))
+    k_cache, v_cache = (torch.cat([x, torch.randn(*x.shape[:2], cap - nk, x.shape[3], generator=gen).to(x)], 2)
+                        for x in (k, v))
     for cache in (k_cache, v_cache):  # past each row's keys: NaN, which a read would carry into o
         for b, n in enumerate(lengths):
             cache[b, :, n:] = float("nan")
