@@ -362,7 +362,7 @@ def test_export_writes_an_importable_module(tmp_path):
     assert result.exit_code == 0, result.output
     text = out.read_text()
     compile(text, str(out), "exec")
-    assert "\ndef attn(q, k, v, *, block_idx=None" in text and "\ndef select(q, k, *, index=None, key_reps=None)" in text
+    assert "\ndef attn(q, k, v, *, block_idx=None" in text and "\ndef select(q, k, *, index=None, key_reps=None" in text
     assert f"SPEC = {spec.to_dict()!r}" in text
 
 
