@@ -63,3 +63,15 @@ def test_hf_llama_sparse_runs_tiny_on_the_cpu(tmp_path):
     assert "logits over a KeyRepsCache equal a DynamicCache's: True" in result.stdout
     rows = json.loads(out.read_text())["results"]
     assert [(r["tokens"], r["attention"]) for r in rows] == [(64, "sdpa"), (64, "kernelgen")]
+
+
+def test_decode_graph_checks_each_step_on_the_cpu():
+    """On a CPU the example decodes its tiny ragged cache eagerly in the interpreter (it says so) and checks every
+    step against the reference, each row over its own keys."""
+    if torch.cuda.is_available():
+        return  # the GPU run is the example's own (a 32k cache, CUDA graphs timed)
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "decode_graph.py"), "--steps", "2"],
+                            capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "CPU interpreter" in result.stdout and "prompts of [24, 48, 72] keys" in result.stdout
+    assert "step 2: lengths [26, 50, 74]" in result.stdout
