@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import get_kernel
-from .inputs import autocast_qkv
+from .inputs import autocast_qkv, refuse_grad_with_seqlens
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks"]
@@ -120,11 +120,7 @@ def sparse_attention(q, k, v, spec: Spec, block_idx=None, scale=None, index=None
     """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., return_lse=True)` as a
     custom op; o backpropagates (lse carries no gradient; a call with cache_seqlens has no backward)."""
     q, k, v = autocast_qkv(q, k, v)
-    if cache_seqlens is not None and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        from .errors import KernelgenValueError
-
-        raise KernelgenValueError("cache_seqlens= calls (decoding) have no backward: call under torch.no_grad(), "
-                                  "or without cache_seqlens")
+    refuse_grad_with_seqlens(cache_seqlens, q, k, v)
     o, lse, _ = _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale),
                          *_index_args(index), cache_seqlens)
     return o, lse

@@ -28,7 +28,7 @@ from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
                      check_cache_seqlens, check_index, check_key_reps, check_keys, check_length, check_qkv,
-                     lists_layout)
+                     lists_layout, refuse_grad_with_seqlens)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -400,10 +400,8 @@ class SparseAttention:
         q, k, v = autocast_qkv(q, k, v)
         shapes = self._start_call(q, k, v)
         seqlens = self._check_seqlens(cache_seqlens, shapes, q.device)
+        refuse_grad_with_seqlens(seqlens, q, k, v)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-            if seqlens is not None:
-                raise KernelgenValueError("cache_seqlens= calls (decoding) have no backward: call under "
-                                          "torch.no_grad(), or without cache_seqlens")
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps)
         else:
             o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, seqlens)[:3]

@@ -18,7 +18,8 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_cache_seqlens", "check_keys", "check_qkv",
+__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_cache_seqlens", "refuse_grad_with_seqlens",
+           "check_keys", "check_qkv",
            "check_block_idx", "check_block_lists", "check_index", "check_length",
            "softmax_scale", "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
 
@@ -196,6 +197,14 @@ def check_cache_seqlens(cache_seqlens, shapes: Shapes, device) -> torch.Tensor:
     if shapes.batch > 1 and cache_seqlens.stride(0) != 1:
         raise KernelgenValueError(f"cache_seqlens must be contiguous, got stride {cache_seqlens.stride(0)}")
     return cache_seqlens
+
+
+def refuse_grad_with_seqlens(cache_seqlens, q, k, v) -> None:
+    """A call over per-row lengths has no backward: refuse one whose inputs would take gradients."""
+    if cache_seqlens is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                   or v.requires_grad):
+        raise KernelgenValueError("cache_seqlens= calls (decoding) have no backward: call under torch.no_grad(), "
+                                  "or without cache_seqlens")
 
 
 def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device, varlen: bool = False) -> torch.Tensor:

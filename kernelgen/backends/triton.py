@@ -973,7 +973,8 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
     grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), n_bh, cfg.splits)
     kernel, lengths = (mod.select_topk, ()) if seqlens is None else (mod.select_topk_varlen, (seqlens,))
     kernel[grid](
-        q_rep, k_rep, block_idx, cand, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
+        q_rep, k_rep, block_idx, cand, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks,
+        shapes.heads_kv,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
         HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block,
         GROUP=spec.gqa_group, GROUPS=r, GR_PAD=next_pow2(spec.gqa_group * r),
@@ -1115,7 +1116,7 @@ _EVERY_SPLIT: dict = {}
 def _every_split(splits: int, device) -> torch.Tensor:
     """int32 zeros [splits] on `device`, made once (a fill launch fewer per decode call); made afresh, and not
     kept, while a CUDA graph is being captured (the graph's memory pool would own it)."""
-    key = (splits, str(device))
+    key = (splits, device)
     zeros = _EVERY_SPLIT.get(key)
     if zeros is None:
         zeros = torch.zeros(splits, device=device, dtype=torch.int32)
@@ -1129,8 +1130,8 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists (Q-centric or per-query:
     the spec says which) of a call of a few queries: a partial per (query, split), then, with splits > 1,
     kv_combine merges a row's splits in split order (every split writes its partial, so a list of `splits`
-    zeros with zero strides marks every slot used: `_every_split`). `seqlens` (int32 [B]): batch row b holds seqlens[b] of k's
-    keys, its queries the last positions of those."""
+    zeros with zero strides marks every slot used: `_every_split`). `seqlens` (int32 [B]): batch row b holds
+    seqlens[b] of k's keys, its queries the last positions of those."""
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
