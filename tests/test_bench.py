@@ -351,7 +351,8 @@ def test_decode_bench_rows_on_the_gpu(monkeypatch, tmp_path):
     impls = {r["impl"]: r for r in rows}
     for impl in ("device copy (1 GiB)", "kernelgen decode prepared", "kernelgen mean (select+decode)",
                  "kernelgen mean, kept reps (select+decode)", "kernelgen key_reps extended by one key",
-                 "kernelgen mean select only", "kernelgen mean, cache_seqlens step", "flex (same BlockMask)",
+                 "kernelgen mean select only", "kernelgen mean, cache_seqlens step",
+                 "kernelgen mean, cache_seqlens step, reps made", "flex (same BlockMask)",
                  "sdpa flash (dense)"):
         assert impl in impls, sorted(impls)
     assert float(impls["flex (same BlockMask)"]["rel_diff_vs_kernelgen"]) < 2e-2

@@ -1,9 +1,10 @@
 """The torch.library ops: same results as the eager API, traceable by torch.compile without graph breaks."""
+import pytest
 import torch
 
 import kernelgen
 from kernelgen import Spec
-from kernelgen.custom_ops import select_blocks, sparse_attention
+from kernelgen.custom_ops import key_reps, select_blocks, sparse_attention
 
 
 def inputs(device, dtype=torch.float16):
@@ -97,3 +98,37 @@ def test_a_decode_over_per_row_lengths_compiles(device):
         assert "no backward" in str(error)
     else:
         raise AssertionError("a differentiable call with cache_seqlens was not refused")
+
+
+def test_key_reps_through_the_ops(device):
+    """The selector's kept reps as ops: made, grown in place over per-row lengths and read by the attention op,
+    fullgraph; the same bits and outputs as the eager API's."""
+    q, k, v = inputs(device)
+    q = q[:, :, -1:]
+    attn = kernelgen.get_kernel(SPEC)
+    lens = torch.tensor([70], dtype=torch.int32, device=device)
+
+    def step(q, k, v, lens, reps):
+        reps = key_reps(k, SPEC, cache_seqlens=lens, previous=reps)
+        return sparse_attention(q, k, v, SPEC, cache_seqlens=lens, key_reps=reps)[0]
+
+    reps = key_reps(k, SPEC, cache_seqlens=lens)
+    want = attn.key_reps(k, cache_seqlens=lens)
+    assert torch.equal(reps.reps, want.reps) and torch.equal(reps.seqlens, want.seqlens)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    lens += 9
+    o = compiled(q, k, v, lens, reps)
+    assert torch.equal(reps.seqlens, torch.full_like(want.seqlens, 79))  # grown in place
+    assert torch.equal(reps.reps[:, :, :3], attn.key_reps(k, cache_seqlens=lens).reps[:, :, :3])
+    assert torch.equal(o, attn(q, k, v, cache_seqlens=lens))
+    plain = key_reps(k[:, :, :100], SPEC)  # one length: made, then extended
+    assert plain.seqlens is None and torch.equal(key_reps(k, SPEC, previous=plain).reps, attn.key_reps(k).reps)
+    o, _ = torch.compile(lambda q, k, v, r: sparse_attention(q, k, v, SPEC, key_reps=r), fullgraph=True,
+                         backend="eager")(q, k, v, attn.key_reps(k))
+    assert torch.equal(o, attn(q, k, v))
+    torch.library.opcheck(torch.ops.kernelgen.key_reps.default, (k, SPEC.to_json(), lens),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(TypeError, match="previous must be the KeyReps"):
+        key_reps(k, SPEC, previous=reps.reps)
+    with pytest.raises(ValueError, match="made without cache_seqlens"):
+        key_reps(k, SPEC, cache_seqlens=lens, previous=plain)

@@ -51,9 +51,9 @@ def roles(monkeypatch):
     seen = collections.Counter()
     launch = kernelgen.SparseAttention._launch
 
-    def spy(self, served, *args):
+    def spy(self, served, *args, **options):
         seen[served.role] += 1
-        return launch(self, served, *args)
+        return launch(self, served, *args, **options)
 
     monkeypatch.setattr(kernelgen.SparseAttention, "_launch", spy)
     return seen
@@ -298,3 +298,95 @@ def test_a_modules_spec_follows_its_config(models):
     ours.config.kernelgen["backend"] = "triton"
     assert kg_hf._module_spec(module).backend == "triton"
     ours.config.kernelgen = None
+
+
+# ---- decode steps under torch.compile, over a static cache -----------------------------------------------
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """torch.compile as these tests use it: aot_eager (the graph as dynamo and AOTAutograd trace it, run
+    eagerly: a CPU machine has no CUDA graphs), with the custom ops' kernels as the fixture's."""
+    import kernelgen.custom_ops
+
+    monkeypatch.setattr(kernelgen.custom_ops, "get_kernel", small_select_tiles)
+    torch._dynamo.reset()
+    yield lambda fn, fullgraph=True: torch.compile(fn, backend="aot_eager", fullgraph=fullgraph)
+    torch._dynamo.reset()
+
+
+def static_steps(model, step, prompt, steps, mask=None, cache=None):
+    """Logits of a prefill of `prompt` (eager, as generate() runs it) into a StaticCache (`cache`, reset, or a
+    new one) and of `steps` greedy single-token steps through `step` (model.forward, compiled or not), each
+    given its cache position."""
+    n = prompt.shape[1]
+    if cache is None:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=64)
+    cache.reset()
+    out = [model(prompt, attention_mask=mask, past_key_values=cache).logits[:, -1]]
+    for i in range(steps):
+        if mask is not None:  # the padding mask generate() extends
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        out.append(step(out[-1].argmax(-1, keepdim=True), attention_mask=mask, past_key_values=cache,
+                        cache_position=torch.tensor([n + i])).logits[:, -1])
+    return torch.stack(out)
+
+
+def test_a_compiled_decode_step_over_a_static_cache_runs_in_the_graph(models, roles, compiled):
+    """fullgraph=True: the step traces with no graph break, its mask read on the device (`cache_seqlens`), its
+    selection from the reps kept on the cache's keys; the logits are the eager steps', and those a
+    DynamicCache's. The cache reset and refilled with another prompt gives that prompt's logits: the kept reps
+    follow the keys written over the old ones."""
+    ours, _ = models
+    set_options(ours, top_k=2)  # sparse: the diagonal block and one chosen from the reps, of 3 or 4
+    prompt, other = tokens(2, 45, seed=8), tokens(2, 33, seed=10)
+    with torch.no_grad():
+        want = prefill_then_decode(ours, prompt, transformers.DynamicCache(config=ours.config), 3)
+        eager = static_steps(ours, ours, prompt, 3)
+        roles.clear()
+        cache = transformers.StaticCache(config=ours.config, max_cache_len=64)
+        step = compiled(ours.forward)
+        got = static_steps(ours, step, prompt, 3, cache=cache)
+        assert roles["attn"] == 2 and roles["decode"] == 2 * 3  # the eager prompt, then 3 compiled steps a layer
+        assert roles["key_reps"] == 2 * 4  # made with the prompt, grown by each step
+        attn = kg_hf.get_kernel(kg_hf.layer_spec(ours.config))
+        for layer in cache.layers:
+            kept = layer.keys._kernelgen_reps
+            assert kept.seqlens.eq(48).all()
+            fresh = attn.key_reps(layer.keys, cache_seqlens=torch.full((2,), 48, dtype=torch.int32))
+            assert torch.equal(kept.reps[:, :, :3], fresh.reps[:, :, :3])  # the blocks of the 48 keys
+        again = static_steps(ours, step, other, 3, cache=cache)
+        assert_close(again, prefill_then_decode(ours, other, transformers.DynamicCache(config=ours.config), 3), 1e-5)
+    assert torch.equal(eager, want)
+    assert_close(got, eager, tol=1e-5)
+
+
+def test_a_compiled_step_after_a_padded_prefill_runs_sdpa(models, compiled):
+    """A padded batch's prefill finds its mask not purely causal: the compiled steps of those modules then run
+    SDPA (a graph break, so not under fullgraph), where the mask they cannot read would otherwise stop the run."""
+    ours, sdpa = models
+    set_options(ours, top_k=2)
+    prompt = tokens(2, 40, seed=9)
+    mask = torch.ones_like(prompt)
+    mask[1, :5] = 0
+    kg_hf._warned.clear()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", kg_hf.KernelgenFallbackWarning)
+        got = static_steps(ours, compiled(ours.forward, fullgraph=False), prompt, 2, mask)
+        want = static_steps(sdpa, sdpa, prompt, 2, mask)
+        assert_close(got, want, tol=1e-5)
+        ours(prompt)  # an unpadded call: the compiled step (recompiled) runs kernelgen's kernels again
+    assert not any(m.__dict__.get("_kernelgen_mask_refused") for m in ours.modules())
+
+
+def test_a_compiled_steps_mask_is_checked_on_the_device():
+    causal = transformers.masking_utils.sdpa_mask(batch_size=2, q_length=2, kv_length=20, q_offset=torch.tensor(9),
+                                                  allow_is_causal_skip=False)
+    assert torch.equal(kg_hf._lengths_on_device(causal, 2, 20), torch.tensor([11, 11], dtype=torch.int32))
+    additive = torch.where(causal, 0.0, torch.finfo(torch.float32).min)
+    assert torch.equal(kg_hf._lengths_on_device(additive, 2, 20), torch.tensor([11, 11], dtype=torch.int32))
+    padded, holed, shifted = causal.clone(), causal.clone(), causal.roll(1, -1)
+    padded[1, :, :, :3] = False
+    holed[0, :, 1, 5] = False
+    for bad in (padded, holed, shifted, additive + 0.5, additive * 0.25):
+        with pytest.raises(RuntimeError, match="not purely causal"):
+            kg_hf._lengths_on_device(bad, 2, 20)

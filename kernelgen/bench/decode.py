@@ -8,6 +8,7 @@ For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU
   keys' representatives kept (`attn.key_reps`, as a cache keeps them), and their extension by one key;
 - a whole decode step over a cache of per-row lengths (`cache_seqlens`, every row one key short of the
   capacity): the kept reps grown in place to the lengths, then the call with them, one CUDA graph for both;
+  and the same step with the reps made afresh over every row's keys (a caller that keeps none);
 - FlexAttention (torch.compile'd) over a BlockMask holding exactly the same lists;
 - dense SDPA (flash, efficient, cuDNN; the KV heads as they are, `enable_gqa`) over the whole cache: every
   query sees every key, the work of a decode step without sparsity;
@@ -173,6 +174,15 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
                    kv_bytes + reps.reps.numel() * reps.reps.element_size(),
                    note="key_reps grown in place + select + decode, one graph; kv_MB as kept reps'",
                    rel_diff_vs_one_key_less=f"{diff:.1e}")
+
+            def fresh_step():  # what a caller that keeps no reps runs: every row's keys pooled again
+                return selecting(q, k, v, cache_seqlens=lens, key_reps=selecting.key_reps(k, cache_seqlens=lens))
+
+            assert torch.equal(fresh_step(), step())
+            record(name, "kernelgen mean, cache_seqlens step, reps made", fresh_step, _bench_graph(fresh_step, log=log),
+                   kv_bytes + k.numel() * k.element_size() // k.shape[2] * (shape.n_k - 1),
+                   note="key_reps made over every row's keys + select + decode, one graph; kv_MB: the listed "
+                        "blocks' K and V plus all of K")
 
         attempt(name, "mean pipeline", pipeline)
         attempt(name, "kept reps", kept)

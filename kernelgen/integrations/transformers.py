@@ -54,10 +54,12 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from .. import custom_ops
 from ..device import interpreting
 from ..dispatch import get_kernel
 from ..errors import KernelgenValueError
 from ..inputs import KeyReps
+from ..roles import DECODE_MAX_QUERIES
 from ..spec import HEAD_DIMS, Spec
 from ..tuning.model import FULL, SPARSE_OPTIONS, model_specs
 
@@ -329,6 +331,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention function: query [B, H, Nq, D], key and value [B, Hkv, Nk, D] (the KV cache
     included) -> (attn_output [B, Nq, H, D], None)."""
     args = (module, query, key, value, attention_mask, scaling, dropout)
+    if torch.compiler.is_compiling() and _in_graph(module, query, attention_mask, dropout, kwargs):
+        return _attention_in_graph(*args)
+    return _attention_eager(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _attention_eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+    """The call as it runs outside torch.compile, where the mask is read on the host (a graph break inside a
+    compiled model, where `_in_graph` declines)."""
+    args = (module, query, key, value, attention_mask, scaling, dropout)
     if query.shape[-1] not in HEAD_DIMS:
         return _fall_back(f"head_dim={query.shape[-1]} (kernelgen's kernels take {HEAD_DIMS})", *args, **kwargs)
     spec = _module_spec(module)
@@ -341,18 +353,133 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if reason is None:
         n_keys = _visible_keys(attention_mask, query.shape[2], key.shape[2])
         reason = n_keys if isinstance(n_keys, str) else None
+        # what a compiled step of this module, which cannot read its mask, should expect (see `_in_graph`)
+        module.__dict__["_kernelgen_mask_refused"] = reason is not None
     if reason is not None:
+        _forget_reps(key)  # this call's keys are written, and its reps will not see them
         return _fall_back(reason, *args, **kwargs)
     attn = get_kernel(spec)
+    if n_keys < key.shape[2]:  # a preallocated (static) cache, its first n_keys keys written
+        lens = torch.full((key.shape[0],), n_keys, dtype=torch.int32, device=key.device)
+        reps = _static_reps(attn, spec.to_json(), _reps_blocks(spec), query, key, lens, keep=True)
+        if query.shape[2] > DECODE_MAX_QUERIES:  # a prompt: its own selection, over the keys written so far
+            o = attn(query, key[:, :, :n_keys], value[:, :, :n_keys], scale=scaling)
+        else:
+            o = attn(query, key, value, scale=scaling, cache_seqlens=lens, key_reps=reps)
+        return o.transpose(1, 2).contiguous(), None
     layer = _reps_layer(key) if spec.selection_role in ("select", "kv_select") else None
-    if n_keys < key.shape[2]:
-        key, value, layer = key[:, :, :n_keys], value[:, :, :n_keys], None
     if layer is None:
         o = attn(query, key, value, scale=scaling)
     else:  # selection from the layer's kept reps, extended over the keys appended since the last call
         layer.key_reps = attn.key_reps(key, previous=_extendable(layer.key_reps, spec, key))
         o = attn(query, key, value, scale=scaling, key_reps=layer.key_reps)
     return o.transpose(1, 2).contiguous(), None
+
+
+# ---- a static cache's kept reps --------------------------------------------------------------------------
+# A static cache hands every attention call the same preallocated key tensor. The selector's representatives
+# of its blocks are kept on that tensor (`_kernelgen_reps`, a KeyReps over per-row lengths) and grown in place
+# each call, in eager calls and in compiled steps alike (a CUDA graph replays the growth). A call's n_q keys
+# were just written at lens - n_q .. lens - 1, possibly over older ones (the cache reset or cropped, then
+# refilled), so each row's reps are first cut back to lens - n_q: what was pooled before that is unchanged.
+# A call that does not update them (one that runs SDPA) drops them; an operation that replaces the tensor
+# (beam search's reorder) leaves them behind.
+
+def _forget_reps(key: torch.Tensor) -> None:
+    if getattr(key, "_kernelgen_reps", None) is not None:
+        key._kernelgen_reps = None
+
+
+def _reps_blocks(spec: Spec) -> tuple[int, int] | None:
+    """(kv_block, groups) of the reps a spec's selector keeps, or None where it keeps none."""
+    return (spec.kv_block, spec.groups) if spec.selection_role in ("select", "kv_select") else None
+
+
+def _static_reps(attn, spec_json: str, blocks: tuple[int, int] | None, query, key, lens,
+                 keep: bool) -> KeyReps | None:
+    """The kept reps of static cache keys `key` brought to `lens` (int32 [B], on the device), made when there
+    are none and `keep` (an eager call: they are allocated once, at a static address, for CUDA graphs); None
+    for a spec whose selector keeps none (`blocks`: `_reps_blocks` of the spec). `attn`: get_kernel(spec) in
+    eager calls, None in compiled ones (which run the custom ops)."""
+    if blocks is None:
+        return None
+    reps = getattr(key, "_kernelgen_reps", None)
+    if reps is not None and ((reps.kv_block, reps.groups) != blocks or reps.n_k != key.shape[2]
+                             or reps.reps.shape[:2] != key.shape[:2] or reps.reps.device != key.device):
+        reps = None  # made under another spec
+    grow = custom_ops.key_reps if attn is None else (lambda k, spec, **kw: attn.key_reps(k, **kw))
+    if reps is None:
+        reps = grow(key, spec_json, cache_seqlens=lens)
+        if keep:
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(reps.reps)
+                torch._dynamo.mark_static_address(reps.seqlens)
+            key._kernelgen_reps = reps
+        return reps
+    torch.minimum(reps.seqlens, (lens - query.shape[2])[:, None], out=reps.seqlens)
+    return grow(key, spec_json, cache_seqlens=lens, previous=reps)
+
+
+# ---- inside torch.compile ----------------------------------------------------------------------------------
+
+@torch.compiler.assume_constant_result
+def _module_spec_json(module) -> str:
+    # read at trace time, outside the graph: a compiled model keeps the spec its config had then
+    spec = _module_spec(module)
+    return "" if spec is None else spec.to_json()
+
+
+@torch.compiler.assume_constant_result
+def _module_reps_blocks(module) -> tuple[int, int] | None:
+    return _reps_blocks(_module_spec(module))
+
+
+def _in_graph(module, query, mask, dropout, kwargs) -> bool:
+    """Whether a call being traced by torch.compile can run inside the graph: a layer of kernelgen's, a call it
+    computes, and a mask it can read on the device. Every other call runs `_attention_eager` (a graph break:
+    correct, slower; or SDPA, as the eager call would)."""
+    if query.shape[-1] not in HEAD_DIMS or not _module_spec_json(module) or _unsupported(module, query, dropout,
+                                                                                          kwargs):
+        return False
+    if mask is None:
+        return True
+    # a mask tensor: decode calls read each row's visible keys from it on the device (`cache_seqlens`),
+    # unless this module's last eager call found its mask not purely causal (a padded batch's prefill)
+    return (isinstance(mask, torch.Tensor) and mask.dim() == 4 and query.shape[2] <= DECODE_MAX_QUERIES
+            and not module.__dict__.get("_kernelgen_mask_refused", False))
+
+
+def _attention_in_graph(module, query, key, value, mask, scaling, dropout):
+    """The call as torch.compile traces it: the ops `kernelgen::sparse_attention` (opaque to the compiler,
+    replayable in CUDA graphs), with no host read of any tensor."""
+    spec_json = _module_spec_json(module)
+    n_q, n_k = query.shape[2], key.shape[2]
+    if mask is None:
+        n_keys = _visible_keys(None, n_q, n_k)  # from shapes alone
+        o, _ = custom_ops.sparse_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], spec_json, scale=scaling)
+    else:  # a decode step over a static cache: its lengths read on the device, its kept reps grown in place
+        lens = _lengths_on_device(mask, n_q, n_k)
+        reps = _static_reps(None, spec_json, _module_reps_blocks(module), query, key, lens, keep=False)
+        o, _ = custom_ops.sparse_attention(query, key, value, spec_json, scale=scaling, cache_seqlens=lens,
+                                           key_reps=reps)
+    return o.transpose(1, 2).contiguous(), None
+
+
+def _lengths_on_device(mask: torch.Tensor, n_q: int, n_k: int) -> torch.Tensor:
+    """Each row's visible keys (int32 [B]), read from a decode call's 4-D mask with tensor ops alone, and a
+    device-side assertion that the mask is purely causal over them, bottom-right aligned: what the eager call
+    checks on the host. A mask that is not stops the run; it never gives a wrong result."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    lens = allowed[:, 0, -1, :].sum(-1, dtype=torch.int32)
+    keys = torch.arange(n_k, device=mask.device)
+    last_key = lens[:, None] - n_q + torch.arange(n_q, device=mask.device)[None, :]  # [B, Nq]: each query's
+    causal = keys[None, None, :] <= last_key[:, :, None]
+    ok = (allowed == causal[:, None]).all() & (lens >= n_q).all()
+    if mask.dtype != torch.bool:
+        ok = ok & (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
+    torch._assert_async(ok, "kernelgen attention: a compiled decode step's attention mask is not purely causal "
+                            "over each row's first keys (padding, or a custom mask); run it without torch.compile")
+    return lens
 
 
 register()
