@@ -21,6 +21,12 @@ cache, eagerly, as `generate()` does, under the same implementations; kernelgen 
 which keeps the blocks' means with the cache (the lists are the same). A step's time is the median over the
 steps after 16 untimed ones.
 
+`--static` also times `generate()` over a static cache (`cache_implementation="static"`), which compiles the
+model's decode step with torch.compile and replays it from CUDA graphs; kernelgen's steps then read the cache's
+lengths and check its mask on the device, and grow the blocks' means kept with the cache in place. A step's time
+there is (generate of 1 + `--decode` tokens less generate of 1 token) / `--decode`, medians of `--repeats`, after
+a warm-up generate that compiles.
+
 Without a CUDA GPU kernelgen runs in Triton's CPU interpreter: the example then runs a tiny model (2 layers,
 hidden 64, 128 tokens, 16-key blocks) in float32, checks that kernelgen with every block listed gives SDPA's
 logits, that decoding over a `KeyRepsCache` gives the logits a `DynamicCache` does, and says that its times mean
@@ -136,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode", type=int, default=32, help="decode steps timed after each prompt (0: none)")
     p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 8], help="batch sizes decoded (GPU)")
+    p.add_argument("--static", type=int, nargs="*", default=None, help="also time generate() over a static cache "
+                   "(compiled, CUDA graphs) at these batch sizes (GPU; no value: 1)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -199,6 +207,8 @@ def main(argv=None) -> int:
         del ids
         for batch in args.decode_batch if on_gpu and args.decode else ():
             results += decode_rows(model, config.vocab_size, n, batch, args.decode)
+        for batch in ((args.static or [1]) if args.static is not None else ()) if on_gpu and args.decode else ():
+            results += static_rows(model, config.vocab_size, n, batch, args.decode, args.repeats)
     if args.out:
         meta = {"decode_steps": args.decode,
                 "device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
@@ -231,6 +241,44 @@ def decode_rows(model, vocab: int, n: int, batch: int, steps: int) -> list[dict]
     if "no-op" in times:
         print(f"{n:>8} batch {batch} decode {'no-op':>20}: {1e3 * times['no-op']:7.2f} ms a step (the model without "
               "attention)")
+    return rows
+
+
+def timed_generate(model, ids, steps: int, repeats: int) -> float:
+    """Seconds a decode step of generate() over a static cache takes: generate of 1 + steps tokens less generate of
+    1 token (the prefill, eager), over steps; medians of `repeats`, after a warm-up that compiles."""
+    def run(new_tokens):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       cache_implementation="static", pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    with torch.no_grad():
+        run(1 + steps)
+        return (statistics.median(run(1 + steps) for _ in range(repeats))
+                - statistics.median(run(1) for _ in range(repeats))) / steps
+
+
+def static_rows(model, vocab: int, n: int, batch: int, steps: int, repeats: int) -> list[dict]:
+    """generate() over a static cache, compiled, under no-op, SDPA and kernelgen attention: ms a step."""
+    ids = torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(n)).cuda()
+    times, rows = {}, []
+    for name in IMPLEMENTATIONS[::-1]:  # no-op first: the rest of the model
+        model.set_attn_implementation(name)
+        try:
+            times[name] = timed_generate(model, ids, steps, repeats)
+        except torch.OutOfMemoryError:
+            print(f"{n:>8} batch {batch} static {name:>10}: out of memory")
+        torch.cuda.empty_cache()
+        if name in times and name != "no-op" and "no-op" in times:
+            attention = max(0.0, times[name] - times["no-op"])
+            rows.append({"tokens": n, "batch": batch, "decode": f"{name}, static cache, compiled",
+                         "step_ms": 1e3 * times[name], "attention_ms": 1e3 * attention,
+                         "rest_of_model_ms": 1e3 * times["no-op"]})
+        if name in times:
+            print(f"{n:>8} batch {batch} static cache, compiled {name:>10}: {1e3 * times[name]:7.2f} ms a step")
     return rows
 
 

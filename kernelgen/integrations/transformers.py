@@ -34,6 +34,15 @@ context costs more than the decode itself. `KeyRepsCache`, a `DynamicCache` whos
 
 Its layers follow the cache through beam search's reordering, batch selection and repetition, and cropping.
 
+**A static cache, compiled decode steps.** `generate(ids, cache_implementation="static")` preallocates the cache
+and, on a GPU, compiles the decode step with torch.compile and replays it from CUDA graphs. kernelgen's steps run
+inside those graphs: the custom ops of `kernelgen.custom_ops`, each row's length read from the mask on the device
+(`cache_seqlens`), and the mask checked on the device to be purely causal over those keys (where it is not, a
+device-side assertion stops the run: a compiled step cannot fall back). The blocks' means are kept with the cache
+here too, on its key tensor, and grown in place by each call, eager or compiled, that writes keys into it. A
+module whose last eager call fell back because of its mask (a padded batch's prompt) runs its compiled steps
+through SDPA as well.
+
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's
 `"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
 cannot compute falls back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong result: an
