@@ -167,6 +167,9 @@ def _module_spec(module) -> Spec | None:
     # a copy of each value, so that an options object changed in place is seen as changed
     module.__dict__["_kernelgen_spec"] = (config, text, tuple(copy.deepcopy(state.get(name)) for name in _READ),
                                           spec)
+    # what a compiled step reads instead (plain constants: it cannot run this function): the spec's JSON text
+    # and the blocks of the reps its selector keeps; a compiled model keeps what its last eager call saw
+    module.__dict__["_kernelgen_traced"] = ("", None) if spec is None else (spec.to_json(), _reps_blocks(spec))
     return spec
 
 
@@ -340,7 +343,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention function: query [B, H, Nq, D], key and value [B, Hkv, Nk, D] (the KV cache
     included) -> (attn_output [B, Nq, H, D], None)."""
     args = (module, query, key, value, attention_mask, scaling, dropout)
-    if torch.compiler.is_compiling() and _in_graph(module, query, attention_mask, dropout, kwargs):
+    if torch.compiler.is_compiling() and _in_graph(module, query, key, attention_mask, dropout, kwargs):
         return _attention_in_graph(*args)
     return _attention_eager(*args, **kwargs)
 
@@ -370,7 +373,7 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
     attn = get_kernel(spec)
     if n_keys < key.shape[2]:  # a preallocated (static) cache, its first n_keys keys written
         lens = torch.full((key.shape[0],), n_keys, dtype=torch.int32, device=key.device)
-        reps = _static_reps(attn, spec.to_json(), _reps_blocks(spec), query, key, lens, keep=True)
+        reps = _static_reps(attn, *module.__dict__["_kernelgen_traced"], query, key, lens)
         if query.shape[2] > DECODE_MAX_QUERIES:  # a prompt: its own selection, over the keys written so far
             o = attn(query, key[:, :, :n_keys], value[:, :, :n_keys], scale=scaling)
         else:
@@ -404,71 +407,60 @@ def _reps_blocks(spec: Spec) -> tuple[int, int] | None:
     return (spec.kv_block, spec.groups) if spec.selection_role in ("select", "kv_select") else None
 
 
-def _static_reps(attn, spec_json: str, blocks: tuple[int, int] | None, query, key, lens,
-                 keep: bool) -> KeyReps | None:
-    """The kept reps of static cache keys `key` brought to `lens` (int32 [B], on the device), made when there
-    are none and `keep` (an eager call: they are allocated once, at a static address, for CUDA graphs); None
-    for a spec whose selector keeps none (`blocks`: `_reps_blocks` of the spec). `attn`: get_kernel(spec) in
-    eager calls, None in compiled ones (which run the custom ops)."""
+def _static_reps(attn, spec_json: str, blocks: tuple[int, int] | None, query, key, lens) -> KeyReps | None:
+    """The reps kept on static cache keys `key`, brought to `lens` (int32 [B], on the device); None for a spec
+    whose selector keeps none (`blocks`: `_reps_blocks` of the spec). `attn`: get_kernel(spec) in an eager call,
+    which makes them where there are none (once, at a static address, for CUDA graphs to replay); None in a
+    compiled one, which grows them through the custom ops, and without them lets its selection pool the keys."""
     if blocks is None:
         return None
     reps = getattr(key, "_kernelgen_reps", None)
     if reps is not None and ((reps.kv_block, reps.groups) != blocks or reps.n_k != key.shape[2]
                              or reps.reps.shape[:2] != key.shape[:2] or reps.reps.device != key.device):
         reps = None  # made under another spec
-    grow = custom_ops.key_reps if attn is None else (lambda k, spec, **kw: attn.key_reps(k, **kw))
     if reps is None:
-        reps = grow(key, spec_json, cache_seqlens=lens)
-        if keep:
-            if not torch.compiler.is_compiling():
-                torch._dynamo.mark_static_address(reps.reps)
-                torch._dynamo.mark_static_address(reps.seqlens)
-            key._kernelgen_reps = reps
+        if attn is None:
+            return None
+        reps = attn.key_reps(key, cache_seqlens=lens)
+        torch._dynamo.mark_static_address(reps.reps)
+        torch._dynamo.mark_static_address(reps.seqlens)
+        key._kernelgen_reps = reps
         return reps
-    torch.minimum(reps.seqlens, (lens - query.shape[2])[:, None], out=reps.seqlens)
-    return grow(key, spec_json, cache_seqlens=lens, previous=reps)
+    reps.seqlens.copy_(torch.minimum(reps.seqlens, (lens - query.shape[2])[:, None]))
+    if attn is None:
+        return custom_ops.key_reps(key, spec_json, cache_seqlens=lens, previous=reps)
+    return attn.key_reps(key, cache_seqlens=lens, previous=reps)
 
 
 # ---- inside torch.compile ----------------------------------------------------------------------------------
 
-@torch.compiler.assume_constant_result
-def _module_spec_json(module) -> str:
-    # read at trace time, outside the graph: a compiled model keeps the spec its config had then
-    spec = _module_spec(module)
-    return "" if spec is None else spec.to_json()
-
-
-@torch.compiler.assume_constant_result
-def _module_reps_blocks(module) -> tuple[int, int] | None:
-    return _reps_blocks(_module_spec(module))
-
-
-def _in_graph(module, query, mask, dropout, kwargs) -> bool:
+def _in_graph(module, query, key, mask, dropout, kwargs) -> bool:
     """Whether a call being traced by torch.compile can run inside the graph: a layer of kernelgen's, a call it
     computes, and a mask it can read on the device. Every other call runs `_attention_eager` (a graph break:
     correct, slower; or SDPA, as the eager call would)."""
-    if query.shape[-1] not in HEAD_DIMS or not _module_spec_json(module) or _unsupported(module, query, dropout,
-                                                                                          kwargs):
+    traced = getattr(module, "_kernelgen_traced", None)  # None before the module's first eager call
+    if query.shape[-1] not in HEAD_DIMS or traced is None or not traced[0] or _unsupported(module, query, dropout,
+                                                                                            kwargs):
         return False
-    if mask is None:
-        return True
+    if mask is None:  # purely causal: the keys seen follow from the shapes
+        return not isinstance(_visible_keys(None, query.shape[2], key.shape[2]), str)
     # a mask tensor: decode calls read each row's visible keys from it on the device (`cache_seqlens`),
     # unless this module's last eager call found its mask not purely causal (a padded batch's prefill)
     return (isinstance(mask, torch.Tensor) and mask.dim() == 4 and query.shape[2] <= DECODE_MAX_QUERIES
-            and not module.__dict__.get("_kernelgen_mask_refused", False))
+            and not getattr(module, "_kernelgen_mask_refused", False))
 
 
 def _attention_in_graph(module, query, key, value, mask, scaling, dropout):
     """The call as torch.compile traces it: the ops `kernelgen::sparse_attention` (opaque to the compiler,
     replayable in CUDA graphs), with no host read of any tensor."""
-    spec_json = _module_spec_json(module)
+    spec_json, blocks = module._kernelgen_traced
     n_q, n_k = query.shape[2], key.shape[2]
     if mask is None:
         n_keys = _visible_keys(None, n_q, n_k)  # from shapes alone
         o, _ = custom_ops.sparse_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], spec_json, scale=scaling)
     else:  # a decode step over a static cache: its lengths read on the device, its kept reps grown in place
         lens = _lengths_on_device(mask, n_q, n_k)
-        reps = _static_reps(None, spec_json, _module_reps_blocks(module), query, key, lens, keep=False)
+        reps = _static_reps(None, spec_json, blocks, query, key, lens)
         o, _ = custom_ops.sparse_attention(query, key, value, spec_json, scale=scaling, cache_seqlens=lens,
                                            key_reps=reps)
     return o.transpose(1, 2).contiguous(), None
