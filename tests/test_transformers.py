@@ -333,30 +333,28 @@ def static_steps(model, step, prompt, steps, mask=None, cache=None):
 
 def test_a_compiled_decode_step_over_a_static_cache_runs_in_the_graph(models, roles, compiled):
     """fullgraph=True: the step traces with no graph break, its mask read on the device (`cache_seqlens`), its
-    selection from the reps kept on the cache's keys; the logits are the eager steps', and those a
-    DynamicCache's. The cache reset and refilled with another prompt gives that prompt's logits: the kept reps
-    follow the keys written over the old ones."""
+    selection from the reps kept on the cache's keys; the logits are the eager steps'. The cache reset and
+    refilled with another prompt gives a DynamicCache's logits: the kept reps follow the keys written over the
+    old ones."""
     ours, _ = models
     set_options(ours, top_k=2)  # sparse: the diagonal block and one chosen from the reps, of 3 or 4
     prompt, other = tokens(2, 45, seed=8), tokens(2, 33, seed=10)
     with torch.no_grad():
-        want = prefill_then_decode(ours, prompt, transformers.DynamicCache(config=ours.config), 3)
-        eager = static_steps(ours, ours, prompt, 3)
+        eager = static_steps(ours, ours, prompt, 2)
         roles.clear()
         cache = transformers.StaticCache(config=ours.config, max_cache_len=64)
         step = compiled(ours.forward)
-        got = static_steps(ours, step, prompt, 3, cache=cache)
-        assert roles["attn"] == 2 and roles["decode"] == 2 * 3  # the eager prompt, then 3 compiled steps a layer
-        assert roles["key_reps"] == 2 * 4  # made with the prompt, grown by each step
+        got = static_steps(ours, step, prompt, 2, cache=cache)
+        assert roles["attn"] == 2 and roles["decode"] == 2 * 2  # the eager prompt, then 2 compiled steps a layer
+        assert roles["key_reps"] == 2 * 3  # made with the prompt, grown by each step
         attn = kg_hf.get_kernel(kg_hf.layer_spec(ours.config))
         for layer in cache.layers:
             kept = layer.keys._kernelgen_reps
-            assert kept.seqlens.eq(48).all()
-            fresh = attn.key_reps(layer.keys, cache_seqlens=torch.full((2,), 48, dtype=torch.int32))
-            assert torch.equal(kept.reps[:, :, :3], fresh.reps[:, :, :3])  # the blocks of the 48 keys
-        again = static_steps(ours, step, other, 3, cache=cache)
-        assert_close(again, prefill_then_decode(ours, other, transformers.DynamicCache(config=ours.config), 3), 1e-5)
-    assert torch.equal(eager, want)
+            assert kept.seqlens.eq(47).all()
+            fresh = attn.key_reps(layer.keys, cache_seqlens=torch.full((2,), 47, dtype=torch.int32))
+            assert torch.equal(kept.reps[:, :, :3], fresh.reps[:, :, :3])  # the blocks of the 47 keys
+        again = static_steps(ours, step, other, 2, cache=cache)
+        assert_close(again, prefill_then_decode(ours, other, transformers.DynamicCache(config=ours.config), 2), 1e-5)
     assert_close(got, eager, tol=1e-5)
 
 
