@@ -18,14 +18,22 @@ it attended over (in the kernels' form; given or selected), which its backward, 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .dispatch import get_kernel
-from .errors import KernelgenTypeError
+from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import KeyReps, autocast_qkv, refuse_grad_with_seqlens
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_of(spec_json: str) -> Spec:
+    # the ops take the spec as text; parsed once per text, not on every call
+    return Spec.from_json(spec_json)
 
 
 def _index(q_idx, k_idx, w):
@@ -36,7 +44,7 @@ def _index(q_idx, k_idx, w):
 @torch.library.custom_op("kernelgen::select_blocks", mutates_args=())
 def _select_op(q: torch.Tensor, k: torch.Tensor, spec_json: str, q_idx: torch.Tensor | None = None,
                k_idx: torch.Tensor | None = None, w: torch.Tensor | None = None) -> torch.Tensor:
-    return get_kernel(Spec.from_json(spec_json)).select(q, k, index=_index(q_idx, k_idx, w))
+    return get_kernel(_spec_of(spec_json)).select(q, k, index=_index(q_idx, k_idx, w))
 
 
 def _lists_like(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
@@ -45,7 +53,7 @@ def _lists_like(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> torch.Tensor:
 
 @_select_op.register_fake
 def _(q, k, spec_json, q_idx=None, k_idx=None, w=None):
-    return _lists_like(q, k, Spec.from_json(spec_json))
+    return _lists_like(q, k, _spec_of(spec_json))
 
 
 @torch.library.custom_op("kernelgen::sparse_attention", mutates_args=())
@@ -54,7 +62,7 @@ def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
              w: torch.Tensor | None = None, cache_seqlens: torch.Tensor | None = None,
              reps: torch.Tensor | None = None, reps_seqlens: torch.Tensor | None = None,
              reps_n_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = Spec.from_json(spec_json)
+    spec = _spec_of(spec_json)
     attn = get_kernel(spec)
     shapes = attn._start_call(q, k, v)
     seqlens = attn._check_seqlens(cache_seqlens, shapes, q.device)
@@ -66,14 +74,14 @@ def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
 def _(q, k, v, block_idx, spec_json, scale, q_idx=None, k_idx=None, w=None, cache_seqlens=None, reps=None,
       reps_seqlens=None, reps_n_k=0):
     return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32),
-            _lists_like(q, k, Spec.from_json(spec_json)))
+            _lists_like(q, k, _spec_of(spec_json)))
 
 
 @torch.library.custom_op("kernelgen::sparse_attention_backward", mutates_args=())
 def _attn_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, lists: torch.Tensor, spec_json: str,
                       scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return get_kernel(Spec.from_json(spec_json))._gradients(do, q, k, v, o, lse, lists, scale)
+    return get_kernel(_spec_of(spec_json))._gradients(do, q, k, v, o, lse, lists, scale)
 
 
 @_attn_backward_op.register_fake
@@ -111,7 +119,7 @@ def _key_reps(spec: Spec, reps, seqlens, n_k: int) -> KeyReps | None:
 @torch.library.custom_op("kernelgen::key_reps", mutates_args=())
 def _key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tensor | None = None,
                  previous: torch.Tensor | None = None, previous_n_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = Spec.from_json(spec_json)
+    spec = _spec_of(spec_json)
     made = get_kernel(spec).key_reps(k, cache_seqlens=cache_seqlens,
                                      previous=_key_reps(spec, previous, None, previous_n_k))
     seqlens = made.seqlens if made.seqlens is not None else k.new_empty(0, dtype=torch.int32)
@@ -121,7 +129,7 @@ def _key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tensor | 
 
 @_key_reps_op.register_fake
 def _(k, spec_json, cache_seqlens=None, previous=None, previous_n_k=0):
-    spec = Spec.from_json(spec_json)
+    spec = _spec_of(spec_json)
     b, hkv, n_k = k.shape[:3]
     reps = k.new_empty((b, hkv, spec.n_kv_blocks(n_k), spec.groups, k.shape[-1]), dtype=torch.float32)
     return reps, k.new_empty((b, hkv) if cache_seqlens is not None else (0,), dtype=torch.int32)
@@ -130,7 +138,7 @@ def _(k, spec_json, cache_seqlens=None, previous=None, previous_n_k=0):
 @torch.library.custom_op("kernelgen::grow_key_reps", mutates_args=("reps", "reps_seqlens"))
 def _grow_key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tensor, reps: torch.Tensor,
                       reps_seqlens: torch.Tensor) -> None:
-    spec = Spec.from_json(spec_json)
+    spec = _spec_of(spec_json)
     get_kernel(spec).key_reps(k, cache_seqlens=cache_seqlens,
                               previous=_key_reps(spec, reps, reps_seqlens, k.shape[2]))
 
@@ -152,10 +160,10 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
         _grow_key_reps_op(k, spec_json, cache_seqlens, previous.reps, previous.seqlens)
         return previous
     if previous is not None and (cache_seqlens is not None or previous.seqlens is not None):
-        get_kernel(Spec.from_json(spec_json)).key_reps(k, cache_seqlens=cache_seqlens, previous=previous)  # raises
+        get_kernel(_spec_of(spec_json)).key_reps(k, cache_seqlens=cache_seqlens, previous=previous)  # raises
     reps, seqlens = _key_reps_op(k, spec_json, cache_seqlens, None if previous is None else previous.reps,
                                  0 if previous is None else previous.n_k)
-    spec = Spec.from_json(spec_json)
+    spec = _spec_of(spec_json)
     return KeyReps._made_by_key_reps(reps, k.shape[2], spec.kv_block, spec.groups,
                                      seqlens if cache_seqlens is not None else None)
 
@@ -163,7 +171,15 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
 @torch.compiler.assume_constant_result
 def _spec_json(spec: Spec | str) -> str:
     # computed outside the traced graph: dynamo does not trace json.dumps
-    return spec if isinstance(spec, str) else spec.to_json()
+    if isinstance(spec, Spec):
+        return spec.to_json()
+    if not isinstance(spec, str):
+        raise KernelgenTypeError(f"spec must be a Spec or its JSON text (Spec.to_json()), got {type(spec).__name__}")
+    try:
+        _spec_of(spec)
+    except (ValueError, TypeError, KeyError) as error:
+        raise KernelgenValueError(f"spec is not a Spec's JSON text (Spec.to_json()): {error}") from None
+    return spec
 
 
 def _index_args(index) -> tuple:
@@ -174,7 +190,7 @@ def _index_args(index) -> tuple:
     if isinstance(index, (tuple, list)) and len(index) == 3:
         return tuple(index)
     from .inputs import INDEX_LAYOUT
-    from .errors import KernelgenTypeError
+    from .errors import KernelgenTypeError, KernelgenValueError
 
     raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {type(index).__name__}; {INDEX_LAYOUT}")
 

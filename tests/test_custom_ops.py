@@ -132,3 +132,13 @@ def test_key_reps_through_the_ops(device):
         key_reps(k, SPEC, previous=reps.reps)
     with pytest.raises(ValueError, match="made without cache_seqlens"):
         key_reps(k, SPEC, cache_seqlens=lens, previous=plain)
+
+
+def test_a_spec_that_is_not_one_is_refused_by_name(device):
+    q, k, v = inputs(device)
+    with pytest.raises(ValueError, match="spec is not a Spec's JSON text"):
+        sparse_attention(q, k, v, "{not json")
+    with pytest.raises(TypeError, match="spec must be a Spec or its JSON text"):
+        key_reps(k, 64)
+    o, _ = sparse_attention(q, k, v, SPEC.to_json())
+    assert torch.equal(o, sparse_attention(q, k, v, SPEC)[0])
