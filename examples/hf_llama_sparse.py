@@ -81,6 +81,11 @@ def model_config(on_gpu: bool, top_k: int, kv_block: int, backend: str) -> trans
                                     **sparse)
 
 
+def random_ids(vocab: int, batch: int, n: int, seed: int) -> torch.Tensor:
+    """A prompt of random tokens, none of them the pad token 0 (generate() would read those as padding)."""
+    return torch.randint(1, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
 def prefill(model, ids) -> torch.Tensor:
     with torch.no_grad():
         return model(ids, use_cache=False, logits_to_keep=1).logits
@@ -168,7 +173,7 @@ def main(argv=None) -> int:
     print(f"kernelgen: {spec}")
 
     if not on_gpu:  # every block listed: kernelgen gives SDPA's logits
-        ids = torch.randint(0, config.vocab_size, (1, seqs[0]), generator=torch.Generator().manual_seed(0))
+        ids = random_ids(config.vocab_size, 1, seqs[0], seed=0)
         want = prefill(model, ids)
         model.config.kernelgen_top_k = -(-seqs[0] // kv_block)
         model.set_attn_implementation("kernelgen")
@@ -184,7 +189,7 @@ def main(argv=None) -> int:
     results = []
     print(f"{'tokens':>8} {'attention':>10} {'prefill s':>10} {'tokens/s':>10} {'attention s':>12} {'attention %':>12}")
     for n in seqs:
-        ids = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+        ids = random_ids(config.vocab_size, 1, n, seed=n).to(device)
         times = {}
         for name in ("no-op", "sdpa", "kernelgen"):
             model.set_attn_implementation(name)
@@ -222,7 +227,7 @@ def main(argv=None) -> int:
 
 def decode_rows(model, vocab: int, n: int, batch: int, steps: int) -> list[dict]:
     """Decode after a prompt of `batch` × `n` tokens under each of DECODERS: ms a step, and the attention's."""
-    ids = torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(n)).cuda()
+    ids = random_ids(vocab, batch, n, seed=n).cuda()
     times = {}
     for name, implementation, make in DECODERS:
         model.set_attn_implementation(implementation)
@@ -250,8 +255,8 @@ def timed_generate(model, ids, steps: int, repeats: int) -> float:
     def run(new_tokens):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       cache_implementation="static", pad_token_id=0)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, cache_implementation="static", pad_token_id=0)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -263,7 +268,7 @@ def timed_generate(model, ids, steps: int, repeats: int) -> float:
 
 def static_rows(model, vocab: int, n: int, batch: int, steps: int, repeats: int) -> list[dict]:
     """generate() over a static cache, compiled, under no-op, SDPA and kernelgen attention: ms a step."""
-    ids = torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(n)).cuda()
+    ids = random_ids(vocab, batch, n, seed=n).cuda()
     times, rows = {}, []
     for name in IMPLEMENTATIONS[::-1]:  # no-op first: the rest of the model
         model.set_attn_implementation(name)
