@@ -1114,15 +1114,22 @@ _EVERY_SPLIT: dict = {}
 
 
 def _every_split(splits: int, device) -> torch.Tensor:
-    """int32 zeros [splits] on `device`, made once (a fill launch fewer per decode call); made afresh, and not
-    kept, while a CUDA graph is being captured (the graph's memory pool would own it)."""
+    """int32 zeros [splits] on `device`, made once (a fill launch fewer per decode call) where that is safe:
+    on the CPU, and on a GPU's default stream. Elsewhere they are made afresh and not kept: torch.compile's
+    CUDA graphs warm up and capture on a side stream, with allocations routed to the graphs' memory pool,
+    which must own nothing that outlives a call (cudagraph trees check, and refuse to run)."""
     key = (splits, device)
     zeros = _EVERY_SPLIT.get(key)
     if zeros is None:
         zeros = torch.zeros(splits, device=device, dtype=torch.int32)
-        if not (zeros.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not zeros.is_cuda or _on_default_stream(zeros.device):
             _EVERY_SPLIT[key] = zeros
     return zeros
+
+
+def _on_default_stream(device: torch.device) -> bool:
+    return (not torch.cuda.is_current_stream_capturing()
+            and torch.cuda.current_stream(device) == torch.cuda.default_stream(device))
 
 
 def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale, *,
