@@ -77,7 +77,33 @@ def interpret_triton_language() -> None:
             if triton_own(value):
                 # a plain function, as triton's _tensor_member_fn binds a non-JIT helper: `x.sum(0)` passes x
                 setattr(tl.tensor, name, _tensor_method(as_interpreted(value)))
+        _reduce_bitwise_in_numpy()
         _language_interpreted = True
+
+
+def _reduce_bitwise_in_numpy() -> None:
+    """The interpreter reduces with numpy for sum, min and max, but runs any other combine function once per
+    element, in Python. tl.sort and tl.topk reduce with xor at every compare-and-swap stage, so a selector's
+    top-k took minutes in the interpreter; xor, or and and reductions go to numpy's ufuncs here (exact)."""
+    import numpy as np
+    import triton.language.standard as standard
+    from triton.runtime import interpreter
+
+    if not hasattr(getattr(interpreter, "ReduceOps", None), "apply_impl"):
+        return  # another Triton's interpreter: as it is
+    ufuncs = {getattr(standard, name).fn: ufunc for name, ufunc in
+              (("_xor_combine", np.bitwise_xor), ("_or_combine", np.bitwise_or), ("_and_combine", np.bitwise_and))
+              if hasattr(standard, name)}
+    generic = interpreter.ReduceOps.apply_impl
+
+    def apply_impl(self, input):
+        ufunc = ufuncs.get(getattr(self.combine_fn, "fn", None))
+        if ufunc is None or len(input) != 1:
+            return generic(self, input)
+        data = input[0].handle.data
+        return self.to_tensor(ufunc.reduce(data, axis=self.axis, keepdims=self.keep_dims), input[0].dtype)
+
+    interpreter.ReduceOps.apply_impl = apply_impl
 
 
 def _tensor_method(function):

@@ -1,8 +1,11 @@
 """Where and in what dtype a call runs. On a GPU other than the current device: Triton, Gluon and TileLang
 launch on the current device, so every launch runs under `device.launching_on` its tensors' GPU (a model
 spread over GPUs, as transformers' device_map places it, calls with tensors on each). Under CUDA autocast:
-q, k and v are cast to its dtype, as SDPA's are."""
+q, k and v are cast to its dtype, as SDPA's are. On the CPU: Triton's interpreter, its bitwise reductions (tl.sort's
+and tl.topk's) in numpy."""
 import contextlib
+import functools
+import operator
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ import torch
 import kernelgen
 import kernelgen.dispatch
 from kernelgen import Spec, custom_ops, reference
-from kernelgen.device import launching_on
+from kernelgen.device import interpret_triton_language, interpreting, launching_on
 from checks import assert_close_to_reference
 
 SPEC = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True, gqa_group=2)
@@ -92,3 +95,41 @@ def test_gpu_float32_under_autocast_runs_in_its_dtype(call):
     for leaf, ref in zip(leaves, want):
         assert leaf.grad.dtype == torch.float32
         assert ((leaf.grad.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_the_interpreter_reduces_xor_in_numpy_exactly(monkeypatch):
+    """tl.topk and tl.sort reduce with xor at every compare-and-swap stage; in the interpreter those reductions
+    run in numpy (`device.interpret_triton_language`), never through the per-element generic reduce, which
+    took minutes for a selector's top-k. Their results are exact."""
+    if not interpreting():
+        pytest.skip("kernels run on the GPU here, not in the interpreter")
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    interpret_triton_language()
+
+    def per_element(*args):
+        raise AssertionError("a bitwise reduction ran the interpreter's per-element generic reduce")
+
+    monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce", per_element)
+
+    @triton.jit
+    def reduce_kernel(x_ptr, top_ptr, sorted_ptr, rows_ptr, whole_ptr, K: tl.constexpr):
+        offs = tl.arange(0, 4)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        x = tl.load(x_ptr + offs)
+        tl.store(top_ptr + tl.arange(0, 4)[:, None] * K + tl.arange(0, K)[None, :], tl.topk(x, K, 1))
+        tl.store(sorted_ptr + offs, tl.sort(x, 1))
+        tl.store(rows_ptr + tl.arange(0, 4), tl.xor_sum(x, 1))
+        tl.store(whole_ptr, tl.xor_sum(tl.reshape(x, (64,)), 0))
+
+    x = torch.randint(-2**31, 2**31 - 1, (4, 16), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    top, rows, whole = torch.empty(4, 8, dtype=torch.int32), torch.empty(4, dtype=torch.int32), torch.empty(
+        1, dtype=torch.int32)
+    ordered = torch.empty_like(x)
+    reduce_kernel[(1,)](x, top, ordered, rows, whole, K=8)
+    assert torch.equal(top, x.topk(8, dim=1).values)
+    assert torch.equal(ordered, x.sort(dim=1).values)
+    xor = functools.reduce(operator.xor, x.unbind(1))
+    assert torch.equal(rows, xor)
+    assert torch.equal(whole, functools.reduce(operator.xor, xor.unbind(0)).reshape(1))
