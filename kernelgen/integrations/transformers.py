@@ -226,7 +226,8 @@ def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | str:
     visible = allowed[..., -1, :].sum(-1)  # keys the last query sees, per batch and head
     n_visible = int(visible.flatten()[0])
     if n_visible < n_q:
-        return "an attention mask under which some query sees no key"
+        return ("an attention mask that is not purely causal: its last query sees fewer keys than there are "
+                "queries (padding, or a custom 4-D mask)")
     causal = (torch.arange(n_k, device=mask.device)[None, :]
               <= torch.arange(n_q, device=mask.device)[:, None] + (n_visible - n_q))
     if not bool((allowed == causal).all()):
