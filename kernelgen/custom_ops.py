@@ -24,7 +24,7 @@ import torch
 
 from .dispatch import get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import KeyReps, autocast_qkv, refuse_grad_with_seqlens
+from .inputs import INDEX_LAYOUT, KeyReps, autocast_qkv, refuse_grad_with_seqlens
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -189,9 +189,6 @@ def _index_args(index) -> tuple:
         return None, None, None
     if isinstance(index, (tuple, list)) and len(index) == 3:
         return tuple(index)
-    from .inputs import INDEX_LAYOUT
-    from .errors import KernelgenTypeError, KernelgenValueError
-
     raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {type(index).__name__}; {INDEX_LAYOUT}")
 
 
