@@ -4,6 +4,7 @@
     o, lse = sparse_attention(q, k, v, spec, block_idx=None, scale=None)   # inside torch.compile too
     o, lse = sparse_attention(q, k, v, spec, index=(q_idx, k_idx, w))      # Spec(selector="index")
     o, lse = sparse_attention(q, k_cache, v_cache, spec, cache_seqlens=lens)  # decode over per-row lengths
+    o, lse = sparse_attention(q, k_cache, v_cache, spec, cache_seqlens=lens, cache_leftpad=pads)  # left-padded
     reps = key_reps(k_cache, spec, cache_seqlens=lens)                    # the selector's kept representatives
     key_reps(k_cache, spec, cache_seqlens=lens, previous=reps)            # grown in place (a CUDA graph replays it)
     o, lse = sparse_attention(q, k_cache, v_cache, spec, cache_seqlens=lens, key_reps=reps)
@@ -61,18 +62,19 @@ def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
              scale: float | None, q_idx: torch.Tensor | None = None, k_idx: torch.Tensor | None = None,
              w: torch.Tensor | None = None, cache_seqlens: torch.Tensor | None = None,
              reps: torch.Tensor | None = None, reps_seqlens: torch.Tensor | None = None,
-             reps_n_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             reps_n_k: int = 0, cache_leftpad: torch.Tensor | None = None,
+             reps_leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = _spec_of(spec_json)
     attn = get_kernel(spec)
     shapes = attn._start_call(q, k, v)
-    seqlens = attn._check_seqlens(cache_seqlens, shapes, q.device)
+    rows = attn._check_rows(cache_seqlens, cache_leftpad, shapes, q.device)
     return attn._forward(q, k, v, shapes, block_idx, scale, _index(q_idx, k_idx, w),
-                         _key_reps(spec, reps, reps_seqlens, reps_n_k), seqlens)[:3]
+                         _key_reps(spec, reps, reps_seqlens, reps_n_k, reps_leftpad), rows)[:3]
 
 
 @_attn_op.register_fake
 def _(q, k, v, block_idx, spec_json, scale, q_idx=None, k_idx=None, w=None, cache_seqlens=None, reps=None,
-      reps_seqlens=None, reps_n_k=0):
+      reps_seqlens=None, reps_n_k=0, cache_leftpad=None, reps_leftpad=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32),
             _lists_like(q, k, _spec_of(spec_json)))
 
@@ -100,7 +102,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse, _dlists):
     q, k, v, o, lse, lists = ctx.saved_tensors
     dq, dk, dv = _attn_backward_op(do, q, k, v, o, lse, lists, ctx.spec_json, ctx.scale)
-    return (dq, dk, dv) + (None,) * 10  # nothing for block_idx, spec, scale, index, lengths, key reps
+    return (dq, dk, dv) + (None,) * 12  # nothing for block_idx, spec, scale, index, cache rows, key reps
 
 
 torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_context=_setup_context)
@@ -108,64 +110,73 @@ torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_
 
 # ---- the pooling selectors' kept representatives (KeyReps), as tensors: a KeyReps is not an op argument --------
 
-def _key_reps(spec: Spec, reps, seqlens, n_k: int) -> KeyReps | None:
-    """The KeyReps of the ops' tensors (None without reps; seqlens: empty for reps of one length, n_k)."""
+def _key_reps(spec: Spec, reps, seqlens, n_k: int, leftpad=None) -> KeyReps | None:
+    """The KeyReps of the ops' tensors (None without reps; seqlens, leftpad: empty or None for reps of one
+    length, n_k)."""
     if reps is None:
         return None
-    return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups,
-                                     None if seqlens is None or seqlens.numel() == 0 else seqlens)
+    if seqlens is None or seqlens.numel() == 0:
+        return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups)
+    return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups, seqlens, leftpad)
 
 
 @torch.library.custom_op("kernelgen::key_reps", mutates_args=())
 def _key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tensor | None = None,
-                 previous: torch.Tensor | None = None, previous_n_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 previous: torch.Tensor | None = None, previous_n_k: int = 0,
+                 cache_leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = _spec_of(spec_json)
-    made = get_kernel(spec).key_reps(k, cache_seqlens=cache_seqlens,
+    made = get_kernel(spec).key_reps(k, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
                                      previous=_key_reps(spec, previous, None, previous_n_k))
-    seqlens = made.seqlens if made.seqlens is not None else k.new_empty(0, dtype=torch.int32)
+    seqlens, leftpad = ((k.new_empty(0, dtype=torch.int32), k.new_empty(0, dtype=torch.int32)) if made.seqlens is None
+                        else (made.seqlens, made.leftpad))
     # outputs may not alias inputs: reps extended by no key are previous itself
-    return made.reps if made.reps is not previous else made.reps.clone(), seqlens
+    return made.reps if made.reps is not previous else made.reps.clone(), seqlens, leftpad
 
 
 @_key_reps_op.register_fake
-def _(k, spec_json, cache_seqlens=None, previous=None, previous_n_k=0):
+def _(k, spec_json, cache_seqlens=None, previous=None, previous_n_k=0, cache_leftpad=None):
     spec = _spec_of(spec_json)
     b, hkv, n_k = k.shape[:3]
     reps = k.new_empty((b, hkv, spec.n_kv_blocks(n_k), spec.groups, k.shape[-1]), dtype=torch.float32)
-    return reps, k.new_empty((b, hkv) if cache_seqlens is not None else (0,), dtype=torch.int32)
+    rows = (b, hkv) if cache_seqlens is not None else (0,)
+    return reps, k.new_empty(rows, dtype=torch.int32), k.new_empty(rows, dtype=torch.int32)
 
 
-@torch.library.custom_op("kernelgen::grow_key_reps", mutates_args=("reps", "reps_seqlens"))
+@torch.library.custom_op("kernelgen::grow_key_reps", mutates_args=("reps", "reps_seqlens", "reps_leftpad"))
 def _grow_key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tensor, reps: torch.Tensor,
-                      reps_seqlens: torch.Tensor) -> None:
+                      reps_seqlens: torch.Tensor, reps_leftpad: torch.Tensor,
+                      cache_leftpad: torch.Tensor | None = None) -> None:
     spec = _spec_of(spec_json)
-    get_kernel(spec).key_reps(k, cache_seqlens=cache_seqlens,
-                              previous=_key_reps(spec, reps, reps_seqlens, k.shape[2]))
+    get_kernel(spec).key_reps(k, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                              previous=_key_reps(spec, reps, reps_seqlens, k.shape[2], reps_leftpad))
 
 
 @_grow_key_reps_op.register_fake
-def _(k, spec_json, cache_seqlens, reps, reps_seqlens):
+def _(k, spec_json, cache_seqlens, reps, reps_seqlens, reps_leftpad, cache_leftpad=None):
     return None
 
 
-def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: KeyReps | None = None) -> KeyReps:
-    """`get_kernel(spec).key_reps(k, cache_seqlens=..., previous=...)` as custom ops: made afresh, extended over
-    a longer k, or, for reps of a cache of per-row lengths, grown in place to `cache_seqlens` (and returned),
-    which a CUDA graph replays. Pass them to `sparse_attention(..., key_reps=)`."""
+def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: KeyReps | None = None,
+             cache_leftpad=None) -> KeyReps:
+    """`get_kernel(spec).key_reps(k, cache_seqlens=..., cache_leftpad=..., previous=...)` as custom ops: made
+    afresh, extended over a longer k, or, for reps of a cache of per-row lengths, grown in place to the rows'
+    keys (and returned), which a CUDA graph replays. Pass them to `sparse_attention(..., key_reps=)`."""
     spec_json = _spec_json(spec)
     k = autocast_qkv(k, k, k)[0]
     if previous is not None and not isinstance(previous, KeyReps):
         raise KernelgenTypeError(f"previous must be the KeyReps of key_reps, got {type(previous).__name__}")
     if previous is not None and cache_seqlens is not None and previous.seqlens is not None:
-        _grow_key_reps_op(k, spec_json, cache_seqlens, previous.reps, previous.seqlens)
+        _grow_key_reps_op(k, spec_json, cache_seqlens, previous.reps, previous.seqlens, previous.leftpad,
+                          cache_leftpad)
         return previous
     if previous is not None and (cache_seqlens is not None or previous.seqlens is not None):
         get_kernel(_spec_of(spec_json)).key_reps(k, cache_seqlens=cache_seqlens, previous=previous)  # raises
-    reps, seqlens = _key_reps_op(k, spec_json, cache_seqlens, None if previous is None else previous.reps,
-                                 0 if previous is None else previous.n_k)
+    reps, seqlens, leftpad = _key_reps_op(k, spec_json, cache_seqlens, None if previous is None else previous.reps,
+                                          0 if previous is None else previous.n_k, cache_leftpad)
     spec = _spec_of(spec_json)
-    return KeyReps._made_by_key_reps(reps, k.shape[2], spec.kv_block, spec.groups,
-                                     seqlens if cache_seqlens is not None else None)
+    if cache_seqlens is None:
+        return KeyReps._made_by_key_reps(reps, k.shape[2], spec.kv_block, spec.groups)
+    return KeyReps._made_by_key_reps(reps, k.shape[2], spec.kv_block, spec.groups, seqlens, leftpad)
 
 
 @torch.compiler.assume_constant_result
@@ -199,15 +210,17 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> t
 
 
 def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, index=None,
-                     cache_seqlens=None, key_reps: KeyReps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., key_reps=...,
-    return_lse=True)` as a custom op; o backpropagates (lse carries no gradient; a call with cache_seqlens has
-    no backward). `spec` may also be its JSON text (`Spec.to_json`)."""
+                     cache_seqlens=None, key_reps: KeyReps | None = None,
+                     cache_leftpad=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., cache_leftpad=...,
+    key_reps=..., return_lse=True)` as a custom op; o backpropagates (lse carries no gradient; a call with
+    cache_seqlens has no backward). `spec` may also be its JSON text (`Spec.to_json`)."""
     q, k, v = autocast_qkv(q, k, v)
     refuse_grad_with_seqlens(cache_seqlens, q, k, v)
     if key_reps is not None and not isinstance(key_reps, KeyReps):
         raise KernelgenTypeError(f"key_reps must be the KeyReps of key_reps(), got {type(key_reps).__name__}")
-    reps = () if key_reps is None else (key_reps.reps, key_reps.seqlens, key_reps.n_k)
+    reps = (None, None, 0, None) if key_reps is None else (key_reps.reps, key_reps.seqlens, key_reps.n_k,
+                                                           key_reps.leftpad)
     o, lse, _ = _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale),
-                         *_index_args(index), cache_seqlens, *reps)
+                         *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3])
     return o, lse

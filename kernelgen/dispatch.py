@@ -27,7 +27,7 @@ from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
-                     check_cache_seqlens, check_index, check_key_reps, check_keys, check_length, check_qkv,
+                     CacheRows, check_cache_rows, check_index, check_key_reps, check_keys, check_length, check_qkv,
                      lists_layout, refuse_grad_with_seqlens)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
@@ -215,42 +215,41 @@ class SparseAttention:
 
     # ---- the calls -----------------------------------------------------------------------------------
     def select(self, q: torch.Tensor, k: torch.Tensor, *, index=None, key_reps: KeyReps | None = None,
-               cache_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+               cache_seqlens: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None) -> torch.Tensor:
         if not self.spec.selects:
             raise KernelgenValueError("spec.selector='given' has no selector: pass block_idx to the call")
         q, k, _ = autocast_qkv(q, k, k)
         shapes = check_qkv(q, k, k, self.spec)
-        seqlens = self._check_seqlens(cache_seqlens, shapes, q.device)
+        rows = self._check_rows(cache_seqlens, cache_leftpad, shapes, q.device)
         role = forward_roles(self.spec, shapes.n_q)[1]  # the selection a call of these queries runs
         served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
-        return self._select(q, k, shapes, index, served, key_reps, seqlens)
+        return self._select(q, k, shapes, index, served, key_reps, rows)
 
-    def _check_seqlens(self, cache_seqlens, shapes: Shapes, device) -> torch.Tensor | None:
-        """A call's checked `cache_seqlens` (None stays None): a decode call's only."""
-        if cache_seqlens is None:
-            return None
-        if shapes.n_q > DECODE_MAX_QUERIES:
+    def _check_rows(self, cache_seqlens, cache_leftpad, shapes: Shapes, device) -> CacheRows | None:
+        """A call's checked `cache_seqlens` and `cache_leftpad` (None without): a decode call's only."""
+        if cache_seqlens is not None and shapes.n_q > DECODE_MAX_QUERIES:
             raise KernelgenValueError(f"cache_seqlens= is for decode calls of at most {DECODE_MAX_QUERIES} queries "
                                       f"against a KV cache; q has {shapes.n_q} (a prefill of per-row lengths is not "
                                       "supported: run each row's own length)")
-        return check_cache_seqlens(cache_seqlens, shapes, device)
+        return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device)
 
     @staticmethod
-    def _varlen(served: Served, seqlens: torch.Tensor | None) -> dict:
-        """The launch option that passes a call's `cache_seqlens` to a role that takes them (none without)."""
-        if seqlens is None:
+    def _varlen(served: Served, rows: CacheRows | None) -> dict:
+        """The launch options that pass a call's `cache_seqlens` and `cache_leftpad` to a role that takes them
+        (none without)."""
+        if rows is None:
             return {}
         if not served.impl.varlen:
             raise KernelgenValueError(f"cache_seqlens=: the {served.role!r} role of backend {served.backend.name!r} "
                                       "takes no per-row lengths (the Triton backend's decode, its pooling "
                                       "selectors' and key_reps do: mean or multi:r, or given lists)")
-        return {"seqlens": seqlens}
+        return rows._asdict()
 
     def _select(self, q, k, shapes: Shapes, index, served: Served, key_reps: KeyReps | None = None,
-                seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                rows: CacheRows | None = None) -> torch.Tensor:
         """The selector's lists for a checked call: from q and k (or k's kept representatives, `key_reps`), or
-        from `index` (the index selector's); `seqlens`: a decode call's checked cache_seqlens."""
-        varlen = self._varlen(served, seqlens)
+        from `index` (the index selector's); `rows`: a decode call's checked cache rows."""
+        varlen = self._varlen(served, rows)
         k_rep = None if key_reps is None else check_key_reps(key_reps, self.spec, shapes, q.device, bool(varlen))
         if self.spec.selector == "index":
             if index is None:
@@ -262,7 +261,7 @@ class SparseAttention:
                             **varlen)
 
     def key_reps(self, k: torch.Tensor, *, previous: KeyReps | None = None,
-                 cache_seqlens: torch.Tensor | None = None) -> KeyReps:
+                 cache_seqlens: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None) -> KeyReps:
         """The selector's representatives of k's blocks (`KeyReps`), for calls over this k as `key_reps=`:
         their selection pools q alone, not the whole of k. `previous`: the KeyReps of an earlier k that this
         one extends (a KV cache that grew: the same keys first, more after); only the blocks from previous's
@@ -272,7 +271,9 @@ class SparseAttention:
         `cache_seqlens` (int32 [B], on the device): k is a cache of that capacity whose row b holds
         cache_seqlens[b] keys, for calls that pass the same cache_seqlens. With `previous` (made so, for this
         cache), previous is brought to the new lengths in place, on the device, and returned: one launch with
-        no host sync, which a CUDA graph can replay."""
+        no host sync, which a CUDA graph can replay. `cache_leftpad` (int32 [B], with cache_seqlens): row b's keys
+        start at cache_leftpad[b] (a left-padded batch), its blocks counted from there; reps grown to another
+        left padding than they hold are pooled again, on the device."""
         if self.spec.selection_role not in ("select", "kv_select"):
             raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
                                       f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
@@ -282,8 +283,9 @@ class SparseAttention:
         shapes = Shapes(b, hkv * spec.gqa_group, hkv, 1, n_k, 1, spec.n_kv_blocks(n_k))
         if previous is not None and not isinstance(previous, KeyReps):
             raise KernelgenTypeError(f"previous must be the KeyReps of attn.key_reps, got {type(previous).__name__}")
-        if cache_seqlens is not None:
-            return self._key_reps_varlen(k, shapes, previous, cache_seqlens)
+        rows = check_cache_rows(cache_seqlens, cache_leftpad, shapes, k.device)
+        if rows is not None:
+            return self._key_reps_varlen(k, shapes, previous, rows)
         start = 0  # the first block pooled here
         if previous is not None:
             if previous.seqlens is not None:
@@ -303,22 +305,23 @@ class SparseAttention:
             reps = torch.cat([previous.reps[:, :, :start], reps], dim=2)
         return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups)
 
-    def _key_reps_varlen(self, k: torch.Tensor, shapes: Shapes, previous: KeyReps | None, cache_seqlens) -> KeyReps:
-        """`key_reps` of a checked cache k of per-row lengths: made afresh (every block of the capacity pooled,
-        each row up to its length), or `previous` grown in place."""
+    def _key_reps_varlen(self, k: torch.Tensor, shapes: Shapes, previous: KeyReps | None, rows: CacheRows) -> KeyReps:
+        """`key_reps` of a checked cache k of per-row keys: made afresh (every block of the capacity pooled,
+        each row over its keys), or `previous` grown in place."""
         spec, (b, hkv, n_k) = self.spec, (shapes.batch, shapes.heads_kv, shapes.n_k)
-        seqlens = check_cache_seqlens(cache_seqlens, shapes, k.device)
         served = self._served("key_reps", seq_bucket(n_k), k.dtype, k.device)
-        varlen = self._varlen(served, seqlens)
+        varlen = self._varlen(served, rows)
         if previous is None:
             reps = self._launch(served, k, shapes, k, **varlen)
-            made = seqlens.clamp(0, n_k)[:, None].expand(b, hkv).contiguous()
-            return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups, made)
+            end = rows.seqlens.clamp(0, n_k)
+            first = torch.zeros_like(end) if rows.leftpad is None else torch.minimum(rows.leftpad.clamp(min=0), end)
+            made, made_leftpad = ((x[:, None].expand(b, hkv).contiguous()) for x in (end - first, first))
+            return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups, made, made_leftpad)
         if previous.seqlens is None:
             raise KernelgenValueError("previous key_reps were made without cache_seqlens=: grow them with "
                                       "attn.key_reps(k, previous=...), or make them with cache_seqlens=")
         check_key_reps(previous, spec, shapes, k.device, varlen=True)
-        self._launch(served, k, shapes, k, grow=(previous.reps, previous.seqlens), **varlen)
+        self._launch(served, k, shapes, k, grow=(previous.reps, previous.seqlens, previous.leftpad), **varlen)
         return previous
 
     def prepare(self, block_idx: torch.Tensor, seq_q: int, seq_k: int) -> BlockLists:
@@ -396,15 +399,16 @@ class SparseAttention:
         self._generation = autotune.generation
 
     def __call__(self, q, k, v, *, block_idx=None, index=None, scale=None, return_lse: bool = False,
-                 key_reps: KeyReps | None = None, cache_seqlens: torch.Tensor | None = None):
+                 key_reps: KeyReps | None = None, cache_seqlens: torch.Tensor | None = None,
+                 cache_leftpad: torch.Tensor | None = None):
         q, k, v = autocast_qkv(q, k, v)
         shapes = self._start_call(q, k, v)
-        seqlens = self._check_seqlens(cache_seqlens, shapes, q.device)
-        refuse_grad_with_seqlens(seqlens, q, k, v)
+        rows = self._check_rows(cache_seqlens, cache_leftpad, shapes, q.device)
+        refuse_grad_with_seqlens(rows, q, k, v)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps)
         else:
-            o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, seqlens)[:3]
+            o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, rows)[:3]
         return (o, lse) if return_lse else o
 
     def _start_call(self, q, k, v) -> Shapes:
@@ -424,10 +428,10 @@ class SparseAttention:
         return self._forward(q, k, v, shapes, block_idx, scale, index, key_reps)[:3]
 
     def _forward(self, q, k, v, shapes: Shapes, block_idx, scale, index=None, key_reps: KeyReps | None = None,
-                 seqlens: torch.Tensor | None = None):
+                 rows: CacheRows | None = None):
         """`_attend`'s (o, lse, lists), and the tile union the forward built for raw or selected lists under a
-        pinned union config (None otherwise): a backward of the union design reuses it. `seqlens`: a decode
-        call's checked cache_seqlens."""
+        pinned union config (None otherwise): a backward of the union design reuses it. `rows`: a decode call's
+        checked cache rows."""
         lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device, shapes.n_q <= DECODE_MAX_QUERIES)
         if block_idx is not None and index is not None:
             raise KernelgenValueError("pass block_idx= or index=, not both: index= chooses the lists block_idx= gives")
@@ -441,7 +445,7 @@ class SparseAttention:
                 if key_reps is not None:
                     check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: no selector to feed
                 raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
-            used = normalised = self._select(q, k, shapes, index, select, key_reps, seqlens)
+            used = normalised = self._select(q, k, shapes, index, select, key_reps, rows)
         elif isinstance(block_idx, BlockLists):
             used, normalised = block_idx, check_block_lists(block_idx, self.spec, shapes, q.device)
         else:
@@ -461,7 +465,7 @@ class SparseAttention:
             reverse = used.reverse_index() if prepared else None
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale)
         else:
-            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale, **self._varlen(attn, seqlens))
+            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale, **self._varlen(attn, rows))
         return o, lse, used, built
 
     def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale,

@@ -98,8 +98,9 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
               "default" when the default was baked, else "given").
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False, key_reps=None,
-    cache_seqlens=None)`, `select(q, k)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as
-    SparseAttention.prepare), `key_reps(k, *, previous=None, cache_seqlens=None)` (the pooling selectors' kept
+    cache_seqlens=None, cache_leftpad=None)`, `select(q, k)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised
+    once, as SparseAttention.prepare), `key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None)`
+    (the pooling selectors' kept
     representatives, as SparseAttention.key_reps), `SPEC` (the
     spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind them;
     `kernel.validate_lists = True` makes repeated ids in given lists an error). Its inputs are checked
@@ -615,26 +616,29 @@ kernel = _embedded("dispatch").SparseAttention(
      for role, data in CONFIGS.items()}})
 
 
-def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None, cache_seqlens=None):
+def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None, cache_seqlens=None,
+         cache_leftpad=None):
     """o [B, Hq, Nq, D] (and lse float32 [B, Hq, Nq] with return_lse) over the spec's selection, or over
     block_idx int32/int64 [B, Hkv, n_q_tiles, top_k] when given (-1 empty; out-of-range ids are empty).
     index: (q_idx, k_idx, w) of the index selector; key_reps: k's kept representatives (key_reps(k));
-    cache_seqlens: int32 [B], the keys each batch row of a KV cache holds (a decode call's)."""
+    cache_seqlens, cache_leftpad: int32 [B], a decode call's KV cache whose batch row b holds keys
+    [cache_leftpad[b], cache_seqlens[b]) (cache_leftpad None: from 0)."""
     return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps,
-                  cache_seqlens=cache_seqlens)
+                  cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
 
 
-def select(q, k, *, index=None, key_reps=None, cache_seqlens=None):
+def select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None):
     """The block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) the selector chooses
-    (index: (q_idx, k_idx, w) of the index selector; key_reps, cache_seqlens: as attn's)."""
-    return kernel.select(q, k, index=index, key_reps=key_reps, cache_seqlens=cache_seqlens)
+    (index: (q_idx, k_idx, w) of the index selector; key_reps, cache_seqlens, cache_leftpad: as attn's)."""
+    return kernel.select(q, k, index=index, key_reps=key_reps, cache_seqlens=cache_seqlens,
+                         cache_leftpad=cache_leftpad)
 
 
-def key_reps(k, *, previous=None, cache_seqlens=None):
+def key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None):
     """The mean or multi:r selector's representatives of k's blocks, kept with a KV cache for attn's and select's
     key_reps=; previous: those of an earlier k this one extends (only its new blocks are pooled; with
-    cache_seqlens, grown in place to those lengths)."""
-    return kernel.key_reps(k, previous=previous, cache_seqlens=cache_seqlens)
+    cache_seqlens and cache_leftpad, grown in place to those rows)."""
+    return kernel.key_reps(k, previous=previous, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
 
 
 def prepare(block_idx, seq_q, seq_k):

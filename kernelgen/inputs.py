@@ -18,7 +18,7 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_cache_seqlens", "refuse_grad_with_seqlens",
+__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "CacheRows", "check_cache_rows", "refuse_grad_with_seqlens",
            "check_keys", "check_qkv",
            "check_block_idx", "check_block_lists", "check_index", "check_length",
            "softmax_scale", "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
@@ -124,19 +124,21 @@ class KeyReps:
     seqlens      reps of a cache of per-row lengths (made with `cache_seqlens=`): int32 [B, Hkv], the keys each
                  row's reps hold, on the device (n_k is then the cache's capacity, and the reps of blocks past
                  a row's keys are never read); None otherwise
+    leftpad      with seqlens: int32 [B, Hkv], the key each row's reps start from (`cache_leftpad=`; 0 without),
+                 on the device; None otherwise
 
     They hold what k held when they were made; a call passes the same k (or, for a grown cache, reps
     extended over it). Only `key_reps` makes them, so the constructor refuses."""
-    __slots__ = ("reps", "n_k", "kv_block", "groups", "seqlens")
+    __slots__ = ("reps", "n_k", "kv_block", "groups", "seqlens", "leftpad")
 
     def __init__(self, *args, **kwargs):
         raise KernelgenTypeError("KeyReps are made by SparseAttention.key_reps(k), not by hand")
 
     @classmethod
     def _made_by_key_reps(cls, reps: torch.Tensor, n_k: int, kv_block: int, groups: int,
-                          seqlens: torch.Tensor | None = None) -> KeyReps:
+                          seqlens: torch.Tensor | None = None, leftpad: torch.Tensor | None = None) -> KeyReps:
         made = object.__new__(cls)
-        for name, value in zip(cls.__slots__, (reps, n_k, kv_block, groups, seqlens)):
+        for name, value in zip(cls.__slots__, (reps, n_k, kv_block, groups, seqlens, leftpad)):
             object.__setattr__(made, name, value)
         return made
 
@@ -158,8 +160,8 @@ class KeyReps:
         if reps.dim() != self.reps.dim():
             raise KernelgenValueError(f"index must pick batch rows (a 1-D index, a slice or a bool mask), got "
                                       f"{index!r}")
-        seqlens = None if self.seqlens is None else self.seqlens[index]
-        return KeyReps._made_by_key_reps(reps, self.n_k, self.kv_block, self.groups, seqlens)
+        seqlens, leftpad = (None, None) if self.seqlens is None else (self.seqlens[index], self.leftpad[index])
+        return KeyReps._made_by_key_reps(reps, self.n_k, self.kv_block, self.groups, seqlens, leftpad)
 
     def cropped(self, n_k: int) -> KeyReps:
         """The reps of the whole blocks among the first n_k keys (a KV cache cropped to n_k keys): they extend
@@ -181,22 +183,38 @@ class KeyReps:
                 f"groups={self.groups}{lengths}, device={self.reps.device})")
 
 
-def check_cache_seqlens(cache_seqlens, shapes: Shapes, device) -> torch.Tensor:
-    """A call's `cache_seqlens`: int32 [B], contiguous, on the call's device (values are read on the device:
-    each is clamped to [0, Nk], k's length being the cache's capacity)."""
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise KernelgenTypeError(f"cache_seqlens must be a torch.Tensor (int32 [B]), got "
-                                 f"{type(cache_seqlens).__name__}")
-    if cache_seqlens.dtype != torch.int32:
-        raise KernelgenTypeError(f"cache_seqlens must be int32, got dtype {cache_seqlens.dtype}")
-    if tuple(cache_seqlens.shape) != (shapes.batch,):
-        raise KernelgenValueError(f"cache_seqlens must have shape [B] = ({shapes.batch},), got "
-                                  f"{tuple(cache_seqlens.shape)}")
-    if cache_seqlens.device != device:
-        raise KernelgenValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
-    if shapes.batch > 1 and cache_seqlens.stride(0) != 1:
-        raise KernelgenValueError(f"cache_seqlens must be contiguous, got stride {cache_seqlens.stride(0)}")
-    return cache_seqlens
+class CacheRows(NamedTuple):
+    """A decode call's keys per batch row of a KV cache, checked: row b holds keys [leftpad[b], seqlens[b])
+    (int32 [B] each, read on the device; leftpad None: from 0)."""
+    seqlens: torch.Tensor
+    leftpad: torch.Tensor | None
+
+
+def check_cache_rows(cache_seqlens, cache_leftpad, shapes: Shapes, device) -> CacheRows | None:
+    """A call's `cache_seqlens` and `cache_leftpad` (None, None: a call of one length): int32 [B], contiguous, on
+    the call's device (values are read on the device: each length is clamped to [0, Nk], k's length being the
+    cache's capacity, and each left padding to [0, its row's length])."""
+    if cache_seqlens is None:
+        if cache_leftpad is not None:
+            raise KernelgenValueError("cache_leftpad= needs cache_seqlens= (each row's end; k's length for all)")
+        return None
+    return CacheRows(_check_row_ints("cache_seqlens", cache_seqlens, shapes, device),
+                     None if cache_leftpad is None else _check_row_ints("cache_leftpad", cache_leftpad, shapes,
+                                                                        device))
+
+
+def _check_row_ints(name: str, value, shapes: Shapes, device) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise KernelgenTypeError(f"{name} must be a torch.Tensor (int32 [B]), got {type(value).__name__}")
+    if value.dtype != torch.int32:
+        raise KernelgenTypeError(f"{name} must be int32, got dtype {value.dtype}")
+    if tuple(value.shape) != (shapes.batch,):
+        raise KernelgenValueError(f"{name} must have shape [B] = ({shapes.batch},), got {tuple(value.shape)}")
+    if value.device != device:
+        raise KernelgenValueError(f"{name} is on {value.device} but q is on {device}")
+    if shapes.batch > 1 and value.stride(0) != 1:
+        raise KernelgenValueError(f"{name} must be contiguous, got stride {value.stride(0)}")
+    return value
 
 
 def refuse_grad_with_seqlens(cache_seqlens, q, k, v) -> None:

@@ -212,14 +212,17 @@ def sparse_attention(
     scale: float | None = None,
     index=None,
     cache_seqlens: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Select (unless block_idx is given; `index` = (q_idx, k_idx, w) for the "index" selector) and attend.
     Returns (o, lse, block_idx), float64. Queries are processed in chunks so that long sequences fit in memory.
-    `cache_seqlens` ([B] ints): k and v are a cache whose row b holds its first cache_seqlens[b] keys (clamped
-    to [0, Nk]); that row is the call over those keys alone (its queries the last positions of them), and
-    block_idx, where given, holds its lists (the selected ones, where not, padded to k's blocks)."""
+    `cache_seqlens` ([B] ints): k and v are a cache whose row b holds keys [cache_leftpad[b], cache_seqlens[b])
+    (cache_seqlens clamped to [0, Nk], cache_leftpad, [B] ints or None for 0, to [0, cache_seqlens[b]]); that
+    row is the call over those keys alone (its queries the last positions of them, its blocks counted from its
+    first key), and block_idx, where given, holds its lists (the selected ones, where not, padded to k's
+    blocks)."""
     if cache_seqlens is not None:
-        return _ragged(q, k, v, spec, block_idx, scale, cache_seqlens)
+        return _ragged(q, k, v, spec, block_idx, scale, cache_seqlens, cache_leftpad)
     if block_idx is None:
         block_idx = select_blocks(q, k, spec, index)
     nq, nk = q.shape[2], k.shape[2]
@@ -232,12 +235,16 @@ def sparse_attention(
     return torch.cat(outs, 2), torch.cat(lses, 2), block_idx
 
 
-def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens):
+def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens, cache_leftpad=None):
     """`sparse_attention` of a cache of per-row lengths: each row's own call, stacked."""
     outs, lses, lists = [], [], []
     n_lists = spec.n_q_tiles(q.shape[2])
-    for b, n in enumerate(cache_seqlens.tolist()):
+    firsts = [0] * q.shape[0] if cache_leftpad is None else cache_leftpad.tolist()
+    for b, (first, n) in enumerate(zip(firsts, cache_seqlens.tolist())):
         n = min(max(int(n), 0), k.shape[2])
+        first = min(max(int(first), 0), n)
+        rows = slice(first, n)
+        n -= first
         given = None if block_idx is None else block_idx[b : b + 1]
         if n == 0:  # no key: o = 0, lse = -inf, no list
             outs.append(torch.zeros(q[b : b + 1].shape, dtype=torch.float64, device=q.device))
@@ -245,7 +252,8 @@ def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens):
             lists.append(torch.full((1, k.shape[1], n_lists, spec.top_k), -1, dtype=torch.int32, device=q.device)
                          if given is None else given)
             continue
-        o, lse, chosen = sparse_attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], spec, given, scale)
+        o, lse, chosen = sparse_attention(q[b : b + 1], k[b : b + 1, :, rows], v[b : b + 1, :, rows], spec, given,
+                                          scale)
         outs.append(o)
         lses.append(lse)
         lists.append(chosen)

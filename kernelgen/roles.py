@@ -33,9 +33,10 @@ Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a
   decode_select (q, k[, k_rep])          select's, for such a call of the Q-centric schedule (one Q tile: its
             blocks split over more programs)
   decode    (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form, split-KV per query
-Such a call may pass `cache_seqlens` (int32 [B]: the keys each batch row of a cache holds): the launchers of the
-roles whose `RoleImpl.varlen` is set take it as `seqlens=` (key_reps also `grow=(reps, made)`: reps brought to
-the lengths in place); a call with lengths is refused where a role it runs has no such launcher.
+Such a call may pass `cache_seqlens` and `cache_leftpad` (int32 [B]: batch row b of a cache holds keys
+[cache_leftpad[b], cache_seqlens[b])): the launchers of the roles whose `RoleImpl.varlen` is set take them as
+`seqlens=` and `leftpad=` (key_reps also `grow=(reps, made, made_leftpad)`: reps brought to the rows' keys in
+place); a call with lengths is refused where a role it runs has no such launcher.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Decode calls over a KV cache of per-row lengths (`cache_seqlens=`): each batch row is the call over its own
-keys, read on the device, so one launch (and a CUDA graph of it) serves any lengths; kept key representatives
-grow in place."""
+"""Decode calls over a KV cache of per-row lengths (`cache_seqlens=`, and left padding: `cache_leftpad=`): each
+batch row is the call over its own keys, read on the device, so one launch (and a CUDA graph of it) serves any
+lengths; kept key representatives grow in place."""
 import pytest
 import torch
 
@@ -105,6 +105,58 @@ def test_kept_reps_grow_in_place_to_new_lengths(selector, device):
     assert isinstance(reps.index_batch([1, 0]), KeyReps) and reps.index_batch([1, 0]).seqlens[0, 0] == 33
 
 
+PADS = (5, 20, 3, 16, 59)  # left padding: a few keys, past a block boundary, past an empty row's end, one key left
+
+
+@pytest.mark.parametrize("schedule, selector, dtype", [("q_centric", "mean", torch.float32),
+                                                       ("q_centric", "multi:2", torch.float16),
+                                                       ("kv_centric", "mean", torch.float32)])
+def test_left_padded_rows_are_the_calls_over_their_own_keys(schedule, selector, dtype, device):
+    """cache_leftpad: row b is the call over k[b, :, pads[b]:lengths[b]] alone (its blocks counted from its first
+    key), lists and outputs bit for bit, pooled in the call or from kept reps; o, lse match the reference."""
+    spec = _spec(selector, schedule)
+    lengths = (100, 37, 0, 48, 60)
+    attn = get_kernel(spec, configs={"decode": DecodeConfig(splits=2)})
+    q, k, v, lens = _cache(2, dtype, device, lengths=lengths)
+    pads = torch.tensor(PADS, dtype=torch.int32, device=device)
+    lists = attn.select(q, k, cache_seqlens=lens, cache_leftpad=pads)
+    o, lse = attn(q, k, v, cache_seqlens=lens, cache_leftpad=pads, return_lse=True)
+    for b, (n, pad) in enumerate(zip(lengths, PADS)):
+        keys = slice(min(pad, n), n)
+        if keys.stop > keys.start:
+            row = (q[b:b + 1], k[b:b + 1, :, keys], v[b:b + 1, :, keys])
+            assert torch.equal(lists[b:b + 1], attn.select(*row[:2])), b
+            assert torch.equal(o[b:b + 1], attn(*row)), b
+        else:
+            assert (lists[b] == -1).all() and (o[b] == 0).all() and torch.isinf(lse[b]).all()
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, cache_seqlens=lens, cache_leftpad=pads)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
+    reps = attn.key_reps(k, cache_seqlens=lens, cache_leftpad=pads)
+    assert reps.seqlens[:, 0].tolist() == [95, 17, 0, 32, 1] and reps.leftpad[:, 0].tolist() == [5, 20, 0, 16, 59]
+    assert torch.equal(attn.select(q, k, key_reps=reps, cache_seqlens=lens, cache_leftpad=pads), lists)
+    assert torch.equal(attn(q, k, v, key_reps=reps, cache_seqlens=lens, cache_leftpad=pads), o)
+
+
+def test_kept_reps_grown_to_another_left_padding_are_pooled_again(device):
+    """Reps grown in place follow each row's first key: where it moved (padding added, taken away, or changed)
+    the row is pooled again on the device, where it stayed only the new blocks are; either way the same bits as
+    reps made at once."""
+    attn = get_kernel(_spec("multi:2"))
+    _, k, _, _ = _cache(1, torch.float16, device)
+    reps = attn.key_reps(k, cache_seqlens=torch.tensor([90, 20, 0, 47, 1], dtype=torch.int32, device=device))
+    for lengths, pads in (((100, 21, 0, 48, 1), (0, 3, 0, 16, 0)), ((100, 40, 16, 49, 17), (0, 3, 2, 17, 1)),
+                          ((64, 40, 40, 49, 3), None)):
+        lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        pads = None if pads is None else torch.tensor(pads, dtype=torch.int32, device=device)
+        assert attn.key_reps(k, cache_seqlens=lens, cache_leftpad=pads, previous=reps) is reps
+        fresh = attn.key_reps(k, cache_seqlens=lens, cache_leftpad=pads)
+        assert torch.equal(reps.seqlens, fresh.seqlens) and torch.equal(reps.leftpad, fresh.leftpad)
+        for b, n in enumerate(fresh.seqlens[:, 0].tolist()):
+            blocks = -(-n // 16)
+            assert torch.equal(reps.reps[b, :, :blocks], fresh.reps[b, :, :blocks]), (lengths, b)
+    assert reps.index_batch([3, 0]).leftpad[0, 0] == 0 and reps.index_batch([3, 0]).seqlens[0, 0] == 49
+
+
 def test_bad_cache_seqlens_are_refused_by_name(device):
     spec = _spec("mean")
     attn = get_kernel(spec)
@@ -113,6 +165,13 @@ def test_bad_cache_seqlens_are_refused_by_name(device):
     plain = attn.key_reps(k)
     cases = [
         (lambda: attn(q, k, v, cache_seqlens=lens.tolist()), KernelgenTypeError, "torch.Tensor"),
+        (lambda: attn(q, k, v, cache_leftpad=lens), KernelgenValueError, "cache_leftpad= needs cache_seqlens="),
+        (lambda: attn(q, k, v, cache_seqlens=lens, cache_leftpad=lens.long()), KernelgenTypeError,
+         "cache_leftpad must be int32"),
+        (lambda: attn.select(q, k, cache_seqlens=lens, cache_leftpad=lens[1:]), KernelgenValueError,
+         "cache_leftpad must have shape [B]"),
+        (lambda: attn.key_reps(k, cache_seqlens=lens, cache_leftpad=3), KernelgenTypeError,
+         "cache_leftpad must be a torch.Tensor"),
         (lambda: attn(q, k, v, cache_seqlens=lens.long()), KernelgenTypeError, "int32"),
         (lambda: attn(q, k, v, cache_seqlens=lens[:2]), KernelgenValueError, "shape [B]"),
         (lambda: attn(q, k, v, cache_seqlens=torch.stack([lens, lens], 1)[:, 0]), KernelgenValueError, "contiguous"),
@@ -143,21 +202,24 @@ def test_long_ragged_cache_on_gpu(schedule, selector):
 
 
 @pytest.mark.gpu
-def test_a_cuda_graph_of_a_decode_step_follows_the_lengths():
+@pytest.mark.parametrize("pads", [None, (0, 100, 3000, 1)])
+def test_a_cuda_graph_of_a_decode_step_follows_the_lengths(pads):
     """One captured step (the kept reps grown to the lengths, then the call with them) replayed as the cache
-    grows: every replay equals the eager call at those lengths, bit for bit."""
+    grows: every replay equals the eager call at those lengths (and left padding), bit for bit."""
     spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, local=2, sink=1)
     attn = get_kernel(spec)
     q, k, v, lens = _cache(1, torch.bfloat16, "cuda", 8192, (5000, 127, 8000, 1), heads_kv=2, group=4, head_dim=128)
-    reps = attn.key_reps(k, cache_seqlens=lens)
-    attn(q, k, v, cache_seqlens=lens, key_reps=reps)  # compiled before capture
+    pads = None if pads is None else torch.tensor(pads, dtype=torch.int32, device="cuda")
+    reps = attn.key_reps(k, cache_seqlens=lens, cache_leftpad=pads)
+    attn(q, k, v, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps)  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        attn.key_reps(k, cache_seqlens=lens, previous=reps)
-        o = attn(q, k, v, cache_seqlens=lens, key_reps=reps)
+        attn.key_reps(k, cache_seqlens=lens, cache_leftpad=pads, previous=reps)
+        o = attn(q, k, v, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps)
     for step in range(1, 4):
         lens += torch.tensor([1, 1, 128, 0], dtype=torch.int32, device="cuda")
         q.normal_()
         graph.replay()
-        eager = attn(q, k, v, cache_seqlens=lens, key_reps=attn.key_reps(k, cache_seqlens=lens))
+        fresh = attn.key_reps(k, cache_seqlens=lens, cache_leftpad=pads)
+        eager = attn(q, k, v, cache_seqlens=lens, cache_leftpad=pads, key_reps=fresh)
         assert torch.equal(o, eager), step

@@ -92,6 +92,11 @@ def test_a_decode_over_per_row_lengths_compiles(device):
     eo, else_ = kernelgen.get_kernel(SPEC)(q, k, v, cache_seqlens=lens, return_lse=True)
     assert torch.equal(o, eo) and torch.equal(lse, else_)
     assert torch.equal(o, kernelgen.get_kernel(SPEC)(q, k[:, :, :77], v[:, :, :77]))
+    pads = torch.tensor([30], dtype=torch.int32, device=device)  # left padding: the keys from 30 on
+    compiled = torch.compile(lambda q, k, v, lens, pads: sparse_attention(q, k, v, SPEC, cache_seqlens=lens,
+                                                                          cache_leftpad=pads),
+                             fullgraph=True, backend="eager")
+    assert torch.equal(compiled(q, k, v, lens, pads)[0], kernelgen.get_kernel(SPEC)(q, k[:, :, 30:77], v[:, :, 30:77]))
     try:
         sparse_attention(q.requires_grad_(), k, v, SPEC, cache_seqlens=lens)
     except kernelgen.KernelgenError as error:
@@ -127,6 +132,15 @@ def test_key_reps_through_the_ops(device):
                          backend="eager")(q, k, v, attn.key_reps(k))
     assert torch.equal(o, attn(q, k, v))
     torch.library.opcheck(torch.ops.kernelgen.key_reps.default, (k, SPEC.to_json(), lens),
+                          test_utils=("test_schema", "test_faketensor"))
+    pads = torch.tensor([64], dtype=torch.int32, device=device)  # left padding, grown through the op in place
+    compiled(q, k, v, lens, reps)
+    padded = torch.compile(lambda k, lens, pads, reps: key_reps(k, SPEC, cache_seqlens=lens, previous=reps,
+                                                                cache_leftpad=pads), fullgraph=True, backend="eager")
+    padded(k, lens, pads, reps)
+    assert reps.seqlens.flatten().tolist() == [79 - 64] * reps.seqlens.numel() and (reps.leftpad == 64).all()
+    assert torch.equal(reps.reps[:, :, :1], attn.key_reps(k, cache_seqlens=lens, cache_leftpad=pads).reps[:, :, :1])
+    torch.library.opcheck(torch.ops.kernelgen.key_reps.default, (k, SPEC.to_json(), lens, None, 0, pads),
                           test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(TypeError, match="previous must be the KeyReps"):
         key_reps(k, SPEC, previous=reps.reps)

@@ -43,8 +43,9 @@ class RoleImpl:
                  does not run on: `backends.runner`); the backward's roles, which the fallback runs for every
                  backend, are; a forward is never swapped silently
     launch       (kernel, spec, config, shapes, *args) -> the role's output (`kernelgen.roles` lists the args)
-    varlen       the launcher also takes `seqlens=` (a decode call's `cache_seqlens`: int32 [B] keys per batch
-                 row, read on the device); a call with them is refused where the role it runs lacks this
+    varlen       the launcher also takes `seqlens=` and `leftpad=` (a decode call's `cache_seqlens` and
+                 `cache_leftpad`, int32 [B], read on the device: batch row b holds keys [leftpad[b], seqlens[b]);
+                 leftpad may be None, from 0); a call with them is refused where the role it runs lacks this
 
     `arch` is a checked arch string ("sm_89", or "cpu": `kernelgen.archs`), whose hardware facts
     (`kernelgen.archs.arch_facts`: shared memory, TMA, MMA) the rules read.

@@ -904,19 +904,32 @@ def launch_lists(mod, spec: Spec, config, shapes: Shapes, block_idx: torch.Tenso
     return out
 
 
-def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod,
-          seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """pool's representatives of x's tiles; `seqlens` (int32 [B]): batch row b holds seqlens[b] rows."""
+def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seqlens: torch.Tensor | None = None,
+          leftpad: torch.Tensor | None = None) -> torch.Tensor:
+    """pool's representatives of x's tiles; `seqlens`, `leftpad` (int32 [B]): batch row b holds rows
+    [leftpad[b], seqlens[b]) (leftpad None: from 0), its tiles counted from its first."""
     b, h, n, d = x.shape
     rep = empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
     # one tile per program: on the H200 (a32k) pooling took 15 us per tensor so, and 3x that with 4
     # tiles per program (the template keeps TILES for a later tunable)
     tiles = 1
-    kernel, lengths = (mod.pool, ()) if seqlens is None else (mod.pool_varlen, (seqlens,))
+    kernel, lengths = (mod.pool, ()) if seqlens is None else (mod.pool_varlen, _row_keys(seqlens, leftpad))
     kernel[(triton.cdiv(n_tiles, tiles), b * h)](x, rep, *lengths, x.stride(0), x.stride(1), x.stride(2), n, h,
                                                  n_tiles, TILE=tile, GROUPS=groups, HEAD_DIM=d, TILES=tiles,
-                                                 num_warps=8 if tiles * tile * d >= 8192 else 4)
+                                                 num_warps=8 if tiles * tile * d >= 8192 else 4,
+                                                 **_has_leftpad(seqlens, leftpad))
     return rep
+
+
+def _row_keys(seqlens: torch.Tensor, leftpad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The varlen kernels' SEQLENS, LEFTPAD arguments (LEFTPAD, unread without HAS_LEFTPAD, then points at
+    SEQLENS)."""
+    return seqlens, seqlens if leftpad is None else leftpad
+
+
+def _has_leftpad(seqlens: torch.Tensor | None, leftpad: torch.Tensor | None) -> dict:
+    """The varlen kernels' HAS_LEFTPAD constexpr (none for the kernels of one length)."""
+    return {} if seqlens is None else {"HAS_LEFTPAD": leftpad is not None}
 
 
 def topk_width(top_k: int) -> int:
@@ -926,30 +939,34 @@ def topk_width(top_k: int) -> int:
 
 
 def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
-                  k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                  k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
+                  leftpad: torch.Tensor | None = None) -> torch.Tensor:
     """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1), chosen on the device; `k_rep`:
-    k's representatives kept from `launch_key_reps` (None: pooled here); `seqlens` (int32 [B]): batch row b
-    holds seqlens[b] of k's keys."""
+    k's representatives kept from `launch_key_reps` (None: pooled here); `seqlens`, `leftpad` (int32 [B]): batch
+    row b holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its blocks counted from its first."""
     r = spec.groups
     q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod)
     if k_rep is None:
-        k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens)
-    return select_from_reps(mod, spec, cfg, shapes, q_rep, k_rep, seqlens)
+        k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens, leftpad)
+    return select_from_reps(mod, spec, cfg, shapes, q_rep, k_rep, seqlens, leftpad)
 
 
 def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor, *, seqlens: torch.Tensor | None = None,
-                    grow: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    leftpad: torch.Tensor | None = None,
+                    grow: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The selector's representatives of k's blocks (k: any [B, Hkv, n, D] view starting at a block boundary):
-    float32 [B, Hkv, ceil(n / kv_block), r, D], as `launch_select` pools them. `seqlens` (int32 [B]): batch row
-    b holds seqlens[b] keys; `grow` = (reps, made): reps made for made[b, h] keys (int32 [B, Hkv]), brought to
-    seqlens in place (only the blocks from made's last partial one are pooled) and returned."""
+    float32 [B, Hkv, ceil(n / kv_block), r, D], as `launch_select` pools them. `seqlens`, `leftpad` (int32 [B]):
+    batch row b holds keys [leftpad[b], seqlens[b]) (leftpad None: from 0); `grow` = (reps, made, made_leftpad):
+    reps made for made[b, h] keys from made_leftpad[b, h] (int32 [B, Hkv]), brought to the rows' keys in place
+    (only the blocks from made's last partial one are pooled, or all where a row's first key moved) and
+    returned."""
     if grow is None:
-        return _pool(k, spec.kv_block, spec.groups, -(-k.shape[2] // spec.kv_block), mod, seqlens)
-    reps, made = grow
+        return _pool(k, spec.kv_block, spec.groups, -(-k.shape[2] // spec.kv_block), mod, seqlens, leftpad)
+    reps, made, made_leftpad = grow
     b, h, n, d = k.shape
-    mod.pool_grown[(1, b * h)](k, reps, seqlens, made, k.stride(0), k.stride(1), k.stride(2), n, h, reps.shape[2],
-                               TILE=spec.kv_block, GROUPS=spec.groups, HEAD_DIM=d,
-                               num_warps=8 if spec.kv_block * d >= 8192 else 4)
+    mod.pool_grown[(1, b * h)](k, reps, *_row_keys(seqlens, leftpad), made, made_leftpad, k.stride(0), k.stride(1),
+                               k.stride(2), n, h, reps.shape[2], TILE=spec.kv_block, GROUPS=spec.groups, HEAD_DIM=d,
+                               HAS_LEFTPAD=leftpad is not None, num_warps=8 if spec.kv_block * d >= 8192 else 4)
     return reps
 
 
@@ -961,7 +978,8 @@ def pool_reps(mod, spec: Spec, x: torch.Tensor, unit: int) -> torch.Tensor:
 
 
 def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: torch.Tensor,
-                     k_rep: torch.Tensor, seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                     k_rep: torch.Tensor, seqlens: torch.Tensor | None = None,
+                     leftpad: torch.Tensor | None = None) -> torch.Tensor:
     """`launch_select` from representatives already pooled (`pool_reps`: float32 [B, Hq, n_q_tiles, r, D] and
     [B, Hkv, n_kv_blocks, r, D], contiguous), as a context-parallel rank has them after gathering the blocks'."""
     r = spec.groups
@@ -971,7 +989,8 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
     cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q_tiles * cfg.splits * top_k_pad,
                                                    device=q_rep.device, dtype=torch.int64)
     grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), n_bh, cfg.splits)
-    kernel, lengths = (mod.select_topk, ()) if seqlens is None else (mod.select_topk_varlen, (seqlens,))
+    kernel, lengths = (mod.select_topk, ()) if seqlens is None else (mod.select_topk_varlen,
+                                                                     _row_keys(seqlens, leftpad))
     kernel[grid](
         q_rep, k_rep, block_idx, cand, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks,
         shapes.heads_kv,
@@ -980,7 +999,7 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
         GROUP=spec.gqa_group, GROUPS=r, GR_PAD=next_pow2(spec.gqa_group * r),
         TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local,
         TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_has_leftpad(seqlens, leftpad))
     if cfg.splits > 1:
         tiles = max(1, min(64, 2048 // (cfg.splits * top_k_pad)))  # about 2K candidate keys per program
         mod.merge_topk[(triton.cdiv(shapes.n_q_tiles, tiles), n_bh)](
@@ -990,19 +1009,22 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
 
 
 def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
-                     k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None):
+                     k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
+                     leftpad: torch.Tensor | None = None):
     """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1), chosen on the device; `k_rep`,
-    `seqlens`: as `launch_select`'s."""
+    `seqlens`, `leftpad`: as `launch_select`'s."""
     if k_rep is None:
-        k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod, seqlens)
+        k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod, seqlens, leftpad)
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q.device, dtype=torch.int32)
-    kernel, lengths = (mod.kv_select_topk, ()) if seqlens is None else (mod.kv_select_topk_varlen, (seqlens,))
+    kernel, lengths = (mod.kv_select_topk, ()) if seqlens is None else (mod.kv_select_topk_varlen,
+                                                                        _row_keys(seqlens, leftpad))
     kernel[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv)](
         q, k_rep, block_idx, *lengths, *q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv,
         *block_idx.stride()[:3],
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
         TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
-        QUERIES=cfg.queries, CHUNK=cfg.chunk, CAUSAL=spec.causal, num_warps=cfg.num_warps)
+        QUERIES=cfg.queries, CHUNK=cfg.chunk, CAUSAL=spec.causal, num_warps=cfg.num_warps,
+        **_has_leftpad(seqlens, leftpad))
     return block_idx
 
 
@@ -1133,12 +1155,12 @@ def _on_default_stream(device: torch.device) -> bool:
 
 
 def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale, *,
-                  seqlens: torch.Tensor | None = None):
+                  seqlens: torch.Tensor | None = None, leftpad: torch.Tensor | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists (Q-centric or per-query:
     the spec says which) of a call of a few queries: a partial per (query, split), then, with splits > 1,
     kv_combine merges a row's splits in split order (every split writes its partial, so a list of `splits`
-    zeros with zero strides marks every slot used: `_every_split`). `seqlens` (int32 [B]): batch row b holds
-    seqlens[b] of k's keys, its queries the last positions of those."""
+    zeros with zero strides marks every slot used: `_every_split`). `seqlens`, `leftpad` (int32 [B]): batch row b
+    holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its queries the last positions of those."""
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
@@ -1151,14 +1173,15 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
         split_strides = (o_part.stride(3),)
     queries = decode_queries(spec)
     mod.decode_partial[(triton.cdiv(shapes.n_q, queries) * cfg.splits, shapes.batch * shapes.heads_kv)](
-        q, k, v, o_part, lse_part, block_idx, block_idx if seqlens is None else seqlens,
+        q, k, v, o_part, lse_part, block_idx, *((block_idx, block_idx) if seqlens is None
+                                                else _row_keys(seqlens, leftpad)),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
         *lse_part.stride()[:3], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
         ROWS=decode_rows(spec), QUERIES=queries, LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k,
         TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal, VARLEN=seqlens is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_LEFTPAD=leftpad is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.splits > 1:
         rows = 16
         mod.kv_combine[(triton.cdiv(shapes.n_q, rows), shapes.batch * shapes.heads_q)](
