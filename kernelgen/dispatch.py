@@ -271,7 +271,8 @@ class SparseAttention:
         `cache_seqlens` (int32 [B], on the device): k is a cache of that capacity whose row b holds
         cache_seqlens[b] keys, for calls that pass the same cache_seqlens. With `previous` (made so, for this
         cache), previous is brought to the new lengths in place, on the device, and returned: one launch with
-        no host sync, which a CUDA graph can replay. `cache_leftpad` (int32 [B], with cache_seqlens): row b's keys
+        no host sync, which a CUDA graph can replay (for a longer k, a cache that grew into a new tensor, the
+        reps returned take previous's place). `cache_leftpad` (int32 [B], with cache_seqlens): row b's keys
         start at cache_leftpad[b] (a left-padded batch), its blocks counted from there; reps grown to another
         left padding than they hold are pooled again, on the device."""
         if self.spec.selection_role not in ("select", "kv_select"):
@@ -320,6 +321,12 @@ class SparseAttention:
         if previous.seqlens is None:
             raise KernelgenValueError("previous key_reps were made without cache_seqlens=: grow them with "
                                       "attn.key_reps(k, previous=...), or make them with cache_seqlens=")
+        if previous.n_k < n_k:  # a cache that grew (a new, longer tensor): room for its new blocks, then grown
+            extra = shapes.n_kv_blocks - previous.reps.shape[2]
+            reps = previous.reps if extra <= 0 else torch.cat(
+                [previous.reps, previous.reps.new_zeros(b, hkv, extra, *previous.reps.shape[3:])], dim=2)
+            previous = KeyReps._made_by_key_reps(reps, n_k, previous.kv_block, previous.groups, previous.seqlens,
+                                                 previous.leftpad)
         check_key_reps(previous, spec, shapes, k.device, varlen=True)
         self._launch(served, k, shapes, k, grow=(previous.reps, previous.seqlens, previous.leftpad), **varlen)
         return previous

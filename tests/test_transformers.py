@@ -141,8 +141,8 @@ def test_prefill_after_a_cache_prefix_is_bottom_right_causal(models, roles):
         warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
         want = sdpa(ids).logits[:, 36:]
         cache = transformers.DynamicCache(config=ours.config)
-        ours(ids[:, :36], past_key_values=cache)
-        got = ours(ids[:, 36:], past_key_values=cache).logits
+        ours(ids[:, :36], cache=cache)
+        got = ours(ids[:, 36:], cache=cache).logits
     assert_close(got, want)
     assert roles["attn"] == 4
 
@@ -163,15 +163,79 @@ def test_generate_decodes_with_the_decode_role(models, roles):
     assert got.shape == (2, 43) and roles["decode"] == 4
 
 
-def test_padding_falls_back_to_sdpa_with_one_warning(models):
+def left_padded(prompts):
+    """(ids, mask) of a batch of prompts (each [1, n]) padded on the left, as a tokenizer pads for generate()."""
+    n = max(p.shape[1] for p in prompts)
+    ids, mask = torch.zeros(len(prompts), n, dtype=torch.long), torch.zeros(len(prompts), n, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, n - p.shape[1]:], mask[b, n - p.shape[1]:] = p[0], 1
+    return ids, mask
+
+
+def greedy(model, ids, mask, cache, steps=2):
+    """generate()'s logits [steps + 1, B, V] and tokens, under `cache`: "dynamic", "static" or "key_reps"."""
+    kwargs = ({"cache": kg_hf.KeyRepsCache(config=model.config)} if cache == "key_reps"
+              else {"cache_implementation": cache})
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=steps + 1, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, **kwargs)
+    return torch.stack(out.logits), out.sequences[:, ids.shape[1]:], out
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "key_reps", "static"])
+def test_a_left_padded_batch_generates_each_row_as_if_alone(models, roles, cache):
+    """generate() over a left-padded batch: each row's logits are those of its prompt generated alone (its
+    blocks counted from its first token), under each cache; no fallback. The prompt runs a call per row, each
+    decode step one call a layer (`cache_leftpad`); a KeyRepsCache keeps reps of the padded rows."""
+    ours, _ = models
+    set_options(ours, top_k=2)  # sparse: the diagonal block and one chosen of up to 3
+    prompts = [tokens(1, n, seed=20 + i) for i, n in enumerate((45, 30, 17))]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        logits, chosen, out = greedy(ours, *left_padded(prompts), cache)
+        assert roles["attn"] == 3 * 2 and roles["decode"] == 2 * 2  # 2 layers: 3 rows' prompts, then 2 steps
+        if cache == "key_reps":
+            for layer in out.past_key_values.layers:
+                assert layer.key_reps.leftpad[:, 0].tolist() == [0, 15, 28]
+        for b, prompt in enumerate(prompts):
+            alone, alone_chosen, _ = greedy(ours, prompt, torch.ones_like(prompt), cache)
+            assert torch.equal(chosen[b], alone_chosen[0]), b
+            assert_close(logits[:, b], alone[:, 0], tol=1e-5)
+
+
+def test_a_right_padded_training_batch_is_each_row_alone(models):
+    """Right padding (a training batch): each row's logits at its tokens, and the gradients they give, are the
+    row's alone; padding positions take no part."""
+    ours, _ = models
+    set_options(ours, top_k=2)
+    rows = [tokens(1, n, seed=30 + i) for i, n in enumerate((40, 23))]
+    ids, mask = torch.zeros(2, 40, dtype=torch.long), torch.zeros(2, 40, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, :row.shape[1]], mask[b, :row.shape[1]] = row[0], 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        got = ours(ids, attention_mask=mask).logits
+        loss = sum(got[b, :row.shape[1]].square().mean() for b, row in enumerate(rows))
+        loss.backward()
+        grad = ours.model.layers[0].self_attn.q_proj.weight.grad.clone()
+        ours.zero_grad()
+        alone = [ours(row).logits for row in rows]
+        sum(a[0].square().mean() for a in alone).backward()
+        want = ours.model.layers[0].self_attn.q_proj.weight.grad
+        ours.zero_grad()
+    for b, row in enumerate(rows):
+        assert_close(got[b, :row.shape[1]].detach(), alone[b][0].detach(), tol=1e-5)
+    assert_close(grad, want, tol=1e-4)
+
+
+def test_a_mask_with_holes_falls_back_to_sdpa_with_one_warning(models):
     ours, sdpa = models
     set_options(ours, top_k=2)
     ids = tokens(2, 40, seed=3)
     mask = torch.ones_like(ids)
-    mask[1, :7] = 0  # left padding
+    mask[1, 7:9] = 0  # a hole among the row's tokens: not a padded row
     kg_hf._warned.clear()
     with torch.no_grad():
-        with pytest.warns(kg_hf.KernelgenFallbackWarning, match="not purely causal"):
+        with pytest.warns(kg_hf.KernelgenFallbackWarning, match="not purely causal over each row's tokens"):
             got = ours(ids, attention_mask=mask).logits
         with warnings.catch_warnings():
             warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)  # once per reason
@@ -197,9 +261,9 @@ def test_backward_runs_through_kernelgen(models, roles):
 
 def prefill_then_decode(model, prompt, cache, steps):
     """Logits of a prefill of `prompt` and of `steps` greedy single-token steps after it, over `cache`."""
-    out = [model(prompt, past_key_values=cache).logits[:, -1]]
+    out = [model(prompt, cache=cache).logits[:, -1]]
     for _ in range(steps):
-        out.append(model(out[-1].argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1])
+        out.append(model(out[-1].argmax(-1, keepdim=True), cache=cache).logits[:, -1])
     return torch.stack(out)
 
 
@@ -228,14 +292,14 @@ def test_decode_selects_from_the_kept_reps(models):
     set_options(ours, top_k=2, local=1)
     with torch.no_grad():
         cache = kg_hf.KeyRepsCache(config=ours.config)
-        ours(prompt, past_key_values=cache)
+        ours(prompt, cache=cache)
         step = prompt[:, -1:]
-        want = ours(step, past_key_values=cache).logits
+        want = ours(step, cache=cache).logits
         cache.crop(-1)
         attn = kg_hf.get_kernel(kg_hf.layer_spec(ours.config))
         for layer in cache.layers:  # the reps of reversed keys: the same length, other block means
             layer.key_reps = attn.key_reps(layer.keys.flip(2))
-        got = ours(step, past_key_values=cache).logits
+        got = ours(step, cache=cache).logits
     assert not torch.equal(got, want)
 
 
@@ -245,7 +309,7 @@ def test_key_reps_follow_the_cache_through_reorder_crop_and_batch_ops(models):
     attn = kg_hf.get_kernel(kg_hf.layer_spec(ours.config))
     with torch.no_grad():
         cache = kg_hf.KeyRepsCache(config=ours.config)
-        ours(tokens(3, 70, seed=7), past_key_values=cache)
+        ours(tokens(3, 70, seed=7), cache=cache)
 
         def assert_reps_match_the_keys():
             for layer in cache.layers:
@@ -323,11 +387,11 @@ def static_steps(model, step, prompt, steps, mask=None, cache=None):
     if cache is None:
         cache = transformers.StaticCache(config=model.config, max_cache_len=64)
     cache.reset()
-    out = [model(prompt, attention_mask=mask, past_key_values=cache).logits[:, -1]]
+    out = [model(prompt, attention_mask=mask, cache=cache).logits[:, -1]]
     for i in range(steps):
         if mask is not None:  # the padding mask generate() extends
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-        out.append(step(out[-1].argmax(-1, keepdim=True), attention_mask=mask, past_key_values=cache,
+        out.append(step(out[-1].argmax(-1, keepdim=True), attention_mask=mask, cache=cache,
                         cache_position=torch.tensor([n + i])).logits[:, -1])
     return torch.stack(out)
 
@@ -359,20 +423,26 @@ def test_a_compiled_decode_step_over_a_static_cache_runs_in_the_graph(models, ro
     assert_close(got, eager, tol=1e-5)
 
 
-def test_a_compiled_step_after_a_padded_prefill_runs_sdpa(models, compiled):
-    """A padded batch's prefill finds its mask not purely causal: the compiled steps of those modules then run
-    SDPA (a graph break, so not under fullgraph), where the mask they cannot read would otherwise stop the run."""
+def test_a_compiled_step_after_a_padded_prefill_runs_in_the_graph(models, compiled):
+    """A left-padded batch's compiled steps read each row's tokens from the mask on the device (`cache_leftpad`):
+    fullgraph, the eager steps' logits. After a prefill whose mask has holes (SDPA) the module's compiled steps run
+    SDPA too (a graph break), where the mask they cannot read would otherwise stop the run."""
     ours, sdpa = models
     set_options(ours, top_k=2)
     prompt = tokens(2, 40, seed=9)
     mask = torch.ones_like(prompt)
     mask[1, :5] = 0
-    kg_hf._warned.clear()
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", kg_hf.KernelgenFallbackWarning)
-        got = static_steps(ours, compiled(ours.forward, fullgraph=False), prompt, 2, mask)
-        want = static_steps(sdpa, sdpa, prompt, 2, mask)
-        assert_close(got, want, tol=1e-5)
+    with torch.no_grad():
+        got = static_steps(ours, compiled(ours.forward), prompt, 2, mask)
+        assert_close(got, static_steps(ours, ours, prompt, 2, mask), tol=1e-5)
+        holed = mask.clone()
+        holed[0, 10] = 0
+        kg_hf._warned.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", kg_hf.KernelgenFallbackWarning)
+            torch._dynamo.reset()
+            got = static_steps(ours, compiled(ours.forward, fullgraph=False), prompt, 2, holed)
+            assert_close(got, static_steps(sdpa, sdpa, prompt, 2, holed), tol=1e-5)
         ours(prompt)  # an unpadded call: the compiled step (recompiled) runs kernelgen's kernels again
     assert not any(m.__dict__.get("_kernelgen_mask_refused") for m in ours.modules())
 
@@ -380,15 +450,20 @@ def test_a_compiled_step_after_a_padded_prefill_runs_sdpa(models, compiled):
 def test_a_compiled_steps_mask_is_checked_on_the_device():
     causal = transformers.masking_utils.sdpa_mask(batch_size=2, q_length=2, kv_length=20, q_offset=torch.tensor(9),
                                                   allow_is_causal_skip=False)
-    assert torch.equal(kg_hf._lengths_on_device(causal, 2, 20), torch.tensor([11, 11], dtype=torch.int32))
+    rows = (torch.tensor([11, 11], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32))
+    assert all(map(torch.equal, kg_hf._rows_on_device(causal, 2, 20), rows))
     additive = torch.where(causal, 0.0, torch.finfo(torch.float32).min)
-    assert torch.equal(kg_hf._lengths_on_device(additive, 2, 20), torch.tensor([11, 11], dtype=torch.int32))
-    padded, holed, shifted = causal.clone(), causal.clone(), causal.roll(1, -1)
-    padded[1, :, :, :3] = False
+    assert all(map(torch.equal, kg_hf._rows_on_device(additive, 2, 20), rows))
+    padded = causal.clone()
+    padded[1, :, :, :3] = False  # left padding: row 1's tokens are keys 3..10
+    assert kg_hf._rows_on_device(padded, 2, 20)[1].tolist() == [0, 3]
+    holed, ahead, all_padding = causal.clone(), causal.clone(), causal.clone()
     holed[0, :, 1, 5] = False
-    for bad in (padded, holed, shifted, additive + 0.5, additive * 0.25):
+    ahead[0, :, 0, 10] = True  # the first query sees the key after it
+    all_padding[1, :, :, :10] = False  # 1 token for 2 queries: a query of padding
+    for bad in (holed, ahead, all_padding, additive + 0.5, additive * 0.25):
         with pytest.raises(RuntimeError, match="not purely causal"):
-            kg_hf._lengths_on_device(bad, 2, 20)
+            kg_hf._rows_on_device(bad, 2, 20)
 
 
 @pytest.mark.gpu

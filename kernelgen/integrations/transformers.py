@@ -36,17 +36,22 @@ Its layers follow the cache through beam search's reordering, batch selection an
 
 **A static cache, compiled decode steps.** `generate(ids, cache_implementation="static")` preallocates the cache
 and, on a GPU, compiles the decode step with torch.compile and replays it from CUDA graphs. kernelgen's steps run
-inside those graphs: the custom ops of `kernelgen.custom_ops`, each row's length read from the mask on the device
-(`cache_seqlens`), and the mask checked on the device to be purely causal over those keys (where it is not, a
+inside those graphs: the custom ops of `kernelgen.custom_ops`, each row's tokens read from the mask on the device
+(`cache_seqlens`, `cache_leftpad`), and the mask checked on the device to be causal over them (where it is not, a
 device-side assertion stops the run: a compiled step cannot fall back). The blocks' means are kept with the cache
 here too, on its key tensor, and grown in place by each call, eager or compiled, that writes keys into it. A
-module whose last eager call fell back because of its mask (a padded batch's prompt) runs its compiled steps
-through SDPA as well.
+module whose last eager call fell back because of its mask (a custom mask) runs its compiled steps through SDPA
+as well.
+
+**Padded batches.** A batch whose rows are padded (on the left, as generate() pads prompts, or on the right, as
+a training batch is) computes each row over its own tokens, exactly as if it were alone: its blocks are counted
+from its first token. A padding position's output is 0, as transformers' FlashAttention integration gives. A
+decode step is one call (`cache_leftpad`, eager or compiled); a prompt or a training batch runs one call per row.
 
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's
 `"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
 cannot compute falls back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong result: an
-attention mask that is not purely causal (padding, a custom 4-D mask, an additive bias), dropout > 0,
+attention mask that is not causal over each row's tokens (a custom 4-D mask, an additive bias), dropout > 0,
 `output_attentions`, soft-capping, attention sinks, sliding windows, a non-causal module, a head_dim kernelgen
 has no kernels for, and dtypes its kernels do not take on the device (float32 on a GPU, bfloat16 in the CPU
 interpreter).
@@ -59,6 +64,7 @@ import json
 import logging
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -196,9 +202,26 @@ def _spec(heads: int, heads_kv: int, head_dim: int, options_json: str, layer_typ
 _last_mask: tuple = (None, None, None)  # (weakref to the mask, its version, its verdict): the layers share one
 
 
-def _visible_keys(mask, n_q: int, n_k: int) -> int | str:
+class PaddedRows(NamedTuple):
+    """A padded batch's mask, read: query i sits at key position `offset + i`, and batch row b's tokens are
+    keys [firsts[b], ends[b]) (left padding before them, right padding after); its real queries are those at
+    its tokens' positions. `pads` and `lens` (int32 [B], on the mask's device): firsts, and offset + n_q for
+    every row, a decode call's `cache_leftpad` and `cache_seqlens`."""
+    offset: int
+    firsts: tuple[int, ...]
+    ends: tuple[int, ...]
+    pads: torch.Tensor
+    lens: torch.Tensor
+
+    def queries(self, b: int, n_q: int) -> range:
+        """Row b's real queries."""
+        return range(max(0, self.firsts[b] - self.offset), max(0, min(n_q, self.ends[b] - self.offset)))
+
+
+def _visible_keys(mask, n_q: int, n_k: int) -> int | PaddedRows | str:
     """How many leading keys a call sees if `mask` is purely causal, bottom-right aligned over them (then
-    the call attends over those keys, causally), else why not (a str)."""
+    the call attends over those keys, causally); the rows of a padded batch where each row's tokens are
+    contiguous and causal among themselves; else why not (a str)."""
     global _last_mask
     if mask is None:
         # SDPA's reading of no mask: one query sees every key; more queries are causal from the top left,
@@ -216,23 +239,38 @@ def _visible_keys(mask, n_q: int, n_k: int) -> int | str:
     return verdict
 
 
-def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | str:
+_HOLES = "an attention mask that is not purely causal over each row's tokens (a custom 4-D mask)"
+
+
+def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | PaddedRows | str:
     if mask.dtype == torch.bool:
         allowed = mask
     else:  # additive: 0 where allowed, a large negative number (or -inf) where not
         allowed = mask == 0
         if not bool((allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
             return "an additive attention mask with a bias (values other than 0 and -inf)"
-    visible = allowed[..., -1, :].sum(-1)  # keys the last query sees, per batch and head
-    n_visible = int(visible.flatten()[0])
-    if n_visible < n_q:
-        return ("an attention mask that is not purely causal: its last query sees fewer keys than there are "
-                "queries (padding, or a custom 4-D mask)")
-    causal = (torch.arange(n_k, device=mask.device)[None, :]
-              <= torch.arange(n_q, device=mask.device)[:, None] + (n_visible - n_q))
-    if not bool((allowed == causal).all()):
-        return "an attention mask that is not purely causal (padding, or a custom 4-D mask)"
-    return n_visible
+    if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
+        return "an attention mask that differs between heads"
+    allowed = allowed[:, 0]
+    # each row's tokens, read from what its last query sees (a right-padded row's last query sees all of them)
+    last, keys = allowed[:, -1, :], torch.arange(n_k, device=mask.device)
+    firsts = torch.where(last, keys, n_k).amin(-1)
+    ends = torch.where(last, keys + 1, 0).amax(-1)
+    counts, first, end = torch.stack([last.sum(-1), firsts, ends]).tolist()
+    if min(counts) == 0:
+        return "an attention mask whose last query sees no key (a row of padding alone, or a custom 4-D mask)"
+    offset = max(end) - n_q
+    if any(c != e - f for c, f, e in zip(counts, first, end)) or offset < 0:
+        return _HOLES
+    positions = offset + torch.arange(n_q, device=mask.device)
+    expected = ((keys[None, None, :] <= positions[None, :, None]) & (keys >= firsts[:, None, None])
+                & (keys < ends[:, None, None]))
+    if not bool((allowed == expected).all()):
+        return _HOLES
+    if max(first) == 0 and min(end) == offset + n_q:
+        return offset + n_q  # no padding
+    pads = firsts.to(torch.int32)
+    return PaddedRows(offset, tuple(first), tuple(end), pads, torch.full_like(pads, offset + n_q))
 
 
 # ---- a cache that keeps the selector's key representatives -----------------------------------------------
@@ -372,6 +410,8 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         _forget_reps(key)  # this call's keys are written, and its reps will not see them
         return _fall_back(reason, *args, **kwargs)
     attn = get_kernel(spec)
+    if isinstance(n_keys, PaddedRows):
+        return _attention_padded(module, attn, spec, query, key, value, n_keys, scaling)
     if n_keys < key.shape[2]:  # a preallocated (static) cache, its first n_keys keys written
         lens = torch.full((key.shape[0],), n_keys, dtype=torch.int32, device=key.device)
         reps = _static_reps(attn, *module.__dict__["_kernelgen_traced"], query, key, lens)
@@ -387,6 +427,41 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         layer.key_reps = attn.key_reps(key, previous=_extendable(layer.key_reps, spec, key))
         o = attn(query, key, value, scale=scaling, key_reps=layer.key_reps)
     return o.transpose(1, 2).contiguous(), None
+
+
+def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedRows, scaling):
+    """A padded batch's call: each row over its own tokens, as if it were alone (its blocks counted from its
+    first token); a padding query's output is 0, as transformers' FlashAttention integration gives. A decode
+    call whose queries are all tokens is one call (`cache_leftpad`); a prompt or a training batch runs a call
+    per row."""
+    batch, n_q = query.shape[0], query.shape[2]
+    pads, lens = (x.expand(batch).contiguous() for x in (rows.pads, rows.lens))  # a mask of one row broadcasts
+    static = rows.offset + n_q < key.shape[2]  # a preallocated cache, its first offset + n_q keys written
+    reps = _static_reps(attn, *module.__dict__["_kernelgen_traced"], query, key, lens, pads) if static else None
+    layer = None if static or spec.selection_role not in ("select", "kv_select") else _reps_layer(key)
+    whole = all(rows.queries(b if len(rows.firsts) > 1 else 0, n_q) == range(n_q) for b in range(batch))
+    if n_q <= DECODE_MAX_QUERIES and whole:
+        if layer is not None:  # reps of the left-padded cache, grown from the last call's
+            kept = layer.key_reps
+            kept = kept if kept is not None and kept.seqlens is not None and _extendable(kept, spec, key) else None
+            reps = layer.key_reps = attn.key_reps(key, cache_seqlens=lens, cache_leftpad=pads, previous=kept)
+        o = attn(query, key, value, scale=scaling, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps)
+        return o.transpose(1, 2).contiguous(), None
+    if layer is not None:
+        layer.key_reps = None  # made by the next decode call
+    outputs = []
+    for b in range(batch):
+        real = rows.queries(b if len(rows.firsts) > 1 else 0, n_q)
+        first = rows.firsts[b if len(rows.firsts) > 1 else 0]
+        keys = slice(first, rows.offset + real.stop)
+        parts = [query.new_zeros(1, query.shape[1], real.start, query.shape[3])] if real.start else []
+        if len(real):
+            parts.append(attn(query[b:b + 1, :, real.start:real.stop], key[b:b + 1, :, keys], value[b:b + 1, :, keys],
+                              scale=scaling))
+        if n_q > real.stop:
+            parts.append(query.new_zeros(1, query.shape[1], n_q - max(real.stop, real.start), query.shape[3]))
+        outputs.append(torch.cat(parts, 2))
+    return torch.cat(outputs).transpose(1, 2).contiguous(), None
 
 
 # ---- a static cache's kept reps --------------------------------------------------------------------------
@@ -408,11 +483,13 @@ def _reps_blocks(spec: Spec) -> tuple[int, int] | None:
     return (spec.kv_block, spec.groups) if spec.selection_role in ("select", "kv_select") else None
 
 
-def _static_reps(attn, spec_json: str, blocks: tuple[int, int] | None, query, key, lens) -> KeyReps | None:
-    """The reps kept on static cache keys `key`, brought to `lens` (int32 [B], on the device); None for a spec
-    whose selector keeps none (`blocks`: `_reps_blocks` of the spec). `attn`: get_kernel(spec) in an eager call,
-    which makes them where there are none (once, at a static address, for CUDA graphs to replay); None in a
-    compiled one, which grows them through the custom ops, and without them lets its selection pool the keys."""
+def _static_reps(attn, spec_json: str, blocks: tuple[int, int] | None, query, key, lens,
+                 pads: torch.Tensor | None = None) -> KeyReps | None:
+    """The reps kept on static cache keys `key`, brought to `lens` (int32 [B], on the device) and left padding
+    `pads` (int32 [B] or None); None for a spec whose selector keeps none (`blocks`: `_reps_blocks` of the spec).
+    `attn`: get_kernel(spec) in an eager call, which makes them where there are none (once, at a static address,
+    for CUDA graphs to replay); None in a compiled one, which grows them through the custom ops, and without
+    them lets its selection pool the keys."""
     if blocks is None:
         return None
     reps = getattr(key, "_kernelgen_reps", None)
@@ -422,15 +499,17 @@ def _static_reps(attn, spec_json: str, blocks: tuple[int, int] | None, query, ke
     if reps is None:
         if attn is None:
             return None
-        reps = attn.key_reps(key, cache_seqlens=lens)
-        torch._dynamo.mark_static_address(reps.reps)
-        torch._dynamo.mark_static_address(reps.seqlens)
+        reps = attn.key_reps(key, cache_seqlens=lens, cache_leftpad=pads)
+        for kept in (reps.reps, reps.seqlens, reps.leftpad):
+            torch._dynamo.mark_static_address(kept)
         key._kernelgen_reps = reps
         return reps
-    reps.seqlens.copy_(torch.minimum(reps.seqlens, (lens - query.shape[2])[:, None]))
+    # the keys each row's reps hold, cut back to the row's first key written by this call
+    written = lens - query.shape[2] - (0 if pads is None else pads)
+    reps.seqlens.copy_(torch.minimum(reps.seqlens, written.clamp(min=0)[:, None]))
     if attn is None:
-        return custom_ops.key_reps(key, spec_json, cache_seqlens=lens, previous=reps)
-    return attn.key_reps(key, cache_seqlens=lens, previous=reps)
+        return custom_ops.key_reps(key, spec_json, cache_seqlens=lens, previous=reps, cache_leftpad=pads)
+    return attn.key_reps(key, cache_seqlens=lens, previous=reps, cache_leftpad=pads)
 
 
 # ---- inside torch.compile ----------------------------------------------------------------------------------
@@ -445,8 +524,8 @@ def _in_graph(module, query, key, mask, dropout, kwargs) -> bool:
         return False
     if mask is None:  # purely causal: the keys seen follow from the shapes
         return not isinstance(_visible_keys(None, query.shape[2], key.shape[2]), str)
-    # a mask tensor: decode calls read each row's visible keys from it on the device (`cache_seqlens`),
-    # unless this module's last eager call found its mask not purely causal (a padded batch's prefill)
+    # a mask tensor: decode calls read each row's tokens from it on the device (`cache_seqlens`, `cache_leftpad`),
+    # unless this module's last eager call found its mask not causal over each row's tokens (a custom mask)
     return (isinstance(mask, torch.Tensor) and mask.dim() == 4 and query.shape[2] <= DECODE_MAX_QUERIES
             and not getattr(module, "_kernelgen_mask_refused", False))
 
@@ -459,29 +538,31 @@ def _attention_in_graph(module, query, key, value, mask, scaling, dropout):
     if mask is None:
         n_keys = _visible_keys(None, n_q, n_k)  # from shapes alone
         o, _ = custom_ops.sparse_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], spec_json, scale=scaling)
-    else:  # a decode step over a static cache: its lengths read on the device, its kept reps grown in place
-        lens = _lengths_on_device(mask, n_q, n_k)
-        reps = _static_reps(None, spec_json, blocks, query, key, lens)
+    else:  # a decode step over a static cache: its rows read on the device, its kept reps grown in place
+        lens, pads = _rows_on_device(mask, n_q, n_k)
+        reps = _static_reps(None, spec_json, blocks, query, key, lens, pads)
         o, _ = custom_ops.sparse_attention(query, key, value, spec_json, scale=scaling, cache_seqlens=lens,
-                                           key_reps=reps)
+                                           key_reps=reps, cache_leftpad=pads)
     return o.transpose(1, 2).contiguous(), None
 
 
-def _lengths_on_device(mask: torch.Tensor, n_q: int, n_k: int) -> torch.Tensor:
-    """Each row's visible keys (int32 [B]), read from a decode call's 4-D mask with tensor ops alone, and a
-    device-side assertion that the mask is purely causal over them, bottom-right aligned: what the eager call
-    checks on the host. A mask that is not stops the run; it never gives a wrong result."""
+def _rows_on_device(mask: torch.Tensor, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's tokens, keys [pads[b], lens[b]) (int32 [B] each), read from a decode call's 4-D mask with
+    tensor ops alone, and a device-side assertion that the mask is purely causal over them, bottom-right
+    aligned, every query one of its row's tokens: what the eager call checks on the host. A mask that is not
+    stops the run; it never gives a wrong result."""
     allowed = mask if mask.dtype == torch.bool else mask == 0
-    lens = allowed[:, 0, -1, :].sum(-1, dtype=torch.int32)
-    keys = torch.arange(n_k, device=mask.device)
+    last, keys = allowed[:, 0, -1, :], torch.arange(n_k, device=mask.device)
+    lens = torch.where(last, keys + 1, 0).amax(-1).to(torch.int32)
+    pads = torch.where(last, keys, n_k).amin(-1).to(torch.int32)
     last_key = lens[:, None] - n_q + torch.arange(n_q, device=mask.device)[None, :]  # [B, Nq]: each query's
-    causal = keys[None, None, :] <= last_key[:, :, None]
-    ok = (allowed == causal[:, None]).all() & (lens >= n_q).all()
+    visible = (keys[None, None, :] <= last_key[:, :, None]) & (keys[None, None, :] >= pads[:, None, None])
+    ok = (allowed == visible[:, None]).all() & (lens - pads >= n_q).all()
     if mask.dtype != torch.bool:
         ok = ok & (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
     torch._assert_async(ok, "kernelgen attention: a compiled decode step's attention mask is not purely causal "
-                            "over each row's first keys (padding, or a custom mask); run it without torch.compile")
-    return lens
+                            "over each row's tokens (a custom mask); run it without torch.compile")
+    return lens, pads
 
 
 register()
