@@ -25,7 +25,8 @@ steps after 16 untimed ones.
 model's decode step with torch.compile and replays it from CUDA graphs; kernelgen's steps then read the cache's
 lengths and check its mask on the device, and grow the blocks' means kept with the cache in place. A step's time
 there is (generate of 1 + `--decode` tokens less generate of 1 token) / `--decode`, medians of `--repeats`, after
-a warm-up generate that compiles.
+a warm-up generate that compiles. `--padded` makes that batch's prompts n down to about n/2 tokens, padded on the
+left: kernelgen computes each row over its own tokens.
 
 Without a CUDA GPU kernelgen runs in Triton's CPU interpreter: the example then runs a tiny model (2 layers,
 hidden 64, 128 tokens, 16-key blocks) in float32, checks that kernelgen with every block listed gives SDPA's
@@ -86,6 +87,16 @@ def random_ids(vocab: int, batch: int, n: int, seed: int) -> torch.Tensor:
     return torch.randint(1, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
+def left_padded_ids(vocab: int, batch: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of `batch` prompts of n down to about n/2 tokens, padded on the left to n, as a
+    tokenizer pads a batch for generate()."""
+    ids, mask = random_ids(vocab, batch, n, seed), torch.ones(batch, n, dtype=torch.long)
+    for b in range(batch):
+        pad = b * n // (2 * batch)
+        ids[b, :pad], mask[b, :pad] = 0, 0
+    return ids, mask
+
+
 def prefill(model, ids) -> torch.Tensor:
     with torch.no_grad():
         return model(ids, use_cache=False, logits_to_keep=1).logits
@@ -108,7 +119,7 @@ def timed_prefill(model, ids, repeats: int) -> float:
 
 def last_logits(model, ids, cache) -> torch.Tensor:
     """The logits of the last position after `ids` ([B, n] tokens), cached into `cache`."""
-    return model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+    return model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
 
 
 def decode(model, ids, cache, steps: int) -> torch.Tensor:
@@ -149,6 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 8], help="batch sizes decoded (GPU)")
     p.add_argument("--static", type=int, nargs="*", default=None, help="also time generate() over a static cache "
                    "(compiled, CUDA graphs) at these batch sizes (GPU; no value: 1)")
+    p.add_argument("--padded", action="store_true", help="the static cache's batch: prompts of n down to about n/2 "
+                   "tokens, padded on the left")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -213,7 +226,7 @@ def main(argv=None) -> int:
         for batch in args.decode_batch if on_gpu and args.decode else ():
             results += decode_rows(model, config.vocab_size, n, batch, args.decode)
         for batch in ((args.static or [1]) if args.static is not None else ()) if on_gpu and args.decode else ():
-            results += static_rows(model, config.vocab_size, n, batch, args.decode, args.repeats)
+            results += static_rows(model, config.vocab_size, n, batch, args.decode, args.repeats, args.padded)
     if args.out:
         meta = {"decode_steps": args.decode,
                 "device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
@@ -249,13 +262,13 @@ def decode_rows(model, vocab: int, n: int, batch: int, steps: int) -> list[dict]
     return rows
 
 
-def timed_generate(model, ids, steps: int, repeats: int) -> float:
+def timed_generate(model, ids, mask, steps: int, repeats: int) -> float:
     """Seconds a decode step of generate() over a static cache takes: generate of 1 + steps tokens less generate of
     1 token (the prefill, eager), over steps; medians of `repeats`, after a warm-up that compiles."""
     def run(new_tokens):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, cache_implementation="static", pad_token_id=0)
         torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -266,24 +279,29 @@ def timed_generate(model, ids, steps: int, repeats: int) -> float:
                 - statistics.median(run(1) for _ in range(repeats))) / steps
 
 
-def static_rows(model, vocab: int, n: int, batch: int, steps: int, repeats: int) -> list[dict]:
+def static_rows(model, vocab: int, n: int, batch: int, steps: int, repeats: int, padded: bool) -> list[dict]:
     """generate() over a static cache, compiled, under no-op, SDPA and kernelgen attention: ms a step."""
-    ids = random_ids(vocab, batch, n, seed=n).cuda()
+    if padded:
+        ids, mask = (x.cuda() for x in left_padded_ids(vocab, batch, n, seed=n))
+    else:
+        ids = random_ids(vocab, batch, n, seed=n).cuda()
+        mask = torch.ones_like(ids)
+    label = "static cache, compiled" + (", left-padded" if padded else "")
     times, rows = {}, []
     for name in IMPLEMENTATIONS[::-1]:  # no-op first: the rest of the model
         model.set_attn_implementation(name)
         try:
-            times[name] = timed_generate(model, ids, steps, repeats)
+            times[name] = timed_generate(model, ids, mask, steps, repeats)
         except torch.OutOfMemoryError:
             print(f"{n:>8} batch {batch} static {name:>10}: out of memory")
         torch.cuda.empty_cache()
         if name in times and name != "no-op" and "no-op" in times:
             attention = max(0.0, times[name] - times["no-op"])
-            rows.append({"tokens": n, "batch": batch, "decode": f"{name}, static cache, compiled",
+            rows.append({"tokens": n, "batch": batch, "decode": f"{name}, {label}",
                          "step_ms": 1e3 * times[name], "attention_ms": 1e3 * attention,
                          "rest_of_model_ms": 1e3 * times["no-op"]})
         if name in times:
-            print(f"{n:>8} batch {batch} static cache, compiled {name:>10}: {1e3 * times[name]:7.2f} ms a step")
+            print(f"{n:>8} batch {batch} {label} {name:>10}: {1e3 * times[name]:7.2f} ms a step")
     return rows
 
 

@@ -467,9 +467,11 @@ def test_a_compiled_steps_mask_is_checked_on_the_device():
 
 
 @pytest.mark.gpu
-def test_generate_over_a_static_cache_compiles_to_cuda_graphs():
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_over_a_static_cache_compiles_to_cuda_graphs(padded):
     """generate(cache_implementation="static") compiles the decode step (mode "reduce-overhead": CUDA graphs):
-    no graph break, no step left out of the graphs, and the logits of the eager generate over a DynamicCache."""
+    no graph break, no step left out of the graphs, and the logits of the eager generate over a DynamicCache; a
+    left-padded batch's too, and its padded row's first logits those of the row alone."""
     from torch._dynamo.utils import counters
 
     config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
@@ -480,8 +482,11 @@ def test_generate_over_a_static_cache_compiles_to_cuda_graphs():
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kernelgen",
                                                           dtype=torch.bfloat16).cuda().eval()
     ids = torch.randint(1, 1000, (2, 3000), device="cuda")
-    run = functools.partial(model.generate, ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                            return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[1, :700], mask[1, :700] = 0, 0
+    run = functools.partial(model.generate, ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12,
+                            do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
     torch._dynamo.reset()
     counters.clear()
     triton_backend._EVERY_SPLIT.clear()  # the compiled steps run kernelgen's decode first: nothing of theirs
@@ -496,3 +501,7 @@ def test_generate_over_a_static_cache_compiles_to_cuda_graphs():
     for step in range(3):  # the rest of the model compiled rounds otherwise: close, not equal
         a, b = got.logits[step].float(), want.logits[step].float()
         assert (a - b).norm() < 2e-2 * b.norm(), step
+    if padded:
+        with torch.no_grad():
+            alone = model(ids[1:, 700:]).logits[0, -1].float()
+        assert (want.logits[0][1].float() - alone).norm() < 2e-2 * alone.norm()
