@@ -194,8 +194,13 @@ def test_a_left_padded_batch_generates_each_row_as_if_alone(models, roles, cache
         logits, chosen, out = greedy(ours, *left_padded(prompts), cache)
         assert roles["attn"] == 3 * 2 and roles["decode"] == 2 * 2  # 2 layers: 3 rows' prompts, then 2 steps
         if cache == "key_reps":
-            for layer in out.past_key_values.layers:
+            kept = out.past_key_values
+            for layer in kept.layers:
                 assert layer.key_reps.leftpad[:, 0].tolist() == [0, 15, 28]
+            kept.crop(-1)  # per-row reps are not cropped: made again by the next call
+            assert all(layer.key_reps is None for layer in kept.layers)
+            ours(chosen[:, -1:], cache=kept)  # a call without the padding mask: plain reps, made afresh
+            assert all(layer.key_reps.seqlens is None for layer in kept.layers)
         for b, prompt in enumerate(prompts):
             alone, alone_chosen, _ = greedy(ours, prompt, torch.ones_like(prompt), cache)
             assert torch.equal(chosen[b], alone_chosen[0]), b

@@ -296,7 +296,9 @@ class KeyRepsLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
-        if self.key_reps is not None:
+        if self.key_reps is not None and self.key_reps.seqlens is not None:
+            self.key_reps = None  # a padded batch's (per-row) reps: made again by the next call
+        elif self.key_reps is not None:
             self.key_reps = self.key_reps.cropped(min(self.key_reps.n_k, self.get_seq_length()))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -343,9 +345,12 @@ def _reps_layer(key: torch.Tensor) -> KeyRepsLayer | None:
     return None if ref is None else ref()
 
 
-def _extendable(reps: KeyReps | None, spec: Spec, key: torch.Tensor) -> KeyReps | None:
-    """`reps` if `key` extends the keys they were made from under this spec, else None (made afresh)."""
+def _extendable(reps: KeyReps | None, spec: Spec, key: torch.Tensor, padded: bool = False) -> KeyReps | None:
+    """`reps` if `key` extends the keys they were made from under this spec, and they are a padded batch's
+    (per-row, `padded`) or not as the call is, else None (made afresh)."""
     if reps is None or (reps.kv_block, reps.groups) != (spec.kv_block, spec.groups):
+        return None
+    if (reps.seqlens is not None) != padded:
         return None
     if reps.reps.shape[:2] != key.shape[:2] or reps.n_k > key.shape[2] or reps.reps.device != key.device:
         return None
@@ -442,8 +447,7 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
     whole = all(rows.queries(b if len(rows.firsts) > 1 else 0, n_q) == range(n_q) for b in range(batch))
     if n_q <= DECODE_MAX_QUERIES and whole:
         if layer is not None:  # reps of the left-padded cache, grown from the last call's
-            kept = layer.key_reps
-            kept = kept if kept is not None and kept.seqlens is not None and _extendable(kept, spec, key) else None
+            kept = _extendable(layer.key_reps, spec, key, padded=True)
             reps = layer.key_reps = attn.key_reps(key, cache_seqlens=lens, cache_leftpad=pads, previous=kept)
         o = attn(query, key, value, scale=scaling, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps)
         return o.transpose(1, 2).contiguous(), None
