@@ -32,6 +32,8 @@ KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalis
 Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a KV cache):
   decode_select (q, k[, k_rep])          select's, for such a call of the Q-centric schedule (one Q tile: its
             blocks split over more programs)
+  kv_decode_select (q, k[, k_rep])       kv_select's, for such a call of the KV-centric schedule (its blocks
+            split over more programs, the partial lists merged)
   decode    (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form, split-KV per query
 Such a call may pass `cache_seqlens` and `cache_leftpad` (int32 [B]: batch row b of a cache holds keys
 [cache_leftpad[b], cache_seqlens[b])): the launchers of the roles whose `RoleImpl.varlen` is set take them as
@@ -382,8 +384,8 @@ register_role(Role("kv_bwd", "backward over per-query lists: dk, dv and the dq p
                    "then dq's merge in slot order", canonical=_KERNEL_READS_LISTS, workload=kv_bwd_workload))
 KV_BACKWARD_ROLES = ("bwd_delta", "kv_bwd")
 # the roles that choose lists, one per (schedule, kind of selector): `Spec.selection_role` names a spec's; and
-# decode_select, the Q-centric pooling selectors' in a decode call (`forward_roles(spec, 1)`)
-SELECTION_ROLES = ("select", "select_index", "kv_select", "kv_select_index", "decode_select")
+# decode_select and kv_decode_select, the pooling selectors' in a decode call (`forward_roles(spec, 1)`)
+SELECTION_ROLES = ("select", "select_index", "kv_select", "kv_select_index", "decode_select", "kv_decode_select")
 
 
 # Decoding: a call of a few queries (one token, or a few speculative ones) against a long KV cache runs
@@ -405,6 +407,8 @@ def decode_select_workload(spec: Spec, shape: WorkloadShape, device, dtype, chec
 
 register_role(Role("decode_select", "the pooling selectors' lists for a call of a few queries (decoding): the select "
                    "kernel with its blocks split over many programs", workload=decode_select_workload))
+register_role(Role("kv_decode_select", "the pooling selectors' per-query lists for a call of a few queries (decoding): "
+                   "the kv_select kernel with its blocks split over many programs", workload=decode_select_workload))
 register_role(Role("decode", "attention of a few queries (decoding) over either schedule's lists: split-KV per query, "
                    "its G heads packed, splits merged through lse", canonical=_KERNEL_READS_LISTS,
                    workload=decode_workload))
@@ -431,6 +435,7 @@ def forward_roles(spec: Spec, n_q: int | None = None) -> tuple[str, str | None, 
     """(lists, the selection role or None for given lists, attn): the roles of a forward of `spec`'s
     schedule and selector; a call of n_q <= DECODE_MAX_QUERIES queries attends with `decode`."""
     if n_q is not None and n_q <= DECODE_MAX_QUERIES:
-        selection = "decode_select" if spec.selection_role == "select" else spec.selection_role
+        selection = {"select": "decode_select", "kv_select": "kv_decode_select"}.get(spec.selection_role,
+                                                                                    spec.selection_role)
         return ("lists", selection, "decode")
     return ("lists", spec.selection_role, "kv_attn" if spec.per_query else "attn")

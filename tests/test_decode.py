@@ -38,10 +38,13 @@ def test_few_queries_are_served_by_decode():
     assert forward_roles(spec, 1)[2] == forward_roles(spec, DECODE_MAX_QUERIES)[2] == "decode"
     assert forward_roles(spec, DECODE_MAX_QUERIES + 1)[2] == "attn"
     assert forward_roles(spec.replace(schedule="kv_centric"), DECODE_MAX_QUERIES + 1)[2] == "kv_attn"
-    # a Q-centric pooling selector's decode call selects with decode_select; the others with their own role
+    # a pooling selector's decode call selects with decode_select (kv_decode_select for per-query lists); the
+    # index selector with its own role
     mean = spec.replace(selector="mean")
     assert forward_roles(mean, 1)[1] == "decode_select" and forward_roles(mean, DECODE_MAX_QUERIES + 1)[1] == "select"
-    assert forward_roles(mean.replace(schedule="kv_centric"), 1)[1] == "kv_select"
+    per_query = mean.replace(schedule="kv_centric")
+    assert forward_roles(per_query, 1)[1] == "kv_decode_select"
+    assert forward_roles(per_query, DECODE_MAX_QUERIES + 1)[1] == "kv_select"
     assert forward_roles(spec.replace(selector="index"), 1)[1] == "select_index"
 
 
@@ -151,3 +154,24 @@ def test_top_k_1_with_one_tile_a_program(role, n_q, device):
     assert lists.shape[-1] == 1
     assert_valid_selection(lists, q, k, spec)
     check(spec, q, k, v)
+
+
+@pytest.mark.parametrize("selector", ["mean", "multi:2"])
+def test_a_per_query_decode_selection_splits_its_blocks(selector, device):
+    """kv_decode_select (the KV-centric schedule's selection in a decode call): the blocks split over programs,
+    each split's top-k merged, give the lists of one scan bit for bit at any split count, with kept reps and
+    over a cache of per-row lengths too; they are a valid top-k under float64 scores."""
+    spec = Spec(head_dim=64, kv_block=16, top_k=3, causal=True, gqa_group=2, selector=selector,
+                schedule="kv_centric", local=1, sink=1)
+    q, k, v = make_inputs(2, 2, 2, 3, 300, 64, torch.float16, device, 11)
+    kernels = [kernelgen.get_kernel(spec, configs={"kv_decode_select": kernelgen.KvSelectConfig(
+        queries=16, chunk=16, splits=n)}) for n in (1, 2, 8)]
+    lists = [attn.select(q, k) for attn in kernels]
+    assert all(torch.equal(lists[0], other) for other in lists[1:])
+    assert_valid_selection(lists[0], q, k, spec)
+    lens = torch.tensor([300, 77], dtype=torch.int32, device=device)
+    pads = torch.tensor([5, 0], dtype=torch.int32, device=device)
+    ragged = [attn.select(q, k, key_reps=attn.key_reps(k, cache_seqlens=lens, cache_leftpad=pads), cache_seqlens=lens,
+                          cache_leftpad=pads) for attn in kernels]
+    assert all(torch.equal(ragged[0], other) for other in ragged[1:])
+    assert torch.equal(ragged[0][1:], kernels[0].select(q[1:], k[1:, :, :77]))

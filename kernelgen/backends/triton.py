@@ -97,11 +97,13 @@ class BwdDkdvConfig(_JsonConfig):
 @dataclass(frozen=True)
 class KvSelectConfig(_JsonConfig):
     """Per-query selection (KV-centric): queries scored per program (they share each k_rep chunk load),
-    chunk: KV blocks scored per step."""
+    chunk: KV blocks scored per step, splits: programs sharing one query group's blocks (partial top-k each,
+    then a merge; a decode call's)."""
 
     queries: int = 32
     chunk: int = 64
     num_warps: int = 4
+    splits: int = 1
 
 
 @dataclass(frozen=True)
@@ -381,7 +383,10 @@ def kv_select_smem_bytes(spec: Spec, cfg: KvSelectConfig, arch: str) -> int:
 
 def kv_select_infeasible(spec: Spec, cfg: KvSelectConfig, arch: str) -> str | None:
     """Why the per-query selector cannot run `cfg` for `spec` on `arch`, or None: tl.dot's and the registers'
-    tile bounds, and the shared memory of the arch (kv_select_smem_bytes)."""
+    tile bounds, and the shared memory of the arch (kv_select_smem_bytes). Splits are a decode call's
+    (`kv_decode_select_infeasible`)."""
+    if cfg.splits != 1:
+        return f"splits={cfg.splits}: a prefill's selection scans each query group's blocks in one program"
     cols = cfg.chunk * spec.groups
     # tl.dot needs >= 16 rows and columns; keep the score tile and the running lists within registers
     if cfg.queries < 16 or cfg.queries > 256 or cols < 16 or cfg.queries * cols > 64 * 256:
@@ -397,6 +402,29 @@ def kv_select_infeasible(spec: Spec, cfg: KvSelectConfig, arch: str) -> str | No
                 f"kv_select_smem_bytes); at most {arch_facts(arch).smem_per_block} on {arch}: fewer queries or a "
                 "smaller chunk")
     return None
+
+
+def kv_decode_select_infeasible(spec: Spec, cfg: KvSelectConfig, arch: str) -> str | None:
+    if cfg.splits not in DECODE_SELECT_SPLITS:
+        return f"splits={cfg.splits}; expected one of {DECODE_SELECT_SPLITS}"
+    if cfg.splits * next_pow2(spec.top_k) > MERGE_CANDIDATES:
+        return (f"splits={cfg.splits} x next_pow2(top_k) = {cfg.splits * next_pow2(spec.top_k)} candidate keys to merge "
+                f"per query; expected at most {MERGE_CANDIDATES}")
+    return kv_select_infeasible(spec, dataclasses.replace(cfg, splits=1), arch)
+
+
+def kv_decode_select_default(spec: Spec, arch: str) -> KvSelectConfig:
+    # a decode call: one program per (query group, B*Hkv) leaves the GPU idle at long context; split the blocks
+    # over 8 programs as decode_select does (MERGE_CANDIDATES bounds the merge)
+    splits = max(1, min(8, MERGE_CANDIDATES // next_pow2(spec.top_k)))
+    return _first_feasible(spec, arch, kv_decode_select_infeasible, (
+        KvSelectConfig(queries=16, chunk=max(next_pow2(spec.top_k), c // spec.groups), num_warps=4, splits=splits)
+        for c in (64, 32, 16, 128)))
+
+
+def kv_decode_select_space(spec: Spec, arch: str):
+    return (KvSelectConfig(queries=16, chunk=c, num_warps=w, splits=n)
+            for c, w, n in itertools.product((16, 32, 64, 128), (2, 4), DECODE_SELECT_SPLITS))
 
 
 def kv_select_default(spec: Spec, arch: str) -> KvSelectConfig:
@@ -1016,15 +1044,23 @@ def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: to
     if k_rep is None:
         k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod, seqlens, leftpad)
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q.device, dtype=torch.int32)
+    n_bh, top_k_pad = shapes.batch * shapes.heads_kv, topk_width(spec.top_k)
+    cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q * cfg.splits * top_k_pad, device=q.device,
+                                                   dtype=torch.int64)
     kernel, lengths = (mod.kv_select_topk, ()) if seqlens is None else (mod.kv_select_topk_varlen,
                                                                         _row_keys(seqlens, leftpad))
-    kernel[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv)](
-        q, k_rep, block_idx, *lengths, *q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv,
-        *block_idx.stride()[:3],
+    kernel[(triton.cdiv(shapes.n_q, cfg.queries), n_bh, cfg.splits)](
+        q, k_rep, block_idx, cand, *lengths, *q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks,
+        shapes.heads_kv, *block_idx.stride()[:3],
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
-        TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
-        QUERIES=cfg.queries, CHUNK=cfg.chunk, CAUSAL=spec.causal, num_warps=cfg.num_warps,
+        TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local,
+        QUERIES=cfg.queries, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal, num_warps=cfg.num_warps,
         **_has_leftpad(seqlens, leftpad))
+    if cfg.splits > 1:  # a query's candidates merged as select's tiles' are
+        tiles = max(1, min(64, 2048 // (cfg.splits * top_k_pad)))
+        mod.merge_topk[(triton.cdiv(shapes.n_q, tiles), n_bh)](
+            cand, block_idx, shapes.n_q, shapes.heads_kv, *block_idx.stride()[:3], TOP_K=spec.top_k,
+            TOP_K_PAD=top_k_pad, SPLITS=cfg.splits, TILES=tiles, num_warps=4)
     return block_idx
 
 
@@ -1410,6 +1446,10 @@ class TritonBackend(Backend):
         "kv_select": RoleImpl(launch=launch_kv_select, template="triton/kv_select.py.j2", config_type=KvSelectConfig,
                               default=kv_select_default, space=kv_select_space, infeasible=kv_select_infeasible,
                               varlen=True),
+        "kv_decode_select": RoleImpl(launch=launch_kv_select, template="triton/kv_select.py.j2",
+                                     config_type=KvSelectConfig, default=kv_decode_select_default,
+                                     space=kv_decode_select_space, infeasible=kv_decode_select_infeasible,
+                                     varlen=True),
         "kv_select_index": RoleImpl(launch=launch_kv_select_index, template="triton/kv_select_index.py.j2",
                                     config_type=KvIndexSelectConfig, default=kv_index_select_default,
                                     space=kv_index_select_space, infeasible=kv_index_select_infeasible),

@@ -29,6 +29,7 @@ compared with kernelgen's (relative L2).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -161,6 +162,17 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
             record(name, "kernelgen key_reps extended by one key", lambda: selecting.key_reps(k, previous=before),
                    _bench_graph(lambda: selecting.key_reps(k, previous=before), log=log), 0)
 
+        def per_query():  # the KV-centric schedule's decode call: per-query lists, its selection split too
+            per_query_spec = spec.replace(schedule="kv_centric", backend=backends.AUTO)
+            served = get_kernel(per_query_spec).served("kv_decode_select", shape.n_k, q.dtype, q.device)
+            unsplit = dataclasses.replace(served.config, splits=1)  # one program per query group, as prefill scans
+            for label, cfg in (("", served.config), (", selection unsplit", unsplit)):
+                kernel = get_kernel(per_query_spec, configs={"kv_decode_select": cfg})
+                reps = kernel.key_reps(k)
+                call = functools.partial(kernel, q, k, v, key_reps=reps)
+                record(name, f"kernelgen mean per-query, kept reps{label}", call, _bench_graph(call, log=log), 0,
+                       select_config=_config_json(cfg), select_config_source=served.source if not label else "given")
+
         def lengths_step():
             lens = torch.full((shape.batch,), shape.n_k - 1, dtype=torch.int32, device=q.device)
             reps = selecting.key_reps(k, cache_seqlens=lens)
@@ -187,6 +199,7 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
         attempt(name, "mean pipeline", pipeline)
         attempt(name, "kept reps", kept)
         attempt(name, "cache_seqlens step", lengths_step)
+        attempt(name, "per-query lists, kept reps", per_query)
 
         def flex():
             calls = [flex_call(q, k, v, flex_block_mask(idx, spec, shape), spec) for idx in lists]
