@@ -455,9 +455,9 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
         layer.key_reps = None  # made by the next decode call
     outputs = []
     for b in range(batch):
-        real = rows.queries(b if len(rows.firsts) > 1 else 0, n_q)
-        first = rows.firsts[b if len(rows.firsts) > 1 else 0]
-        keys = slice(first, rows.offset + real.stop)
+        row = b if len(rows.firsts) > 1 else 0
+        real = rows.queries(row, n_q)
+        keys = slice(rows.firsts[row], rows.offset + real.stop)
         parts = [query.new_zeros(1, query.shape[1], real.start, query.shape[3])] if real.start else []
         if len(real):
             parts.append(attn(query[b:b + 1, :, real.start:real.stop], key[b:b + 1, :, keys], value[b:b + 1, :, keys],
