@@ -207,6 +207,18 @@ def test_a_left_padded_batch_generates_each_row_as_if_alone(models, roles, cache
             assert_close(logits[:, b], alone[:, 0], tol=1e-5)
 
 
+def test_a_padded_prompt_within_top_k_blocks_runs_sdpa_once(models, roles):
+    """Rows whose keys fit in top_k blocks attend densely (every block listed): the padded batch runs one SDPA call
+    a layer, the same attention as a call per row, with no warning and no kernelgen launch."""
+    ours, sdpa = models
+    set_options(ours, top_k=3)  # 3 blocks of 16: rows of up to 48 tokens
+    ids, mask = left_padded([tokens(1, n, seed=40 + i) for i, n in enumerate((40, 25))])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        got = ours(ids, attention_mask=mask).logits
+    assert not roles and torch.equal(got, sdpa(ids, attention_mask=mask).logits)
+
+
 def test_a_right_padded_training_batch_is_each_row_alone(models):
     """Right padding (a training batch): each row's logits at its tokens, and the gradients they give, are the
     row's alone; padding positions take no part."""

@@ -46,7 +46,9 @@ as well.
 **Padded batches.** A batch whose rows are padded (on the left, as generate() pads prompts, or on the right, as
 a training batch is) computes each row over its own tokens, exactly as if it were alone: its blocks are counted
 from its first token. A padding position's output is 0, as transformers' FlashAttention integration gives. A
-decode step is one call (`cache_leftpad`, eager or compiled); a prompt or a training batch runs one call per row.
+decode step is one call (`cache_leftpad`, eager or compiled); a prompt or a training batch runs one call per row,
+or, where every row's keys fit in top_k blocks (every block listed: dense attention), one SDPA call with the mask
+(the same attention; its padding positions are SDPA's, read by nothing).
 
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's
 `"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
@@ -416,7 +418,7 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         return _fall_back(reason, *args, **kwargs)
     attn = get_kernel(spec)
     if isinstance(n_keys, PaddedRows):
-        return _attention_padded(module, attn, spec, query, key, value, n_keys, scaling)
+        return _attention_padded(module, attn, spec, query, key, value, n_keys, scaling, attention_mask, kwargs)
     if n_keys < key.shape[2]:  # a preallocated (static) cache, its first n_keys keys written
         lens = torch.full((key.shape[0],), n_keys, dtype=torch.int32, device=key.device)
         reps = _static_reps(attn, *module.__dict__["_kernelgen_traced"], query, key, lens)
@@ -434,11 +436,12 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
     return o.transpose(1, 2).contiguous(), None
 
 
-def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedRows, scaling):
+def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedRows, scaling, mask, kwargs):
     """A padded batch's call: each row over its own tokens, as if it were alone (its blocks counted from its
     first token); a padding query's output is 0, as transformers' FlashAttention integration gives. A decode
     call whose queries are all tokens is one call (`cache_leftpad`); a prompt or a training batch runs a call
-    per row."""
+    per row, or, where every row's keys fit in top_k blocks (every block listed: dense causal attention over
+    the row's tokens), SDPA over the padded batch: the same attention, without a call per row."""
     batch, n_q = query.shape[0], query.shape[2]
     pads, lens = (x.expand(batch).contiguous() for x in (rows.pads, rows.lens))  # a mask of one row broadcasts
     static = rows.offset + n_q < key.shape[2]  # a preallocated cache, its first offset + n_q keys written
@@ -453,6 +456,13 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
         return o.transpose(1, 2).contiguous(), None
     if layer is not None:
         layer.key_reps = None  # made by the next decode call
+    row_keys = (min(end, rows.offset + n_q) - first for first, end in zip(rows.firsts, rows.ends))
+    if all(spec.n_kv_blocks(n) <= spec.top_k for n in row_keys):
+        # dense: one SDPA call does in one launch what a call per row would (short prompts' launches, B of them
+        # a layer, cost more than their attention)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
     outputs = []
     for b in range(batch):
         row = b if len(rows.firsts) > 1 else 0
