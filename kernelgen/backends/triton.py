@@ -341,11 +341,16 @@ DECODE_SELECT_SPLITS = (1, 2, 4, 8, 16, 32)
 MERGE_CANDIDATES = 2048  # the most keys merge_topk takes per tile (splits x next_pow2(top_k)), as select's 8 x 256
 
 
+def _merge_infeasible(spec: Spec, splits: int) -> str | None:
+    """Why merge_topk cannot take `splits` partial top-k of a list, or None."""
+    if splits * next_pow2(spec.top_k) > MERGE_CANDIDATES:
+        return (f"splits={splits} x next_pow2(top_k) = {splits * next_pow2(spec.top_k)} candidate keys to merge "
+                f"per list; expected at most {MERGE_CANDIDATES}")
+    return None
+
+
 def decode_select_infeasible(spec: Spec, cfg: SelectConfig, arch: str) -> str | None:
-    if cfg.splits * next_pow2(spec.top_k) > MERGE_CANDIDATES:
-        return (f"splits={cfg.splits} x next_pow2(top_k) = {cfg.splits * next_pow2(spec.top_k)} candidate keys to merge "
-                f"per tile; expected at most {MERGE_CANDIDATES}")
-    return select_infeasible(spec, cfg, arch, DECODE_SELECT_SPLITS)
+    return _merge_infeasible(spec, cfg.splits) or select_infeasible(spec, cfg, arch, DECODE_SELECT_SPLITS)
 
 
 def decode_select_default(spec: Spec, arch: str) -> SelectConfig:
@@ -407,10 +412,8 @@ def kv_select_infeasible(spec: Spec, cfg: KvSelectConfig, arch: str) -> str | No
 def kv_decode_select_infeasible(spec: Spec, cfg: KvSelectConfig, arch: str) -> str | None:
     if cfg.splits not in DECODE_SELECT_SPLITS:
         return f"splits={cfg.splits}; expected one of {DECODE_SELECT_SPLITS}"
-    if cfg.splits * next_pow2(spec.top_k) > MERGE_CANDIDATES:
-        return (f"splits={cfg.splits} x next_pow2(top_k) = {cfg.splits * next_pow2(spec.top_k)} candidate keys to merge "
-                f"per query; expected at most {MERGE_CANDIDATES}")
-    return kv_select_infeasible(spec, dataclasses.replace(cfg, splits=1), arch)
+    return _merge_infeasible(spec, cfg.splits) or kv_select_infeasible(spec, dataclasses.replace(cfg, splits=1),
+                                                                        arch)
 
 
 def kv_decode_select_default(spec: Spec, arch: str) -> KvSelectConfig:
@@ -1029,11 +1032,18 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
         TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_has_leftpad(seqlens, leftpad))
     if cfg.splits > 1:
-        tiles = max(1, min(64, 2048 // (cfg.splits * top_k_pad)))  # about 2K candidate keys per program
-        mod.merge_topk[(triton.cdiv(shapes.n_q_tiles, tiles), n_bh)](
-            cand, block_idx, shapes.n_q_tiles, shapes.heads_kv, block_idx.stride(0), block_idx.stride(1),
-            block_idx.stride(2), TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SPLITS=cfg.splits, TILES=tiles, num_warps=4)
+        _merge_topk(mod, spec, cand, block_idx, cfg.splits)
     return block_idx
+
+
+def _merge_topk(mod, spec: Spec, cand: torch.Tensor, block_idx: torch.Tensor, splits: int) -> None:
+    """block_idx's lists [B, Hkv, n_lists, top_k] from the `splits` partial top-k of each list in `cand` (a tile's,
+    or a query's for per-query lists)."""
+    top_k_pad = topk_width(spec.top_k)
+    tiles = max(1, min(64, 2048 // (splits * top_k_pad)))  # about 2K candidate keys per program
+    mod.merge_topk[(triton.cdiv(block_idx.shape[2], tiles), block_idx.shape[0] * block_idx.shape[1])](
+        cand, block_idx, block_idx.shape[2], block_idx.shape[1], *block_idx.stride()[:3], TOP_K=spec.top_k,
+        TOP_K_PAD=top_k_pad, SPLITS=splits, TILES=tiles, num_warps=4)
 
 
 def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
@@ -1057,10 +1067,7 @@ def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: to
         QUERIES=cfg.queries, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal, num_warps=cfg.num_warps,
         **_has_leftpad(seqlens, leftpad))
     if cfg.splits > 1:  # a query's candidates merged as select's tiles' are
-        tiles = max(1, min(64, 2048 // (cfg.splits * top_k_pad)))
-        mod.merge_topk[(triton.cdiv(shapes.n_q, tiles), n_bh)](
-            cand, block_idx, shapes.n_q, shapes.heads_kv, *block_idx.stride()[:3], TOP_K=spec.top_k,
-            TOP_K_PAD=top_k_pad, SPLITS=cfg.splits, TILES=tiles, num_warps=4)
+        _merge_topk(mod, spec, cand, block_idx, cfg.splits)
     return block_idx
 
 
