@@ -11,8 +11,7 @@ as a device tensor (`cache_seqlens=`), so one captured step serves every later o
     reps = attn.key_reps(k_cache, cache_seqlens=lens)              # the selector's block means, once
     with torch.cuda.graph(graph):                                   # one step
         k_cache[rows, :, lens] = k_new; v_cache[rows, :, lens] = v_new; lens += 1
-        attn.key_reps(k_cache, cache_seqlens=lens, previous=reps)   # grown in place
-        o = attn(q, k_cache, v_cache, cache_seqlens=lens, key_reps=reps)
+        o = attn(q, k_cache, v_cache, cache_seqlens=lens, key_reps=reps)  # reps grown in place to lens first
 
 Each step's output is checked against the float64 reference (`kernelgen.reference`, each row over its own keys).
 On a GPU the step is timed replayed from the graph and called eagerly, next to dense SDPA over the same cache
@@ -65,7 +64,6 @@ class DecodeStep:
         self.k_cache[self.rows, :, at] = self.k_new
         self.v_cache[self.rows, :, at] = self.v_new
         self.lens += 1
-        self.attn.key_reps(self.k_cache, cache_seqlens=self.lens, previous=self.reps)
         return self.attn(self.q, self.k_cache, self.v_cache, cache_seqlens=self.lens, key_reps=self.reps)
 
 

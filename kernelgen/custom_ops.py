@@ -160,7 +160,8 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
              cache_leftpad=None) -> KeyReps:
     """`get_kernel(spec).key_reps(k, cache_seqlens=..., cache_leftpad=..., previous=...)` as custom ops: made
     afresh, extended over a longer k, or, for reps of a cache of per-row lengths, grown in place to the rows'
-    keys (and returned), which a CUDA graph replays. Pass them to `sparse_attention(..., key_reps=)`."""
+    keys (and returned), which a CUDA graph replays. Pass them to `sparse_attention(..., key_reps=)`, which
+    grows reps of per-row lengths to its `cache_seqlens` itself."""
     spec_json = _spec_json(spec)
     k = autocast_qkv(k, k, k)[0]
     if previous is not None and not isinstance(previous, KeyReps):
@@ -221,6 +222,10 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
         raise KernelgenTypeError(f"key_reps must be the KeyReps of key_reps(), got {type(key_reps).__name__}")
     reps = (None, None, 0, None) if key_reps is None else (key_reps.reps, key_reps.seqlens, key_reps.n_k,
                                                            key_reps.leftpad)
+    if key_reps is not None and cache_seqlens is not None and key_reps.seqlens is not None:
+        # reps of per-row lengths follow the call, as the eager call's do: grown to its rows first (its op is
+        # functional, as autograd needs, so the growth is an op of its own)
+        _grow_key_reps_op(k, _spec_json(spec), cache_seqlens, *reps[:2], reps[3], cache_leftpad)
     o, lse, _ = _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale),
                          *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3])
     return o, lse

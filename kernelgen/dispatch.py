@@ -223,6 +223,7 @@ class SparseAttention:
         rows = self._check_rows(cache_seqlens, cache_leftpad, shapes, q.device)
         role = forward_roles(self.spec, shapes.n_q)[1]  # the selection a call of these queries runs
         served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
+        self._reps_to_rows(k, shapes, key_reps, rows)
         return self._select(q, k, shapes, index, served, key_reps, rows)
 
     def _check_rows(self, cache_seqlens, cache_leftpad, shapes: Shapes, device) -> CacheRows | None:
@@ -244,6 +245,17 @@ class SparseAttention:
                                       "takes no per-row lengths (the Triton backend's decode, its pooling "
                                       "selectors' and key_reps do: mean or multi:r, or given lists)")
         return rows._asdict()
+
+    def _reps_to_rows(self, k, shapes: Shapes, key_reps, rows: CacheRows | None) -> None:
+        """Kept reps of a cache of per-row lengths, brought in place to a call's rows before it selects from
+        them (one launch, pooling only the tiles that changed: none but the last partial one when they were
+        grown to these rows already). The reps' lengths live on the device, so a call cannot compare them with
+        its own without a host sync; growing them instead makes a call select from exactly its rows' keys,
+        never from reps of other lengths or another left padding."""
+        if rows is None or not isinstance(key_reps, KeyReps) or key_reps.seqlens is None:
+            return  # nothing to follow; `_select`'s check names anything wrong
+        check_key_reps(key_reps, self.spec, shapes, k.device, varlen=True)
+        self._key_reps_varlen(k, shapes, key_reps, rows)
 
     def _select(self, q, k, shapes: Shapes, index, served: Served, key_reps: KeyReps | None = None,
                 rows: CacheRows | None = None) -> torch.Tensor:
@@ -272,9 +284,10 @@ class SparseAttention:
         cache_seqlens[b] keys, for calls that pass the same cache_seqlens. With `previous` (made so, for this
         cache), previous is brought to the new lengths in place, on the device, and returned: one launch with
         no host sync, which a CUDA graph can replay (for a longer k, a cache that grew into a new tensor, the
-        reps returned take previous's place). `cache_leftpad` (int32 [B], with cache_seqlens): row b's keys
-        start at cache_leftpad[b] (a left-padded batch), its blocks counted from there; reps grown to another
-        left padding than they hold are pooled again, on the device."""
+        reps returned take previous's place). A call with `cache_seqlens=` and such reps grows them to its rows
+        itself, so a decode step needs this only where k grew into a new tensor. `cache_leftpad` (int32 [B],
+        with cache_seqlens): row b's keys start at cache_leftpad[b] (a left-padded batch), its blocks counted
+        from there; reps grown to another left padding than they hold are pooled again, on the device."""
         if self.spec.selection_role not in ("select", "kv_select"):
             raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
                                       f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
@@ -322,11 +335,7 @@ class SparseAttention:
             raise KernelgenValueError("previous key_reps were made without cache_seqlens=: grow them with "
                                       "attn.key_reps(k, previous=...), or make them with cache_seqlens=")
         if previous.n_k < n_k:  # a cache that grew (a new, longer tensor): room for its new blocks, then grown
-            extra = shapes.n_kv_blocks - previous.reps.shape[2]
-            reps = previous.reps if extra <= 0 else torch.cat(
-                [previous.reps, previous.reps.new_zeros(b, hkv, extra, *previous.reps.shape[3:])], dim=2)
-            previous = KeyReps._made_by_key_reps(reps, n_k, previous.kv_block, previous.groups, previous.seqlens,
-                                                 previous.leftpad)
+            previous = previous._with_room(n_k)
         check_key_reps(previous, spec, shapes, k.device, varlen=True)
         self._launch(served, k, shapes, k, grow=(previous.reps, previous.seqlens, previous.leftpad), **varlen)
         return previous
@@ -415,6 +424,8 @@ class SparseAttention:
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps)
         else:
+            if block_idx is None:
+                self._reps_to_rows(k, shapes, key_reps, rows)
             o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, rows)[:3]
         return (o, lse) if return_lse else o
 

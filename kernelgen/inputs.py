@@ -128,7 +128,9 @@ class KeyReps:
                  on the device; None otherwise
 
     They hold what k held when they were made; a call passes the same k (or, for a grown cache, reps
-    extended over it). Only `key_reps` makes them, so the constructor refuses."""
+    extended over it). Reps with seqlens follow the call instead: a call with `cache_seqlens=` grows them in
+    place to its rows first, so it never selects from reps of other lengths. Only `key_reps` makes them, so the
+    constructor refuses."""
     __slots__ = ("reps", "n_k", "kv_block", "groups", "seqlens", "leftpad")
 
     def __init__(self, *args, **kwargs):
@@ -162,6 +164,14 @@ class KeyReps:
                                       f"{index!r}")
         seqlens, leftpad = (None, None) if self.seqlens is None else (self.seqlens[index], self.leftpad[index])
         return KeyReps._made_by_key_reps(reps, self.n_k, self.kv_block, self.groups, seqlens, leftpad)
+
+    def _with_room(self, n_k: int) -> KeyReps:
+        """Reps of per-row lengths for a cache that grew into a new tensor of n_k keys: zeros appended for its
+        new blocks, the rows' recorded lengths kept (the same tensors), so the next growth pools them."""
+        extra = -(-n_k // self.kv_block) - self.reps.shape[2]
+        reps = self.reps if extra <= 0 else torch.cat(
+            [self.reps, self.reps.new_zeros(*self.reps.shape[:2], extra, *self.reps.shape[3:])], dim=2)
+        return KeyReps._made_by_key_reps(reps, n_k, self.kv_block, self.groups, self.seqlens, self.leftpad)
 
     def cropped(self, n_k: int) -> KeyReps:
         """The reps of the whole blocks among the first n_k keys (a KV cache cropped to n_k keys): they extend

@@ -157,6 +157,33 @@ def test_kept_reps_grown_to_another_left_padding_are_pooled_again(device):
     assert reps.index_batch([3, 0]).leftpad[0, 0] == 0 and reps.index_batch([3, 0]).seqlens[0, 0] == 49
 
 
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_a_call_grows_kept_reps_to_its_own_rows(schedule, device):
+    """Reps of per-row lengths follow the call: passed to a call (or a select, or the custom op) of other
+    lengths or another left padding than they hold, they are first grown to its rows in place, so it selects
+    and attends exactly as the call that pools k itself, never from reps of other keys."""
+    from kernelgen import custom_ops
+
+    spec = _spec("multi:2", schedule)
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(1, torch.float32, device, lengths=(90, 20, 0, 47, 1))
+    reps = attn.key_reps(k, cache_seqlens=lens)
+    for lengths, pads in (((100, 37, 16, 48, 1), None), ((100, 37, 16, 48, 30), (3, 0, 16, 17, 1)),
+                          ((64, 40, 40, 49, 3), (0, 20, 2, 0, 0))):
+        lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        pads = None if pads is None else torch.tensor(pads, dtype=torch.int32, device=device)
+        rows = {"cache_seqlens": lens, "cache_leftpad": pads}
+        lists = attn.select(q, k, **rows)
+        o = attn(q, k, v, **rows)
+        assert torch.equal(attn(q, k, v, key_reps=reps, **rows), o), lengths
+        fresh = attn.key_reps(k, **rows)
+        assert torch.equal(reps.seqlens, fresh.seqlens) and torch.equal(reps.leftpad, fresh.leftpad)
+        assert torch.equal(attn.select(q, k, key_reps=reps, **rows), lists)
+    lens = torch.tensor((100, 21, 5, 0, 2), dtype=torch.int32, device=device)
+    o_op, _ = custom_ops.sparse_attention(q, k, v, spec, cache_seqlens=lens, key_reps=reps)
+    assert torch.equal(o_op, attn(q, k, v, cache_seqlens=lens)) and reps.seqlens[:, 0].tolist() == [100, 21, 5, 0, 2]
+
+
 def test_bad_cache_seqlens_are_refused_by_name(device):
     spec = _spec("mean")
     attn = get_kernel(spec)
@@ -204,7 +231,7 @@ def test_long_ragged_cache_on_gpu(schedule, selector):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pads", [None, (0, 100, 3000, 1)])
 def test_a_cuda_graph_of_a_decode_step_follows_the_lengths(pads):
-    """One captured step (the kept reps grown to the lengths, then the call with them) replayed as the cache
+    """One captured step (the call with the kept reps, which grows them to the lengths) replayed as the cache
     grows: every replay equals the eager call at those lengths (and left padding), bit for bit."""
     spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, local=2, sink=1)
     attn = get_kernel(spec)
@@ -214,7 +241,6 @@ def test_a_cuda_graph_of_a_decode_step_follows_the_lengths(pads):
     attn(q, k, v, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps)  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        attn.key_reps(k, cache_seqlens=lens, cache_leftpad=pads, previous=reps)
         o = attn(q, k, v, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps)
     for step in range(1, 4):
         lens += torch.tensor([1, 1, 128, 0], dtype=torch.int32, device="cuda")

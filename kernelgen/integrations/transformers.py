@@ -421,7 +421,7 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         return _attention_padded(module, attn, spec, query, key, value, n_keys, scaling, attention_mask, kwargs)
     if n_keys < key.shape[2]:  # a preallocated (static) cache, its first n_keys keys written
         lens = torch.full((key.shape[0],), n_keys, dtype=torch.int32, device=key.device)
-        reps = _static_reps(attn, *module.__dict__["_kernelgen_traced"], query, key, lens)
+        reps = _static_reps(attn, module.__dict__["_kernelgen_traced"][1], query, key, lens)
         if query.shape[2] > DECODE_MAX_QUERIES:  # a prompt: its own selection, over the keys written so far
             o = attn(query, key[:, :, :n_keys], value[:, :, :n_keys], scale=scaling)
         else:
@@ -445,13 +445,14 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
     batch, n_q = query.shape[0], query.shape[2]
     pads, lens = (x.expand(batch).contiguous() for x in (rows.pads, rows.lens))  # a mask of one row broadcasts
     static = rows.offset + n_q < key.shape[2]  # a preallocated cache, its first offset + n_q keys written
-    reps = _static_reps(attn, *module.__dict__["_kernelgen_traced"], query, key, lens, pads) if static else None
+    reps = _static_reps(attn, module.__dict__["_kernelgen_traced"][1], query, key, lens, pads) if static else None
     layer = None if static or spec.selection_role not in ("select", "kv_select") else _reps_layer(key)
     whole = all(rows.queries(b if len(rows.firsts) > 1 else 0, n_q) == range(n_q) for b in range(batch))
     if n_q <= DECODE_MAX_QUERIES and whole:
-        if layer is not None:  # reps of the left-padded cache, grown from the last call's
+        if layer is not None:  # reps of the left-padded cache, the last call's (the call grows them to lens)
             kept = _extendable(layer.key_reps, spec, key, padded=True)
-            reps = layer.key_reps = attn.key_reps(key, cache_seqlens=lens, cache_leftpad=pads, previous=kept)
+            reps = layer.key_reps = (attn.key_reps(key, cache_seqlens=lens, cache_leftpad=pads) if kept is None
+                                     else kept._with_room(key.shape[2]))
         o = attn(query, key, value, scale=scaling, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps)
         return o.transpose(1, 2).contiguous(), None
     if layer is not None:
@@ -497,13 +498,13 @@ def _reps_blocks(spec: Spec) -> tuple[int, int] | None:
     return (spec.kv_block, spec.groups) if spec.selection_role in ("select", "kv_select") else None
 
 
-def _static_reps(attn, spec_json: str, blocks: tuple[int, int] | None, query, key, lens,
+def _static_reps(attn, blocks: tuple[int, int] | None, query, key, lens,
                  pads: torch.Tensor | None = None) -> KeyReps | None:
-    """The reps kept on static cache keys `key`, brought to `lens` (int32 [B], on the device) and left padding
-    `pads` (int32 [B] or None); None for a spec whose selector keeps none (`blocks`: `_reps_blocks` of the spec).
-    `attn`: get_kernel(spec) in an eager call, which makes them where there are none (once, at a static address,
-    for CUDA graphs to replay); None in a compiled one, which grows them through the custom ops, and without
-    them lets its selection pool the keys."""
+    """The reps kept on static cache keys `key`, for a call over `lens` (int32 [B], on the device) and left
+    padding `pads` (int32 [B] or None), which grows them to those rows itself; None for a spec whose selector
+    keeps none (`blocks`: `_reps_blocks` of the spec). `attn`: get_kernel(spec) in an eager call, which makes
+    them where there are none (once, at a static address, for CUDA graphs to replay); None in a compiled one,
+    which without them lets its selection pool the keys."""
     if blocks is None:
         return None
     reps = getattr(key, "_kernelgen_reps", None)
@@ -521,9 +522,7 @@ def _static_reps(attn, spec_json: str, blocks: tuple[int, int] | None, query, ke
     # the keys each row's reps hold, cut back to the row's first key written by this call
     written = lens - query.shape[2] - (0 if pads is None else pads)
     reps.seqlens.copy_(torch.minimum(reps.seqlens, written.clamp(min=0)[:, None]))
-    if attn is None:
-        return custom_ops.key_reps(key, spec_json, cache_seqlens=lens, previous=reps, cache_leftpad=pads)
-    return attn.key_reps(key, cache_seqlens=lens, previous=reps, cache_leftpad=pads)
+    return reps
 
 
 # ---- inside torch.compile ----------------------------------------------------------------------------------
@@ -554,7 +553,7 @@ def _attention_in_graph(module, query, key, value, mask, scaling, dropout):
         o, _ = custom_ops.sparse_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], spec_json, scale=scaling)
     else:  # a decode step over a static cache: its rows read on the device, its kept reps grown in place
         lens, pads = _rows_on_device(mask, n_q, n_k)
-        reps = _static_reps(None, spec_json, blocks, query, key, lens, pads)
+        reps = _static_reps(None, blocks, query, key, lens, pads)
         o, _ = custom_ops.sparse_attention(query, key, value, spec_json, scale=scaling, cache_seqlens=lens,
                                            key_reps=reps, cache_leftpad=pads)
     return o.transpose(1, 2).contiguous(), None
