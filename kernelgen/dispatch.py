@@ -27,8 +27,8 @@ from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
-                     CacheRows, check_cache_rows, check_index, check_key_reps, check_keys, check_length, check_qkv,
-                     lists_layout, refuse_grad_with_seqlens)
+                     CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps, check_keys, check_length,
+                     check_qkv, check_token_rows, lists_layout, refuse_grad_with_seqlens)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -215,16 +215,31 @@ class SparseAttention:
 
     # ---- the calls -----------------------------------------------------------------------------------
     def select(self, q: torch.Tensor, k: torch.Tensor, *, index=None, key_reps: KeyReps | None = None,
-               cache_seqlens: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None) -> torch.Tensor:
+               cache_seqlens: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
+               seqlens: torch.Tensor | None = None) -> torch.Tensor:
         if not self.spec.selects:
             raise KernelgenValueError("spec.selector='given' has no selector: pass block_idx to the call")
         q, k, _ = autocast_qkv(q, k, k)
         shapes = check_qkv(q, k, k, self.spec)
-        rows = self._check_rows(cache_seqlens, cache_leftpad, shapes, q.device)
-        role = forward_roles(self.spec, shapes.n_q)[1]  # the selection a call of these queries runs
+        rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index)
+        role = self._selection_role(shapes, rows)  # the selection a call of these queries runs
         served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
         self._reps_to_rows(k, shapes, key_reps, rows)
         return self._select(q, k, shapes, index, served, key_reps, rows)
+
+    def _rows(self, shapes: Shapes, device, cache_seqlens, cache_leftpad, seqlens, key_reps, index
+              ) -> CacheRows | TokenRows | None:
+        """A call's checked rows: a decode call's KV cache rows (`cache_seqlens`, `cache_leftpad`), a right-padded
+        batch's tokens (`seqlens`), or None."""
+        if seqlens is None:
+            return self._check_rows(cache_seqlens, cache_leftpad, shapes, device)
+        return check_token_rows(seqlens, self.spec, shapes, device, key_reps=key_reps, index=index,
+                                cache_seqlens=cache_leftpad if cache_seqlens is None else cache_seqlens)
+
+    def _selection_role(self, shapes: Shapes, rows) -> str | None:
+        """The selection role a call runs: a padded batch's is the decode selection, whose module has the
+        per-row kernels (each row pooled and scored over its own tokens)."""
+        return forward_roles(self.spec, 1 if isinstance(rows, TokenRows) else shapes.n_q)[1]
 
     def _check_rows(self, cache_seqlens, cache_leftpad, shapes: Shapes, device) -> CacheRows | None:
         """A call's checked `cache_seqlens` and `cache_leftpad` (None without): a decode call's only."""
@@ -235,15 +250,18 @@ class SparseAttention:
         return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device)
 
     @staticmethod
-    def _varlen(served: Served, rows: CacheRows | None) -> dict:
-        """The launch options that pass a call's `cache_seqlens` and `cache_leftpad` to a role that takes them
-        (none without)."""
+    def _varlen(served: Served, rows: CacheRows | TokenRows | None) -> dict:
+        """The launch options that pass a call's `cache_seqlens` and `cache_leftpad` (or a padded batch's
+        `seqlens`, its queries the rows' own tokens) to a role that takes them (none without)."""
         if rows is None:
             return {}
         if not served.impl.varlen:
-            raise KernelgenValueError(f"cache_seqlens=: the {served.role!r} role of backend {served.backend.name!r} "
+            name = "seqlens" if isinstance(rows, TokenRows) else "cache_seqlens"
+            raise KernelgenValueError(f"{name}=: the {served.role!r} role of backend {served.backend.name!r} "
                                       "takes no per-row lengths (the Triton backend's decode, its pooling "
                                       "selectors' and key_reps do: mean or multi:r, or given lists)")
+        if isinstance(rows, TokenRows):
+            return {"seqlens": rows.seqlens, "row_queries": True}
         return rows._asdict()
 
     def _reps_to_rows(self, k, shapes: Shapes, key_reps, rows: CacheRows | None) -> None:
@@ -416,17 +434,20 @@ class SparseAttention:
 
     def __call__(self, q, k, v, *, block_idx=None, index=None, scale=None, return_lse: bool = False,
                  key_reps: KeyReps | None = None, cache_seqlens: torch.Tensor | None = None,
-                 cache_leftpad: torch.Tensor | None = None):
+                 cache_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None):
         q, k, v = autocast_qkv(q, k, v)
         shapes = self._start_call(q, k, v)
-        rows = self._check_rows(cache_seqlens, cache_leftpad, shapes, q.device)
-        refuse_grad_with_seqlens(rows, q, k, v)
+        rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index)
+        if isinstance(rows, CacheRows):
+            refuse_grad_with_seqlens(rows, q, k, v)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-            o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps)
+            o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps, rows)
         else:
             if block_idx is None:
                 self._reps_to_rows(k, shapes, key_reps, rows)
             o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, rows)[:3]
+        if isinstance(rows, TokenRows):
+            o, lse = _padding_cleared(o, lse, rows.seqlens)
         return (o, lse) if return_lse else o
 
     def _start_call(self, q, k, v) -> Shapes:
@@ -446,11 +467,16 @@ class SparseAttention:
         return self._forward(q, k, v, shapes, block_idx, scale, index, key_reps)[:3]
 
     def _forward(self, q, k, v, shapes: Shapes, block_idx, scale, index=None, key_reps: KeyReps | None = None,
-                 rows: CacheRows | None = None):
+                 rows: CacheRows | TokenRows | None = None):
         """`_attend`'s (o, lse, lists), and the tile union the forward built for raw or selected lists under a
         pinned union config (None otherwise): a backward of the union design reuses it. `rows`: a decode call's
-        checked cache rows."""
-        lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device, shapes.n_q <= DECODE_MAX_QUERIES)
+        checked cache rows, or a padded batch's tokens (o and lse then hold the padding's too: the caller
+        clears them)."""
+        padded = isinstance(rows, TokenRows)  # a right-padded batch: its whole rows attend, each row selects alone
+        lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device,
+                                         shapes.n_q <= DECODE_MAX_QUERIES and not padded)
+        if padded and select is not None:
+            select = self._served(self._selection_role(shapes, rows), seq_bucket(shapes.n_k), q.dtype, q.device)
         if block_idx is not None and index is not None:
             raise KernelgenValueError("pass block_idx= or index=, not both: index= chooses the lists block_idx= gives")
         if block_idx is not None and key_reps is not None:
@@ -483,7 +509,9 @@ class SparseAttention:
             reverse = used.reverse_index() if prepared else None
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale)
         else:
-            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale, **self._varlen(attn, rows))
+            # a padded batch's attention runs over whole rows: causal, a row's tokens see none of its padding
+            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale,
+                                  **self._varlen(attn, None if padded else rows))
         return o, lse, used, built
 
     def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale,
@@ -530,8 +558,8 @@ class _AttentionFunction(torch.autograd.Function):
     kept with it; raw or selected lists get theirs in each backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn: SparseAttention, shapes: Shapes, block_idx, scale, index, key_reps):
-        o, lse, used, ctx.built_union = attn._forward(q, k, v, shapes, block_idx, scale, index, key_reps)
+    def forward(ctx, q, k, v, attn: SparseAttention, shapes: Shapes, block_idx, scale, index, key_reps, rows):
+        o, lse, used, ctx.built_union = attn._forward(q, k, v, shapes, block_idx, scale, index, key_reps, rows)
         ctx.attn, ctx.scale, ctx.shapes = attn, scale, shapes
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor made and filled for it per backward
         ctx.prepared = used if isinstance(used, BlockLists) else None
@@ -543,7 +571,7 @@ class _AttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # no double backward: the gradients are not differentiated
     def backward(ctx, do, _dlse):
         if do is None:  # o did not reach the loss (only lse, which has no gradient)
-            return (None,) * 9
+            return (None,) * 10
         q, k, v, o, lse, block_idx = ctx.saved_tensors
         attn = ctx.attn
         union = ctx.prepared.union if ctx.prepared is not None else None
@@ -558,7 +586,14 @@ class _AttentionFunction(torch.autograd.Function):
         reverse = ctx.prepared.reverse_index() if ctx.prepared is not None and union is None else None
         dq, dk, dv = attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3],
                                      ctx.shapes, union)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _padding_cleared(o: torch.Tensor, lse: torch.Tensor, seqlens: torch.Tensor):
+    """A padded batch's (o, lse) with every position past its row's tokens at o = 0, lse = -inf (no gradient
+    flows to those: their rows of o took none of the loss)."""
+    real = torch.arange(o.shape[2], device=o.device) < seqlens[:, None]  # [B, N]; a length past N is all of it
+    return torch.where(real[:, None, :, None], o, 0.0), torch.where(real[:, None, :], lse, float("-inf"))
 
 
 @functools.lru_cache(maxsize=256)

@@ -213,6 +213,36 @@ def check_cache_rows(cache_seqlens, cache_leftpad, shapes: Shapes, device) -> Ca
                                                                         device))
 
 
+class TokenRows(NamedTuple):
+    """A right-padded batch's tokens (`seqlens=`), checked: row b's queries and keys are its first seqlens[b]
+    positions (int32 [B], read on the device, clamped to [0, N])."""
+    seqlens: torch.Tensor
+
+
+def check_token_rows(seqlens, spec: Spec, shapes: Shapes, device, *, cache_seqlens=None, key_reps=None,
+                     index=None) -> TokenRows:
+    """A call's `seqlens` (a right-padded batch), and what such a call can be: causal self-attention of the
+    Q-centric schedule, over given lists or a pooling selector's, with nothing of a KV cache."""
+    if cache_seqlens is not None:
+        raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or cache_seqlens= (a decode call's "
+                                  "KV cache rows), not both")
+    if spec.per_query:
+        raise KernelgenValueError("seqlens= runs the Q-centric schedule; spec.schedule='kv_centric' takes no "
+                                  "padded batch (run each row's own length)")
+    if not spec.causal:
+        raise KernelgenValueError("seqlens= needs a causal spec: a padded row's queries must see none of the "
+                                  "padding after its tokens (run each row's own length)")
+    if shapes.n_q != shapes.n_k:
+        raise KernelgenValueError(f"seqlens= is for self-attention over a padded batch (Nq == Nk); q has "
+                                  f"{shapes.n_q} queries and k {shapes.n_k} keys")
+    if spec.selector == "index" or index is not None:
+        raise KernelgenValueError("seqlens= takes the pooling selectors (mean, multi:r) or given lists, not the "
+                                  "index selector")
+    if key_reps is not None:
+        raise KernelgenValueError("seqlens= calls pool their own keys: pass no key_reps=")
+    return TokenRows(_check_row_ints("seqlens", seqlens, shapes, device))
+
+
 def _check_row_ints(name: str, value, shapes: Shapes, device) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise KernelgenTypeError(f"{name} must be a torch.Tensor (int32 [B]), got {type(value).__name__}")

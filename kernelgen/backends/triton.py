@@ -971,15 +971,16 @@ def topk_width(top_k: int) -> int:
 
 def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
                   k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
-                  leftpad: torch.Tensor | None = None) -> torch.Tensor:
+                  leftpad: torch.Tensor | None = None, row_queries: bool = False) -> torch.Tensor:
     """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1), chosen on the device; `k_rep`:
     k's representatives kept from `launch_key_reps` (None: pooled here); `seqlens`, `leftpad` (int32 [B]): batch
-    row b holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its blocks counted from its first."""
+    row b holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its blocks counted from its first;
+    `row_queries`: its queries are its own tokens too (a right-padded prefill: q's first seqlens[b] rows)."""
     r = spec.groups
-    q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod)
+    q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod, seqlens if row_queries else None)
     if k_rep is None:
         k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens, leftpad)
-    return select_from_reps(mod, spec, cfg, shapes, q_rep, k_rep, seqlens, leftpad)
+    return select_from_reps(mod, spec, cfg, shapes, q_rep, k_rep, seqlens, leftpad, row_queries)
 
 
 def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor, *, seqlens: torch.Tensor | None = None,
@@ -1010,7 +1011,7 @@ def pool_reps(mod, spec: Spec, x: torch.Tensor, unit: int) -> torch.Tensor:
 
 def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: torch.Tensor,
                      k_rep: torch.Tensor, seqlens: torch.Tensor | None = None,
-                     leftpad: torch.Tensor | None = None) -> torch.Tensor:
+                     leftpad: torch.Tensor | None = None, row_queries: bool = False) -> torch.Tensor:
     """`launch_select` from representatives already pooled (`pool_reps`: float32 [B, Hq, n_q_tiles, r, D] and
     [B, Hkv, n_kv_blocks, r, D], contiguous), as a context-parallel rank has them after gathering the blocks'."""
     r = spec.groups
@@ -1030,7 +1031,8 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
         GROUP=spec.gqa_group, GROUPS=r, GR_PAD=next_pow2(spec.gqa_group * r),
         TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local,
         TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_has_leftpad(seqlens, leftpad))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_has_leftpad(seqlens, leftpad), **({} if seqlens is None else {"ROW_QUERIES": row_queries}))
     if cfg.splits > 1:
         _merge_topk(mod, spec, cand, block_idx, cfg.splits)
     return block_idx
