@@ -213,6 +213,7 @@ def sparse_attention(
     index=None,
     cache_seqlens: torch.Tensor | None = None,
     cache_leftpad: torch.Tensor | None = None,
+    seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Select (unless block_idx is given; `index` = (q_idx, k_idx, w) for the "index" selector) and attend.
     Returns (o, lse, block_idx), float64. Queries are processed in chunks so that long sequences fit in memory.
@@ -220,9 +221,13 @@ def sparse_attention(
     (cache_seqlens clamped to [0, Nk], cache_leftpad, [B] ints or None for 0, to [0, cache_seqlens[b]]); that
     row is the call over those keys alone (its queries the last positions of them, its blocks counted from its
     first key), and block_idx, where given, holds its lists (the selected ones, where not, padded to k's
-    blocks)."""
+    blocks). `seqlens` ([B] ints, Nq == Nk): a right-padded batch, row b the call over its first seqlens[b]
+    queries and keys alone (clamped to [0, N]); o = 0 and lse = -inf past them, and its lists (given: its
+    own) padded with -1 past its tiles."""
     if cache_seqlens is not None:
         return _ragged(q, k, v, spec, block_idx, scale, cache_seqlens, cache_leftpad)
+    if seqlens is not None:
+        return _padded(q, k, v, spec, block_idx, scale, seqlens)
     if block_idx is None:
         block_idx = select_blocks(q, k, spec, index)
     nq, nk = q.shape[2], k.shape[2]
@@ -258,6 +263,23 @@ def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens, cache_leftpad=
         lses.append(lse)
         lists.append(chosen)
     return torch.cat(outs), torch.cat(lses), torch.cat(lists)
+
+
+def _padded(q, k, v, spec: Spec, block_idx, scale, seqlens):
+    """`sparse_attention` of a right-padded batch: each row's own call over its tokens, padded."""
+    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:3], -torch.inf, dtype=torch.float64, device=q.device)
+    lists = torch.full((q.shape[0], k.shape[1], spec.n_q_tiles(q.shape[2]), spec.top_k), -1, dtype=torch.int32,
+                       device=q.device)
+    for b, n in enumerate(seqlens.tolist()):
+        n = min(max(int(n), 0), q.shape[2])
+        if n == 0:
+            continue
+        given = None if block_idx is None else block_idx[b : b + 1, :, : spec.n_q_tiles(n)]
+        row = (x[b : b + 1, :, :n] for x in (q, k, v))
+        o[b : b + 1, :, :n], lse[b : b + 1, :, :n], chosen = sparse_attention(*row, spec, given, scale)
+        lists[b : b + 1, :, : chosen.shape[2]] = chosen
+    return o, lse, lists
 
 
 def sparse_attention_grads(
