@@ -184,15 +184,16 @@ def greedy(model, ids, mask, cache, steps=2):
 @pytest.mark.parametrize("cache", ["dynamic", "key_reps", "static"])
 def test_a_left_padded_batch_generates_each_row_as_if_alone(models, roles, cache):
     """generate() over a left-padded batch: each row's logits are those of its prompt generated alone (its
-    blocks counted from its first token), under each cache; no fallback. The prompt runs a call per row, each
-    decode step one call a layer (`cache_leftpad`); a KeyRepsCache keeps reps of the padded rows."""
+    blocks counted from its first token), under each cache; no fallback. The prompt runs one call a layer
+    (`seqlens`, its rows moved to start at 0), each decode step one (`cache_leftpad`); a KeyRepsCache keeps reps
+    of the padded rows."""
     ours, _ = models
     set_options(ours, top_k=2)  # sparse: the diagonal block and one chosen of up to 3
     prompts = [tokens(1, n, seed=20 + i) for i, n in enumerate((45, 30, 17))]
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
         logits, chosen, out = greedy(ours, *left_padded(prompts), cache)
-        assert roles["attn"] == 3 * 2 and roles["decode"] == 2 * 2  # 2 layers: 3 rows' prompts, then 2 steps
+        assert roles["attn"] == 2 and roles["decode"] == 2 * 2  # 2 layers: the padded prompt, then 2 steps
         if cache == "key_reps":
             kept = out.past_key_values
             for layer in kept.layers:
@@ -219,9 +220,9 @@ def test_a_padded_prompt_within_top_k_blocks_runs_sdpa_once(models, roles):
     assert not roles and torch.equal(got, sdpa(ids, attention_mask=mask).logits)
 
 
-def test_a_right_padded_training_batch_is_each_row_alone(models):
-    """Right padding (a training batch): each row's logits at its tokens, and the gradients they give, are the
-    row's alone; padding positions take no part."""
+def test_a_right_padded_training_batch_is_each_row_alone(models, roles):
+    """Right padding (a training batch): one call a layer (`seqlens`), each row's logits at its tokens, and the
+    gradients they give, are the row's alone; padding positions take no part."""
     ours, _ = models
     set_options(ours, top_k=2)
     rows = [tokens(1, n, seed=30 + i) for i, n in enumerate((40, 23))]
@@ -231,6 +232,7 @@ def test_a_right_padded_training_batch_is_each_row_alone(models):
     with warnings.catch_warnings():
         warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
         got = ours(ids, attention_mask=mask).logits
+        assert roles["attn"] == 2  # 2 layers, a call each
         loss = sum(got[b, :row.shape[1]].square().mean() for b, row in enumerate(rows))
         loss.backward()
         grad = ours.model.layers[0].self_attn.q_proj.weight.grad.clone()

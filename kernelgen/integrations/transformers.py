@@ -208,12 +208,14 @@ class PaddedRows(NamedTuple):
     """A padded batch's mask, read: query i sits at key position `offset + i`, and batch row b's tokens are
     keys [firsts[b], ends[b]) (left padding before them, right padding after); its real queries are those at
     its tokens' positions. `pads` and `lens` (int32 [B], on the mask's device): firsts, and offset + n_q for
-    every row, a decode call's `cache_leftpad` and `cache_seqlens`."""
+    every row, a decode call's `cache_leftpad` and `cache_seqlens`; `tokens` (likewise): each row's token count,
+    a padded prompt's `seqlens` once its rows are moved to start at position 0."""
     offset: int
     firsts: tuple[int, ...]
     ends: tuple[int, ...]
     pads: torch.Tensor
     lens: torch.Tensor
+    tokens: torch.Tensor
 
     def queries(self, b: int, n_q: int) -> range:
         """Row b's real queries."""
@@ -272,7 +274,8 @@ def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | PaddedRows | 
     if max(first) == 0 and min(end) == offset + n_q:
         return offset + n_q  # no padding
     pads = firsts.to(torch.int32)
-    return PaddedRows(offset, tuple(first), tuple(end), pads, torch.full_like(pads, offset + n_q))
+    return PaddedRows(offset, tuple(first), tuple(end), pads, torch.full_like(pads, offset + n_q),
+                      (ends - firsts).to(torch.int32))
 
 
 # ---- a cache that keeps the selector's key representatives -----------------------------------------------
@@ -439,9 +442,10 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
 def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedRows, scaling, mask, kwargs):
     """A padded batch's call: each row over its own tokens, as if it were alone (its blocks counted from its
     first token); a padding query's output is 0, as transformers' FlashAttention integration gives. A decode
-    call whose queries are all tokens is one call (`cache_leftpad`); a prompt or a training batch runs a call
-    per row, or, where every row's keys fit in top_k blocks (every block listed: dense causal attention over
-    the row's tokens), SDPA over the padded batch: the same attention, without a call per row."""
+    call whose queries are all tokens is one call (`cache_leftpad`); so is a prompt or a training batch
+    (`seqlens`, its rows moved to start at position 0), or, where every row's keys fit in top_k blocks (every
+    block listed: dense causal attention over the row's tokens), SDPA over the padded batch. A prompt after
+    earlier keys (a chunk of a longer prompt) or a KV-centric spec runs a call per row."""
     batch, n_q = query.shape[0], query.shape[2]
     pads, lens = (x.expand(batch).contiguous() for x in (rows.pads, rows.lens))  # a mask of one row broadcasts
     static = rows.offset + n_q < key.shape[2]  # a preallocated cache, its first offset + n_q keys written
@@ -464,6 +468,8 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
+    if rows.offset == 0 and not spec.per_query and spec.selector != "index":
+        return _attention_padded_prompt(attn, query, key, value, rows, scaling)
     outputs = []
     for b in range(batch):
         row = b if len(rows.firsts) > 1 else 0
@@ -477,6 +483,26 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
             parts.append(query.new_zeros(1, query.shape[1], n_q - max(real.stop, real.start), query.shape[3]))
         outputs.append(torch.cat(parts, 2))
     return torch.cat(outputs).transpose(1, 2).contiguous(), None
+
+
+def _attention_padded_prompt(attn, query, key, value, rows: PaddedRows, scaling):
+    """A padded prompt or training batch (its queries at keys 0 .. n_q - 1) in one call: each row moved to
+    start at position 0 (right padding: a gather where any row has left padding), attended with `seqlens`,
+    and moved back; the padding's output is 0."""
+    batch, n = query.shape[0], query.shape[2]
+    key, value = key[:, :, :n], value[:, :, :n]  # a static cache's keys past the prompt are not written
+    firsts = rows.pads.expand(batch)
+    shifted = max(rows.firsts) > 0
+    if shifted:  # left padding: row b's token i to position i (and its padding after its tokens)
+        positions = torch.arange(n, device=query.device)
+        to_start = ((positions + firsts[:, None]) % n)[:, None, :, None]
+        query, key, value = (x.gather(2, to_start.expand(batch, x.shape[1], n, x.shape[3]))
+                             for x in (query, key, value))
+    o = attn(query, key, value, scale=scaling, seqlens=rows.tokens.expand(batch).contiguous())
+    if shifted:
+        back = ((positions - firsts[:, None]) % n)[:, None, :, None]
+        o = o.gather(2, back.expand_as(o))
+    return o.transpose(1, 2).contiguous(), None
 
 
 # ---- a static cache's kept reps --------------------------------------------------------------------------
