@@ -469,6 +469,10 @@ def bench(
                                                         "against FlexAttention (same BlockMask) and dense SDPA, in "
                                                         "GB/s beside a device copy's (shapes dec_c32k, dec_c128k, "
                                                         "dec_b64k, dec_spec4; GPU only)."),
+    padded: bool = typer.Option(False, "--padded", help="A right-padded batch (B8, rows of N down to N/2) in one "
+                                                        "call (seqlens=) against a call per row, SDPA with the "
+                                                        "padding mask and dense SDPA cuDNN, forward and "
+                                                        "forward+backward (shapes pad_b8_8k, pad_b8_16k; GPU only)."),
     context_parallel: bool = typer.Option(False, "--context-parallel", help="A 2-rank context-parallel run's "
                                           "per-rank kernels (dense ring and sparse fetch), forward and backward, "
                                           "timed on one GPU against one GPU's, the bytes each path moves, and the "
@@ -483,26 +487,27 @@ def bench(
 
         from .bench.context_parallel import run_context_parallel
 
-        if backward or untuned or kv_centric or decode or shapes:
+        if backward or untuned or kv_centric or decode or padded or shapes:
             _fail("--context-parallel is a bench of its own (one shape): give it alone")
         if not torch.cuda.is_available():
             _fail("bench --context-parallel needs a CUDA GPU: it times kernels")
         _check_out_dir(out)
         run_context_parallel(out_dir=str(out))
         return
-    if backward or untuned or kv_centric or decode:  # GPU-only benches of their own
+    if backward or untuned or kv_centric or decode or padded:  # GPU-only benches of their own
         import torch
 
         from .bench.backward import run_backward
         from .bench.decode import run_decode
         from .bench.kv_centric import run_kv_centric
+        from .bench.padded import PADDED_SHAPES, run_padded
         from .bench.untuned import run_untuned
         from .workloads import DECODE_SHAPES, KV_CENTRIC_SHAPES, SHAPES
 
         chosen = [(flag, run, known) for flag, on, run, known in (
             ("--backward", backward, run_backward, SHAPES), ("--untuned", untuned, run_untuned, SHAPES),
             ("--kv-centric", kv_centric, run_kv_centric, KV_CENTRIC_SHAPES),
-            ("--decode", decode, run_decode, DECODE_SHAPES)) if on]
+            ("--decode", decode, run_decode, DECODE_SHAPES), ("--padded", padded, run_padded, PADDED_SHAPES)) if on]
         if len(chosen) > 1:
             _fail(f"{' and '.join(flag for flag, _, _ in chosen)} are separate benches: give one")
         flag, run, known = chosen[0]

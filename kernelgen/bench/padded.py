@@ -1,0 +1,92 @@
+"""`kernelgen bench --padded`: a right-padded batch (a training batch, or a prompt batch), kernelgen against
+the ways to run it without `seqlens=`.
+
+For each shape, in one process on one GPU (bf16; B8 Hq32 Hkv8 D128, causal, the `mean` selector, 128-key
+blocks, top-16, one sink and two local blocks; rows of N tokens down to about N/2, right-padded to N):
+kernelgen's one call with `seqlens=`; a kernelgen call per row (what a padded batch costs without it);
+SDPA with the padding mask, as transformers builds it (causal AND each row's tokens: SDPA's
+memory-efficient kernel); and dense SDPA on cuDNN over the whole padded batch, padding included. Forward and
+forward+backward, do_bench medians, gradients set to None between calls. The one call's output is compared
+with the calls per row over each row's tokens (`max_abs_vs_rows`: 0 when they agree bit for bit).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import get_kernel
+from ..errors import KernelgenRuntimeError
+from ..spec import Spec
+from .measure import _dump_rows, row_attempts
+
+__all__ = ["run_padded", "PADDED_SHAPES"]
+
+PADDED_SHAPES = {"pad_b8_8k": 8192, "pad_b8_16k": 16384}
+BATCH, HEADS_KV, GROUP, HEAD_DIM = 8, 8, 4, 128
+SPEC = Spec(head_dim=HEAD_DIM, kv_block=128, top_k=16, causal=True, gqa_group=GROUP, sink=1, local=2)
+
+
+def _lengths(n: int) -> list[int]:
+    """N down to about N/2, evenly, none a multiple of the block (each row ends in a partial tile)."""
+    return [n - i * (n // 2) // (BATCH - 1) - (i > 0) * 37 for i in range(BATCH)]
+
+
+def run_padded(shape_names=None, out_dir=None, log=print) -> list[dict]:
+    """Rows: shape, impl, fwd_ms, fwd_bwd_ms (and max_abs_vs_rows for kernelgen's one call); with `out_dir`,
+    also padded.json there."""
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not torch.cuda.is_available():
+        raise KernelgenRuntimeError("bench --padded needs a CUDA GPU: it times kernels")
+    rows: list[dict] = []
+    attempt = row_attempts(log)
+    attn = get_kernel(SPEC)
+    for name in shape_names or PADDED_SHAPES:
+        n = PADDED_SHAPES[name]
+        lengths = _lengths(n)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(BATCH, h, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   .requires_grad_() for h in (HEADS_KV * GROUP, HEADS_KV, HEADS_KV))
+        grad = torch.randn_like(q)
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        positions = torch.arange(n, device="cuda")
+        tokens = positions[None, :] < seqlens[:, None]  # [B, N]
+        mask = (positions[None, :, None] >= positions[None, None, :]) & tokens[:, None, :]  # causal AND the row's
+        kd, vd = (x.detach().repeat_interleave(GROUP, 1).requires_grad_() for x in (k, v))
+
+        def one_call():
+            return attn(q, k, v, seqlens=seqlens)
+
+        def per_row():
+            return torch.cat([torch.nn.functional.pad(attn(q[b:b + 1, :, :m], k[b:b + 1, :, :m], v[b:b + 1, :, :m]),
+                                                      (0, 0, 0, n - m)) for b, m in enumerate(lengths)])
+
+        def sdpa_masked():
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, attn_mask=mask[:, None])
+
+        def sdpa_dense():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=True)
+
+        with torch.no_grad():
+            got, want = one_call(), per_row()
+        max_abs = (got - want).abs().max().item()
+        leaves = (q, k, v, kd, vd)
+        for impl, fn, extra in (("kernelgen (seqlens, one call)", one_call, {"max_abs_vs_rows": max_abs}),
+                                ("kernelgen (a call per row)", per_row, {}),
+                                ("sdpa efficient (padding mask)", sdpa_masked, {}),
+                                ("sdpa cudnn (dense, padding computed)", sdpa_dense, {})):
+            def timed(impl=impl, fn=fn, extra=extra):
+                with torch.no_grad():
+                    fwd = triton.testing.do_bench(fn, return_mode="median")
+                both = triton.testing.do_bench(lambda: fn().backward(grad), grad_to_none=leaves,
+                                               return_mode="median")
+                rows.append(dict(shape=name, impl=impl, n=n, lengths=lengths, fwd_ms=round(fwd, 4),
+                                 fwd_bwd_ms=round(both, 4), **extra))
+                log(f"{name:11s} {impl:38s} fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms "
+                    + " ".join(f"{key}={value}" for key, value in extra.items()))
+                _dump_rows(rows, out_dir, "padded.json")
+
+            attempt(name, impl, timed)
+    return rows
