@@ -496,6 +496,8 @@ class SparseAttention:
             checked = check_block_idx(block_idx, self.spec, shapes, q.device, self.validate_lists)
             used = normalised = self._launch(lists, q, shapes, checked)
         prepared = isinstance(used, BlockLists)
+        if padded and not prepared:
+            used = normalised = _padding_tiles_emptied(normalised, rows.seqlens, self.spec.q_tile)
         built = None  # the union built here for raw or selected lists
         if attn.role == "kv_attn" and ((prepared and used.union is not None)
                                        or (not prepared and "kv_attn_union" in self._fixed)):
@@ -587,6 +589,13 @@ class _AttentionFunction(torch.autograd.Function):
         dq, dk, dv = attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3],
                                      ctx.shapes, union)
         return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _padding_tiles_emptied(lists: torch.Tensor, seqlens: torch.Tensor, q_tile: int) -> torch.Tensor:
+    """A padded batch's lists with every tile past its row's tokens empty (-1): the padding's queries attend
+    to nothing, so they cost neither the forward nor the backward anything."""
+    past = torch.arange(lists.shape[2], device=lists.device)[None, :] * q_tile >= seqlens[:, None]  # [B, tiles]
+    return lists.masked_fill(past[:, None, :, None], -1)
 
 
 def _padding_cleared(o: torch.Tensor, lse: torch.Tensor, seqlens: torch.Tensor):
