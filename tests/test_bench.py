@@ -312,6 +312,25 @@ def test_bench_decode_needs_a_gpu(tmp_path):
     assert not (tmp_path / "dec").exists()
 
 
+def test_bench_padded_needs_a_gpu(tmp_path):
+    """`kernelgen bench --padded` on a CPU, with an unknown shape, or with another bench flag: one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from kernelgen.bench.padded import _lengths
+    from kernelgen.cli import app
+
+    runner = CliRunner()
+    for args, word in ((["--out", str(tmp_path / "pad")], "CUDA GPU"), (["--shapes", "pad_nope"], "pad_nope"),
+                       (["--decode"], "give one")):
+        result = runner.invoke(app, ["bench", "--padded", *args])
+        assert result.exit_code == 2, (result.exit_code, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kernelgen: error: ") and word in lines[0], result.stderr
+    assert not (tmp_path / "pad").exists()
+    lengths = _lengths(8192)
+    assert lengths[0] == 8192 and 4000 <= min(lengths) and all(n % 128 for n in lengths[1:])
+
+
 def test_decode_shapes_are_decode_calls():
     from kernelgen.roles import DECODE_MAX_QUERIES, forward_roles
     from kernelgen.workloads import DECODE_SHAPES
