@@ -26,7 +26,7 @@ SPEC = Spec(head_dim=HEAD_DIM, kv_block=128, top_k=16, causal=True, gqa_group=GR
 
 
 def _lengths(n: int) -> list[int]:
-    """N down to about N/2, evenly (every row but the first shortened by 37 more, off the tile grid)."""
+    """N down to about N/2, evenly; every row but the first 37 tokens shorter still."""
     return [n - i * (n // 2) // (BATCH - 1) - (i > 0) * 37 for i in range(BATCH)]
 
 
