@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from .dispatch import get_kernel
+from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import INDEX_LAYOUT, KeyReps, autocast_qkv, refuse_grad_with_seqlens
 from .spec import Spec
@@ -63,18 +63,20 @@ def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
              w: torch.Tensor | None = None, cache_seqlens: torch.Tensor | None = None,
              reps: torch.Tensor | None = None, reps_seqlens: torch.Tensor | None = None,
              reps_n_k: int = 0, cache_leftpad: torch.Tensor | None = None,
-             reps_leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             reps_leftpad: torch.Tensor | None = None,
+             seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = _spec_of(spec_json)
     attn = get_kernel(spec)
     shapes = attn._start_call(q, k, v)
-    rows = attn._check_rows(cache_seqlens, cache_leftpad, shapes, q.device)
+    rows = attn._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens,
+                      _key_reps(spec, reps, reps_seqlens, reps_n_k, reps_leftpad), _index(q_idx, k_idx, w))
     return attn._forward(q, k, v, shapes, block_idx, scale, _index(q_idx, k_idx, w),
                          _key_reps(spec, reps, reps_seqlens, reps_n_k, reps_leftpad), rows)[:3]
 
 
 @_attn_op.register_fake
 def _(q, k, v, block_idx, spec_json, scale, q_idx=None, k_idx=None, w=None, cache_seqlens=None, reps=None,
-      reps_seqlens=None, reps_n_k=0, cache_leftpad=None, reps_leftpad=None):
+      reps_seqlens=None, reps_n_k=0, cache_leftpad=None, reps_leftpad=None, seqlens=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32),
             _lists_like(q, k, _spec_of(spec_json)))
 
@@ -102,7 +104,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse, _dlists):
     q, k, v, o, lse, lists = ctx.saved_tensors
     dq, dk, dv = _attn_backward_op(do, q, k, v, o, lse, lists, ctx.spec_json, ctx.scale)
-    return (dq, dk, dv) + (None,) * 12  # nothing for block_idx, spec, scale, index, cache rows, key reps
+    return (dq, dk, dv) + (None,) * 13  # nothing for block_idx, spec, scale, index, rows, key reps
 
 
 torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_context=_setup_context)
@@ -212,10 +214,10 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> t
 
 def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, index=None,
                      cache_seqlens=None, key_reps: KeyReps | None = None,
-                     cache_leftpad=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cache_leftpad=None, seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., cache_leftpad=...,
-    key_reps=..., return_lse=True)` as a custom op; o backpropagates (lse carries no gradient; a call with
-    cache_seqlens has no backward). `spec` may also be its JSON text (`Spec.to_json`)."""
+    key_reps=..., seqlens=..., return_lse=True)` as a custom op; o backpropagates (lse carries no gradient; a
+    call with cache_seqlens has no backward). `spec` may also be its JSON text (`Spec.to_json`)."""
     q, k, v = autocast_qkv(q, k, v)
     refuse_grad_with_seqlens(cache_seqlens, q, k, v)
     if key_reps is not None and not isinstance(key_reps, KeyReps):
@@ -227,5 +229,7 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
         # functional, as autograd needs, so the growth is an op of its own)
         _grow_key_reps_op(k, _spec_json(spec), cache_seqlens, *reps[:2], reps[3], cache_leftpad)
     o, lse, _ = _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale),
-                         *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3])
+                         *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3], seqlens)
+    if seqlens is not None:  # the padding's o and lse, cleared outside the op: no gradient reaches them
+        o, lse = clear_padding(o, lse, seqlens)
     return o, lse

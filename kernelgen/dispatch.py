@@ -447,7 +447,7 @@ class SparseAttention:
                 self._reps_to_rows(k, shapes, key_reps, rows)
             o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, rows)[:3]
         if isinstance(rows, TokenRows):
-            o, lse = _padding_cleared(o, lse, rows.seqlens)
+            o, lse = clear_padding(o, lse, rows.seqlens)
         return (o, lse) if return_lse else o
 
     def _start_call(self, q, k, v) -> Shapes:
@@ -598,7 +598,7 @@ def _padding_tiles_emptied(lists: torch.Tensor, seqlens: torch.Tensor, q_tile: i
     return lists.masked_fill(past[:, None, :, None], -1)
 
 
-def _padding_cleared(o: torch.Tensor, lse: torch.Tensor, seqlens: torch.Tensor):
+def clear_padding(o: torch.Tensor, lse: torch.Tensor, seqlens: torch.Tensor):
     """A padded batch's (o, lse) with every position past its row's tokens at o = 0, lse = -inf (no gradient
     flows to those: their rows of o took none of the loss)."""
     real = torch.arange(o.shape[2], device=o.device) < seqlens[:, None]  # [B, N]; a length past N is all of it

@@ -98,7 +98,7 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
               "default" when the default was baked, else "given").
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False, key_reps=None,
-    cache_seqlens=None, cache_leftpad=None)`, `select(q, k)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised
+    cache_seqlens=None, cache_leftpad=None, seqlens=None)`, `select(q, k)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised
     once, as SparseAttention.prepare), `key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None)`
     (the pooling selectors' kept
     representatives, as SparseAttention.key_reps), `SPEC` (the
@@ -617,21 +617,23 @@ kernel = _embedded("dispatch").SparseAttention(
 
 
 def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None, cache_seqlens=None,
-         cache_leftpad=None):
+         cache_leftpad=None, seqlens=None):
     """o [B, Hq, Nq, D] (and lse float32 [B, Hq, Nq] with return_lse) over the spec's selection, or over
     block_idx int32/int64 [B, Hkv, n_q_tiles, top_k] when given (-1 empty; out-of-range ids are empty).
     index: (q_idx, k_idx, w) of the index selector; key_reps: k's kept representatives (key_reps(k));
     cache_seqlens, cache_leftpad: int32 [B], a decode call's KV cache whose batch row b holds keys
-    [cache_leftpad[b], cache_seqlens[b]) (cache_leftpad None: from 0)."""
+    [cache_leftpad[b], cache_seqlens[b]) (cache_leftpad None: from 0); seqlens: int32 [B], a right-padded
+    batch whose row b holds its first seqlens[b] tokens, each row attended as if alone."""
     return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps,
-                  cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
+                  cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens)
 
 
-def select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None):
+def select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None):
     """The block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) the selector chooses
-    (index: (q_idx, k_idx, w) of the index selector; key_reps, cache_seqlens, cache_leftpad: as attn's)."""
+    (index: (q_idx, k_idx, w) of the index selector; key_reps, cache_seqlens, cache_leftpad, seqlens: as
+    attn's)."""
     return kernel.select(q, k, index=index, key_reps=key_reps, cache_seqlens=cache_seqlens,
-                         cache_leftpad=cache_leftpad)
+                         cache_leftpad=cache_leftpad, seqlens=seqlens)
 
 
 def key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None):

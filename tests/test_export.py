@@ -43,6 +43,8 @@ def run_calls(attn, select, prepare, x):
     if idx is None:
         out["idx"] = select(q, k)
         out["o"], out["lse"] = attn(q, k, v, return_lse=True)
+        lens = torch.tensor([n_q, n_q // 3][:q.shape[0]], dtype=torch.int32)  # a right-padded batch
+        out["o_padded"] = attn(q, k[:, :, :n_q].contiguous(), v[:, :, :n_q].contiguous(), seqlens=lens)
     else:
         out["o"], out["lse"] = attn(q, k, v, block_idx=idx, return_lse=True)  # int64: converted exactly
         out["o_int32_scaled"] = attn(q, k, v, block_idx=idx.clamp(-1, 2**31 - 1).int(), scale=0.3)
