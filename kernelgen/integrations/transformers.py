@@ -46,9 +46,10 @@ as well.
 **Padded batches.** A batch whose rows are padded (on the left, as generate() pads prompts, or on the right, as
 a training batch is) computes each row over its own tokens, exactly as if it were alone: its blocks are counted
 from its first token. A padding position's output is 0, as transformers' FlashAttention integration gives. A
-decode step is one call (`cache_leftpad`, eager or compiled); a prompt or a training batch runs one call per row,
-or, where every row's keys fit in top_k blocks (every block listed: dense attention), one SDPA call with the mask
-(the same attention; its padding positions are SDPA's, read by nothing).
+decode step is one call (`cache_leftpad`, eager or compiled); so is a prompt or a training batch (`seqlens`, its
+left-padded rows moved to start at 0), or, where every row's keys fit in top_k blocks (every block listed: dense
+attention), one SDPA call with the mask (the same attention; its padding positions are SDPA's, read by nothing).
+A prompt after earlier keys, or a KV-centric spec, runs a call per row.
 
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's
 `"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
