@@ -251,7 +251,8 @@ def test_header_sources_and_imports(tmp_path):
     assert "needs only\ntorch and triton)" in text.split('"""', 2)[1]
     assert f"SPEC = {MEAN.to_dict()!r}" in text
     assert "\ndef attn(q, k, v, *, block_idx=None" in text
-    assert "\ndef select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None)" in text
+    assert ("\ndef select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, "
+            "seqlens=None)") in text
 
     sources, rendered = _assignments(text, "_SOURCES"), _assignments(text, "_RENDERED")
     package_dir = Path(kernelgen.__file__).parent
