@@ -224,11 +224,12 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
         raise KernelgenTypeError(f"key_reps must be the KeyReps of key_reps(), got {type(key_reps).__name__}")
     reps = (None, None, 0, None) if key_reps is None else (key_reps.reps, key_reps.seqlens, key_reps.n_k,
                                                            key_reps.leftpad)
+    spec_json = _spec_json(spec)
     if key_reps is not None and cache_seqlens is not None and key_reps.seqlens is not None:
         # reps of per-row lengths follow the call, as the eager call's do: grown to its rows first (its op is
         # functional, as autograd needs, so the growth is an op of its own)
-        _grow_key_reps_op(k, _spec_json(spec), cache_seqlens, *reps[:2], reps[3], cache_leftpad)
-    o, lse, _ = _attn_op(q, k, v, block_idx, _spec_json(spec), None if scale is None else float(scale),
+        _grow_key_reps_op(k, spec_json, cache_seqlens, *reps[:2], reps[3], cache_leftpad)
+    o, lse, _ = _attn_op(q, k, v, block_idx, spec_json, None if scale is None else float(scale),
                          *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3], seqlens)
     if seqlens is not None:  # the padding's o and lse, cleared outside the op: no gradient reaches them
         o, lse = clear_padding(o, lse, seqlens)

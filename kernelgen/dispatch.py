@@ -273,7 +273,7 @@ class SparseAttention:
         if rows is None or not isinstance(key_reps, KeyReps) or key_reps.seqlens is None:
             return  # nothing to follow; `_select`'s check names anything wrong
         check_key_reps(key_reps, self.spec, shapes, k.device, varlen=True)
-        self._key_reps_varlen(k, shapes, key_reps, rows)
+        self._grow_reps(k, shapes, key_reps, rows)
 
     def _select(self, q, k, shapes: Shapes, index, served: Served, key_reps: KeyReps | None = None,
                 rows: CacheRows | None = None) -> torch.Tensor:
@@ -341,10 +341,9 @@ class SparseAttention:
         """`key_reps` of a checked cache k of per-row keys: made afresh (every block of the capacity pooled,
         each row over its keys), or `previous` grown in place."""
         spec, (b, hkv, n_k) = self.spec, (shapes.batch, shapes.heads_kv, shapes.n_k)
-        served = self._served("key_reps", seq_bucket(n_k), k.dtype, k.device)
-        varlen = self._varlen(served, rows)
         if previous is None:
-            reps = self._launch(served, k, shapes, k, **varlen)
+            served = self._served("key_reps", seq_bucket(n_k), k.dtype, k.device)
+            reps = self._launch(served, k, shapes, k, **self._varlen(served, rows))
             end = rows.seqlens.clamp(0, n_k)
             first = torch.zeros_like(end) if rows.leftpad is None else torch.minimum(rows.leftpad.clamp(min=0), end)
             made, made_leftpad = ((x[:, None].expand(b, hkv).contiguous()) for x in (end - first, first))
@@ -355,8 +354,13 @@ class SparseAttention:
         if previous.n_k < n_k:  # a cache that grew (a new, longer tensor): room for its new blocks, then grown
             previous = previous._with_room(n_k)
         check_key_reps(previous, spec, shapes, k.device, varlen=True)
-        self._launch(served, k, shapes, k, grow=(previous.reps, previous.seqlens, previous.leftpad), **varlen)
+        self._grow_reps(k, shapes, previous, rows)
         return previous
+
+    def _grow_reps(self, k, shapes: Shapes, reps: KeyReps, rows: CacheRows) -> None:
+        """Checked reps of per-row lengths brought to `rows` in place (`pool_grown`: one launch)."""
+        served = self._served("key_reps", seq_bucket(shapes.n_k), k.dtype, k.device)
+        self._launch(served, k, shapes, k, grow=(reps.reps, reps.seqlens, reps.leftpad), **self._varlen(served, rows))
 
     def prepare(self, block_idx: torch.Tensor, seq_q: int, seq_k: int) -> BlockLists:
         """Given lists checked and normalised once, for calls with seq_q queries and seq_k keys (any

@@ -147,24 +147,6 @@ def test_per_shape_backends_are_precompiled_with_their_served_config(monkeypatch
     assert lines and lines[0].startswith(f"precompiled {len(jobs)} per-shape forwards")
 
 
-def test_bench_kv_centric_needs_a_gpu(tmp_path):
-    """On a CPU `kernelgen bench --kv-centric` is one line on stderr and exit status 2; unknown shapes too."""
-    from typer.testing import CliRunner
-
-    from kernelgen.cli import app
-
-    runner = CliRunner()
-    for args, word in ((["--out", str(tmp_path / "kv")], "CUDA GPU"), (["--shapes", "kv_nope"], "kv_nope"),
-                       (["--backward"], "give one")):
-        result = runner.invoke(app, ["bench", "--kv-centric", *args])
-        assert result.exit_code == 2, (result.exit_code, result.output)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("kernelgen: error: ") and word in lines[0], result.stderr
-        assert "Traceback" not in result.output
-    assert not (tmp_path / "kv").exists()
-
-
-@pytest.mark.parametrize("causal,n_q,n_k", [(True, 200, 200), (True, 100, 180), (False, 130, 160)])
 def test_random_query_lists(causal, n_q, n_k):
     """Per-query lists: only visible blocks, the diagonal block held, no repeats, canonical, deterministic."""
     spec = kernelgen.Spec(head_dim=64, kv_block=16, top_k=4, causal=causal, selector="given", schedule="kv_centric")
@@ -295,38 +277,31 @@ def test_dense_anchor_attends_over_repeated_k_and_v_that_are_leaves():
     assert dkd.shape == (1, 4, 32, 64) and dq.shape == q.shape
 
 
-def test_bench_decode_needs_a_gpu(tmp_path):
-    """On a CPU `kernelgen bench --decode` is one line on stderr and exit status 2; unknown shapes and a second
-    bench flag too."""
+@pytest.mark.parametrize("flag, cases", [
+    ("--kv-centric", ((["--shapes", "kv_nope"], "kv_nope"), (["--backward"], "give one"))),
+    ("--decode", ((["--shapes", "dec_nope"], "dec_nope"), (["--kv-centric"], "give one"),
+                  (["--context-parallel"], "give it alone"))),
+    ("--padded", ((["--shapes", "pad_nope"], "pad_nope"), (["--decode"], "give one")))])
+def test_gpu_only_benches_answer_in_one_line_on_a_cpu(flag, cases, tmp_path):
+    """On a CPU each GPU-only bench is one line on stderr and exit status 2, as are its unknown shapes and a
+    second bench flag; nothing is written."""
     from typer.testing import CliRunner
 
     from kernelgen.cli import app
 
     runner = CliRunner()
-    for args, word in ((["--out", str(tmp_path / "dec")], "CUDA GPU"), (["--shapes", "dec_nope"], "dec_nope"),
-                       (["--kv-centric"], "give one"), (["--context-parallel"], "give it alone")):
-        result = runner.invoke(app, ["bench", "--decode", *args])
+    for args, word in ((["--out", str(tmp_path / "out")], "CUDA GPU"), *cases):
+        result = runner.invoke(app, ["bench", flag, *args])
         assert result.exit_code == 2, (result.exit_code, result.output)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kernelgen: error: ") and word in lines[0], result.stderr
-    assert not (tmp_path / "dec").exists()
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
 
 
-def test_bench_padded_needs_a_gpu(tmp_path):
-    """`kernelgen bench --padded` on a CPU, with an unknown shape, or with another bench flag: one line, exit 2."""
-    from typer.testing import CliRunner
-
+def test_padded_bench_rows_run_from_n_down_to_about_half():
     from kernelgen.bench.padded import _lengths
-    from kernelgen.cli import app
 
-    runner = CliRunner()
-    for args, word in ((["--out", str(tmp_path / "pad")], "CUDA GPU"), (["--shapes", "pad_nope"], "pad_nope"),
-                       (["--decode"], "give one")):
-        result = runner.invoke(app, ["bench", "--padded", *args])
-        assert result.exit_code == 2, (result.exit_code, result.output)
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("kernelgen: error: ") and word in lines[0], result.stderr
-    assert not (tmp_path / "pad").exists()
     lengths = _lengths(8192)
     assert lengths[0] == 8192 and lengths == sorted(lengths, reverse=True) and 4000 <= lengths[-1]
 
