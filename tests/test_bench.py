@@ -147,6 +147,7 @@ def test_per_shape_backends_are_precompiled_with_their_served_config(monkeypatch
     assert lines and lines[0].startswith(f"precompiled {len(jobs)} per-shape forwards")
 
 
+@pytest.mark.parametrize("causal,n_q,n_k", [(True, 200, 200), (True, 100, 180), (False, 130, 160)])
 def test_random_query_lists(causal, n_q, n_k):
     """Per-query lists: only visible blocks, the diagonal block held, no repeats, canonical, deterministic."""
     spec = kernelgen.Spec(head_dim=64, kv_block=16, top_k=4, causal=causal, selector="given", schedule="kv_centric")
