@@ -508,7 +508,7 @@ def test_generate_over_a_static_cache_compiles_to_cuda_graphs(padded):
                             do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
     torch._dynamo.reset()
     counters.clear()
-    triton_backend._EVERY_SPLIT.clear()  # the compiled steps run kernelgen's decode first: nothing of theirs
+    triton_backend._ARRIVALS.clear()  # the compiled steps run kernelgen's decode first: nothing of theirs
     with torch.no_grad():                # may stay in the graphs' memory pool (cudagraph trees refuse to run)
         got = run(cache_implementation="static")
         again = run(cache_implementation="static")  # replayed from the graphs

@@ -55,11 +55,12 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
              "kv_attn_union": (lambda spec, cfg, arch: attn_smem_bytes(spec, AttnConfig(block_m=cfg.block_m,
                                                                                         num_stages=cfg.num_stages), arch),
                                "kv_attn_union")}
-# the kernels each role launches (beyond these: select's merge_topk and decode's kv_combine with splits > 1)
+# the kernels each role launches (beyond these: select's merge_topk with splits > 1)
 KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_select": {"pool", "kv_select_topk"},
            "select_index": {"select_index_topk"}, "kv_select_index": {"kv_index_block_scores", "kv_index_topk"}, "attn": {"attn_fwd"}, "kv_attn": {"kv_attn_partial", "kv_combine"},
            "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"},
            "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}, "decode": {"decode_partial"},
+           "decode_select": {"pool", "decode_select_topk"}, "kv_decode_select": {"pool", "kv_decode_select_topk"},
            "kv_attn_union": {"kv_attn_union"}, "kv_bwd_union": {"union_bwd_dq", "union_bwd_dkdv"}}
 
 
@@ -70,7 +71,7 @@ class Case(NamedTuple):
     edge: bool = False  # the attention at a point near the arch's shared memory limit
     index: dict | None = None  # the index selector's tensors: {"heads", "dim", "dtype"}
     backward: bool = False  # the backward's roles too
-    decode: bool = False  # the decode role too (a call of a few queries), with configs["decode"]
+    decode: bool = False  # a call of a few queries too: its selection where the spec selects, and configs["decode"]
     union: bool = False  # the per-query union design too (its backward where `backward`)
 
     @property
@@ -78,7 +79,9 @@ class Case(NamedTuple):
         """The roles tools/offline_compile.py compiles for the case."""
         lists, selection, attn = forward_roles(self.spec)
         union_bwd = ["kv_bwd_union"] if self.union and self.backward else []
-        return [selection or lists, attn, *(["decode"] if self.decode else []), *(["kv_attn_union"] if self.union else []),
+        decode_selection = forward_roles(self.spec, 1)[1]
+        decode = [*([decode_selection] if decode_selection else []), "decode"] if self.decode else []
+        return [selection or lists, attn, *decode, *(["kv_attn_union"] if self.union else []),
                 *((*backward_roles(self.spec), *union_bwd) if self.backward else ())]
 
 
@@ -177,8 +180,6 @@ def test_kernels_compile_for_each_arch_and_fit_its_shared_memory():
             expected = set().union(*(KERNELS[role] for role in case.roles))
             if "select" in case.roles and configs["select"].splits > 1:
                 expected.add("merge_topk")
-            if "decode" in case.roles and configs["decode"].splits > 1:
-                expected.add("kv_combine")
             assert expected <= set(kernels), (arch, kernels)
             assert all(shared <= facts.smem_per_block for shared in kernels.values()), (arch, kernels)
             # the tuner's estimates (backends.triton's *_smem_bytes) bound what Triton asks for (give or take its

@@ -173,6 +173,8 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
     return {"lists": lambda: (t["given"],),
             "select": lambda: (q, k),
             "kv_select": lambda: (q, k),
+            "decode_select": lambda: (q, k),
+            "kv_decode_select": lambda: (q, k),
             "select_index": lambda: t["index"],
             "kv_select_index": lambda: t["index"],
             "attn": lambda: (q, k, v, t["lists"], None),
@@ -190,7 +192,7 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
 
 # what each role's launch returns, by name, for the roles after it
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
-            "kv_select_index": ("lists",),
+            "kv_select_index": ("lists",), "decode_select": ("lists",), "kv_decode_select": ("lists",),
             "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "kv_attn_union": ("o", "lse"), "decode": ("o", "lse"),
             "bwd_delta": ("delta",), "bwd_dq": ("dq",), "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv"),
             "kv_bwd_union": ("dq", "dk", "dv")}
@@ -227,8 +229,9 @@ def main(arch: str) -> None:
             # lists' normalisation, then attention), and the backward's where the case pins or asks for it
             lists_role, selection, attn_role = forward_roles(spec)
             roles = [selection or lists_role, attn_role]
-            if "decode" in case:  # a call of a few queries: its attention
-                roles.append("decode")
+            decode_selection = forward_roles(spec, 1)[1] if "decode" in case else None
+            if "decode" in case:  # a call of a few queries: its selection where the spec selects, its attention
+                roles += [decode_selection, "decode"] if decode_selection else ["decode"]
             if case.get("union"):
                 roles.append("kv_attn_union")
             if case.get("backward") or any(role in case for role in backward_roles(spec)):
@@ -252,7 +255,7 @@ def main(arch: str) -> None:
             for role in roles:
                 out = run(spec, role, configs.get(role), shapes, *_launch_args(role, t, shapes))
                 t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))
-                if role in (lists_role, selection):  # never launched: whatever ids, only compiles
+                if role in (lists_role, selection, decode_selection):  # never launched: any ids, only compiles
                     t["lists"] = t["lists"].clamp(-1, shapes.n_kv_blocks - 1)
             result = {"case": i, "kernels": [[name, kernel.metadata.shared] for name, kernel in compiled]}
             if case.get("resources"):

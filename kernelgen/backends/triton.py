@@ -1014,28 +1014,60 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
                      leftpad: torch.Tensor | None = None, row_queries: bool = False) -> torch.Tensor:
     """`launch_select` from representatives already pooled (`pool_reps`: float32 [B, Hq, n_q_tiles, r, D] and
     [B, Hkv, n_kv_blocks, r, D], contiguous), as a context-parallel rank has them after gathering the blocks'."""
-    r = spec.groups
-    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q_rep.device, dtype=torch.int32)
-    n_bh, top_k_pad = shapes.batch * shapes.heads_kv, topk_width(spec.top_k)
-    # splits > 1: each split scans a share of the blocks (more programs in flight), then a merge
-    cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q_tiles * cfg.splits * top_k_pad,
-                                                   device=q_rep.device, dtype=torch.int64)
-    grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), n_bh, cfg.splits)
+    block_idx, cand = _select_buffers(spec, cfg, shapes, q_rep.device)
+    grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), shapes.batch * shapes.heads_kv, cfg.splits)
     kernel, lengths = (mod.select_topk, ()) if seqlens is None else (mod.select_topk_varlen,
                                                                      _row_keys(seqlens, leftpad))
-    kernel[grid](
-        q_rep, k_rep, block_idx, cand, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks,
-        shapes.heads_kv,
-        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2),
-        HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block,
-        GROUP=spec.gqa_group, GROUPS=r, GR_PAD=next_pow2(spec.gqa_group * r),
-        TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local,
-        TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_has_leftpad(seqlens, leftpad), **({} if seqlens is None else {"ROW_QUERIES": row_queries}))
+    args, options = _select_args(spec, cfg, shapes, block_idx)
+    kernel[grid](q_rep, k_rep, block_idx, cand, *lengths, *args, **options, **_has_leftpad(seqlens, leftpad),
+                 **({} if seqlens is None else {"ROW_QUERIES": row_queries}))
     if cfg.splits > 1:
         _merge_topk(mod, spec, cand, block_idx, cfg.splits)
     return block_idx
+
+
+def launch_decode_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
+                         k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
+                         leftpad: torch.Tensor | None = None, row_queries: bool = False) -> torch.Tensor:
+    """`launch_select`'s lists for a call of a few queries (the `decode_select` role's), q pooled and the splits
+    merged in the selection's own launch (`decode_select_topk`); a right-padded batch (`row_queries`) pools
+    each row's queries over its own tokens first, as `launch_select` does."""
+    if row_queries:
+        return launch_select(mod, spec, cfg, shapes, q, k, k_rep, seqlens=seqlens, leftpad=leftpad, row_queries=True)
+    r = spec.groups
+    if k_rep is None:
+        k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens, leftpad)
+    block_idx, cand = _select_buffers(spec, cfg, shapes, q.device)
+    n_bh, tile_groups = shapes.batch * shapes.heads_kv, triton.cdiv(shapes.n_q_tiles, cfg.tiles)
+    arrived = block_idx if cfg.splits == 1 else arrival_counts(tile_groups * n_bh, q.device)
+    q_rep = empty(cfg.splits, shapes.batch, shapes.heads_q, shapes.n_q_tiles, r, spec.head_dim, device=q.device,
+                  dtype=torch.float32)
+    args, options = _select_args(spec, cfg, shapes, block_idx)
+    mod.decode_select_topk[(tile_groups, n_bh, cfg.splits)](
+        q, q_rep, k_rep, block_idx, cand, arrived, *((block_idx, block_idx) if seqlens is None
+                                                    else _row_keys(seqlens, leftpad)),
+        *q.stride()[:3], *args, **options, VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None)
+    return block_idx
+
+
+def _select_buffers(spec: Spec, cfg: SelectConfig, shapes: Shapes, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lists, the splits' candidates) of a Q-centric selection: with splits > 1 each split scans a share of the
+    blocks (more programs in flight) and writes its best keys, which a merge then picks from."""
+    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=device, dtype=torch.int32)
+    cand = block_idx if cfg.splits == 1 else empty(shapes.batch * shapes.heads_kv * shapes.n_q_tiles * cfg.splits
+                                                   * topk_width(spec.top_k), device=device, dtype=torch.int64)
+    return block_idx, cand
+
+
+def _select_args(spec: Spec, cfg: SelectConfig, shapes: Shapes, block_idx) -> tuple[list, dict]:
+    """select_topk's arguments after its lengths: (those passed by position, the constexprs and launch
+    options)."""
+    r = spec.groups
+    return ([shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, *block_idx.stride()[:3]],
+            dict(HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=r,
+                 GR_PAD=next_pow2(spec.gqa_group * r), TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k),
+                 SINK=spec.sink, N_LOCAL=spec.n_local, TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits,
+                 CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 def _merge_topk(mod, spec: Spec, cand: torch.Tensor, block_idx: torch.Tensor, splits: int) -> None:
@@ -1053,24 +1085,50 @@ def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: to
                      leftpad: torch.Tensor | None = None):
     """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1), chosen on the device; `k_rep`,
     `seqlens`, `leftpad`: as `launch_select`'s."""
-    if k_rep is None:
-        k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod, seqlens, leftpad)
-    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q.device, dtype=torch.int32)
-    n_bh, top_k_pad = shapes.batch * shapes.heads_kv, topk_width(spec.top_k)
-    cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q * cfg.splits * top_k_pad, device=q.device,
-                                                   dtype=torch.int64)
+    block_idx, cand, k_rep = _kv_select_buffers(mod, spec, cfg, shapes, q, k, k_rep, seqlens, leftpad)
     kernel, lengths = (mod.kv_select_topk, ()) if seqlens is None else (mod.kv_select_topk_varlen,
                                                                         _row_keys(seqlens, leftpad))
-    kernel[(triton.cdiv(shapes.n_q, cfg.queries), n_bh, cfg.splits)](
-        q, k_rep, block_idx, cand, *lengths, *q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks,
-        shapes.heads_kv, *block_idx.stride()[:3],
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
-        TOP_K=spec.top_k, TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local,
-        QUERIES=cfg.queries, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal, num_warps=cfg.num_warps,
-        **_has_leftpad(seqlens, leftpad))
+    args, options = _kv_select_args(spec, cfg, shapes, q, block_idx)
+    kernel[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv, cfg.splits)](
+        q, k_rep, block_idx, cand, *lengths, *args, **options, **_has_leftpad(seqlens, leftpad))
     if cfg.splits > 1:  # a query's candidates merged as select's tiles' are
         _merge_topk(mod, spec, cand, block_idx, cfg.splits)
     return block_idx
+
+
+def launch_kv_decode_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
+                            k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
+                            leftpad: torch.Tensor | None = None):
+    """`launch_kv_select`'s lists for a call of a few queries (the `kv_decode_select` role's), the splits merged
+    in the selection's own launch (`kv_decode_select_topk`)."""
+    block_idx, cand, k_rep = _kv_select_buffers(mod, spec, cfg, shapes, q, k, k_rep, seqlens, leftpad)
+    groups, n_bh = triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv
+    arrived = block_idx if cfg.splits == 1 else arrival_counts(groups * n_bh, q.device)
+    args, options = _kv_select_args(spec, cfg, shapes, q, block_idx)
+    mod.kv_decode_select_topk[(groups, n_bh, cfg.splits)](
+        q, k_rep, block_idx, cand, arrived, *((block_idx, block_idx) if seqlens is None else _row_keys(seqlens, leftpad)),
+        *args, **options, VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None)
+    return block_idx
+
+
+def _kv_select_buffers(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q, k, k_rep, seqlens, leftpad):
+    """(lists, the splits' candidates, k's representatives: pooled here where not kept) of a per-query selection."""
+    if k_rep is None:
+        k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod, seqlens, leftpad)
+    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q.device, dtype=torch.int32)
+    cand = block_idx if cfg.splits == 1 else empty(shapes.batch * shapes.heads_kv * shapes.n_q * cfg.splits
+                                                   * topk_width(spec.top_k), device=q.device, dtype=torch.int64)
+    return block_idx, cand, k_rep
+
+
+def _kv_select_args(spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q, block_idx) -> tuple[list, dict]:
+    """kv_select_topk's arguments after its lengths: (those passed by position, the constexprs and launch
+    options)."""
+    return (
+        [*q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, *block_idx.stride()[:3]],
+        dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
+             TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
+             QUERIES=cfg.queries, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal, num_warps=cfg.num_warps))
 
 
 def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, block_idx,
@@ -1177,62 +1235,71 @@ def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part,
     return o, lse
 
 
-_EVERY_SPLIT: dict = {}
+_ARRIVALS: dict = {}
 
 
-def _every_split(splits: int, device) -> torch.Tensor:
-    """int32 zeros [splits] on `device`, made once (a fill launch fewer per decode call) where that is safe:
-    on the CPU, and on a GPU's default stream. Elsewhere they are made afresh and not kept: torch.compile's
-    CUDA graphs warm up and capture on a side stream, with allocations routed to the graphs' memory pool,
-    which must own nothing that outlives a call (cudagraph trees check, and refuse to run)."""
-    key = (splits, device)
-    zeros = _EVERY_SPLIT.get(key)
-    if zeros is None:
-        zeros = torch.zeros(splits, device=device, dtype=torch.int32)
-        if not zeros.is_cuda or _on_default_stream(zeros.device):
-            _EVERY_SPLIT[key] = zeros
-    return zeros
+def arrival_counts(n: int, device) -> torch.Tensor:
+    """int32 zeros [>= n] on `device` for the kernels whose last program of a group merges the group's work
+    (it counts the group's programs in, then zeroes the count: the counts are zero again after every launch).
+    They are kept and reused (no fill launch per call) where that is safe: on the CPU, and on a GPU's default
+    stream, whose launches run one after another. Elsewhere they are made afresh and not kept: another stream's
+    launch could run beside one that holds them, and torch.compile's CUDA graphs warm up and capture on a side
+    stream, with allocations routed to the graphs' memory pool, which must own nothing that outlives a call
+    (cudagraph trees check, and refuse to run)."""
+    key = device if isinstance(device, torch.device) else torch.device(device)
+    counts = _ARRIVALS.get(key)
+    if counts is not None and counts.numel() >= n and (not counts.is_cuda or _on_default_stream(counts.device)):
+        return counts
+    counts = torch.zeros(max(n, 256), device=device, dtype=torch.int32)
+    if not counts.is_cuda or _on_default_stream(counts.device):
+        _ARRIVALS[key] = counts
+    return counts
+
+
+_DEFAULT_STREAM_IDS: dict = {}
 
 
 def _on_default_stream(device: torch.device) -> bool:
-    return (not torch.cuda.is_current_stream_capturing()
-            and torch.cuda.current_stream(device) == torch.cuda.default_stream(device))
+    """Whether launches on `device` now go to its default stream, uncaptured (asked on every decode launch: one
+    stream object made, not two)."""
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    default = _DEFAULT_STREAM_IDS.get(device)
+    if default is None:
+        default = _DEFAULT_STREAM_IDS[device] = torch.cuda.default_stream(device).stream_id
+    return torch.cuda.current_stream(device).stream_id == default
 
 
 def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale, *,
                   seqlens: torch.Tensor | None = None, leftpad: torch.Tensor | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists (Q-centric or per-query:
-    the spec says which) of a call of a few queries: a partial per (query, split), then, with splits > 1,
-    kv_combine merges a row's splits in split order (every split writes its partial, so a list of `splits`
-    zeros with zero strides marks every slot used: `_every_split`). `seqlens`, `leftpad` (int32 [B]): batch row b
-    holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its queries the last positions of those."""
+    the spec says which) of a call of a few queries: a partial per (query group, split), merged, with
+    splits > 1, by the group's last program in split order (`arrival_counts`). `seqlens`, `leftpad` (int32 [B]):
+    batch row b holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its queries the last positions
+    of those."""
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
-    if cfg.splits == 1:  # the partial is the output: no combine
-        o_part, lse_part, split_strides = o, lse, (0,)
+    queries = decode_queries(spec)
+    groups = triton.cdiv(shapes.n_q, queries)
+    if cfg.splits == 1:  # the partial is the output: nothing to merge
+        o_part, lse_part, split_strides, arrived = o, lse, (0,), lse
     else:
         o_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, cfg.splits, spec.head_dim, device=q.device,
                        dtype=torch.float32)
         lse_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, cfg.splits, device=q.device, dtype=torch.float32)
         split_strides = (o_part.stride(3),)
-    queries = decode_queries(spec)
-    mod.decode_partial[(triton.cdiv(shapes.n_q, queries) * cfg.splits, shapes.batch * shapes.heads_kv)](
-        q, k, v, o_part, lse_part, block_idx, *((block_idx, block_idx) if seqlens is None
-                                                else _row_keys(seqlens, leftpad)),
+        arrived = arrival_counts(groups * shapes.batch * shapes.heads_kv, q.device)
+    mod.decode_partial[(groups * cfg.splits, shapes.batch * shapes.heads_kv)](
+        q, k, v, o_part, lse_part, o, lse, arrived, block_idx,
+        *((block_idx, block_idx) if seqlens is None else _row_keys(seqlens, leftpad)),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
-        *lse_part.stride()[:3], *block_idx.stride()[:3],
+        *lse_part.stride()[:3], *block_idx.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
         ROWS=decode_rows(spec), QUERIES=queries, LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k,
         TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal, VARLEN=seqlens is not None,
         HAS_LEFTPAD=leftpad is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.splits > 1:
-        rows = 16
-        mod.kv_combine[(triton.cdiv(shapes.n_q, rows), shapes.batch * shapes.heads_q)](
-            o_part, lse_part, _every_split(cfg.splits, q.device), o, lse, *o_part.stride()[:4],
-            *lse_part.stride()[:3], 0, 0, 0, *o.stride()[:3], *lse.stride()[:2], shapes.n_q, shapes.heads_q,
-            HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=cfg.splits, ROWS=rows, num_warps=4)
     return o, lse
 
 
@@ -1438,7 +1505,7 @@ class TritonBackend(Backend):
         "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2", varlen=True),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
                            default=select_default, space=select_space, infeasible=select_infeasible),
-        "decode_select": RoleImpl(launch=launch_select, template="triton/decode_select.py.j2", config_type=SelectConfig,
+        "decode_select": RoleImpl(launch=launch_decode_select, template="triton/decode_select.py.j2", config_type=SelectConfig,
                                   default=decode_select_default, space=decode_select_space,
                                   infeasible=decode_select_infeasible, varlen=True),
         "select_index": RoleImpl(launch=launch_select_index, template="triton/select_index.py.j2",
@@ -1455,7 +1522,7 @@ class TritonBackend(Backend):
         "kv_select": RoleImpl(launch=launch_kv_select, template="triton/kv_select.py.j2", config_type=KvSelectConfig,
                               default=kv_select_default, space=kv_select_space, infeasible=kv_select_infeasible,
                               varlen=True),
-        "kv_decode_select": RoleImpl(launch=launch_kv_select, template="triton/kv_select.py.j2",
+        "kv_decode_select": RoleImpl(launch=launch_kv_decode_select, template="triton/kv_decode_select.py.j2",
                                      config_type=KvSelectConfig, default=kv_decode_select_default,
                                      space=kv_decode_select_space, infeasible=kv_decode_select_infeasible,
                                      varlen=True),
