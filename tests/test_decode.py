@@ -156,21 +156,26 @@ def test_top_k_1_with_one_tile_a_program(role, n_q, device):
     check(spec, q, k, v)
 
 
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
 @pytest.mark.parametrize("selector", ["mean", "multi:2"])
-def test_a_decode_selection_pools_q_and_merges_its_splits_in_one_launch(selector, device):
-    """decode_select (a Q-centric decode call's selection) pools q in its own program and the last split of a
-    tile group merges the splits' candidates: the lists are bit-equal at any split count, with kept reps and
-    over a cache of per-row lengths too, and a valid top-k under float64 scores; every arrival count is zero
-    again after the launches (the next call's selection and decode count from zero)."""
+def test_a_decode_selection_is_one_launch_whatever_its_splits(schedule, selector, device):
+    """A decode call's selection (decode_select, kv_decode_select for per-query lists) is one launch: its
+    programs pool q themselves, each scans its split of the blocks, and the last split of a group to finish
+    merges their top-k. The lists are bit-equal at any split count, with kept reps and over a cache of per-row
+    lengths too, and a valid top-k under float64 scores; every arrival count is zero again after the launches
+    (the next call's selection and decode count from zero)."""
     from kernelgen.backends.triton import _ARRIVALS
 
-    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=3, causal=True, gqa_group=2, selector=selector, local=1,
-                sink=1)
-    q, k, v = make_inputs(2, 2, 2, 3, 300, 64, torch.float16, device, 12)
-    tiles = 16 // (2 * spec.groups)  # the fewest rows: 16
-    kernels = [kernelgen.get_kernel(spec, configs={"decode_select": kernelgen.SelectConfig(tiles=tiles, chunk=16,
-                                                                                           splits=n),
-                                                   "decode": DecodeConfig(splits=4)}) for n in (1, 2, 8)]
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16 if schedule == "q_centric" else 64, top_k=3, causal=True,
+                gqa_group=2, selector=selector, schedule=schedule, local=1, sink=1)
+    q, k, v = make_inputs(2, 2, 2, 3, 300, 64, torch.float16, device, 11)
+
+    def selection(splits):
+        if schedule == "kv_centric":
+            return {"kv_decode_select": kernelgen.KvSelectConfig(queries=16, chunk=16, splits=splits)}
+        return {"decode_select": kernelgen.SelectConfig(tiles=16 // (2 * spec.groups), chunk=16, splits=splits)}
+
+    kernels = [kernelgen.get_kernel(spec, configs={**selection(n), "decode": DecodeConfig(splits=4)}) for n in (1, 2, 8)]
     lists = [attn.select(q, k) for attn in kernels]
     assert all(torch.equal(lists[0], other) for other in lists[1:])
     assert_valid_selection(lists[0], q, k, spec)
@@ -183,24 +188,3 @@ def test_a_decode_selection_pools_q_and_merges_its_splits_in_one_launch(selector
     o = kernels[2](q, k, v)
     assert torch.equal(o, kernels[2](q, k, v, block_idx=lists[0]))
     assert not _ARRIVALS[torch.device(device)].any()
-
-
-@pytest.mark.parametrize("selector", ["mean", "multi:2"])
-def test_a_per_query_decode_selection_splits_its_blocks(selector, device):
-    """kv_decode_select (the KV-centric schedule's selection in a decode call): the blocks split over programs,
-    each split's top-k merged, give the lists of one scan bit for bit at any split count, with kept reps and
-    over a cache of per-row lengths too; they are a valid top-k under float64 scores."""
-    spec = Spec(head_dim=64, kv_block=16, top_k=3, causal=True, gqa_group=2, selector=selector,
-                schedule="kv_centric", local=1, sink=1)
-    q, k, v = make_inputs(2, 2, 2, 3, 300, 64, torch.float16, device, 11)
-    kernels = [kernelgen.get_kernel(spec, configs={"kv_decode_select": kernelgen.KvSelectConfig(
-        queries=16, chunk=16, splits=n)}) for n in (1, 2, 8)]
-    lists = [attn.select(q, k) for attn in kernels]
-    assert all(torch.equal(lists[0], other) for other in lists[1:])
-    assert_valid_selection(lists[0], q, k, spec)
-    lens = torch.tensor([300, 77], dtype=torch.int32, device=device)
-    pads = torch.tensor([5, 0], dtype=torch.int32, device=device)
-    ragged = [attn.select(q, k, key_reps=attn.key_reps(k, cache_seqlens=lens, cache_leftpad=pads), cache_seqlens=lens,
-                          cache_leftpad=pads) for attn in kernels]
-    assert all(torch.equal(ragged[0], other) for other in ragged[1:])
-    assert torch.equal(ragged[0][1:], kernels[0].select(q[1:], k[1:, :, :77]))
