@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads-kv", type=int, default=None, help="KV heads (GPU default 8, CPU default 1); Hq = 4 * this")
     args = p.parse_args(argv)
+    for name in ("n", "batch", "heads_kv"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
 
     on_gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
     spec = SPEC

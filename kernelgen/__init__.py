@@ -13,6 +13,27 @@ import torch as _torch
 if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
     _os.environ["TRITON_INTERPRET"] = "1"
 
+
+def _warn_interpreter_numpy() -> None:
+    """numpy 2.4 breaks Triton 3.6's interpreter with an error that names neither ("only 0-dimensional arrays
+    can be converted to Python scalars"): say so before a kernel runs into it."""
+    import importlib.metadata
+    import warnings
+
+    try:
+        numpy, triton = (tuple(int(x) for x in importlib.metadata.version(name).split(".")[:2])
+                         for name in ("numpy", "triton"))
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return
+    if numpy >= (2, 4) and triton <= (3, 6):
+        warnings.warn(f"numpy {'.'.join(map(str, numpy))} breaks Triton {'.'.join(map(str, triton))}'s CPU "
+                      "interpreter, which kernelgen's kernels run in without a GPU: pip install 'numpy<2.4'",
+                      stacklevel=2)
+
+
+if _os.environ.get("TRITON_INTERPRET") == "1":
+    _warn_interpreter_numpy()
+
 from . import backends, reference  # noqa: E402
 from .backends.gluon import GluonAttnConfig  # noqa: E402
 from .backends.tilelang import TileLangAttnConfig, TileLangBwdDkdvConfig  # noqa: E402
@@ -36,3 +57,15 @@ __all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "KeyReps", "Re
            "KernelgenRuntimeError", "KernelgenNotImplementedError", "backends", "reference", "from_block_mask",
            "to_block_mask"]
 __version__ = "0.1.0"
+
+# Submodules that cost an import of their own (custom_ops registers torch ops, about a second) load on first
+# use, so that `import kernelgen` then `kernelgen.custom_ops.sparse_attention(...)` works as written.
+_LAZY_SUBMODULES = ("custom_ops", "distributed", "export", "integrations", "quality")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'kernelgen' has no attribute {name!r}")

@@ -20,6 +20,7 @@ import typer.core
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Column, Table
+from rich.text import Text
 
 from .errors import KernelgenError
 
@@ -57,7 +58,7 @@ app = typer.Typer(name="kernelgen", cls=_OneLineUsageErrors, no_args_is_help=Tru
 db_app = typer.Typer(help="The tuning databases (winners per spec, role, backend, GPU and length bucket).",
                      no_args_is_help=True)
 app.add_typer(db_app, name="db")
-console = Console()
+console = Console(markup=False)  # text from specs, paths and errors is printed as it is: '[tilelang]' is no tag
 
 
 def _fail(message: str) -> None:
@@ -78,8 +79,18 @@ def clean_errors(command):
     return run
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        console.print(f"kernelgen {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kernelgen's debug messages.")):
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kernelgen's debug messages."),
+          version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print kernelgen's version and exit.")):
     logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(console=console)])
     logging.getLogger("kernelgen").setLevel(logging.DEBUG if verbose else logging.INFO)
 
@@ -155,9 +166,9 @@ def _print_plan(p: dict, every_config: bool) -> None:
     default and its neighbours first), and every config where the space is small or `every_config`."""
     from .tuning.plan import config_key, seeds
 
-    console.print(f"[bold]{p['role']}[/bold] ({p['backend']}): study {p['study_name']}, bucket {p['bucket']}, "
-                  f"sampler {p['sampler']}, {p['trials']} trials over a space of {p['space_size']} configs, "
-                  f"benchmark shape {p['shape']}")
+    console.print(Text.assemble((p["role"], "bold"), f" ({p['backend']}): study {p['study_name']}, bucket "
+                                f"{p['bucket']}, sampler {p['sampler']}, {p['trials']} trials over a space of "
+                                f"{p['space_size']} configs, benchmark shape {p['shape']}"))
     fields = Table("field", "values", box=None)
     for name, values in p["params"].items():
         fields.add_row(name, ", ".join(str(v) for v in values))
@@ -333,7 +344,7 @@ def db_list(spec_key: Optional[str] = typer.Option(None, help="Only this spec ke
         table.add_row(row["source"], row["spec_key"], row["role"], row["backend"], row["arch"], str(row["bucket"]),
                       row["dtype"], f"{row['median_ms']:.4f}", "-" if tf is None else f"{tf:.1f}",
                       str(row["n_trials"]))
-    Console(width=max(console.width, 160)).print(table)
+    Console(width=max(console.width, 160), markup=False).print(table)
     console.print(f"{len(rows)} rows")
 
 
@@ -374,7 +385,13 @@ def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec k
     with TuningDB() as db:
         db.check_writable()
         if not yes:
-            typer.confirm(f"Delete {'all rows' if not spec_key else 'rows of ' + spec_key} in {db.path}?", abort=True)
+            try:
+                confirmed = typer.confirm(f"Delete {'all rows' if not spec_key else 'rows of ' + spec_key} in "
+                                          f"{db.path}?", default=False)
+            except typer.Abort:  # no answer to read (no terminal, end of input)
+                confirmed = False
+            if not confirmed:
+                _fail("nothing deleted: not confirmed (pass --yes to delete without asking)")
         n = db.clear(**({"spec_key": spec_key} if spec_key else {}))
     console.print(f"deleted {n} rows")
 
@@ -417,6 +434,7 @@ def export(
     baked in: the tuning DBs' winners for --arch and --seq, or the defaults. Says which it baked."""
     import torch
 
+    from . import backends as registry
     from .export import export_module, tuned_configs
 
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
@@ -431,10 +449,16 @@ def export(
         _fail(f"--dtype must be bfloat16 or float16, got {dtype!r}")
     configs, sources = None, None
     if seq is not None:
+        from .tuning.lookup import Target, cannot_serve
+
+        if spec.backend == registry.AUTO:  # say which backends auto left out, and why (TileLang not installed, ...)
+            for candidate in registry.all_backends():
+                why = "attn" in candidate.roles and cannot_serve(candidate, spec, Target(arch, gpu))
+                if why:
+                    console.print(f"auto: {candidate.name} not considered: {why}")
         spec, configs, sources = tuned_configs(spec, arch=arch, seq=seq, gpu_name=gpu, dtype=getattr(torch, dtype))
     _check_out_dir(out.parent)
     path = export_module(spec, out, configs, arch, sources)
-    from . import backends as registry
     from .export import resolve_configs
 
     for role, cfg in resolve_configs(spec, configs, arch).items():

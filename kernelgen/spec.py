@@ -187,6 +187,8 @@ class Spec:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Spec":
+        if not isinstance(data, dict):
+            raise KernelgenTypeError(f"Spec.from_dict takes a dict of Spec fields, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -195,7 +197,14 @@ class Spec:
 
     @classmethod
     def from_json(cls, text: str) -> "Spec":
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as error:
+            raise KernelgenValueError(f"Spec.from_json: not a JSON object of Spec fields ({error})") from None
+        if not isinstance(data, dict):
+            raise KernelgenValueError(f"Spec.from_json: expected a JSON object of Spec fields, got "
+                                      f"{type(data).__name__} {text[:40]!r}")
+        return cls.from_dict(data)
 
     def key(self) -> str:
         """Short stable hash of the spec (used in kernel names, cache paths and the tuning DB)."""

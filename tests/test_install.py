@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,30 @@ def test_non_editable_install(tmp_path):
     proc = _run([str(py), str(script)], work, env, 300)
     assert '"rel_err"' in proc.stdout, proc.stdout
     print(proc.stdout)
+
+
+def test_import_kernelgen_reaches_its_submodules():
+    """`import kernelgen` alone then kernelgen.custom_ops / kernelgen.distributed, as the README writes them
+    (loaded on first use); an unknown attribute is still an AttributeError."""
+    code = ("import kernelgen\n"
+            "assert callable(kernelgen.custom_ops.sparse_attention) and callable(kernelgen.distributed.attention)\n"
+            "try:\n    kernelgen.no_such_thing\nexcept AttributeError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "no attribute 'no_such_thing'" in result.stdout
+
+
+def test_numpy_that_breaks_the_interpreter_is_named(monkeypatch):
+    import importlib.metadata
+
+    import kernelgen
+
+    versions = {"numpy": "2.4.0", "triton": "3.6.0"}
+    monkeypatch.setattr(importlib.metadata, "version", versions.__getitem__)
+    with pytest.warns(UserWarning, match=r"numpy 2.4 breaks Triton 3.6's CPU interpreter.*numpy<2.4"):
+        kernelgen._warn_interpreter_numpy()
+    versions["numpy"] = "2.3.5"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernelgen._warn_interpreter_numpy()  # a numpy that works: nothing said
+

@@ -73,6 +73,12 @@ def test_type_errors():
         Spec(head_dim=64, causal=1)
     with pytest.raises(ValueError, match="unknown fields"):
         Spec.from_dict({"head_dim": 64, "blocks": 3})
+    with pytest.raises(ValueError, match="not a JSON object of Spec fields"):
+        Spec.from_json("not json")
+    with pytest.raises(ValueError, match="expected a JSON object of Spec fields, got list"):
+        Spec.from_json("[1]")
+    with pytest.raises(TypeError, match="takes a dict of Spec fields, got list"):
+        Spec.from_dict([1])
 
 
 @pytest.mark.parametrize(

@@ -480,7 +480,8 @@ class TileLangBackend(Backend):
 
     def not_installed(self) -> str | None:
         if importlib.util.find_spec("tilelang") is None:
-            return "backend='tilelang' needs TileLang: pip install 'kernelgen[tilelang]'"
+            return ("backend='tilelang' needs TileLang: pip install tilelang==0.1.15 (in a kernelgen checkout: "
+                    "pip install -e '.[tilelang]')")
         return None
 
     def build(self, spec: Spec, role: str, config, problem: Problem | None = None):
