@@ -225,7 +225,10 @@ class SparseAttention:
         role = self._selection_role(shapes, rows)  # the selection a call of these queries runs
         served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
         self._reps_to_rows(k, shapes, key_reps, rows)
-        return self._select(q, k, shapes, index, served, key_reps, rows)
+        lists = self._select(q, k, shapes, index, served, key_reps, rows)
+        if isinstance(rows, TokenRows):
+            lists = _padding_lists_emptied(lists, rows.seqlens, self.spec.list_queries)
+        return lists
 
     def _rows(self, shapes: Shapes, device, cache_seqlens, cache_leftpad, seqlens, key_reps, index
               ) -> CacheRows | TokenRows | None:
@@ -237,9 +240,11 @@ class SparseAttention:
                                 cache_seqlens=cache_leftpad if cache_seqlens is None else cache_seqlens)
 
     def _selection_role(self, shapes: Shapes, rows) -> str | None:
-        """The selection role a call runs: a padded batch's is the decode selection, whose module has the
-        per-row kernels (each row pooled and scored over its own tokens)."""
-        return forward_roles(self.spec, 1 if isinstance(rows, TokenRows) else shapes.n_q)[1]
+        """The selection role a call runs: a Q-centric padded batch's is the decode selection, whose module has
+        the per-row kernels (each row pooled and scored over its own tokens); the per-query selector's module
+        has them itself."""
+        padded = isinstance(rows, TokenRows) and not self.spec.per_query
+        return forward_roles(self.spec, 1 if padded else shapes.n_q)[1]
 
     def _check_rows(self, cache_seqlens, cache_leftpad, shapes: Shapes, device) -> CacheRows | None:
         """A call's checked `cache_seqlens` and `cache_leftpad` (None without): a decode call's only."""
@@ -501,7 +506,7 @@ class SparseAttention:
             used = normalised = self._launch(lists, q, shapes, checked)
         prepared = isinstance(used, BlockLists)
         if padded and not prepared:
-            used = normalised = _padding_tiles_emptied(normalised, rows.seqlens, self.spec.q_tile)
+            used = normalised = _padding_lists_emptied(normalised, rows.seqlens, self.spec.list_queries)
         built = None  # the union built here for raw or selected lists
         if attn.role == "kv_attn" and ((prepared and used.union is not None)
                                        or (not prepared and "kv_attn_union" in self._fixed)):
@@ -595,10 +600,11 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def _padding_tiles_emptied(lists: torch.Tensor, seqlens: torch.Tensor, q_tile: int) -> torch.Tensor:
-    """A padded batch's lists with every tile past its row's tokens empty (-1): the padding's queries attend
-    to nothing, so they cost neither the forward nor the backward anything."""
-    past = torch.arange(lists.shape[2], device=lists.device)[None, :] * q_tile >= seqlens[:, None]  # [B, tiles]
+def _padding_lists_emptied(lists: torch.Tensor, seqlens: torch.Tensor, list_queries: int) -> torch.Tensor:
+    """A padded batch's lists (a list per `list_queries` queries: a Q tile's, or a query's) with every list past
+    its row's tokens empty (-1): the padding's queries attend to nothing, so they cost neither the forward nor
+    the backward anything."""
+    past = torch.arange(lists.shape[2], device=lists.device)[None, :] * list_queries >= seqlens[:, None]  # [B, lists]
     return lists.masked_fill(past[:, None, :, None], -1)
 
 

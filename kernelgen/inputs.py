@@ -221,14 +221,11 @@ class TokenRows(NamedTuple):
 
 def check_token_rows(seqlens, spec: Spec, shapes: Shapes, device, *, cache_seqlens=None, key_reps=None,
                      index=None) -> TokenRows:
-    """A call's `seqlens` (a right-padded batch), and what such a call can be: causal self-attention of the
-    Q-centric schedule, over given lists or a pooling selector's, with nothing of a KV cache."""
+    """A call's `seqlens` (a right-padded batch), and what such a call can be: causal self-attention, over given
+    lists or a pooling selector's, with nothing of a KV cache."""
     if cache_seqlens is not None:
         raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or cache_seqlens= (a decode call's "
                                   "KV cache rows), not both")
-    if spec.per_query:
-        raise KernelgenValueError("seqlens= runs the Q-centric schedule; spec.schedule='kv_centric' takes no "
-                                  "padded batch (run each row's own length)")
     if not spec.causal:
         raise KernelgenValueError("seqlens= needs a causal spec: a padded row's queries must see none of the "
                                   "padding after its tokens (run each row's own length)")

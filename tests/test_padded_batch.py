@@ -30,11 +30,17 @@ def _row_lists(spec, lists, b, n):
     return lists[b:b + 1, :, :spec.n_q_tiles(n)]
 
 
+PER_QUERY = {"schedule": "kv_centric", "q_tile": 64}  # one list per query: the KV-centric schedule
+
+
 @pytest.mark.parametrize("selector, dtype, fields", [("mean", torch.float32, {}),
                                                      ("multi:2", torch.float16, {}),
                                                      ("mean", torch.float32, {"q_tile": 32}),
                                                      ("multi:2", torch.float32, {"kv_block": 32, "local": 2}),
-                                                     ("given", torch.float32, {})])
+                                                     ("given", torch.float32, {}),
+                                                     ("mean", torch.float32, PER_QUERY),
+                                                     ("multi:2", torch.float16, PER_QUERY),
+                                                     ("given", torch.float32, PER_QUERY)])
 def test_each_row_is_the_call_over_its_own_tokens(selector, dtype, fields, device):
     """Row b's lists and outputs are those of the call over its first lengths[b] queries and keys alone, bit for
     bit (its last partial tile and block pooled over its tokens alone); o, lse match the float64 reference;
@@ -57,13 +63,17 @@ def test_each_row_is_the_call_over_its_own_tokens(selector, dtype, fields, devic
     assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
     padding = torch.arange(100, device=device)[None, :] >= lens[:, None].long()
     assert (o.permute(0, 2, 1, 3)[padding] == 0).all() and torch.isinf(lse.permute(0, 2, 1)[padding]).all()
+    if given is None:  # the lists past a row's tokens are empty
+        past = torch.arange(lists.shape[2], device=device)[None, :] * spec.list_queries >= lens[:, None].long()
+        assert (lists.permute(0, 2, 1, 3)[past] == -1).all()
 
 
+@pytest.mark.parametrize("fields", [{}, PER_QUERY], ids=["q_centric", "kv_centric"])
 @pytest.mark.parametrize("selector", ["mean", "given"])
-def test_gradients_are_each_rows_and_deterministic(selector, device):
+def test_gradients_are_each_rows_and_deterministic(selector, fields, device):
     """dq, dk, dv equal those of each row's own call, bit for bit, match float64 autograd over each row's
     tokens, are 0 at the padding, and two backward runs are bitwise equal."""
-    spec = _spec(selector)
+    spec = _spec(selector, **fields)
     attn = get_kernel(spec)
     q, k, v, do, lens = _batch(torch.float32, device, seed=2)
     given = random_lists(spec, len(LENGTHS), 2, 100, 100, seed=3).to(device) if selector == "given" else None
@@ -101,8 +111,6 @@ def test_bad_seqlens_are_refused_by_name(device):
         (lambda: attn(q[:, :, :50], k, v, seqlens=lens), KernelgenValueError, "Nq == Nk"),
         (lambda: attn(q, k, v, seqlens=lens, key_reps=attn.key_reps(k)), KernelgenValueError, "no key_reps"),
         (lambda: get_kernel(_spec(causal=False))(q, k, v, seqlens=lens), KernelgenValueError, "causal"),
-        (lambda: get_kernel(Spec(head_dim=64, kv_block=16, top_k=3, causal=True, gqa_group=2,
-                                 schedule="kv_centric"))(q, k, v, seqlens=lens), KernelgenValueError, "Q-centric"),
         (lambda: get_kernel(_spec("index"))(q, k, v, seqlens=lens), KernelgenValueError, "index selector"),
     ]:
         with pytest.raises(error, match=words.replace("[", r"\[")):
@@ -110,11 +118,12 @@ def test_bad_seqlens_are_refused_by_name(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_padded_batch_on_gpu(dtype):
+def test_padded_batch_on_gpu(dtype, schedule):
     """Rows of 8192, 5000, 1 and 0 tokens padded to 8192 (128-key blocks, top-16): outputs and gradients equal
     each row's own call, bit for bit, and the backward is deterministic."""
-    spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, local=2, sink=1)
+    spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, local=2, sink=1, schedule=schedule)
     attn = get_kernel(spec)
     q, k, v, do, lens = _batch(dtype, "cuda", 8192, (8192, 5000, 1, 0), heads_kv=2, group=4, head_dim=128)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -30,6 +30,8 @@ def tiny_config(**options):
 def small_select_tiles(spec):
     """get_kernel(spec), its selector scoring 16 blocks a step: the interpreter's cost grows with the score tile,
     and these sequences have at most 5 blocks (the default's 128 columns take 5x longer)."""
+    if spec.selection_role != "select":
+        return kernelgen.get_kernel(spec)
     return kernelgen.get_kernel(spec, configs={"select": SelectConfig(tiles=8, chunk=16)})
 
 
@@ -61,7 +63,8 @@ def roles(monkeypatch):
 
 
 def set_options(model, **options):
-    for name, value in {"top_k": 16, "local": 1, "sink": 0, "selector": "mean", **options}.items():
+    for name, value in {"top_k": 16, "local": 1, "sink": 0, "selector": "mean", "schedule": "q_centric", "q_tile": 16,
+                        **options}.items():
         setattr(model.config, f"kernelgen_{name}", value)
 
 
@@ -220,11 +223,12 @@ def test_a_padded_prompt_within_top_k_blocks_runs_sdpa_once(models, roles):
     assert not roles and torch.equal(got, sdpa(ids, attention_mask=mask).logits)
 
 
-def test_a_right_padded_training_batch_is_each_row_alone(models, roles):
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_a_right_padded_training_batch_is_each_row_alone(models, roles, schedule):
     """Right padding (a training batch): one call a layer (`seqlens`), each row's logits at its tokens, and the
-    gradients they give, are the row's alone; padding positions take no part."""
+    gradients they give, are the row's alone; padding positions take no part. Either schedule."""
     ours, _ = models
-    set_options(ours, top_k=2)
+    set_options(ours, top_k=2, schedule=schedule, q_tile=16 if schedule == "q_centric" else 64)
     rows = [tokens(1, n, seed=30 + i) for i, n in enumerate((40, 23))]
     ids, mask = torch.zeros(2, 40, dtype=torch.long), torch.zeros(2, 40, dtype=torch.long)
     for b, row in enumerate(rows):
@@ -232,7 +236,7 @@ def test_a_right_padded_training_batch_is_each_row_alone(models, roles):
     with warnings.catch_warnings():
         warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
         got = ours(ids, attention_mask=mask).logits
-        assert roles["attn"] == 2  # 2 layers, a call each
+        assert roles["attn" if schedule == "q_centric" else "kv_attn"] == 2  # 2 layers, a call each
         loss = sum(got[b, :row.shape[1]].square().mean() for b, row in enumerate(rows))
         loss.backward()
         grad = ours.model.layers[0].self_attn.q_proj.weight.grad.clone()

@@ -1082,15 +1082,17 @@ def _merge_topk(mod, spec: Spec, cand: torch.Tensor, block_idx: torch.Tensor, sp
 
 def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
                      k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
-                     leftpad: torch.Tensor | None = None):
+                     leftpad: torch.Tensor | None = None, row_queries: bool = False):
     """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1), chosen on the device; `k_rep`,
-    `seqlens`, `leftpad`: as `launch_select`'s."""
+    `seqlens`, `leftpad`, `row_queries`: as `launch_select`'s (a right-padded batch's queries past its row's
+    tokens get no list written: the caller empties them)."""
     block_idx, cand, k_rep = _kv_select_buffers(mod, spec, cfg, shapes, q, k, k_rep, seqlens, leftpad)
     kernel, lengths = (mod.kv_select_topk, ()) if seqlens is None else (mod.kv_select_topk_varlen,
                                                                         _row_keys(seqlens, leftpad))
     args, options = _kv_select_args(spec, cfg, shapes, q, block_idx)
     kernel[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv, cfg.splits)](
-        q, k_rep, block_idx, cand, *lengths, *args, **options, **_has_leftpad(seqlens, leftpad))
+        q, k_rep, block_idx, cand, *lengths, *args, **options, **_has_leftpad(seqlens, leftpad),
+        **({} if seqlens is None else {"ROW_QUERIES": row_queries}))
     if cfg.splits > 1:  # a query's candidates merged as select's tiles' are
         _merge_topk(mod, spec, cand, block_idx, cfg.splits)
     return block_idx
