@@ -641,6 +641,10 @@ def quality(
                       "prepare() serves it at most "
                       f"{union_max_inflation(kv_block):.2f}")
     console.print(table)
+    whole = [b for b in budgets if b >= spec.n_kv_blocks(n_k)]
+    if whole:  # nothing was chosen: every block is listed
+        console.print(f"top_k {', '.join(map(str, whole))}: at least the {spec.n_kv_blocks(n_k)} KV blocks there are, "
+                      "so every block is listed (recall 1 says nothing of the selectors there)")
     console.print(f"per layer and head: {write_csv(rows, out / 'quality.csv')}")
     png = plot_recall(rows, out / "quality.png")
     if png:

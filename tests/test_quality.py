@@ -203,6 +203,7 @@ def test_cli_writes_the_table_csv_and_plot(tmp_path):
     assert {r["selector"] for r in rows} == {"mean", "multi:4", "index"} and rows[-1]["layer"] == "all"
     full = [float(r["recall"]) for r in rows if r["top_k"] == "4"]
     assert all(abs(x - 1) < 1e-9 for x in full)  # 4 blocks of 16 keys: every block
+    assert "top_k 4: at least the 4 KV blocks there are, so every block is listed" in " ".join(result.output.split())
     if importlib.util.find_spec("matplotlib"):
         assert (out / "quality.png").stat().st_size > 0
     else:
