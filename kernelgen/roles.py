@@ -31,9 +31,9 @@ KV-centric schedule (per-query lists int32 [B, Hkv, Nq, top_k]; `lists` normalis
             KV block gives dk, dv and dq's partials; their merge per row gives dq
 Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a KV cache):
   decode_select (q, k[, k_rep])          select's, for such a call of the Q-centric schedule (one Q tile: its
-            blocks split over more programs)
+            blocks split over more programs; q pooled and the partial lists merged in the same launch)
   kv_decode_select (q, k[, k_rep])       kv_select's, for such a call of the KV-centric schedule (its blocks
-            split over more programs, the partial lists merged)
+            split over more programs, the partial lists merged in the same launch)
   decode    (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form, split-KV per query
 Such a call may pass `cache_seqlens` and `cache_leftpad` (int32 [B]: batch row b of a cache holds keys
 [cache_leftpad[b], cache_seqlens[b])): the launchers of the roles whose `RoleImpl.varlen` is set take them as

@@ -176,8 +176,8 @@ class KvBwdConfig(_JsonConfig):
 class DecodeConfig(_JsonConfig):
     """Decode (a few queries, `roles.DECODE_MAX_QUERIES` at most): one program per (batch, KV head, queries,
     split), the G heads of `decode_queries` queries that share a list packed in rows (max(16, next_pow2(G))),
-    each split walking its share of their list; splits > 1 adds a combine launch that merges the splits'
-    partials through lse."""
+    each split walking its share of their list; with splits > 1 the last split of a group to finish merges
+    the splits' partials through their lse (no launch of its own)."""
 
     splits: int = 8
     num_warps: int = 4
