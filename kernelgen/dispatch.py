@@ -243,8 +243,9 @@ class SparseAttention:
         """The selection role a call runs: a Q-centric padded batch's is the decode selection, whose module has
         the per-row kernels (each row pooled and scored over its own tokens); the per-query selector's module
         has them itself."""
-        padded = isinstance(rows, TokenRows) and not self.spec.per_query
-        return forward_roles(self.spec, 1 if padded else shapes.n_q)[1]
+        if isinstance(rows, TokenRows):  # a prefill's, however few its queries
+            return forward_roles(self.spec, None if self.spec.per_query else 1)[1]
+        return forward_roles(self.spec, shapes.n_q)[1]
 
     def _check_rows(self, cache_seqlens, cache_leftpad, shapes: Shapes, device) -> CacheRows | None:
         """A call's checked `cache_seqlens` and `cache_leftpad` (None without): a decode call's only."""

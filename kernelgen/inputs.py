@@ -7,6 +7,7 @@ argument and what was expected. Also the pieces every launcher shares: poisoned 
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import os
 from typing import NamedTuple
@@ -275,8 +276,13 @@ def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device, varlen: bool = 
         raise KernelgenValueError(f"key_reps were made for kv_block, groups = {made}; this spec has "
                                   f"{(spec.kv_block, spec.groups)}")
     if key_reps.n_k != shapes.n_k:
-        raise KernelgenValueError(f"key_reps were made for n_k = {key_reps.n_k} keys but k has {shapes.n_k}: extend "
-                                  "them with attn.key_reps(k, previous=key_reps)")
+        if key_reps.seqlens is not None:
+            fix = "grow them with attn.key_reps(k, cache_seqlens=..., previous=key_reps)"
+        elif key_reps.n_k < shapes.n_k:
+            fix = "extend them with attn.key_reps(k, previous=key_reps)"
+        else:  # a cache cropped to a prefix of their keys
+            fix = f"attn.key_reps(k, previous=key_reps.cropped({shapes.n_k})) makes them for this k"
+        raise KernelgenValueError(f"key_reps were made for n_k = {key_reps.n_k} keys but k has {shapes.n_k}: {fix}")
     expected = (shapes.batch, shapes.heads_kv, shapes.n_kv_blocks, spec.groups, spec.head_dim)
     if tuple(key_reps.reps.shape) != expected:
         raise KernelgenValueError(f"key_reps hold shape {tuple(key_reps.reps.shape)}; this call's k needs "
@@ -503,8 +509,10 @@ def _check_index_fp8(device) -> None:
 def softmax_scale(scale, spec: Spec) -> float:
     if scale is None:
         return 1.0 / math.sqrt(spec.head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise KernelgenTypeError(f"scale must be a finite float (default 1/sqrt(head_dim)), got {scale!r}")
+    # a real scalar (Python's or NumPy's); a tensor is refused: its value would need a read from the device
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):  # np.bool_ is no Real
+        raise KernelgenTypeError(f"scale must be a finite real number, a Python or NumPy scalar (default "
+                                 f"1/sqrt(head_dim)), got {scale!r}")
     if scale <= 0:
         # the kernels take each row's running max on unscaled scores (as FlashAttention does)
         raise KernelgenValueError(f"scale must be > 0 (default 1/sqrt(head_dim)), got {scale!r}")

@@ -154,9 +154,13 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> t
 
 
 def normalize_block_idx(block_idx: torch.Tensor, n_kv_blocks: int) -> torch.Tensor:
-    """Canonical form of a list: valid ids ascending, then -1 (ids outside [0, n_kv_blocks) are empty)."""
+    """Canonical form of a list: valid ids ascending, each once, then -1 (ids outside [0, n_kv_blocks) are empty,
+    and so is a repeat: [1, 1] becomes [1, -1])."""
     valid = (block_idx >= 0) & (block_idx < n_kv_blocks)
     ids = torch.where(valid, block_idx.long(), n_kv_blocks).sort(dim=-1).values
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    ids = torch.where(repeat, n_kv_blocks, ids).sort(dim=-1).values
     return torch.where(ids < n_kv_blocks, ids, -1).to(torch.int32)
 
 

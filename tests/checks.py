@@ -79,7 +79,8 @@ def assert_valid_selection(block_idx, q, k, spec, tol=1e-3, index=None):
     nq, nk = q.shape[2], k.shape[2]
     n_blocks = spec.n_kv_blocks(nk)
     assert block_idx.dtype == torch.int32
-    assert torch.equal(block_idx, reference.normalize_block_idx(block_idx, n_blocks)), "not ascending ids then -1"
+    assert torch.equal(block_idx, reference.normalize_block_idx(block_idx, n_blocks)), \
+        "not ascending distinct ids then -1"
     scores = reference.block_scores(q, k, spec, index)
     eligible, forced = reference.tile_eligibility(spec, nq, nk, device=q.device)
     chosen = torch.zeros(*scores.shape[:-1], n_blocks + 1, dtype=torch.bool, device=q.device)

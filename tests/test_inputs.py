@@ -2,6 +2,7 @@
 names the argument and says what was expected. Everything here is tiny (N <= 130, D = 64)."""
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,7 +45,7 @@ def test_valid_call_runs(attn, device):
 
 
 @pytest.mark.parametrize("bad, error", [(0.0, ValueError), (-0.125, ValueError), (float("nan"), TypeError),
-                                        ("0.1", TypeError)])
+                                        ("0.1", TypeError), (torch.tensor(0.1), TypeError), (True, TypeError)])
 def test_bad_scale(attn, device, bad, error):
     with pytest.raises(error, match=r"^scale must be"):
         attn(*qkv(device), scale=bad)
@@ -56,6 +57,9 @@ def test_scale_is_applied(device):
     o = kernelgen.get_kernel(GIVEN)(q, k, v, block_idx=idx, scale=0.3)
     ref_o, _, _ = reference.sparse_attention(q, k, v, GIVEN, block_idx=idx, scale=0.3)
     assert ((o.double() - ref_o).norm() / ref_o.norm()) < 1e-2
+    # a NumPy scalar is a real number as a Python float is: the same call
+    assert torch.equal(kernelgen.get_kernel(GIVEN)(q, k, v, block_idx=idx, scale=np.float32(0.3)),
+                       kernelgen.get_kernel(GIVEN)(q, k, v, block_idx=idx, scale=float(np.float32(0.3))))
 
 
 # ---- q, k, v ---------------------------------------------------------------------------------------

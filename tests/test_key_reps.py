@@ -86,7 +86,10 @@ def test_bad_key_reps_are_refused_naming_what_is_wrong(device):
     q, k, v = _qkv(20, 70, device)
     reps = attn.key_reps(k)
     cases = [
-        (lambda: attn(q, k[:, :, :60], v[:, :, :60], key_reps=reps), KernelgenValueError, "n_k = 70"),
+        (lambda: attn(q, k[:, :, :60], v[:, :, :60], key_reps=reps), KernelgenValueError,
+         "n_k = 70 keys but k has 60: attn.key_reps(k, previous=key_reps.cropped(60))"),
+        (lambda: attn(q, k, v, key_reps=attn.key_reps(k[:, :, :60])), KernelgenValueError,
+         "extend them with attn.key_reps(k, previous=key_reps)"),
         (lambda: attn(q, k, v, key_reps=reps.reps), KernelgenTypeError, "KeyReps"),
         (lambda: attn(q, k, v, key_reps=reps, block_idx=attn.select(q, k)), KernelgenValueError, "not both"),
         (lambda: attn(q[:1], k[:1], v[:1], key_reps=reps), KernelgenValueError, "[B, Hkv, n_kv_blocks, r, D]"),

@@ -7,7 +7,7 @@ import torch
 from kernelgen import Spec, get_kernel, reference
 from kernelgen.errors import KernelgenTypeError, KernelgenValueError
 
-from checks import assert_close_to_reference
+from checks import assert_close_to_reference, assert_valid_selection
 from test_backward import assert_grads_close
 from test_decode import random_lists
 
@@ -98,6 +98,24 @@ def test_gradients_are_each_rows_and_deterministic(selector, fields, device):
         lists = row_given if given is not None else attn.select(*(x.detach() for x in row[:2]))
         want = reference.sparse_attention_grads(*(x.detach() for x in row), do[b:b + 1, :, :n], spec, lists)
         assert_grads_close([g[b:b + 1, :, :n] for g in got], want, torch.float32)
+
+
+@pytest.mark.parametrize("fields", [{}, PER_QUERY], ids=["q_centric", "kv_centric"])
+def test_a_padded_batch_of_few_tokens_is_a_prefill(fields, device):
+    """A padded batch of at most 16 positions (the decode calls' size) still selects and attends as a prefill
+    does, each row over its own tokens: forward, select and backward run, and match the float64 reference."""
+    spec = _spec("mean", **fields)
+    attn = get_kernel(spec)
+    q, k, v, do, lens = _batch(torch.float32, device, n=16, lengths=(5, 16, 0))
+    o, lse = attn(q, k, v, seqlens=lens, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, seqlens=lens)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float32)
+    lists = attn.select(q, k, seqlens=lens)
+    for b, n in enumerate((5, 16)):
+        assert_valid_selection(lists[b:b + 1, :, :spec.n_q_tiles(n)], q[b:b + 1, :, :n], k[b:b + 1, :, :n], spec)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    (attn(*leaves, seqlens=lens) * do).sum().backward()
+    assert all((x.grad[2] == 0).all() and x.grad.isfinite().all() for x in leaves)
 
 
 def test_bad_seqlens_are_refused_by_name(device):

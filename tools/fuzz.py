@@ -197,14 +197,6 @@ def make_lists(case, spec, torch):
     return idx.to(case["device"])
 
 
-def canonical_lists(idx, n_blocks, torch, reference):
-    """A list as a set: valid ids ascending, each once, then -1."""
-    ids = reference.normalize_block_idx(idx, n_blocks).long()
-    repeat = torch.zeros_like(ids, dtype=torch.bool)
-    repeat[..., 1:] = (ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)
-    return reference.normalize_block_idx(torch.where(repeat, -1, ids), n_blocks)
-
-
 def pinned_configs(case, spec):
     """A random feasible point of each tuned role's search space, on this device's arch."""
     from kernelgen import backends
@@ -340,7 +332,7 @@ def run_case(case: dict) -> dict:
             if case["lists"]["kind"] == "prepared":
                 stage = "prepare"
                 block_idx = attn.prepare(ref_lists, nq, nk)
-                if not torch.equal(block_idx.block_idx, canonical_lists(ref_lists, n_blocks, torch, reference)):
+                if not torch.equal(block_idx.block_idx, reference.normalize_block_idx(ref_lists, n_blocks)):
                     raise Failure("prepare: the lists are not in canonical form")
         else:
             stage = "select"
