@@ -509,8 +509,9 @@ def _check_index_fp8(device) -> None:
 def softmax_scale(scale, spec: Spec) -> float:
     if scale is None:
         return 1.0 / math.sqrt(spec.head_dim)
-    # a real scalar (Python's or NumPy's); a tensor is refused: its value would need a read from the device
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):  # np.bool_ is no Real
+    # a real scalar (Python's or NumPy's, whose bool is no Real); a tensor is refused: its value would need a read
+    # from the device
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise KernelgenTypeError(f"scale must be a finite real number, a Python or NumPy scalar (default "
                                  f"1/sqrt(head_dim)), got {scale!r}")
     if scale <= 0:
