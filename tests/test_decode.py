@@ -175,7 +175,8 @@ def test_a_decode_selection_is_one_launch_whatever_its_splits(schedule, selector
             return {"kv_decode_select": kernelgen.KvSelectConfig(queries=16, chunk=16, splits=splits)}
         return {"decode_select": kernelgen.SelectConfig(tiles=16 // (2 * spec.groups), chunk=16, splits=splits)}
 
-    kernels = [kernelgen.get_kernel(spec, configs={**selection(n), "decode": DecodeConfig(splits=4)}) for n in (1, 2, 8)]
+    kernels = [kernelgen.get_kernel(spec, configs={**selection(n), "decode": DecodeConfig(splits=4)})
+               for n in (1, 2, 8)]
     lists = [attn.select(q, k) for attn in kernels]
     assert all(torch.equal(lists[0], other) for other in lists[1:])
     assert_valid_selection(lists[0], q, k, spec)

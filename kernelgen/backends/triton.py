@@ -1014,7 +1014,7 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
                      leftpad: torch.Tensor | None = None, row_queries: bool = False) -> torch.Tensor:
     """`launch_select` from representatives already pooled (`pool_reps`: float32 [B, Hq, n_q_tiles, r, D] and
     [B, Hkv, n_kv_blocks, r, D], contiguous), as a context-parallel rank has them after gathering the blocks'."""
-    block_idx, cand = _select_buffers(spec, cfg, shapes, q_rep.device)
+    block_idx, cand = _select_buffers(spec, cfg.splits, shapes, shapes.n_q_tiles, q_rep.device)
     grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), shapes.batch * shapes.heads_kv, cfg.splits)
     kernel, lengths = (mod.select_topk, ()) if seqlens is None else (mod.select_topk_varlen,
                                                                      _row_keys(seqlens, leftpad))
@@ -1037,7 +1037,7 @@ def launch_decode_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: 
     r = spec.groups
     if k_rep is None:
         k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens, leftpad)
-    block_idx, cand = _select_buffers(spec, cfg, shapes, q.device)
+    block_idx, cand = _select_buffers(spec, cfg.splits, shapes, shapes.n_q_tiles, q.device)
     n_bh, tile_groups = shapes.batch * shapes.heads_kv, triton.cdiv(shapes.n_q_tiles, cfg.tiles)
     arrived = block_idx if cfg.splits == 1 else arrival_counts(tile_groups * n_bh, q.device)
     q_rep = empty(cfg.splits, shapes.batch, shapes.heads_q, shapes.n_q_tiles, r, spec.head_dim, device=q.device,
@@ -1050,24 +1050,30 @@ def launch_decode_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: 
     return block_idx
 
 
-def _select_buffers(spec: Spec, cfg: SelectConfig, shapes: Shapes, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lists, the splits' candidates) of a Q-centric selection: with splits > 1 each split scans a share of the
-    blocks (more programs in flight) and writes its best keys, which a merge then picks from."""
-    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=device, dtype=torch.int32)
-    cand = block_idx if cfg.splits == 1 else empty(shapes.batch * shapes.heads_kv * shapes.n_q_tiles * cfg.splits
-                                                   * topk_width(spec.top_k), device=device, dtype=torch.int64)
+def _select_buffers(spec: Spec, splits: int, shapes: Shapes, n_lists: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lists int32 [B, Hkv, n_lists, top_k], the splits' candidates) of a selection (n_lists: Q tiles, or queries
+    for per-query lists): with splits > 1 each split scans a share of the blocks (more programs in flight) and
+    writes its best keys, which a merge then picks from."""
+    block_idx = empty(shapes.batch, shapes.heads_kv, n_lists, spec.top_k, device=device, dtype=torch.int32)
+    cand = block_idx if splits == 1 else empty(shapes.batch * shapes.heads_kv * n_lists * splits
+                                               * topk_width(spec.top_k), device=device, dtype=torch.int64)
     return block_idx, cand
 
 
 def _select_args(spec: Spec, cfg: SelectConfig, shapes: Shapes, block_idx) -> tuple[list, dict]:
     """select_topk's arguments after its lengths: (those passed by position, the constexprs and launch
     options)."""
-    r = spec.groups
     return ([shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, *block_idx.stride()[:3]],
-            dict(HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=r,
-                 GR_PAD=next_pow2(spec.gqa_group * r), TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k),
-                 SINK=spec.sink, N_LOCAL=spec.n_local, TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits,
-                 CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            _select_constexprs(spec, cfg))
+
+
+@functools.lru_cache(maxsize=None)  # read on every selection launch: a spec's and config's, made once
+def _select_constexprs(spec: Spec, cfg: SelectConfig) -> dict:
+    r = spec.groups
+    return dict(HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=r,
+                GR_PAD=next_pow2(spec.gqa_group * r), TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k),
+                SINK=spec.sink, N_LOCAL=spec.n_local, TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits,
+                CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _merge_topk(mod, spec: Spec, cand: torch.Tensor, block_idx: torch.Tensor, splits: int) -> None:
@@ -1107,9 +1113,10 @@ def launch_kv_decode_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes
     groups, n_bh = triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv
     arrived = block_idx if cfg.splits == 1 else arrival_counts(groups * n_bh, q.device)
     args, options = _kv_select_args(spec, cfg, shapes, q, block_idx)
+    lengths = (block_idx, block_idx) if seqlens is None else _row_keys(seqlens, leftpad)
     mod.kv_decode_select_topk[(groups, n_bh, cfg.splits)](
-        q, k_rep, block_idx, cand, arrived, *((block_idx, block_idx) if seqlens is None else _row_keys(seqlens, leftpad)),
-        *args, **options, VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None)
+        q, k_rep, block_idx, cand, arrived, *lengths, *args, **options, VARLEN=seqlens is not None,
+        HAS_LEFTPAD=leftpad is not None)
     return block_idx
 
 
@@ -1117,20 +1124,21 @@ def _kv_select_buffers(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q, 
     """(lists, the splits' candidates, k's representatives: pooled here where not kept) of a per-query selection."""
     if k_rep is None:
         k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod, seqlens, leftpad)
-    block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q.device, dtype=torch.int32)
-    cand = block_idx if cfg.splits == 1 else empty(shapes.batch * shapes.heads_kv * shapes.n_q * cfg.splits
-                                                   * topk_width(spec.top_k), device=q.device, dtype=torch.int64)
-    return block_idx, cand, k_rep
+    return (*_select_buffers(spec, cfg.splits, shapes, shapes.n_q, q.device), k_rep)
 
 
 def _kv_select_args(spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q, block_idx) -> tuple[list, dict]:
     """kv_select_topk's arguments after its lengths: (those passed by position, the constexprs and launch
     options)."""
-    return (
-        [*q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, *block_idx.stride()[:3]],
-        dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
-             TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
-             QUERIES=cfg.queries, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal, num_warps=cfg.num_warps))
+    return ([*q.stride()[:3], shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, *block_idx.stride()[:3]],
+            _kv_select_constexprs(spec, cfg))
+
+
+@functools.lru_cache(maxsize=None)  # read on every per-query selection launch
+def _kv_select_constexprs(spec: Spec, cfg: KvSelectConfig) -> dict:
+    return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
+                TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
+                QUERIES=cfg.queries, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal, num_warps=cfg.num_warps)
 
 
 def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, block_idx,
@@ -1297,12 +1305,17 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
         *((block_idx, block_idx) if seqlens is None else _row_keys(seqlens, leftpad)),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
         *lse_part.stride()[:3], *block_idx.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
-        shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
-        ROWS=decode_rows(spec), QUERIES=queries, LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k,
-        TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal, VARLEN=seqlens is not None,
-        HAS_LEFTPAD=leftpad is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E, **_decode_constexprs(spec, cfg),
+        VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None)
     return o, lse
+
+
+@functools.lru_cache(maxsize=None)  # read on every decode launch: a spec's and config's, made once
+def _decode_constexprs(spec: Spec, cfg: DecodeConfig) -> dict:
+    return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
+                ROWS=decode_rows(spec), QUERIES=decode_queries(spec), LIST_QUERIES=spec.list_queries,
+                TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
@@ -1507,8 +1520,8 @@ class TritonBackend(Backend):
         "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2", varlen=True),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
                            default=select_default, space=select_space, infeasible=select_infeasible),
-        "decode_select": RoleImpl(launch=launch_decode_select, template="triton/decode_select.py.j2", config_type=SelectConfig,
-                                  default=decode_select_default, space=decode_select_space,
+        "decode_select": RoleImpl(launch=launch_decode_select, template="triton/decode_select.py.j2",
+                                  config_type=SelectConfig, default=decode_select_default, space=decode_select_space,
                                   infeasible=decode_select_infeasible, varlen=True),
         "select_index": RoleImpl(launch=launch_select_index, template="triton/select_index.py.j2",
                                  config_type=IndexSelectConfig, default=index_select_default,
