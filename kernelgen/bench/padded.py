@@ -2,8 +2,9 @@
 the ways to run it without `seqlens=`.
 
 For each shape, in one process on one GPU (bf16; B8 Hq32 Hkv8 D128, causal, the `mean` selector, 128-key
-blocks, top-16, one sink and two local blocks; rows of N tokens down to about N/2, right-padded to N):
-kernelgen's one call with `seqlens=`; a kernelgen call per row (what a padded batch costs without it);
+blocks, top-16, one sink and two local blocks; rows of N tokens down to about N/2, right-padded to N), under
+each schedule (Q-centric lists, then per-query lists): kernelgen's one call with `seqlens=`; a kernelgen call
+per row (what a padded batch costs without it); then
 SDPA with the padding mask, as transformers builds it (causal AND each row's tokens: SDPA's
 memory-efficient kernel); and dense SDPA on cuDNN over the whole padded batch, padding included. Forward and
 forward+backward, do_bench medians, gradients set to None between calls. The one call's output is compared
@@ -23,6 +24,7 @@ __all__ = ["run_padded", "PADDED_SHAPES"]
 PADDED_SHAPES = {"pad_b8_8k": 8192, "pad_b8_16k": 16384}
 BATCH, HEADS_KV, GROUP, HEAD_DIM = 8, 8, 4, 128
 SPEC = Spec(head_dim=HEAD_DIM, kv_block=128, top_k=16, causal=True, gqa_group=GROUP, sink=1, local=2)
+SCHEDULES = {"": SPEC, " kv_centric": SPEC.replace(schedule="kv_centric")}  # row label suffix: spec
 
 
 def _lengths(n: int) -> list[int]:
@@ -40,7 +42,7 @@ def run_padded(shape_names=None, out_dir=None, log=print) -> list[dict]:
         raise KernelgenRuntimeError("bench --padded needs a CUDA GPU: it times kernels")
     rows: list[dict] = []
     attempt = row_attempts(log)
-    attn = get_kernel(SPEC)
+    kernels = {label: get_kernel(spec) for label, spec in SCHEDULES.items()}
     for name in shape_names or PADDED_SHAPES:
         n = PADDED_SHAPES[name]
         lengths = _lengths(n)
@@ -54,12 +56,13 @@ def run_padded(shape_names=None, out_dir=None, log=print) -> list[dict]:
         mask = (positions[None, :, None] >= positions[None, None, :]) & tokens[:, None, :]  # causal AND the row's
         kd, vd = (x.detach().repeat_interleave(GROUP, 1).requires_grad_() for x in (k, v))
 
-        def one_call():
-            return attn(q, k, v, seqlens=seqlens)
+        def one_call(attn):
+            return lambda: attn(q, k, v, seqlens=seqlens)
 
-        def per_row():
-            return torch.cat([torch.nn.functional.pad(attn(q[b:b + 1, :, :m], k[b:b + 1, :, :m], v[b:b + 1, :, :m]),
-                                                      (0, 0, 0, n - m)) for b, m in enumerate(lengths)])
+        def per_row(attn):
+            return lambda: torch.cat([torch.nn.functional.pad(
+                attn(q[b:b + 1, :, :m], k[b:b + 1, :, :m], v[b:b + 1, :, :m]), (0, 0, 0, n - m))
+                for b, m in enumerate(lengths)])
 
         def sdpa_masked():
             with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
@@ -69,13 +72,15 @@ def run_padded(shape_names=None, out_dir=None, log=print) -> list[dict]:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=True)
 
-        with torch.no_grad():
-            got, want = one_call(), per_row()
-        max_abs = (got - want).abs().max().item()
+        impls = []
+        for label, attn in kernels.items():
+            with torch.no_grad():
+                got, want = one_call(attn)(), per_row(attn)()
+            impls += [(f"kernelgen{label} (seqlens, one call)", one_call(attn),
+                       {"max_abs_vs_rows": (got - want).abs().max().item()}),
+                      (f"kernelgen{label} (a call per row)", per_row(attn), {})]
         leaves = (q, k, v, kd, vd)
-        for impl, fn, extra in (("kernelgen (seqlens, one call)", one_call, {"max_abs_vs_rows": max_abs}),
-                                ("kernelgen (a call per row)", per_row, {}),
-                                ("sdpa efficient (padding mask)", sdpa_masked, {}),
+        for impl, fn, extra in (*impls, ("sdpa efficient (padding mask)", sdpa_masked, {}),
                                 ("sdpa cudnn (dense, padding computed)", sdpa_dense, {})):
             def timed(impl=impl, fn=fn, extra=extra):
                 with torch.no_grad():
@@ -84,7 +89,7 @@ def run_padded(shape_names=None, out_dir=None, log=print) -> list[dict]:
                                                return_mode="median")
                 rows.append(dict(shape=name, impl=impl, n=n, lengths=lengths, fwd_ms=round(fwd, 4),
                                  fwd_bwd_ms=round(both, 4), **extra))
-                log(f"{name:11s} {impl:38s} fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms "
+                log(f"{name:11s} {impl:49s} fwd {fwd:8.3f} ms  fwd+bwd {both:8.3f} ms "
                     + " ".join(f"{key}={value}" for key, value in extra.items()))
                 _dump_rows(rows, out_dir, "padded.json")
 
