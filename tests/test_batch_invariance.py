@@ -78,11 +78,12 @@ def test_a_decode_row_is_its_own_call(schedule, selector, n_q, splits, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
-def test_rows_are_their_own_calls_on_gpu(schedule):
+@pytest.mark.parametrize("schedule, backend", [("q_centric", "triton"), ("q_centric", "auto"), ("kv_centric", "auto")])
+def test_rows_are_their_own_calls_on_gpu(schedule, backend):
     """bf16, 4096 keys of 128-key blocks, top-16: a batch of 4 against each row alone, a prefill (forward and
-    backward) and a decode call."""
-    spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, local=2, sink=1, schedule=schedule)
+    backward) and a decode call; `auto` serves whichever backend the DB or the rule names for each role."""
+    spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, local=2, sink=1, schedule=schedule,
+                backend=backend)
     attn = get_kernel(spec)
     q, k, v, do = _inputs(4096, 4096, torch.bfloat16, "cuda", group=4, head_dim=128, batch=4)
     _assert_rows_alone(attn, q, k, v, do)
