@@ -10,7 +10,8 @@ from kernelgen.backends.triton import DecodeConfig
 
 from test_decode import random_lists
 
-BATCH = 3
+BATCH = 2
+N = 64  # 4 blocks of 16 keys, 3 listed: lists that differ between rows
 
 
 def _spec(selector, schedule, **fields):
@@ -57,24 +58,23 @@ def _assert_rows_alone(attn, q, k, v, do, lists=None, **call):
                                                        ("kv_centric", "given", torch.float16)])
 def test_a_prefill_row_is_its_own_call(schedule, selector, dtype, device):
     spec = _spec(selector, schedule)
-    q, k, v, do = _inputs(100, 100, dtype, device)
-    lists = random_lists(spec, BATCH, 2, 100, 100, seed=1).to(device) if selector == "given" else None
+    q, k, v, do = _inputs(N, N, dtype, device)
+    lists = random_lists(spec, BATCH, 2, N, N, seed=1).to(device) if selector == "given" else None
     _assert_rows_alone(get_kernel(spec), q, k, v, do, lists)
 
 
-@pytest.mark.parametrize("schedule, selector, n_q, splits", [("q_centric", "mean", 1, 4),
-                                                             ("q_centric", "given", 3, 2),
-                                                             ("kv_centric", "multi:2", 2, 4)])
-def test_a_decode_row_is_its_own_call(schedule, selector, n_q, splits, device):
-    """A few queries against a cache, with its splits merged in the last program, plain and over per-row
-    lengths (`cache_seqlens`): the split count comes from the config, never from the batch."""
+@pytest.mark.parametrize("schedule, selector, n_q, splits, per_row", [("q_centric", "mean", 1, 4, True),
+                                                                      ("q_centric", "given", 3, 2, False),
+                                                                      ("kv_centric", "multi:2", 2, 4, True)])
+def test_a_decode_row_is_its_own_call(schedule, selector, n_q, splits, per_row, device):
+    """A few queries against a cache, with its splits merged in the last program; `per_row`: over per-row
+    lengths (`cache_seqlens`). The split count comes from the config, never from the batch."""
     spec = _spec(selector, schedule)
     attn = get_kernel(spec, configs={"decode": DecodeConfig(splits=splits)})
-    q, k, v, do = _inputs(n_q, 100, torch.float16, device)
-    lists = random_lists(spec, BATCH, 2, n_q, 100, seed=2).to(device) if selector == "given" else None
-    _assert_rows_alone(attn, q, k, v, do, lists)
-    lens = torch.tensor([100, 37, 64], dtype=torch.int32, device=device)
-    _assert_rows_alone(attn, q, k, v, do, lists, cache_seqlens=lens)
+    q, k, v, do = _inputs(n_q, N, torch.float16, device)
+    lists = random_lists(spec, BATCH, 2, n_q, N, seed=2).to(device) if selector == "given" else None
+    call = {"cache_seqlens": torch.tensor([N, 37], dtype=torch.int32, device=device)} if per_row else {}
+    _assert_rows_alone(attn, q, k, v, do, lists, **call)
 
 
 @pytest.mark.gpu
