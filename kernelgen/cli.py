@@ -494,8 +494,9 @@ def bench(
                                                         "GB/s beside a device copy's (shapes dec_c32k, dec_c128k, "
                                                         "dec_b64k, dec_spec4; GPU only)."),
     padded: bool = typer.Option(False, "--padded", help="A right-padded batch (B8, rows of N down to N/2) in one "
-                                                        "call (seqlens=) against a call per row, SDPA with the "
-                                                        "padding mask and dense SDPA cuDNN, forward and "
+                                                        "call (seqlens=) under each schedule against a call per "
+                                                        "row, SDPA with the padding mask and dense SDPA cuDNN, "
+                                                        "forward and "
                                                         "forward+backward (shapes pad_b8_8k, pad_b8_16k; GPU only)."),
     context_parallel: bool = typer.Option(False, "--context-parallel", help="A 2-rank context-parallel run's "
                                           "per-rank kernels (dense ring and sparse fetch), forward and backward, "

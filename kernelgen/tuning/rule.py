@@ -2,8 +2,8 @@
 
 Measured by `tools/backend_rule.py` (each backend's default config, pinned; B1 H16 N16k bf16, G=1;
 head_dim 64 and 128, 64- and 128-key blocks, causal or not, top-16 or every block): on the H200 (sm_90)
-the fastest backend depended on the block size alone. Table and figures: docs/DESIGN.md ("Which
-backend, untuned"), docs/perf/backend_rule_sm90.json.
+the fastest backend depended on the block size alone. Table and figures: docs/DESIGN.md
+("What `backend="auto"` serves, and why"), docs/perf/backend_rule_sm90.json.
 
 An arch without a measurement gets the fallback backend: the one kernelgen tests on every arch.
 """
