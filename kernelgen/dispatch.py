@@ -28,7 +28,7 @@ from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
                      CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps, check_keys, check_length,
-                     check_qkv, check_token_rows, lists_layout, refuse_grad_with_seqlens)
+                     check_paged_kv, check_pages, check_qkv, check_token_rows, lists_layout, refuse_grad_with_seqlens)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -83,6 +83,8 @@ class SparseAttention:
     selected lists too, built every call.
     attn(q, k, v, index=(q_idx, k_idx, w))    Spec(selector="index"): lists from index vectors
                                           (`inputs.INDEX_LAYOUT`); attn.select(q, k, index=...) likewise
+    attn(q, k_pages, v_pages, block_table=t, cache_seqlens=n)   a decode call over a paged KV cache
+                                          (`inputs.PAGED_LAYOUT`); key_reps(k_pages, block_table=t, ...) likewise
 
     q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = spec.gqa_group * Hkv; fp16/bf16 (fp32 in the interpreter).
     With inputs that require grad (and grad enabled), o backpropagates: dq, dk, dv for the lists the forward
@@ -216,12 +218,12 @@ class SparseAttention:
     # ---- the calls -----------------------------------------------------------------------------------
     def select(self, q: torch.Tensor, k: torch.Tensor, *, index=None, key_reps: KeyReps | None = None,
                cache_seqlens: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
-               seqlens: torch.Tensor | None = None) -> torch.Tensor:
+               seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
         if not self.spec.selects:
             raise KernelgenValueError("spec.selector='given' has no selector: pass block_idx to the call")
         q, k, _ = autocast_qkv(q, k, k)
-        shapes = check_qkv(q, k, k, self.spec)
-        rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index)
+        shapes = self._check_shapes(q, k, k, block_table)
+        rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
         role = self._selection_role(shapes, rows)  # the selection a call of these queries runs
         served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
         self._reps_to_rows(k, shapes, key_reps, rows)
@@ -230,10 +232,24 @@ class SparseAttention:
             lists = _padding_lists_emptied(lists, rows.seqlens, self.spec.list_queries)
         return lists
 
-    def _rows(self, shapes: Shapes, device, cache_seqlens, cache_leftpad, seqlens, key_reps, index
-              ) -> CacheRows | TokenRows | None:
-        """A call's checked rows: a decode call's KV cache rows (`cache_seqlens`, `cache_leftpad`), a right-padded
-        batch's tokens (`seqlens`), or None."""
+    def _check_shapes(self, q, k, v, block_table) -> Shapes:
+        """A call's checked shapes: of q, k and v, or of a decode call over a paged cache (`block_table`)."""
+        if block_table is None:
+            return check_qkv(q, k, v, self.spec)
+        return check_paged_kv(q, k, v, block_table, self.spec, DECODE_MAX_QUERIES)
+
+    def _rows(self, shapes: Shapes, device, cache_seqlens, cache_leftpad, seqlens, key_reps, index,
+              block_table=None) -> CacheRows | TokenRows | None:
+        """A call's checked rows: a decode call's KV cache rows (`cache_seqlens`, `cache_leftpad`; its pages,
+        `block_table`), a right-padded batch's tokens (`seqlens`), or None."""
+        if block_table is not None:
+            if seqlens is not None:
+                raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or block_table= (a decode "
+                                          "call's paged KV cache), not both")
+            if self.spec.selector == "index" or index is not None:
+                raise KernelgenValueError("block_table= takes the pooling selectors (mean, multi:r) or given lists, "
+                                          "not the index selector (its k_idx is not paged)")
+            return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device, block_table)
         if seqlens is None:
             return self._check_rows(cache_seqlens, cache_leftpad, shapes, device)
         return check_token_rows(seqlens, self.spec, shapes, device, key_reps=key_reps, index=index,
@@ -268,7 +284,13 @@ class SparseAttention:
                                       "selectors' and key_reps do: mean or multi:r, or given lists)")
         if isinstance(rows, TokenRows):
             return {"seqlens": rows.seqlens, "row_queries": True}
-        return rows._asdict()
+        if rows.block_table is None:
+            return {"seqlens": rows.seqlens, "leftpad": rows.leftpad}
+        if not served.impl.paged:
+            raise KernelgenValueError(f"block_table=: the {served.role!r} role of backend {served.backend.name!r} "
+                                      "reads no paged cache (the Triton backend's decode, its pooling selectors' "
+                                      "and key_reps do)")
+        return {"seqlens": rows.seqlens, "block_table": rows.block_table}
 
     def _reps_to_rows(self, k, shapes: Shapes, key_reps, rows: CacheRows | None) -> None:
         """Kept reps of a cache of per-row lengths, brought in place to a call's rows before it selects from
@@ -297,7 +319,8 @@ class SparseAttention:
                             **varlen)
 
     def key_reps(self, k: torch.Tensor, *, previous: KeyReps | None = None,
-                 cache_seqlens: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None) -> KeyReps:
+                 cache_seqlens: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None) -> KeyReps:
         """The selector's representatives of k's blocks (`KeyReps`), for calls over this k as `key_reps=`:
         their selection pools q alone, not the whole of k. `previous`: the KeyReps of an earlier k that this
         one extends (a KV cache that grew: the same keys first, more after); only the blocks from previous's
@@ -311,17 +334,21 @@ class SparseAttention:
         reps returned take previous's place). A call with `cache_seqlens=` and such reps grows them to its rows
         itself, so a decode step needs this only where k grew into a new tensor. `cache_leftpad` (int32 [B],
         with cache_seqlens): row b's keys start at cache_leftpad[b] (a left-padded batch), its blocks counted
-        from there; reps grown to another left padding than they hold are pooled again, on the device."""
+        from there; reps grown to another left padding than they hold are pooled again, on the device.
+        `block_table` (int32 [B, pages a row]): k is a paged cache (`inputs.PAGED_LAYOUT`), its reps those of
+        the rows its pages hold, per row as with cache_seqlens (each row's capacity without it)."""
         if self.spec.selection_role not in ("select", "kv_select"):
             raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
                                       f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
         k = autocast_qkv(k, k, k)[0]
-        b, hkv, n_k = check_keys(k, self.spec)
         spec = self.spec
+        b, hkv, n_k = check_keys(k, spec)
+        if block_table is not None:  # k is a pool of pages: the rows are the table's
+            b, hkv, n_k = check_pages(k, block_table, spec)
         shapes = Shapes(b, hkv * spec.gqa_group, hkv, 1, n_k, 1, spec.n_kv_blocks(n_k))
         if previous is not None and not isinstance(previous, KeyReps):
             raise KernelgenTypeError(f"previous must be the KeyReps of attn.key_reps, got {type(previous).__name__}")
-        rows = check_cache_rows(cache_seqlens, cache_leftpad, shapes, k.device)
+        rows = check_cache_rows(cache_seqlens, cache_leftpad, shapes, k.device, block_table)
         if rows is not None:
             return self._key_reps_varlen(k, shapes, previous, rows)
         start = 0  # the first block pooled here
@@ -444,10 +471,11 @@ class SparseAttention:
 
     def __call__(self, q, k, v, *, block_idx=None, index=None, scale=None, return_lse: bool = False,
                  key_reps: KeyReps | None = None, cache_seqlens: torch.Tensor | None = None,
-                 cache_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None):
+                 cache_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None):
         q, k, v = autocast_qkv(q, k, v)
-        shapes = self._start_call(q, k, v)
-        rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index)
+        shapes = self._start_call(q, k, v, block_table)
+        rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
         if isinstance(rows, CacheRows):
             refuse_grad_with_seqlens(rows, q, k, v)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
@@ -460,9 +488,9 @@ class SparseAttention:
             o, lse = clear_padding(o, lse, rows.seqlens)
         return (o, lse) if return_lse else o
 
-    def _start_call(self, q, k, v) -> Shapes:
+    def _start_call(self, q, k, v, block_table=None) -> Shapes:
         """What every call does first: check the inputs, and take up winners a background tune stored."""
-        shapes = check_qkv(q, k, v, self.spec)
+        shapes = self._check_shapes(q, k, v, block_table)
         if autotune.running():
             autotune.poll()
         if self._generation != autotune.generation:

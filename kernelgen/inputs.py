@@ -19,8 +19,9 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "CacheRows", "check_cache_rows", "refuse_grad_with_seqlens",
-           "check_keys", "check_qkv",
+__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "CacheRows", "check_cache_rows", "check_paged_kv",
+           "check_pages",
+           "refuse_grad_with_seqlens", "check_keys", "check_qkv",
            "check_block_idx", "check_block_lists", "check_index", "check_length",
            "softmax_scale", "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
 
@@ -196,15 +197,26 @@ class KeyReps:
 
 class CacheRows(NamedTuple):
     """A decode call's keys per batch row of a KV cache, checked: row b holds keys [leftpad[b], seqlens[b])
-    (int32 [B] each, read on the device; leftpad None: from 0)."""
+    (int32 [B] each, read on the device; leftpad None: from 0); `block_table` (int32 [B, pages a row], or None): k
+    and v are pools of pages, row b's key p in page block_table[b, p // page_size] (`check_paged_kv`)."""
     seqlens: torch.Tensor
     leftpad: torch.Tensor | None
+    block_table: torch.Tensor | None = None
 
 
-def check_cache_rows(cache_seqlens, cache_leftpad, shapes: Shapes, device) -> CacheRows | None:
+def check_cache_rows(cache_seqlens, cache_leftpad, shapes: Shapes, device,
+                     block_table: torch.Tensor | None = None) -> CacheRows | None:
     """A call's `cache_seqlens` and `cache_leftpad` (None, None: a call of one length): int32 [B], contiguous, on
     the call's device (values are read on the device: each length is clamped to [0, Nk], k's length being the
-    cache's capacity, and each left padding to [0, its row's length])."""
+    cache's capacity, and each left padding to [0, its row's length]). A paged cache's (`block_table`, checked
+    by `check_paged_kv`) are always rows: without cache_seqlens each row holds the capacity its pages give."""
+    if block_table is not None:
+        if cache_leftpad is not None:
+            raise KernelgenValueError("cache_leftpad= cannot go with block_table=: a paged cache's rows start at "
+                                      "their first page (leave out the padding's pages instead)")
+        seqlens = (torch.full((shapes.batch,), shapes.n_k, dtype=torch.int32, device=device) if cache_seqlens is None
+                   else _check_row_ints("cache_seqlens", cache_seqlens, shapes, device))
+        return CacheRows(seqlens, None, block_table)
     if cache_seqlens is None:
         if cache_leftpad is not None:
             raise KernelgenValueError("cache_leftpad= needs cache_seqlens= (each row's end; k's length for all)")
@@ -256,9 +268,13 @@ def _check_row_ints(name: str, value, shapes: Shapes, device) -> torch.Tensor:
 
 
 def refuse_grad_with_seqlens(cache_seqlens, q, k, v) -> None:
-    """A call over per-row lengths has no backward: refuse one whose inputs would take gradients."""
+    """A call over per-row lengths (or a paged cache: `cache_seqlens` is then its CacheRows) has no backward:
+    refuse one whose inputs would take gradients."""
     if cache_seqlens is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                                    or v.requires_grad):
+        if getattr(cache_seqlens, "block_table", None) is not None:
+            raise KernelgenValueError("block_table= calls (decoding over a paged cache) have no backward: call "
+                                      "under torch.no_grad()")
         raise KernelgenValueError("cache_seqlens= calls (decoding) have no backward: call under torch.no_grad(), "
                                   "or without cache_seqlens")
 
@@ -327,6 +343,58 @@ def check_qkv(q, k, v, spec: Spec) -> Shapes:
     if nq < 1 or nk < 1 or b < 1 or hkv < 1:
         raise KernelgenValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
     return Shapes(b, hq, hkv, nq, nk, spec.n_q_tiles(nq), spec.n_kv_blocks(nk))
+
+
+PAGED_LAYOUT = ("k and v [n_pages, Hkv, page_size, D] (a pool of pages; FlashAttention's [n_pages, page_size, Hkv, D] "
+                "as .transpose(1, 2)), block_table int32 [B, pages a row]")
+
+
+def check_paged_kv(q, k, v, block_table, spec: Spec, n_q_max: int) -> Shapes:
+    """A decode call over a paged KV cache: q [B, Hq, Nq, D] with Nq <= n_q_max; k and v pools of pages
+    [n_pages, Hkv, page_size, D] (`check_pages`). Row b's key p sits in page block_table[b, p // page_size] at
+    row p % page_size: the call's Nk is pages a row x page_size."""
+    _explain_qkv(q, k, v, spec)  # raises naming what is wrong; returns when each tensor is fine
+    if k.shape != v.shape:
+        raise KernelgenValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}; "
+                                  f"the paged layout is {PAGED_LAYOUT}")
+    b, hq, nq, _ = q.shape
+    batch, hkv, n_k = check_pages(k, block_table, spec)
+    if batch != b:
+        raise KernelgenValueError(f"block_table.shape[0] = {batch} does not match q.shape[0] = {b} (batch)")
+    if nq > n_q_max:
+        raise KernelgenValueError(f"block_table= is for decode calls of at most {n_q_max} queries against a paged "
+                                  f"KV cache; q has {nq}")
+    if hq != hkv * spec.gqa_group:
+        raise KernelgenValueError(f"q has {hq} heads (dim 1) but k has {hkv} and spec.gqa_group = {spec.gqa_group}: "
+                                  f"expected {hkv * spec.gqa_group}; the paged layout is {PAGED_LAYOUT}")
+    if min(hq, nq) < 1:
+        raise KernelgenValueError(f"empty input: q {tuple(q.shape)}")
+    return Shapes(b, hq, hkv, nq, n_k, spec.n_q_tiles(nq), spec.n_kv_blocks(n_k))
+
+
+def check_pages(k, block_table, spec: Spec) -> tuple[int, int, int]:
+    """A paged cache k [n_pages, Hkv, page_size, D] (a tensor `_explain_qkv` passed), page_size a multiple of
+    kv_block (a block is never split over pages), and its block_table int32 [B, pages a row] on k's device with
+    contiguous rows: (B, Hkv, Nk = pages a row x page_size). Page ids are read on the device; one outside
+    [0, n_pages) is a page of no keys."""
+    if not isinstance(block_table, torch.Tensor):
+        raise KernelgenTypeError(f"block_table must be a torch.Tensor (int32 [B, pages a row]), got "
+                                 f"{type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise KernelgenTypeError(f"block_table must be int32, got dtype {block_table.dtype}")
+    if block_table.dim() != 2 or min(block_table.shape) < 1:
+        raise KernelgenValueError(f"block_table must have shape [B, pages a row], got {tuple(block_table.shape)}")
+    if block_table.device != k.device:
+        raise KernelgenValueError(f"block_table is on {block_table.device} but k is on {k.device}")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise KernelgenValueError(f"block_table's rows must be contiguous, got strides {block_table.stride()}")
+    n_pages, hkv, page_size, _ = k.shape
+    if page_size % spec.kv_block:
+        raise KernelgenValueError(f"k's pages hold {page_size} keys (k.shape[2]); a page must hold whole blocks: a "
+                                  f"multiple of spec.kv_block = {spec.kv_block}")
+    if min(n_pages, hkv) < 1:
+        raise KernelgenValueError(f"empty input: k {tuple(k.shape)}")
+    return block_table.shape[0], hkv, block_table.shape[1] * page_size
 
 
 def check_keys(k, spec: Spec) -> tuple[int, int, int]:

@@ -46,6 +46,9 @@ class RoleImpl:
     varlen       the launcher also takes `seqlens=` and `leftpad=` (a decode call's `cache_seqlens` and
                  `cache_leftpad`, int32 [B], read on the device: batch row b holds keys [leftpad[b], seqlens[b]);
                  leftpad may be None, from 0); a call with them is refused where the role it runs lacks this
+    paged        the launcher also takes `block_table=` (int32 [B, pages a row]: k and v are pools of pages
+                 [n_pages, Hkv, page_size, D], batch row b's key p in page block_table[b, p // page_size]), always
+                 with `seqlens=`; a call with it is refused where the role it runs lacks this
 
     `arch` is a checked arch string ("sm_89", or "cpu": `kernelgen.archs`), whose hardware facts
     (`kernelgen.archs.arch_facts`: shared memory, TMA, MMA) the rules read.
@@ -59,6 +62,7 @@ class RoleImpl:
     infeasible: Callable[[Spec, Any, str], str | None] = lambda spec, config, arch: None
     optional: bool = False
     varlen: bool = False
+    paged: bool = False
 
 
 def distribution_version(*names: str) -> str | None:

@@ -936,9 +936,12 @@ def launch_lists(mod, spec: Spec, config, shapes: Shapes, block_idx: torch.Tenso
 
 
 def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seqlens: torch.Tensor | None = None,
-          leftpad: torch.Tensor | None = None) -> torch.Tensor:
+          leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """pool's representatives of x's tiles; `seqlens`, `leftpad` (int32 [B]): batch row b holds rows
-    [leftpad[b], seqlens[b]) (leftpad None: from 0), its tiles counted from its first."""
+    [leftpad[b], seqlens[b]) (leftpad None: from 0), its tiles counted from its first; `block_table` (with
+    seqlens): x is a pool of pages whose row b's are listed there (`pool_paged`)."""
+    if block_table is not None:
+        return _pool_paged(x, tile, groups, n_tiles, mod, seqlens, block_table)
     b, h, n, d = x.shape
     rep = empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
     # one tile per program: on the H200 (a32k) pooling took 15 us per tensor so, and 3x that with 4
@@ -950,6 +953,22 @@ def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seqlens: t
                                                  num_warps=8 if tiles * tile * d >= 8192 else 4,
                                                  **_has_leftpad(seqlens, leftpad))
     return rep
+
+
+def _pool_paged(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seqlens: torch.Tensor,
+                block_table: torch.Tensor) -> torch.Tensor:
+    """`_pool` of a paged cache x [n_pages, H, page_size, D]: row b's first seqlens[b] keys, from its pages."""
+    b, (n_pages, h, page_size, d) = block_table.shape[0], x.shape
+    rep = empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
+    mod.pool_paged[(n_tiles, b * h)](x, rep, block_table, seqlens, *_paged_strides(block_table, x),
+                                     block_table.shape[1] * page_size, n_pages, h, n_tiles, TILE=tile, GROUPS=groups,
+                                     HEAD_DIM=d, PAGE_SIZE=page_size, num_warps=8 if tile * d >= 8192 else 4)
+    return rep
+
+
+def _paged_strides(block_table: torch.Tensor, x: torch.Tensor) -> tuple[int, ...]:
+    """The paged kernels' strides: the table's row, then x's page, head and row."""
+    return block_table.stride(0), *x.stride()[:3]
 
 
 def _row_keys(seqlens: torch.Tensor, leftpad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -985,13 +1004,17 @@ def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.T
 
 def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor, *, seqlens: torch.Tensor | None = None,
                     leftpad: torch.Tensor | None = None,
-                    grow: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    grow: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    block_table: torch.Tensor | None = None) -> torch.Tensor:
     """The selector's representatives of k's blocks (k: any [B, Hkv, n, D] view starting at a block boundary):
     float32 [B, Hkv, ceil(n / kv_block), r, D], as `launch_select` pools them. `seqlens`, `leftpad` (int32 [B]):
     batch row b holds keys [leftpad[b], seqlens[b]) (leftpad None: from 0); `grow` = (reps, made, made_leftpad):
     reps made for made[b, h] keys from made_leftpad[b, h] (int32 [B, Hkv]), brought to the rows' keys in place
     (only the blocks from made's last partial one are pooled, or all where a row's first key moved) and
-    returned."""
+    returned. `block_table` (with seqlens): k is a pool of pages [n_pages, Hkv, page_size, D], row b's listed
+    there (no leftpad)."""
+    if block_table is not None:
+        return _paged_key_reps(mod, spec, k, seqlens, block_table, grow)
     if grow is None:
         return _pool(k, spec.kv_block, spec.groups, -(-k.shape[2] // spec.kv_block), mod, seqlens, leftpad)
     reps, made, made_leftpad = grow
@@ -999,6 +1022,21 @@ def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor, *, se
     mod.pool_grown[(1, b * h)](k, reps, *_row_keys(seqlens, leftpad), made, made_leftpad, k.stride(0), k.stride(1),
                                k.stride(2), n, h, reps.shape[2], TILE=spec.kv_block, GROUPS=spec.groups, HEAD_DIM=d,
                                HAS_LEFTPAD=leftpad is not None, num_warps=8 if spec.kv_block * d >= 8192 else 4)
+    return reps
+
+
+def _paged_key_reps(mod, spec: Spec, k: torch.Tensor, seqlens: torch.Tensor, block_table: torch.Tensor,
+                    grow: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """launch_key_reps of a paged cache: made (`pool_paged`), or grown in place (`pool_paged_grown`)."""
+    n_pages, h, page_size, d = k.shape
+    n_tiles = block_table.shape[1] * page_size // spec.kv_block
+    if grow is None:
+        return _pool_paged(k, spec.kv_block, spec.groups, n_tiles, mod, seqlens, block_table)
+    reps, made, made_leftpad = grow
+    mod.pool_paged_grown[(1, block_table.shape[0] * h)](
+        k, reps, block_table, seqlens, made, made_leftpad, *_paged_strides(block_table, k),
+        block_table.shape[1] * page_size, n_pages, h, reps.shape[2], TILE=spec.kv_block, GROUPS=spec.groups,
+        HEAD_DIM=d, PAGE_SIZE=page_size, num_warps=8 if spec.kv_block * d >= 8192 else 4)
     return reps
 
 
@@ -1028,15 +1066,16 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
 
 def launch_decode_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
                          k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
-                         leftpad: torch.Tensor | None = None, row_queries: bool = False) -> torch.Tensor:
+                         leftpad: torch.Tensor | None = None, row_queries: bool = False,
+                         block_table: torch.Tensor | None = None) -> torch.Tensor:
     """`launch_select`'s lists for a call of a few queries (the `decode_select` role's), q pooled and the splits
     merged in the selection's own launch (`decode_select_topk`); a right-padded batch (`row_queries`) pools
-    each row's queries over its own tokens first, as `launch_select` does."""
+    each row's queries over its own tokens first, as `launch_select` does; `block_table`: k is paged."""
     if row_queries:
         return launch_select(mod, spec, cfg, shapes, q, k, k_rep, seqlens=seqlens, leftpad=leftpad, row_queries=True)
     r = spec.groups
     if k_rep is None:
-        k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens, leftpad)
+        k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens, leftpad, block_table)
     block_idx, cand = _select_buffers(spec, cfg.splits, shapes, shapes.n_q_tiles, q.device)
     n_bh, tile_groups = shapes.batch * shapes.heads_kv, triton.cdiv(shapes.n_q_tiles, cfg.tiles)
     arrived = block_idx if cfg.splits == 1 else arrival_counts(tile_groups * n_bh, q.device)
@@ -1106,10 +1145,10 @@ def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: to
 
 def launch_kv_decode_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
                             k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
-                            leftpad: torch.Tensor | None = None):
+                            leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None):
     """`launch_kv_select`'s lists for a call of a few queries (the `kv_decode_select` role's), the splits merged
-    in the selection's own launch (`kv_decode_select_topk`)."""
-    block_idx, cand, k_rep = _kv_select_buffers(mod, spec, cfg, shapes, q, k, k_rep, seqlens, leftpad)
+    in the selection's own launch (`kv_decode_select_topk`); `block_table`: k is paged."""
+    block_idx, cand, k_rep = _kv_select_buffers(mod, spec, cfg, shapes, q, k, k_rep, seqlens, leftpad, block_table)
     groups, n_bh = triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv
     arrived = block_idx if cfg.splits == 1 else arrival_counts(groups * n_bh, q.device)
     args, options = _kv_select_args(spec, cfg, shapes, q, block_idx)
@@ -1120,10 +1159,11 @@ def launch_kv_decode_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes
     return block_idx
 
 
-def _kv_select_buffers(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q, k, k_rep, seqlens, leftpad):
+def _kv_select_buffers(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q, k, k_rep, seqlens, leftpad,
+                       block_table=None):
     """(lists, the splits' candidates, k's representatives: pooled here where not kept) of a per-query selection."""
     if k_rep is None:
-        k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod, seqlens, leftpad)
+        k_rep = _pool(k, spec.kv_block, spec.groups, shapes.n_kv_blocks, mod, seqlens, leftpad, block_table)
     return (*_select_buffers(spec, cfg.splits, shapes, shapes.n_q, q.device), k_rep)
 
 
@@ -1281,12 +1321,13 @@ def _on_default_stream(device: torch.device) -> bool:
 
 
 def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale, *,
-                  seqlens: torch.Tensor | None = None, leftpad: torch.Tensor | None = None):
+                  seqlens: torch.Tensor | None = None, leftpad: torch.Tensor | None = None,
+                  block_table: torch.Tensor | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists (Q-centric or per-query:
     the spec says which) of a call of a few queries: a partial per (query group, split), merged, with
     splits > 1, by the group's last program in split order (`arrival_counts`). `seqlens`, `leftpad` (int32 [B]):
     batch row b holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its queries the last positions
-    of those."""
+    of those. `block_table` (int32 [B, pages a row]): k and v are pools of pages [n_pages, Hkv, page_size, D]."""
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
@@ -1300,13 +1341,17 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
         lse_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, cfg.splits, device=q.device, dtype=torch.float32)
         split_strides = (o_part.stride(3),)
         arrived = arrival_counts(groups * shapes.batch * shapes.heads_kv, q.device)
+    paged = block_table is not None
     mod.decode_partial[(groups * cfg.splits, shapes.batch * shapes.heads_kv)](
         q, k, v, o_part, lse_part, o, lse, arrived, block_idx,
         *((block_idx, block_idx) if seqlens is None else _row_keys(seqlens, leftpad)),
+        block_table if paged else block_idx,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
         *lse_part.stride()[:3], *block_idx.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+        block_table.stride(0) if paged else 0, k.shape[0] if paged else 0,
         shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E, **_decode_constexprs(spec, cfg),
-        VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None)
+        VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None, PAGED=paged,
+        PAGE_SIZE=k.shape[2] if paged else spec.kv_block)
     return o, lse
 
 
@@ -1517,12 +1562,12 @@ class TritonBackend(Backend):
     schedules = ("q_centric", "kv_centric")
     roles = {
         "lists": RoleImpl(launch=launch_lists, template="triton/lists.py.j2"),
-        "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2", varlen=True),
+        "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2", varlen=True, paged=True),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
                            default=select_default, space=select_space, infeasible=select_infeasible),
         "decode_select": RoleImpl(launch=launch_decode_select, template="triton/decode_select.py.j2",
                                   config_type=SelectConfig, default=decode_select_default, space=decode_select_space,
-                                  infeasible=decode_select_infeasible, varlen=True),
+                                  infeasible=decode_select_infeasible, varlen=True, paged=True),
         "select_index": RoleImpl(launch=launch_select_index, template="triton/select_index.py.j2",
                                  config_type=IndexSelectConfig, default=index_select_default,
                                  space=index_select_space, infeasible=index_select_infeasible),
@@ -1540,7 +1585,7 @@ class TritonBackend(Backend):
         "kv_decode_select": RoleImpl(launch=launch_kv_decode_select, template="triton/kv_decode_select.py.j2",
                                      config_type=KvSelectConfig, default=kv_decode_select_default,
                                      space=kv_decode_select_space, infeasible=kv_decode_select_infeasible,
-                                     varlen=True),
+                                     varlen=True, paged=True),
         "kv_select_index": RoleImpl(launch=launch_kv_select_index, template="triton/kv_select_index.py.j2",
                                     config_type=KvIndexSelectConfig, default=kv_index_select_default,
                                     space=kv_index_select_space, infeasible=kv_index_select_infeasible),
@@ -1554,7 +1599,7 @@ class TritonBackend(Backend):
                                  space=kv_union_bwd_space, infeasible=kv_union_bwd_infeasible),
         # a few queries (decode) over either schedule's lists: split-KV over each query's list
         "decode": RoleImpl(launch=launch_decode, template="triton/decode.py.j2", config_type=DecodeConfig,
-                           default=decode_default, space=decode_space, infeasible=decode_infeasible, varlen=True),
+                           default=decode_default, space=decode_space, infeasible=decode_infeasible, varlen=True, paged=True),
         # its backward (bwd_delta is shared with the Q-centric schedule)
         "kv_bwd": RoleImpl(launch=launch_kv_bwd, template="triton/kv_bwd.py.j2", config_type=KvBwdConfig,
                            default=kv_bwd_default, space=kv_bwd_space, infeasible=kv_bwd_infeasible),
