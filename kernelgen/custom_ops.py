@@ -5,6 +5,7 @@
     o, lse = sparse_attention(q, k, v, spec, index=(q_idx, k_idx, w))      # Spec(selector="index")
     o, lse = sparse_attention(q, k_cache, v_cache, spec, cache_seqlens=lens)  # decode over per-row lengths
     o, lse = sparse_attention(q, k_cache, v_cache, spec, cache_seqlens=lens, cache_leftpad=pads)  # left-padded
+    o, lse = sparse_attention(q, k_pages, v_pages, spec, block_table=table, cache_seqlens=lens)  # a paged cache
     reps = key_reps(k_cache, spec, cache_seqlens=lens)                    # the selector's kept representatives
     key_reps(k_cache, spec, cache_seqlens=lens, previous=reps)            # grown in place (a CUDA graph replays it)
     o, lse = sparse_attention(q, k_cache, v_cache, spec, cache_seqlens=lens, key_reps=reps)
@@ -25,7 +26,7 @@ import torch
 
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import INDEX_LAYOUT, KeyReps, autocast_qkv, refuse_grad_with_seqlens
+from .inputs import INDEX_LAYOUT, CacheRows, KeyReps, autocast_qkv, refuse_grad_with_seqlens
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -63,20 +64,21 @@ def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
              w: torch.Tensor | None = None, cache_seqlens: torch.Tensor | None = None,
              reps: torch.Tensor | None = None, reps_seqlens: torch.Tensor | None = None,
              reps_n_k: int = 0, cache_leftpad: torch.Tensor | None = None,
-             reps_leftpad: torch.Tensor | None = None,
-             seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             reps_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None,
+             block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = _spec_of(spec_json)
     attn = get_kernel(spec)
-    shapes = attn._start_call(q, k, v)
+    shapes = attn._start_call(q, k, v, block_table)
     rows = attn._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens,
-                      _key_reps(spec, reps, reps_seqlens, reps_n_k, reps_leftpad), _index(q_idx, k_idx, w))
+                      _key_reps(spec, reps, reps_seqlens, reps_n_k, reps_leftpad), _index(q_idx, k_idx, w),
+                      block_table)
     return attn._forward(q, k, v, shapes, block_idx, scale, _index(q_idx, k_idx, w),
                          _key_reps(spec, reps, reps_seqlens, reps_n_k, reps_leftpad), rows)[:3]
 
 
 @_attn_op.register_fake
 def _(q, k, v, block_idx, spec_json, scale, q_idx=None, k_idx=None, w=None, cache_seqlens=None, reps=None,
-      reps_seqlens=None, reps_n_k=0, cache_leftpad=None, reps_leftpad=None, seqlens=None):
+      reps_seqlens=None, reps_n_k=0, cache_leftpad=None, reps_leftpad=None, seqlens=None, block_table=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32),
             _lists_like(q, k, _spec_of(spec_json)))
 
@@ -104,7 +106,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, _dlse, _dlists):
     q, k, v, o, lse, lists = ctx.saved_tensors
     dq, dk, dv = _attn_backward_op(do, q, k, v, o, lse, lists, ctx.spec_json, ctx.scale)
-    return (dq, dk, dv) + (None,) * 13  # nothing for block_idx, spec, scale, index, rows, key reps
+    return (dq, dk, dv) + (None,) * 14  # nothing for block_idx, spec, scale, index, rows, key reps, pages
 
 
 torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_context=_setup_context)
@@ -125,10 +127,11 @@ def _key_reps(spec: Spec, reps, seqlens, n_k: int, leftpad=None) -> KeyReps | No
 @torch.library.custom_op("kernelgen::key_reps", mutates_args=())
 def _key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tensor | None = None,
                  previous: torch.Tensor | None = None, previous_n_k: int = 0,
-                 cache_leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 cache_leftpad: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = _spec_of(spec_json)
     made = get_kernel(spec).key_reps(k, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
-                                     previous=_key_reps(spec, previous, None, previous_n_k))
+                                     previous=_key_reps(spec, previous, None, previous_n_k), block_table=block_table)
     seqlens, leftpad = ((k.new_empty(0, dtype=torch.int32), k.new_empty(0, dtype=torch.int32)) if made.seqlens is None
                         else (made.seqlens, made.leftpad))
     # outputs may not alias inputs: reps extended by no key are previous itself
@@ -136,50 +139,56 @@ def _key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tensor | 
 
 
 @_key_reps_op.register_fake
-def _(k, spec_json, cache_seqlens=None, previous=None, previous_n_k=0, cache_leftpad=None):
+def _(k, spec_json, cache_seqlens=None, previous=None, previous_n_k=0, cache_leftpad=None, block_table=None):
     spec = _spec_of(spec_json)
     b, hkv, n_k = k.shape[:3]
+    if block_table is not None:  # k is a pool of pages: the rows are the table's
+        b, n_k = block_table.shape[0], block_table.shape[1] * k.shape[2]
     reps = k.new_empty((b, hkv, spec.n_kv_blocks(n_k), spec.groups, k.shape[-1]), dtype=torch.float32)
-    rows = (b, hkv) if cache_seqlens is not None else (0,)
+    rows = (b, hkv) if cache_seqlens is not None or block_table is not None else (0,)
     return reps, k.new_empty(rows, dtype=torch.int32), k.new_empty(rows, dtype=torch.int32)
 
 
 @torch.library.custom_op("kernelgen::grow_key_reps", mutates_args=("reps", "reps_seqlens", "reps_leftpad"))
-def _grow_key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tensor, reps: torch.Tensor,
+def _grow_key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tensor | None, reps: torch.Tensor,
                       reps_seqlens: torch.Tensor, reps_leftpad: torch.Tensor,
-                      cache_leftpad: torch.Tensor | None = None) -> None:
+                      cache_leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> None:
     spec = _spec_of(spec_json)
+    n_k = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
     get_kernel(spec).key_reps(k, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
-                              previous=_key_reps(spec, reps, reps_seqlens, k.shape[2], reps_leftpad))
+                              previous=_key_reps(spec, reps, reps_seqlens, n_k, reps_leftpad), block_table=block_table)
 
 
 @_grow_key_reps_op.register_fake
-def _(k, spec_json, cache_seqlens, reps, reps_seqlens, reps_leftpad, cache_leftpad=None):
+def _(k, spec_json, cache_seqlens, reps, reps_seqlens, reps_leftpad, cache_leftpad=None, block_table=None):
     return None
 
 
 def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: KeyReps | None = None,
-             cache_leftpad=None) -> KeyReps:
-    """`get_kernel(spec).key_reps(k, cache_seqlens=..., cache_leftpad=..., previous=...)` as custom ops: made
-    afresh, extended over a longer k, or, for reps of a cache of per-row lengths, grown in place to the rows'
-    keys (and returned), which a CUDA graph replays. Pass them to `sparse_attention(..., key_reps=)`, which
-    grows reps of per-row lengths to its `cache_seqlens` itself."""
+             cache_leftpad=None, block_table=None) -> KeyReps:
+    """`get_kernel(spec).key_reps(k, cache_seqlens=..., cache_leftpad=..., previous=..., block_table=...)` as custom
+    ops: made afresh, extended over a longer k, or, for reps of a cache of per-row lengths (a paged cache's
+    too), grown in place to the rows' keys (and returned), which a CUDA graph replays. Pass them to
+    `sparse_attention(..., key_reps=)`, which grows reps of per-row lengths to its rows itself."""
     spec_json = _spec_json(spec)
     k = autocast_qkv(k, k, k)[0]
+    rows = cache_seqlens is not None or block_table is not None
     if previous is not None and not isinstance(previous, KeyReps):
         raise KernelgenTypeError(f"previous must be the KeyReps of key_reps, got {type(previous).__name__}")
-    if previous is not None and cache_seqlens is not None and previous.seqlens is not None:
+    if previous is not None and rows and previous.seqlens is not None:
         _grow_key_reps_op(k, spec_json, cache_seqlens, previous.reps, previous.seqlens, previous.leftpad,
-                          cache_leftpad)
+                          cache_leftpad, block_table)
         return previous
-    if previous is not None and (cache_seqlens is not None or previous.seqlens is not None):
-        get_kernel(_spec_of(spec_json)).key_reps(k, cache_seqlens=cache_seqlens, previous=previous)  # raises
+    if previous is not None and (rows or previous.seqlens is not None):
+        get_kernel(_spec_of(spec_json)).key_reps(k, cache_seqlens=cache_seqlens, previous=previous,
+                                                 block_table=block_table)  # raises
     reps, seqlens, leftpad = _key_reps_op(k, spec_json, cache_seqlens, None if previous is None else previous.reps,
-                                          0 if previous is None else previous.n_k, cache_leftpad)
+                                          0 if previous is None else previous.n_k, cache_leftpad, block_table)
     spec = _spec_of(spec_json)
-    if cache_seqlens is None:
-        return KeyReps._made_by_key_reps(reps, k.shape[2], spec.kv_block, spec.groups)
-    return KeyReps._made_by_key_reps(reps, k.shape[2], spec.kv_block, spec.groups, seqlens, leftpad)
+    n_k = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
+    if not rows:
+        return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups)
+    return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups, seqlens, leftpad)
 
 
 @torch.compiler.assume_constant_result
@@ -214,23 +223,25 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> t
 
 def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, index=None,
                      cache_seqlens=None, key_reps: KeyReps | None = None,
-                     cache_leftpad=None, seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cache_leftpad=None, seqlens=None, block_table=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., cache_leftpad=...,
-    key_reps=..., seqlens=..., return_lse=True)` as a custom op; o backpropagates (lse carries no gradient; a
-    call with cache_seqlens has no backward). `spec` may also be its JSON text (`Spec.to_json`)."""
+    key_reps=..., seqlens=..., block_table=..., return_lse=True)` as a custom op; o backpropagates (lse carries no
+    gradient; a call with cache_seqlens or block_table has no backward). `spec` may also be its JSON text
+    (`Spec.to_json`)."""
     q, k, v = autocast_qkv(q, k, v)
-    refuse_grad_with_seqlens(cache_seqlens, q, k, v)
+    refuse_grad_with_seqlens(cache_seqlens if block_table is None else CacheRows(cache_seqlens, None, block_table),
+                             q, k, v)
     if key_reps is not None and not isinstance(key_reps, KeyReps):
         raise KernelgenTypeError(f"key_reps must be the KeyReps of key_reps(), got {type(key_reps).__name__}")
     reps = (None, None, 0, None) if key_reps is None else (key_reps.reps, key_reps.seqlens, key_reps.n_k,
                                                            key_reps.leftpad)
     spec_json = _spec_json(spec)
-    if key_reps is not None and cache_seqlens is not None and key_reps.seqlens is not None:
+    if key_reps is not None and (cache_seqlens is not None or block_table is not None) and key_reps.seqlens is not None:
         # reps of per-row lengths follow the call, as the eager call's do: grown to its rows first (its op is
         # functional, as autograd needs, so the growth is an op of its own)
-        _grow_key_reps_op(k, spec_json, cache_seqlens, *reps[:2], reps[3], cache_leftpad)
+        _grow_key_reps_op(k, spec_json, cache_seqlens, *reps[:2], reps[3], cache_leftpad, block_table)
     o, lse, _ = _attn_op(q, k, v, block_idx, spec_json, None if scale is None else float(scale),
-                         *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3], seqlens)
+                         *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3], seqlens, block_table)
     if seqlens is not None:  # the padding's o and lse, cleared outside the op: no gradient reaches them
         o, lse = clear_padding(o, lse, seqlens)
     return o, lse

@@ -23,6 +23,7 @@ __all__ = [
     "attention",
     "sparse_attention",
     "sparse_attention_grads",
+    "gather_pages",
 ]
 
 
@@ -218,6 +219,7 @@ def sparse_attention(
     cache_seqlens: torch.Tensor | None = None,
     cache_leftpad: torch.Tensor | None = None,
     seqlens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Select (unless block_idx is given; `index` = (q_idx, k_idx, w) for the "index" selector) and attend.
     Returns (o, lse, block_idx), float64. Queries are processed in chunks so that long sequences fit in memory.
@@ -227,7 +229,13 @@ def sparse_attention(
     first key), and block_idx, where given, holds its lists (the selected ones, where not, padded to k's
     blocks). `seqlens` ([B] ints, Nq == Nk): a right-padded batch, row b the call over its first seqlens[b]
     queries and keys alone (clamped to [0, N]); o = 0 and lse = -inf past them, and its lists (given: its
-    own) padded with -1 past its tiles."""
+    own) padded with -1 past its tiles. `block_table` ([B, pages a row] ints): k and v are pools of pages
+    [n_pages, Hkv, page_size, D], the call over `gather_pages` of them (each row's capacity without
+    cache_seqlens)."""
+    if block_table is not None:
+        k, v = gather_pages(k, block_table, cache_seqlens), gather_pages(v, block_table, cache_seqlens)
+        if cache_seqlens is None:
+            cache_seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32)
     if cache_seqlens is not None:
         return _ragged(q, k, v, spec, block_idx, scale, cache_seqlens, cache_leftpad)
     if seqlens is not None:
@@ -242,6 +250,27 @@ def sparse_attention(
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2), block_idx
+
+
+def gather_pages(pages: torch.Tensor, block_table: torch.Tensor,
+                 cache_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """A paged cache [n_pages, H, page_size, D] as the contiguous cache [B, H, pages a row x page_size, D] whose row
+    b's key p is pages[block_table[b, p // page_size], :, p % page_size]. The pages that hold a row's keys (its
+    first cache_seqlens[b], all without) must exist: a page of no keys (an id outside [0, n_pages)) has no dense
+    form here. The positions past a row's keys are zero."""
+    n_pages, h, page_size, d = pages.shape
+    b, per_row = block_table.shape
+    table = block_table.long().cpu()
+    lengths = [per_row * page_size] * b if cache_seqlens is None else cache_seqlens.tolist()
+    out = pages.new_zeros(b, h, per_row * page_size, d)
+    for row, n in enumerate(lengths):
+        for j in range(-(-min(max(int(n), 0), per_row * page_size) // page_size)):
+            page = int(table[row, j])
+            if not 0 <= page < n_pages:
+                raise ValueError(f"block_table[{row}, {j}] = {page} holds keys of row {row} but is no page of "
+                                 f"[0, {n_pages})")
+            out[row, :, j * page_size:(j + 1) * page_size] = pages[page]
+    return out
 
 
 def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens, cache_leftpad=None):

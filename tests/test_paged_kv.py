@@ -1,0 +1,174 @@
+"""Decode calls over a paged KV cache (`block_table=`): k and v are pools of pages [n_pages, Hkv, page_size, D] and
+row b's key p sits in page block_table[b, p // page_size]. A paged call is the call over the contiguous cache its
+pages make (`reference.gather_pages`), bit for bit: the same lists, o and lse, and the same kept representatives."""
+import pytest
+import torch
+
+from kernelgen import DecodeConfig, Spec, custom_ops, get_kernel, reference
+from kernelgen.errors import KernelgenTypeError, KernelgenValueError
+
+from checks import assert_close_to_reference
+from test_cache_seqlens import _cache, _spec
+from test_decode import random_lists
+
+LENGTHS = (96, 37, 0, 48, 1)  # a full row, a partial block, an empty row, a page boundary, one key
+SPARE_PAGES = 3  # pages no row lists: the pool is larger than the rows need
+
+
+def paged(x: torch.Tensor, page_size: int, seed: int = 0, table: torch.Tensor | None = None):
+    """x [B, H, N, D] scattered over a pool of pages in a random order (the pages no row lists, and the pool's
+    unused rows, NaN: a read of them would show), and its table int32 [B, N / page_size]."""
+    b, h, n, d = x.shape
+    per_row = n // page_size
+    if table is None:
+        order = torch.randperm(b * per_row + SPARE_PAGES, generator=torch.Generator().manual_seed(seed))
+        table = order[:b * per_row].view(b, per_row).to(torch.int32)
+    pages = torch.full((b * per_row + SPARE_PAGES, h, page_size, d), float("nan"), dtype=x.dtype)
+    for row in range(b):
+        for j in range(per_row):
+            pages[table[row, j]] = x[row, :, j * page_size:(j + 1) * page_size].cpu()
+    return pages.to(x.device), table.to(x.device)
+
+
+def _paged_cache(n_q, dtype, device, page_size, lengths=LENGTHS, **kw):
+    q, k, v, lens = _cache(n_q, dtype, device, capacity=96, lengths=lengths, **kw)
+    k_pages, table = paged(k, page_size)
+    v_pages, _ = paged(v, page_size, table=table.cpu())
+    return q, k, v, lens, k_pages, v_pages, table
+
+
+@pytest.mark.parametrize("schedule, selector, n_q, dtype, page_size", [
+    ("q_centric", "mean", 1, torch.float32, 16), ("q_centric", "multi:2", 3, torch.float16, 32),
+    ("kv_centric", "mean", 2, torch.float32, 32), ("kv_centric", "multi:2", 1, torch.float16, 16)])
+def test_a_paged_call_is_the_call_over_its_pages_gathered(schedule, selector, n_q, dtype, page_size, device):
+    """Lists, o and lse equal the contiguous cache's call bit for bit, pooled in the call or from kept reps (which
+    equal the contiguous cache's, and grow in place as its rows do), and match the float64 reference."""
+    spec = _spec(selector, schedule)
+    attn = get_kernel(spec, configs={"decode": DecodeConfig(splits=2)})
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(n_q, dtype, device, page_size)
+    assert torch.equal(attn.select(q, k_pages, cache_seqlens=lens, block_table=table),
+                       attn.select(q, k, cache_seqlens=lens))
+    o, lse = attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens, return_lse=True)
+    o_dense, lse_dense = attn(q, k, v, cache_seqlens=lens, return_lse=True)
+    assert torch.equal(o, o_dense) and torch.equal(lse, lse_dense)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k_pages, v_pages, spec, cache_seqlens=lens, block_table=table)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
+    assert (o[2] == 0).all() and torch.isinf(lse[2]).all()  # the empty row
+    shorter = (lens - 30).clamp(min=0)
+    reps = attn.key_reps(k_pages, block_table=table, cache_seqlens=shorter)
+    assert reps.seqlens[:, 0].tolist() == shorter.tolist() and reps.n_k == 96
+    o_reps = attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens, key_reps=reps)  # grows them first
+    assert torch.equal(o_reps, o)
+    assert reps.seqlens[:, 0].tolist() == list(LENGTHS)
+    assert torch.equal(reps.reps, attn.key_reps(k, cache_seqlens=lens).reps)
+
+
+def test_without_lengths_every_row_holds_its_pages(device):
+    """No cache_seqlens: each row's keys are all its pages hold (its capacity), as a contiguous cache's."""
+    spec = _spec("mean")
+    attn = get_kernel(spec)
+    q, k, v, _, k_pages, v_pages, table = _paged_cache(2, torch.float32, device, 32)
+    assert torch.equal(attn(q, k_pages, v_pages, block_table=table), attn(q, k, v))
+    reps = attn.key_reps(k_pages, block_table=table)
+    assert torch.equal(reps.reps, attn.key_reps(k).reps) and reps.seqlens[:, 0].tolist() == [96] * len(LENGTHS)
+
+
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_given_lists_over_pages(schedule, device):
+    """Given lists (either schedule's), raw ids past a row's keys included, over pages: the contiguous call's bits."""
+    spec = _spec("given", schedule)
+    attn = get_kernel(spec)
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(3, torch.float16, device, 16)
+    idx = random_lists(spec, len(LENGTHS), 2, 3, 96, seed=5).to(device)
+    o = attn(q, k_pages, v_pages, block_idx=idx, block_table=table, cache_seqlens=lens)
+    assert torch.equal(o, attn(q, k, v, block_idx=idx, cache_seqlens=lens))
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k_pages, v_pages, spec, idx, cache_seqlens=lens,
+                                                   block_table=table)
+    assert_close_to_reference(o, attn(q, k_pages, v_pages, block_idx=idx, block_table=table, cache_seqlens=lens,
+                                      return_lse=True)[1], ref_o, ref_lse, torch.float16)
+
+
+def test_page_ids_outside_the_pool_hold_no_keys(device):
+    """A table entry outside [0, n_pages) is never read: past a row's keys it changes nothing; among them its keys
+    are masked, as if the lists did not name its blocks."""
+    spec = _spec("given")
+    attn = get_kernel(spec, configs={"decode": DecodeConfig(splits=1)})
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(1, torch.float32, device, 32)
+    idx = torch.tensor([0, 1, 2], dtype=torch.int32, device=device).expand(len(LENGTHS), 2, 1, 3).contiguous()
+    o = attn(q, k_pages, v_pages, block_idx=idx, block_table=table, cache_seqlens=lens)
+    unused = table.clone()
+    unused[1, 2], unused[4, 1:] = -1, 10**6  # row 1 holds 37 keys (pages 0, 1), row 4 one key (page 0)
+    assert torch.equal(attn(q, k_pages, v_pages, block_idx=idx, block_table=unused, cache_seqlens=lens), o)
+    holes = table.clone()
+    holes[0, 0] = -5  # row 0's page 0: blocks 0 and 1
+    without = idx.clone()
+    without[0, :, :, :2] = -1
+    assert torch.equal(attn(q, k_pages, v_pages, block_idx=idx, block_table=holes, cache_seqlens=lens),
+                       attn(q, k_pages, v_pages, block_idx=without, block_table=table, cache_seqlens=lens))
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = -5"):
+        reference.gather_pages(k_pages, holes, lens)
+
+
+def test_the_custom_ops_take_pages(device):
+    """kernelgen.custom_ops.sparse_attention and key_reps take block_table= (so torch.compile traces such a step)."""
+    spec = _spec("mean")
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(1, torch.float32, device, 16)
+    o, lse = custom_ops.sparse_attention(q, k_pages, v_pages, spec, block_table=table, cache_seqlens=lens)
+    assert torch.equal(o, get_kernel(spec)(q, k, v, cache_seqlens=lens))
+    reps = custom_ops.key_reps(k_pages, spec, cache_seqlens=(lens - 20).clamp(min=0), block_table=table)
+    assert reps.n_k == 96
+    o_reps, _ = custom_ops.sparse_attention(q, k_pages, v_pages, spec, block_table=table, cache_seqlens=lens,
+                                            key_reps=reps)
+    assert torch.equal(o_reps, o) and reps.seqlens[:, 0].tolist() == list(LENGTHS)
+
+
+def test_bad_pages_are_named(device):
+    spec = _spec("mean")
+    attn = get_kernel(spec)
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(1, torch.float32, device, 32)
+    cases = [
+        (dict(block_table=table.long()), KernelgenTypeError, "block_table must be int32"),
+        (dict(block_table=table[0]), KernelgenValueError, "block_table must have shape [B, pages a row]"),
+        (dict(block_table=table[:2]), KernelgenValueError, "block_table.shape[0] = 2 does not match q.shape[0] = 5"),
+        (dict(block_table=table.t().contiguous().t()), KernelgenValueError, "block_table's rows must be contiguous"),
+        (dict(block_table=table, cache_leftpad=lens), KernelgenValueError, "cache_leftpad= cannot go with block_table="),
+        (dict(block_table=table, seqlens=lens), KernelgenValueError, "pass seqlens="),
+        (dict(block_table=table, cache_seqlens=lens[:2]), KernelgenValueError, "cache_seqlens must have shape [B]"),
+        (dict(block_table=[[0]]), KernelgenTypeError, "block_table must be a torch.Tensor"),
+    ]
+    for kwargs, error, words in cases:
+        with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+            attn(q, k_pages, v_pages, **kwargs)
+    with pytest.raises(KernelgenValueError, match="a page must hold whole blocks"):
+        attn(q, k_pages[:, :, :24], v_pages[:, :, :24], block_table=table)
+    with pytest.raises(KernelgenValueError, match="at most 16 queries"):
+        long_q = torch.zeros(5, 4, 17, 64, device=device)
+        attn(long_q, k_pages, v_pages, block_table=table)
+    with pytest.raises(KernelgenValueError, match="no backward"):
+        attn(q.requires_grad_(), k_pages, v_pages, block_table=table)
+    with pytest.raises(KernelgenValueError, match="not the index selector"):
+        get_kernel(_spec("index")).select(q.detach(), k_pages, block_table=table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule, selector, page_size", [("q_centric", "mean", 128), ("q_centric", "given", 256),
+                                                           ("kv_centric", "mean", 128)])
+def test_a_long_paged_cache_on_gpu(schedule, selector, page_size):
+    """bf16 rows of 32k, 20000, 1 and 0 keys over shuffled pages: the contiguous call's bits, and the reference."""
+    spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=2, sink=1,
+                selector=selector)
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(2, torch.bfloat16, "cuda", 32768, (32768, 20000, 1, 0), heads_kv=2, group=4,
+                           head_dim=128)
+    k_pages, table = paged(k, page_size)
+    v_pages, _ = paged(v, page_size, table=table.cpu())
+    idx = None if spec.selects else random_lists(spec, 4, 2, 1, 32768, seed=4).cuda()
+    o, lse = attn(q, k_pages, v_pages, block_idx=idx, block_table=table, cache_seqlens=lens, return_lse=True)
+    o_dense, lse_dense = attn(q, k, v, block_idx=idx, cache_seqlens=lens, return_lse=True)
+    assert torch.equal(o, o_dense) and torch.equal(lse, lse_dense)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec if idx is None else spec.replace(selector="given"),
+                                                   idx, cache_seqlens=lens)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, torch.bfloat16)
+    if spec.selects:
+        reps = attn.key_reps(k_pages, block_table=table, cache_seqlens=lens)
+        assert torch.equal(reps.reps, attn.key_reps(k, cache_seqlens=lens).reps)
