@@ -9,6 +9,8 @@ For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU
 - a whole decode step over a cache of per-row lengths (`cache_seqlens`, every row one key short of the
   capacity): the kept reps grown in place to the lengths, then the call with them, one CUDA graph for both;
   and the same step with the reps made afresh over every row's keys (a caller that keeps none);
+- the same decode, and the same step, over a paged cache (`block_table=`): the cache's pages shuffled over a pool,
+  at PAGE_BLOCKS blocks a page; their outputs must equal the contiguous cache's bit for bit;
 - FlexAttention (torch.compile'd) over a BlockMask holding exactly the same lists;
 - dense SDPA (flash, efficient, cuDNN; the KV heads as they are, `enable_gqa`) over the whole cache: every
   query sees every key, the work of a decode step without sparsity;
@@ -42,9 +44,10 @@ from ..workloads import DECODE_SHAPES, random_query_lists, visible_pairs
 from .anchors import flex_block_mask, flex_call
 from .measure import _bench, _bench_graph, _config_json, _dump_rows, _rel_diff, host_ms, row_attempts
 
-__all__ = ["run_decode", "ROTATIONS", "listed_kv_bytes", "copy_bandwidth"]
+__all__ = ["run_decode", "ROTATIONS", "PAGE_BLOCKS", "listed_kv_bytes", "copy_bandwidth", "shuffled_pages"]
 
 ROTATIONS = 8  # list sets a replay walks in turn: 8 steps' blocks are several times H200's 50 MB L2
+PAGE_BLOCKS = (1, 4)  # KV blocks a page of the paged rows (a page holds whole blocks)
 
 
 def listed_kv_bytes(block_idx: torch.Tensor, spec, n_k: int, elem_bytes: int) -> int:
@@ -67,6 +70,16 @@ def _rotating_lists(shape, given, first: torch.Tensor, device) -> list[torch.Ten
     (`random_query_lists`, seeds 1, 2, ...: the newest block always held, as a causal selector forces)."""
     return [first] + [random_query_lists(given, shape.batch, shape.heads_kv, 1, shape.n_k, device, seed)
                       for seed in range(1, ROTATIONS)]
+
+
+def shuffled_pages(x: torch.Tensor, page_size: int, order: torch.Tensor) -> torch.Tensor:
+    """x [B, H, N, D] as a pool of pages [B * N / page_size, H, page_size, D]: row b's page j is page
+    order[b * N / page_size + j] (`order`: a permutation), so `order.view(B, -1)` is its block_table."""
+    b, h, n, d = x.shape
+    pages = x.view(b, h, n // page_size, page_size, d).transpose(1, 2).reshape(-1, h, page_size, d)
+    pool = torch.empty_like(pages)
+    pool[order] = pages
+    return pool
 
 
 def _graph_per_call(calls, log) -> float | None:
@@ -196,9 +209,34 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
                    note="key_reps made over every row's keys + select + decode, one graph; kv_MB: the listed "
                         "blocks' K and V plus all of K")
 
+        def paged(page_size):
+            order = torch.randperm(shape.batch * shape.n_k // page_size, device=q.device,
+                                   generator=torch.Generator(q.device).manual_seed(page_size))
+            table = order.view(shape.batch, -1).to(torch.int32)
+            k_pages, v_pages = shuffled_pages(k, page_size, order), shuffled_pages(v, page_size, order)
+            assert torch.equal(attn(q, k_pages, v_pages, block_idx=prepared[0], block_table=table), ours)
+            graph_ms = _graph_per_call([lambda p=p: attn(q, k_pages, v_pages, block_idx=p, block_table=table)
+                                        for p in prepared], log)
+            record(name, f"kernelgen decode prepared, paged {page_size}",
+                   lambda: attn(q, k_pages, v_pages, block_idx=prepared[0], block_table=table), graph_ms, kv_bytes,
+                   page_size=page_size)
+            lens = torch.full((shape.batch,), shape.n_k - 1, dtype=torch.int32, device=q.device)
+            reps = selecting.key_reps(k_pages, cache_seqlens=lens, block_table=table)
+
+            def step():  # the row's last, partial block pooled again, then select + decode
+                return selecting(q, k_pages, v_pages, cache_seqlens=lens, key_reps=reps, block_table=table)
+
+            assert torch.equal(step(), selecting(q, k, v, cache_seqlens=lens))
+            record(name, f"kernelgen mean, cache_seqlens step, paged {page_size}", step, _bench_graph(step, log=log),
+                   kv_bytes + reps.reps.numel() * reps.reps.element_size(), page_size=page_size,
+                   note="the cache_seqlens step over shuffled pages")
+            del k_pages, v_pages
+
         attempt(name, "mean pipeline", pipeline)
         attempt(name, "kept reps", kept)
         attempt(name, "cache_seqlens step", lengths_step)
+        for blocks in PAGE_BLOCKS:
+            attempt(name, f"paged cache, {blocks} blocks a page", lambda blocks=blocks: paged(blocks * given.kv_block))
         attempt(name, "per-query lists, kept reps", per_query)
 
         def flex():
