@@ -223,7 +223,8 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
             lens = torch.full((shape.batch,), shape.n_k - 1, dtype=torch.int32, device=q.device)
             reps = selecting.key_reps(k_pages, cache_seqlens=lens, block_table=table)
 
-            def step():  # the row's last, partial block pooled again, then select + decode
+            def step():  # as lengths_step's: the row's last, partial block pooled again, then select + decode
+                selecting.key_reps(k_pages, cache_seqlens=lens, previous=reps, block_table=table)
                 return selecting(q, k_pages, v_pages, cache_seqlens=lens, key_reps=reps, block_table=table)
 
             assert torch.equal(step(), selecting(q, k, v, cache_seqlens=lens))
