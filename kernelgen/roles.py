@@ -38,7 +38,9 @@ Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a
 Such a call may pass `cache_seqlens` and `cache_leftpad` (int32 [B]: batch row b of a cache holds keys
 [cache_leftpad[b], cache_seqlens[b])): the launchers of the roles whose `RoleImpl.varlen` is set take them as
 `seqlens=` and `leftpad=` (key_reps also `grow=(reps, made, made_leftpad)`: reps brought to the rows' keys in
-place); a call with lengths is refused where a role it runs has no such launcher.
+place); a call with lengths is refused where a role it runs has no such launcher. A call over a paged cache
+(`block_table`, int32 [B, pages a row]; k and v pools of pages) passes it, with `seqlens=` and never `leftpad=`,
+to the launchers whose `RoleImpl.paged` is set as `block_table=`.
 """
 from __future__ import annotations
 

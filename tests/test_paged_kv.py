@@ -54,6 +54,9 @@ def test_a_paged_call_is_the_call_over_its_pages_gathered(schedule, selector, n_
     ref_o, ref_lse, _ = reference.sparse_attention(q, k_pages, v_pages, spec, cache_seqlens=lens, block_table=table)
     assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
     assert (o[2] == 0).all() and torch.isinf(lse[2]).all()  # the empty row
+    for b in (0, 3):  # batch invariance: a row with its own table row over the same pool is the batch's row
+        alone = attn(q[b:b + 1], k_pages, v_pages, block_table=table[b:b + 1], cache_seqlens=lens[b:b + 1])
+        assert torch.equal(alone, o[b:b + 1]), b
     shorter = (lens - 30).clamp(min=0)
     reps = attn.key_reps(k_pages, block_table=table, cache_seqlens=shorter)
     assert reps.seqlens[:, 0].tolist() == shorter.tolist() and reps.n_k == 96
@@ -131,7 +134,8 @@ def test_bad_pages_are_named(device):
         (dict(block_table=table[0]), KernelgenValueError, "block_table must have shape [B, pages a row]"),
         (dict(block_table=table[:2]), KernelgenValueError, "block_table.shape[0] = 2 does not match q.shape[0] = 5"),
         (dict(block_table=table.t().contiguous().t()), KernelgenValueError, "block_table's rows must be contiguous"),
-        (dict(block_table=table, cache_leftpad=lens), KernelgenValueError, "cache_leftpad= cannot go with block_table="),
+        (dict(block_table=table, cache_leftpad=lens), KernelgenValueError,
+         "cache_leftpad= cannot go with block_table="),
         (dict(block_table=table, seqlens=lens), KernelgenValueError, "pass seqlens="),
         (dict(block_table=table, cache_seqlens=lens[:2]), KernelgenValueError, "cache_seqlens must have shape [B]"),
         (dict(block_table=[[0]]), KernelgenTypeError, "block_table must be a torch.Tensor"),

@@ -1599,7 +1599,8 @@ class TritonBackend(Backend):
                                  space=kv_union_bwd_space, infeasible=kv_union_bwd_infeasible),
         # a few queries (decode) over either schedule's lists: split-KV over each query's list
         "decode": RoleImpl(launch=launch_decode, template="triton/decode.py.j2", config_type=DecodeConfig,
-                           default=decode_default, space=decode_space, infeasible=decode_infeasible, varlen=True, paged=True),
+                           default=decode_default, space=decode_space, infeasible=decode_infeasible, varlen=True,
+                           paged=True),
         # its backward (bwd_delta is shared with the Q-centric schedule)
         "kv_bwd": RoleImpl(launch=launch_kv_bwd, template="triton/kv_bwd.py.j2", config_type=KvBwdConfig,
                            default=kv_bwd_default, space=kv_bwd_space, infeasible=kv_bwd_infeasible),
