@@ -267,8 +267,8 @@ def gather_pages(pages: torch.Tensor, block_table: torch.Tensor,
         for j in range(-(-min(max(int(n), 0), per_row * page_size) // page_size)):
             page = int(table[row, j])
             if not 0 <= page < n_pages:
-                raise ValueError(f"block_table[{row}, {j}] = {page} holds keys of row {row} but is no page of "
-                                 f"[0, {n_pages})")
+                raise KernelgenValueError(f"block_table[{row}, {j}] = {page} holds keys of row {row} but is no "
+                                          f"page of [0, {n_pages})")
             out[row, :, j * page_size:(j + 1) * page_size] = pages[page]
     return out
 

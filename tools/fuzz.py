@@ -2,10 +2,10 @@
 
 Each case is drawn from its seed: a random Spec (every selector, both schedules, and on a GPU every backend
 and "auto"), ragged lengths with Nq != Nk and decode-sized calls (some over a cache of per-row lengths,
-`cache_seqlens`, NaN past each row's keys), GQA, forced blocks, a scale, strided
-views of [B, N, H, D] buffers, given lists holding -1, negative, out-of-range and repeated ids and empty
-rows (raw int32/int64 or prepared), index-selector inputs (fp8 on sm_90), tunables pinned to random points
-of each role's search space, and a backward run twice.
+`cache_seqlens`, NaN past each row's keys, and the same over shuffled pages: `block_table`), GQA, forced
+blocks, a scale, strided views of [B, N, H, D] buffers, given lists holding -1, negative, out-of-range and
+repeated ids and empty rows (raw int32/int64 or prepared), index-selector inputs (fp8 on sm_90), tunables
+pinned to random points of each role's search space, and a backward run twice.
 
 A case passes when the lists are a valid top-k, o and lse match the reference (NaN-poisoned outputs), the
 gradients match float64 autograd, and the two backward runs are bitwise equal. A KernelgenValueError or
@@ -104,6 +104,8 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
     # shorter or longer, the capacity past them NaN (a read of it poisons o)
     case["ragged"] = (dict(extra=r.choice([0, 1, kv_block, 2 * kv_block + 3]), seed=r.randint(0, 10**6))
                       if nq <= 16 and selector != "index" and r.random() < 0.5 else None)
+    # the same decode call over the cache in shuffled pages (block_table) of 1, 2 or 4 blocks
+    case["paged"] = r.choice([1, 2, 4]) if case["ragged"] and r.random() < 0.5 else None
     return case
 
 
@@ -300,6 +302,41 @@ def run_ragged(case, attn, spec, q, k, v, given, torch, reference) -> None:
     ref_o, ref_lse, _ = reference.sparse_attention(q, k_cache, v_cache, ref_spec, block_idx=lists, scale=case["scale"],
                                                    cache_seqlens=lens)
     compare_forward(o, lse, ref_o, ref_lse, q, torch)
+    if case.get("paged"):
+        run_paged(case, attn, q, k_cache, v_cache, given, lens, torch)
+
+
+def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch) -> None:
+    """The ragged call over its cache scattered in shuffled pages (spare pages NaN, the capacity padded to whole
+    pages with NaN): bit for bit the contiguous call over the padded cache."""
+    page = attn.spec.kv_block * case["paged"]
+    cap = -(-k_cache.shape[2] // page) * page
+    gen = torch.Generator().manual_seed(case["ragged"]["seed"] + 1)
+    padded = [torch.cat([x, torch.full((*x.shape[:2], cap - x.shape[2], x.shape[3]), float("nan")).to(x)], 2)
+              for x in (k_cache, v_cache)]
+    per_row = cap // page
+    order = torch.randperm(q.shape[0] * per_row + 2, generator=gen)
+    table = order[:q.shape[0] * per_row].view(q.shape[0], per_row).to(torch.int32)
+    pools = []
+    for x in padded:
+        pool = torch.full((q.shape[0] * per_row + 2, x.shape[1], page, x.shape[3]), float("nan")).to(x)
+        for b in range(q.shape[0]):
+            for j in range(per_row):
+                pool[table[b, j]] = x[b, :, j * page:(j + 1) * page]
+        pools.append(pool)
+    table = table.to(q.device)
+    reps = paged_reps = None
+    if case.get("kept_reps") and given is None:
+        reps = attn.key_reps(padded[0], cache_seqlens=lens)
+        paged_reps = attn.key_reps(pools[0], block_table=table, cache_seqlens=(lens * 2) // 3)
+    o, lse = attn(q, *padded, block_idx=given, scale=case["scale"], cache_seqlens=lens, key_reps=reps,
+                  return_lse=True)
+    o_paged, lse_paged = attn(q, *pools, block_idx=given, scale=case["scale"], cache_seqlens=lens,
+                              key_reps=paged_reps, block_table=table, return_lse=True)
+    if not (torch.equal(o_paged, o) and torch.equal(lse_paged, lse)):
+        raise Failure(f"block_table: the call over pages of {page} keys differs from the contiguous cache's")
+    if paged_reps is not None and not torch.equal(paged_reps.reps, reps.reps):
+        raise Failure("block_table: the kept reps grown from pages differ from the contiguous cache's")
 
 
 def run_case(case: dict) -> dict:
