@@ -151,6 +151,17 @@ def test_a_spec_no_config_fits_is_a_clear_error():
         TRITON.default_config(Spec(head_dim=256, kv_block=256), "attn", "sm_90")
 
 
+@pytest.mark.parametrize("role", ["kv_select", "kv_decode_select"])
+def test_a_per_query_selection_no_config_fits_names_what_the_spec_can_change(role):
+    """Its score product holds a chunk of next_pow2(top_k) blocks' r representatives whatever the config: the
+    error names top_k, the groups and head_dim, not kv_block or q_tile."""
+    spec = Spec(head_dim=128, kv_block=32, top_k=40, causal=True, selector="multi:4", schedule="kv_centric")
+    triton = backends.get("triton")
+    with pytest.raises(KernelgenValueError, match=r"no KvSelectConfig fits .* a smaller top_k, fewer groups"):
+        triton.default_config(spec, role, "sm_90")
+    assert triton.default_config(spec.replace(top_k=32), role, "sm_90") is not None
+
+
 @pytest.mark.parametrize("arch", ["sm_90", ANY_ARCH])
 def test_a_config_of_another_type_is_infeasible(arch):
     spec = Spec(head_dim=64)

@@ -422,7 +422,7 @@ def kv_decode_select_default(spec: Spec, arch: str) -> KvSelectConfig:
     splits = max(1, min(8, MERGE_CANDIDATES // next_pow2(spec.top_k)))
     return _first_feasible(spec, arch, kv_decode_select_infeasible, (
         KvSelectConfig(queries=16, chunk=max(next_pow2(spec.top_k), c // spec.groups), num_warps=4, splits=splits)
-        for c in (64, 32, 16, 128)))
+        for c in (64, 32, 16, 128)), _PER_QUERY_SELECT_REMEDY)
 
 
 def kv_decode_select_space(spec: Spec, arch: str):
@@ -433,7 +433,7 @@ def kv_decode_select_space(spec: Spec, arch: str):
 def kv_select_default(spec: Spec, arch: str) -> KvSelectConfig:
     return _first_feasible(spec, arch, kv_select_infeasible, (
         KvSelectConfig(queries=q, chunk=max(next_pow2(spec.top_k), c // spec.groups), num_warps=4)
-        for q in (64, 32, 16) for c in (128, 64, 32, 16)))
+        for q in (64, 32, 16) for c in (128, 64, 32, 16)), _PER_QUERY_SELECT_REMEDY)
 
 
 def kv_select_space(spec: Spec, arch: str):
@@ -909,7 +909,12 @@ def kv_bwd_space(spec: Spec, arch: str):
                                                    (False, True)))
 
 
-def _first_feasible(spec: Spec, arch: str, infeasible, candidates):
+# what a spec that no config of a per-query selection fits can change: its score product holds a chunk of at least
+# next_pow2(top_k) blocks' r representatives (kv_select_smem_bytes), whatever the config
+_PER_QUERY_SELECT_REMEDY = "use a smaller top_k, fewer groups (multi:r) or a smaller head_dim"
+
+
+def _first_feasible(spec: Spec, arch: str, infeasible, candidates, remedy: str = "use a smaller kv_block or q_tile"):
     """The first candidate config `infeasible(spec, config, arch)` accepts (a default's order of preference)."""
     why = reason = None
     for cfg in candidates:
@@ -918,8 +923,7 @@ def _first_feasible(spec: Spec, arch: str, infeasible, candidates):
             return cfg
         if not isinstance(cfg, (BwdDqConfig, BwdDkdvConfig)) or pack_infeasible(spec, cfg.block_m) is None:
             why = reason  # the last resources' reason says more than a row packing's
-    raise KernelgenValueError(f"no {type(cfg).__name__} fits {spec} on {arch}: {why or reason}; use a smaller "
-                              "kv_block or q_tile")
+    raise KernelgenValueError(f"no {type(cfg).__name__} fits {spec} on {arch}: {why or reason}; {remedy}")
 
 
 # ---- launchers --------------------------------------------------------------------------------------
