@@ -382,6 +382,9 @@ class SparseAttention:
             made, made_leftpad = ((x[:, None].expand(b, hkv).contiguous()) for x in (end - first, first))
             return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups, made, made_leftpad)
         if previous.seqlens is None:
+            if rows.block_table is not None:
+                raise KernelgenValueError("previous key_reps were made without per-row lengths: a paged cache's "
+                                          "rows have them; make them with attn.key_reps(k, block_table=...)")
             raise KernelgenValueError("previous key_reps were made without cache_seqlens=: grow them with "
                                       "attn.key_reps(k, previous=...), or make them with cache_seqlens=")
         if previous.n_k < n_k:  # a cache that grew (a new, longer tensor): room for its new blocks, then grown

@@ -306,9 +306,10 @@ def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device, varlen: bool = 
     if key_reps.reps.device != device:
         raise KernelgenValueError(f"key_reps are on {key_reps.reps.device} but q is on {device}")
     if (key_reps.seqlens is not None) != varlen:
-        made, call = ("with", "passes none") if key_reps.seqlens is not None else ("without", "passes them")
-        raise KernelgenValueError(f"key_reps were made {made} cache_seqlens= but this call {call}: make them as "
-                                  "the calls that read them are made")
+        made, call = ("with", "has none") if key_reps.seqlens is not None else ("without", "has them")
+        raise KernelgenValueError(f"key_reps were made {made} cache_seqlens= (per-row lengths, which a paged "
+                                  f"cache's block_table= always gives) but this call {call}: make them as the calls "
+                                  "that read them are made")
     return key_reps.reps
 
 
@@ -353,10 +354,14 @@ def check_paged_kv(q, k, v, block_table, spec: Spec, n_q_max: int) -> Shapes:
     """A decode call over a paged KV cache: q [B, Hq, Nq, D] with Nq <= n_q_max; k and v pools of pages
     [n_pages, Hkv, page_size, D] (`check_pages`). Row b's key p sits in page block_table[b, p // page_size] at
     row p % page_size: the call's Nk is pages a row x page_size."""
-    _explain_qkv(q, k, v, spec)  # raises naming what is wrong; returns when each tensor is fine
-    if k.shape != v.shape:
+    for name, pool in (("k", k), ("v", v)):  # the pools' own layout named first, not the contiguous one
+        if isinstance(pool, torch.Tensor) and pool.dim() != 4:
+            raise KernelgenValueError(f"{name} must be 4-D [n_pages, Hkv, page_size, D] with block_table=, got shape "
+                                      f"{tuple(pool.shape)}")
+    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape != v.shape:
         raise KernelgenValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}; "
                                   f"the paged layout is {PAGED_LAYOUT}")
+    _explain_qkv(q, k, v, spec)  # raises naming what is wrong; returns when each tensor is fine
     b, hq, nq, _ = q.shape
     batch, hkv, n_k = check_pages(k, block_table, spec)
     if batch != b:

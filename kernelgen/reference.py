@@ -258,6 +258,9 @@ def gather_pages(pages: torch.Tensor, block_table: torch.Tensor,
     b's key p is pages[block_table[b, p // page_size], :, p % page_size]. The pages that hold a row's keys (its
     first cache_seqlens[b], all without) must exist: a page of no keys (an id outside [0, n_pages)) has no dense
     form here. The positions past a row's keys are zero."""
+    if pages.dim() != 4 or block_table.dim() != 2:
+        raise KernelgenValueError(f"gather_pages takes pages [n_pages, H, page_size, D] and block_table [B, pages a "
+                                  f"row], got shapes {tuple(pages.shape)} and {tuple(block_table.shape)}")
     n_pages, h, page_size, d = pages.shape
     b, per_row = block_table.shape
     table = block_table.long().cpu()

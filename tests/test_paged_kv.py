@@ -143,6 +143,17 @@ def test_bad_pages_are_named(device):
     for kwargs, error, words in cases:
         with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
             attn(q, k_pages, v_pages, **kwargs)
+    with pytest.raises(KernelgenValueError, match=r"k and v must have the same shape.*n_pages, Hkv, page_size"):
+        attn(q, k_pages, v_pages[:-1], block_table=table)
+    with pytest.raises(KernelgenValueError, match=r"k must be 4-D \[n_pages, Hkv, page_size, D\]"):
+        attn(q, k_pages[0], v_pages[0], block_table=table)
+    plain = attn.key_reps(k)  # reps of one length: a paged call has per-row lengths
+    with pytest.raises(KernelgenValueError, match="made without cache_seqlens=.*block_table= always gives"):
+        attn(q, k_pages, v_pages, block_table=table, key_reps=plain)
+    with pytest.raises(KernelgenValueError, match=r"make them with attn.key_reps\(k, block_table=...\)"):
+        attn.key_reps(k_pages, block_table=table, previous=plain)
+    with pytest.raises(KernelgenValueError, match=r"gather_pages takes pages \[n_pages"):
+        reference.gather_pages(k_pages, table[0])
     with pytest.raises(KernelgenValueError, match="a page must hold whole blocks"):
         attn(q, k_pages[:, :, :24], v_pages[:, :, :24], block_table=table)
     with pytest.raises(KernelgenValueError, match="at most 16 queries"):
