@@ -172,6 +172,7 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
     `sparse_attention(..., key_reps=)`, which grows reps of per-row lengths to its rows itself."""
     spec_json = _spec_json(spec)
     k = autocast_qkv(k, k, k)[0]
+    _tensors_or_none(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, block_table=block_table)
     rows = cache_seqlens is not None or block_table is not None
     if previous is not None and not isinstance(previous, KeyReps):
         raise KernelgenTypeError(f"previous must be the KeyReps of key_reps, got {type(previous).__name__}")
@@ -215,6 +216,14 @@ def _index_args(index) -> tuple:
     raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {type(index).__name__}; {INDEX_LAYOUT}")
 
 
+def _tensors_or_none(**arguments) -> None:
+    """The ops' optional tensor arguments are tensors or None: anything else is named here, as the eager API
+    names it, not left to the op schema's error."""
+    for name, value in arguments.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise KernelgenTypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
+
+
 def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> torch.Tensor:
     """`get_kernel(spec).select(q, k, index=...)` as a custom op."""
     q, k, _ = autocast_qkv(q, k, k)
@@ -229,6 +238,8 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
     gradient; a call with cache_seqlens or block_table has no backward). `spec` may also be its JSON text
     (`Spec.to_json`)."""
     q, k, v = autocast_qkv(q, k, v)
+    _tensors_or_none(block_idx=block_idx, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens,
+                     block_table=block_table)
     refuse_grad_with_seqlens(cache_seqlens if block_table is None else CacheRows(cache_seqlens, None, block_table),
                              q, k, v)
     if key_reps is not None and not isinstance(key_reps, KeyReps):

@@ -123,6 +123,12 @@ def test_the_custom_ops_take_pages(device):
     o_reps, _ = custom_ops.sparse_attention(q, k_pages, v_pages, spec, block_table=table, cache_seqlens=lens,
                                             key_reps=reps)
     assert torch.equal(o_reps, o) and reps.seqlens[:, 0].tolist() == list(LENGTHS)
+    for call in (lambda: custom_ops.sparse_attention(q, k_pages, v_pages, spec, block_table=table.tolist()),
+                 lambda: custom_ops.key_reps(k_pages, spec, block_table=table.tolist()),
+                 lambda: custom_ops.sparse_attention(q, k_pages, v_pages, spec, block_table=table,
+                                                     cache_seqlens=lens.tolist())):
+        with pytest.raises(KernelgenTypeError, match="must be a torch.Tensor or None, got list"):
+            call()
 
 
 def test_bad_pages_are_named(device):
