@@ -26,7 +26,7 @@ import torch
 
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import INDEX_LAYOUT, CacheRows, KeyReps, autocast_qkv, refuse_grad_with_seqlens
+from .inputs import INDEX_LAYOUT, KeyReps, autocast_qkv, refuse_grad_with_seqlens
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -114,6 +114,11 @@ torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_
 
 # ---- the pooling selectors' kept representatives (KeyReps), as tensors: a KeyReps is not an op argument --------
 
+def _capacity(k: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """The keys a row of k holds room for: k's length, or a paged cache's pages a row x page_size."""
+    return k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
+
+
 def _key_reps(spec: Spec, reps, seqlens, n_k: int, leftpad=None) -> KeyReps | None:
     """The KeyReps of the ops' tensors (None without reps; seqlens, leftpad: empty or None for reps of one
     length, n_k)."""
@@ -141,9 +146,8 @@ def _key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tensor | 
 @_key_reps_op.register_fake
 def _(k, spec_json, cache_seqlens=None, previous=None, previous_n_k=0, cache_leftpad=None, block_table=None):
     spec = _spec_of(spec_json)
-    b, hkv, n_k = k.shape[:3]
-    if block_table is not None:  # k is a pool of pages: the rows are the table's
-        b, n_k = block_table.shape[0], block_table.shape[1] * k.shape[2]
+    b = k.shape[0] if block_table is None else block_table.shape[0]  # a pool of pages: the rows are the table's
+    hkv, n_k = k.shape[1], _capacity(k, block_table)
     reps = k.new_empty((b, hkv, spec.n_kv_blocks(n_k), spec.groups, k.shape[-1]), dtype=torch.float32)
     rows = (b, hkv) if cache_seqlens is not None or block_table is not None else (0,)
     return reps, k.new_empty(rows, dtype=torch.int32), k.new_empty(rows, dtype=torch.int32)
@@ -154,7 +158,7 @@ def _grow_key_reps_op(k: torch.Tensor, spec_json: str, cache_seqlens: torch.Tens
                       reps_seqlens: torch.Tensor, reps_leftpad: torch.Tensor,
                       cache_leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> None:
     spec = _spec_of(spec_json)
-    n_k = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
+    n_k = _capacity(k, block_table)
     get_kernel(spec).key_reps(k, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
                               previous=_key_reps(spec, reps, reps_seqlens, n_k, reps_leftpad), block_table=block_table)
 
@@ -186,7 +190,7 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
     reps, seqlens, leftpad = _key_reps_op(k, spec_json, cache_seqlens, None if previous is None else previous.reps,
                                           0 if previous is None else previous.n_k, cache_leftpad, block_table)
     spec = _spec_of(spec_json)
-    n_k = k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
+    n_k = _capacity(k, block_table)
     if not rows:
         return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups)
     return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups, seqlens, leftpad)
@@ -240,8 +244,7 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
     q, k, v = autocast_qkv(q, k, v)
     _tensors_or_none(block_idx=block_idx, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens,
                      block_table=block_table)
-    refuse_grad_with_seqlens(cache_seqlens if block_table is None else CacheRows(cache_seqlens, None, block_table),
-                             q, k, v)
+    refuse_grad_with_seqlens(cache_seqlens, q, k, v, block_table)
     if key_reps is not None and not isinstance(key_reps, KeyReps):
         raise KernelgenTypeError(f"key_reps must be the KeyReps of key_reps(), got {type(key_reps).__name__}")
     reps = (None, None, 0, None) if key_reps is None else (key_reps.reps, key_reps.seqlens, key_reps.n_k,

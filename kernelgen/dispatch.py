@@ -480,7 +480,7 @@ class SparseAttention:
         shapes = self._start_call(q, k, v, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
         if isinstance(rows, CacheRows):
-            refuse_grad_with_seqlens(rows, q, k, v)
+            refuse_grad_with_seqlens(rows.seqlens, q, k, v, rows.block_table)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps, rows)
         else:

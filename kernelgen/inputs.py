@@ -267,12 +267,12 @@ def _check_row_ints(name: str, value, shapes: Shapes, device) -> torch.Tensor:
     return value
 
 
-def refuse_grad_with_seqlens(cache_seqlens, q, k, v) -> None:
-    """A call over per-row lengths (or a paged cache: `cache_seqlens` is then its CacheRows) has no backward:
-    refuse one whose inputs would take gradients."""
-    if cache_seqlens is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                   or v.requires_grad):
-        if getattr(cache_seqlens, "block_table", None) is not None:
+def refuse_grad_with_seqlens(cache_seqlens, q, k, v, block_table=None) -> None:
+    """A call over per-row lengths, or over a paged cache, has no backward: refuse one whose inputs would take
+    gradients."""
+    if (cache_seqlens is not None or block_table is not None) and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad):
+        if block_table is not None:
             raise KernelgenValueError("block_table= calls (decoding over a paged cache) have no backward: call "
                                       "under torch.no_grad()")
         raise KernelgenValueError("cache_seqlens= calls (decoding) have no backward: call under torch.no_grad(), "

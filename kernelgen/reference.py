@@ -24,6 +24,7 @@ __all__ = [
     "sparse_attention",
     "sparse_attention_grads",
     "gather_pages",
+    "scatter_pages",
 ]
 
 
@@ -274,6 +275,18 @@ def gather_pages(pages: torch.Tensor, block_table: torch.Tensor,
                                           f"page of [0, {n_pages})")
             out[row, :, j * page_size:(j + 1) * page_size] = pages[page]
     return out
+
+
+def scatter_pages(x: torch.Tensor, page_size: int, order: torch.Tensor, spare: int = 0) -> torch.Tensor:
+    """The paged cache `gather_pages` makes x [B, H, N, D] from (N a multiple of page_size): a pool of
+    B * N / page_size + spare pages [.., H, page_size, D], row b's page j being pool page order[b * N / page_size + j]
+    (`order`: distinct ids in the pool; `order[:B * N / page_size].view(B, -1)` is its block_table). The pages no
+    row lists are NaN, so that a read of one shows."""
+    b, h, n, d = x.shape
+    pages = x.reshape(b, h, n // page_size, page_size, d).transpose(1, 2).reshape(-1, h, page_size, d)
+    pool = x.new_full((pages.shape[0] + spare, h, page_size, d), float("nan"))
+    pool[order[:pages.shape[0]].to(x.device)] = pages
+    return pool
 
 
 def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens, cache_leftpad=None):

@@ -329,17 +329,6 @@ def test_listed_kv_bytes_counts_each_valid_block_once():
     assert listed_kv_bytes(lists, spec, n_k, 4) == 2 * listed_kv_bytes(lists, spec, n_k, 2)
 
 
-def test_shuffled_pages_are_the_cache_their_table_names():
-    """The paged rows' pool: gathered back through its table (`reference.gather_pages`), it is the cache."""
-    from kernelgen.bench.decode import shuffled_pages
-
-    x = torch.randn(3, 2, 64, 8)
-    order = torch.randperm(3 * 64 // 16, generator=torch.Generator().manual_seed(0))
-    pages = shuffled_pages(x, 16, order)
-    assert pages.shape == (12, 2, 16, 8)
-    assert torch.equal(kernelgen.reference.gather_pages(pages, order.view(3, -1).to(torch.int32)), x)
-
-
 @pytest.mark.gpu
 def test_decode_bench_rows_on_the_gpu(monkeypatch, tmp_path):
     """`bench --decode` at a small shape: every kernelgen row, Flex's and the dense anchors' are written, Flex

@@ -16,18 +16,13 @@ SPARE_PAGES = 3  # pages no row lists: the pool is larger than the rows need
 
 
 def paged(x: torch.Tensor, page_size: int, seed: int = 0, table: torch.Tensor | None = None):
-    """x [B, H, N, D] scattered over a pool of pages in a random order (the pages no row lists, and the pool's
-    unused rows, NaN: a read of them would show), and its table int32 [B, N / page_size]."""
-    b, h, n, d = x.shape
-    per_row = n // page_size
+    """x [B, H, N, D] scattered over a pool of pages in a random order, SPARE_PAGES more than the rows need (NaN,
+    as is every page no row lists: a read of one would show), and its table int32 [B, N / page_size]."""
+    b, n = x.shape[0], x.shape[2]
     if table is None:
-        order = torch.randperm(b * per_row + SPARE_PAGES, generator=torch.Generator().manual_seed(seed))
-        table = order[:b * per_row].view(b, per_row).to(torch.int32)
-    pages = torch.full((b * per_row + SPARE_PAGES, h, page_size, d), float("nan"), dtype=x.dtype)
-    for row in range(b):
-        for j in range(per_row):
-            pages[table[row, j]] = x[row, :, j * page_size:(j + 1) * page_size].cpu()
-    return pages.to(x.device), table.to(x.device)
+        order = torch.randperm(b * n // page_size + SPARE_PAGES, generator=torch.Generator().manual_seed(seed))
+        table = order[:b * n // page_size].view(b, -1).to(torch.int32)
+    return reference.scatter_pages(x, page_size, table.flatten().long(), SPARE_PAGES), table.to(x.device)
 
 
 def _paged_cache(n_q, dtype, device, page_size, lengths=LENGTHS, **kw):
@@ -110,6 +105,15 @@ def test_page_ids_outside_the_pool_hold_no_keys(device):
                        attn(q, k_pages, v_pages, block_idx=without, block_table=table, cache_seqlens=lens))
     with pytest.raises(ValueError, match=r"block_table\[0, 0\] = -5"):
         reference.gather_pages(k_pages, holes, lens)
+
+
+def test_scattered_pages_gather_back():
+    """`reference.scatter_pages` is `gather_pages`'s inverse, and leaves the pages no row lists NaN."""
+    x = torch.randn(3, 2, 64, 8)
+    order = torch.randperm(3 * 64 // 16 + 2, generator=torch.Generator().manual_seed(0))
+    pool = reference.scatter_pages(x, 16, order, spare=2)
+    assert pool.shape == (14, 2, 16, 8) and torch.isnan(pool[order[12:]]).all()
+    assert torch.equal(reference.gather_pages(pool, order[:12].view(3, -1).to(torch.int32)), x)
 
 
 def test_the_custom_ops_take_pages(device):

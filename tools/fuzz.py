@@ -303,10 +303,10 @@ def run_ragged(case, attn, spec, q, k, v, given, torch, reference) -> None:
                                                    cache_seqlens=lens)
     compare_forward(o, lse, ref_o, ref_lse, q, torch)
     if case.get("paged"):
-        run_paged(case, attn, q, k_cache, v_cache, given, lens, torch)
+        run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference)
 
 
-def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch) -> None:
+def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference) -> None:
     """The ragged call over its cache scattered in shuffled pages (spare pages NaN, the capacity padded to whole
     pages with NaN): bit for bit the contiguous call over the padded cache."""
     page = attn.spec.kv_block * case["paged"]
@@ -314,17 +314,9 @@ def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch) -> None:
     gen = torch.Generator().manual_seed(case["ragged"]["seed"] + 1)
     padded = [torch.cat([x, torch.full((*x.shape[:2], cap - x.shape[2], x.shape[3]), float("nan")).to(x)], 2)
               for x in (k_cache, v_cache)]
-    per_row = cap // page
-    order = torch.randperm(q.shape[0] * per_row + 2, generator=gen)
-    table = order[:q.shape[0] * per_row].view(q.shape[0], per_row).to(torch.int32)
-    pools = []
-    for x in padded:
-        pool = torch.full((q.shape[0] * per_row + 2, x.shape[1], page, x.shape[3]), float("nan")).to(x)
-        for b in range(q.shape[0]):
-            for j in range(per_row):
-                pool[table[b, j]] = x[b, :, j * page:(j + 1) * page]
-        pools.append(pool)
-    table = table.to(q.device)
+    order = torch.randperm(q.shape[0] * (cap // page) + 2, generator=gen)
+    table = order[:q.shape[0] * (cap // page)].view(q.shape[0], -1).to(device=q.device, dtype=torch.int32)
+    pools = [reference.scatter_pages(x, page, order, spare=2) for x in padded]
     reps = paged_reps = None
     if case.get("kept_reps") and given is None:
         reps = attn.key_reps(padded[0], cache_seqlens=lens)

@@ -954,7 +954,7 @@ def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seqlens: t
     kernel, lengths = (mod.pool, ()) if seqlens is None else (mod.pool_varlen, _row_keys(seqlens, leftpad))
     kernel[(triton.cdiv(n_tiles, tiles), b * h)](x, rep, *lengths, x.stride(0), x.stride(1), x.stride(2), n, h,
                                                  n_tiles, TILE=tile, GROUPS=groups, HEAD_DIM=d, TILES=tiles,
-                                                 num_warps=8 if tiles * tile * d >= 8192 else 4,
+                                                 num_warps=_pool_warps(tiles * tile, d),
                                                  **_has_leftpad(seqlens, leftpad))
     return rep
 
@@ -966,8 +966,13 @@ def _pool_paged(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seql
     rep = empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
     mod.pool_paged[(n_tiles, b * h)](x, rep, block_table, seqlens, *_paged_strides(block_table, x),
                                      block_table.shape[1] * page_size, n_pages, h, n_tiles, TILE=tile, GROUPS=groups,
-                                     HEAD_DIM=d, PAGE_SIZE=page_size, num_warps=8 if tile * d >= 8192 else 4)
+                                     HEAD_DIM=d, PAGE_SIZE=page_size, num_warps=_pool_warps(tile, d))
     return rep
+
+
+def _pool_warps(rows: int, head_dim: int) -> int:
+    """Warps of a pooling program over `rows` rows of `head_dim`: 8 from 8192 elements on."""
+    return 8 if rows * head_dim >= 8192 else 4
 
 
 def _paged_strides(block_table: torch.Tensor, x: torch.Tensor) -> tuple[int, ...]:
@@ -1025,7 +1030,7 @@ def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor, *, se
     b, h, n, d = k.shape
     mod.pool_grown[(1, b * h)](k, reps, *_row_keys(seqlens, leftpad), made, made_leftpad, k.stride(0), k.stride(1),
                                k.stride(2), n, h, reps.shape[2], TILE=spec.kv_block, GROUPS=spec.groups, HEAD_DIM=d,
-                               HAS_LEFTPAD=leftpad is not None, num_warps=8 if spec.kv_block * d >= 8192 else 4)
+                               HAS_LEFTPAD=leftpad is not None, num_warps=_pool_warps(spec.kv_block, d))
     return reps
 
 
@@ -1040,7 +1045,7 @@ def _paged_key_reps(mod, spec: Spec, k: torch.Tensor, seqlens: torch.Tensor, blo
     mod.pool_paged_grown[(1, block_table.shape[0] * h)](
         k, reps, block_table, seqlens, made, made_leftpad, *_paged_strides(block_table, k),
         block_table.shape[1] * page_size, n_pages, h, reps.shape[2], TILE=spec.kv_block, GROUPS=spec.groups,
-        HEAD_DIM=d, PAGE_SIZE=page_size, num_warps=8 if spec.kv_block * d >= 8192 else 4)
+        HEAD_DIM=d, PAGE_SIZE=page_size, num_warps=_pool_warps(spec.kv_block, d))
     return reps
 
 

@@ -40,11 +40,12 @@ from ..backends.triton import DECODE_SPLITS
 from ..device import device_arch
 from ..dispatch import get_kernel
 from ..errors import KernelgenRuntimeError
+from ..reference import scatter_pages
 from ..workloads import DECODE_SHAPES, random_query_lists, visible_pairs
 from .anchors import flex_block_mask, flex_call
 from .measure import _bench, _bench_graph, _config_json, _dump_rows, _rel_diff, host_ms, row_attempts
 
-__all__ = ["run_decode", "ROTATIONS", "PAGE_BLOCKS", "listed_kv_bytes", "copy_bandwidth", "shuffled_pages"]
+__all__ = ["run_decode", "ROTATIONS", "PAGE_BLOCKS", "listed_kv_bytes", "copy_bandwidth"]
 
 ROTATIONS = 8  # list sets a replay walks in turn: 8 steps' blocks are several times H200's 50 MB L2
 PAGE_BLOCKS = (1, 4)  # KV blocks a page of the paged rows (a page holds whole blocks)
@@ -70,16 +71,6 @@ def _rotating_lists(shape, given, first: torch.Tensor, device) -> list[torch.Ten
     (`random_query_lists`, seeds 1, 2, ...: the newest block always held, as a causal selector forces)."""
     return [first] + [random_query_lists(given, shape.batch, shape.heads_kv, 1, shape.n_k, device, seed)
                       for seed in range(1, ROTATIONS)]
-
-
-def shuffled_pages(x: torch.Tensor, page_size: int, order: torch.Tensor) -> torch.Tensor:
-    """x [B, H, N, D] as a pool of pages [B * N / page_size, H, page_size, D]: row b's page j is page
-    order[b * N / page_size + j] (`order`: a permutation), so `order.view(B, -1)` is its block_table."""
-    b, h, n, d = x.shape
-    pages = x.view(b, h, n // page_size, page_size, d).transpose(1, 2).reshape(-1, h, page_size, d)
-    pool = torch.empty_like(pages)
-    pool[order] = pages
-    return pool
 
 
 def _graph_per_call(calls, log) -> float | None:
@@ -213,7 +204,7 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
             order = torch.randperm(shape.batch * shape.n_k // page_size, device=q.device,
                                    generator=torch.Generator(q.device).manual_seed(page_size))
             table = order.view(shape.batch, -1).to(torch.int32)
-            k_pages, v_pages = shuffled_pages(k, page_size, order), shuffled_pages(v, page_size, order)
+            k_pages, v_pages = scatter_pages(k, page_size, order), scatter_pages(v, page_size, order)
             assert torch.equal(attn(q, k_pages, v_pages, block_idx=prepared[0], block_table=table), ours)
             graph_ms = _graph_per_call([lambda p=p: attn(q, k_pages, v_pages, block_idx=p, block_table=table)
                                         for p in prepared], log)
