@@ -185,10 +185,12 @@ class SparseAttention:
         return backend.build(spec, role, config, problem)
 
     @functools.lru_cache(maxsize=256)
-    def _plan(self, bucket: int, dtype, device, decode: bool = False) -> tuple[Served, Served | None, Served]:
+    def _plan(self, bucket: int, dtype, device, decode: bool = False,
+              cache_rows: bool = False) -> tuple[Served, Served | None, Served]:
         """(lists, the selection role or None, attn): the roles a call may run (`roles.forward_roles`; a call of
-        at most DECODE_MAX_QUERIES queries attends with `decode`), in one lookup per call."""
-        lists, selection, attn = forward_roles(self.spec, 1 if decode else None)
+        at most DECODE_MAX_QUERIES queries attends with `decode`; `cache_rows`: a prefill over a cache of per-row
+        lengths), in one lookup per call."""
+        lists, selection, attn = forward_roles(self.spec, 1 if decode else None, cache_rows)
         return (self._served(lists, bucket, dtype, device),
                 self._served(selection, bucket, dtype, device) if selection else None,
                 self._served(attn, bucket, dtype, device))
@@ -251,7 +253,7 @@ class SparseAttention:
                                           "not the index selector (its k_idx is not paged)")
             return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device, block_table)
         if seqlens is None:
-            return self._check_rows(cache_seqlens, cache_leftpad, shapes, device)
+            return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device)
         return check_token_rows(seqlens, self.spec, shapes, device, key_reps=key_reps, index=index,
                                 cache_seqlens=cache_leftpad if cache_seqlens is None else cache_seqlens)
 
@@ -261,15 +263,7 @@ class SparseAttention:
         has them itself."""
         if isinstance(rows, TokenRows):  # a prefill's, however few its queries
             return forward_roles(self.spec, None if self.spec.per_query else 1)[1]
-        return forward_roles(self.spec, shapes.n_q)[1]
-
-    def _check_rows(self, cache_seqlens, cache_leftpad, shapes: Shapes, device) -> CacheRows | None:
-        """A call's checked `cache_seqlens` and `cache_leftpad` (None without): a decode call's only."""
-        if cache_seqlens is not None and shapes.n_q > DECODE_MAX_QUERIES:
-            raise KernelgenValueError(f"cache_seqlens= is for decode calls of at most {DECODE_MAX_QUERIES} queries "
-                                      f"against a KV cache; q has {shapes.n_q} (a prefill of per-row lengths is not "
-                                      "supported: run each row's own length)")
-        return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device)
+        return forward_roles(self.spec, shapes.n_q, isinstance(rows, CacheRows))[1]
 
     @staticmethod
     def _varlen(served: Served, rows: CacheRows | TokenRows | None) -> dict:
@@ -515,7 +509,7 @@ class SparseAttention:
         clears them)."""
         padded = isinstance(rows, TokenRows)  # a right-padded batch: its whole rows attend, each row selects alone
         lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device,
-                                         shapes.n_q <= DECODE_MAX_QUERIES and not padded)
+                                         shapes.n_q <= DECODE_MAX_QUERIES and not padded, isinstance(rows, CacheRows))
         if padded and select is not None:
             select = self._served(self._selection_role(shapes, rows), seq_bucket(shapes.n_k), q.dtype, q.device)
         if block_idx is not None and index is not None:

@@ -20,7 +20,7 @@ from ..device import device_arch
 from ..errors import KernelgenValueError
 from ..inputs import LOG2E, empty, next_pow2, softmax_scale
 from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks
-from ..roles import INDEX_HEADS
+from ..roles import DECODE_MAX_QUERIES, INDEX_HEADS
 from ..spec import Spec
 from ..tile_union import TileUnion, TileUnions, union_for, union_tile_q
 from .base import Backend, Problem, RoleImpl, Shapes
@@ -293,6 +293,22 @@ def attn_space(spec: Spec, arch: str):
     # every arch's candidates: attn_infeasible keeps those the arch runs
     return (AttnConfig(block_m=m, num_warps=w, num_stages=s, use_tma=t, kv_per_iter=n)
             for m, w, s, t, n in itertools.product((16, 32, 64, 128, 256), (4, 8), (1, 2, 3, 4), (False, True), (1, 2)))
+
+
+def attn_rows_infeasible(spec: Spec, cfg: AttnConfig, arch: str) -> str | None:
+    """The forward's rules, through pointers only (a descriptor's zero fill stops at the capacity, not at a
+    row's last key)."""
+    if cfg.use_tma:
+        return "use_tma=True: attn_rows loads K and V through pointers (rows end before the cache does)"
+    return attn_infeasible(spec, cfg, arch)
+
+
+def attn_rows_default(spec: Spec, arch: str) -> AttnConfig:
+    return dataclasses.replace(attn_default(spec, arch), use_tma=False)
+
+
+def attn_rows_space(spec: Spec, arch: str):
+    return (cfg for cfg in attn_space(spec, arch) if not cfg.use_tma)
 
 
 # ---- selection: feasibility, defaults, space -------------------------------------------------------
@@ -999,15 +1015,17 @@ def topk_width(top_k: int) -> int:
 
 def launch_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
                   k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
-                  leftpad: torch.Tensor | None = None, row_queries: bool = False) -> torch.Tensor:
+                  leftpad: torch.Tensor | None = None, row_queries: bool = False,
+                  block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1), chosen on the device; `k_rep`:
     k's representatives kept from `launch_key_reps` (None: pooled here); `seqlens`, `leftpad` (int32 [B]): batch
-    row b holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its blocks counted from its first;
-    `row_queries`: its queries are its own tokens too (a right-padded prefill: q's first seqlens[b] rows)."""
+    row b holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its blocks counted from its first, its
+    queries the last of them; `row_queries`: its queries are its own tokens instead (a right-padded prefill: q's
+    first seqlens[b] rows); `block_table`: k is paged."""
     r = spec.groups
     q_rep = _pool(q, spec.q_tile, r, shapes.n_q_tiles, mod, seqlens if row_queries else None)
     if k_rep is None:
-        k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens, leftpad)
+        k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens, leftpad, block_table)
     return select_from_reps(mod, spec, cfg, shapes, q_rep, k_rep, seqlens, leftpad, row_queries)
 
 
@@ -1079,9 +1097,11 @@ def launch_decode_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: 
                          block_table: torch.Tensor | None = None) -> torch.Tensor:
     """`launch_select`'s lists for a call of a few queries (the `decode_select` role's), q pooled and the splits
     merged in the selection's own launch (`decode_select_topk`); a right-padded batch (`row_queries`) pools
-    each row's queries over its own tokens first, as `launch_select` does; `block_table`: k is paged."""
-    if row_queries:
-        return launch_select(mod, spec, cfg, shapes, q, k, k_rep, seqlens=seqlens, leftpad=leftpad, row_queries=True)
+    each row's queries over its own tokens first, as `launch_select` does; `block_table`: k is paged. A call of
+    more queries (a prefill over a cache of per-row lengths) runs `launch_select`, whose programs take Q tiles."""
+    if row_queries or shapes.n_q > DECODE_MAX_QUERIES:
+        return launch_select(mod, spec, cfg, shapes, q, k, k_rep, seqlens=seqlens, leftpad=leftpad,
+                             row_queries=row_queries, block_table=block_table)
     r = spec.groups
     if k_rep is None:
         k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens, leftpad, block_table)
@@ -1136,11 +1156,12 @@ def _merge_topk(mod, spec: Spec, cand: torch.Tensor, block_idx: torch.Tensor, sp
 
 def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: torch.Tensor, k: torch.Tensor,
                      k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
-                     leftpad: torch.Tensor | None = None, row_queries: bool = False):
+                     leftpad: torch.Tensor | None = None, row_queries: bool = False,
+                     block_table: torch.Tensor | None = None):
     """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1), chosen on the device; `k_rep`,
-    `seqlens`, `leftpad`, `row_queries`: as `launch_select`'s (a right-padded batch's queries past its row's
-    tokens get no list written: the caller empties them)."""
-    block_idx, cand, k_rep = _kv_select_buffers(mod, spec, cfg, shapes, q, k, k_rep, seqlens, leftpad)
+    `seqlens`, `leftpad`, `row_queries`, `block_table`: as `launch_select`'s (a right-padded batch's queries
+    past its row's tokens get no list written: the caller empties them)."""
+    block_idx, cand, k_rep = _kv_select_buffers(mod, spec, cfg, shapes, q, k, k_rep, seqlens, leftpad, block_table)
     kernel, lengths = (mod.kv_select_topk, ()) if seqlens is None else (mod.kv_select_topk_varlen,
                                                                         _row_keys(seqlens, leftpad))
     args, options = _kv_select_args(spec, cfg, shapes, q, block_idx)
@@ -1156,7 +1177,11 @@ def launch_kv_decode_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes
                             k_rep: torch.Tensor | None = None, *, seqlens: torch.Tensor | None = None,
                             leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None):
     """`launch_kv_select`'s lists for a call of a few queries (the `kv_decode_select` role's), the splits merged
-    in the selection's own launch (`kv_decode_select_topk`); `block_table`: k is paged."""
+    in the selection's own launch (`kv_decode_select_topk`); `block_table`: k is paged. A call of more queries
+    (a prefill over a cache of per-row lengths) runs `launch_kv_select`."""
+    if shapes.n_q > DECODE_MAX_QUERIES:
+        return launch_kv_select(mod, spec, cfg, shapes, q, k, k_rep, seqlens=seqlens, leftpad=leftpad,
+                                block_table=block_table)
     block_idx, cand, k_rep = _kv_select_buffers(mod, spec, cfg, shapes, q, k, k_rep, seqlens, leftpad, block_table)
     groups, n_bh = triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv
     arrived = block_idx if cfg.splits == 1 else arrival_counts(groups * n_bh, q.device)
@@ -1475,6 +1500,25 @@ def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block
     return o, lse
 
 
+def launch_attn_rows(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale,
+                     seqlens: torch.Tensor, leftpad: torch.Tensor | None = None):
+    """`launch_attn`'s (o, lse) of a prefill over a KV cache of per-row lengths: batch row b holds k's keys
+    [leftpad[b], seqlens[b]) (int32 [B]; leftpad None: from 0), its Nq queries the last positions of those, its
+    lists over its own blocks (`attn_rows_fwd`: the forward's kernel per row, through pointers)."""
+    scale = softmax_scale(scale, spec)
+    o = empty(*q.shape, device=q.device, dtype=q.dtype)
+    lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
+    splits = spec.gqa_group * spec.q_tile // cfg.block_m
+    mod.attn_rows_fwd[(shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)](
+        q, k, v, o, lse, block_idx, *_row_keys(seqlens, leftpad),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.heads_kv, scale * LOG2E,
+        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, KV_PER_ITER=cfg.kv_per_iter,
+        CAUSAL=spec.causal, HAS_LEFTPAD=leftpad is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return o, lse
+
+
 def launch_bwd_delta(mod, spec: Spec, config, shapes: Shapes, o, do):
     """delta = rowsum(dO * O), float32 [B, Hq, Nq]."""
     delta = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=o.device, dtype=torch.float32)
@@ -1582,6 +1626,9 @@ class TritonBackend(Backend):
                                  space=index_select_space, infeasible=index_select_infeasible),
         "attn": RoleImpl(launch=launch_attn, template="triton/attn.py.j2", config_type=AttnConfig,
                          default=attn_default, space=attn_space, infeasible=attn_infeasible),
+        "attn_rows": RoleImpl(launch=launch_attn_rows, template="triton/attn_rows.py.j2", config_type=AttnConfig,
+                              default=attn_rows_default, space=attn_rows_space, infeasible=attn_rows_infeasible,
+                              varlen=True),
         "bwd_delta": RoleImpl(launch=launch_bwd_delta, template="triton/bwd_delta.py.j2"),
         "bwd_dq": RoleImpl(launch=launch_bwd_dq, template="triton/bwd_dq.py.j2", config_type=BwdDqConfig,
                            default=bwd_dq_default, space=bwd_dq_space, infeasible=bwd_dq_infeasible),
