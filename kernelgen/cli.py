@@ -498,6 +498,11 @@ def bench(
                                                         "row, SDPA with the padding mask and dense SDPA cuDNN, "
                                                         "forward and "
                                                         "forward+backward (shapes pad_b8_8k, pad_b8_16k; GPU only)."),
+    chunked: bool = typer.Option(False, "--chunked", help="A prefill chunk over a KV cache of per-row lengths (B8, "
+                                                          "rows of N down to N/2) in one call (cache_seqlens=) "
+                                                          "against a call per row, FlexAttention (same lists and "
+                                                          "lengths) and SDPA with the rows' mask (shapes "
+                                                          "chunk512_32k, chunk2048_32k; GPU only)."),
     context_parallel: bool = typer.Option(False, "--context-parallel", help="A 2-rank context-parallel run's "
                                           "per-rank kernels (dense ring and sparse fetch), forward and backward, "
                                           "timed on one GPU against one GPU's, the bytes each path moves, and the "
@@ -512,17 +517,18 @@ def bench(
 
         from .bench.context_parallel import run_context_parallel
 
-        if backward or untuned or kv_centric or decode or padded or shapes:
+        if backward or untuned or kv_centric or decode or padded or chunked or shapes:
             _fail("--context-parallel is a bench of its own (one shape): give it alone")
         if not torch.cuda.is_available():
             _fail("bench --context-parallel needs a CUDA GPU: it times kernels")
         _check_out_dir(out)
         run_context_parallel(out_dir=str(out))
         return
-    if backward or untuned or kv_centric or decode or padded:  # GPU-only benches of their own
+    if backward or untuned or kv_centric or decode or padded or chunked:  # GPU-only benches of their own
         import torch
 
         from .bench.backward import run_backward
+        from .bench.chunked import CHUNKED_SHAPES, run_chunked
         from .bench.decode import run_decode
         from .bench.kv_centric import run_kv_centric
         from .bench.padded import PADDED_SHAPES, run_padded
@@ -532,7 +538,8 @@ def bench(
         chosen = [(flag, run, known) for flag, on, run, known in (
             ("--backward", backward, run_backward, SHAPES), ("--untuned", untuned, run_untuned, SHAPES),
             ("--kv-centric", kv_centric, run_kv_centric, KV_CENTRIC_SHAPES),
-            ("--decode", decode, run_decode, DECODE_SHAPES), ("--padded", padded, run_padded, PADDED_SHAPES)) if on]
+            ("--decode", decode, run_decode, DECODE_SHAPES), ("--padded", padded, run_padded, PADDED_SHAPES),
+            ("--chunked", chunked, run_chunked, CHUNKED_SHAPES)) if on]
         if len(chosen) > 1:
             _fail(f"{' and '.join(flag for flag, _, _ in chosen)} are separate benches: give one")
         flag, run, known = chosen[0]

@@ -73,15 +73,18 @@ class ExportError(KernelgenError, RuntimeError):
 def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector; with the
     `mean` and `multi:r` selectors `key_reps` too, and `decode_select` for a Q-centric decode call),
-    `attn`, `decode` (a call of a few queries), and its backward's, under the schedule's role names
-    (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the gathered design only: their
-    kv_attn config is pinned, and a pinned kv_attn keeps prepared lists off the union design."""
+    `attn`, `decode` (a call of a few queries), `attn_rows` (a Q-centric prefill over a cache of per-row
+    lengths), and its backward's, under the schedule's role names (`roles.forward_roles`,
+    `roles.backward_roles`). Per-query specs run the gathered design only: their kv_attn config is pinned, and a
+    pinned kv_attn keeps prepared lists off the union design."""
     lists, selection, attn = forward_roles(spec)
     backward = backward_roles(spec)
     kept = ("key_reps",) if selection in ("select", "kv_select") else ()  # the pooling selectors' kept reps
     _, decode_selection, decode = forward_roles(spec, 1)
     decoding = (decode_selection,) if decode_selection not in (None, selection) else ()
-    return (lists, *((selection,) if selection else ()), *kept, attn, *decoding, decode) + backward
+    prefill_rows = forward_roles(spec, cache_rows=True)[2]
+    rows = (prefill_rows,) if prefill_rows != decode else ()
+    return (lists, *((selection,) if selection else ()), *kept, attn, *decoding, decode, *rows) + backward
 
 
 def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str | None = None,

@@ -23,7 +23,7 @@ __all__ = ["to_block_mask", "from_block_mask", "block_membership", "block_mask_b
 
 
 def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | None = None,
-                  exact_mask_mod: bool = True):
+                  exact_mask_mod: bool = True, cache_seqlens: torch.Tensor | None = None):
     """A FlexAttention `BlockMask` that attends exactly as kernelgen does over `lists`.
 
     lists      int32 or int64 `[B, Hkv, n_q_tiles, top_k]` (per-query lists of `schedule="kv_centric"`:
@@ -45,6 +45,12 @@ def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | N
                blocks of lists that are one per Q block, and one table look-up cheaper per element; a Q block
                spanning several lists (per-query lists with q_block > 1) needs the exact mask_mod and refuses
                False.
+
+    cache_seqlens  int32 `[B]` on the lists' device: seq_k is a KV cache's capacity whose row b holds its first
+               cache_seqlens[b] keys, its queries the last seq_q positions of those (a decode call's or a prefill's
+               over a cache of per-row lengths, docs/SEMANTICS.md): the row's causal diagonal and key edge are its
+               own, and listed blocks past its keys are dropped (empty slots). The mask_mod reads the lengths on
+               the device.
 
     Blocks every query of a Q block sees whole (both blocks inside seq_q and seq_k, below the causal diagonal of
     the Q block's first query, held by every list the Q block spans) go to `full_kv_*`: the fused kernel visits
@@ -73,18 +79,24 @@ def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | N
         grouped = (n_q_blocks, span, n_blocks)
         union = torch.nn.functional.pad(member, (0, 0, 0, pad), value=False).view(b, hkv, *grouped).any(3)
         held_by_all = torch.nn.functional.pad(member, (0, 0, 0, pad), value=True).view(b, hkv, *grouped).all(3)
+    # each row's keys: [B, 1, 1] (one length for every row without cache_seqlens)
+    row_keys = (torch.full((1,), seq_k, device=idx.device) if cache_seqlens is None
+                else _row_lengths(cache_seqlens, b, seq_k, idx.device))[:, None, None]
     # as create_block_mask has it, a block crossing seq_q or seq_k is partial: its padding is masked
     block_end = (torch.arange(n_blocks, device=idx.device) + 1) * spec.kv_block
     q_block_end = (torch.arange(n_q_blocks, device=idx.device) + 1) * q_block
-    whole = (block_end <= seq_k) & (q_block_end <= seq_q)[:, None]
+    whole = (block_end <= row_keys) & (q_block_end <= seq_q)[:, None]  # [B or 1, n_q_blocks, n_blocks]
     if spec.causal:  # the block's last key is visible to the Q block's first query
         first_query = torch.arange(n_q_blocks, device=idx.device)[:, None] * q_block
-        whole = whole & (block_end - 1 <= first_query + (seq_k - seq_q))
-    full = held_by_all & whole
+        whole = whole & (block_end - 1 <= first_query + (row_keys - seq_q))
+    union = union & (block_end - spec.kv_block < row_keys)[:, None]  # blocks past a row's keys: empty slots
+    full = held_by_all & whole[:, None]
     kv_num, kv_ids = _kv_blocks(union & ~full)
     full_num, full_ids = _kv_blocks(full)
     g = spec.gqa_group
-    mask_mod = _lists_mask_mod(member, spec, seq_q, seq_k) if exact_mask_mod else _causal_mask_mod(spec, seq_q, seq_k)
+    lengths = None if cache_seqlens is None else row_keys.view(-1)
+    mask_mod = (_lists_mask_mod(member, spec, seq_q, seq_k, lengths) if exact_mask_mod
+                else _causal_mask_mod(spec, seq_q, seq_k, lengths))
     return BlockMask.from_kv_blocks(*(x.repeat_interleave(g, 1) for x in (kv_num, kv_ids, full_num, full_ids)),
                                     BLOCK_SIZE=(q_block, spec.kv_block), mask_mod=mask_mod,
                                     seq_lengths=(seq_q, seq_k))
@@ -202,33 +214,59 @@ def _kv_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count.contiguous(), ids.contiguous()
 
 
-def _lists_mask_mod(member: torch.Tensor, spec: Spec, seq_q: int, seq_k: int):
-    """mask_mod: the key's block is in the query's list, the key is inside seq_k, and causal allows."""
+def _row_lengths(cache_seqlens, batch: int, seq_k: int, device) -> torch.Tensor:
+    """A cache's per-row key counts, checked as a call checks them, clamped to [0, seq_k]."""
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32:
+        raise KernelgenTypeError(f"cache_seqlens must be an int32 torch.Tensor [B], got "
+                                 f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)}")
+    if cache_seqlens.dim() != 1 or (batch > 1 and cache_seqlens.shape[0] not in (batch, 1)) \
+            or cache_seqlens.device != device:
+        raise KernelgenValueError(f"cache_seqlens must have shape [B] (the lists' batch, {batch}) on the lists' "
+                                  f"device {device}, got {tuple(cache_seqlens.shape)} on {cache_seqlens.device}")
+    return cache_seqlens.clamp(0, seq_k)
+
+
+def _lists_mask_mod(member: torch.Tensor, spec: Spec, seq_q: int, seq_k: int, lengths: torch.Tensor | None = None):
+    """mask_mod: the key's block is in the query's list, the key is inside seq_k (its row's keys: `lengths`),
+    and causal allows."""
     batch, heads_kv, n_lists, n_blocks = member.shape
-    g, per_list, kv_block, offset, causal = spec.gqa_group, spec.list_queries, spec.kv_block, seq_k - seq_q, spec.causal
+    g, per_list, kv_block, causal = spec.gqa_group, spec.list_queries, spec.kv_block, spec.causal
+    keys = _keys_of_row(seq_k, lengths)
 
     def in_lists(b, h, q_idx, kv_idx):
         # a size-1 batch or head dim of the lists broadcasts; indices are clamped because the fused kernel may
         # call the mask_mod on padding rows and columns past seq_q and seq_k
         keep = member[b if batch > 1 else 0, h // g if heads_kv > 1 else 0, (q_idx // per_list).clamp(max=n_lists - 1),
                       (kv_idx // kv_block).clamp(max=n_blocks - 1)]
-        keep = keep & (kv_idx < seq_k)
-        return keep & (kv_idx <= q_idx + offset) if causal else keep
+        n = keys(b)
+        keep = keep & (kv_idx < n)
+        return keep & (kv_idx <= q_idx + n - seq_q) if causal else keep
 
     return in_lists
 
 
-def _causal_mask_mod(spec: Spec, seq_q: int, seq_k: int):
-    """mask_mod: causal (bottom-right aligned) or, without causal, the key inside seq_k."""
-    offset = seq_k - seq_q
+def _causal_mask_mod(spec: Spec, seq_q: int, seq_k: int, lengths: torch.Tensor | None = None):
+    """mask_mod: causal (bottom-right aligned) or, without causal, the key inside seq_k (its row's keys:
+    `lengths`, each row's diagonal its own)."""
+    keys = _keys_of_row(seq_k, lengths)
 
     def causal_mask(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + offset
+        n = keys(b)
+        return (kv_idx <= q_idx + n - seq_q) & (kv_idx < n) if lengths is not None else kv_idx <= q_idx + n - seq_q
 
     def in_range(b, h, q_idx, kv_idx):
-        return kv_idx < seq_k
+        return kv_idx < keys(b)
 
     return causal_mask if spec.causal else in_range
+
+
+def _keys_of_row(seq_k: int, lengths: torch.Tensor | None):
+    """b -> the keys row b holds: seq_k, or its length (a size-1 `lengths` broadcasts)."""
+    if lengths is None:
+        return lambda b: seq_k
+    if lengths.numel() == 1:
+        return lambda b: lengths[0]
+    return lambda b: lengths[b]
 
 
 def _check_spec(spec) -> None:

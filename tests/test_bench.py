@@ -282,7 +282,8 @@ def test_dense_anchor_attends_over_repeated_k_and_v_that_are_leaves():
     ("--kv-centric", ((["--shapes", "kv_nope"], "kv_nope"), (["--backward"], "give one"))),
     ("--decode", ((["--shapes", "dec_nope"], "dec_nope"), (["--kv-centric"], "give one"),
                   (["--context-parallel"], "give it alone"))),
-    ("--padded", ((["--shapes", "pad_nope"], "pad_nope"), (["--decode"], "give one")))])
+    ("--padded", ((["--shapes", "pad_nope"], "pad_nope"), (["--decode"], "give one"))),
+    ("--chunked", ((["--shapes", "chunk_nope"], "chunk_nope"), (["--padded"], "give one")))])
 def test_gpu_only_benches_answer_in_one_line_on_a_cpu(flag, cases, tmp_path):
     """On a CPU each GPU-only bench is one line on stderr and exit status 2, as are its unknown shapes and a
     second bench flag; nothing is written."""
@@ -359,3 +360,20 @@ def test_decode_bench_rows_on_the_gpu(monkeypatch, tmp_path):
     assert ours["kv_MB"] * 1e6 == pytest.approx(ours["GBps"] * 1e6 * ours["graph_ms"], rel=1e-2)
     # 4 of 64 blocks a KV head, every list full (kv_MB is rounded to 10 kB)
     assert ours["kv_MB"] == pytest.approx(impls["sdpa flash (dense)"]["kv_MB"] * 4 / 64, abs=0.01)
+
+
+@pytest.mark.gpu
+def test_chunked_bench_rows_on_the_gpu(monkeypatch, tmp_path):
+    """`bench --chunked` at a small shape: every row is written, the one call equals the calls per row bit for bit,
+    and FlexAttention over the same lists and lengths agrees with it."""
+    import json
+
+    from kernelgen.bench import chunked
+
+    monkeypatch.setitem(chunked.CHUNKED_SHAPES, "chunk_small", (256, 4096))
+    chunked.run_chunked(["chunk_small"], tmp_path, log=lambda line: None)
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "chunked.json").read_text())}
+    assert len(rows) == 8, sorted(rows)
+    assert rows["kernelgen given lists, one call (cache_seqlens)"]["max_abs_vs_rows"] == 0
+    assert rows["flex (same lists, rows' lengths)"]["max_abs_vs_kernelgen"] < 0.05
+    assert rows["kernelgen given lists, one call (cache_seqlens)"]["graph_ms"] > 0

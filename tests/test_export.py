@@ -206,7 +206,7 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
     path = export_module(GIVEN, tmp_path / "kg_given.py")
     cases["given"] = dict(path=str(path), spec=GIVEN.to_dict(), q=q, k=k, v=v,
                           idx=_given_lists(GIVEN, 1, 2, 100, 140, 3), configs=_configs_dict(GIVEN, {}))
-    assert set(cases["given"]["configs"]) == {"lists", "attn", "decode", *BACKWARD_ROLES}  # no selector, no select config
+    assert set(cases["given"]["configs"]) == {"lists", "attn", "decode", "attn_rows", *BACKWARD_ROLES}  # no select config
     torch.save(cases, tmp_path / "inputs.pt")
     exported = _run_child(tmp_path, CHILD, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt"))
     # without KERNELGEN_CACHE_DIR the rendered kernels went to <temp dir>/kernelgen-export-<uid>/kernels
@@ -268,15 +268,17 @@ def test_header_sources_and_imports(tmp_path):
             assert source == file.read_text(), key
     assert "export" not in sources and "codegen.render" in sources and "import jinja2" not in sources["codegen.render"]
     # every kernel a call builds, verbatim: lists (kernel spec: selector given, no forced blocks), select, the kept
-    # key reps', attn, decode_select and decode (a call of a few queries) and the backward's
+    # key reps', attn, decode_select and decode (a call of a few queries), attn_rows (a prefill over a cache of
+    # per-row lengths) and the backward's
     for role, cfg in (("lists", None), ("select", _default_config(MEAN, "select")), ("key_reps", None),
                       ("attn", MEAN_CONFIGS["attn"]),
-                      *((role, _default_config(MEAN, role)) for role in ("decode_select", "decode", *BACKWARD_ROLES))):
+                      *((role, _default_config(MEAN, role))
+                        for role in ("decode_select", "decode", "attn_rows", *BACKWARD_ROLES))):
         kernel_spec = get_role(role).kernel_spec(MEAN, "triton")
         template = str(backends.get("triton").role(role).template)
         source = rendered[(template, kernel_spec.to_json(), None if cfg is None else cfg.to_json(), ())]
         assert source == render(template, kernel_spec, cfg)
-    assert len(rendered) == 6 + len(BACKWARD_ROLES)
+    assert len(rendered) == 7 + len(BACKWARD_ROLES)
 
     # nothing beyond the standard library, torch and triton at module level, and relative imports only of
     # embedded modules: in the file's own code, in each embedded module and in each rendered kernel

@@ -64,6 +64,35 @@ def test_flex_on_the_block_mask_equals_kernelgen_on_the_lists(causal, g, n_q, n_
     assert wide.BLOCK_SIZE == (32, 16) and torch.equal(flex_token_mask(wide), pairs)
 
 
+@pytest.mark.parametrize("causal, schedule", [(True, "q_centric"), (False, "q_centric"), (True, "kv_centric")])
+def test_a_block_mask_over_a_cache_of_per_row_lengths(causal, schedule):
+    """cache_seqlens=: each row's keys, causal diagonal and empty slots are its own, so FlexAttention on the
+    mask equals kernelgen's call over the cache's rows (a prefill chunk of 24 queries after rows of 70, 37, 0 and
+    20 keys in a capacity of 80)."""
+    tile = {} if schedule == "kv_centric" else {"q_tile": 16}
+    spec = Spec(head_dim=64, kv_block=16, top_k=3, causal=causal, gqa_group=2, sink=1, schedule=schedule, **tile)
+    q, k, v = _inputs(4, 4, 2, 24, 80, seed=3)
+    lens = torch.tensor([70, 37, 0, 20], dtype=torch.int32)
+    lists = kernelgen.get_kernel(spec).select(q, k, cache_seqlens=lens)
+    lists[1, 0, 0, 0] = 4  # a block past row 1's 37 keys: an empty slot there
+    given = spec.replace(selector="given")
+    want, _, _ = reference.sparse_attention(q, k, v, given, lists, cache_seqlens=lens)
+    pairs = torch.zeros(4, 2, 24, 80, dtype=torch.bool)
+    for b, n in enumerate(lens.tolist()):
+        if n:
+            pairs[b, :, :, :n] = reference.token_mask(lists[b:b + 1], spec, 24, n)[0]
+    for exact in (True, False):
+        block_mask = to_block_mask(lists, spec, 24, 80, cache_seqlens=lens, exact_mask_mod=exact,
+                                   **({"q_block": 1} if schedule == "kv_centric" and not exact else {}))
+        assert torch.equal(flex_token_mask(block_mask), pairs.repeat_interleave(2, 1)), exact
+    got = _flex(q, k, v, to_block_mask(lists, spec, 24, 80, cache_seqlens=lens), spec)
+    torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=1e-4)  # rows that see no key: 0 in both
+    with pytest.raises(kernelgen.KernelgenTypeError, match="cache_seqlens must be an int32"):
+        to_block_mask(lists, spec, 24, 80, cache_seqlens=lens.long())
+    with pytest.raises(kernelgen.KernelgenValueError, match="cache_seqlens must have shape"):
+        to_block_mask(lists, spec, 24, 80, cache_seqlens=lens[:3])
+
+
 @pytest.mark.parametrize("causal,g,n_q,n_k", CASES)
 def test_lists_to_block_mask_to_lists(causal, g, n_q, n_k):
     spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=4, causal=causal, gqa_group=g)

@@ -211,6 +211,30 @@ def test_a_left_padded_batch_generates_each_row_as_if_alone(models, roles, cache
             assert_close(logits[:, b], alone[:, 0], tol=1e-5)
 
 
+def test_a_left_padded_prompts_next_chunk_is_one_call_over_the_cache_rows(models, roles):
+    """A left-padded batch's prompt in two chunks: the second (30 queries after 30 cached positions) is one
+    `attn_rows` call a layer over the cache's rows (`cache_seqlens`, `cache_leftpad`), and each row's logits are
+    those of its own prompt chunked at the same token."""
+    ours, _ = models
+    set_options(ours, top_k=2)
+    prompts = [tokens(1, n, seed=40 + i) for i, n in enumerate((60, 44, 38))]
+    ids, mask = left_padded(prompts)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    split = 30
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        cache = transformers.DynamicCache(config=ours.config)
+        ours(ids[:, :split], attention_mask=mask[:, :split], position_ids=positions[:, :split], cache=cache)
+        roles.clear()
+        got = ours(ids[:, split:], attention_mask=mask, position_ids=positions[:, split:], cache=cache).logits
+        assert roles["attn_rows"] == 2 and roles["attn"] == 0
+        for b, prompt in enumerate(prompts):
+            first = split - (ids.shape[1] - prompt.shape[1])  # the row's tokens in the first chunk
+            alone = transformers.DynamicCache(config=ours.config)
+            ours(prompt[:, :first], cache=alone)
+            assert_close(got[b], ours(prompt[:, first:], cache=alone).logits[0], tol=1e-5)
+
+
 def test_a_padded_prompt_within_top_k_blocks_runs_sdpa_once(models, roles):
     """Rows whose keys fit in top_k blocks attend densely (every block listed): the padded batch runs one SDPA call
     a layer, the same attention as a call per row, with no warning and no kernelgen launch."""

@@ -1,0 +1,112 @@
+"""`kernelgen bench --chunked`: a prefill chunk over a KV cache of per-row lengths (a serving engine's chunked
+prefill, a static cache's next prompt), kernelgen's one call against the ways to run it without one.
+
+For each shape, in one process on one GPU (bf16; B8 Hq32 Hkv8 D128, causal, 128-key blocks and Q tiles, top-16,
+one sink and two local blocks; a cache of capacity N whose rows hold N down to about N/2 keys,
+`roles.cache_rows_lengths`, the chunk's queries the last of each row's keys):
+- kernelgen over the `mean` selector's lists, given: one call with `cache_seqlens=` (the `attn_rows` role), and a
+  call per row over its own keys (what such a batch costs without it);
+- the whole `mean` pipeline (selection and attention), one call and a call per row; per-query lists (the
+  KV-centric schedule) one call (the `decode` role) and a call per row;
+- FlexAttention (torch.compile'd) over a BlockMask of the same lists with the rows' lengths
+  (`to_block_mask(..., cache_seqlens=)`);
+- SDPA with the rows' mask (causal from each row's own diagonal AND its keys: SDPA's memory-efficient kernel)
+  over the whole capacity.
+Forward only (a call over per-row lengths has no backward), do_bench medians; graph_ms: the same call replayed
+from a CUDA graph (one-call rows). Useful TFLOP/s count 4 * D * the visible pairs inside each row's listed
+blocks. The one call's output is compared with the calls per row (`max_abs_vs_rows`: 0 when they agree bit for
+bit) and FlexAttention's with the one call's (`max_abs_vs_kernelgen`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import get_kernel
+from ..errors import KernelgenRuntimeError
+from ..interop import to_block_mask
+from ..roles import cache_rows_lengths
+from ..spec import DEFAULT_Q_TILE, Spec
+from ..workloads import useful_flops
+from .anchors import flex_kernel_options
+from .measure import _bench_graph, _dump_rows, row_attempts
+
+__all__ = ["run_chunked", "CHUNKED_SHAPES"]
+
+CHUNKED_SHAPES = {"chunk512_32k": (512, 32768), "chunk2048_32k": (2048, 32768)}  # (queries a row, capacity)
+BATCH, HEADS_KV, GROUP, HEAD_DIM = 8, 8, 4, 128
+SPEC = Spec(head_dim=HEAD_DIM, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=GROUP, sink=1, local=2)
+
+
+def run_chunked(shape_names=None, out_dir=None, log=print) -> list[dict]:
+    """Rows: shape, impl, fwd_ms, graph_ms, tflops (and the comparisons above); with `out_dir`, also chunked.json
+    there."""
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not torch.cuda.is_available():
+        raise KernelgenRuntimeError("bench --chunked needs a CUDA GPU: it times kernels")
+    rows: list[dict] = []
+    attempt = row_attempts(log)
+    selecting, given = get_kernel(SPEC), get_kernel(SPEC.replace(selector="given"))
+    per_query = get_kernel(SPEC.replace(schedule="kv_centric", q_tile=DEFAULT_Q_TILE))
+    flex = torch.compile(flex_attention, dynamic=False)
+    for name in shape_names or CHUNKED_SHAPES:
+        n_q, n = CHUNKED_SHAPES[name]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(BATCH, h, m, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for h, m in ((HEADS_KV * GROUP, n_q), (HEADS_KV, n), (HEADS_KV, n)))
+        lens = cache_rows_lengths(BATCH, n, "cuda")
+        lengths = lens.tolist()
+        with torch.no_grad():
+            lists = selecting.select(q, k, cache_seqlens=lens)
+        flops = sum(useful_flops(lists[b:b + 1], SPEC, n_q, m) for b, m in enumerate(lengths))
+        rows_k = [(k[b:b + 1, :, :m], v[b:b + 1, :, :m]) for b, m in enumerate(lengths)]
+        positions = torch.arange(n, device="cuda")
+        query_at = lens[:, None] - n_q + torch.arange(n_q, device="cuda")[None, :]  # [B, Nq]: each query's key position
+        mask = (positions[None, None, :] <= query_at[:, :, None]) & (positions[None, None, :] < lens[:, None, None])
+        kd, vd = (x.repeat_interleave(GROUP, 1) for x in (k, v))
+        block_mask = to_block_mask(lists, SPEC, n_q, n, cache_seqlens=lens, exact_mask_mod=False)
+
+        def one_call(kernel, **extra):
+            return lambda: kernel(q, k, v, cache_seqlens=lens, **extra)
+
+        def per_row(kernel, with_lists=False):
+            return lambda: torch.cat([kernel(q[b:b + 1], *row, **({"block_idx": lists[b:b + 1]} if with_lists else {}))
+                                      for b, row in enumerate(rows_k)])
+
+        def flex_call():
+            return flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=flex_kernel_options(SPEC))
+
+        def sdpa_masked():
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, attn_mask=mask[:, None])
+
+        with torch.no_grad():
+            ours = one_call(given, block_idx=lists)()
+            compare = {"max_abs_vs_rows": (ours - per_row(given, True)()).abs().max().item()}
+        impls = [("kernelgen given lists, one call (cache_seqlens)", one_call(given, block_idx=lists), flops, True,
+                  compare),
+                 ("kernelgen given lists, a call per row", per_row(given, True), flops, False, {}),
+                 ("kernelgen mean (select+attend), one call", one_call(selecting), flops, True, {}),
+                 ("kernelgen mean (select+attend), a call per row", per_row(selecting), flops, False, {}),
+                 ("kernelgen mean per-query (select+attend), one call", one_call(per_query), None, True, {}),
+                 ("kernelgen mean per-query (select+attend), a call per row", per_row(per_query), None, False, {}),
+                 ("flex (same lists, rows' lengths)", flex_call, flops, True, {}),
+                 ("sdpa efficient (rows' mask, dense)", sdpa_masked, None, False, {})]
+        for impl, fn, useful, graphed, extra in impls:
+            def timed(impl=impl, fn=fn, useful=useful, graphed=graphed, extra=extra):
+                with torch.no_grad():
+                    if impl.startswith("flex"):
+                        extra = {"max_abs_vs_kernelgen": (fn() - ours).abs().max().item()}
+                    ms = triton.testing.do_bench(fn, return_mode="median")
+                    graph_ms = _bench_graph(fn, log=log) if graphed else None
+                tflops = None if useful is None else round(useful / ms / 1e9, 1)
+                rows.append(dict(shape=name, impl=impl, n_q=n_q, n_k=n, lengths=lengths, fwd_ms=round(ms, 4),
+                                 graph_ms=None if graph_ms is None else round(graph_ms, 4), tflops=tflops, **extra))
+                log(f"{name:14s} {impl:58s} fwd {ms:8.3f} ms  graph {graph_ms or float('nan'):8.3f} ms  "
+                    f"{tflops or '':>6} TFLOP/s " + " ".join(f"{key}={value:.3g}" for key, value in extra.items()))
+                _dump_rows(rows, out_dir, "chunked.json")
+
+            attempt(name, impl, timed)
+    return rows
