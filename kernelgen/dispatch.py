@@ -542,9 +542,9 @@ class SparseAttention:
             union = used.union if prepared else build_tile_union(normalised, served.config.tile_q, shapes.n_kv_blocks)
             built = None if prepared else union
             o, lse = self._launch(served, q, shapes, q, k, v, normalised, union, scale)
-        elif attn.role == "kv_attn":
+        elif attn.role in ("kv_attn", "kv_attn_rows"):
             reverse = used.reverse_index() if prepared else None
-            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale)
+            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale, **self._varlen(attn, rows))
         else:
             # a padded batch's attention runs over whole rows: causal, a row's tokens see none of its padding
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale,

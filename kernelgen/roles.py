@@ -408,7 +408,7 @@ def decode_select_workload(spec: Spec, shape: WorkloadShape, device, dtype, chec
 
 
 # A prefill over a KV cache of per-row lengths (a chunk of more than DECODE_MAX_QUERIES queries at the end of each
-# row's keys): the Q-centric forward's kernel run per row (`attn_rows`); per-query lists attend with `decode`
+# row's keys): the schedule's forward kernel run per row (`attn_rows`, `kv_attn_rows`)
 PREFILL_CHUNK = 2048  # the queries a tuned prefill over such a cache appends to each row
 
 
@@ -418,9 +418,10 @@ def cache_rows_lengths(batch: int, n_k: int, device) -> torch.Tensor:
     return torch.tensor([n_k - b * n_k // (2 * batch) for b in range(batch)], dtype=torch.int32, device=device)
 
 
-def attn_rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+def rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
     """A chunk of at most PREFILL_CHUNK queries at the end of each row of a cache of n_k keys whose rows hold
-    `cache_rows_lengths`, over the lists the reference selector picks for each row alone (`_lists`' selector)."""
+    `cache_rows_lengths`, over the lists the reference selector picks for each row alone (`_lists`' selector;
+    per-query lists for a per-query spec, attended with no prepared reverse index)."""
     chunk = shape._replace(n_q=min(shape.n_q, PREFILL_CHUNK))
     q, k, v = _inputs(spec, chunk, device, dtype)
     lens = cache_rows_lengths(shape.batch, shape.n_k, device)
@@ -428,7 +429,7 @@ def attn_rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: b
     rows = [(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n]) for b, n in enumerate(lens.tolist())]
     lists = torch.cat([reference.select_blocks(qb, kb, chooser) for qb, kb, _ in rows]).to(torch.int32)
     flops = sum(useful_flops(lists[b:b + 1], spec, chunk.n_q, kb.shape[2]) for b, (_, kb, _) in enumerate(rows))
-    args = (q, k, v, lists, None, lens)
+    args = (q, k, v, lists, *((None,) if spec.per_query else ()), None, lens)
     if not check:
         return Workload(args, lambda out: None, flops, shape=chunk)
     given = spec.replace(selector="given")
@@ -438,7 +439,10 @@ def attn_rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: b
 
 register_role(Role("attn_rows", "attention of a prefill over a KV cache of per-row lengths (each row's queries the last "
                    "of its own keys): the Q-centric forward's kernel run per row", canonical=_KERNEL_READS_LISTS,
-                   workload=attn_rows_workload))
+                   workload=rows_workload))
+register_role(Role("kv_attn_rows", "attention over per-query lists of a prefill over a KV cache of per-row lengths: "
+                   "kv_attn's partial kernel run per row, then its combine", canonical=_KERNEL_READS_LISTS,
+                   workload=rows_workload))
 register_role(Role("decode_select", "the pooling selectors' lists for a call of a few queries (decoding): the select "
                    "kernel with its blocks split over many programs", workload=decode_select_workload))
 register_role(Role("kv_decode_select", "the pooling selectors' per-query lists for a call of a few queries (decoding): "
@@ -459,7 +463,7 @@ def tuned_roles(spec: Spec) -> tuple[str, ...]:
     lists), decode's and the backward's; a tune of the spec tunes these."""
     _, selection, attn = forward_roles(spec)
     decode_selection = forward_roles(spec, 1)[1]
-    names = [selection, attn, *(["kv_attn_union"] if spec.per_query else ["attn_rows"]),
+    names = [selection, attn, *(["kv_attn_union", "kv_attn_rows"] if spec.per_query else ["attn_rows"]),
              *([decode_selection] if decode_selection != selection else []), "decode", *backward_roles(spec),
              *(["kv_bwd_union"] if spec.per_query else [])]
     return tuple(n for n in names if n is not None and ROLES[n].tuned)
@@ -469,11 +473,10 @@ def forward_roles(spec: Spec, n_q: int | None = None, cache_rows: bool = False) 
     """(lists, the selection role or None for given lists, attn): the roles of a forward of `spec`'s
     schedule and selector; a call of n_q <= DECODE_MAX_QUERIES queries attends with `decode`. A call of more
     over a KV cache of per-row lengths (`cache_rows`, a prefill) selects as a decode call does (those roles
-    take per-row lengths) and attends with `attn_rows`, or with `decode` over per-query lists (its programs
-    take a query each, however many the call has)."""
+    take per-row lengths) and attends with `attn_rows` (`kv_attn_rows` over per-query lists)."""
     decode = n_q is not None and n_q <= DECODE_MAX_QUERIES
     if decode or cache_rows:
         selection = {"select": "decode_select", "kv_select": "kv_decode_select"}.get(spec.selection_role,
                                                                                     spec.selection_role)
-        return ("lists", selection, "decode" if decode or spec.per_query else "attn_rows")
+        return ("lists", selection, "decode" if decode else "kv_attn_rows" if spec.per_query else "attn_rows")
     return ("lists", spec.selection_role, "kv_attn" if spec.per_query else "attn")

@@ -25,7 +25,8 @@ def _rows_alone(lengths, pads):
 def test_a_prefill_over_cache_rows_runs_the_row_roles():
     spec = _spec("mean")
     assert forward_roles(spec, N_Q, cache_rows=True) == ("lists", "decode_select", "attn_rows")
-    assert forward_roles(_spec("mean", "kv_centric"), N_Q, cache_rows=True) == ("lists", "kv_decode_select", "decode")
+    per_query = _spec("mean", "kv_centric")
+    assert forward_roles(per_query, N_Q, cache_rows=True) == ("lists", "kv_decode_select", "kv_attn_rows")
     assert forward_roles(spec, DECODE_MAX_QUERIES, cache_rows=True)[2] == "decode"
     assert forward_roles(spec, N_Q)[2] == "attn"
 
@@ -67,25 +68,27 @@ def test_q_centric_rows_are_the_calls_over_their_own_keys(selector, dtype, causa
 
 @pytest.mark.parametrize("selector, dtype", [("mean", torch.float32), ("given", torch.float16)])
 def test_per_query_rows_select_alone_and_match_the_reference(selector, dtype, device):
-    """Per-query lists: each row's lists are the call's over its own keys, bit for bit; o and lse (the decode
-    kernel's split-KV walk, one program per query) match the float64 reference and are batch invariant."""
+    """Per-query lists: each row's lists, o and lse are the call's over its own keys, bit for bit (kv_attn's
+    partials and combine run each row), and match the float64 reference."""
     spec = _spec(selector, "kv_centric")
     attn = get_kernel(spec)
     q, k, v, lens = _cache(N_Q, dtype, device, lengths=LENGTHS)
     pads = torch.tensor(PADS, dtype=torch.int32, device=device)
     block_idx = random_lists(spec, len(LENGTHS), 2, N_Q, 100, seed=5).to(device) if selector == "given" else None
     o, lse = attn(q, k, v, block_idx=block_idx, cache_seqlens=lens, cache_leftpad=pads, return_lse=True)
-    if block_idx is None:
-        lists = attn.select(q, k, cache_seqlens=lens, cache_leftpad=pads)
-        for b, (first, n) in enumerate(_rows_alone(LENGTHS, PADS)):
-            if n > first:
-                assert torch.equal(lists[b:b + 1], attn.select(q[b:b + 1], k[b:b + 1, :, first:n])), b
+    lists = None if block_idx is not None else attn.select(q, k, cache_seqlens=lens, cache_leftpad=pads)
+    for b, (first, n) in enumerate(_rows_alone(LENGTHS, PADS)):
+        if n == first:
+            assert (o[b] == 0).all() and torch.isinf(lse[b]).all()
+            continue
+        row = (q[b:b + 1], k[b:b + 1, :, first:n], v[b:b + 1, :, first:n])
+        o_row, lse_row = attn(*row, block_idx=None if block_idx is None else block_idx[b:b + 1], return_lse=True)
+        assert torch.equal(o[b:b + 1], o_row) and torch.equal(lse[b:b + 1], lse_row), b
+        if lists is not None:
+            assert torch.equal(lists[b:b + 1], attn.select(*row[:2])), b
     ref_spec = spec if block_idx is None else spec.replace(selector="given")
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, ref_spec, block_idx, cache_seqlens=lens, cache_leftpad=pads)
     assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
-    one = attn(q[1:2], k[1:2], v[1:2], block_idx=None if block_idx is None else block_idx[1:2],
-               cache_seqlens=lens[1:2], cache_leftpad=pads[1:2])
-    assert torch.equal(one, o[1:2])
 
 
 def test_kept_reps_select_the_same_lists(device):
@@ -120,7 +123,7 @@ def test_a_prefill_over_cache_rows_is_refused_where_it_cannot_run(device):
                                                        ("kv_centric", "mean", torch.bfloat16)])
 def test_a_long_chunked_prefill_on_gpu(schedule, selector, dtype):
     """A chunk of 1024 queries appended to rows of 32768, 20000, 700 and 0 keys (left padding on one row): the
-    float64 reference, and bit for bit each row's call alone (Q-centric)."""
+    float64 reference, and bit for bit a row's call alone."""
     tile = {} if schedule == "kv_centric" else {"q_tile": 128}
     spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=2, sink=1,
                 selector=selector, **tile)
@@ -132,6 +135,5 @@ def test_a_long_chunked_prefill_on_gpu(schedule, selector, dtype):
     ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec if idx is None else spec.replace(selector="given"),
                                                    idx, cache_seqlens=lens, cache_leftpad=pads)
     assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
-    if schedule == "q_centric":
-        row = attn(q[1:2], k[1:2, :, 300:20000], v[1:2, :, 300:20000], block_idx=None if idx is None else idx[1:2])
-        assert torch.equal(row, o[1:2])
+    row = attn(q[1:2], k[1:2, :, 300:20000], v[1:2, :, 300:20000], block_idx=None if idx is None else idx[1:2])
+    assert torch.equal(row, o[1:2])

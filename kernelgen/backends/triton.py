@@ -1216,9 +1216,11 @@ def _kv_select_constexprs(spec: Spec, cfg: KvSelectConfig) -> dict:
 
 
 def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, block_idx,
-                   reverse: QueryReverseIndex | None, scale):
+                   reverse: QueryReverseIndex | None, scale, seqlens: torch.Tensor | None = None,
+                   leftpad: torch.Tensor | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised per-query lists: partials per
-    task of the reverse index (built here when None), then their merge per (query, head)."""
+    task of the reverse index (built here when None), then their merge per (query, head). `seqlens`, `leftpad`
+    (the kv_attn_rows role's module): a prefill over a KV cache of per-row lengths, as `launch_attn_rows`'."""
     scale = softmax_scale(scale, spec)
     if reverse is None:
         reverse = build_query_reverse_index(block_idx, shapes.n_kv_blocks)
@@ -1231,13 +1233,16 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
                    dtype=part_dtype)
     lse_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, spec.top_k, device=q.device, dtype=torch.float32)
     grid = (max_tasks(shapes.n_kv_blocks, n_pairs, queries * cfg.steps), shapes.batch * shapes.heads_kv)
-    mod.kv_attn_partial[grid](
-        q, k, v, o_part, lse_part, reverse.offsets, reverse.queries, reverse.slots, task_block, task_start,
+    partial, lengths = ((mod.kv_attn_partial, ()) if seqlens is None
+                        else (mod.kv_attn_rows_partial, _row_keys(seqlens, leftpad)))
+    partial[grid](
+        q, k, v, o_part, lse_part, reverse.offsets, reverse.queries, reverse.slots, task_block, task_start, *lengths,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:4], *lse_part.stride()[:3],
         *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2], *task_block.stride()[:2],
         shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
-        STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_has_leftpad(seqlens, leftpad))
     return combine_partials(mod, spec, cfg, shapes, o_part, lse_part, block_idx, q.dtype)
 
 
@@ -1647,6 +1652,9 @@ class TritonBackend(Backend):
                                     space=kv_index_select_space, infeasible=kv_index_select_infeasible),
         "kv_attn": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn.py.j2", config_type=KvAttnConfig,
                             default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible),
+        "kv_attn_rows": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn_rows.py.j2", config_type=KvAttnConfig,
+                                 default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible,
+                                 varlen=True),
         "kv_attn_union": RoleImpl(launch=launch_kv_attn_union, template="triton/kv_attn_union.py.j2",
                                   config_type=KvUnionConfig, default=kv_union_default, space=kv_union_space,
                                   infeasible=kv_union_infeasible),
