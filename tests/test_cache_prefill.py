@@ -129,11 +129,17 @@ def test_a_long_chunked_prefill_on_gpu(schedule, selector, dtype):
                 selector=selector, **tile)
     q, k, v, lens = _cache(1024, dtype, "cuda", 32768, (32768, 20000, 700, 0), heads_kv=2, group=4, head_dim=128)
     pads = torch.tensor([0, 300, 0, 0], dtype=torch.int32, device="cuda")
-    idx = None if spec.selects else random_lists(spec, 4, 2, 1024, 32768, seed=7).cuda()
     attn = get_kernel(spec)
+    if spec.selects:  # the reference attends over the kernel's lists: fp32 scores may break near-ties otherwise
+        idx = attn.select(q, k, cache_seqlens=lens, cache_leftpad=pads)
+        assert torch.equal(attn(q, k, v, cache_seqlens=lens, cache_leftpad=pads),
+                           attn(q, k, v, block_idx=idx, cache_seqlens=lens, cache_leftpad=pads))
+        assert_valid_selection(idx[1:2], q[1:2], k[1:2, :, 300:20000], spec)
+    else:
+        idx = random_lists(spec, 4, 2, 1024, 32768, seed=7).cuda()
     o, lse = attn(q, k, v, block_idx=idx, cache_seqlens=lens, cache_leftpad=pads, return_lse=True)
-    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec if idx is None else spec.replace(selector="given"),
-                                                   idx, cache_seqlens=lens, cache_leftpad=pads)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec.replace(selector="given"), idx, cache_seqlens=lens,
+                                                   cache_leftpad=pads)
     assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
-    row = attn(q[1:2], k[1:2, :, 300:20000], v[1:2, :, 300:20000], block_idx=None if idx is None else idx[1:2])
+    row = attn(q[1:2], k[1:2, :, 300:20000], v[1:2, :, 300:20000], block_idx=idx[1:2])
     assert torch.equal(row, o[1:2])
