@@ -35,7 +35,11 @@ Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a
   kv_decode_select (q, k[, k_rep])       kv_select's, for such a call of the KV-centric schedule (its blocks
             split over more programs, the partial lists merged in the same launch)
   decode    (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form, split-KV per query
-Such a call may pass `cache_seqlens` and `cache_leftpad` (int32 [B]: batch row b of a cache holds keys
+A prefill over a KV cache of per-row lengths (more queries, the last of each row's keys) selects with the two
+roles above, launched as a prefill's selection, and attends with
+  attn_rows (q, k, v, block_idx, scale, seqlens[, leftpad])   attn's (o, lse), each row over its own keys
+  kv_attn_rows (q, k, v, block_idx, reverse, scale, seqlens[, leftpad])   kv_attn's, likewise
+Such calls may pass `cache_seqlens` and `cache_leftpad` (int32 [B]: batch row b of a cache holds keys
 [cache_leftpad[b], cache_seqlens[b])): the launchers of the roles whose `RoleImpl.varlen` is set take them as
 `seqlens=` and `leftpad=` (key_reps also `grow=(reps, made, made_leftpad)`: reps brought to the rows' keys in
 place); a call with lengths is refused where a role it runs has no such launcher. A call over a paged cache

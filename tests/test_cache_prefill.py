@@ -143,3 +143,20 @@ def test_a_long_chunked_prefill_on_gpu(schedule, selector, dtype):
     assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
     row = attn(q[1:2], k[1:2, :, 300:20000], v[1:2, :, 300:20000], block_idx=idx[1:2])
     assert torch.equal(row, o[1:2])
+
+
+def test_the_custom_op_takes_a_prefill_over_cache_rows(device):
+    """kernelgen.custom_ops.sparse_attention with cache_seqlens and more than 16 queries: the eager call's bits,
+    and torch.library's checks of the op (its fake implementation's shapes included)."""
+    import kernelgen.custom_ops as ops
+
+    spec = _spec("mean")
+    q, k, v, lens = _cache(N_Q, torch.float32, device, lengths=LENGTHS)
+    pads = torch.tensor(PADS, dtype=torch.int32, device=device)
+    o, lse = ops.sparse_attention(q, k, v, spec, cache_seqlens=lens, cache_leftpad=pads)
+    want = get_kernel(spec)(q, k, v, cache_seqlens=lens, cache_leftpad=pads, return_lse=True)
+    assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
+    torch.library.opcheck(torch.ops.kernelgen.sparse_attention.default,
+                          (q, k, v, None, spec.to_json(), None),
+                          {"cache_seqlens": lens, "cache_leftpad": pads},
+                          test_utils=("test_schema", "test_faketensor"))
