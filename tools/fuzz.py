@@ -2,7 +2,8 @@
 
 Each case is drawn from its seed: a random Spec (every selector, both schedules, and on a GPU every backend
 and "auto"), ragged lengths with Nq != Nk and decode-sized calls (some over a cache of per-row lengths,
-`cache_seqlens`, NaN past each row's keys, and the same over shuffled pages: `block_table`), GQA, forced
+`cache_seqlens`, NaN past each row's keys, and the same over shuffled pages: `block_table`; longer calls over
+such a cache too, a prefill chunk's), GQA, forced
 blocks, a scale, strided views of [B, N, H, D] buffers, given lists holding -1, negative, out-of-range and
 repeated ids and empty rows (raw int32/int64 or prepared), index-selector inputs (fp8 on sm_90), tunables
 pinned to random points of each role's search space, and a backward run twice.
@@ -106,6 +107,9 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
                       if nq <= 16 and selector != "index" and r.random() < 0.5 else None)
     # the same decode call over the cache in shuffled pages (block_table) of 1, 2 or 4 blocks
     case["paged"] = r.choice([1, 2, 4]) if case["ragged"] and r.random() < 0.5 else None
+    # a prefill chunk over such a cache: the ragged call with more than 16 queries (contiguous only)
+    if nq > 16 and selector != "index" and r.random() < 0.4:
+        case["ragged"] = dict(extra=r.choice([0, 1, kv_block, 2 * kv_block + 3]), seed=r.randint(0, 10**6))
     return case
 
 
@@ -268,7 +272,7 @@ def compare_grads(grads, want, needs, dtype, torch):
 
 
 def run_ragged(case, attn, spec, q, k, v, given, torch, reference) -> None:
-    """A decode call with cache_seqlens over the case's rows and a copy of its first: row 0 of its nk keys, the
+    """A call (a decode step, or a prefill chunk) with cache_seqlens over the case's rows and a copy of its first: row 0 of its nk keys, the
     others of random lengths up to the capacity (nk + extra); each row's lists are those of the call over its
     keys alone, o and lse the reference's."""
     q, k, v = (torch.cat([x, x[:1]]) for x in (q, k, v))
