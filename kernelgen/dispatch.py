@@ -242,7 +242,7 @@ class SparseAttention:
 
     def _rows(self, shapes: Shapes, device, cache_seqlens, cache_leftpad, seqlens, key_reps, index,
               block_table=None) -> CacheRows | TokenRows | None:
-        """A call's checked rows: a decode call's KV cache rows (`cache_seqlens`, `cache_leftpad`; its pages,
+        """A call's checked rows: a KV cache's rows (`cache_seqlens`, `cache_leftpad`; its pages,
         `block_table`), a right-padded batch's tokens (`seqlens`), or None."""
         if block_table is not None:
             if seqlens is not None:
@@ -274,8 +274,9 @@ class SparseAttention:
         if not served.impl.varlen:
             name = "seqlens" if isinstance(rows, TokenRows) else "cache_seqlens"
             raise KernelgenValueError(f"{name}=: the {served.role!r} role of backend {served.backend.name!r} "
-                                      "takes no per-row lengths (the Triton backend's decode, its pooling "
-                                      "selectors' and key_reps do: mean or multi:r, or given lists)")
+                                      "takes no per-row lengths (the Triton backend's decode, attn_rows, "
+                                      "kv_attn_rows, its pooling selectors' and key_reps do: mean or multi:r, or "
+                                      "given lists)")
         if isinstance(rows, TokenRows):
             return {"seqlens": rows.seqlens, "row_queries": True}
         if rows.block_table is None:
@@ -544,7 +545,8 @@ class SparseAttention:
             o, lse = self._launch(served, q, shapes, q, k, v, normalised, union, scale)
         elif attn.role in ("kv_attn", "kv_attn_rows"):
             reverse = used.reverse_index() if prepared else None
-            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale, **self._varlen(attn, rows))
+            o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale,
+                                  **self._varlen(attn, None if padded else rows))
         else:
             # a padded batch's attention runs over whole rows: causal, a row's tokens see none of its padding
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale,

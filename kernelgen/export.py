@@ -624,8 +624,8 @@ def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, k
     """o [B, Hq, Nq, D] (and lse float32 [B, Hq, Nq] with return_lse) over the spec's selection, or over
     block_idx int32/int64 [B, Hkv, n_q_tiles, top_k] when given (-1 empty; out-of-range ids are empty).
     index: (q_idx, k_idx, w) of the index selector; key_reps: k's kept representatives (key_reps(k));
-    cache_seqlens, cache_leftpad: int32 [B], a decode call's KV cache whose batch row b holds keys
-    [cache_leftpad[b], cache_seqlens[b]) (cache_leftpad None: from 0); seqlens: int32 [B], a right-padded
+    cache_seqlens, cache_leftpad: int32 [B], a KV cache (a decode step's or a prefill chunk's) whose batch row b
+    holds keys [cache_leftpad[b], cache_seqlens[b]) (cache_leftpad None: from 0); seqlens: int32 [B], a right-padded
     batch whose row b holds its first seqlens[b] tokens, each row attended as if alone."""
     return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps,
                   cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens)

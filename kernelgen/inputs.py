@@ -237,8 +237,8 @@ def check_token_rows(seqlens, spec: Spec, shapes: Shapes, device, *, cache_seqle
     """A call's `seqlens` (a right-padded batch), and what such a call can be: causal self-attention, over given
     lists or a pooling selector's, with nothing of a KV cache."""
     if cache_seqlens is not None:
-        raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or cache_seqlens= (a decode call's "
-                                  "KV cache rows), not both")
+        raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or cache_seqlens= (a KV cache's "
+                                  "rows), not both")
     if not spec.causal:
         raise KernelgenValueError("seqlens= needs a causal spec: a padded row's queries must see none of the "
                                   "padding after its tokens (run each row's own length)")
@@ -275,8 +275,8 @@ def refuse_grad_with_seqlens(cache_seqlens, q, k, v, block_table=None) -> None:
         if block_table is not None:
             raise KernelgenValueError("block_table= calls (decoding over a paged cache) have no backward: call "
                                       "under torch.no_grad()")
-        raise KernelgenValueError("cache_seqlens= calls (decoding) have no backward: call under torch.no_grad(), "
-                                  "or without cache_seqlens")
+        raise KernelgenValueError("cache_seqlens= calls (a decode step or a prefill chunk over a KV cache) have no "
+                                  "backward: call under torch.no_grad(), or without cache_seqlens")
 
 
 def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device, varlen: bool = False) -> torch.Tensor:
@@ -368,7 +368,8 @@ def check_paged_kv(q, k, v, block_table, spec: Spec, n_q_max: int) -> Shapes:
         raise KernelgenValueError(f"block_table.shape[0] = {batch} does not match q.shape[0] = {b} (batch)")
     if nq > n_q_max:
         raise KernelgenValueError(f"block_table= is for decode calls of at most {n_q_max} queries against a paged "
-                                  f"KV cache; q has {nq}")
+                                  f"KV cache; q has {nq} (a prefill chunk runs over a contiguous cache: "
+                                  "cache_seqlens= without block_table=)")
     if hq != hkv * spec.gqa_group:
         raise KernelgenValueError(f"q has {hq} heads (dim 1) but k has {hkv} and spec.gqa_group = {spec.gqa_group}: "
                                   f"expected {hkv * spec.gqa_group}; the paged layout is {PAGED_LAYOUT}")

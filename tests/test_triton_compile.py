@@ -61,7 +61,8 @@ KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_
            "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"},
            "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}, "decode": {"decode_partial"},
            "decode_select": {"pool", "decode_select_topk"}, "kv_decode_select": {"pool", "kv_decode_select_topk"},
-           "kv_attn_union": {"kv_attn_union"}, "kv_bwd_union": {"union_bwd_dq", "union_bwd_dkdv"}}
+           "kv_attn_union": {"kv_attn_union"}, "kv_bwd_union": {"union_bwd_dq", "union_bwd_dkdv"},
+           "attn_rows": {"attn_rows_fwd"}, "kv_attn_rows": {"kv_attn_rows_partial", "kv_combine"}}
 
 
 class Case(NamedTuple):
@@ -73,6 +74,7 @@ class Case(NamedTuple):
     backward: bool = False  # the backward's roles too
     decode: bool = False  # a call of a few queries too: its selection where the spec selects, and configs["decode"]
     union: bool = False  # the per-query union design too (its backward where `backward`)
+    rows: bool = False  # a prefill over a cache of per-row lengths too (attn_rows, kv_attn_rows)
 
     @property
     def roles(self) -> list[str]:
@@ -81,7 +83,8 @@ class Case(NamedTuple):
         union_bwd = ["kv_bwd_union"] if self.union and self.backward else []
         decode_selection = forward_roles(self.spec, 1)[1]
         decode = [*([decode_selection] if decode_selection else []), "decode"] if self.decode else []
-        return [selection or lists, attn, *decode, *(["kv_attn_union"] if self.union else []),
+        rows = [forward_roles(self.spec, cache_rows=True)[2]] if self.rows else []
+        return [selection or lists, attn, *decode, *rows, *(["kv_attn_union"] if self.union else []),
                 *((*backward_roles(self.spec), *union_bwd) if self.backward else ())]
 
 
@@ -118,9 +121,9 @@ def _cases(arch) -> list[Case]:
     cases += [Case(spec, {**_defaults(spec, arch, ["attn", "select"]),
                           **{role: _largest(spec, arch, role=role) for role in ("bwd_dq", "bwd_dkdv")}}, 2000,
                    backward=True) for spec in BACKWARD_SPECS]
-    for spec in KV_SPECS:  # with their backward, decode and the union design (the arch's defaults)
+    for spec in KV_SPECS:  # with their backward, decode, a prefill over cache rows and the union design (defaults)
         cases.append(Case(spec, _defaults(spec, arch, [r for r in forward_roles(spec)[1:] if r] + ["decode"]), 2000,
-                          backward=True, decode=True, union=True))
+                          backward=True, decode=True, union=True, rows=True))
     # the union design's largest point, 128 rows of 8 queries at G = 16
     union_spec = KV_SPECS[1].replace(gqa_group=16)
     cases.append(Case(union_spec, {"kv_attn_union": _largest(union_spec, arch, lambda c: c.tile_q == 8,
@@ -128,7 +131,8 @@ def _cases(arch) -> list[Case]:
     # decode over Q-centric lists: the arch's default, and its largest point at D 256
     for spec, cfg in ((SPECS[1][0], default_config(SPECS[1][0], "decode", arch)),
                       (SPECS[4][0], _largest(SPECS[4][0], arch, role="decode"))):
-        cases.append(Case(spec, {**_defaults(spec, arch, ["attn", "select"]), "decode": cfg}, 2000, decode=True))
+        cases.append(Case(spec, {**_defaults(spec, arch, ["attn", "select"]), "decode": cfg}, 2000, decode=True,
+                          rows=True))
     cases.append(Case(KV_SPECS[0], {role: _largest(KV_SPECS[0], arch, role=role) for role in ("kv_select", "kv_attn")},
                       2000))
     for spec, (selection, attn) in ((INDEX_SPEC, ("select_index", "attn")),
@@ -147,7 +151,7 @@ def _cases(arch) -> list[Case]:
 
 def _job(case: Case) -> dict:
     """tools/offline_compile.py's form of a case."""
-    job = {"spec": case.spec.to_dict(), "n": case.n, "backward": case.backward, "union": case.union,
+    job = {"spec": case.spec.to_dict(), "n": case.n, "backward": case.backward, "union": case.union, "rows": case.rows,
            **{role: dataclasses.asdict(cfg) for role, cfg in case.configs.items()}}
     return job if case.index is None else {**job, "index": case.index}
 

@@ -17,7 +17,9 @@ A case: {"spec": Spec fields, "n": seq length} and, per role, that role's config
 "attn": AttnConfig's, or GluonAttnConfig's for a spec of backend "gluon"; "select", "kv_attn", "bwd_dq"): pinned
 (dispatch checks them), and compiled where the spec runs the role; a role without one gets the arch's default.
 "backward": true, or a backward role's config, compiles the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv)
-too; a "decode" config, the decode role's (after the forward's, over its lists); "union": true, a per-query
+too; a "decode" config, the decode role's (after the forward's: a call of one query, its selection where the spec
+selects, else given lists); "rows": true, a prefill over a cache of per-row lengths (`attn_rows`, or
+`kv_attn_rows` for per-query lists, after the forward, over its lists); "union": true, a per-query
 spec's union design too (kv_attn_union after the forward, kv_bwd_union after the backward); "index": {"heads": Hi, "dim": Di,
 "dtype": "float16" or "bfloat16"} gives the index selector its tensors. "resources": true adds, per kernel,
 {"name", "registers", "spill_stores", "wgmma", "loop"} under "resources" (`ptxas -v` of its PTX, Triton's own
@@ -181,6 +183,8 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
             "kv_attn": lambda: (q, k, v, t["lists"], None, None),  # its reverse index: built by the launcher
             "kv_attn_union": lambda: (q, k, v, t["lists"], None, None),  # its tile union: built by the launcher
             "decode": lambda: (q, k, v, t["lists"], None),
+            "attn_rows": lambda: (q, k, v, t["lists"], None, t["seqlens"]),
+            "kv_attn_rows": lambda: (q, k, v, t["lists"], None, None, t["seqlens"]),
             "bwd_delta": lambda: (t["o"], t["o"]),
             "bwd_dq": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None),
             "bwd_dkdv": lambda: (q, k, v, t["o"], t["lse"], t["delta"],
@@ -194,6 +198,7 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
             "kv_select_index": ("lists",), "decode_select": ("lists",), "kv_decode_select": ("lists",),
             "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "kv_attn_union": ("o", "lse"), "decode": ("o", "lse"),
+            "attn_rows": ("o", "lse"), "kv_attn_rows": ("o", "lse"),
             "bwd_delta": ("delta",), "bwd_dq": ("dq",), "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv"),
             "kv_bwd_union": ("dq", "dk", "dv")}
 
@@ -230,8 +235,8 @@ def main(arch: str) -> None:
             lists_role, selection, attn_role = forward_roles(spec)
             roles = [selection or lists_role, attn_role]
             decode_selection = forward_roles(spec, 1)[1] if "decode" in case else None
-            if "decode" in case:  # a call of a few queries: its selection where the spec selects, its attention
-                roles += [decode_selection, "decode"] if decode_selection else ["decode"]
+            if case.get("rows"):  # a prefill over a cache of per-row lengths, over the forward's lists
+                roles.append(forward_roles(spec, cache_rows=True)[2])
             if case.get("union"):
                 roles.append("kv_attn_union")
             if case.get("backward") or any(role in case for role in backward_roles(spec)):
@@ -240,7 +245,8 @@ def main(arch: str) -> None:
                        for role in ROLES if role in case}
             get_kernel(spec, configs=configs)  # the spec and the pinned configs pass dispatch's checks
             shapes = Shapes(1, 2 * g, 2, n, n, spec.n_q_tiles(n), spec.n_kv_blocks(n))
-            t = {"q": torch.randn(1, 2 * g, n, spec.head_dim, dtype=torch.bfloat16)}
+            t = {"q": torch.randn(1, 2 * g, n, spec.head_dim, dtype=torch.bfloat16),
+                 "seqlens": torch.full((1,), n, dtype=torch.int32)}
             t["k"], t["v"] = (torch.randn(1, 2, n, spec.head_dim, dtype=torch.bfloat16) for _ in range(2))
             if selection is None:
                 given = torch.zeros(1, 2, shapes.n_q_tiles, spec.top_k, dtype=torch.int32)
@@ -255,8 +261,16 @@ def main(arch: str) -> None:
             for role in roles:
                 out = run(spec, role, configs.get(role), shapes, *_launch_args(role, t, shapes))
                 t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))
-                if role in (lists_role, selection, decode_selection):  # never launched: any ids, only compiles
+                if role in (lists_role, selection):  # never launched: any ids, only compiles
                     t["lists"] = t["lists"].clamp(-1, shapes.n_kv_blocks - 1)
+            if "decode" in case:  # a call of one query: its selection where the spec selects (else given lists)
+                one = shapes._replace(n_q=1, n_q_tiles=spec.n_q_tiles(1))
+                t = {**t, "q": t["q"][:, :, -1:],
+                     "lists": torch.zeros(1, 2, one.n_q_tiles, spec.top_k, dtype=torch.int32)}
+                for role in [decode_selection, "decode"] if decode_selection else ["decode"]:
+                    out = run(spec, role, configs.get(role), one, *_launch_args(role, t, one))
+                    t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))
+                    t["lists"] = t["lists"].clamp(-1, one.n_kv_blocks - 1)
             result = {"case": i, "kernels": [[name, kernel.metadata.shared] for name, kernel in compiled]}
             if case.get("resources"):
                 result["resources"] = [_resources(name, kernel, capability) for name, kernel in compiled]

@@ -49,8 +49,9 @@ from its first token. A padding position's output is 0, as transformers' FlashAt
 decode step is one call (`cache_leftpad`, eager or compiled); so is a prompt or a training batch (`seqlens`, its
 left-padded rows moved to start at 0), or, where every row's keys fit in top_k blocks (every block listed: dense
 attention), one SDPA call with the mask (the same attention; its padding positions are SDPA's, read by nothing).
-A prompt chunk after earlier keys whose rows all end with it (left padding) is one call over the cache's rows
-(`cache_seqlens`, `cache_leftpad`); a right-padded one, or one of the index selector, runs a call per row.
+A prompt chunk after earlier keys whose queries are all tokens (left padding, all of it before the chunk) is one
+call over the cache's rows (`cache_seqlens`, `cache_leftpad`); one that holds padding, or one of the index
+selector, runs a call per row.
 
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's
 `"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
@@ -447,8 +448,8 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
     call whose queries are all tokens is one call (`cache_leftpad`); so is a prompt or a training batch
     (`seqlens`, its rows moved to start at position 0), or, where every row's keys fit in top_k blocks (every
     block listed: dense causal attention over the row's tokens), SDPA over the padded batch. So is a chunk after
-    earlier keys (of a longer prompt) whose rows end with it (`cache_seqlens`, `cache_leftpad`: a prefill over the
-    cache's rows); a right-padded one, or the index selector's, runs a call per row."""
+    earlier keys (of a longer prompt) whose queries are all tokens (`cache_seqlens`, `cache_leftpad`: a prefill
+    over the cache's rows); one that holds padding, or the index selector's, runs a call per row."""
     batch, n_q = query.shape[0], query.shape[2]
     pads, lens = (x.expand(batch).contiguous() for x in (rows.pads, rows.lens))  # a mask of one row broadcasts
     static = rows.offset + n_q < key.shape[2]  # a preallocated cache, its first offset + n_q keys written
@@ -473,9 +474,10 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
         return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
     if rows.offset == 0 and spec.selector != "index":
         return _attention_padded_prompt(attn, query, key, value, rows, scaling)
-    if spec.selector != "index" and all(rows.queries(b, n_q).stop == n_q for b in range(len(rows.firsts))):
-        # a chunk after earlier keys whose rows all end with it (left padding): one call over the cache's rows; a
-        # query before its row's first key sees none, so the padding gives 0
+    if spec.selector != "index" and whole:
+        # a chunk after earlier keys whose queries are all tokens (left padding, all of it before the chunk): one
+        # call over the cache's rows. A chunk that still holds padding runs a call per row: a padding query would
+        # see no key, but it would join its Q tile's pooled query, and so choose the row's blocks
         o = attn(query, key, value, scale=scaling, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps)
         return o.transpose(1, 2).contiguous(), None
     outputs = []
