@@ -441,8 +441,8 @@ def rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool =
     return Workload(args, lambda out: _rel_l2_error("o", out[0], ref, REL_L2_TOL[out[0].dtype]), flops, shape=chunk)
 
 
-register_role(Role("attn_rows", "attention of a prefill over a KV cache of per-row lengths (each row's queries the last "
-                   "of its own keys): the Q-centric forward's kernel run per row", canonical=_KERNEL_READS_LISTS,
+register_role(Role("attn_rows", "attention of a prefill over a KV cache of per-row lengths (each row's queries the "
+                   "last of its own keys): the Q-centric forward's kernel run per row", canonical=_KERNEL_READS_LISTS,
                    workload=rows_workload))
 register_role(Role("kv_attn_rows", "attention over per-query lists of a prefill over a KV cache of per-row lengths: "
                    "kv_attn's partial kernel run per row, then its combine", canonical=_KERNEL_READS_LISTS,

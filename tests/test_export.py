@@ -206,7 +206,8 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
     path = export_module(GIVEN, tmp_path / "kg_given.py")
     cases["given"] = dict(path=str(path), spec=GIVEN.to_dict(), q=q, k=k, v=v,
                           idx=_given_lists(GIVEN, 1, 2, 100, 140, 3), configs=_configs_dict(GIVEN, {}))
-    assert set(cases["given"]["configs"]) == {"lists", "attn", "decode", "attn_rows", *BACKWARD_ROLES}  # no select config
+    # no selector, no select config
+    assert set(cases["given"]["configs"]) == {"lists", "attn", "decode", "attn_rows", *BACKWARD_ROLES}
     torch.save(cases, tmp_path / "inputs.pt")
     exported = _run_child(tmp_path, CHILD, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt"))
     # without KERNELGEN_CACHE_DIR the rendered kernels went to <temp dir>/kernelgen-export-<uid>/kernels

@@ -272,9 +272,9 @@ def compare_grads(grads, want, needs, dtype, torch):
 
 
 def run_ragged(case, attn, spec, q, k, v, given, torch, reference) -> None:
-    """A call (a decode step, or a prefill chunk) with cache_seqlens over the case's rows and a copy of its first: row 0 of its nk keys, the
-    others of random lengths up to the capacity (nk + extra); each row's lists are those of the call over its
-    keys alone, o and lse the reference's."""
+    """A call (a decode step, or a prefill chunk) with cache_seqlens over the case's rows and a copy of its first:
+    row 0 of its nk keys, the others of random lengths up to the capacity (nk + extra); each row's lists are those
+    of the call over its keys alone, o and lse the reference's."""
     q, k, v = (torch.cat([x, x[:1]]) for x in (q, k, v))
     given = None if given is None else torch.cat([given, given[:1]])
     nk, cap = case["nk"], case["nk"] + case["ragged"]["extra"]
