@@ -172,7 +172,8 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
              cache_leftpad=None, block_table=None) -> KeyReps:
     """`get_kernel(spec).key_reps(k, cache_seqlens=..., cache_leftpad=..., previous=..., block_table=...)` as custom
     ops: made afresh, extended over a longer k, or, for reps of a cache of per-row lengths (a paged cache's
-    too), grown in place to the rows' keys (and returned), which a CUDA graph replays. Pass them to
+    too), grown in place to the rows' keys (and returned; a longer k gets reps with room for its new blocks,
+    returned in place of previous, as the eager call's), which a CUDA graph replays. Pass them to
     `sparse_attention(..., key_reps=)`, which grows reps of per-row lengths to its rows itself."""
     spec_json = _spec_json(spec)
     k = autocast_qkv(k, k, k)[0]
@@ -181,6 +182,9 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
     if previous is not None and not isinstance(previous, KeyReps):
         raise KernelgenTypeError(f"previous must be the KeyReps of key_reps, got {type(previous).__name__}")
     if previous is not None and rows and previous.seqlens is not None:
+        n_k = _capacity(k, block_table)
+        if n_k > previous.n_k:  # a cache that grew into a longer tensor: room for its new blocks, then grown
+            previous = previous._with_room(n_k)
         _grow_key_reps_op(k, spec_json, cache_seqlens, previous.reps, previous.seqlens, previous.leftpad,
                           cache_leftpad, block_table)
         return previous

@@ -165,6 +165,28 @@ def test_key_reps_through_the_ops(device):
         key_reps(k, SPEC, cache_seqlens=lens, previous=plain)
 
 
+def test_key_reps_of_per_row_lengths_grow_into_a_longer_cache(device):
+    """A cache of per-row lengths that grew into a longer tensor: the op gives reps with room for its new blocks,
+    grown to the rows (the eager call's bits), compiled too; the attention op reads them."""
+    q, k, v = inputs(device)
+    q = q[:, :, -1:]
+    attn = kernelgen.get_kernel(SPEC)
+    short, lens = k[:, :, :96].contiguous(), torch.tensor([70], dtype=torch.int32, device=device)
+    reps = key_reps(short, SPEC, cache_seqlens=lens)
+    lens += 50  # past the short cache's 96 keys
+
+    def grow(k, lens, reps):
+        return key_reps(k, SPEC, cache_seqlens=lens, previous=reps).reps
+
+    grown = torch.compile(grow, fullgraph=True, backend="eager")(k, lens, reps)
+    want = attn.key_reps(k, cache_seqlens=lens)
+    assert grown.shape == want.reps.shape and torch.equal(grown, want.reps)
+    bigger = key_reps(k, SPEC, cache_seqlens=lens, previous=key_reps(short, SPEC, cache_seqlens=lens - 50))
+    assert bigger.n_k == k.shape[2] and torch.equal(bigger.seqlens, want.seqlens)
+    assert torch.equal(sparse_attention(q, k, v, SPEC, cache_seqlens=lens, key_reps=bigger)[0],
+                       attn(q, k, v, cache_seqlens=lens))
+
+
 def test_a_spec_that_is_not_one_is_refused_by_name(device):
     q, k, v = inputs(device)
     with pytest.raises(ValueError, match="spec is not a Spec's JSON text"):
