@@ -20,6 +20,7 @@ it attended over (in the kernels' form; given or selected), which its backward, 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -200,11 +201,26 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
     return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups, seqlens, leftpad)
 
 
-@torch.compiler.assume_constant_result
+_SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(Spec))
+
+
 def _spec_json(spec: Spec | str) -> str:
-    # computed outside the traced graph: dynamo does not trace json.dumps
+    """The JSON text the ops take, of a Spec or of its JSON text (checked). A Spec goes to the constant function by
+    its field values: torch 2.11's dynamo cannot hand a frozen dataclass instance to one (it cannot reconstruct
+    it), while it reads the instance's fields."""
     if isinstance(spec, Spec):
-        return spec.to_json()
+        return _fields_json(tuple(getattr(spec, name) for name in _SPEC_FIELDS))
+    return _checked_json(spec)
+
+
+@torch.compiler.assume_constant_result
+def _fields_json(values: tuple) -> str:
+    # computed outside the traced graph: dynamo does not trace json.dumps
+    return Spec(**dict(zip(_SPEC_FIELDS, values))).to_json()
+
+
+@torch.compiler.assume_constant_result
+def _checked_json(spec) -> str:
     if not isinstance(spec, str):
         raise KernelgenTypeError(f"spec must be a Spec or its JSON text (Spec.to_json()), got {type(spec).__name__}")
     try:

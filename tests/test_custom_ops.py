@@ -195,3 +195,13 @@ def test_a_spec_that_is_not_one_is_refused_by_name(device):
         key_reps(k, 64)
     o, _ = sparse_attention(q, k, v, SPEC.to_json())
     assert torch.equal(o, sparse_attention(q, k, v, SPEC)[0])
+
+
+@pytest.mark.gpu
+def test_a_spec_object_compiles_on_the_gpu():
+    """torch.compile(fullgraph=True) of the ops given a Spec object (not its JSON text) on the GPU's torch: its
+    dynamo cannot hand a frozen dataclass instance to a constant function, so the ops pass its fields."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=3, causal=True, gqa_group=2)
+    q, k, v = (x.cuda() for x in inputs("cpu", torch.bfloat16))
+    compiled = torch.compile(lambda q, k, v: sparse_attention(q, k, v, spec)[0], fullgraph=True, backend="eager")
+    assert torch.equal(compiled(q, k, v), kernelgen.get_kernel(spec)(q, k, v))
