@@ -216,6 +216,11 @@ def _spec_json(spec: Spec | str) -> str:
 @torch.compiler.assume_constant_result
 def _fields_json(values: tuple) -> str:
     # computed outside the traced graph: dynamo does not trace json.dumps
+    return _json_of_fields(values)
+
+
+@functools.lru_cache(maxsize=256)  # every eager call of an op asks: made once per spec
+def _json_of_fields(values: tuple) -> str:
     return Spec(**dict(zip(_SPEC_FIELDS, values))).to_json()
 
 

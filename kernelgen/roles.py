@@ -131,8 +131,12 @@ def _inputs(spec: Spec, shape: WorkloadShape, device, dtype, seed: int = 0):
 
 def _lists(q, k, spec: Spec) -> torch.Tensor:
     """The reference selector's lists (`given` and `index` specs are timed on the `mean` selector's)."""
-    chooser = spec if spec.selection_role == "select" else spec.replace(selector="mean")
-    return reference.select_blocks(q, k, chooser).to(torch.int32)
+    return reference.select_blocks(q, k, _chooser(spec)).to(torch.int32)
+
+
+def _chooser(spec: Spec) -> Spec:
+    """The spec whose reference selector picks a workload's lists."""
+    return spec if spec.selection_role == "select" else spec.replace(selector="mean")
 
 
 def attention_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True,
@@ -429,9 +433,8 @@ def rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool =
     chunk = shape._replace(n_q=min(shape.n_q, PREFILL_CHUNK))
     q, k, v = _inputs(spec, chunk, device, dtype)
     lens = cache_rows_lengths(shape.batch, shape.n_k, device)
-    chooser = spec if spec.selection_role == "select" else spec.replace(selector="mean")
     rows = [(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n]) for b, n in enumerate(lens.tolist())]
-    lists = torch.cat([reference.select_blocks(qb, kb, chooser) for qb, kb, _ in rows]).to(torch.int32)
+    lists = torch.cat([_lists(qb, kb, spec) for qb, kb, _ in rows])
     flops = sum(useful_flops(lists[b:b + 1], spec, chunk.n_q, kb.shape[2]) for b, (_, kb, _) in enumerate(rows))
     args = (q, k, v, lists, *((None,) if spec.per_query else ()), None, lens)
     if not check:

@@ -1498,11 +1498,16 @@ def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block
         q, k_arg, v_arg, o, lse, block_idx,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
-        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
-        KV_PER_ITER=cfg.kv_per_iter, CAUSAL=spec.causal,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        USE_TMA=use_tma, **_attn_constexprs(spec, cfg))
     return o, lse
+
+
+@functools.lru_cache(maxsize=None)  # read on every forward launch: a spec's and config's, made once
+def _attn_constexprs(spec: Spec, cfg: AttnConfig) -> dict:
+    """The Q-centric forward's constexprs and launch options but USE_TMA (attn_fwd's and attn_rows_fwd's)."""
+    return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+                TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, KV_PER_ITER=cfg.kv_per_iter,
+                CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_attn_rows(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale,
@@ -1518,9 +1523,7 @@ def launch_attn_rows(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, 
         q, k, v, o, lse, block_idx, *_row_keys(seqlens, leftpad),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.heads_kv, scale * LOG2E,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
-        TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, KV_PER_ITER=cfg.kv_per_iter,
-        CAUSAL=spec.causal, HAS_LEFTPAD=leftpad is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_LEFTPAD=leftpad is not None, **_attn_constexprs(spec, cfg))
     return o, lse
 
 
