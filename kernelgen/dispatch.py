@@ -83,8 +83,9 @@ class SparseAttention:
     selected lists too, built every call.
     attn(q, k, v, index=(q_idx, k_idx, w))    Spec(selector="index"): lists from index vectors
                                           (`inputs.INDEX_LAYOUT`); attn.select(q, k, index=...) likewise
-    attn(q, k_pages, v_pages, block_table=t, cache_seqlens=n)   a decode call over a paged KV cache
-                                          (`inputs.PAGED_LAYOUT`); key_reps(k_pages, block_table=t, ...) likewise
+    attn(q, k_pages, v_pages, block_table=t, cache_seqlens=n)   a decode call or prefill chunk over a paged
+                                          KV cache (`inputs.PAGED_LAYOUT`); key_reps(k_pages, block_table=t, ...)
+                                          likewise
 
     q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = spec.gqa_group * Hkv; fp16/bf16 (fp32 in the interpreter).
     With inputs that require grad (and grad enabled), o backpropagates: dq, dk, dv for the lists the forward
@@ -185,12 +186,12 @@ class SparseAttention:
         return backend.build(spec, role, config, problem)
 
     @functools.lru_cache(maxsize=256)
-    def _plan(self, bucket: int, dtype, device, decode: bool = False,
-              cache_rows: bool = False) -> tuple[Served, Served | None, Served]:
+    def _plan(self, bucket: int, dtype, device, decode: bool = False, cache_rows: bool = False,
+              paged: bool = False) -> tuple[Served, Served | None, Served]:
         """(lists, the selection role or None, attn): the roles a call may run (`roles.forward_roles`; a call of
         at most DECODE_MAX_QUERIES queries attends with `decode`; `cache_rows`: a prefill over a cache of per-row
-        lengths), in one lookup per call."""
-        lists, selection, attn = forward_roles(self.spec, 1 if decode else None, cache_rows)
+        lengths, `paged` over a paged one), in one lookup per call."""
+        lists, selection, attn = forward_roles(self.spec, 1 if decode else None, cache_rows, paged)
         return (self._served(lists, bucket, dtype, device),
                 self._served(selection, bucket, dtype, device) if selection else None,
                 self._served(attn, bucket, dtype, device))
@@ -235,10 +236,10 @@ class SparseAttention:
         return lists
 
     def _check_shapes(self, q, k, v, block_table) -> Shapes:
-        """A call's checked shapes: of q, k and v, or of a decode call over a paged cache (`block_table`)."""
+        """A call's checked shapes: of q, k and v, or of a call over a paged cache (`block_table`)."""
         if block_table is None:
             return check_qkv(q, k, v, self.spec)
-        return check_paged_kv(q, k, v, block_table, self.spec, DECODE_MAX_QUERIES)
+        return check_paged_kv(q, k, v, block_table, self.spec)
 
     def _rows(self, shapes: Shapes, device, cache_seqlens, cache_leftpad, seqlens, key_reps, index,
               block_table=None) -> CacheRows | TokenRows | None:
@@ -246,8 +247,8 @@ class SparseAttention:
         `block_table`), a right-padded batch's tokens (`seqlens`), or None."""
         if block_table is not None:
             if seqlens is not None:
-                raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or block_table= (a decode "
-                                          "call's paged KV cache), not both")
+                raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or block_table= (a paged "
+                                          "KV cache's), not both")
             if self.spec.selector == "index" or index is not None:
                 raise KernelgenValueError("block_table= takes the pooling selectors (mean, multi:r) or given lists, "
                                           "not the index selector (its k_idx is not paged)")
@@ -283,8 +284,8 @@ class SparseAttention:
             return {"seqlens": rows.seqlens, "leftpad": rows.leftpad}
         if not served.impl.paged:
             raise KernelgenValueError(f"block_table=: the {served.role!r} role of backend {served.backend.name!r} "
-                                      "reads no paged cache (the Triton backend's decode, its pooling selectors' "
-                                      "and key_reps do)")
+                                      "reads no paged cache (the Triton backend's decode, attn_paged, its pooling "
+                                      "selectors' and key_reps do)")
         return {"seqlens": rows.seqlens, "block_table": rows.block_table}
 
     def _reps_to_rows(self, k, shapes: Shapes, key_reps, rows: CacheRows | None) -> None:
@@ -509,8 +510,10 @@ class SparseAttention:
         checked cache rows, or a padded batch's tokens (o and lse then hold the padding's too: the caller
         clears them)."""
         padded = isinstance(rows, TokenRows)  # a right-padded batch: its whole rows attend, each row selects alone
+        cache_rows = isinstance(rows, CacheRows)
         lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device,
-                                         shapes.n_q <= DECODE_MAX_QUERIES and not padded, isinstance(rows, CacheRows))
+                                         shapes.n_q <= DECODE_MAX_QUERIES and not padded, cache_rows,
+                                         cache_rows and rows.block_table is not None)
         if padded and select is not None:
             select = self._served(self._selection_role(shapes, rows), seq_bucket(shapes.n_k), q.dtype, q.device)
         if block_idx is not None and index is not None:

@@ -74,16 +74,15 @@ def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector; with the
     `mean` and `multi:r` selectors `key_reps` too, and `decode_select` for a Q-centric decode call),
     `attn`, `decode` (a call of a few queries), `attn_rows` (a prefill over a cache of per-row lengths;
-    `kv_attn_rows` for per-query lists), and its backward's, under the schedule's role names (`roles.forward_roles`,
-    `roles.backward_roles`). Per-query specs run the gathered design only: their kv_attn config is pinned, and a
+    `kv_attn_rows` for per-query lists), `attn_paged` (a prefill over a paged cache), and its backward's, under the
+    schedule's role names (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the gathered design only: their kv_attn config is pinned, and a
     pinned kv_attn keeps prepared lists off the union design."""
     lists, selection, attn = forward_roles(spec)
     backward = backward_roles(spec)
     kept = ("key_reps",) if selection in ("select", "kv_select") else ()  # the pooling selectors' kept reps
     _, decode_selection, decode = forward_roles(spec, 1)
     decoding = (decode_selection,) if decode_selection not in (None, selection) else ()
-    prefill_rows = forward_roles(spec, cache_rows=True)[2]
-    rows = (prefill_rows,) if prefill_rows != decode else ()
+    rows = (forward_roles(spec, cache_rows=True)[2], forward_roles(spec, cache_rows=True, paged=True)[2])
     return (lists, *((selection,) if selection else ()), *kept, attn, *decoding, decode, *rows) + backward
 
 
@@ -620,30 +619,34 @@ kernel = _embedded("dispatch").SparseAttention(
 
 
 def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None, cache_seqlens=None,
-         cache_leftpad=None, seqlens=None):
+         cache_leftpad=None, seqlens=None, block_table=None):
     """o [B, Hq, Nq, D] (and lse float32 [B, Hq, Nq] with return_lse) over the spec's selection, or over
     block_idx int32/int64 [B, Hkv, n_q_tiles, top_k] when given (-1 empty; out-of-range ids are empty).
     index: (q_idx, k_idx, w) of the index selector; key_reps: k's kept representatives (key_reps(k));
     cache_seqlens, cache_leftpad: int32 [B], a KV cache (a decode step's or a prefill chunk's) whose batch row b
     holds keys [cache_leftpad[b], cache_seqlens[b]) (cache_leftpad None: from 0); seqlens: int32 [B], a right-padded
-    batch whose row b holds its first seqlens[b] tokens, each row attended as if alone."""
+    batch whose row b holds its first seqlens[b] tokens, each row attended as if alone; block_table: int32
+    [B, pages a row], k and v pools of pages [n_pages, Hkv, page_size, D] (row b's key p in page
+    block_table[b, p // page_size])."""
     return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps,
-                  cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens)
+                  cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table)
 
 
-def select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None):
+def select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None,
+           block_table=None):
     """The block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) the selector chooses
-    (index: (q_idx, k_idx, w) of the index selector; key_reps, cache_seqlens, cache_leftpad, seqlens: as
-    attn's)."""
+    (index: (q_idx, k_idx, w) of the index selector; key_reps, cache_seqlens, cache_leftpad, seqlens, block_table:
+    as attn's)."""
     return kernel.select(q, k, index=index, key_reps=key_reps, cache_seqlens=cache_seqlens,
-                         cache_leftpad=cache_leftpad, seqlens=seqlens)
+                         cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table)
 
 
-def key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None):
+def key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None, block_table=None):
     """The mean or multi:r selector's representatives of k's blocks, kept with a KV cache for attn's and select's
     key_reps=; previous: those of an earlier k this one extends (only its new blocks are pooled; with
-    cache_seqlens and cache_leftpad, grown in place to those rows)."""
-    return kernel.key_reps(k, previous=previous, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
+    cache_seqlens and cache_leftpad, grown in place to those rows); block_table: k is paged, as attn's."""
+    return kernel.key_reps(k, previous=previous, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                           block_table=block_table)
 
 
 def prepare(block_idx, seq_q, seq_k):

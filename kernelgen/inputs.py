@@ -350,10 +350,10 @@ PAGED_LAYOUT = ("k and v [n_pages, Hkv, page_size, D] (a pool of pages; FlashAtt
                 "as .transpose(1, 2)), block_table int32 [B, pages a row]")
 
 
-def check_paged_kv(q, k, v, block_table, spec: Spec, n_q_max: int) -> Shapes:
-    """A decode call over a paged KV cache: q [B, Hq, Nq, D] with Nq <= n_q_max; k and v pools of pages
-    [n_pages, Hkv, page_size, D] (`check_pages`). Row b's key p sits in page block_table[b, p // page_size] at
-    row p % page_size: the call's Nk is pages a row x page_size."""
+def check_paged_kv(q, k, v, block_table, spec: Spec) -> Shapes:
+    """A call over a paged KV cache: q [B, Hq, Nq, D] (a decode step's or a prefill chunk's queries); k and v
+    pools of pages [n_pages, Hkv, page_size, D] (`check_pages`). Row b's key p sits in page
+    block_table[b, p // page_size] at row p % page_size: the call's Nk is pages a row x page_size."""
     for name, pool in (("k", k), ("v", v)):  # the pools' own layout named first, not the contiguous one
         if isinstance(pool, torch.Tensor) and pool.dim() != 4:
             raise KernelgenValueError(f"{name} must be 4-D [n_pages, Hkv, page_size, D] with block_table=, got shape "
@@ -366,10 +366,6 @@ def check_paged_kv(q, k, v, block_table, spec: Spec, n_q_max: int) -> Shapes:
     batch, hkv, n_k = check_pages(k, block_table, spec)
     if batch != b:
         raise KernelgenValueError(f"block_table.shape[0] = {batch} does not match q.shape[0] = {b} (batch)")
-    if nq > n_q_max:
-        raise KernelgenValueError(f"block_table= is for decode calls of at most {n_q_max} queries against a paged "
-                                  f"KV cache; q has {nq} (a prefill chunk runs over a contiguous cache: "
-                                  "cache_seqlens= without block_table=)")
     if hq != hkv * spec.gqa_group:
         raise KernelgenValueError(f"q has {hq} heads (dim 1) but k has {hkv} and spec.gqa_group = {spec.gqa_group}: "
                                   f"expected {hkv * spec.gqa_group}; the paged layout is {PAGED_LAYOUT}")

@@ -39,6 +39,8 @@ A prefill over a KV cache of per-row lengths (more queries, the last of each row
 roles above, launched as a prefill's selection, and attends with
   attn_rows (q, k, v, block_idx, scale, seqlens[, leftpad])   attn's (o, lse), each row over its own keys
   kv_attn_rows (q, k, v, block_idx, reverse, scale, seqlens[, leftpad])   kv_attn's, likewise
+and over a paged cache (either schedule's lists), with
+  attn_paged (q, k, v, block_idx, scale, seqlens, block_table)   (o, lse), each row over its own pages' keys
 Such calls may pass `cache_seqlens` and `cache_leftpad` (int32 [B]: batch row b of a cache holds keys
 [cache_leftpad[b], cache_seqlens[b])): the launchers of the roles whose `RoleImpl.varlen` is set take them as
 `seqlens=` and `leftpad=` (key_reps also `grow=(reps, made, made_leftpad)`: reps brought to the rows' keys in
@@ -444,12 +446,31 @@ def rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool =
     return Workload(args, lambda out: _rel_l2_error("o", out[0], ref, REL_L2_TOL[out[0].dtype]), flops, shape=chunk)
 
 
+PAGED_PREFILL_PAGE_BLOCKS = 1  # KV blocks a page of the cache a paged prefill is tuned on (the most scattered)
+
+
+def paged_rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    """`rows_workload`'s chunk over the same cache scattered over a pool of pages in a random order
+    (PAGED_PREFILL_PAGE_BLOCKS blocks a page), with its block table."""
+    rows = rows_workload(spec, shape, device, dtype, check)
+    q, k, v, lists, *_, lens = rows.args
+    page_size = PAGED_PREFILL_PAGE_BLOCKS * spec.kv_block
+    n_pages = k.shape[0] * k.shape[2] // page_size
+    order = torch.randperm(n_pages, generator=torch.Generator().manual_seed(0))
+    table = order.view(k.shape[0], -1).to(device=device, dtype=torch.int32)
+    k_pages, v_pages = (reference.scatter_pages(x, page_size, order) for x in (k, v))
+    return dataclasses.replace(rows, args=(q, k_pages, v_pages, lists, None, lens, table))
+
+
 register_role(Role("attn_rows", "attention of a prefill over a KV cache of per-row lengths (each row's queries the "
                    "last of its own keys): the Q-centric forward's kernel run per row", canonical=_KERNEL_READS_LISTS,
                    workload=rows_workload))
 register_role(Role("kv_attn_rows", "attention over per-query lists of a prefill over a KV cache of per-row lengths: "
                    "kv_attn's partial kernel run per row, then its combine", canonical=_KERNEL_READS_LISTS,
                    workload=rows_workload))
+register_role(Role("attn_paged", "attention of a prefill chunk over a paged KV cache of per-row lengths, either "
+                   "schedule's lists: the decode kernel with more queries a program and no splits",
+                   canonical=_KERNEL_READS_LISTS, workload=paged_rows_workload))
 register_role(Role("decode_select", "the pooling selectors' lists for a call of a few queries (decoding): the select "
                    "kernel with its blocks split over many programs", workload=decode_select_workload))
 register_role(Role("kv_decode_select", "the pooling selectors' per-query lists for a call of a few queries (decoding): "
@@ -470,20 +491,24 @@ def tuned_roles(spec: Spec) -> tuple[str, ...]:
     lists), decode's and the backward's; a tune of the spec tunes these."""
     _, selection, attn = forward_roles(spec)
     decode_selection = forward_roles(spec, 1)[1]
-    names = [selection, attn, *(["kv_attn_union", "kv_attn_rows"] if spec.per_query else ["attn_rows"]),
+    paged = [] if spec.selector == "index" else ["attn_paged"]  # a paged cache takes no index selector
+    names = [selection, attn, *(["kv_attn_union", "kv_attn_rows"] if spec.per_query else ["attn_rows"]), *paged,
              *([decode_selection] if decode_selection != selection else []), "decode", *backward_roles(spec),
              *(["kv_bwd_union"] if spec.per_query else [])]
     return tuple(n for n in names if n is not None and ROLES[n].tuned)
 
 
-def forward_roles(spec: Spec, n_q: int | None = None, cache_rows: bool = False) -> tuple[str, str | None, str]:
+def forward_roles(spec: Spec, n_q: int | None = None, cache_rows: bool = False,
+                  paged: bool = False) -> tuple[str, str | None, str]:
     """(lists, the selection role or None for given lists, attn): the roles of a forward of `spec`'s
     schedule and selector; a call of n_q <= DECODE_MAX_QUERIES queries attends with `decode`. A call of more
     over a KV cache of per-row lengths (`cache_rows`, a prefill) selects as a decode call does (those roles
-    take per-row lengths) and attends with `attn_rows` (`kv_attn_rows` over per-query lists)."""
+    take per-row lengths) and attends with `attn_rows` (`kv_attn_rows` over per-query lists), or `attn_paged`
+    over a paged cache (`paged`)."""
     decode = n_q is not None and n_q <= DECODE_MAX_QUERIES
-    if decode or cache_rows:
+    if decode or cache_rows or paged:
         selection = {"select": "decode_select", "kv_select": "kv_decode_select"}.get(spec.selection_role,
                                                                                     spec.selection_role)
-        return ("lists", selection, "decode" if decode else "kv_attn_rows" if spec.per_query else "attn_rows")
+        rows = "attn_paged" if paged else "kv_attn_rows" if spec.per_query else "attn_rows"
+        return ("lists", selection, "decode" if decode else rows)
     return ("lists", spec.selection_role, "kv_attn" if spec.per_query else "attn")

@@ -365,7 +365,7 @@ def test_decode_bench_rows_on_the_gpu(monkeypatch, tmp_path):
 @pytest.mark.gpu
 def test_chunked_bench_rows_on_the_gpu(monkeypatch, tmp_path):
     """`bench --chunked` at a small shape: every row is written, the one call equals the calls per row bit for bit,
-    and FlexAttention over the same lists and lengths agrees with it."""
+    the calls over pages and FlexAttention over the same lists and lengths agree with it."""
     import json
 
     from kernelgen.bench import chunked
@@ -373,7 +373,9 @@ def test_chunked_bench_rows_on_the_gpu(monkeypatch, tmp_path):
     monkeypatch.setitem(chunked.CHUNKED_SHAPES, "chunk_small", (256, 4096))
     chunked.run_chunked(["chunk_small"], tmp_path, log=lambda line: None)
     rows = {r["impl"]: r for r in json.loads((tmp_path / "chunked.json").read_text())}
-    assert len(rows) == 8, sorted(rows)
+    assert len(rows) == 8 + 3 * len(chunked.PAGE_BLOCKS), sorted(rows)
     assert rows["kernelgen given lists, one call (cache_seqlens)"]["max_abs_vs_rows"] == 0
+    paged = [r for name, r in rows.items() if "over pages" in name]
+    assert paged and all(r["max_abs_vs_contiguous"] < 0.05 for r in paged), paged
     assert rows["flex (same lists, rows' lengths)"]["max_abs_vs_kernelgen"] < 0.05
     assert rows["kernelgen given lists, one call (cache_seqlens)"]["graph_ms"] > 0

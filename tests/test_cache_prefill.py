@@ -103,11 +103,8 @@ def test_a_prefill_over_cache_rows_is_refused_where_it_cannot_run(device):
     spec = _spec("mean")
     attn = get_kernel(spec)
     q, k, v, lens = _cache(N_Q, torch.float32, device, lengths=LENGTHS)
-    table = torch.arange(len(LENGTHS) * 4, dtype=torch.int32, device=device).view(len(LENGTHS), 4)
-    pages = torch.zeros(len(LENGTHS) * 4, 2, 32, 64, device=device)  # 4 pages of 32 keys a row
     cases = [
         (lambda: attn(q.requires_grad_(), k, v, cache_seqlens=lens), "no backward"),
-        (lambda: attn(q, pages, pages, block_table=table, cache_seqlens=lens), "decode calls"),
         (lambda: get_kernel(_spec("index"))(q, k, v, cache_seqlens=lens), "'select_index' role"),
         (lambda: get_kernel(spec, configs={"attn_rows": AttnConfig(use_tma=True)}), "use_tma"),
     ]

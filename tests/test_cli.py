@@ -118,13 +118,13 @@ def _planned_roles(output: str) -> list[str]:
 
 def test_tune_plans_the_roles_the_spec_s_calls_run():
     """A spec's tune covers its selector (and its decode calls' selector), its schedule's forward (both per-query
-    designs, and the prefill over a cache of per-row lengths), decode and the backward: no role of the other
-    schedule, no other selector's."""
+    designs, and the prefill over a cache of per-row lengths, contiguous or paged), decode and the backward: no
+    role of the other schedule, no other selector's."""
     base = ("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--dry-run")
     result = invoke(*base)
     assert result.exit_code == 0, result.output
-    assert _planned_roles(result.output) == ["select", "attn", "attn_rows", "decode_select", "decode", "bwd_dq",
-                                             "bwd_dkdv"]
+    assert _planned_roles(result.output) == ["select", "attn", "attn_rows", "attn_paged", "decode_select", "decode",
+                                             "bwd_dq", "bwd_dkdv"]
     result = invoke(*base, "--schedule", "kv_centric", "--selector", "index")
     assert result.exit_code == 0, result.output
     assert _planned_roles(result.output) == ["kv_select_index", "kv_attn", "kv_attn_union", "kv_attn_rows", "decode",

@@ -45,6 +45,13 @@ def run_calls(attn, select, prepare, x):
         out["o"], out["lse"] = attn(q, k, v, return_lse=True)
         lens = torch.tensor([n_q, n_q // 3][:q.shape[0]], dtype=torch.int32)  # a right-padded batch
         out["o_padded"] = attn(q, k[:, :, :n_q].contiguous(), v[:, :, :n_q].contiguous(), seqlens=lens)
+        size = x["spec"]["kv_block"]  # a prefill chunk over a paged cache: a block a page, the pages in reverse
+        n = n_k - n_k % size
+        k_pages, v_pages = (t[:, :, :n].reshape(*t.shape[:2], n // size, size, -1).transpose(1, 2).flatten(0, 1)
+                            .flip(0).contiguous() for t in (k, v))
+        table = torch.arange(k_pages.shape[0] - 1, -1, -1, dtype=torch.int32).view(q.shape[0], -1)
+        lens = torch.tensor([n, n // 2][:q.shape[0]], dtype=torch.int32)
+        out["o_paged"] = attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens)
     else:
         out["o"], out["lse"] = attn(q, k, v, block_idx=idx, return_lse=True)  # int64: converted exactly
         out["o_int32_scaled"] = attn(q, k, v, block_idx=idx.clamp(-1, 2**31 - 1).int(), scale=0.3)
@@ -207,7 +214,7 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
     cases["given"] = dict(path=str(path), spec=GIVEN.to_dict(), q=q, k=k, v=v,
                           idx=_given_lists(GIVEN, 1, 2, 100, 140, 3), configs=_configs_dict(GIVEN, {}))
     # no selector, no select config
-    assert set(cases["given"]["configs"]) == {"lists", "attn", "decode", "attn_rows", *BACKWARD_ROLES}
+    assert set(cases["given"]["configs"]) == {"lists", "attn", "decode", "attn_rows", "attn_paged", *BACKWARD_ROLES}
     torch.save(cases, tmp_path / "inputs.pt")
     exported = _run_child(tmp_path, CHILD, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt"))
     # without KERNELGEN_CACHE_DIR the rendered kernels went to <temp dir>/kernelgen-export-<uid>/kernels
@@ -252,8 +259,8 @@ def test_header_sources_and_imports(tmp_path):
     assert "needs only\ntorch and triton)" in text.split('"""', 2)[1]
     assert f"SPEC = {MEAN.to_dict()!r}" in text
     assert "\ndef attn(q, k, v, *, block_idx=None" in text
-    assert ("\ndef select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, "
-            "seqlens=None)") in text
+    assert ("\ndef select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None,\n"
+            "           block_table=None)") in text
 
     sources, rendered = _assignments(text, "_SOURCES"), _assignments(text, "_RENDERED")
     package_dir = Path(kernelgen.__file__).parent
@@ -269,17 +276,17 @@ def test_header_sources_and_imports(tmp_path):
             assert source == file.read_text(), key
     assert "export" not in sources and "codegen.render" in sources and "import jinja2" not in sources["codegen.render"]
     # every kernel a call builds, verbatim: lists (kernel spec: selector given, no forced blocks), select, the kept
-    # key reps', attn, decode_select and decode (a call of a few queries), attn_rows (a prefill over a cache of
-    # per-row lengths) and the backward's
+    # key reps', attn, decode_select and decode (a call of a few queries), attn_rows and attn_paged (a prefill over
+    # a cache of per-row lengths, contiguous or paged) and the backward's
     for role, cfg in (("lists", None), ("select", _default_config(MEAN, "select")), ("key_reps", None),
                       ("attn", MEAN_CONFIGS["attn"]),
                       *((role, _default_config(MEAN, role))
-                        for role in ("decode_select", "decode", "attn_rows", *BACKWARD_ROLES))):
+                        for role in ("decode_select", "decode", "attn_rows", "attn_paged", *BACKWARD_ROLES))):
         kernel_spec = get_role(role).kernel_spec(MEAN, "triton")
         template = str(backends.get("triton").role(role).template)
         source = rendered[(template, kernel_spec.to_json(), None if cfg is None else cfg.to_json(), ())]
         assert source == render(template, kernel_spec, cfg)
-    assert len(rendered) == 7 + len(BACKWARD_ROLES)
+    assert len(rendered) == 8 + len(BACKWARD_ROLES)
 
     # nothing beyond the standard library, torch and triton at module level, and relative imports only of
     # embedded modules: in the file's own code, in each embedded module and in each rendered kernel

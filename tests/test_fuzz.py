@@ -42,6 +42,7 @@ def test_cases_replay_from_their_seed_and_cover_the_variety():
     assert any(c["index"] and c["index"]["dtype"] == "float8_e4m3fn" for c in cases)
     assert any(c["nq"] <= 16 for c in cases) and any(c["nq"] > 1024 for c in cases)
     assert any(c["ragged"] and c["lists"] for c in cases) and any(c["ragged"] and c["kept_reps"] for c in cases)
+    assert any(c["paged"] and c["nq"] > 16 for c in cases)  # a prefill chunk over pages
     assert all(c["b"] * c["hkv"] * c["spec"]["gqa_group"] * c["nq"] * c["nk"] <= fuzz.MAX_SCORES["cuda"]
                for c in cases)
     assert all(c["spec"]["backend"] == "triton" and c["dtype"] in ("float32", "float16")

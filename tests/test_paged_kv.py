@@ -1,13 +1,16 @@
-"""Decode calls over a paged KV cache (`block_table=`): k and v are pools of pages [n_pages, Hkv, page_size, D] and
-row b's key p sits in page block_table[b, p // page_size]. A paged call is the call over the contiguous cache its
-pages make (`reference.gather_pages`), bit for bit: the same lists, o and lse, and the same kept representatives."""
+"""Calls over a paged KV cache (`block_table=`): k and v are pools of pages [n_pages, Hkv, page_size, D] and row b's
+key p sits in page block_table[b, p // page_size]. A paged decode call is the call over the contiguous cache its
+pages make (`reference.gather_pages`), bit for bit: the same lists, o and lse, and the same kept representatives.
+A paged prefill chunk (more than 16 queries) selects the contiguous call's lists, bit for bit, and attends with
+its own kernel (`attn_paged`): o and lse match the float64 reference."""
 import pytest
 import torch
 
-from kernelgen import DecodeConfig, Spec, custom_ops, get_kernel, reference
+from kernelgen import DecodeConfig, PagedPrefillConfig, Spec, custom_ops, get_kernel, reference
 from kernelgen.errors import KernelgenTypeError, KernelgenValueError
+from kernelgen.roles import forward_roles
 
-from checks import assert_close_to_reference
+from checks import assert_close_to_reference, assert_valid_selection
 from test_cache_seqlens import _cache, _spec
 from test_decode import random_lists
 
@@ -127,6 +130,12 @@ def test_the_custom_ops_take_pages(device):
     o_reps, _ = custom_ops.sparse_attention(q, k_pages, v_pages, spec, block_table=table, cache_seqlens=lens,
                                             key_reps=reps)
     assert torch.equal(o_reps, o) and reps.seqlens[:, 0].tolist() == list(LENGTHS)
+    q_chunk = torch.randn(q.shape[0], q.shape[1], N_Q, q.shape[3], device=device)  # a prefill chunk: attn_paged
+    o_chunk, _ = custom_ops.sparse_attention(q_chunk, k_pages, v_pages, spec, block_table=table, cache_seqlens=lens)
+    assert torch.equal(o_chunk, get_kernel(spec)(q_chunk, k_pages, v_pages, block_table=table, cache_seqlens=lens))
+    torch.library.opcheck(torch.ops.kernelgen.sparse_attention.default, (q_chunk, k_pages, v_pages, None,
+                                                                         spec.to_json(), None),
+                          {"cache_seqlens": lens, "block_table": table}, test_utils=("test_schema", "test_faketensor"))
     for call in (lambda: custom_ops.sparse_attention(q, k_pages, v_pages, spec, block_table=table.tolist()),
                  lambda: custom_ops.key_reps(k_pages, spec, block_table=table.tolist()),
                  lambda: custom_ops.sparse_attention(q, k_pages, v_pages, spec, block_table=table,
@@ -166,13 +175,109 @@ def test_bad_pages_are_named(device):
         reference.gather_pages(k_pages, table[0])
     with pytest.raises(KernelgenValueError, match="a page must hold whole blocks"):
         attn(q, k_pages[:, :, :24], v_pages[:, :, :24], block_table=table)
-    with pytest.raises(KernelgenValueError, match="at most 16 queries"):
-        long_q = torch.zeros(5, 4, 17, 64, device=device)
-        attn(long_q, k_pages, v_pages, block_table=table)
     with pytest.raises(KernelgenValueError, match="no backward"):
         attn(q.requires_grad_(), k_pages, v_pages, block_table=table)
     with pytest.raises(KernelgenValueError, match="not the index selector"):
         get_kernel(_spec("index")).select(q.detach(), k_pages, block_table=table)
+
+
+N_Q = 40  # more than a decode call's 16: a prefill chunk; more than rows 1, 3 and 4 hold
+
+
+def test_a_paged_prefill_runs_attn_paged():
+    for schedule, select in (("q_centric", "decode_select"), ("kv_centric", "kv_decode_select")):
+        assert forward_roles(_spec("mean", schedule), N_Q, True, paged=True) == ("lists", select, "attn_paged")
+    assert forward_roles(_spec("mean"), 16, True, paged=True)[2] == "decode"
+
+
+@pytest.mark.parametrize("schedule, selector, dtype, page_size, rows", [
+    ("q_centric", "mean", torch.float32, 16, None), ("q_centric", "multi:2", torch.float16, 32, 16),
+    ("q_centric", "given", torch.float32, 32, 32), ("kv_centric", "mean", torch.float32, 16, None),
+    ("kv_centric", "given", torch.float16, 32, None)])
+def test_a_paged_prefill_is_the_reference_over_its_pages(schedule, selector, dtype, page_size, rows, device):
+    """A chunk of 40 queries at the end of rows of 96, 37, 0, 48 and 1 keys over shuffled pages (the pool's other
+    pages NaN): the contiguous cache's lists bit for bit, o and lse the float64 reference's; a row with its own
+    table row over the same pool is the batch's row, bit for bit; kept reps grow in place to the same lists."""
+    spec = _spec(selector, schedule)
+    configs = None if rows is None else {"attn_paged": PagedPrefillConfig(rows=rows, num_warps=4, num_stages=1)}
+    attn = get_kernel(spec, configs=configs)
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(N_Q, dtype, device, page_size)
+    if spec.selects:
+        idx = attn.select(q, k_pages, cache_seqlens=lens, block_table=table)
+        assert torch.equal(idx, attn.select(q, k, cache_seqlens=lens))
+        assert_valid_selection(idx[:1], q[:1], k[:1], spec)
+    else:
+        idx = random_lists(spec, len(LENGTHS), 2, N_Q, 96, seed=3).to(device)
+    o, lse = attn(q, k_pages, v_pages, block_idx=None if spec.selects else idx, block_table=table,
+                  cache_seqlens=lens, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k_pages, v_pages, spec.replace(selector="given"), idx,
+                                                   cache_seqlens=lens, block_table=table)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
+    assert (o[2] == 0).all() and torch.isinf(lse[2]).all()  # the empty row
+    assert (o[4, :, :-1] == 0).all()  # one key: only the last query may see it
+    assert (o[4, :, -1] != 0).any() or not spec.selects  # and does through the sink block where selected
+    for b in (0, 3):
+        alone = attn(q[b:b + 1], k_pages, v_pages, block_idx=idx[b:b + 1], block_table=table[b:b + 1],
+                     cache_seqlens=lens[b:b + 1])
+        assert torch.equal(alone, o[b:b + 1]), b
+    if spec.selects:
+        reps = attn.key_reps(k_pages, block_table=table, cache_seqlens=(lens - 30).clamp(min=0))
+        assert torch.equal(attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens, key_reps=reps), o)
+
+
+def test_a_paged_prefill_reads_no_page_outside_the_pool(device):
+    """A table entry outside [0, n_pages) holds no keys in a prefill chunk too: its blocks are masked, as if the
+    lists did not name them."""
+    spec = _spec("given")
+    attn = get_kernel(spec)
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(N_Q, torch.float32, device, 32)
+    idx = torch.tensor([0, 1, 2], dtype=torch.int32, device=device).expand(len(LENGTHS), 2, 3, 3).contiguous()
+    holes = table.clone()
+    holes[0, 0], holes[1, 2] = -5, 10**6  # row 0's blocks 0 and 1; row 1's page 2 lies past its 37 keys
+    without = idx.clone()
+    without[0, :, :, :2] = -1
+    assert torch.equal(attn(q, k_pages, v_pages, block_idx=idx, block_table=holes, cache_seqlens=lens),
+                       attn(q, k_pages, v_pages, block_idx=without, block_table=table, cache_seqlens=lens))
+
+
+def test_paged_prefill_configs_are_checked():
+    from kernelgen import backends
+
+    triton = backends.get("triton")
+    q_spec, kv_spec = _spec("mean"), _spec("mean", "kv_centric")
+    assert triton.default_config(kv_spec, "attn_paged", "sm_90").rows == 16  # one query's heads, padded to 16
+    assert {c.rows for c in triton.config_space(kv_spec, "attn_paged", "sm_90")} == {16}
+    assert {c.rows for c in triton.config_space(q_spec, "attn_paged", "sm_90")} == {16, 32}  # q_tile 16, G 2
+    for spec, rows, words in ((kv_spec, 32, "per-query lists pack one query"), (q_spec, 64, "dividing q_tile"),
+                              (q_spec, 24, "must be one of")):
+        with pytest.raises(KernelgenValueError, match=words):
+            triton.check_config(spec, "attn_paged", PagedPrefillConfig(rows=rows), "sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule, selector, dtype, page_size", [("q_centric", "mean", torch.bfloat16, 128),
+                                                                  ("q_centric", "given", torch.float16, 256),
+                                                                  ("kv_centric", "mean", torch.bfloat16, 128)])
+def test_a_long_paged_prefill_on_gpu(schedule, selector, dtype, page_size):
+    """A chunk of 1024 queries appended to rows of 32768, 20000, 700 and 0 keys over shuffled pages: the
+    contiguous cache's lists bit for bit, and the float64 reference over them."""
+    tile = {} if schedule == "kv_centric" else {"q_tile": 128}
+    spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=2, sink=1,
+                selector=selector, **tile)
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(1024, dtype, "cuda", 32768, (32768, 20000, 700, 0), heads_kv=2, group=4, head_dim=128)
+    k_pages, table = paged(k, page_size)
+    v_pages, _ = paged(v, page_size, table=table.cpu())
+    if spec.selects:
+        idx = attn.select(q, k_pages, cache_seqlens=lens, block_table=table)
+        assert torch.equal(idx, attn.select(q, k, cache_seqlens=lens))
+        assert torch.equal(attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens),
+                           attn(q, k_pages, v_pages, block_idx=idx, block_table=table, cache_seqlens=lens))
+    else:
+        idx = random_lists(spec, 4, 2, 1024, 32768, seed=7).cuda()
+    o, lse = attn(q, k_pages, v_pages, block_idx=idx, block_table=table, cache_seqlens=lens, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec.replace(selector="given"), idx, cache_seqlens=lens)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
 
 
 @pytest.mark.gpu

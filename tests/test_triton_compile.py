@@ -52,6 +52,7 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
              "bwd_dq": (lambda spec, cfg, arch: bwd_dq_smem_bytes(spec, cfg), "attn_bwd_dq"),
              "bwd_dkdv": (lambda spec, cfg, arch: bwd_dkdv_smem_bytes(spec, cfg), "attn_bwd_dkdv"),
              "decode": (lambda spec, cfg, arch: decode_smem_bytes(spec, cfg), "decode_partial"),
+             "attn_paged": (lambda spec, cfg, arch: decode_smem_bytes(spec, cfg, rows=cfg.rows), "decode_partial"),
              "kv_attn_union": (lambda spec, cfg, arch: attn_smem_bytes(spec, AttnConfig(block_m=cfg.block_m,
                                                                                         num_stages=cfg.num_stages), arch),
                                "kv_attn_union")}
@@ -62,7 +63,8 @@ KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_
            "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}, "decode": {"decode_partial"},
            "decode_select": {"pool", "decode_select_topk"}, "kv_decode_select": {"pool", "kv_decode_select_topk"},
            "kv_attn_union": {"kv_attn_union"}, "kv_bwd_union": {"union_bwd_dq", "union_bwd_dkdv"},
-           "attn_rows": {"attn_rows_fwd"}, "kv_attn_rows": {"kv_attn_rows_partial", "kv_combine"}}
+           "attn_rows": {"attn_rows_fwd"}, "kv_attn_rows": {"kv_attn_rows_partial", "kv_combine"},
+           "attn_paged": {"decode_partial"}}
 
 
 class Case(NamedTuple):
@@ -74,7 +76,7 @@ class Case(NamedTuple):
     backward: bool = False  # the backward's roles too
     decode: bool = False  # a call of a few queries too: its selection where the spec selects, and configs["decode"]
     union: bool = False  # the per-query union design too (its backward where `backward`)
-    rows: bool = False  # a prefill over a cache of per-row lengths too (attn_rows, kv_attn_rows)
+    rows: bool = False  # a prefill over a cache of per-row lengths too (attn_rows, kv_attn_rows), and paged
 
     @property
     def roles(self) -> list[str]:
@@ -83,7 +85,7 @@ class Case(NamedTuple):
         union_bwd = ["kv_bwd_union"] if self.union and self.backward else []
         decode_selection = forward_roles(self.spec, 1)[1]
         decode = [*([decode_selection] if decode_selection else []), "decode"] if self.decode else []
-        rows = [forward_roles(self.spec, cache_rows=True)[2]] if self.rows else []
+        rows = [forward_roles(self.spec, cache_rows=True)[2], "attn_paged"] if self.rows else []
         return [selection or lists, attn, *decode, *rows, *(["kv_attn_union"] if self.union else []),
                 *((*backward_roles(self.spec), *union_bwd) if self.backward else ())]
 
@@ -133,6 +135,10 @@ def _cases(arch) -> list[Case]:
                       (SPECS[4][0], _largest(SPECS[4][0], arch, role="decode"))):
         cases.append(Case(spec, {**_defaults(spec, arch, ["attn", "select"]), "decode": cfg}, 2000, decode=True,
                           rows=True))
+    # a paged prefill's largest point at D 256 (the decode kernel with the most rows; no decode call: one
+    # decode_partial compiled)
+    cases.append(Case(SPECS[4][0], {**_defaults(SPECS[4][0], arch, ["attn", "select"]),
+                                    "attn_paged": _largest(SPECS[4][0], arch, role="attn_paged")}, 2000, rows=True))
     cases.append(Case(KV_SPECS[0], {role: _largest(KV_SPECS[0], arch, role=role) for role in ("kv_select", "kv_attn")},
                       2000))
     for spec, (selection, attn) in ((INDEX_SPEC, ("select_index", "attn")),

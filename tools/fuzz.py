@@ -107,9 +107,10 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
                       if nq <= 16 and selector != "index" and r.random() < 0.5 else None)
     # the same decode call over the cache in shuffled pages (block_table) of 1, 2 or 4 blocks
     case["paged"] = r.choice([1, 2, 4]) if case["ragged"] and r.random() < 0.5 else None
-    # a prefill chunk over such a cache: the ragged call with more than 16 queries (contiguous only)
+    # a prefill chunk over such a cache: the ragged call with more than 16 queries, over pages too
     if nq > 16 and selector != "index" and r.random() < 0.4:
         case["ragged"] = dict(extra=r.choice([0, 1, kv_block, 2 * kv_block + 3]), seed=r.randint(0, 10**6))
+        case["paged"] = r.choice([1, 2, 4]) if r.random() < 0.5 else None
     return case
 
 
@@ -307,12 +308,14 @@ def run_ragged(case, attn, spec, q, k, v, given, torch, reference) -> None:
                                                    cache_seqlens=lens)
     compare_forward(o, lse, ref_o, ref_lse, q, torch)
     if case.get("paged"):
-        run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference)
+        run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference, lists, (ref_o, ref_lse))
 
 
-def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference) -> None:
+def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference, lists, ref) -> None:
     """The ragged call over its cache scattered in shuffled pages (spare pages NaN, the capacity padded to whole
-    pages with NaN): bit for bit the contiguous call over the padded cache."""
+    pages with NaN): a decode call is bit for bit the contiguous call over the padded cache; a prefill chunk (its
+    own kernel) selects the contiguous call's lists, bit for bit, and matches the reference (`ref`, over
+    `lists`)."""
     page = attn.spec.kv_block * case["paged"]
     cap = -(-k_cache.shape[2] // page) * page
     gen = torch.Generator().manual_seed(case["ragged"]["seed"] + 1)
@@ -329,7 +332,11 @@ def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference) ->
                   return_lse=True)
     o_paged, lse_paged = attn(q, *pools, block_idx=given, scale=case["scale"], cache_seqlens=lens,
                               key_reps=paged_reps, block_table=table, return_lse=True)
-    if not (torch.equal(o_paged, o) and torch.equal(lse_paged, lse)):
+    if q.shape[2] > 16:  # a prefill chunk
+        if given is None and not torch.equal(attn.select(q, pools[0], cache_seqlens=lens, block_table=table), lists):
+            raise Failure(f"block_table: the lists over pages of {page} keys differ from the contiguous cache's")
+        compare_forward(o_paged, lse_paged, *ref, q, torch)
+    elif not (torch.equal(o_paged, o) and torch.equal(lse_paged, lse)):
         raise Failure(f"block_table: the call over pages of {page} keys differs from the contiguous cache's")
     if paged_reps is not None and not torch.equal(paged_reps.reps, reps.reps):
         raise Failure("block_table: the kept reps grown from pages differ from the contiguous cache's")

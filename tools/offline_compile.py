@@ -19,7 +19,8 @@ A case: {"spec": Spec fields, "n": seq length} and, per role, that role's config
 "backward": true, or a backward role's config, compiles the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv)
 too; a "decode" config, the decode role's (after the forward's: a call of one query, its selection where the spec
 selects, else given lists); "rows": true, a prefill over a cache of per-row lengths (`attn_rows`, or
-`kv_attn_rows` for per-query lists, after the forward, over its lists); "union": true, a per-query
+`kv_attn_rows` for per-query lists, then `attn_paged` over the cache's pages, after the forward, over its
+lists); "union": true, a per-query
 spec's union design too (kv_attn_union after the forward, kv_bwd_union after the backward); "index": {"heads": Hi, "dim": Di,
 "dtype": "float16" or "bfloat16"} gives the index selector its tensors. "resources": true adds, per kernel,
 {"name", "registers", "spill_stores", "wgmma", "loop"} under "resources" (`ptxas -v` of its PTX, Triton's own
@@ -185,6 +186,7 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
             "decode": lambda: (q, k, v, t["lists"], None),
             "attn_rows": lambda: (q, k, v, t["lists"], None, t["seqlens"]),
             "kv_attn_rows": lambda: (q, k, v, t["lists"], None, None, t["seqlens"]),
+            "attn_paged": lambda: (q, t["k_pages"], t["v_pages"], t["lists"], None, t["seqlens"], t["table"]),
             "bwd_delta": lambda: (t["o"], t["o"]),
             "bwd_dq": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None),
             "bwd_dkdv": lambda: (q, k, v, t["o"], t["lse"], t["delta"],
@@ -198,7 +200,7 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
             "kv_select_index": ("lists",), "decode_select": ("lists",), "kv_decode_select": ("lists",),
             "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "kv_attn_union": ("o", "lse"), "decode": ("o", "lse"),
-            "attn_rows": ("o", "lse"), "kv_attn_rows": ("o", "lse"),
+            "attn_rows": ("o", "lse"), "kv_attn_rows": ("o", "lse"), "attn_paged": ("o", "lse"),
             "bwd_delta": ("delta",), "bwd_dq": ("dq",), "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv"),
             "kv_bwd_union": ("dq", "dk", "dv")}
 
@@ -208,6 +210,7 @@ def main(arch: str) -> None:
     from kernelgen import Spec, backends, get_kernel
     from kernelgen.archs import check_arch
     from kernelgen.inputs import Shapes, check_block_idx, check_index
+    from kernelgen.reference import scatter_pages
     from kernelgen.roles import ROLES, WorkloadShape, backward_roles, forward_roles, get_role, index_inputs
 
     capability = int(check_arch(arch).removeprefix("sm_"))
@@ -236,7 +239,7 @@ def main(arch: str) -> None:
             roles = [selection or lists_role, attn_role]
             decode_selection = forward_roles(spec, 1)[1] if "decode" in case else None
             if case.get("rows"):  # a prefill over a cache of per-row lengths, over the forward's lists
-                roles.append(forward_roles(spec, cache_rows=True)[2])
+                roles += [forward_roles(spec, cache_rows=True)[2], "attn_paged"]
             if case.get("union"):
                 roles.append("kv_attn_union")
             if case.get("backward") or any(role in case for role in backward_roles(spec)):
@@ -248,6 +251,11 @@ def main(arch: str) -> None:
             t = {"q": torch.randn(1, 2 * g, n, spec.head_dim, dtype=torch.bfloat16),
                  "seqlens": torch.full((1,), n, dtype=torch.int32)}
             t["k"], t["v"] = (torch.randn(1, 2, n, spec.head_dim, dtype=torch.bfloat16) for _ in range(2))
+            pages = torch.arange(shapes.n_kv_blocks)  # a page a block, in order: only compiles
+            room = (0, 0, 0, shapes.n_kv_blocks * spec.kv_block - n)
+            t["k_pages"], t["v_pages"] = (scatter_pages(torch.nn.functional.pad(x, room), spec.kv_block, pages)
+                                          for x in (t["k"], t["v"]))
+            t["table"] = pages.view(1, -1).to(torch.int32)
             if selection is None:
                 given = torch.zeros(1, 2, shapes.n_q_tiles, spec.top_k, dtype=torch.int32)
                 t["given"] = check_block_idx(given, spec, shapes, torch.device("cpu"))

@@ -7,7 +7,9 @@ one sink and two local blocks; a cache of capacity N whose rows hold N down to a
 - kernelgen over the `mean` selector's lists, given: one call with `cache_seqlens=` (the `attn_rows` role), and a
   call per row over its own keys (what such a batch costs without it);
 - the whole `mean` pipeline (selection and attention), one call and a call per row; per-query lists (the
-  KV-centric schedule) one call (the `decode` role) and a call per row;
+  KV-centric schedule) one call (the `kv_attn_rows` role) and a call per row;
+- the same one calls over the cache scattered in shuffled pages of PAGE_BLOCKS blocks (`block_table=`: the
+  `attn_paged` role), compared with the contiguous call (`max_abs_vs_contiguous`);
 - FlexAttention (torch.compile'd) over a BlockMask of the same lists with the rows' lengths
   (`to_block_mask(..., cache_seqlens=)`);
 - SDPA with the rows' mask (causal from each row's own diagonal AND its keys: SDPA's memory-efficient kernel)
@@ -24,6 +26,7 @@ import torch
 from ..dispatch import get_kernel
 from ..errors import KernelgenRuntimeError
 from ..interop import to_block_mask
+from ..reference import scatter_pages
 from ..roles import cache_rows_lengths
 from ..spec import DEFAULT_Q_TILE, Spec
 from ..workloads import useful_flops
@@ -35,6 +38,7 @@ __all__ = ["run_chunked", "CHUNKED_SHAPES"]
 CHUNKED_SHAPES = {"chunk512_32k": (512, 32768), "chunk2048_32k": (2048, 32768)}  # (queries a row, capacity)
 BATCH, HEADS_KV, GROUP, HEAD_DIM = 8, 8, 4, 128
 SPEC = Spec(head_dim=HEAD_DIM, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=GROUP, sink=1, local=2)
+PAGE_BLOCKS = (1, 4)  # KV blocks a page of the paged cache
 
 
 def run_chunked(shape_names=None, out_dir=None, log=print) -> list[dict]:
@@ -82,6 +86,26 @@ def run_chunked(shape_names=None, out_dir=None, log=print) -> list[dict]:
             with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, attn_mask=mask[:, None])
 
+        def paged_rows(blocks):
+            """The one calls over the cache in shuffled pages of `blocks` KV blocks."""
+            page = blocks * SPEC.kv_block
+            order = torch.randperm(BATCH * n // page, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+            table = order.view(BATCH, -1).to(torch.int32)
+            pools = [scatter_pages(x, page, order) for x in (k, v)]
+
+            def paged_call(kernel, **extra):
+                return lambda: kernel(q, *pools, cache_seqlens=lens, block_table=table, **extra)
+
+            calls = [(f"kernelgen given lists, one call over pages of {page}", paged_call(given, block_idx=lists),
+                      one_call(given, block_idx=lists), flops),
+                     (f"kernelgen mean (select+attend), one call over pages of {page}", paged_call(selecting),
+                      one_call(selecting), flops),
+                     (f"kernelgen mean per-query (select+attend), one call over pages of {page}",
+                      paged_call(per_query), one_call(per_query), None)]
+            with torch.no_grad():
+                return [(impl, fn, useful, True, {"max_abs_vs_contiguous": (fn() - contiguous()).abs().max().item()})
+                        for impl, fn, contiguous, useful in calls]
+
         with torch.no_grad():
             ours = one_call(given, block_idx=lists)()
             compare = {"max_abs_vs_rows": (ours - per_row(given, True)()).abs().max().item()}
@@ -92,6 +116,7 @@ def run_chunked(shape_names=None, out_dir=None, log=print) -> list[dict]:
                  ("kernelgen mean (select+attend), a call per row", per_row(selecting), flops, False, {}),
                  ("kernelgen mean per-query (select+attend), one call", one_call(per_query), None, True, {}),
                  ("kernelgen mean per-query (select+attend), a call per row", per_row(per_query), None, False, {}),
+                 *(row for blocks in PAGE_BLOCKS for row in paged_rows(blocks)),
                  ("flex (same lists, rows' lengths)", flex_call, flops, True, {}),
                  ("sdpa efficient (rows' mask, dense)", sdpa_masked, None, False, {})]
         for impl, fn, useful, graphed, extra in impls:
