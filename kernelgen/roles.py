@@ -451,12 +451,14 @@ PAGED_PREFILL_PAGE_BLOCKS = 1  # KV blocks a page of the cache a paged prefill i
 
 def paged_rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
     """`rows_workload`'s chunk over the same cache scattered over a pool of pages in a random order
-    (PAGED_PREFILL_PAGE_BLOCKS blocks a page), with its block table."""
+    (PAGED_PREFILL_PAGE_BLOCKS blocks a page; the capacity padded to whole pages, past every row's keys), with its
+    block table."""
     rows = rows_workload(spec, shape, device, dtype, check)
     q, k, v, lists, *_, lens = rows.args
     page_size = PAGED_PREFILL_PAGE_BLOCKS * spec.kv_block
-    n_pages = k.shape[0] * k.shape[2] // page_size
-    order = torch.randperm(n_pages, generator=torch.Generator().manual_seed(0))
+    room = (0, 0, 0, -k.shape[2] % page_size)
+    k, v = (torch.nn.functional.pad(x, room) for x in (k, v))
+    order = torch.randperm(k.shape[0] * k.shape[2] // page_size, generator=torch.Generator().manual_seed(0))
     table = order.view(k.shape[0], -1).to(device=device, dtype=torch.int32)
     k_pages, v_pages = (reference.scatter_pages(x, page_size, order) for x in (k, v))
     return dataclasses.replace(rows, args=(q, k_pages, v_pages, lists, None, lens, table))

@@ -254,6 +254,22 @@ def test_paged_prefill_configs_are_checked():
             triton.check_config(spec, "attn_paged", PagedPrefillConfig(rows=rows), "sm_90")
 
 
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_the_tuner_checks_a_paged_prefill(schedule):
+    """The tuner's own check of attn_paged (its workload: the rows' chunk over shuffled pages, the capacity padded
+    to whole pages) passes the default config, at a length of no whole page."""
+    from kernelgen import backends
+    from kernelgen.roles import get_role
+    from kernelgen.tuning.plan import trial_shapes
+    from kernelgen.tuning.worker import check_config
+
+    spec = get_role("attn_paged").kernel_spec(_spec("mean", schedule, kv_block=32), "triton")
+    assert trial_shapes(spec, 200, True, None)[0][3] % spec.kv_block  # the check's keys: no whole page
+    triton = backends.get("triton")
+    assert check_config(triton, spec, "attn_paged", triton.default_config(spec, "attn_paged", "cpu"), 200,
+                        torch.float16, "cpu") is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule, selector, dtype, page_size", [("q_centric", "mean", torch.bfloat16, 128),
                                                                   ("q_centric", "given", torch.float16, 256),
