@@ -284,8 +284,8 @@ class SparseAttention:
             return {"seqlens": rows.seqlens, "leftpad": rows.leftpad}
         if not served.impl.paged:
             raise KernelgenValueError(f"block_table=: the {served.role!r} role of backend {served.backend.name!r} "
-                                      "reads no paged cache (the Triton backend's decode, attn_paged, its pooling "
-                                      "selectors' and key_reps do)")
+                                      "reads no paged cache (the Triton backend's decode, attn_paged, kv_attn_paged, its "
+                                      "pooling selectors' and key_reps do)")
         return {"seqlens": rows.seqlens, "block_table": rows.block_table}
 
     def _reps_to_rows(self, k, shapes: Shapes, key_reps, rows: CacheRows | None) -> None:
@@ -546,7 +546,7 @@ class SparseAttention:
             union = used.union if prepared else build_tile_union(normalised, served.config.tile_q, shapes.n_kv_blocks)
             built = None if prepared else union
             o, lse = self._launch(served, q, shapes, q, k, v, normalised, union, scale)
-        elif attn.role in ("kv_attn", "kv_attn_rows"):
+        elif attn.role in ("kv_attn", "kv_attn_rows", "kv_attn_paged"):
             reverse = used.reverse_index() if prepared else None
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale,
                                   **self._varlen(attn, None if padded else rows))

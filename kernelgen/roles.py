@@ -39,8 +39,9 @@ A prefill over a KV cache of per-row lengths (more queries, the last of each row
 roles above, launched as a prefill's selection, and attends with
   attn_rows (q, k, v, block_idx, scale, seqlens[, leftpad])   attn's (o, lse), each row over its own keys
   kv_attn_rows (q, k, v, block_idx, reverse, scale, seqlens[, leftpad])   kv_attn's, likewise
-and over a paged cache (either schedule's lists), with
+and over a paged cache, with
   attn_paged (q, k, v, block_idx, scale, seqlens, block_table)   (o, lse), each row over its own pages' keys
+  kv_attn_paged (q, k, v, block_idx, reverse, scale, seqlens, None, block_table)   kv_attn's, likewise
 Such calls may pass `cache_seqlens` and `cache_leftpad` (int32 [B]: batch row b of a cache holds keys
 [cache_leftpad[b], cache_seqlens[b])): the launchers of the roles whose `RoleImpl.varlen` is set take them as
 `seqlens=` and `leftpad=` (key_reps also `grow=(reps, made, made_leftpad)`: reps brought to the rows' keys in
@@ -461,7 +462,8 @@ def paged_rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: 
     order = torch.randperm(k.shape[0] * k.shape[2] // page_size, generator=torch.Generator().manual_seed(0))
     table = order.view(k.shape[0], -1).to(device=device, dtype=torch.int32)
     k_pages, v_pages = (reference.scatter_pages(x, page_size, order) for x in (k, v))
-    return dataclasses.replace(rows, args=(q, k_pages, v_pages, lists, None, lens, table))
+    return dataclasses.replace(rows, args=(q, k_pages, v_pages, lists, *((None, None, lens, None) if spec.per_query
+                                                                          else (None, lens)), table))
 
 
 register_role(Role("attn_rows", "attention of a prefill over a KV cache of per-row lengths (each row's queries the "
@@ -470,8 +472,11 @@ register_role(Role("attn_rows", "attention of a prefill over a KV cache of per-r
 register_role(Role("kv_attn_rows", "attention over per-query lists of a prefill over a KV cache of per-row lengths: "
                    "kv_attn's partial kernel run per row, then its combine", canonical=_KERNEL_READS_LISTS,
                    workload=rows_workload))
-register_role(Role("attn_paged", "attention of a prefill chunk over a paged KV cache of per-row lengths, either "
-                   "schedule's lists: the decode kernel with more queries a program and no splits",
+register_role(Role("attn_paged", "attention of a prefill chunk over a paged KV cache of per-row lengths: the decode "
+                   "kernel with more queries a program and no splits", canonical=_KERNEL_READS_LISTS,
+                   workload=paged_rows_workload))
+register_role(Role("kv_attn_paged", "attention over per-query lists of a prefill chunk over a paged KV cache: "
+                   "kv_attn's partial kernel with each task's block based in its page, then its combine",
                    canonical=_KERNEL_READS_LISTS, workload=paged_rows_workload))
 register_role(Role("decode_select", "the pooling selectors' lists for a call of a few queries (decoding): the select "
                    "kernel with its blocks split over many programs", workload=decode_select_workload))
@@ -493,7 +498,7 @@ def tuned_roles(spec: Spec) -> tuple[str, ...]:
     lists), decode's and the backward's; a tune of the spec tunes these."""
     _, selection, attn = forward_roles(spec)
     decode_selection = forward_roles(spec, 1)[1]
-    paged = [] if spec.selector == "index" else ["attn_paged"]  # a paged cache takes no index selector
+    paged = [] if spec.selector == "index" else [forward_roles(spec, paged=True)[2]]  # (no paged index selector)
     names = [selection, attn, *(["kv_attn_union", "kv_attn_rows"] if spec.per_query else ["attn_rows"]), *paged,
              *([decode_selection] if decode_selection != selection else []), "decode", *backward_roles(spec),
              *(["kv_bwd_union"] if spec.per_query else [])]
@@ -505,12 +510,12 @@ def forward_roles(spec: Spec, n_q: int | None = None, cache_rows: bool = False,
     """(lists, the selection role or None for given lists, attn): the roles of a forward of `spec`'s
     schedule and selector; a call of n_q <= DECODE_MAX_QUERIES queries attends with `decode`. A call of more
     over a KV cache of per-row lengths (`cache_rows`, a prefill) selects as a decode call does (those roles
-    take per-row lengths) and attends with `attn_rows` (`kv_attn_rows` over per-query lists), or `attn_paged`
-    over a paged cache (`paged`)."""
+    take per-row lengths) and attends with `attn_rows` (`kv_attn_rows` over per-query lists), or over a paged
+    cache (`paged`) with `attn_paged` (`kv_attn_paged`)."""
     decode = n_q is not None and n_q <= DECODE_MAX_QUERIES
     if decode or cache_rows or paged:
         selection = {"select": "decode_select", "kv_select": "kv_decode_select"}.get(spec.selection_role,
                                                                                     spec.selection_role)
-        rows = "attn_paged" if paged else "kv_attn_rows" if spec.per_query else "attn_rows"
+        rows = ("kv_" if spec.per_query else "") + ("attn_paged" if paged else "attn_rows")
         return ("lists", selection, "decode" if decode else rows)
     return ("lists", spec.selection_role, "kv_attn" if spec.per_query else "attn")

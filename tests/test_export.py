@@ -277,7 +277,7 @@ def test_header_sources_and_imports(tmp_path):
     assert "export" not in sources and "codegen.render" in sources and "import jinja2" not in sources["codegen.render"]
     # every kernel a call builds, verbatim: lists (kernel spec: selector given, no forced blocks), select, the kept
     # key reps', attn, decode_select and decode (a call of a few queries), attn_rows and attn_paged (a prefill over
-    # a cache of per-row lengths, contiguous or paged) and the backward's
+    # a cache of per-row lengths, contiguous or paged) and the backward's (MEAN is Q-centric)
     for role, cfg in (("lists", None), ("select", _default_config(MEAN, "select")), ("key_reps", None),
                       ("attn", MEAN_CONFIGS["attn"]),
                       *((role, _default_config(MEAN, role))

@@ -184,9 +184,10 @@ def test_bad_pages_are_named(device):
 N_Q = 40  # more than a decode call's 16: a prefill chunk; more than rows 1, 3 and 4 hold
 
 
-def test_a_paged_prefill_runs_attn_paged():
-    for schedule, select in (("q_centric", "decode_select"), ("kv_centric", "kv_decode_select")):
-        assert forward_roles(_spec("mean", schedule), N_Q, True, paged=True) == ("lists", select, "attn_paged")
+def test_a_paged_prefill_runs_the_paged_roles():
+    for schedule, select, attend in (("q_centric", "decode_select", "attn_paged"),
+                                     ("kv_centric", "kv_decode_select", "kv_attn_paged")):
+        assert forward_roles(_spec("mean", schedule), N_Q, True, paged=True) == ("lists", select, attend)
     assert forward_roles(_spec("mean"), 16, True, paged=True)[2] == "decode"
 
 
@@ -225,13 +226,15 @@ def test_a_paged_prefill_is_the_reference_over_its_pages(schedule, selector, dty
         assert torch.equal(attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens, key_reps=reps), o)
 
 
-def test_a_paged_prefill_reads_no_page_outside_the_pool(device):
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_a_paged_prefill_reads_no_page_outside_the_pool(schedule, device):
     """A table entry outside [0, n_pages) holds no keys in a prefill chunk too: its blocks are masked, as if the
     lists did not name them."""
-    spec = _spec("given")
+    spec = _spec("given", schedule)
     attn = get_kernel(spec)
     q, k, v, lens, k_pages, v_pages, table = _paged_cache(N_Q, torch.float32, device, 32)
-    idx = torch.tensor([0, 1, 2], dtype=torch.int32, device=device).expand(len(LENGTHS), 2, 3, 3).contiguous()
+    lists = 3 if schedule == "q_centric" else N_Q
+    idx = torch.tensor([0, 1, 2], dtype=torch.int32, device=device).expand(len(LENGTHS), 2, lists, 3).contiguous()
     holes = table.clone()
     holes[0, 0], holes[1, 2] = -5, 10**6  # row 0's blocks 0 and 1; row 1's page 2 lies past its 37 keys
     without = idx.clone()
@@ -245,10 +248,8 @@ def test_paged_prefill_configs_are_checked():
 
     triton = backends.get("triton")
     q_spec, kv_spec = _spec("mean"), _spec("mean", "kv_centric")
-    assert triton.default_config(kv_spec, "attn_paged", "sm_90").rows == 16  # one query's heads, padded to 16
-    assert {c.rows for c in triton.config_space(kv_spec, "attn_paged", "sm_90")} == {16}
     assert {c.rows for c in triton.config_space(q_spec, "attn_paged", "sm_90")} == {16, 32}  # q_tile 16, G 2
-    for spec, rows, words in ((kv_spec, 32, "per-query lists pack one query"), (q_spec, 64, "dividing q_tile"),
+    for spec, rows, words in ((kv_spec, 16, "with the kv_attn_paged role"), (q_spec, 64, "dividing q_tile"),
                               (q_spec, 24, "must be one of")):
         with pytest.raises(KernelgenValueError, match=words):
             triton.check_config(spec, "attn_paged", PagedPrefillConfig(rows=rows), "sm_90")
@@ -256,18 +257,19 @@ def test_paged_prefill_configs_are_checked():
 
 @pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
 def test_the_tuner_checks_a_paged_prefill(schedule):
-    """The tuner's own check of attn_paged (its workload: the rows' chunk over shuffled pages, the capacity padded
-    to whole pages) passes the default config, at a length of no whole page."""
+    """The tuner's own check of attn_paged and kv_attn_paged (their workload: the rows' chunk over shuffled pages,
+    the capacity padded to whole pages) passes the default config, at a length of no whole page."""
     from kernelgen import backends
     from kernelgen.roles import get_role
     from kernelgen.tuning.plan import trial_shapes
     from kernelgen.tuning.worker import check_config
 
-    spec = get_role("attn_paged").kernel_spec(_spec("mean", schedule, kv_block=32), "triton")
+    role = forward_roles(_spec("mean", schedule), paged=True)[2]
+    spec = get_role(role).kernel_spec(_spec("mean", schedule, kv_block=32), "triton")
     assert trial_shapes(spec, 200, True, None)[0][3] % spec.kv_block  # the check's keys: no whole page
     triton = backends.get("triton")
-    assert check_config(triton, spec, "attn_paged", triton.default_config(spec, "attn_paged", "cpu"), 200,
-                        torch.float16, "cpu") is None
+    assert check_config(triton, spec, role, triton.default_config(spec, role, "cpu"), 200, torch.float16,
+                        "cpu") is None
 
 
 @pytest.mark.gpu

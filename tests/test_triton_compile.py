@@ -64,7 +64,7 @@ KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_
            "decode_select": {"pool", "decode_select_topk"}, "kv_decode_select": {"pool", "kv_decode_select_topk"},
            "kv_attn_union": {"kv_attn_union"}, "kv_bwd_union": {"union_bwd_dq", "union_bwd_dkdv"},
            "attn_rows": {"attn_rows_fwd"}, "kv_attn_rows": {"kv_attn_rows_partial", "kv_combine"},
-           "attn_paged": {"decode_partial"}}
+           "attn_paged": {"decode_partial"}, "kv_attn_paged": {"kv_attn_paged_partial", "kv_combine"}}
 
 
 class Case(NamedTuple):
@@ -85,7 +85,7 @@ class Case(NamedTuple):
         union_bwd = ["kv_bwd_union"] if self.union and self.backward else []
         decode_selection = forward_roles(self.spec, 1)[1]
         decode = [*([decode_selection] if decode_selection else []), "decode"] if self.decode else []
-        rows = [forward_roles(self.spec, cache_rows=True)[2], "attn_paged"] if self.rows else []
+        rows = [forward_roles(self.spec, cache_rows=True, paged=paged)[2] for paged in (False, True)] if self.rows else []
         return [selection or lists, attn, *decode, *rows, *(["kv_attn_union"] if self.union else []),
                 *((*backward_roles(self.spec), *union_bwd) if self.backward else ())]
 

@@ -19,8 +19,8 @@ A case: {"spec": Spec fields, "n": seq length} and, per role, that role's config
 "backward": true, or a backward role's config, compiles the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv)
 too; a "decode" config, the decode role's (after the forward's: a call of one query, its selection where the spec
 selects, else given lists); "rows": true, a prefill over a cache of per-row lengths (`attn_rows`, or
-`kv_attn_rows` for per-query lists, then `attn_paged` over the cache's pages, after the forward, over its
-lists); "union": true, a per-query
+`kv_attn_rows` for per-query lists, then `attn_paged` or `kv_attn_paged` over the cache's pages, after the
+forward, over its lists); "union": true, a per-query
 spec's union design too (kv_attn_union after the forward, kv_bwd_union after the backward); "index": {"heads": Hi, "dim": Di,
 "dtype": "float16" or "bfloat16"} gives the index selector its tensors. "resources": true adds, per kernel,
 {"name", "registers", "spill_stores", "wgmma", "loop"} under "resources" (`ptxas -v` of its PTX, Triton's own
@@ -187,6 +187,8 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
             "attn_rows": lambda: (q, k, v, t["lists"], None, t["seqlens"]),
             "kv_attn_rows": lambda: (q, k, v, t["lists"], None, None, t["seqlens"]),
             "attn_paged": lambda: (q, t["k_pages"], t["v_pages"], t["lists"], None, t["seqlens"], t["table"]),
+            "kv_attn_paged": lambda: (q, t["k_pages"], t["v_pages"], t["lists"], None, None, t["seqlens"], None,
+                                      t["table"]),
             "bwd_delta": lambda: (t["o"], t["o"]),
             "bwd_dq": lambda: (q, k, v, t["o"], t["lse"], t["delta"], t["lists"], None),
             "bwd_dkdv": lambda: (q, k, v, t["o"], t["lse"], t["delta"],
@@ -200,7 +202,7 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
             "kv_select_index": ("lists",), "decode_select": ("lists",), "kv_decode_select": ("lists",),
             "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "kv_attn_union": ("o", "lse"), "decode": ("o", "lse"),
-            "attn_rows": ("o", "lse"), "kv_attn_rows": ("o", "lse"), "attn_paged": ("o", "lse"),
+            "attn_rows": ("o", "lse"), "kv_attn_rows": ("o", "lse"), "attn_paged": ("o", "lse"), "kv_attn_paged": ("o", "lse"),
             "bwd_delta": ("delta",), "bwd_dq": ("dq",), "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv"),
             "kv_bwd_union": ("dq", "dk", "dv")}
 
@@ -239,7 +241,7 @@ def main(arch: str) -> None:
             roles = [selection or lists_role, attn_role]
             decode_selection = forward_roles(spec, 1)[1] if "decode" in case else None
             if case.get("rows"):  # a prefill over a cache of per-row lengths, over the forward's lists
-                roles += [forward_roles(spec, cache_rows=True)[2], "attn_paged"]
+                roles += [forward_roles(spec, cache_rows=True, paged=paged)[2] for paged in (False, True)]
             if case.get("union"):
                 roles.append("kv_attn_union")
             if case.get("backward") or any(role in case for role in backward_roles(spec)):

@@ -186,10 +186,9 @@ class DecodeConfig(_JsonConfig):
 
 @dataclass(frozen=True)
 class PagedPrefillConfig(_JsonConfig):
-    """A prefill chunk over a paged KV cache: the decode kernel with no splits, one program per (batch, KV head,
-    rows // next_pow2(G) queries), whose `rows` packed (query, head) rows share each K/V block it loads through
-    the block table (Q-centric lists: queries of one Q tile; per-query lists: one query, rows =
-    `decode_rows`)."""
+    """A prefill chunk over a paged KV cache under Q-centric lists: the decode kernel with no splits, one program
+    per (batch, KV head, rows // next_pow2(G) queries of one Q tile), whose `rows` packed (query, head) rows share
+    each K/V block it loads through the block table."""
 
     rows: int = 64
     num_warps: int = 4
@@ -677,8 +676,8 @@ def paged_prefill_infeasible(spec: Spec, cfg: PagedPrefillConfig, arch: str) -> 
     list (for per-query lists, `decode_rows` exactly), and the decode kernel's registers and shared memory at
     those rows."""
     rows, least = cfg.rows, decode_rows(spec)
-    if spec.per_query and rows != least:
-        return f"rows={rows}; per-query lists pack one query a program: rows = {least}"
+    if spec.per_query:
+        return "per-query lists attend over pages with the kv_attn_paged role, not attn_paged"
     if rows not in TILE_ROWS or rows < least or spec.q_tile % (rows // next_pow2(spec.gqa_group)):
         return (f"rows={rows} must be one of {TILE_ROWS}, at least {least}, and pack queries of one Q tile of "
                 f"{spec.q_tile} (rows / next_pow2(gqa_group) dividing q_tile)")
@@ -694,7 +693,7 @@ def paged_prefill_default(spec: Spec, arch: str) -> PagedPrefillConfig:
     # as many rows as the forward's default packs, so that a K/V block load serves as many queries (not measured)
     return _first_feasible(spec, arch, paged_prefill_infeasible, (
         PagedPrefillConfig(rows=m, num_warps=w, num_stages=s)
-        for m in ((decode_rows(spec),) if spec.per_query else (128, 64, 32, 16)) for s in (2, 1) for w in (8, 4)))
+        for m in (128, 64, 32, 16) for s in (2, 1) for w in (8, 4)))
 
 
 def paged_prefill_space(spec: Spec, arch: str):
@@ -1261,11 +1260,16 @@ def _kv_select_constexprs(spec: Spec, cfg: KvSelectConfig) -> dict:
 
 def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, block_idx,
                    reverse: QueryReverseIndex | None, scale, seqlens: torch.Tensor | None = None,
-                   leftpad: torch.Tensor | None = None):
+                   leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised per-query lists: partials per
     task of the reverse index (built here when None), then their merge per (query, head). `seqlens`, `leftpad`
-    (the kv_attn_rows role's module): a prefill over a KV cache of per-row lengths, as `launch_attn_rows`'."""
+    (the kv_attn_rows role's module): a prefill over a KV cache of per-row lengths, as `launch_attn_rows`'.
+    `block_table` (with seqlens; the kv_attn_paged role's module): k and v are pools of pages, as
+    `launch_decode`'s; the slots whose page lies outside the pool are emptied first (its reverse index built
+    here)."""
     scale = softmax_scale(scale, spec)
+    if block_table is not None:
+        block_idx, reverse = _listed_pages_only(block_idx, block_table, k.shape[0], k.shape[2] // spec.kv_block), None
     if reverse is None:
         reverse = build_query_reverse_index(block_idx, shapes.n_kv_blocks)
     g_pad = next_pow2(spec.gqa_group)
@@ -1277,17 +1281,33 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
                    dtype=part_dtype)
     lse_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, spec.top_k, device=q.device, dtype=torch.float32)
     grid = (max_tasks(shapes.n_kv_blocks, n_pairs, queries * cfg.steps), shapes.batch * shapes.heads_kv)
-    partial, lengths = ((mod.kv_attn_partial, ()) if seqlens is None
-                        else (mod.kv_attn_rows_partial, _row_keys(seqlens, leftpad)))
+    if block_table is not None:
+        partial, rows, table_args, extra = (mod.kv_attn_paged_partial, (seqlens, block_table), (block_table.stride(0),),
+                                            {"PAGE_SIZE": k.shape[2]})
+        n_pages = (k.shape[0],)
+    else:
+        partial, rows, table_args, n_pages, extra = ((mod.kv_attn_partial, (), (), (), {}) if seqlens is None else
+                                                     (mod.kv_attn_rows_partial, _row_keys(seqlens, leftpad), (), (),
+                                                      _has_leftpad(seqlens, leftpad)))
     partial[grid](
-        q, k, v, o_part, lse_part, reverse.offsets, reverse.queries, reverse.slots, task_block, task_start, *lengths,
+        q, k, v, o_part, lse_part, reverse.offsets, reverse.queries, reverse.slots, task_block, task_start, *rows,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:4], *lse_part.stride()[:3],
-        *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2], *task_block.stride()[:2],
-        shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E,
+        *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2], *task_block.stride()[:2], *table_args,
+        shapes.n_q, shapes.n_k, *n_pages, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
-        STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_has_leftpad(seqlens, leftpad))
+        STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     return combine_partials(mod, spec, cfg, shapes, o_part, lse_part, block_idx, q.dtype)
+
+
+def _listed_pages_only(block_idx: torch.Tensor, block_table: torch.Tensor, n_pages: int,
+                       blocks_a_page: int) -> torch.Tensor:
+    """Normalised per-query lists [B, Hkv, Nq, top_k] with -1 in each slot whose block's page (block_table
+    [B, pages a row]) lies outside [0, n_pages): such a page holds no keys, so no task of the reverse index may
+    read it. On the device (no sync); an emptied slot keeps its place (the reverse index and the combine take
+    -1 in any slot)."""
+    listed = block_idx.clamp(min=0).view(block_idx.shape[0], -1).long() // blocks_a_page
+    pages = block_table.gather(1, listed).view_as(block_idx)
+    return torch.where((pages < 0) | (pages >= n_pages), -1, block_idx)
 
 
 def launch_kv_attn_union(mod, spec: Spec, cfg: KvUnionConfig, shapes: Shapes, q, k, v, block_idx,
@@ -1727,7 +1747,11 @@ class TritonBackend(Backend):
         "decode": RoleImpl(launch=launch_decode, template="triton/decode.py.j2", config_type=DecodeConfig,
                            default=decode_default, space=decode_space, infeasible=decode_infeasible, varlen=True,
                            paged=True),
-        # a prefill chunk over a paged cache, either schedule's lists: the decode kernel with more rows, no splits
+        # a prefill chunk over a paged cache: Q-centric lists, the decode kernel with more rows and no splits;
+        # per-query lists, kv_attn's partial kernel with each task's block based in its page
+        "kv_attn_paged": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn_paged.py.j2",
+                                  config_type=KvAttnConfig, default=kv_attn_default, space=kv_attn_space,
+                                  infeasible=kv_attn_infeasible, varlen=True, paged=True),
         "attn_paged": RoleImpl(launch=launch_attn_paged, template="triton/decode.py.j2",
                                config_type=PagedPrefillConfig, default=paged_prefill_default,
                                space=paged_prefill_space, infeasible=paged_prefill_infeasible, varlen=True,
