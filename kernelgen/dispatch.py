@@ -284,8 +284,8 @@ class SparseAttention:
             return {"seqlens": rows.seqlens, "leftpad": rows.leftpad}
         if not served.impl.paged:
             raise KernelgenValueError(f"block_table=: the {served.role!r} role of backend {served.backend.name!r} "
-                                      "reads no paged cache (the Triton backend's decode, attn_paged, kv_attn_paged, its "
-                                      "pooling selectors' and key_reps do)")
+                                      "reads no paged cache (the Triton backend's decode, attn_paged, "
+                                      "kv_attn_paged, its pooling selectors' and key_reps do)")
         return {"seqlens": rows.seqlens, "block_table": rows.block_table}
 
     def _reps_to_rows(self, k, shapes: Shapes, key_reps, rows: CacheRows | None) -> None:

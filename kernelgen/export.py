@@ -73,11 +73,11 @@ class ExportError(KernelgenError, RuntimeError):
 def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector; with the
     `mean` and `multi:r` selectors `key_reps` too, and `decode_select` for a Q-centric decode call),
-    `attn`, `decode` (a call of a few queries), `attn_rows` (a prefill over a cache of per-row lengths;
-    `kv_attn_rows` for per-query lists), `attn_paged` (a prefill over a paged cache;
-    `kv_attn_paged` for per-query lists), and its backward's, under the
-    schedule's role names (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the gathered design only: their kv_attn config is pinned, and a
-    pinned kv_attn keeps prepared lists off the union design."""
+    `attn`, `decode` (a call of a few queries), `attn_rows` and `attn_paged` (a prefill over a cache of per-row
+    lengths, contiguous or paged; `kv_attn_rows` and `kv_attn_paged` for per-query lists), and its backward's,
+    under the schedule's role names (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the
+    gathered design only: their kv_attn config is pinned, and a pinned kv_attn keeps prepared lists off the union
+    design."""
     lists, selection, attn = forward_roles(spec)
     backward = backward_roles(spec)
     kept = ("key_reps",) if selection in ("select", "kv_select") else ()  # the pooling selectors' kept reps

@@ -85,7 +85,7 @@ class Case(NamedTuple):
         union_bwd = ["kv_bwd_union"] if self.union and self.backward else []
         decode_selection = forward_roles(self.spec, 1)[1]
         decode = [*([decode_selection] if decode_selection else []), "decode"] if self.decode else []
-        rows = [forward_roles(self.spec, cache_rows=True, paged=paged)[2] for paged in (False, True)] if self.rows else []
+        rows = [forward_roles(self.spec, cache_rows=True, paged=paged)[2] for paged in (False, True) if self.rows]
         return [selection or lists, attn, *decode, *rows, *(["kv_attn_union"] if self.union else []),
                 *((*backward_roles(self.spec), *union_bwd) if self.backward else ())]
 

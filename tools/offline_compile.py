@@ -202,7 +202,8 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
             "kv_select_index": ("lists",), "decode_select": ("lists",), "kv_decode_select": ("lists",),
             "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "kv_attn_union": ("o", "lse"), "decode": ("o", "lse"),
-            "attn_rows": ("o", "lse"), "kv_attn_rows": ("o", "lse"), "attn_paged": ("o", "lse"), "kv_attn_paged": ("o", "lse"),
+            "attn_rows": ("o", "lse"), "kv_attn_rows": ("o", "lse"), "attn_paged": ("o", "lse"),
+            "kv_attn_paged": ("o", "lse"),
             "bwd_delta": ("delta",), "bwd_dq": ("dq",), "bwd_dkdv": ("dk", "dv"), "kv_bwd": ("dq", "dk", "dv"),
             "kv_bwd_union": ("dq", "dk", "dv")}
 
