@@ -462,8 +462,11 @@ def paged_rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: 
     order = torch.randperm(k.shape[0] * k.shape[2] // page_size, generator=torch.Generator().manual_seed(0))
     table = order.view(k.shape[0], -1).to(device=device, dtype=torch.int32)
     k_pages, v_pages = (reference.scatter_pages(x, page_size, order) for x in (k, v))
-    return dataclasses.replace(rows, args=(q, k_pages, v_pages, lists, *((None, None, lens, None) if spec.per_query
-                                                                          else (None, lens)), table))
+    # the launch signatures (module docstring): per-query lists take a reverse index before the scale, and a
+    # leftpad (none: a paged row starts at its first page) before the table
+    args = ((q, k_pages, v_pages, lists, None, None, lens, None, table) if spec.per_query
+            else (q, k_pages, v_pages, lists, None, lens, table))
+    return dataclasses.replace(rows, args=args)
 
 
 register_role(Role("attn_rows", "attention of a prefill over a KV cache of per-row lengths (each row's queries the "

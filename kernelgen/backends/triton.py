@@ -672,9 +672,8 @@ def decode_space(spec: Spec, arch: str):
 
 
 def paged_prefill_infeasible(spec: Spec, cfg: PagedPrefillConfig, arch: str) -> str | None:
-    """Why the paged prefill cannot run `cfg` for `spec` on `arch`, or None: rows that pack whole queries of one
-    list (for per-query lists, `decode_rows` exactly), and the decode kernel's registers and shared memory at
-    those rows."""
+    """Why the paged prefill cannot run `cfg` for `spec` on `arch`, or None: Q-centric lists, rows that pack whole
+    queries of one Q tile, and the decode kernel's registers and shared memory at those rows."""
     rows, least = cfg.rows, decode_rows(spec)
     if spec.per_query:
         return "per-query lists attend over pages with the kv_attn_paged role, not attn_paged"
@@ -1281,18 +1280,20 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
                    dtype=part_dtype)
     lse_part = empty(shapes.batch, shapes.heads_q, shapes.n_q, spec.top_k, device=q.device, dtype=torch.float32)
     grid = (max_tasks(shapes.n_kv_blocks, n_pairs, queries * cfg.steps), shapes.batch * shapes.heads_kv)
+    # the kernel of the call's cache, and what it takes beyond kv_attn_partial's: the rows' lengths (and pages)
     if block_table is not None:
-        partial, rows, table_args, extra = (mod.kv_attn_paged_partial, (seqlens, block_table), (block_table.stride(0),),
-                                            {"PAGE_SIZE": k.shape[2]})
-        n_pages = (k.shape[0],)
+        partial, row_args, table_stride, n_pages, extra = (mod.kv_attn_paged_partial, (seqlens, block_table),
+                                                           (block_table.stride(0),), (k.shape[0],),
+                                                           {"PAGE_SIZE": k.shape[2]})
+    elif seqlens is not None:
+        partial, row_args, table_stride, n_pages, extra = (mod.kv_attn_rows_partial, _row_keys(seqlens, leftpad),
+                                                           (), (), _has_leftpad(seqlens, leftpad))
     else:
-        partial, rows, table_args, n_pages, extra = ((mod.kv_attn_partial, (), (), (), {}) if seqlens is None else
-                                                     (mod.kv_attn_rows_partial, _row_keys(seqlens, leftpad), (), (),
-                                                      _has_leftpad(seqlens, leftpad)))
+        partial, row_args, table_stride, n_pages, extra = mod.kv_attn_partial, (), (), (), {}
     partial[grid](
-        q, k, v, o_part, lse_part, reverse.offsets, reverse.queries, reverse.slots, task_block, task_start, *rows,
+        q, k, v, o_part, lse_part, reverse.offsets, reverse.queries, reverse.slots, task_block, task_start, *row_args,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:4], *lse_part.stride()[:3],
-        *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2], *task_block.stride()[:2], *table_args,
+        *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2], *task_block.stride()[:2], *table_stride,
         shapes.n_q, shapes.n_k, *n_pages, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
         STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
