@@ -92,6 +92,12 @@ def test_registered_and_the_spec_comes_from_the_config():
     assert kg_hf.layer_spec(tiny_config(kernelgen_top_k=0)) is None
     with pytest.raises(ValueError, match="unknown"):
         kg_hf.layer_spec(tiny_config(kernelgen={"topk": 3}))
+    # `kernelgen tune --model config.json` tunes the specs the model is served, defaults included
+    from kernelgen.tuning.model import model_specs
+
+    for config in (tiny_config(kernelgen={"kv_block": 32, "top_k": 8}), tiny_config(),
+                   tiny_config(kernelgen={"schedule": "kv_centric", "sink": 1}, kernelgen_q_tile=None)):
+        assert model_specs(config.to_dict()) == [("full_attention", kg_hf.layer_spec(config))], config.to_dict()
     with pytest.raises(ValueError, match="head_dim=32"):
         kg_hf.layer_spec(transformers.LlamaConfig(hidden_size=64, num_attention_heads=2))
 

@@ -81,20 +81,14 @@ from ..errors import KernelgenValueError
 from ..inputs import KeyReps
 from ..roles import DECODE_MAX_QUERIES
 from ..spec import HEAD_DIMS, Spec
-from ..tuning.model import FULL, SPARSE_OPTIONS, model_specs
+from ..tuning.model import FULL, MODEL_OPTIONS, layer_type_specs
 
-__all__ = ["NAME", "OPTIONS", "register", "layer_spec", "attention_forward", "KernelgenFallbackWarning",
+__all__ = ["NAME", "register", "layer_spec", "attention_forward", "KernelgenFallbackWarning",
            "KeyRepsCache", "KeyRepsLayer"]
 
 log = logging.getLogger("kernelgen")
 
 NAME = "kernelgen"
-# the options and their defaults; causal is not one: a causal LM's attention is causal
-OPTIONS = {"top_k": 16, "kv_block": 64, "q_tile": 64, "selector": "mean", "local": 1, "sink": 0,
-           "schedule": "q_centric", "backend": "triton"}
-_SPEC_ONLY = ("schedule", "backend")  # Spec fields that `tuning.model`'s sparse options leave out
-
-
 class KernelgenFallbackWarning(UserWarning):
     """An attention call that kernelgen cannot compute ran SDPA instead (warned once per reason)."""
 
@@ -126,38 +120,26 @@ def register(name: str = NAME) -> None:
 
 # ---- the spec ------------------------------------------------------------------------------------------
 
-def _options(config) -> dict:
-    """The sparse options of `config`: OPTIONS, then its "kernelgen" object's top level, then its
-    kernelgen_<option> attributes; with the object's "layer_types" (options per layer type)."""
-    ours = getattr(config, "kernelgen", None) or {}
-    if not isinstance(ours, dict):
-        raise KernelgenValueError(f"config.kernelgen must be an object of sparse options, got {ours!r}")
-    options = {**OPTIONS, **ours}
-    for name in OPTIONS:
-        value = getattr(config, f"kernelgen_{name}", None)
-        if value is not None:
-            options[name] = value
-    return options
-
-
 def layer_spec(config, layer_type: str | None = None) -> Spec | None:
     """The spec kernelgen computes the attention of `config`'s layers of `layer_type` with (None: the
     config's only type, "full_attention"), or None where such layers are not kernelgen's (a layer type
-    without sparse options, or top_k = 0). Options no Spec takes, or a head_dim kernelgen has no kernels
-    for, are a KernelgenValueError."""
+    without sparse options, or top_k = 0): `tuning.model.layer_type_specs`, which `kernelgen tune --model` reads
+    config.json with. Options no Spec takes, or a head_dim kernelgen has no kernels for, are a
+    KernelgenValueError."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    options = _options(text)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    key = json.dumps(options, sort_keys=True, default=str)
-    layer_types = tuple(getattr(text, "layer_types", None) or (FULL,))
-    return _spec(heads, getattr(text, "num_key_value_heads", None) or heads, head_dim, key, layer_types,
+    return _spec(json.dumps({name: getattr(text, name, None) for name in _READ}, sort_keys=True, default=str),
                  layer_type or FULL)
 
 
 # what a module's spec is read from: the sparse options and the model's shape, as the config holds them
-_READ = tuple(f"kernelgen_{name}" for name in OPTIONS) + ("kernelgen", "num_attention_heads", "num_key_value_heads",
-                                                          "head_dim", "hidden_size", "layer_types")
+_READ = tuple(f"kernelgen_{name}" for name in MODEL_OPTIONS) + ("kernelgen", "num_attention_heads",
+                                                                "num_key_value_heads", "head_dim", "hidden_size",
+                                                                "layer_types")
+
+
+@functools.lru_cache(maxsize=64)
+def _spec(values_json: str, layer_type: str) -> Spec | None:
+    return layer_type_specs(json.loads(values_json)).get(layer_type)
 
 
 def _module_spec(module) -> Spec | None:
@@ -182,24 +164,6 @@ def _module_spec(module) -> Spec | None:
     # and the blocks of the reps its selector keeps; a compiled model keeps what its last eager call saw
     module.__dict__["_kernelgen_traced"] = ("", None) if spec is None else (spec.to_json(), _reps_blocks(spec))
     return spec
-
-
-@functools.lru_cache(maxsize=64)
-def _spec(heads: int, heads_kv: int, head_dim: int, options_json: str, layer_types: tuple, layer_type: str):
-    options = json.loads(options_json)
-    if options.get("top_k") == 0:
-        return None
-    if head_dim not in HEAD_DIMS:
-        raise KernelgenValueError(f"head_dim={head_dim}: kernelgen's kernels take {HEAD_DIMS}")
-    extra = {name: options.pop(name) for name in _SPEC_ONLY}
-    unknown = sorted(set(options) - set(SPARSE_OPTIONS) - {"layer_types"})
-    if unknown:
-        raise KernelgenValueError(f"kernelgen options {unknown} are unknown; expected some of {sorted(OPTIONS)}")
-    model = {"num_attention_heads": heads, "num_key_value_heads": heads_kv, "head_dim": head_dim,
-             "layer_types": list(layer_types), "kernelgen": {**options, "causal": True}}
-    specs = dict(model_specs(model))
-    spec = specs.get(layer_type)
-    return None if spec is None else spec.replace(**extra)
 
 
 # ---- masks ---------------------------------------------------------------------------------------------

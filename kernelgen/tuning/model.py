@@ -1,14 +1,16 @@
-"""A whole model's attention specs, from its Hugging Face `config.json`: `kernelgen tune --model`.
+"""A whole model's attention specs, from its Hugging Face `config.json`: `kernelgen tune --model`, and the specs
+kernelgen's transformers integration serves the model's layers (`attn_implementation="kernelgen"`), which are one:
+a tune of the config tunes what the model runs.
 
-The heads, KV heads and head_dim come from the model's config (a multimodal model's `text_config`);
-the sparse options (kv_block, q_tile, top_k, causal, selector, local, sink) from a `"kernelgen"` object
-in the same file, or, without one, from the command line. A model whose layers differ (`layer_types`,
-e.g. "sliding_attention" and "full_attention") gets one spec per layer type that has sparse options:
-`"kernelgen": {"top_k": 16, "layer_types": {"sliding_attention": {"top_k": 4, "local": 4}}}`; the
-options of "full_attention" are the top-level ones, and a layer type without options is not tuned.
+The heads, KV heads and head_dim come from the model's config (a multimodal model's `text_config`); the sparse
+options (MODEL_OPTIONS) from its defaults, then a `"kernelgen"` object in the same file, then `kernelgen_<option>`
+keys (attributes of the loaded config). The attention is causal (a causal LM's). A model whose layers differ
+(`layer_types`, e.g. "sliding_attention" and "full_attention") gets one spec per layer type that has sparse options:
+`"kernelgen": {"top_k": 16, "layer_types": {"sliding_attention": {"top_k": 4, "local": 4}}}`; the options of
+"full_attention" are the top-level ones, and a layer type without options, or with top_k 0, is not kernelgen's.
 
     {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "num_hidden_layers": 32,
-     "kernelgen": {"kv_block": 128, "q_tile": 128, "top_k": 16, "causal": true}}
+     "kernelgen": {"kv_block": 128, "q_tile": 128, "top_k": 16}}
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ from ..errors import KernelgenValueError
 from ..spec import Spec
 from .presets import GRID_MAX, Study
 
-__all__ = ["read_model_config", "model_specs", "model_studies", "SPARSE_OPTIONS"]
+__all__ = ["read_model_config", "model_specs", "layer_type_specs", "model_studies", "MODEL_OPTIONS"]
 
-SPARSE_OPTIONS = ("kv_block", "q_tile", "top_k", "causal", "selector", "local", "sink")
+# the sparse options of a model's attention, and their defaults
+MODEL_OPTIONS = {"top_k": 16, "kv_block": 64, "q_tile": 64, "selector": "mean", "local": 1, "sink": 0,
+                 "schedule": "q_centric", "backend": "triton"}
 FULL = "full_attention"
 
 
@@ -51,55 +55,73 @@ def _positive_int(config: dict, name: str, default: Any = None) -> int:
 def _sparse_options(options: Any, where: str) -> dict:
     if not isinstance(options, dict):
         raise KernelgenValueError(f"model config: {where} must be an object of sparse options, got {options!r}")
-    unknown = sorted(set(options) - set(SPARSE_OPTIONS) - {"layer_types"})
+    unknown = sorted(set(options) - set(MODEL_OPTIONS) - {"causal", "layer_types"})
     if unknown:
-        raise KernelgenValueError(f"model config: {where} has {unknown}; expected some of {list(SPARSE_OPTIONS)}")
-    return {k: v for k, v in options.items() if k != "layer_types"}
+        raise KernelgenValueError(f"model config: {where} has unknown options {unknown}; expected some of "
+                                  f"{list(MODEL_OPTIONS)}")
+    if options.get("causal", True) is not True:
+        raise KernelgenValueError(f"model config: {where}.causal = {options['causal']!r}: a causal LM's attention is "
+                                  "causal (leave causal out)")
+    return {k: v for k, v in options.items() if k not in ("causal", "layer_types")}
 
 
-def model_specs(config: dict, sparse: dict | None = None) -> list[tuple[str, Spec]]:
-    """(layer type, spec) for each distinct attention spec of the model, in layer order. `sparse` holds the
-    sparse options the config's own "kernelgen" object does not give (the command line's)."""
+def layer_type_specs(config: dict) -> dict[str, Spec | None]:
+    """{layer type: its layers' spec, or None where they are not kernelgen's} for each layer type of the model,
+    in layer order ("full_attention" for a model without `layer_types`)."""
     text = config.get("text_config", config)
     if not isinstance(text, dict):
         raise KernelgenValueError("model config: text_config must be an object")
     heads = _positive_int(text, "num_attention_heads")
-    heads_kv = _positive_int(text, "num_key_value_heads", heads)
+    heads_kv = heads if text.get("num_key_value_heads") is None else _positive_int(text, "num_key_value_heads")
     if heads % heads_kv:
         raise KernelgenValueError(f"model config: num_attention_heads={heads} is not a multiple of "
                                   f"num_key_value_heads={heads_kv}")
-    if "head_dim" in text and text["head_dim"] is not None:
+    if text.get("head_dim") is not None:
         head_dim = _positive_int(text, "head_dim")
     else:
-        hidden = _positive_int(text, "hidden_size")
-        head_dim = hidden // heads
+        head_dim = _positive_int(text, "hidden_size") // heads
     ours = config.get("kernelgen", text.get("kernelgen"))
-    top = _sparse_options(ours, "kernelgen") if ours is not None else dict(sparse or {})
-    per_type = (ours or {}).get("layer_types", {})
+    ours = {} if ours is None else ours
+    top = {**MODEL_OPTIONS, **_sparse_options(ours, "kernelgen")}
+    for name in MODEL_OPTIONS:  # kernelgen_<option> keys (a loaded config's attributes) win over the object
+        value = text.get(f"kernelgen_{name}", config.get(f"kernelgen_{name}"))
+        if value is not None:
+            top[name] = value
+    per_type = ours.get("layer_types", {})
     if not isinstance(per_type, dict):
         raise KernelgenValueError("model config: kernelgen.layer_types must map layer types to sparse options")
     layer_types = text.get("layer_types") or [FULL]
     if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
         raise KernelgenValueError("model config: layer_types must be a list of layer type names")
-    specs: dict[Spec, str] = {}
+    specs: dict[str, Spec | None] = {}
     for layer_type in dict.fromkeys(layer_types):
         if layer_type != FULL and layer_type not in per_type:
-            continue  # no sparse options for it: not kernelgen's layer
+            specs[layer_type] = None  # no sparse options for it: not kernelgen's layer
+            continue
         options = {**top, **_sparse_options(per_type.get(layer_type, {}), f"kernelgen.layer_types.{layer_type}")}
-        spec = Spec(head_dim=head_dim, gqa_group=heads // heads_kv, **options)
-        specs.setdefault(spec, layer_type)
+        specs[layer_type] = (None if options["top_k"] == 0 else
+                             Spec(head_dim=head_dim, gqa_group=heads // heads_kv, causal=True, **options))
+    return specs
+
+
+def model_specs(config: dict) -> list[tuple[str, Spec]]:
+    """(layer type, spec) for each distinct attention spec of the model that kernelgen computes, in layer
+    order."""
+    specs: dict[Spec, str] = {}
+    for layer_type, spec in layer_type_specs(config).items():
+        if spec is not None:
+            specs.setdefault(spec, layer_type)
     if not specs:
         raise KernelgenValueError(f"model config: no layer type has sparse options (layer types: "
-                                  f"{sorted(set(layer_types))}); add them under kernelgen.layer_types")
+                                  f"{list(layer_type_specs(config))}); add them under kernelgen.layer_types")
     return [(layer_type, spec) for spec, layer_type in specs.items()]
 
 
-def model_studies(config: dict, seq: int, trials: int, arch: str, sparse: dict | None = None,
-                  backend_names=None) -> Iterator[Study]:
+def model_studies(config: dict, seq: int, trials: int, arch: str, backend_names=None) -> Iterator[Study]:
     """Each distinct spec's attention (prefill, and decode where the backend has it) on every backend that runs
     on `arch`, and its selector, timed on the model's heads at `seq` tokens (batch 1)."""
     text = config.get("text_config", config)
-    for layer_type, spec in model_specs(config, sparse):
+    for layer_type, spec in model_specs(config):
         heads_kv = text.get("num_key_value_heads") or text["num_attention_heads"]
         workload = {"batch": 1, "heads_kv": heads_kv, "n_q": seq, "n_k": seq}
         label = f"{layer_type} (D{spec.head_dim} G{spec.gqa_group} top{spec.top_k})"
