@@ -53,9 +53,11 @@ def _usage_errors_as_one_line():
         _fail(f"{error.format_message()}{see}")
 
 
-app = typer.Typer(name="kernelgen", cls=_OneLineUsageErrors, no_args_is_help=True,
+# plain click help: typer's rich panels draw a flag as taking a value ("--dry-run <bool>")
+app = typer.Typer(name="kernelgen", cls=_OneLineUsageErrors, no_args_is_help=True, rich_markup_mode=None,
                   help="Compiler and autotuner for run-time block-sparse attention kernels.")
 db_app = typer.Typer(help="The tuning databases (winners per spec, role, backend, GPU and length bucket).",
+                     rich_markup_mode=None,
                      no_args_is_help=True)
 app.add_typer(db_app, name="db")
 console = Console(markup=False)  # text from specs, paths and errors is printed as it is: '[tilelang]' is no tag
@@ -65,6 +67,28 @@ def _fail(message: str) -> None:
     """One line on stderr, exit status 2 (bad input: the command did nothing)."""
     print(f"kernelgen: error: {' '.join(str(message).split())}", file=sys.stderr)
     raise typer.Exit(2)
+
+
+def _given(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among the parameters `names` that the command line set, as they are spelled there."""
+    flags = {param.name: (param.secondary_opts or param.opts)[0] if ctx.params.get(param.name) is False
+             else param.opts[0] for param in ctx.command.params}  # --no-graph as typed, not --graph
+    return [flags[name] for name in names
+            if (source := ctx.get_parameter_source(name)) is not None and source.name == "COMMANDLINE"]
+
+
+def _refuse_with(ctx: typer.Context, what: str, why: str, *names: str) -> None:
+    """Fail, naming them, where the command line set any of the options `names`, which `what` leaves unread."""
+    given = _given(ctx, *names)
+    if given:
+        _fail(f"{what} cannot be combined with {', '.join(given)}: {why}")
+
+
+def _needs(ctx: typer.Context, name: str, needed: str, why: str) -> None:
+    """Fail where the command line set the option `name` without `needed`, the option it takes effect with."""
+    given = _given(ctx, name)
+    if given:
+        _fail(f"{given[0]} needs {needed}: {why}")
 
 
 def clean_errors(command):
@@ -88,7 +112,8 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kernelgen's debug messages."),
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kernelgen's debug messages (given "
+                                                                     "before the command: kernelgen -v bench)."),
           version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                        help="Print kernelgen's version and exit.")):
     logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(console=console)])
@@ -127,7 +152,10 @@ def _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa
 
 # options shared by the commands that take a spec
 DEFAULT_TRIALS = 30  # per role of one spec
-SPEC_FILE = typer.Option(None, "--spec", help="Spec JSON file (Spec.to_json()); overrides the spec options.")
+SPEC_FILE = typer.Option(None, "--spec", help="Spec JSON file (Spec.to_json()), instead of the spec options.")
+MAIN_BENCH_OPTIONS = ("overhead", "sweep", "graph")  # the main bench's own: timings on a GPU
+SPEC_OPTIONS = ("head_dim", "kv_block", "q_tile", "top_k", "causal", "gqa_group", "selector", "local", "sink",
+                "backend", "schedule")
 HEAD_DIM = typer.Option(128, help="Head dimension D.")
 KV_BLOCK = typer.Option(64, help="Keys per KV block.")
 Q_TILE = typer.Option(64, help="Queries per Q tile.")
@@ -166,9 +194,10 @@ def _print_plan(p: dict, every_config: bool) -> None:
     default and its neighbours first), and every config where the space is small or `every_config`."""
     from .tuning.plan import config_key, seeds
 
+    rounded = "" if p["seq"] == p["bucket"] else f" (--seq {p['seq']} rounded up)"
     console.print(Text.assemble((p["role"], "bold"), f" ({p['backend']}): study {p['study_name']}, bucket "
-                                f"{p['bucket']}, sampler {p['sampler']}, {p['trials']} trials over a space of "
-                                f"{p['space_size']} configs, benchmark shape {p['shape']}"))
+                                f"{p['bucket']}{rounded}, sampler {p['sampler']}, {p['trials']} trials over a space "
+                                f"of {p['space_size']} configs, benchmark shape {p['shape']}"))
     fields = Table("field", "values", box=None)
     for name, values in p["params"].items():
         fields.add_row(name, ", ".join(str(v) for v in values))
@@ -177,7 +206,9 @@ def _print_plan(p: dict, every_config: bool) -> None:
         console.print("trials: every config of the space")
     else:
         first = seeds(p["default"], p["params"], {config_key(c) for c in p["space"]})
-        console.print(f"trials: first the default and its neighbours ({len(first)}), then TPE's samples; the "
+        seeded = min(len(first), p["trials"])
+        then = ", then TPE's samples" if p["trials"] > seeded else ""
+        console.print(f"trials: first the default and its neighbours ({seeded} of {len(first)}){then}; the "
                       f"default {json.dumps(p['default'], sort_keys=True)}")
     if every_config or p["space_size"] <= LISTED_SPACE:
         table = Table("#", "config")
@@ -212,10 +243,12 @@ def _tune_one(spec, role, seq, arch, trials, timeout, shape=None, label=None, wo
 @app.command()
 @clean_errors
 def tune(
+    ctx: typer.Context,
     arch: str = typer.Option(..., help="GPU architecture to tune for, e.g. sm_90 (must be the GPU present)."),
     seq: Optional[int] = typer.Option(None, help="Sequence length; tuned for its power-of-two bucket."),
-    role: Optional[List[str]] = typer.Option(None, help="Kernel roles to tune (default: every tuned role the spec's "
-                                                        "calls run)."),
+    role: Optional[List[str]] = typer.Option(None, metavar="ROLE", help="A kernel role to tune, repeated for more "
+                                                                        "(--role attn --role select; default: every "
+                                                                        "tuned role the spec's calls run)."),
     trials: Optional[int] = typer.Option(None, help="Trials per role (Optuna; default 30, with --preset or "
                                                     "--model each study's own count)."),
     timeout: Optional[float] = typer.Option(None, help="Seconds per role's study."),
@@ -237,8 +270,10 @@ def tune(
     backends_option: Optional[str] = typer.Option(None, "--backends", help="With --preset or --model: comma-separated "
                                                                            "backends."),
     model: Optional[Path] = typer.Option(None, help="A Hugging Face config.json: tune every distinct attention spec "
-                                                    "of the model (heads, KV heads, head_dim from it; sparse options "
-                                                    "from its \"kernelgen\" object, else the spec options)."),
+                                                    "of the model, as attn_implementation=\"kernelgen\" serves it "
+                                                    "(heads, KV heads, head_dim and sparse options from the file: its "
+                                                    "\"kernelgen\" object or kernelgen_<option> keys); --role "
+                                                    "narrows it."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
     sink: int = SINK, backend: str = BACKEND, schedule: str = SCHEDULE,
@@ -254,6 +289,23 @@ def tune(
     from .tuning.storage import parse_storage
 
     check_arch(arch)
+    if preset is not None and model is not None:
+        _fail("--preset and --model are two sets of studies: give one")
+    if not dry_run:
+        _needs(ctx, "every_config", "--dry-run", "it lists the configs a dry run plans")
+    if preset is None:
+        _needs(ctx, "shapes", "--preset", "it names the preset's shapes to tune")
+        if model is None:
+            _needs(ctx, "backends_option", "--preset or --model", "one spec's studies tune its own backend (--backend)")
+    if preset is not None:
+        _refuse_with(ctx, "--preset", "its studies have their own specs and lengths", "seq", "spec_file",
+                     *SPEC_OPTIONS)
+    if model is not None:
+        _refuse_with(ctx, "--model", "the model's config.json gives every spec field (its \"kernelgen\" object or "
+                     "kernelgen_<option> keys set the sparse options, as the model is served)", "spec_file",
+                     *SPEC_OPTIONS)
+    if spec_file is not None:
+        _refuse_with(ctx, "--spec", "the file gives the whole spec", *SPEC_OPTIONS)
     check_budget(DEFAULT_TRIALS if trials is None else trials, timeout)
     check_workers(workers)
     if storage is not None:
@@ -279,16 +331,18 @@ def tune(
     names = [b for b in (backends_option or "").split(",") if b] or None
     for name in names or ():
         registry.get(name)
-    if preset is not None and model is not None:
-        _fail("--preset and --model are two sets of studies: give one")
     if preset is not None or model is not None:
         if model is not None:
             if seq is None:
                 _fail("--model needs --seq: the sequence length to tune the model's attention for")
-            sparse = dict(kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal, selector=selector,
-                          local=local, sink=sink)
             chosen_studies = list(model_studies(read_model_config(model), check_seq(seq), DEFAULT_TRIALS, arch,
-                                                sparse, names))
+                                                names))
+            if role:
+                unknown = sorted(set(role) - {study.role for study in chosen_studies})
+                if unknown:
+                    _fail(f"--role {', '.join(unknown)}: the model's studies tune "
+                          f"{', '.join(dict.fromkeys(study.role for study in chosen_studies))}")
+                chosen_studies = [study for study in chosen_studies if study.role in role]
         else:
             chosen = [s for s in (shapes or "").split(",") if s] or None
             chosen_studies = studies(preset, arch, chosen, names, role or None)
@@ -388,10 +442,11 @@ def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec k
             try:
                 confirmed = typer.confirm(f"Delete {'all rows' if not spec_key else 'rows of ' + spec_key} in "
                                           f"{db.path}?", default=False)
-            except typer.Abort:  # no answer to read (no terminal, end of input)
-                confirmed = False
-            if not confirmed:
+            except typer.Abort:  # no answer to read (no terminal, end of input): a script that left out --yes
                 _fail("nothing deleted: not confirmed (pass --yes to delete without asking)")
+            if not confirmed:  # the user's own answer: no error
+                console.print("nothing deleted")
+                return
         n = db.clear(**({"spec_key": spec_key} if spec_key else {}))
     console.print(f"deleted {n} rows")
 
@@ -416,6 +471,7 @@ def db_bundle(files: List[Path] = typer.Argument(..., help="DB files whose winne
 @app.command()
 @clean_errors
 def export(
+    ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="The .py file to write."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
@@ -437,14 +493,21 @@ def export(
     from . import backends as registry
     from .export import export_module, tuned_configs
 
+    if spec_file is not None:
+        _refuse_with(ctx, "--spec", "the file gives the whole spec", *SPEC_OPTIONS)
+    if seq is None:
+        for name in ("gpu", "dtype"):
+            _needs(ctx, name, "--seq", "it chooses the tuned winners of that sequence length to bake in")
     spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
                               backend, schedule)
     from .archs import check_arch
     from .device import current_arch
 
     arch = check_arch(arch) if arch is not None else current_arch() or "cpu"
-    if gpu is not None and seq is None:
-        _fail("--gpu chooses tuned winners: give --seq too (the sequence length whose winners are baked in)")
+    if spec.backend == registry.AUTO and seq is None:
+        _fail("--backend auto bakes in the backend the tuning DBs serve fastest: give --seq (and --arch) too")
+    if seq is not None and arch == "cpu":
+        _fail("--seq bakes in a GPU's tuned winners: give --arch too (e.g. sm_90); the CPU runs the defaults")
     if dtype not in ("bfloat16", "float16"):
         _fail(f"--dtype must be bfloat16 or float16, got {dtype!r}")
     configs, sources = None, None
@@ -463,7 +526,7 @@ def export(
 
     for role, cfg in resolve_configs(spec, configs, arch).items():
         if cfg is not None:
-            where = (sources or {}).get(role, f"default for {arch} (give --seq to bake in tuned winners)")
+            where = (sources or {}).get(role, f"default for {arch}; --seq bakes in tuned winners")
             console.print(f"{role}: {registry.runner(spec.backend, role).name} "
                           f"{json.dumps(registry.Backend.config_to_dict(cfg), sort_keys=True)} ({where})")
     console.print(f"wrote {path}")
@@ -472,6 +535,7 @@ def export(
 @app.command()
 @clean_errors
 def bench(
+    ctx: typer.Context,
     shapes: Optional[str] = typer.Option(None, help="Comma-separated shape names (default: all on a GPU; on a CPU "
                                                     "only the tiny interpreter smoke run)."),
     out: Path = typer.Option(Path("bench-out"), help="Directory for bench.csv, bench.json and bench.png."),
@@ -519,6 +583,7 @@ def bench(
 
         if backward or untuned or kv_centric or decode or padded or chunked or shapes:
             _fail("--context-parallel is a bench of its own (one shape): give it alone")
+        _refuse_with(ctx, "--context-parallel", "a bench of its own (one shape)", *MAIN_BENCH_OPTIONS)
         if not torch.cuda.is_available():
             _fail("bench --context-parallel needs a CUDA GPU: it times kernels")
         _check_out_dir(out)
@@ -543,6 +608,7 @@ def bench(
         if len(chosen) > 1:
             _fail(f"{' and '.join(flag for flag, _, _ in chosen)} are separate benches: give one")
         flag, run, known = chosen[0]
+        _refuse_with(ctx, flag, "a bench of its own", *MAIN_BENCH_OPTIONS)
         names = benchmark._names(shapes, "bench shapes", known)
         if not torch.cuda.is_available():
             _fail(f"bench {flag} needs a CUDA GPU: it times kernels")
@@ -557,6 +623,9 @@ def bench(
     if gpu_only and not torch.cuda.is_available():
         _fail(f"shapes {', '.join(gpu_only)} need a CUDA GPU; on a CPU the bench runs only its "
               f"{benchmark.SMOKE_SHAPE!r} smoke run in the interpreter (no --shapes)")
+    if not torch.cuda.is_available():
+        for name in MAIN_BENCH_OPTIONS:
+            _needs(ctx, name, "a CUDA GPU", "on a CPU the bench runs only its smoke run in the interpreter")
     _check_out_dir(out)
     benchmark.main(shapes=shapes, out=str(out), overhead=overhead, sweep=sweep, graph=graph,
                    stall_timeout=stall_timeout)
@@ -588,7 +657,7 @@ def quality(
     queries' lists agree (the KV-centric union design's inflation)."""
     import torch
 
-    from .quality import load_qkv, plot_recall, selection_quality, summarize, write_csv
+    from .quality import full_coverage_note, load_qkv, plot_recall, selection_quality, summarize, write_csv
     from .spec import Spec
     from .tile_union import union_max_inflation
 
@@ -600,7 +669,10 @@ def quality(
         budgets = []
     if not budgets:
         _fail(f"--top-k {top_k!r}: expected comma-separated ints, e.g. 4,8,16")
-    layers = load_qkv(qkv)
+    try:
+        layers = load_qkv(qkv)
+    except KernelgenError as error:  # its messages start with the file's path
+        _fail(f"--qkv {error}")
     first = next(iter(layers.values()))
     for key in ("q", "k"):
         if not isinstance(first.get(key), torch.Tensor) or first[key].dim() != 4:
@@ -649,10 +721,9 @@ def quality(
                       "prepare() serves it at most "
                       f"{union_max_inflation(kv_block):.2f}")
     console.print(table)
-    whole = [b for b in budgets if b >= spec.n_kv_blocks(n_k)]
-    if whole:  # nothing was chosen: every block is listed
-        console.print(f"top_k {', '.join(map(str, whole))}: at least the {spec.n_kv_blocks(n_k)} KV blocks there are, "
-                      "so every block is listed (recall 1 says nothing of the selectors there)")
+    note = full_coverage_note(budgets, spec.n_kv_blocks(n_k))
+    if note:
+        console.print(note)
     console.print(f"per layer and head: {write_csv(rows, out / 'quality.csv')}")
     png = plot_recall(rows, out / "quality.png")
     if png:

@@ -161,7 +161,9 @@ def tuned_configs(spec: Spec, *, arch: str, seq: int, gpu_name: str | None = Non
         row = tuned.row
         measured = "; measured under another " + ", ".join(tuned.soft_mismatch) if tuned.soft_mismatch else ""
         configs[role] = tuned.config
-        sources[role] = f"{tuned.source}: {row['gpu_name']} {row['arch']}, bucket {row['bucket']}{measured}"
+        other_gpu = f"; no winner tuned on {gpu_name}" if gpu_name and row["gpu_name"] != gpu_name else ""
+        sources[role] = (f"{tuned.source}: {row['gpu_name']} {row['arch']}, bucket {row['bucket']}{measured}"
+                         f"{other_gpu}")
     return spec, configs, sources
 
 

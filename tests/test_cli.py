@@ -75,6 +75,20 @@ def test_version():
     assert result.exit_code == 0 and result.output.strip() == f"kernelgen {__version__}"
 
 
+def test_python_m_kernelgen_runs_the_cli():
+    import os
+    import subprocess
+    import sys
+
+    from kernelgen import __version__
+
+    root = str(Path(__file__).resolve().parent.parent)
+    result = subprocess.run([sys.executable, "-m", "kernelgen", "--version"], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PYTHONPATH": root})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"kernelgen {__version__}"
+
+
 def test_tune_dry_run_prints_space_without_gpu(tmp_path):
     spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=2, local=1)
     path = tmp_path / "spec.json"
@@ -168,6 +182,8 @@ def test_db_show_spec_finds_every_role_s_rows(tmp_path):
 def test_bench_gpu_shapes_on_a_cpu_are_a_clear_error(tmp_path):
     one_line_error(invoke("bench", "--shapes", "a32k,tiny", "--out", str(tmp_path / "b")), "a32k", "CUDA GPU")
     one_line_error(invoke("bench", "--sweep", "c", "--out", str(tmp_path / "b")), "c", "CUDA GPU")
+    for option in ("--overhead", "--no-graph"):  # timings of a GPU's bench: refused, not left unread
+        one_line_error(invoke("bench", option, "--out", str(tmp_path / "b")), option, "needs a CUDA GPU")
     assert not (tmp_path / "b").exists()
 
 
@@ -302,9 +318,11 @@ def test_db_list_show_clear(tmp_path):
     result = invoke("db", "clear", "--spec-key", "abc", "--yes")
     assert result.exit_code == 0 and "deleted 1 rows" in result.output
     assert [r["spec_key"] for r in TuningDB(path).rows()] == ["def"]
-    for answer in ("n\n", ""):  # declined, or no one to answer (no terminal): one line, nothing deleted
-        one_line_error(runner.invoke(app, ["db", "clear"], input=answer), "nothing deleted", "--yes")
-        assert len(TuningDB(path).rows()) == 1
+    declined = runner.invoke(app, ["db", "clear"], input="n\n")  # the user's answer: nothing deleted, no error
+    assert declined.exit_code == 0 and "nothing deleted" in declined.output and len(TuningDB(path).rows()) == 1
+    # no one to answer (no terminal, end of input): one line, nothing deleted
+    one_line_error(runner.invoke(app, ["db", "clear"], input=""), "nothing deleted", "--yes")
+    assert len(TuningDB(path).rows()) == 1
     assert len(read_only_rows(BUNDLED_DB_PATH)) == len(bundled)
 
 
@@ -423,7 +441,7 @@ def test_export_bakes_the_tuned_winners_for_arch_and_seq_and_says_so(tmp_path):
     assert f"'backend': '{resolved.backend}'" in text and "# config sources: " in text
     assert "bundled DB: NVIDIA H200 sm_90, bucket 32768" in flat(result.output)
     default = invoke("export", *options, "--out", str(tmp_path / "d.py"))
-    assert default.exit_code == 0 and "default for cpu (give --seq to bake in tuned winners)" in flat(default.output)
+    assert default.exit_code == 0 and "default for cpu; --seq bakes in tuned winners" in flat(default.output)
     one_line_error(invoke("export", *options, "--gpu", "NVIDIA H200", "--out", str(out)), "--seq")
     one_line_error(invoke("export", *options, "--arch", "sm_9000", "--seq", "4096", "--out", str(out)), "arch")
     one_line_error(invoke("export", *options, "--arch", "sm_90", "--seq", "4096", "--dtype", "fp8", "--out",
@@ -474,6 +492,7 @@ def _bad_files(root: Path) -> None:
 
 
 DRY = ["tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--dry-run"]
+DRY_FILE = ["tune", "--arch", "sm_90", "--seq", "4096", "--dry-run"]  # a spec or a model from a file
 BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, words of the one line)
     # typer's own usage errors: one line naming the command's --help
     (["banana"], ["No such command 'banana'", "kernelgen --help"]),
@@ -519,23 +538,39 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
     (DRY + ["--schedule", "kv_centric", "--role", "attn"], ["--role 'attn'", "kv_centric", "kv_bwd_union"]),
     (DRY + ["--schedule", "banana"], ["schedule='banana' is unknown"]),
     (["tune", "--arch", "cpu", "--seq", "256", "--role", "attn"], ["--arch cpu", "--dry-run"]),
-    (DRY + ["--model", "{FILES}/missing.json"], ["--model", "missing.json", "No such file"]),
+    (DRY_FILE + ["--model", "{FILES}/missing.json"], ["--model", "missing.json", "No such file"]),
     (["quality", "--qkv", "{FILES}/qkv.pt", "--device", "tpu", "--out", "{FILES}/q"],
      ["--device 'tpu'", "cpu or cuda"]),
     (["quality", "--qkv", "{FILES}/qkv.pt", "--device", "cuda:99", "--out", "{FILES}/q"], ["--device cuda:99",
                                                                                             "no such CUDA GPU"]),
     (["tune", "--arch", "sm_90", "--preset", "bench", "--shapes", "banana", "--dry-run"], ["shape 'banana'"]),
+    # options that the others given leave unread
+    (["tune", "--arch", "sm_90", "--preset", "bench", "--seq", "1024", "--dry-run"],
+     ["--preset cannot be combined with --seq"]),
+    (DRY + ["--shapes", "a32k"], ["--shapes needs --preset"]),
+    (DRY + ["--backends", "gluon"], ["--backends needs --preset or --model"]),
+    (["tune", "--arch", "sm_90", "--seq", "4096", "--space"], ["--space needs --dry-run"]),
+    (DRY + ["--spec", "{FILES}/fields.json"], ["--spec cannot be combined with --head-dim"]),
+    (DRY_FILE + ["--model", "{FILES}/missing.json", "--spec", "{FILES}/fields.json"],
+     ["--model cannot be combined with --spec"]),
+    (["bench", "--decode", "--no-graph", "--out", "{FILES}/b"], ["--decode cannot be combined with --no-graph"]),
+    (["export", "--out", "{FILES}/m.py", "--dtype", "float16"], ["--dtype needs --seq"]),
+    (["export", "--out", "{FILES}/m.py", "--gpu", "NVIDIA L4"], ["--gpu needs --seq"]),
+    (["export", "--out", "{FILES}/m.py", "--backend", "auto"], ["--backend auto", "give --seq"]),
+    (["export", "--out", "{FILES}/m.py", "--arch", "cpu", "--seq", "1024"], ["--seq", "give --arch"]),
+    (["export", "--out", "{FILES}/m.py", "--spec", "{FILES}/fields.json", "--backend", "tilelang"],
+     ["--spec cannot be combined with --backend"]),
     (["tune", "--arch", "sm_90", "--preset", "bench", "--backends", "banana", "--dry-run"], ["backend='banana'"]),
     (["export", "--out", "{FILES}/m.py", "--backend", "banana"], ["backend='banana' is unknown"]),
     (["bench", "--shapes", "banana", "--out", "{FILES}/b"], ["unknown bench shapes 'banana'"]),
     (["bench", "--shapes", ",", "--out", "{FILES}/b"], ["no bench shape named"]),
     (["bench", "--sweep", "banana", "--out", "{FILES}/b"], ["unknown sweep shapes 'banana'"]),
     # files: missing, a directory, not JSON, JSON of another shape, not SQLite, SQLite of another schema
-    (DRY + ["--spec", "{FILES}/missing.json"], ["--spec", "missing.json", "No such file"]),
-    (DRY + ["--spec", "{FILES}/a_dir"], ["--spec", "a_dir", "Is a directory"]),
-    (DRY + ["--spec", "{FILES}/corrupt.json"], ["--spec", "corrupt.json", "Expecting"]),
-    (DRY + ["--spec", "{FILES}/list.json"], ["--spec", "list.json", "JSON object", "got list"]),
-    (DRY + ["--spec", "{FILES}/fields.json"], ["--spec", "fields.json", "unknown fields ['banana']"]),
+    (DRY_FILE + ["--spec", "{FILES}/missing.json"], ["--spec", "missing.json", "No such file"]),
+    (DRY_FILE + ["--spec", "{FILES}/a_dir"], ["--spec", "a_dir", "Is a directory"]),
+    (DRY_FILE + ["--spec", "{FILES}/corrupt.json"], ["--spec", "corrupt.json", "Expecting"]),
+    (DRY_FILE + ["--spec", "{FILES}/list.json"], ["--spec", "list.json", "JSON object", "got list"]),
+    (DRY_FILE + ["--spec", "{FILES}/fields.json"], ["--spec", "fields.json", "unknown fields ['banana']"]),
     (["export", "--out", "{FILES}/m.py", "--spec", "{FILES}/text.db"], ["--spec", "text.db"]),
     (["export", "--out", "{FILES}/a_dir"], [".py file"]),
     (["export", "--out", "{FILES}/corrupt.json/m.py"], ["--out", "corrupt.json", "not a directory"]),
