@@ -82,6 +82,14 @@ def model_config(on_gpu: bool, top_k: int, kv_block: int, backend: str) -> trans
                                     **sparse)
 
 
+def count(n: int) -> str:
+    """A count with a unit: 164.2K, 1.2M, 7.0B (the tiny CPU model has no billions)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size * 0.99995:  # what rounds to 1000.0 of one unit is 1.0 of the next
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
 def random_ids(vocab: int, batch: int, n: int, seed: int) -> torch.Tensor:
     """A prompt of random tokens, none of them the pad token 0 (generate() would read those as padding)."""
     return torch.randint(1, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
@@ -181,7 +189,7 @@ def main(argv=None) -> int:
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
     params = sum(x.numel() for x in model.parameters())
     spec = kernelgen.integrations.transformers.layer_spec(model.config)
-    print(f"model: {params / 1e9:.3g}B parameters, {config.num_hidden_layers} layers, {config.num_attention_heads} "
+    print(f"model: {count(params)} parameters, {config.num_hidden_layers} layers, {config.num_attention_heads} "
           f"heads over {config.num_key_value_heads} KV heads, head_dim {config.head_dim}, {dtype}")
     print(f"kernelgen: {spec}")
 

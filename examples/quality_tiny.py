@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import kernelgen  # noqa: F401  (sets TRITON_INTERPRET=1 by itself when there is no CUDA device)
 from kernelgen import Spec
-from kernelgen.quality import capture_qkv, plot_recall, selection_quality, summarize, write_csv
+from kernelgen.quality import capture_qkv, full_coverage_note, plot_recall, selection_quality, summarize, write_csv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_tiny import TinyDecoder, dense_attention, make_batch  # noqa: E402
@@ -81,12 +81,16 @@ def main(argv=None) -> int:
         spec = Spec(head_dim=head_dim, kv_block=block, q_tile=block, causal=True, local=1, sink=1)
         budgets = [t for t in top_ks if t >= spec.n_forced]
         rows = selection_quality(layers, spec, ["mean", "multi:4"], budgets)
-        print(f"\nN={n} ({spec.n_kv_blocks(n)} KV blocks of {block}; a sink and a local block forced)")
+        n_blocks = spec.n_kv_blocks(next(iter(layers.values()))["k"].shape[2])  # of the keys attention saw
+        print(f"\nN={n} ({n_blocks} KV blocks of {block}; a sink and a local block forced)")
         print(f"{'selector':>9} {'top_k':>5} {'recall mean':>11} {'lowest':>7} {'rel.err mean':>12} {'max':>8}  "
               "lowest recall at")
         for row in summarize(rows):
             print(f"{row['selector']:>9} {row['top_k']:5d} {row['recall_mean']:11.4f} {row['recall_min']:7.4f} "
                   f"{row['rel_error_mean']:12.2e} {row['rel_error_max']:8.2e}  {row['worst']}")
+        note = full_coverage_note(budgets, n_blocks)
+        if note:  # as `kernelgen quality` says it
+            print(note)
         write_csv(rows, os.path.join(args.out, f"quality_N{n}.csv"))
         png = plot_recall(rows, os.path.join(args.out, f"quality_N{n}.png"))
         if png:

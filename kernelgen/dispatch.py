@@ -28,7 +28,8 @@ from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
                      CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps, check_keys, check_length,
-                     check_paged_kv, check_pages, check_qkv, check_token_rows, lists_layout, refuse_grad_with_seqlens)
+                     check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
+                     refuse_grad_with_seqlens)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -44,7 +45,7 @@ __all__ = ["get_kernel", "SparseAttention", "Served"]
 log = logging.getLogger("kernelgen")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Served:
     """What one role of a call runs: the backend, its kernel spec and config, where the config came
     from ("pinned", "user DB", "bundled DB" or "default"), and the kernel when it is not per shape."""
@@ -56,6 +57,11 @@ class Served:
     config: Any
     source: str
     kernel: Any = None
+
+    def __repr__(self) -> str:
+        # what a user asks served() for: who runs the role, with what, decided where (not the launch machinery)
+        return (f"Served(role={self.role!r}, backend={self.backend.name!r}, config={self.config!r}, "
+                f"source={self.source!r})")
 
 
 def _local_device(device) -> torch.device:
@@ -472,6 +478,7 @@ class SparseAttention:
                  key_reps: KeyReps | None = None, cache_seqlens: torch.Tensor | None = None,
                  cache_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None):
+        check_return_lse(return_lse)
         q, k, v = autocast_qkv(q, k, v)
         shapes = self._start_call(q, k, v, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)

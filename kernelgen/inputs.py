@@ -22,7 +22,7 @@ from .spec import Spec
 __all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "CacheRows", "check_cache_rows", "check_paged_kv",
            "check_pages",
            "refuse_grad_with_seqlens", "check_keys", "check_qkv",
-           "check_block_idx", "check_block_lists", "check_index", "check_length",
+           "check_block_idx", "check_block_lists", "check_index", "check_length", "check_return_lse",
            "softmax_scale", "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
 
 LOG2E = 1.4426950408889634
@@ -574,6 +574,15 @@ def _check_index_fp8(device) -> None:
     if arch != "sm_90":
         raise KernelgenTypeError(f"index: float8_e4m3fn index vectors run on sm_90 (Hopper) GPUs only; this GPU is "
                                  f"{arch}: pass float16 or bfloat16")
+
+
+def check_return_lse(return_lse) -> bool:
+    """return_lse, a bool: any other value (a string, a tensor) would choose the call's return form by its
+    truth."""
+    if not isinstance(return_lse, bool):
+        shown = type(return_lse).__name__ if isinstance(return_lse, torch.Tensor) else repr(return_lse)[:80]
+        raise KernelgenTypeError(f"return_lse must be a bool (True: return (o, lse); False: o), got {shown}")
+    return return_lse
 
 
 def softmax_scale(scale, spec: Spec) -> float:

@@ -26,6 +26,8 @@ import contextlib
 import csv
 import math
 import os
+import re
+import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -34,12 +36,13 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .interop import block_membership
 from .spec import Spec
 
-__all__ = ["capture_qkv", "load_qkv", "selection_quality", "summarize", "write_csv", "plot_recall", "QUALITY_SELECTORS",
-           "FIELDS"]
+__all__ = ["capture_qkv", "load_qkv", "selection_quality", "summarize", "full_coverage_note", "write_csv",
+           "plot_recall", "QUALITY_SELECTORS", "FIELDS", "ROOT"]
 
 QUALITY_SELECTORS = ("mean", "multi:r", "index")
 FIELDS = ("layer", "head", "selector", "top_k", "recall", "rel_error", "inflation")
 _INDEX_KEYS = ("q_idx", "k_idx", "w")
+ROOT = "<root>"  # capture_qkv's name for the model itself (named_modules() names it "")
 
 
 @contextlib.contextmanager
@@ -52,18 +55,20 @@ def capture_qkv(model: torch.nn.Module, layers: Iterable[str] | None = None, *, 
     models loaded with `attn_implementation="sdpa"` (Llama's default), and any model that calls SDPA through
     `torch.nn.functional`. A model that calls another kernel (FlashAttention's, an eager softmax) is not seen.
     Each call is filed under the innermost module that made it (`model.named_modules()` names, e.g.
-    `model.layers.3.self_attn`); `layers` keeps only calls made inside the named modules (a name that is not
-    a module of the model is a ValueError). Repeated calls of one module (several forward passes) are
-    concatenated along the batch when their shapes agree, else filed as `name#2`, `name#3`, ...
+    `model.layers.3.self_attn`; "<root>" (`ROOT`) for the model's own forward); `layers` keeps only calls made
+    inside the named modules (a name that is not a module of the model is a ValueError). Repeated calls of one
+    module (several forward passes) are concatenated along the batch when their shapes agree, else filed as
+    `name#2`, `name#3`, ...
 
     k and v repeated per query head before the call (Hugging Face's `repeat_kv`) are stored once per KV head.
     `causal` is True for `is_causal=True` or a mask that is exactly the bottom-right causal one, else False;
     `scale` is the call's (None: 1/sqrt(D)). Tensors are detached and moved to `device` (None: left where they
     are)."""
     functional = torch.nn.functional
-    modules = dict(model.named_modules())
+    modules = {name or ROOT: module for name, module in model.named_modules()}
     if layers is not None:
-        layers = [layers] if isinstance(layers, str) else list(layers)
+        # "" (named_modules' name of the model) names it too
+        layers = [name or ROOT for name in ([layers] if isinstance(layers, str) else layers)]
         unknown = [name for name in layers if name not in modules]
         if unknown:
             raise KernelgenValueError(f"capture_qkv: layers {unknown} are not modules of the model (its names: "
@@ -133,14 +138,17 @@ def _is_causal_mask(mask: torch.Tensor, n_q: int, n_k: int) -> bool:
 def load_qkv(path) -> dict[str, dict]:
     """The layers a .pt file holds: `{"layers": {name: {"q", "k"[, "v"][, "q_idx", "k_idx", "w"][, "causal"]
     [, "scale"]}}}` (what `torch.save({"layers": captured}, path)` writes after `capture_qkv`), or one layer's
-    dict at the top level. Loaded with `weights_only=True` onto the CPU."""
+    dict at the top level. Loaded with `weights_only=True` onto the CPU; a file torch.save did not write, or
+    one holding other objects than tensors, is a KernelgenValueError of one line."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a pickle of another protocol: the error below says it all
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except OSError:
         raise
     except Exception as error:  # noqa: BLE001: torch.load raises pickle's and its own errors for a bad file
-        raise KernelgenValueError(f"{path}: not a torch .pt file of tensors ({type(error).__name__}: "
-                                  f"{str(error).splitlines()[0] if str(error) else ''})") from None
+        raise KernelgenValueError(f"{path}: not a file of tensors that torch.save wrote ({_load_error(error)})") \
+            from None
     if isinstance(data, Mapping) and "layers" in data:
         data = data["layers"]
     elif isinstance(data, Mapping) and "q" in data:
@@ -149,6 +157,18 @@ def load_qkv(path) -> dict[str, dict]:
         raise KernelgenValueError(f"{path}: expected {{'layers': {{name: {{'q': ..., 'k': ..., 'v': ...}}}}}} or one "
                                   "layer's {'q': ..., 'k': ..., 'v': ...}")
     return {str(name): dict(layer) for name, layer in data.items()}
+
+
+def _load_error(error: Exception) -> str:
+    """torch.load's error in one line: the weights-only unpickler's own reason where it gives one (its message
+    opens with advice to load with weights_only=False, which a file of tensors never needs), ANSI codes out."""
+    if isinstance(error, KeyError):  # the weights-only unpickler's for a byte that is no pickle opcode
+        return f"not a pickle: unknown opcode {error}"
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    reason = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    line = reason.group(1) if reason else next((x.strip() for x in text.splitlines() if x.strip()), "")
+    line = re.split(r"(?<=\.) ", line)[0]  # its first sentence: the rest is advice
+    return f"{type(error).__name__}: {line[:200]}" if line else type(error).__name__
 
 
 def selection_quality(layers: Mapping[str, Mapping], spec: Spec, selectors: Iterable[str], top_ks: Iterable[int], *,
@@ -328,6 +348,16 @@ def summarize(rows: list[dict]) -> list[dict]:
                         rel_error_max=max(errors, default=math.nan), inflation_mean=_mean(inflations),
                         worst=None if worst is None else f"{worst['layer']} head {worst['head']}"))
     return out
+
+
+def full_coverage_note(top_ks: Iterable[int], n_blocks: int) -> str | None:
+    """The note for the budgets that list every one of `n_blocks` KV blocks (their recall is 1 whatever the
+    selector), or None when there is none: printed under a report beside its table."""
+    whole = [t for t in top_ks if t >= n_blocks]
+    if not whole:
+        return None
+    return (f"top_k {', '.join(map(str, whole))}: at least the {n_blocks} KV blocks there are, so every block is "
+            "listed (recall 1 says nothing of the selectors there)")
 
 
 def _mean(values) -> float:

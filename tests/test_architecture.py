@@ -122,6 +122,9 @@ def test_a_registered_backend_s_winner_is_served_from_the_db_and_listed(referenc
                   fingerprint=current_fingerprint(reference_backend, "attn"), spec_json=kernel_spec.to_json())
     served = kernelgen.get_kernel(SPEC).served("attn", 300, torch.float32, "cpu")
     assert served.config == ReferenceConfig(2) and served.source == "user DB"
+    # its repr: who serves the role with what, from where; not the role's launch machinery
+    assert repr(served) == ("Served(role='attn', backend='reference', config=ReferenceConfig(rows_per_step=2), "
+                            "source='user DB')")
 
     result = CliRunner().invoke(app, ["db", "list"])
     assert result.exit_code == 0, result.output

@@ -1,6 +1,7 @@
 """kernelgen.bench on the CPU: the interpreter smoke run, shape-name errors, FlexAttention's BlockMask
 holding exactly the lists, and the FLOP counts."""
 import importlib
+import importlib.util
 import itertools
 
 import pytest
@@ -17,20 +18,39 @@ needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU behavi
 runner = importlib.import_module("kernelgen.bench.measure")
 
 
+def _strict(constant):
+    raise AssertionError(f"{constant} in a JSON file: strict JSON has null there")
+
+
 @needs_cpu
 def test_main_tiny_smoke_run(tmp_path, capsys):
+    (tmp_path / "bench.jsonl").write_text('{"shape": "an earlier run"}\n')
     assert bench.main(shapes="tiny", out=tmp_path, stall_timeout=0) == 0
     printed = capsys.readouterr().out
     assert bench.NO_GPU_MESSAGE in printed and "smoke run OK" in printed
     import json
 
-    rows = json.loads((tmp_path / "bench.json").read_text())
+    rows = json.loads((tmp_path / "bench.json").read_text(), parse_constant=_strict)
+    lines = (tmp_path / "bench.jsonl").read_text().splitlines()
+    assert [json.loads(line, parse_constant=_strict) for line in lines] == rows  # this run's rows alone
+    assert all(r["ms"] is None and r["tflops"] is None for r in rows)  # no timings on the CPU: null, not NaN
+    assert bench.plot(tmp_path) is None and "no timed rows" in capsys.readouterr().out
     impls = {r["impl"] for r in rows}
     assert {"kernelgen given", "kernelgen mean (select+attn)"} <= impls
     given = next(r for r in rows if r["impl"] == "kernelgen given")
     assert given["backend"] in kernelgen.backends.names() and given["config_source"]
     assert all(r["rel_err_vs_reference"] < 1e-2 for r in rows)
     assert (tmp_path / "bench.csv").exists() and (tmp_path / "bench.jsonl").exists()
+
+
+def test_plot_says_why_there_is_none(tmp_path, capsys):
+    assert bench.plot(tmp_path) is None and "no plot" in capsys.readouterr().out  # no bench.json
+    (tmp_path / "bench.json").write_text('[{"shape": "tiny", "impl": "kernelgen given", "ms": 1.5, "tflops": null}]')
+    png = bench.plot(tmp_path)
+    if importlib.util.find_spec("matplotlib"):
+        assert png and (tmp_path / "bench.png").stat().st_size > 0
+    else:
+        assert png is None and "matplotlib is not installed" in capsys.readouterr().out
 
 
 def test_unknown_shape_is_one_clear_error():

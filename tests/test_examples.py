@@ -1,6 +1,7 @@
 """The examples run end to end (on the CPU: the interpreter at their tiny sizes)."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,8 @@ def test_quality_tiny_reports_each_length(tmp_path):
     rows = (tmp_path / "quality_N64.csv").read_text().splitlines()
     assert rows[0] == "layer,head,selector,top_k,recall,rel_error,inflation"
     assert (tmp_path / "quality_N128.csv").exists()
+    # as `kernelgen quality` says: a budget of every block has recall 1 whatever the selector
+    assert "top_k 8: at least the 4 KV blocks there are, so every block is listed" in result.stdout
     full = [float(r.split(",")[4]) for r in rows[1:] if r.split(",")[3] == "8"]  # 4 blocks of 16 keys: all listed
     assert full and all(abs(x - 1) < 1e-9 for x in full)
 
@@ -60,6 +63,7 @@ def test_hf_llama_sparse_runs_tiny_on_the_cpu(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "No CUDA GPU" in result.stdout and "every block listed" in result.stdout
+    assert re.search(r"model: \d+\.\dK parameters", result.stdout), result.stdout[:500]  # not 0.000164B
     assert "logits over a KeyRepsCache equal a DynamicCache's: True" in result.stdout
     rows = json.loads(out.read_text())["results"]
     assert [(r["tokens"], r["attention"]) for r in rows] == [(64, "sdpa"), (64, "kernelgen")]

@@ -51,6 +51,12 @@ def test_bad_scale(attn, device, bad, error):
         attn(*qkv(device), scale=bad)
 
 
+@pytest.mark.parametrize("bad", ["yes", 1, None, torch.tensor(True)], ids=["str", "int", "None", "tensor"])
+def test_return_lse_must_be_a_bool(attn, device, bad):
+    with pytest.raises(kernelgen.KernelgenTypeError, match=r"^return_lse must be a bool"):
+        attn(*qkv(device), return_lse=bad)
+
+
 def test_scale_is_applied(device):
     q, k, v = qkv(device)
     idx = lists(GIVEN, 64, 96, device)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from test_cli import invoke, one_line_error
 
 from kernelgen import Spec, reference
-from kernelgen.quality import capture_qkv, selection_quality, summarize
+from kernelgen.quality import ROOT, capture_qkv, full_coverage_note, selection_quality, summarize
 
 
 def _layer(b=1, hq=4, hkv=2, n_q=96, n_k=96, seed=0, index=False):
@@ -183,6 +183,26 @@ def test_capture_records_q_k_v_at_the_attention_call():
     assert len(rows) == 2 * 4 and all(0 < r["recall"] <= 1 for r in rows)
 
 
+def test_capture_names_the_model_s_own_attention_call_root():
+    """SDPA called in the top-level forward: named_modules() names that module "", the capture "<root>"."""
+    model = _Attention(False)
+    x = torch.randn(1, 32, 32)
+    with capture_qkv(model) as layers:
+        model(x)
+    assert list(layers) == [ROOT] == ["<root>"] and layers[ROOT]["q"].shape == (1, 4, 32, 64)
+    for name in ("", ROOT):  # either name chooses it
+        with capture_qkv(model, layers=[name]) as only:
+            model(x)
+        assert list(only) == [ROOT]
+
+
+def test_full_coverage_note_names_the_budgets_that_list_every_block():
+    assert full_coverage_note([2, 4, 8], 5) == ("top_k 8: at least the 5 KV blocks there are, so every block is "
+                                                "listed (recall 1 says nothing of the selectors there)")
+    assert full_coverage_note([4, 5, 6], 5).startswith("top_k 5, 6: at least the 5 KV blocks")
+    assert full_coverage_note([2, 4], 5) is None
+
+
 def _save(tmp_path, **layer_options):
     path = tmp_path / "qkv.pt"
     torch.save({"layers": {"layer0": {**_layer(n_q=64, n_k=64, **layer_options), "causal": True},
@@ -224,11 +244,22 @@ def test_cli_reports_per_query_lists_union_inflation(tmp_path):
     one_line_error(invoke("quality", "--qkv", str(path), "--schedule", "bogus"), "schedule")
 
 
+class _NotATensor:
+    """An object a file may hold that torch.load(weights_only=True) refuses."""
+
+
 def test_cli_bad_input_is_one_line(tmp_path):
     path = _save(tmp_path)
     one_line_error(invoke("quality", "--qkv", str(tmp_path / "missing.pt")), "--qkv", "no such file")
     (tmp_path / "text.pt").write_text("not a tensor file")
-    one_line_error(invoke("quality", "--qkv", str(tmp_path / "text.pt")), "text.pt")
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "text.pt")), "text.pt", "not a file of tensors that "
+                   "torch.save wrote")
+    torch.save({"layers": {"l": {"q": _NotATensor()}}}, tmp_path / "object.pt")  # weights_only refuses it
+    result = invoke("quality", "--qkv", str(tmp_path / "object.pt"))
+    one_line_error(result, "object.pt", "torch.save wrote", "_NotATensor")
+    assert "weights_only" not in result.stderr and "\x1b" not in result.stderr  # no advice to unpickle it, no ANSI
+    torch.save([torch.zeros(2)], tmp_path / "list.pt")
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "list.pt")), "list.pt", "expected {'layers'")
     one_line_error(invoke("quality", "--qkv", str(path), "--top-k", "four"), "--top-k")
     one_line_error(invoke("quality", "--qkv", str(path), "--selectors", "index"), "index vectors")
     one_line_error(invoke("quality", "--qkv", str(path), "--selectors", "multi:3"), "multi:3")

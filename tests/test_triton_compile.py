@@ -222,3 +222,38 @@ def test_offline_compile_reports_each_kernels_registers_spills_products_and_loop
     loop = attn["loop"]
     assert loop["mma"] >= 2 and loop["mufu"] >= 16, loop
     assert loop["instructions"] == sum(v for k, v in loop.items() if k != "instructions"), loop
+
+
+def _tool(name: str, *args, stdin: str = ""):
+    """tools/<name>.py run as a maintainer runs it: its exit status, stdout and stderr."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, str(root / "tools" / f"{name}.py"), *args], input=stdin,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+@pytest.mark.parametrize("name", ["offline_compile", "kv_union_sweep", "kv_attn_sweep"])
+def test_maintainer_tools_answer_help_without_a_gpu(name):
+    result = _tool(name, "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"usage: {name}.py") and "Maintainers:" in result.stdout
+
+
+@pytest.mark.parametrize("stdin, says", [("", "stdin is empty"), ("[{'spec'", "stdin is not JSON"),
+                                         ('{"spec": {}}', "not a list"), ("[1]", "objects (cases)")])
+def test_offline_compile_says_what_it_expects_on_stdin(stdin, says):
+    """Run by hand with nothing or the wrong thing piped in: one line saying what it reads, exit status 2."""
+    result = _tool("offline_compile", "sm_90", stdin=stdin)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "a JSON list of cases on stdin" in lines[0], result.stderr
+
+
+def test_offline_compile_names_a_bad_arch():
+    result = _tool("offline_compile", "sm90", stdin="[]")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "arch='sm90'" in lines[0] and "sm_XY" in lines[0]

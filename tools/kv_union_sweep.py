@@ -18,6 +18,7 @@ With --kernels, on agreeing lists (own = 2): each kernel's CUDA time (torch prof
 forward+backward steps) with the union forward's served config and the union backward's served dQ, at a grid
 of dK/dV configs (keys x rows a step, warps, stages, use_tma), with every kernel's use_tma set alike.
 """
+import argparse
 import dataclasses
 import json
 import os
@@ -63,7 +64,7 @@ def backward_inputs(name):
     return shape, shape.spec("given"), leaves, torch.randn_like(leaves[0])
 
 
-def sweep_backward(names):
+def sweep_backward(names, out):
     rows = []
     for name in names:
         shape, spec, leaves, do = backward_inputs(name)
@@ -109,7 +110,7 @@ def kernel_ms(attn, leaves, lists, do) -> dict:
     return {e.key[:32]: round(e.device_time_total / 3e3, 3) for e in prof.key_averages() if e.device_time_total > 20}
 
 
-def sweep_kernels(names):
+def sweep_kernels(names, out):
     rows = []
     for name in names:
         shape, spec, leaves, do = backward_inputs(name)
@@ -137,44 +138,64 @@ def sweep_kernels(names):
         json.dump(rows, open(f"{out}/kv_union_kernels.json", "w"), indent=1)
 
 
-out = os.environ.get("OUT", "/tmp")
-rows = []
-if sys.argv[1:2] in (["--backward"], ["--kernels"]):
-    (sweep_backward if sys.argv[1] == "--backward" else sweep_kernels)(sys.argv[2:] or list(KV_CENTRIC_SHAPES))
-    sys.exit(0)
-for name in sys.argv[1:] or list(KV_CENTRIC_SHAPES):
-    shape = KV_CENTRIC_SHAPES[name]
-    spec = shape.spec("given")
-    q, k, v = shape.inputs(torch.device("cuda"), torch.bfloat16)
-    kinds = {"random": random_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k)}
-    for own in (0, 2, 4, 8):
-        kinds[f"agree{own}"] = agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, own)
-    configs = list(grid(spec))
-    for kind, lists in kinds.items():
-        gathered_attn = get_kernel(spec, configs={"kv_attn": get_kernel(spec).config("kv_attn", shape.n_q, shape.n_k)})
-        prepared = gathered_attn.prepare(lists, shape.n_q, shape.n_k)
-        gathered = bench(lambda: gathered_attn(q, k, v, block_idx=prepared))
-        ref = gathered_attn(q, k, v, block_idx=prepared)
-        rows.append(dict(shape=name, lists=kind, design="gathered", ms=gathered))
-        inflation = {t: build_tile_union(prepared.block_idx, t, spec.n_kv_blocks(shape.n_k)).inflation(prepared.block_idx)
-                     for t in (1, 2, 4, 8, 16)}
-        best = None
-        for cfg in configs:
-            try:
-                attn = get_kernel(spec, configs={"kv_attn_union": cfg})
-                union_lists = attn.prepare(lists, shape.n_q, shape.n_k)
-                ms = bench(lambda: attn(q, k, v, block_idx=union_lists))
-                diff = ((attn(q, k, v, block_idx=union_lists).float() - ref.float()).norm() / ref.float().norm()).item()
-            except Exception as e:  # a config the compiler refuses: reported, the sweep goes on
-                print(name, kind, cfg, "failed", type(e).__name__, str(e)[:160], flush=True)
-                continue
-            rows.append(dict(shape=name, lists=kind, design="union", config=cfg.to_json(), ms=ms,
-                             inflation=inflation[cfg.tile_q], rel_diff=diff))
-            if best is None or ms < best[0]:
-                best = (ms, cfg, diff)
-        print(f"{name:10s} {kind:7s} inflation " + " ".join(f"{t}:{x:.2f}" for t, x in inflation.items())
-              + f" | gathered {gathered:.3f} ms | union best {best[0]:.3f} ms ({best[0] / gathered:.2f}x) "
-              f"{best[1].to_json()} diff {best[2]:.1e}", flush=True)
-    del q, k, v, kinds
-    torch.cuda.empty_cache()
-    json.dump(rows, open(f"{out}/kv_union_sweep.json", "w"), indent=1)
+def sweep_forward(names, out):
+    rows = []
+    for name in names:
+        shape = KV_CENTRIC_SHAPES[name]
+        spec = shape.spec("given")
+        q, k, v = shape.inputs(torch.device("cuda"), torch.bfloat16)
+        kinds = {"random": random_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k)}
+        for own in (0, 2, 4, 8):
+            kinds[f"agree{own}"] = agreeing_query_lists(spec, shape.batch, shape.heads_kv, shape.n_q, shape.n_k, own)
+        configs = list(grid(spec))
+        for kind, lists in kinds.items():
+            gathered_cfg = get_kernel(spec).config("kv_attn", shape.n_q, shape.n_k)
+            gathered_attn = get_kernel(spec, configs={"kv_attn": gathered_cfg})
+            prepared = gathered_attn.prepare(lists, shape.n_q, shape.n_k)
+            gathered = bench(lambda: gathered_attn(q, k, v, block_idx=prepared))
+            ref = gathered_attn(q, k, v, block_idx=prepared)
+            rows.append(dict(shape=name, lists=kind, design="gathered", ms=gathered))
+            n_blocks = spec.n_kv_blocks(shape.n_k)
+            inflation = {t: build_tile_union(prepared.block_idx, t, n_blocks).inflation(prepared.block_idx)
+                         for t in (1, 2, 4, 8, 16)}
+            best = None
+            for cfg in configs:
+                try:
+                    attn = get_kernel(spec, configs={"kv_attn_union": cfg})
+                    union_lists = attn.prepare(lists, shape.n_q, shape.n_k)
+                    ms = bench(lambda: attn(q, k, v, block_idx=union_lists))
+                    union_out = attn(q, k, v, block_idx=union_lists).float()
+                    diff = ((union_out - ref.float()).norm() / ref.float().norm()).item()
+                except Exception as e:  # a config the compiler refuses: reported, the sweep goes on
+                    print(name, kind, cfg, "failed", type(e).__name__, str(e)[:160], flush=True)
+                    continue
+                rows.append(dict(shape=name, lists=kind, design="union", config=cfg.to_json(), ms=ms,
+                                 inflation=inflation[cfg.tile_q], rel_diff=diff))
+                if best is None or ms < best[0]:
+                    best = (ms, cfg, diff)
+            print(f"{name:10s} {kind:7s} inflation " + " ".join(f"{t}:{x:.2f}" for t, x in inflation.items())
+                  + f" | gathered {gathered:.3f} ms | union best {best[0]:.3f} ms ({best[0] / gathered:.2f}x) "
+                  f"{best[1].to_json()} diff {best[2]:.1e}", flush=True)
+        del q, k, v, kinds
+        torch.cuda.empty_cache()
+        json.dump(rows, open(f"{out}/kv_union_sweep.json", "w"), indent=1)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shapes", nargs="*", metavar="SHAPE", help=f"of {list(KV_CENTRIC_SHAPES)} (default: all)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--backward", action="store_true", help="forward+backward: the two designs' backwards")
+    which.add_argument("--kernels", action="store_true", help="each kernel's CUDA time at a grid of dK/dV configs")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.shapes if name not in KV_CENTRIC_SHAPES]
+    if unknown:
+        parser.error(f"unknown shape(s) {unknown}; expected some of {list(KV_CENTRIC_SHAPES)}")
+    if not torch.cuda.is_available():
+        sys.exit("kv_union_sweep.py times kernels: it needs a CUDA GPU")
+    sweep = sweep_backward if args.backward else sweep_kernels if args.kernels else sweep_forward
+    sweep(args.shapes or list(KV_CENTRIC_SHAPES), os.environ.get("OUT", "/tmp"))
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,7 @@ warp, by kind, from its SASS): what decides how many programs share an SM, and w
 `compile_offline` runs this script in subprocesses from another process (the tests, whose process runs the
 interpreter, and tools/kv_bwd_sweep.py).
 """
+import argparse
 import contextlib
 import json
 import os
@@ -208,15 +209,54 @@ _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), 
             "kv_bwd_union": ("dq", "dk", "dv")}
 
 
-def main(arch: str) -> None:
-    """Compile each case of the JSON list on stdin; a JSON line per case on stdout."""
-    from kernelgen import Spec, backends, get_kernel
+_EXPECTED = ("a JSON list of cases on stdin, e.g. echo '[{\"spec\": {\"head_dim\": 128, ...}, \"n\": 4096}]' | "
+             "python tools/offline_compile.py sm_90 (--help: the case format)")
+
+
+def _usage_error(message: str):
+    """One line on stderr and exit status 2, as argparse's usage errors (a run by hand: no traceback)."""
+    print(f"offline_compile.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None) -> None:
+    """The command line: the arch, then the cases on stdin (`compile_cases`)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("arch", help="the CUDA arch to compile for, as the GPU reports it: sm_80, sm_90, ...")
+    args = parser.parse_args(argv)
     from kernelgen.archs import check_arch
+    from kernelgen.errors import KernelgenError
+
+    if not re.fullmatch(r"sm_\d+", args.arch):  # check_arch's "cpu" too: the interpreter compiles nothing
+        _usage_error(f"arch={args.arch!r}: expected a CUDA arch as the GPU reports it, sm_XY such as sm_80 or sm_90")
+    try:
+        arch = check_arch(args.arch)
+    except KernelgenError as error:  # too old, or no compute capability
+        _usage_error(str(error))
+    if sys.stdin.isatty():  # nothing piped in: say what to pipe rather than wait for it
+        _usage_error(f"expected {_EXPECTED}")
+    text = sys.stdin.read()
+    if not text.strip():
+        _usage_error(f"stdin is empty; expected {_EXPECTED}")
+    try:
+        cases = json.loads(text)
+    except json.JSONDecodeError as error:
+        _usage_error(f"stdin is not JSON ({error}); expected {_EXPECTED}")
+    if not isinstance(cases, list):
+        _usage_error(f"stdin holds a JSON {type(cases).__name__}, not a list; expected {_EXPECTED}")
+    if not all(isinstance(case, dict) for case in cases):
+        _usage_error(f"stdin holds a list of other things than objects (cases); expected {_EXPECTED}")
+    compile_cases(cases, arch)
+
+
+def compile_cases(cases: list[dict], arch: str) -> None:
+    """Compile each case for `arch` (sm_XY); a JSON line per case on stdout."""
+    from kernelgen import Spec, backends, get_kernel
     from kernelgen.inputs import Shapes, check_block_idx, check_index
     from kernelgen.reference import scatter_pages
     from kernelgen.roles import ROLES, WorkloadShape, backward_roles, forward_roles, get_role, index_inputs
 
-    capability = int(check_arch(arch).removeprefix("sm_"))
+    capability = int(arch.removeprefix("sm_"))
     driver.set_active(OfflineDriver(capability))
     JITFunction.run = _compile_only
 
@@ -231,7 +271,7 @@ def main(arch: str) -> None:
         kernel = backend.build(kernel_spec, role, config)
         return backend.role(role).launch(kernel, kernel_spec, config, shapes, *args)
 
-    for i, case in enumerate(json.load(sys.stdin)):
+    for i, case in enumerate(cases):
         compiled.clear()
         try:
             spec = Spec(**case["spec"])
@@ -292,4 +332,4 @@ def main(arch: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()

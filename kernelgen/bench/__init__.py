@@ -29,7 +29,6 @@ BlockMask, SDPA), `plot`.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import threading
 from collections.abc import Iterable
@@ -67,7 +66,8 @@ def main(shapes: str | Iterable[str] | None = None, out: str | os.PathLike | Non
     """Run the bench; returns 0 (the exit status).
 
     shapes         shape names ("a32k,b" or a list); default: every GPU shape on a GPU
-    out            directory for bench.jsonl, bench.csv and bench.json (and dispatch.json); None: none
+    out            directory for bench.jsonl, bench.csv and bench.json (and dispatch.json), rewritten each run
+                   (JSON: null where a value is NaN); None: none
     overhead       also measure the dispatch overhead of one call (GPU only)
     sweep          shapes on which to also time every attention and select config
     profile        shapes whose `mean` pipeline to profile (CUDA time per kernel)
@@ -105,8 +105,7 @@ def main(shapes: str | Iterable[str] | None = None, out: str | os.PathLike | Non
                 result = dispatch_overhead(log=log)
                 if out:
                     os.makedirs(out, exist_ok=True)
-                    with open(os.path.join(out, "dispatch.json"), "w") as f:
-                        json.dump(result, f, indent=1)
+                    measure.dump_json(result, os.path.join(out, "dispatch.json"))
             else:
                 log("dispatch overhead needs a CUDA GPU: skipped.")
         measure.run(names, out, sweep_names, log=log, profile=profile_names, graph=graph)  # patchable

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import faulthandler
 import json
+import math
 import os
 import statistics
 import sys
@@ -29,7 +30,7 @@ from ..tuning.buckets import seq_bucket
 from ..workloads import SHAPES, dense_flops, useful_flops
 from .anchors import flex_block_mask, flex_call, flex_kernel_options, flex_token_mask, sdpa_dense_anchors
 
-__all__ = ["run", "dispatch_overhead", "dispatch_problem", "stall_guard", "host_ms"]
+__all__ = ["run", "dispatch_overhead", "dispatch_problem", "stall_guard", "host_ms", "json_text", "dump_json"]
 
 
 def _bench(fn, warmup=25, rep=100) -> float:
@@ -85,13 +86,35 @@ def _config_json(config) -> str:
     return json.dumps(Backend.config_to_dict(config), sort_keys=True)
 
 
+def _finite(value):
+    """`value` with every NaN or infinite float (a row without a time: the CPU smoke run's) as None, in
+    nested dicts, lists and tuples."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_text(value, **options) -> str:
+    """`value` as strict JSON (null where a float is NaN or infinite: JSON has no NaN); `options`: json.dumps's."""
+    return json.dumps(_finite(value), allow_nan=False, **options)
+
+
+def dump_json(value, path) -> None:
+    """`value` to the file `path` as strict JSON (`json_text`), indented: every JSON file the bench writes."""
+    with open(path, "w") as f:
+        f.write(json_text(value, indent=1))
+
+
 def _dump_rows(rows: list[dict], out_dir, filename: str) -> None:
     """All rows so far to out_dir/filename (JSON), rewritten after each row: a run stopped by its time
     limit keeps what it measured. No out_dir: nothing."""
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, filename), "w") as f:
-            json.dump(rows, f, indent=1)
+        dump_json(rows, os.path.join(out_dir, filename))
 
 
 def row_attempts(log):
@@ -204,13 +227,15 @@ def _smoke(name: str, log=print) -> list[dict]:
 def run(shape_names, out_dir=None, sweep=(), log=print, profile=(), graph: bool = True) -> list[dict]:
     """Measure each named shape of `kernelgen.workloads.SHAPES` and return its rows (dicts: shape, impl, ms,
     tflops, graph_ms and what the row adds). With `out_dir`, rows go to bench.jsonl as they are measured
-    (a run stopped by a time limit keeps what it measured), then to bench.csv and bench.json. `sweep`:
+    (a run stopped by a time limit keeps what it measured; the file holds this run's rows alone), then to
+    bench.csv and bench.json (JSON: null where a value is NaN). `sweep`:
     shapes on which every attention and select config is also timed; `profile`: shapes whose `mean`
     pipeline is profiled (CUDA time per kernel); `graph`: also time each row from a CUDA graph."""
     on_gpu = torch.cuda.is_available()
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-    jsonl = open(os.path.join(out_dir, "bench.jsonl"), "a") if out_dir else None  # noqa: SIM115
+    # "w": this run's rows alone, as in bench.csv and bench.json (appending mixed runs together)
+    jsonl = open(os.path.join(out_dir, "bench.jsonl"), "w") if out_dir else None  # noqa: SIM115
     rows: list[dict] = []
     try:
         if not on_gpu:  # the interpreter: check the pipeline runs end to end and computes the right thing
@@ -233,15 +258,14 @@ def run(shape_names, out_dir=None, sweep=(), log=print, profile=(), graph: bool 
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(rows)
-        with open(os.path.join(out_dir, "bench.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        dump_json(rows, os.path.join(out_dir, "bench.json"))
     return rows
 
 
 def _write(rows: list, jsonl, row: dict) -> None:
     rows.append(row)
     if jsonl:
-        jsonl.write(json.dumps(row) + "\n")
+        jsonl.write(json_text(row) + "\n")
         jsonl.flush()
 
 

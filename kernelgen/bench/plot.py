@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from ..workloads import SHAPES
@@ -23,17 +24,25 @@ def pyplot():
     return plt
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not math.isnan(value)
+
+
 def plot(out_dir) -> str | None:
     """bench.png next to bench.json: time and useful TFLOP/s per shape (ordered by N), one series per
     implementation; sweep rows and rows without a time (the CPU smoke run) are left out. Needs matplotlib
-    (optional); without it, says so and returns None. Returns the path, or None when there is nothing
-    to plot."""
+    (optional). Returns the path, or None after a one-line note when there is no plot (no bench.json, no
+    timed row, no matplotlib)."""
     path = os.path.join(out_dir, "bench.json")
     if not os.path.exists(path):
+        print(f"no {path}: no plot")
         return None
-    with open(path) as f:
-        rows = [r for r in json.load(f) if not r["impl"].startswith("sweep") and r["ms"] == r["ms"]]
+    with open(path) as f:  # a time is null (NaN in files of older runs) where none was measured
+        rows = [r for r in json.load(f) if not r["impl"].startswith("sweep") and _number(r["ms"])]
+    for r in rows:
+        r["tflops"] = r["tflops"] if _number(r.get("tflops")) else math.nan  # a gap in the series
     if not rows:
+        print("no timed rows (the CPU smoke run has no timings): no plot")
         return None
     plt = pyplot()
     if plt is None:

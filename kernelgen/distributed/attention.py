@@ -15,7 +15,7 @@ import torch
 
 from ..dispatch import SparseAttention, get_kernel
 from ..errors import KernelgenTypeError, KernelgenValueError
-from ..inputs import check_qkv
+from ..inputs import check_qkv, check_return_lse
 from ..spec import Spec
 from .comm import Group, group_of
 from .fetch import fetch, local_backward, local_forward, local_prepared, requests_of, return_gradients
@@ -209,6 +209,7 @@ def attention(q_shard: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Tenso
     the spec's selector, run across shards. path: "dense" (ring), "sparse" (fetch the listed remote blocks)
     or "auto" (the one that moves fewer bytes). Returns this rank's o (and lse) shard; o backpropagates.
     """
+    check_return_lse(return_lse)
     if path not in PATHS:
         raise KernelgenValueError(f"path={path!r} is unknown; expected one of {PATHS}")
     call = _prepare_call(q_shard, k_shard, v_shard, spec, group, layout, block_idx is not None, scale)
