@@ -3,7 +3,10 @@
 #   PART=tests bash tools/gpu_session.sh    every GPU test (pytest -m gpu), in $WORKERS processes
 #   PART=fuzz  bash tools/gpu_session.sh    tools/fuzz.py's random cases on every backend for $FUZZ_MINUTES
 #   PART=tune  bash tools/gpu_session.sh    kernelgen tune --preset bench (every backend, the benchmark shapes)
-#   PART=bench bash tools/gpu_session.sh    kernelgen bench with the anchors and the dispatch overhead
+#   PART=chunked bash tools/gpu_session.sh  kernelgen tune of the prefill-over-a-cache roles ($CHUNKED_ROLES, default
+#                                           the paged ones) at `bench --chunked`'s spec, 32k keys
+#   PART=bench bash tools/gpu_session.sh    kernelgen bench with the anchors and the dispatch overhead ($BENCH_ARGS,
+#                                           e.g. --chunked, instead of --overhead)
 #   PART=more  bash tools/gpu_session.sh    bench --backward, --kv-centric (fla-core from $FLA if set) and
 #                                           --context-parallel
 #   PART=examples bash tools/gpu_session.sh examples/quality_tiny.py and examples/hf_llama_sparse.py
@@ -31,8 +34,18 @@ if [ "$PART" = tune ]; then
     --preset bench ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log"
   cp "$KERNELGEN_CACHE_DIR/tuning.db" "$OUT/winners.db"
 fi
+if [ "$PART" = chunked ]; then
+  ARCH=$(python3 -c 'from kernelgen.device import current_arch; print(current_arch())')
+  SHAPE="--seq 32768 --head-dim 128 --kv-block 128 --gqa-group 4 --causal --top-k 16 --local 2 --sink 1"
+  for role in ${CHUNKED_ROLES:-attn_paged kv_attn_paged}; do
+    case $role in kv_*) SCHEDULE="--schedule kv_centric" ;; *) SCHEDULE="--q-tile 128" ;; esac
+    timeout ${TUNE_TIMEOUT:-270} python3 -m kernelgen.cli tune --arch "$ARCH" $SHAPE $SCHEDULE --role $role \
+      --trials ${TRIALS:-20} 2>&1 | tee -a "$OUT/tune.log" | tail -4
+  done
+  cp "$KERNELGEN_CACHE_DIR/tuning.db" "$OUT/winners.db"
+fi
 if [ "$PART" = bench ]; then
-  timeout ${BENCH_TIMEOUT:-540} python3 -m kernelgen.cli bench --out "$OUT" --overhead ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  timeout ${BENCH_TIMEOUT:-540} python3 -m kernelgen.cli bench --out "$OUT" ${BENCH_ARGS:---overhead} 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "$PART" = more ]; then
   [ -n "${FLA:-}" ] && export PYTHONPATH=$FLA${PYTHONPATH:+:$PYTHONPATH}
