@@ -5,8 +5,8 @@
 #   PART=tune  bash tools/gpu_session.sh    kernelgen tune --preset bench (every backend, the benchmark shapes)
 #   PART=chunked bash tools/gpu_session.sh  kernelgen tune of the prefill-over-a-cache roles ($CHUNKED_ROLES, default
 #                                           the paged ones) at `bench --chunked`'s spec, 32k keys
-#   PART=bench bash tools/gpu_session.sh    kernelgen bench with the anchors and the dispatch overhead ($BENCH_ARGS,
-#                                           e.g. --chunked, instead of --overhead)
+#   PART=bench bash tools/gpu_session.sh    kernelgen bench with the anchors and the dispatch overhead, and $BENCH_ARGS
+#                                           (another bench: OVERHEAD= BENCH_ARGS=--chunked, as it takes no --overhead)
 #   PART=more  bash tools/gpu_session.sh    bench --backward, --kv-centric (fla-core from $FLA if set) and
 #                                           --context-parallel
 #   PART=examples bash tools/gpu_session.sh examples/quality_tiny.py and examples/hf_llama_sparse.py
@@ -45,7 +45,7 @@ if [ "$PART" = chunked ]; then
   cp "$KERNELGEN_CACHE_DIR/tuning.db" "$OUT/winners.db"
 fi
 if [ "$PART" = bench ]; then
-  timeout ${BENCH_TIMEOUT:-540} python3 -m kernelgen.cli bench --out "$OUT" ${BENCH_ARGS:---overhead} 2>&1 | tee "$OUT/bench.log"
+  timeout ${BENCH_TIMEOUT:-540} python3 -m kernelgen.cli bench --out "$OUT" ${OVERHEAD---overhead} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
 if [ "$PART" = more ]; then
   [ -n "${FLA:-}" ] && export PYTHONPATH=$FLA${PYTHONPATH:+:$PYTHONPATH}
