@@ -23,7 +23,8 @@ __all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "CacheRows", "ch
            "check_pages",
            "refuse_grad_with_seqlens", "check_keys", "check_qkv",
            "check_block_idx", "check_block_lists", "check_index", "check_length", "check_return_lse",
-           "softmax_scale", "empty", "next_pow2", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS", "INDEX_LAYOUT"]
+           "softmax_scale", "empty", "next_pow2", "cdiv", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS",
+           "INDEX_LAYOUT"]
 
 LOG2E = 1.4426950408889634
 LAYOUT = "q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] (heads before sequence, as SDPA and FlexAttention)"
@@ -63,6 +64,11 @@ def empty(*shape, like=None, device=None, dtype=None) -> torch.Tensor:
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of ints, on the host (triton.cdiv takes microseconds a call: it is a constexpr function)."""
+    return -(-a // b)
 
 
 class BlockLists:

@@ -376,3 +376,10 @@ def test_pinned_configs_are_checked(configs, error, match):
 def test_get_kernel_needs_a_spec():
     with pytest.raises(TypeError, match=r"^spec must be a kernelgen\.Spec, got str"):
         kernelgen.get_kernel("head_dim=64")
+
+
+def test_cdiv_is_the_ceiling_of_ints():
+    from kernelgen.inputs import cdiv
+
+    assert [cdiv(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert cdiv(2**40 + 1, 2**20) == 2**20 + 1  # no float rounding

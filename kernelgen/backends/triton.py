@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..archs import arch_facts
 from ..device import device_arch
 from ..errors import KernelgenValueError
-from ..inputs import LOG2E, empty, next_pow2, softmax_scale
+from ..inputs import LOG2E, cdiv, empty, next_pow2, softmax_scale
 from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks
 from ..roles import DECODE_MAX_QUERIES, INDEX_HEADS
 from ..spec import Spec
@@ -991,7 +991,7 @@ def launch_lists(mod, spec: Spec, config, shapes: Shapes, block_idx: torch.Tenso
     out = empty(like=block_idx)
     n_lists = shapes.batch * shapes.heads_kv * shapes.n_q_tiles
     lists = max(1, min(16, 2048 // next_pow2(spec.top_k)))  # lists per program: about 2K ids in registers
-    mod.normalize_lists[(triton.cdiv(n_lists, lists),)](
+    mod.normalize_lists[(cdiv(n_lists, lists),)](
         block_idx, out, n_lists, shapes.n_kv_blocks,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), LISTS=lists, num_warps=4)
     return out
@@ -1010,7 +1010,7 @@ def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seqlens: t
     # tiles per program (the template keeps TILES for a later tunable)
     tiles = 1
     kernel, lengths = (mod.pool, ()) if seqlens is None else (mod.pool_varlen, _row_keys(seqlens, leftpad))
-    kernel[(triton.cdiv(n_tiles, tiles), b * h)](x, rep, *lengths, x.stride(0), x.stride(1), x.stride(2), n, h,
+    kernel[(cdiv(n_tiles, tiles), b * h)](x, rep, *lengths, x.stride(0), x.stride(1), x.stride(2), n, h,
                                                  n_tiles, TILE=tile, GROUPS=groups, HEAD_DIM=d, TILES=tiles,
                                                  num_warps=_pool_warps(tiles * tile, d),
                                                  **_has_leftpad(seqlens, leftpad))
@@ -1122,7 +1122,7 @@ def select_from_reps(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q_rep: 
     """`launch_select` from representatives already pooled (`pool_reps`: float32 [B, Hq, n_q_tiles, r, D] and
     [B, Hkv, n_kv_blocks, r, D], contiguous), as a context-parallel rank has them after gathering the blocks'."""
     block_idx, cand = _select_buffers(spec, cfg.splits, shapes, shapes.n_q_tiles, q_rep.device)
-    grid = (triton.cdiv(shapes.n_q_tiles, cfg.tiles), shapes.batch * shapes.heads_kv, cfg.splits)
+    grid = (cdiv(shapes.n_q_tiles, cfg.tiles), shapes.batch * shapes.heads_kv, cfg.splits)
     kernel, lengths = (mod.select_topk, ()) if seqlens is None else (mod.select_topk_varlen,
                                                                      _row_keys(seqlens, leftpad))
     args, options = _select_args(spec, cfg, shapes, block_idx)
@@ -1148,7 +1148,7 @@ def launch_decode_select(mod, spec: Spec, cfg: SelectConfig, shapes: Shapes, q: 
     if k_rep is None:
         k_rep = _pool(k, spec.kv_block, r, shapes.n_kv_blocks, mod, seqlens, leftpad, block_table)
     block_idx, cand = _select_buffers(spec, cfg.splits, shapes, shapes.n_q_tiles, q.device)
-    n_bh, tile_groups = shapes.batch * shapes.heads_kv, triton.cdiv(shapes.n_q_tiles, cfg.tiles)
+    n_bh, tile_groups = shapes.batch * shapes.heads_kv, cdiv(shapes.n_q_tiles, cfg.tiles)
     arrived = block_idx if cfg.splits == 1 else arrival_counts(tile_groups * n_bh, q.device)
     q_rep = empty(cfg.splits, shapes.batch, shapes.heads_q, shapes.n_q_tiles, r, spec.head_dim, device=q.device,
                   dtype=torch.float32)
@@ -1191,7 +1191,7 @@ def _merge_topk(mod, spec: Spec, cand: torch.Tensor, block_idx: torch.Tensor, sp
     or a query's for per-query lists)."""
     top_k_pad = topk_width(spec.top_k)
     tiles = max(1, min(64, 2048 // (splits * top_k_pad)))  # about 2K candidate keys per program
-    mod.merge_topk[(triton.cdiv(block_idx.shape[2], tiles), block_idx.shape[0] * block_idx.shape[1])](
+    mod.merge_topk[(cdiv(block_idx.shape[2], tiles), block_idx.shape[0] * block_idx.shape[1])](
         cand, block_idx, block_idx.shape[2], block_idx.shape[1], *block_idx.stride()[:3], TOP_K=spec.top_k,
         TOP_K_PAD=top_k_pad, SPLITS=splits, TILES=tiles, num_warps=4)
 
@@ -1207,7 +1207,7 @@ def launch_kv_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q: to
     kernel, lengths = (mod.kv_select_topk, ()) if seqlens is None else (mod.kv_select_topk_varlen,
                                                                         _row_keys(seqlens, leftpad))
     args, options = _kv_select_args(spec, cfg, shapes, q, block_idx)
-    kernel[(triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv, cfg.splits)](
+    kernel[(cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv, cfg.splits)](
         q, k_rep, block_idx, cand, *lengths, *args, **options, **_has_leftpad(seqlens, leftpad),
         **({} if seqlens is None else {"ROW_QUERIES": row_queries}))
     if cfg.splits > 1:  # a query's candidates merged as select's tiles' are
@@ -1225,7 +1225,7 @@ def launch_kv_decode_select(mod, spec: Spec, cfg: KvSelectConfig, shapes: Shapes
         return launch_kv_select(mod, spec, cfg, shapes, q, k, k_rep, seqlens=seqlens, leftpad=leftpad,
                                 block_table=block_table)
     block_idx, cand, k_rep = _kv_select_buffers(mod, spec, cfg, shapes, q, k, k_rep, seqlens, leftpad, block_table)
-    groups, n_bh = triton.cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv
+    groups, n_bh = cdiv(shapes.n_q, cfg.queries), shapes.batch * shapes.heads_kv
     arrived = block_idx if cfg.splits == 1 else arrival_counts(groups * n_bh, q.device)
     args, options = _kv_select_args(spec, cfg, shapes, q, block_idx)
     lengths = (block_idx, block_idx) if seqlens is None else _row_keys(seqlens, leftpad)
@@ -1382,7 +1382,7 @@ def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part,
     role's module `mod`)."""
     o = empty(*o_part.shape[:3], spec.head_dim, device=o_part.device, dtype=dtype)
     lse = empty(*o_part.shape[:3], device=o_part.device, dtype=torch.float32)
-    mod.kv_combine[(triton.cdiv(shapes.n_q, cfg.combine_rows), shapes.batch * shapes.heads_q)](
+    mod.kv_combine[(cdiv(shapes.n_q, cfg.combine_rows), shapes.batch * shapes.heads_q)](
         o_part, lse_part, used, o, lse, *o_part.stride()[:4], *lse_part.stride()[:3], *used.stride()[:3],
         *o.stride()[:3], *lse.stride()[:2], shapes.n_q, shapes.heads_q,
         HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=spec.top_k, ROWS=cfg.combine_rows, num_warps=4)
@@ -1437,7 +1437,7 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
     constexprs = _decode_constexprs(spec, cfg, rows)
-    groups = triton.cdiv(shapes.n_q, constexprs["QUERIES"])
+    groups = cdiv(shapes.n_q, constexprs["QUERIES"])
     if cfg.splits == 1:  # the partial is the output: nothing to merge
         o_part, lse_part, split_strides, arrived = o, lse, (0,), lse
     else:
@@ -1529,17 +1529,17 @@ def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Sh
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q, spec.top_k, device=q_idx.device, dtype=torch.int32)
     stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
     step = max(cfg.queries, cfg.rows)
-    chunk_q = min(triton.cdiv(shapes.n_q, step), max(1, KV_INDEX_SCORES_BYTES // (4 * bh * n_blocks * step))) * step
+    chunk_q = min(cdiv(shapes.n_q, step), max(1, KV_INDEX_SCORES_BYTES // (4 * bh * n_blocks * step))) * step
     scores = torch.empty(bh, chunk_q, n_blocks, device=q_idx.device, dtype=torch.float32)
     for q0 in range(0, shapes.n_q, chunk_q):
         n_chunk = min(chunk_q, shapes.n_q - q0)
-        mod.kv_index_block_scores[(triton.cdiv(n_chunk, cfg.queries), bh, triton.cdiv(n_blocks, cfg.span))](
+        mod.kv_index_block_scores[(cdiv(n_chunk, cfg.queries), bh, cdiv(n_blocks, cfg.span))](
             q_idx, k_idx, w, scores, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, index_heads,
             *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2], *scores.stride()[:2],
             INDEX_DIM=q_idx.shape[3], KV_BLOCK=spec.kv_block, QUERIES=cfg.queries,
             HEADS_STEP=min(cfg.heads, next_pow2(index_heads)), CHUNK=cfg.chunk, SPAN=cfg.span, CAUSAL=spec.causal,
             HOLD=hold, INDEX_HEADS=index_heads if hold else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        mod.kv_index_topk[(triton.cdiv(n_chunk, cfg.rows), bh)](
+        mod.kv_index_topk[(cdiv(n_chunk, cfg.rows), bh)](
             scores, block_idx, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, *scores.stride()[:2],
             *block_idx.stride()[:3], KV_BLOCK=spec.kv_block, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k),
             SINK=spec.sink, N_LOCAL=spec.n_local, ROWS=cfg.rows, WIDTH=kv_index_select_width(spec, cfg),
@@ -1611,7 +1611,7 @@ def launch_bwd_delta(mod, spec: Spec, config, shapes: Shapes, o, do):
     """delta = rowsum(dO * O), float32 [B, Hq, Nq]."""
     delta = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=o.device, dtype=torch.float32)
     rows = 64
-    mod.attn_bwd_delta[(triton.cdiv(shapes.n_q, rows), shapes.batch * shapes.heads_q)](
+    mod.attn_bwd_delta[(cdiv(shapes.n_q, rows), shapes.batch * shapes.heads_q)](
         o, do, delta, *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2], shapes.n_q, shapes.heads_q,
         HEAD_DIM=spec.head_dim, ROWS=rows, num_warps=4)
     return delta
@@ -1672,7 +1672,7 @@ def launch_kv_bwd(mod, spec: Spec, cfg: KvBwdConfig, shapes: Shapes, q, k, v, do
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     dq = empty(*q.shape, device=q.device, dtype=q.dtype)
-    mod.kv_bwd_dq_merge[(triton.cdiv(shapes.n_q, cfg.merge_rows), shapes.batch * shapes.heads_q)](
+    mod.kv_bwd_dq_merge[(cdiv(shapes.n_q, cfg.merge_rows), shapes.batch * shapes.heads_q)](
         dq_part, block_idx, dq, *dq_part.stride()[:4], *block_idx.stride()[:3], *dq.stride()[:3],
         shapes.n_q, shapes.heads_q, scale,
         HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=spec.top_k, PARTS=parts, ROWS=cfg.merge_rows,
