@@ -27,7 +27,7 @@ import torch
 
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import INDEX_LAYOUT, KeyReps, autocast_qkv, refuse_grad_with_seqlens
+from .inputs import INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, refuse_grad_with_seqlens
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -265,8 +265,11 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
     """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., cache_leftpad=...,
     key_reps=..., seqlens=..., block_table=..., return_lse=True)` as a custom op; o backpropagates (lse carries no
     gradient; a call with cache_seqlens or block_table has no backward). `spec` may also be its JSON text
-    (`Spec.to_json`)."""
+    (`Spec.to_json`). Prepared lists (`attn.prepare`) go in as their normalised ids: their reverse index and
+    union design stay outside the op, which builds what its calls need."""
     q, k, v = autocast_qkv(q, k, v)
+    if isinstance(block_idx, BlockLists):  # an op takes tensors: prepared lists go in as their normalised ids
+        block_idx = block_idx.block_idx
     _tensors_or_none(block_idx=block_idx, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens,
                      block_table=block_table)
     refuse_grad_with_seqlens(cache_seqlens, q, k, v, block_table)

@@ -402,7 +402,8 @@ class SparseAttention:
 
     def prepare(self, block_idx: torch.Tensor, seq_q: int, seq_k: int) -> BlockLists:
         """Given lists checked and normalised once, for calls with seq_q queries and seq_k keys (any
-        batch, heads and dtype that match block_idx's shape): pass the result as block_idx. Repeated
+        batch, heads and dtype that match block_idx's shape; other lengths with as many Q tiles and KV blocks
+        are the same calls to the lists): pass the result as block_idx. Repeated
         ids count once (an error with validate_lists=True), as in a call given the raw lists. Per-query
         lists also get their reverse index, and the design their calls run: the union one where neighbouring
         queries' lists agree closely enough (`BlockLists.union`; measuring that is one host sync)."""

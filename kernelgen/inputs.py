@@ -456,11 +456,14 @@ def _explain_qkv(q, k, v, spec: Spec) -> None:
 
 def check_block_idx(block_idx, spec: Spec, shapes: Shapes, device, validate: bool = False) -> torch.Tensor:
     """A caller's lists checked on the host, as contiguous int32 (the "lists" role then puts them in the
-    kernels' form). int64 lists are converted exactly: values outside [0, n_kv_blocks) become empty
-    slots, never wrapped ids. With `validate`, a repeated id is an error (this reads the lists back)."""
+    kernels' form); a batch or KV-head dimension of 1 broadcasts (a BlockMask's B=None, H=None). int64 lists are
+    converted exactly: values outside [0, n_kv_blocks) become empty slots, never wrapped ids. With `validate`,
+    a repeated id is an error (this reads the lists back)."""
     if not isinstance(block_idx, torch.Tensor):
         raise KernelgenTypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
     expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
+    if block_idx.dim() == 4 and all(n in (1, want) for n, want in zip(block_idx.shape[:2], expected[:2])):
+        block_idx = block_idx.expand(*expected[:2], *block_idx.shape[2:])  # B or Hkv of 1 broadcasts, as in Flex
     if tuple(block_idx.shape) != expected:
         raise KernelgenValueError(f"block_idx.shape = {tuple(block_idx.shape)}, expected {lists_layout(spec)} = {expected}")
     if block_idx.device != device:
@@ -491,7 +494,8 @@ def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> 
     expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
     if tuple(lists.block_idx.shape) != expected:
         raise KernelgenValueError(f"block_idx (prepared) has shape {tuple(lists.block_idx.shape)}, expected "
-                         f"{lists_layout(spec)} = {expected}")
+                         f"{lists_layout(spec)} = {expected} (prepare lists of the calls' batch and KV heads: "
+                         f"a broadcast list as block_idx.expand({expected[0]}, {expected[1]}, -1, -1))")
     if lists.block_idx.device != device:
         raise KernelgenValueError(f"block_idx (prepared) is on {lists.block_idx.device} but q is on {device}")
     return lists.block_idx

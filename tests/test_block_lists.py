@@ -125,3 +125,26 @@ def test_block_lists_are_made_by_prepare_only(device):
     with pytest.raises(AttributeError, match="read-only"):
         lists.block_idx = idx
     assert "kv_block=32" in repr(lists) and lists.n_kv_blocks == 4 and lists.top_k == 4
+
+
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_a_batch_or_head_dimension_of_one_broadcasts(schedule, device):
+    """Lists of one row or one KV head (a BlockMask made with B=None or H=None) serve every row or head: the call
+    given them expanded, bit for bit, and the reference broadcasts them alike; another size is refused."""
+    spec = SPEC if schedule == "q_centric" else SPEC.replace(schedule="kv_centric", q_tile=64)
+    q, k, v = make_inputs(3, 2, 2, 70, 90, 64, torch.float32, device, 53)
+    lists = 70 if spec.per_query else spec.n_q_tiles(70)
+    idx = torch.randint(-1, spec.n_kv_blocks(90), (1, 1, lists, spec.top_k), dtype=torch.int32,
+                        generator=torch.Generator().manual_seed(5)).to(device)
+    attn = kernelgen.get_kernel(spec)
+    for shape in ((1, 1), (3, 1), (1, 2)):
+        part = idx.expand(*shape, -1, -1).clone()
+        o, lse = attn(q, k, v, block_idx=part, return_lse=True)
+        full = part.expand(3, 2, -1, -1)
+        assert torch.equal(o, attn(q, k, v, block_idx=full.contiguous())), shape
+        ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=part)
+        assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float32)
+    with pytest.raises(ValueError, match="block_idx.shape"):
+        attn(q, k, v, block_idx=idx.expand(2, 2, -1, -1))
+    with pytest.raises(ValueError, match=r"expand\(3, 2, -1, -1\)"):
+        attn(q, k, v, block_idx=attn.prepare(idx, 70, 90))

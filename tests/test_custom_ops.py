@@ -205,3 +205,16 @@ def test_a_spec_object_compiles_on_the_gpu():
     q, k, v = (x.cuda() for x in inputs("cpu", torch.bfloat16))
     compiled = torch.compile(lambda q, k, v: sparse_attention(q, k, v, spec)[0], fullgraph=True, backend="eager")
     assert torch.equal(compiled(q, k, v), kernelgen.get_kernel(spec)(q, k, v))
+
+
+def test_prepared_lists_go_through_the_op(device):
+    """attn.prepare's lists through the op (eager and fullgraph): their normalised ids, the raw lists' result."""
+    q, k, v = inputs(device)
+    given = SPEC.replace(selector="given")
+    idx = kernelgen.get_kernel(SPEC).select(q, k)
+    prepared = kernelgen.get_kernel(given).prepare(idx, 130, 150)
+    expected = sparse_attention(q, k, v, given, block_idx=idx)
+    assert all(torch.equal(a, b) for a, b in zip(sparse_attention(q, k, v, given, block_idx=prepared), expected))
+    compiled = torch.compile(lambda q, k, v, lists: sparse_attention(q, k, v, given, block_idx=lists)[0],
+                             fullgraph=True, backend="eager")
+    assert torch.equal(compiled(q, k, v, prepared), expected[0])
