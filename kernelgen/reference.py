@@ -233,7 +233,9 @@ def sparse_attention(
     own) padded with -1 past its tiles. `block_table` ([B, pages a row] ints): k and v are pools of pages
     [n_pages, Hkv, page_size, D], the call over `gather_pages` of them (each row's capacity without
     cache_seqlens). Given lists with a batch or KV-head dimension of 1 hold every row's or head's list."""
-    if block_idx is not None and block_idx.dim() == 4:  # a dimension of 1 broadcasts, as the kernels' calls take it
+    # a dimension of 1 broadcasts, as inputs.check_block_idx has the calls take it (restated: the oracle shares no
+    # code with what it checks)
+    if block_idx is not None and block_idx.dim() == 4:
         block_idx = block_idx.expand(q.shape[0] if block_idx.shape[0] == 1 else -1,
                                      q.shape[1] // spec.gqa_group if block_idx.shape[1] == 1 else -1, -1, -1)
     if block_table is not None:
