@@ -554,7 +554,7 @@ class SparseAttention:
             union = used.union if prepared else build_tile_union(normalised, served.config.tile_q, shapes.n_kv_blocks)
             built = None if prepared else union
             o, lse = self._launch(served, q, shapes, q, k, v, normalised, union, scale)
-        elif attn.role in ("kv_attn", "kv_attn_rows", "kv_attn_paged"):
+        elif get_role(attn.role).reverse_index:
             reverse = used.reverse_index() if prepared else None
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale,
                                   **self._varlen(attn, None if padded else rows))

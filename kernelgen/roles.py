@@ -103,12 +103,15 @@ class Role:
     canonical   spec fields its kernels do not read, with the value that stands for all of them: specs
                 that differ only there share the role's kernels and tuned winners
     workload    (spec, shape, device, dtype, check) -> Workload that the tuner times; None: not tuned
+    reverse_index  its launch takes the lists' reverse index after the lists: prepared lists' own, or None
+                (the launcher builds it)
     """
 
     name: str
     summary: str
     canonical: dict = dataclasses.field(default_factory=dict)
     workload: Callable[..., Workload] | None = None
+    reverse_index: bool = False
 
     @property
     def tuned(self) -> bool:
@@ -341,7 +344,8 @@ register_role(Role("kv_select_index", "per-query block lists chosen by the index
                    "query the max of its visible token scores)", canonical={"head_dim": 64},
                    workload=select_index_workload))
 register_role(Role("kv_attn", "attention over per-query lists: partials per (KV block, query chunk) task, merged "
-                   "per query and head through lse", canonical=_KERNEL_READS_LISTS, workload=kv_attn_workload))
+                   "per query and head through lse", canonical=_KERNEL_READS_LISTS, workload=kv_attn_workload,
+                   reverse_index=True))
 
 UNION_WORKLOAD_OWN = 2  # the union design's workload lists: each span of 64 queries shares all but 2 of a query's
 
@@ -474,13 +478,13 @@ register_role(Role("attn_rows", "attention of a prefill over a KV cache of per-r
                    workload=rows_workload))
 register_role(Role("kv_attn_rows", "attention over per-query lists of a prefill over a KV cache of per-row lengths: "
                    "kv_attn's partial kernel run per row, then its combine", canonical=_KERNEL_READS_LISTS,
-                   workload=rows_workload))
+                   workload=rows_workload, reverse_index=True))
 register_role(Role("attn_paged", "attention of a prefill chunk over a paged KV cache of per-row lengths: the decode "
                    "kernel with more queries a program and no splits", canonical=_KERNEL_READS_LISTS,
                    workload=paged_rows_workload))
 register_role(Role("kv_attn_paged", "attention over per-query lists of a prefill chunk over a paged KV cache: "
                    "kv_attn's partial kernel with each task's block based in its page, then its combine",
-                   canonical=_KERNEL_READS_LISTS, workload=paged_rows_workload))
+                   canonical=_KERNEL_READS_LISTS, workload=paged_rows_workload, reverse_index=True))
 register_role(Role("decode_select", "the pooling selectors' lists for a call of a few queries (decoding): the select "
                    "kernel with its blocks split over many programs", workload=decode_select_workload))
 register_role(Role("kv_decode_select", "the pooling selectors' per-query lists for a call of a few queries (decoding): "

@@ -91,6 +91,25 @@ def test_per_query_rows_select_alone_and_match_the_reference(selector, dtype, de
     assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
 
 
+def test_prepared_per_query_lists_bring_their_reverse_index(device, monkeypatch):
+    """A prefill over cache rows with prepared per-query lists walks the lists' own reverse index: none is built
+    per call, and the result is the raw lists' bit for bit."""
+    import kernelgen.backends.triton as triton_backend
+
+    spec = _spec("given", "kv_centric")
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(N_Q, torch.float32, device, lengths=LENGTHS)
+    raw = random_lists(spec, len(LENGTHS), 2, N_Q, 100, seed=7).to(device)
+    expected = attn(q, k, v, block_idx=raw, cache_seqlens=lens)
+    lists = attn.prepare(raw, N_Q, k.shape[2])
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a reverse index was built for prepared lists")
+
+    monkeypatch.setattr(triton_backend, "build_query_reverse_index", no_build)
+    assert torch.equal(attn(q, k, v, block_idx=lists, cache_seqlens=lens), expected)
+
+
 def test_kept_reps_select_the_same_lists(device):
     spec = _spec("mean")
     attn = get_kernel(spec)
