@@ -598,6 +598,11 @@ def check_return_lse(return_lse) -> bool:
 def softmax_scale(scale, spec: Spec) -> float:
     if scale is None:
         return 1.0 / math.sqrt(spec.head_dim)
+    return check_scale(scale)
+
+
+def check_scale(scale) -> float:
+    """A caller's softmax scale (not None) as a float, checked."""
     # a real scalar (Python's or NumPy's, whose bool is no Real); a tensor is refused: its value would need a read
     # from the device
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):

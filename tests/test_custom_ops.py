@@ -218,3 +218,19 @@ def test_prepared_lists_go_through_the_op(device):
     compiled = torch.compile(lambda q, k, v, lists: sparse_attention(q, k, v, given, block_idx=lists)[0],
                              fullgraph=True, backend="eager")
     assert torch.equal(compiled(q, k, v, prepared), expected[0])
+
+
+def test_a_scale_that_is_not_a_real_scalar_is_refused_as_the_eager_call_refuses_it(device):
+    """A tensor scale (a learnable temperature) is a TypeError, as in the eager call: float() would take its value
+    and silently drop its gradient. So are a bool and a string; a NumPy scalar is taken."""
+    import numpy as np
+
+    q, k, v = inputs(device, torch.float32)
+    for scale in (torch.tensor(0.1, requires_grad=True), torch.tensor(0.1), True, "0.1"):
+        with pytest.raises(TypeError, match="scale must be a finite real number") as op_error:
+            sparse_attention(q, k, v, SPEC, scale=scale)
+        with pytest.raises(TypeError, match="scale must be a finite real number") as eager_error:
+            kernelgen.get_kernel(SPEC)(q, k, v, scale=scale)
+        assert str(op_error.value) == str(eager_error.value)
+    assert torch.equal(sparse_attention(q, k, v, SPEC, scale=np.float32(0.25))[0],
+                       kernelgen.get_kernel(SPEC)(q, k, v, scale=0.25))
