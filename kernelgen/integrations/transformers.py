@@ -41,7 +41,8 @@ inside those graphs: the custom ops of `kernelgen.custom_ops`, each row's tokens
 device-side assertion stops the run: a compiled step cannot fall back). The blocks' means are kept with the cache
 here too, on its key tensor, and grown in place by each call, eager or compiled, that writes keys into it. A
 module whose last eager call fell back because of its mask (a custom mask) runs its compiled steps through SDPA
-as well.
+as well. A compiled prompt or training step (more than `DECODE_MAX_QUERIES` queries) given a 4-D mask, which
+transformers builds while compiling, runs outside the graph (a graph break per layer): its mask is read on the host.
 
 **Padded batches.** A batch whose rows are padded (on the left, as generate() pads prompts, or on the right, as
 a training batch is) computes each row over its own tokens, exactly as if it were alone: its blocks are counted
