@@ -87,14 +87,20 @@ def _(q, k, v, block_idx, spec_json, scale, q_idx=None, k_idx=None, w=None, cach
 
 @torch.library.custom_op("kernelgen::sparse_attention_backward", mutates_args=())
 def _attn_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      lse: torch.Tensor, lists: torch.Tensor, spec_json: str,
-                      scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return get_kernel(_spec_of(spec_json))._gradients(do, q, k, v, o, lse, lists, scale)
+                      lse: torch.Tensor, lists: torch.Tensor, spec_json: str, scale: float | None,
+                      needs: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); a gradient that `needs` (three bools) leaves out is not computed (the eager backward skips the
+    dQ or the dK/dV kernels alike), and comes back as an empty tensor: an op returns tensors, not None."""
+    needs = (True, True, True) if needs is None else tuple(needs)
+    grads = get_kernel(_spec_of(spec_json))._gradients(do, q, k, v, o, lse, lists, scale, needs=needs)
+    return tuple(x.new_empty(0) if grad is None else grad for grad, x in zip(grads, (q, k, v)))
 
 
 @_attn_backward_op.register_fake
-def _(do, q, k, v, o, lse, lists, spec_json, scale):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+def _(do, q, k, v, o, lse, lists, spec_json, scale, needs=None):
+    needs = (True, True, True) if needs is None else needs
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) if need else x.new_empty(0)
+                 for x, need in zip((q, k, v), needs))
 
 
 def _setup_context(ctx, inputs, output):
@@ -107,8 +113,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse, _dlists):
     q, k, v, o, lse, lists = ctx.saved_tensors
-    dq, dk, dv = _attn_backward_op(do, q, k, v, o, lse, lists, ctx.spec_json, ctx.scale)
-    return (dq, dk, dv) + (None,) * 14  # nothing for block_idx, spec, scale, index, rows, key reps, pages
+    needs = list(ctx.needs_input_grad[:3])  # a frozen q, or frozen k and v: their kernels are not launched
+    grads = _attn_backward_op(do, q, k, v, o, lse, lists, ctx.spec_json, ctx.scale, needs)
+    grads = tuple(grad if need else None for grad, need in zip(grads, needs))
+    return grads + (None,) * 14  # nothing for block_idx, spec, scale, index, rows, key reps, pages
 
 
 torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_context=_setup_context)

@@ -42,9 +42,10 @@ def test_fake_shapes_and_opcheck(device):
                           test_utils=("test_schema", "test_autograd_registration"))
     o, lse, lists = torch.ops.kernelgen.sparse_attention(*leaves, None, SPEC.to_json(), 0.2)
     assert torch.equal(lists, select_blocks(q.float(), k.float(), SPEC))  # the lists the backward reads
-    torch.library.opcheck(torch.ops.kernelgen.sparse_attention_backward.default,
-                          (torch.randn_like(o), *(x.detach() for x in leaves), o.detach(), lse, lists,
-                           SPEC.to_json(), 0.2), test_utils=("test_schema", "test_faketensor"))
+    for needs in (None, [True, False, False], [False, True, True]):  # a gradient not needed: an empty tensor
+        torch.library.opcheck(torch.ops.kernelgen.sparse_attention_backward.default,
+                              (torch.randn_like(o), *(x.detach() for x in leaves), o.detach(), lse, lists,
+                               SPEC.to_json(), 0.2, needs), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_compiles_without_graph_breaks(device):
@@ -234,3 +235,34 @@ def test_a_scale_that_is_not_a_real_scalar_is_refused_as_the_eager_call_refuses_
         assert str(op_error.value) == str(eager_error.value)
     assert torch.equal(sparse_attention(q, k, v, SPEC, scale=np.float32(0.25))[0],
                        kernelgen.get_kernel(SPEC)(q, k, v, scale=0.25))
+
+
+@pytest.mark.parametrize("frozen", ["q", "kv"])
+def test_the_op_s_backward_computes_only_the_gradients_its_inputs_need(frozen, device, monkeypatch):
+    """A frozen q (or frozen k and v) launches no dQ (no dK/dV) kernel, as in the eager call's backward; the
+    gradients that are needed are the eager call's, bit for bit, eager and compiled."""
+    import collections
+
+    seen = collections.Counter()
+    launch = kernelgen.SparseAttention._launch
+
+    def spy(self, served, *args, **options):
+        seen[served.role] += 1
+        return launch(self, served, *args, **options)
+
+    monkeypatch.setattr(kernelgen.SparseAttention, "_launch", spy)
+    needs = (frozen != "q", frozen != "kv", frozen != "kv")
+    q, k, v = inputs(device, torch.float32)
+    do = torch.randn_like(q)
+    compiled = torch.compile(lambda q, k, v: sparse_attention(q, k, v, SPEC)[0], fullgraph=True, backend="aot_eager")
+    results = []
+    for call in (lambda q, k, v: sparse_attention(q, k, v, SPEC)[0], compiled, kernelgen.get_kernel(SPEC)):
+        leaves = [x.clone().requires_grad_(need) for x, need in zip((q, k, v), needs)]
+        seen.clear()
+        call(*leaves).backward(do)
+        assert seen["bwd_dq" if frozen == "q" else "bwd_dkdv"] == 0, seen
+        assert seen["bwd_dkdv" if frozen == "q" else "bwd_dq"] == 1, seen
+        results.append([x.grad for x in leaves])
+    for grads in results[:2]:
+        for got, want, need in zip(grads, results[2], needs):
+            assert (got is None and want is None) if not need else torch.equal(got, want)
