@@ -139,3 +139,15 @@ def test_a_plain_import_kernelgen_gives_the_reference():
     env = {**os.environ, "PYTHONPATH": str(Path(kernelgen.__file__).resolve().parent.parent)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_gradients_broadcast_lists_of_one_batch_or_kv_head():
+    """sparse_attention_grads takes lists with a batch or KV-head dimension of 1 as sparse_attention does: the
+    gradients of those lists expanded."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=2, causal=True, gqa_group=2)
+    q, k, v = rand(2, 4, 64, 64), rand(2, 2, 64, 64), rand(2, 2, 64, 64)
+    do = rand(2, 4, 64, 64)
+    lists = torch.tensor([[0, 1], [1, -1], [2, 0], [3, 1]], dtype=torch.int32).view(1, 1, 4, 2)
+    want = reference.sparse_attention_grads(q, k, v, do, spec, lists.expand(2, 2, -1, -1))
+    for got, expected in zip(reference.sparse_attention_grads(q, k, v, do, spec, lists), want):
+        assert torch.equal(got, expected)
