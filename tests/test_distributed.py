@@ -1,6 +1,7 @@
 """kernelgen.distributed on the CPU: 2 and 4 gloo processes, the Triton interpreter in fp32, each rank's o,
 lse, dq, dk and dv against the float64 reference of the unsharded problem (and the selected lists against
 one process's selector). One spawn per group size runs every case, to pay the start-up once."""
+import datetime
 import json
 import os
 import socket
@@ -24,7 +25,8 @@ def _spec(**changes) -> Spec:
     return Spec(head_dim=D, kv_block=16, q_tile=16, top_k=3, gqa_group=2, selector="given").replace(**changes)
 
 
-# (name, spec, layout, path, lists: "given" (the reference selector's, passed in) or "select" (across shards))
+# (name, spec, layout, path, lists: "given" (the reference selector's, passed in), "broadcast" (its first KV head's,
+# [B, 1, n_q_tiles, top_k], for every head, as on one GPU) or "select" (across shards))
 CASES = {
     2: [
         ("causal-zigzag-dense", _spec(causal=True, sink=1), "zigzag", "dense", "given"),
@@ -33,6 +35,7 @@ CASES = {
         ("full-contiguous-dense", _spec(), "contiguous", "dense", "given"),
         ("full-zigzag-sparse-mha", _spec(gqa_group=1), "zigzag", "sparse", "given"),
         ("causal-zigzag-select", _spec(causal=True, sink=1, selector="mean"), "zigzag", "auto", "select"),
+        ("causal-contiguous-sparse-one-list", _spec(causal=True), "contiguous", "sparse", "broadcast"),
     ],
     4: [
         ("causal-zigzag-dense", _spec(causal=True, sink=1), "zigzag", "dense", "given"),
@@ -67,6 +70,8 @@ def _run_case(case, world: int, rank: int) -> dict:
     q, k, v, do = _inputs(spec, n, seed=len(name))
     chooser = spec if spec.selects else spec.replace(selector="mean")
     lists = reference.select_blocks(q, k, chooser).to(torch.int32)
+    if lists_from == "broadcast":
+        lists = lists[:, :1]
     given = spec.replace(selector="given")
     o_ref, lse_ref, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)
     grads_ref = reference.sparse_attention_grads(q, k, v, do, given, lists)
@@ -108,7 +113,8 @@ def _bad_inputs(world: int, rank: int) -> dict:
     q, k, v, _ = _inputs(spec, 128, seed=0)
     lists = reference.select_blocks(q, k, spec.replace(selector="mean")).to(torch.int32)
     q_s, k_s, v_s = (kd.shard(x, "zigzag") for x in (q, k, v))
-    short = 48 if rank == world - 1 else 64  # one rank's shards differ
+    last = rank == world - 1
+    short = 48 if last else 64  # one rank's shards differ
     return {
         "shapes": _raises(lambda: kd.attention(q_s[:, :, :short], k_s[:, :, :short], v_s[:, :, :short], spec,
                                                block_idx=lists)),
@@ -118,18 +124,36 @@ def _bad_inputs(world: int, rank: int) -> dict:
         "path": _raises(lambda: kd.attention(q_s, k_s, v_s, spec, block_idx=lists, path="ring")),
         "qk lengths": _raises(lambda: kd.attention(q_s, k_s[:, :, :32], v_s[:, :, :32], spec, block_idx=lists)),
         "index selector": _raises(lambda: kd.attention(q_s, k_s, v_s, spec.replace(selector="index"))),
+        # one rank's call differs, or only one rank's is refused: every rank raises, none waits in a collective
+        "one rank's path": _raises(lambda: kd.attention(q_s, k_s, v_s, spec, block_idx=lists,
+                                                        path="sparse" if last else "dense")),
+        "one rank's spec": _raises(lambda: kd.attention(q_s, k_s, v_s, spec.replace(causal=not last), block_idx=lists,
+                                                        path="dense")),
+        "one rank's lists": _raises(lambda: kd.attention(q_s, k_s, v_s, spec, block_idx=lists[:, :, :3] if last
+                                                         else lists, path="dense")),
+        "one rank's list dtype": _raises(lambda: kd.attention(q_s, k_s, v_s, spec, block_idx=lists.float() if last
+                                                              else lists, path="dense")),
+        "one rank's grad": _raises(lambda: kd.attention(q_s.requires_grad_(last), k_s, v_s, spec, block_idx=lists,
+                                                        path="dense")),
+        "one rank's unshard": _raises(lambda: kd.unshard(q_s[:, :, :short].detach())),
+        "after them": "in step" if torch.equal(kd.unshard(kd.shard(q, "zigzag"), "zigzag"), q) else "out of step",
     }
 
 
 EXPECTED_MESSAGES = {"shapes": "differs across ranks", "chunks": "not a multiple of spec.kv_block",
                      "lists": "block_idx.shape", "layout": "layout='striped'", "path": "path='ring'",
-                     "qk lengths": "same length", "index selector": "cannot select across shards"}
+                     "qk lengths": "same length", "index selector": "cannot select across shards",
+                     "one rank's path": "path differs across ranks", "one rank's spec": "spec differs across ranks",
+                     "one rank's lists": "block_idx.shape", "one rank's list dtype": "block_idx.dtype must be",
+                     "one rank's grad": "requires grad differs across ranks",
+                     "one rank's unshard": "x_shard shape differs across ranks", "after them": "in step"}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a rank left waiting in a collective fails the test in a minute or two, not gloo's default half hour
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         results = {case[0]: _run_case(case, world, rank) for case in CASES[world]}
         if world == 2:

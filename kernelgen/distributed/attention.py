@@ -8,20 +8,22 @@ global lists (given, or selected across shards: `select.py`), chooses a path fro
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from ..dispatch import SparseAttention, get_kernel
-from ..errors import KernelgenTypeError, KernelgenValueError
+from ..errors import KernelgenError, KernelgenTypeError, KernelgenValueError
 from ..inputs import check_qkv, check_return_lse
 from ..spec import Spec
 from .comm import Group, group_of
 from .fetch import fetch, local_backward, local_forward, local_prepared, requests_of, return_gradients
 from .layout import LAYOUTS, Layout
 from .ring import ring_backward, ring_forward
-from .select import select_rows
+from .select import check_selects_across_shards, select_rows
 
 __all__ = ["attention", "select_blocks", "shard", "unshard", "traffic", "Traffic", "PATHS"]
 
@@ -86,24 +88,80 @@ def traffic(k_shape, elem_bytes: int, world: int, kv_block: int, blocks: int) ->
     return Traffic(dense, sparse, dense_backward, sparse_backward)
 
 
-def _check_same_everywhere(q, k, spec: Spec, layout: str, given: bool, group: Group) -> None:
-    """The shards' shapes, dtype and the call's options must agree across the ranks (one all_gather)."""
-    mine = torch.tensor([*q.shape, *k.shape, _DTYPE_CODES[q.dtype], LAYOUTS.index(layout), int(given)],
-                        dtype=torch.int64, device=q.device)
-    everyone = torch.stack(group.all_gather(mine)).tolist()
-    names = ("q shard shape", "k shard shape", "dtype", "layout", "block_idx given")
-    cuts = ((0, 4), (4, 8), (8, 9), (9, 10), (10, 11))
-    for s, theirs in enumerate(everyone):
-        for name, (a, z) in zip(names, cuts):
-            if theirs[a:z] != everyone[0][a:z]:
+_MESSAGE_BYTES = 256  # of a rank's refusal, as the other ranks receive it
+_WIDEST = 8  # dims of a tensor whose shape the check compares
+
+
+def _shape_field(x, dims: int | None = None) -> list[int]:
+    """x's shape as a field of `_agree` (-1s where x is no tensor of `dims` dims, at most _WIDEST; ndim first)."""
+    if not isinstance(x, torch.Tensor) or x.dim() > _WIDEST or dims is not None and x.dim() != dims:
+        return [-1] * (1 + (dims or _WIDEST))
+    return [x.dim(), *x.shape, *[0] * ((dims or _WIDEST) - x.dim())]
+
+
+def _agree(group: Group, device, fields: list[tuple], refusal: Exception | None) -> None:
+    """Raise on every rank when `fields` differ across ranks or any rank refused its call (`refusal`: this
+    rank's own error, re-raised here), in one all_gather: a rank that raised alone would leave the others
+    waiting forever in a collective it never enters. `fields`: (name, ints (-1: not known on this rank),
+    how to show them or None)."""
+    message = list(str(refusal).encode()[:_MESSAGE_BYTES]) if refusal is not None else []
+    mine = [int(refusal is not None)] + [x for _, values, _ in fields for x in values]
+    mine += message + [0] * (_MESSAGE_BYTES - len(message))
+    everyone = torch.stack(group.all_gather(torch.tensor(mine, dtype=torch.int64, device=device))).tolist()
+    start = 1
+    for name, values, show in fields:
+        stop = start + len(values)
+        known = [(s, row[start:stop]) for s, row in enumerate(everyone) if -1 not in row[start:stop]]
+        for s, theirs in known:
+            first, ours = known[0]
+            if theirs != ours:
+                what = f": rank {first} has {show(ours)}, rank {s} has {show(theirs)}" if show else \
+                    f" (rank {first} and rank {s})"
                 raise KernelgenValueError(
-                    f"{name} differs across ranks: rank 0 has {everyone[0][a:z]}, rank {s} has {theirs[a:z]}; "
-                    "every rank must pass shards of the same shape, dtype and layout (and all or none pass block_idx)")
+                    f"{name} differs across ranks{what}; every rank must make the same call (spec, layout, path, "
+                    "scale, block_idx given or not, inputs requiring grad or not) on shards of one shape and dtype")
+        start = stop
+    if refusal is not None:
+        raise refusal
+    for s, row in enumerate(everyone):
+        if row[0]:
+            text = bytes(row[start:start + _MESSAGE_BYTES]).rstrip(b"\0").decode(errors="replace")
+            raise KernelgenValueError(f"rank {s} refused its call: {text} (every rank raises, none waits for it)")
+
+
+def _device_of(x, group: Group):
+    """Where the check's tensor goes: x's device, or where the group's backend communicates when x is no tensor."""
+    if isinstance(x, torch.Tensor):
+        return x.device
+    nccl = dist.get_backend(group.pg) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def _crc(value) -> int:
+    return zlib.crc32(repr(value).encode())
+
+
+def _check_same_everywhere(q, k, spec: Spec, layout: str, given: bool, path: str, backward: bool, scale,
+                           refusal: Exception | None, group: Group) -> None:
+    """The shards' shapes and dtype and the call's options must agree across the ranks, and no rank may have
+    refused its call (one all_gather; a ValueError on every rank otherwise)."""
+    fields = [
+        ("q shard shape", _shape_field(q, 4)[1:], list), ("k shard shape", _shape_field(k, 4)[1:], list),
+        ("dtype", [_DTYPE_CODES.get(getattr(q, "dtype", None), -1)], lambda v: str(list(_DTYPE_CODES)[v[0]])),
+        ("layout", [LAYOUTS.index(layout) if layout in LAYOUTS else -1], lambda v: repr(LAYOUTS[v[0]])),
+        ("block_idx given", [int(given)], None),
+        ("path", [PATHS.index(path) if path in PATHS else -1], lambda v: repr(PATHS[v[0]])),
+        ("whether an input requires grad", [int(backward)], None),
+        ("spec", [_crc(spec.to_json()) if isinstance(spec, Spec) else -1], None),
+        ("scale", [_crc(scale)], None),
+    ]
+    _agree(group, _device_of(q, group), fields, refusal)
 
 
 def _rows(block_idx, spec: Spec, layout: Layout, b: int, hkv: int, device) -> torch.Tensor:
     """This rank's rows of caller-given lists: global lists [B, Hkv, n_q_tiles(N), top_k], or this rank's rows
-    already [B, Hkv, shard's Q tiles, top_k] (shard order). Block ids are global."""
+    already [B, Hkv, shard's Q tiles, top_k] (shard order). Block ids are global. A B or Hkv dimension of 1
+    broadcasts, as on one GPU."""
     if not isinstance(block_idx, torch.Tensor):
         raise KernelgenTypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
     if block_idx.dtype not in (torch.int32, torch.int64):
@@ -112,19 +170,20 @@ def _rows(block_idx, spec: Spec, layout: Layout, b: int, hkv: int, device) -> to
         raise KernelgenValueError(f"block_idx is on {block_idx.device} but q is on {device}")
     n_tiles, own = layout.n // spec.q_tile, layout.shard_len // spec.q_tile
     shape = tuple(block_idx.shape)
-    if block_idx.dim() == 4 and shape[:2] == (b, hkv) and shape[3] == spec.top_k:
+    if block_idx.dim() == 4 and shape[0] in (1, b) and shape[1] in (1, hkv) and shape[3] == spec.top_k:
+        block_idx = block_idx.expand(b, hkv, -1, -1)
         if shape[2] == n_tiles:
             return block_idx[:, :, layout.global_ids(spec.q_tile, device=device)]
         if shape[2] == own:
-            return block_idx
+            return block_idx.contiguous()
     raise KernelgenValueError(
         f"block_idx.shape = {shape}; expected the global lists [B, Hkv, n_q_tiles, top_k] = {(b, hkv, n_tiles, spec.top_k)} "
         f"(global block ids, the lists one GPU would use for N={layout.n}), or this rank's rows of them "
         f"{(b, hkv, own, spec.top_k)} in {layout.name} shard order")
 
 
-def _prepare_call(q, k, v, spec: Spec, group, layout: str, given: bool, scale) -> _Call | None:
-    """Checks; None when the group has one rank (the call runs as on one GPU)."""
+def _check_call(q, k, v, spec, layout: str, path: str) -> None:
+    """What a call needs on any rank, checked on this one alone."""
     if not isinstance(spec, Spec):
         raise KernelgenTypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
     if spec.per_query:
@@ -132,17 +191,36 @@ def _prepare_call(q, k, v, spec: Spec, group, layout: str, given: bool, scale) -
                                   "is not supported across shards")
     if layout not in LAYOUTS:
         raise KernelgenValueError(f"layout={layout!r} is unknown; expected one of {LAYOUTS}")
+    if path not in PATHS:
+        raise KernelgenValueError(f"path={path!r} is unknown; expected one of {PATHS}")
     check_qkv(q, k, v, spec)
     if q.shape[2] != k.shape[2]:
         raise KernelgenValueError(f"q_shard has {q.shape[2]} rows and k_shard {k.shape[2]}: context parallelism "
                                   "shards one sequence, so q, k and v shards have the same length")
+
+
+def _prepare_call(q, k, v, spec: Spec, group, layout: str, block_idx, scale, path: str = "auto",
+                  backward: bool = False) -> tuple[_Call | None, torch.Tensor | None]:
+    """(call, this rank's rows of the given lists or None); call None when the group has one rank (the call runs
+    as on one GPU). Every rank checks its own call, then all agree (`_check_same_everywhere`): a call refused on
+    one rank raises on every rank, never leaves the others waiting in a collective."""
     g = group_of(group)
     if g.world == 1:
-        return None
-    _check_same_everywhere(q, k, spec, layout, given, g)
-    lay = Layout.of_shard(layout, g.world, g.rank, q.shape[2])
-    lay.check(spec)
-    return _Call.of(spec, lay, g, q.device, scale)
+        _check_call(q, k, v, spec, layout, path)
+        return None, None
+    refusal, lay, rows = None, None, None
+    try:
+        _check_call(q, k, v, spec, layout, path)
+        lay = Layout.of_shard(layout, g.world, g.rank, q.shape[2])
+        lay.check(spec)
+        if block_idx is not None:
+            rows = _rows(block_idx, spec, lay, k.shape[0], k.shape[1], q.device)
+        else:
+            check_selects_across_shards(spec)
+    except KernelgenError as error:
+        refusal = error
+    _check_same_everywhere(q, k, spec, layout, block_idx is not None, path, backward, scale, refusal, g)
+    return _Call.of(spec, lay, g, q.device, scale), rows
 
 
 def _choose(rows, call: _Call, k, path: str, backward: bool):
@@ -210,20 +288,14 @@ def attention(q_shard: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Tenso
     or "auto" (the one that moves fewer bytes). Returns this rank's o (and lse) shard; o backpropagates.
     """
     check_return_lse(return_lse)
-    if path not in PATHS:
-        raise KernelgenValueError(f"path={path!r} is unknown; expected one of {PATHS}")
-    call = _prepare_call(q_shard, k_shard, v_shard, spec, group, layout, block_idx is not None, scale)
+    backward = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                               for x in (q_shard, k_shard, v_shard))
+    call, rows = _prepare_call(q_shard, k_shard, v_shard, spec, group, layout, block_idx, scale, path, backward)
     if call is None:
         o, lse = get_kernel(spec)(q_shard, k_shard, v_shard, block_idx=block_idx, scale=scale, return_lse=True)
         return (o, lse) if return_lse else o
-    b, hkv = k_shard.shape[:2]
-    if block_idx is None:
-        if not spec.selects:
-            raise KernelgenValueError("spec.selector='given' needs block_idx= (global block ids)")
+    if rows is None:
         rows = select_rows(q_shard, k_shard, spec, call.layout, call.group)
-    else:
-        rows = _rows(block_idx, spec, call.layout, b, hkv, q_shard.device)
-    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q_shard, k_shard, v_shard))
     chosen, requests = _choose(rows, call, k_shard, path, backward)
     o, lse = _ContextParallel.apply(q_shard, k_shard, v_shard, call, rows, chosen, requests)
     return (o, lse) if return_lse else o
@@ -233,7 +305,7 @@ def select_blocks(q_shard: torch.Tensor, k_shard: torch.Tensor, spec: Spec, *, g
                   layout: str = "zigzag") -> torch.Tensor:
     """This rank's rows of the lists one GPU's selector would choose: int32 [B, Hkv, shard's Q tiles, top_k],
     global block ids, tiles in shard order (pass them as block_idx)."""
-    call = _prepare_call(q_shard, k_shard, k_shard, spec, group, layout, False, None)
+    call, _ = _prepare_call(q_shard, k_shard, k_shard, spec, group, layout, None, None)
     if call is None:
         return get_kernel(spec).select(q_shard, k_shard)
     return select_rows(q_shard, k_shard, spec, call.layout, call.group)
@@ -254,7 +326,19 @@ def shard(x: torch.Tensor, layout: str = "zigzag", group=None) -> torch.Tensor:
 def unshard(x_shard: torch.Tensor, layout: str = "zigzag", group=None) -> torch.Tensor:
     """The full [B, H, N, ...] tensor from every rank's shard (an all_gather; no gradient flows through it)."""
     g = group_of(group)
-    lay = Layout.of_shard(layout, g.world, g.rank, x_shard.shape[2])
+    refusal = None
+    try:
+        if not isinstance(x_shard, torch.Tensor) or not 3 <= x_shard.dim() <= _WIDEST:
+            raise KernelgenValueError(f"x_shard must be a [B, H, N, ...] tensor of at most {_WIDEST} dims, got "
+                                      f"{getattr(x_shard, 'shape', type(x_shard).__name__)}")
+        lay = Layout.of_shard(layout, g.world, g.rank, x_shard.shape[2])
+    except KernelgenError as error:
+        if g.world == 1:
+            raise
+        refusal = error
     if g.world == 1:
-        return x_shard
+        return x_shard.detach()
+    dtype = [_crc(x_shard.dtype) if refusal is None else -1]
+    shape = ("x_shard shape", _shape_field(x_shard), lambda v: v[1:1 + v[0]])
+    _agree(g, _device_of(x_shard, g), [shape, ("x_shard dtype", dtype, None)], refusal)
     return lay.assemble(g.all_gather(x_shard.detach()))

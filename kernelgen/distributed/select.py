@@ -20,16 +20,23 @@ from ..spec import Spec
 from .comm import Group
 from .layout import Layout
 
-__all__ = ["select_rows"]
+__all__ = ["select_rows", "check_selects_across_shards"]
+
+
+def check_selects_across_shards(spec: Spec) -> None:
+    """A ValueError unless the spec's selector can choose a rank's lists across shards."""
+    if not spec.selects:
+        raise KernelgenValueError("spec.selector='given' needs block_idx= (global block ids)")
+    if spec.selection_role != "select":
+        raise KernelgenValueError(
+            f"spec.selector={spec.selector!r} cannot select across shards (the pooled selectors 'mean' and "
+            "'multi:r' can); pass block_idx= (global block ids)")
 
 
 def select_rows(q: torch.Tensor, k: torch.Tensor, spec: Spec, layout: Layout, group: Group) -> torch.Tensor:
     """int32 [B, Hkv, this rank's Q tiles, top_k]: global block ids, the single-GPU selection's rows of this
     rank's tiles (in shard order)."""
-    if spec.selection_role != "select":
-        raise KernelgenValueError(
-            f"spec.selector={spec.selector!r} cannot select across shards (the pooled selectors 'mean' and "
-            "'multi:r' can); pass block_idx= (global block ids)")
+    check_selects_across_shards(spec)
     b, hq, n, _ = q.shape
     hkv = k.shape[1]
     served = get_kernel(spec).served("select", layout.n, q.dtype, q.device)
