@@ -9,6 +9,9 @@ import importlib.util
 import json
 import re
 import shutil
+import socket
+import subprocess
+import sys
 import zlib
 
 import optuna
@@ -526,6 +529,26 @@ def test_interrupted_trial_is_requeued(tmp_path, db, fake_worker):
     result = run_tune(tmp_path, db, trials=4)
     assert interrupted in fake_worker.jobs[2:]  # measured again on resume (after the seeds still queued)
     assert result.n_trials == 4 and result.n_failed == 0 and len(fake_worker.jobs) == 5
+
+
+def test_a_claim_of_a_killed_tuner_on_this_host_is_measured_again(tmp_path, db, fake_worker):
+    """A tuner killed mid-measurement (SIGKILL) leaves its trial RUNNING and claimed; where the claiming process was
+    on this host and is gone, the next tune re-queues its config at once: measured, not counted as in flight."""
+    first = run_tune(tmp_path, db, trials=2)
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    study = optuna.load_study(study_name=first.study_name, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    p = plan(SPEC, "attn", seq=SEQ, trials=3, device="cpu")
+    config = next(c for c in p["space"] if c not in fake_worker.jobs)
+    study.enqueue_trial(config)
+    trial = study.ask()
+    for field, values in p["params"].items():
+        trial.suggest_categorical(field, values)
+    trial.set_user_attr("claimed", f"{socket.gethostname()} pid {gone.pid} cpu")
+    result = run_tune(tmp_path, db, trials=3)
+    assert fake_worker.jobs[2:] == [config] and result.n_trials == 3
+    study = optuna.load_study(study_name=first.study_name, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    assert study.trials[trial.number].state == TrialState.FAIL  # given up, its config queued again
 
 
 def test_study_of_another_toolchain_starts_over(tmp_path, db, fake_worker, monkeypatch):

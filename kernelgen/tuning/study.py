@@ -134,13 +134,31 @@ def _age_s(trial: optuna.trial.FrozenTrial) -> float:
     return 0.0 if trial.datetime_start is None else (datetime.now() - trial.datetime_start).total_seconds()
 
 
+def _claimer_gone(trial: optuna.trial.FrozenTrial) -> bool:
+    """The trial was claimed on this host by a process that no longer exists (a killed tuner or worker): its
+    measurement will never be told. Another host's claim is never judged here."""
+    host, _, rest = trial.user_attrs.get("claimed", "").partition(" pid ")
+    if host != socket.gethostname() or not rest.split(" ", 1)[0].isdigit():
+        return False
+    pid = int(rest.split(" ", 1)[0])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: it exists, as another user's
+        return False
+    return False
+
+
 def _requeue_interrupted(study: optuna.Study, stale_s: float) -> None:
     """Queue again the configs of trials that failed without a verdict (Ctrl-C, a killed tuner whose
-    heartbeat went stale or, in a storage without heartbeats, a trial still RUNNING `stale_s` after it
-    started) and were never measured since."""
+    heartbeat went stale or whose process on this host is gone or, in a storage without heartbeats, a trial
+    still RUNNING `stale_s` after it started) and were never measured since."""
     optuna.storages.fail_stale_trials(study)
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if _age_s(t) > stale_s:
+        if _age_s(t) > stale_s or _claimer_gone(t):
             log.info("tune: trial %d started %.0f s ago and is still running; its tuner is gone", t.number,
                      _age_s(t))
             study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
@@ -160,7 +178,8 @@ def _requeue_interrupted(study: optuna.Study, stale_s: float) -> None:
 
 def _measuring(t: optuna.trial.FrozenTrial, stale_s: float) -> bool:
     """A trial whose config is being measured (by a live worker, here or elsewhere)."""
-    return t.state == TrialState.RUNNING and "claimed" in t.user_attrs and _age_s(t) <= stale_s
+    return (t.state == TrialState.RUNNING and "claimed" in t.user_attrs and _age_s(t) <= stale_s
+            and not _claimer_gone(t))
 
 
 def _settled_trial(study: optuna.Study, params: dict, stale_s: float) -> optuna.trial.FrozenTrial | None:
