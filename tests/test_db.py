@@ -408,3 +408,19 @@ def test_a_read_only_db_file_in_a_writable_dir_refuses_writes_clearly(tmp_path):
         assert db.read_only is not None and lookup(db) is not None
         with pytest.raises(KernelgenRuntimeError, match="cannot be written"):
             upsert(db, median_ms=0.1)
+
+
+def test_a_db_with_only_the_columns_kernelgen_reads_takes_new_rows(tmp_path):
+    """A winners table with the columns kernelgen reads but not every column it writes (made by another tool) is
+    read, and a tune's upsert adds the missing columns rather than failing after the trials."""
+    import sqlite_utils
+
+    from kernelgen.tuning.db import KEY_COLUMNS, REQUIRED_COLUMNS, SCHEMA
+
+    path = tmp_path / "tuning.db"
+    with contextlib.closing(sqlite_utils.Database(path)) as made:
+        made["winners"].create({name: SCHEMA[name] for name in REQUIRED_COLUMNS}, pk=KEY_COLUMNS)
+    with TuningDB(path) as db:
+        upsert(db, median_ms=2.0)
+        upsert(db, median_ms=1.0)
+        assert lookup(db)["median_ms"] == 1.0 and lookup(db)["tflops"] is not None

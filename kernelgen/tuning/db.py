@@ -452,7 +452,8 @@ class TuningDB:
                     logger.debug("tuning DB %s keeps %s (%.4f ms <= %.4f ms)", self.path, key,
                                  existing[0]["median_ms"], record["median_ms"])
                     return
-                self._db.table(TABLE).upsert(record, pk=KEY_COLUMNS)
+                # alter: a table made elsewhere with only the columns kernelgen reads gets the others
+                self._db.table(TABLE).upsert(record, pk=KEY_COLUMNS, alter=True)
 
         self._write(compare_and_write)
 
