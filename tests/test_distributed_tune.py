@@ -235,3 +235,16 @@ def test_a_journal_storage_opens_and_a_missing_driver_is_named(tmp_path):
     assert (tmp_path / "a" / "study.log").is_file()
     with pytest.raises((KernelgenValueError, KernelgenRuntimeError), match="storage mysql://"):
         open_storage(parse_storage("mysql://user@127.0.0.1:1/kernelgen"))
+
+
+def test_a_storage_that_cannot_be_opened_is_named(tmp_path):
+    """A journal that holds something else, or a storage whose directory cannot be made: one error naming the
+    storage (not a bare JSONDecodeError or FileNotFoundError)."""
+    other = tmp_path / "notes.txt"
+    other.write_text("not a journal\nat all\n")
+    with pytest.raises(KernelgenValueError, match=f"storage journal://{other} is not an Optuna journal file"):
+        open_storage(parse_storage(f"journal://{other}"))
+    (tmp_path / "file").write_text("")
+    for url in (f"journal://{tmp_path / 'file' / 'study.log'}", f"sqlite:///{tmp_path / 'file' / 'optuna.db'}"):
+        with pytest.raises(KernelgenRuntimeError, match=f"storage {url} cannot be opened"):
+            open_storage(parse_storage(url))

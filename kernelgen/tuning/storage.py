@@ -104,13 +104,18 @@ def open_storage(storage: StorageURL):
     from optuna.storages.journal import JournalFileBackend
     from sqlalchemy.exc import SQLAlchemyError
 
-    if storage.kind == "journal":
-        path = storage.journal_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     sqlite = storage.url.startswith("sqlite:")
-    if sqlite:
-        Path(storage.url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if storage.kind == "journal":
+            storage.journal_path.parent.mkdir(parents=True, exist_ok=True)
+            return optuna.storages.JournalStorage(JournalFileBackend(str(storage.journal_path)))
+        if sqlite:
+            Path(storage.url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a directory that cannot be made, a file that cannot be read or locked
+        raise KernelgenRuntimeError(f"storage {storage.url} cannot be opened: {error}") from None
+    except ValueError as error:  # the journal's lines are not JSON: another file
+        raise KernelgenValueError(f"storage {storage.url} is not an Optuna journal file ({error}); name a journal "
+                                  "that kernelgen tune wrote, or a new file") from None
     try:
         with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
