@@ -523,6 +523,92 @@ def test_a_compiled_steps_mask_is_checked_on_the_device():
             kg_hf._rows_on_device(bad, 2, 20)
 
 
+def padded_batch(spans, n):
+    """(ids, mask, labels) of rows whose tokens are keys [first, end) of n (padding before and after them)."""
+    ids, mask = torch.zeros(len(spans), n, dtype=torch.long), torch.zeros(len(spans), n, dtype=torch.long)
+    for b, (first, end) in enumerate(spans):
+        ids[b, first:end], mask[b, first:end] = tokens(1, end - first, seed=40 + b)[0], 1
+    return ids, mask, torch.where(mask.bool(), ids, -100)
+
+
+def test_a_padded_batch_whose_every_row_is_padded_is_one_call(models, roles):
+    """A training batch padded past its longest row (`pad_to_multiple_of`): its queries still sit at keys 0 ..
+    n - 1, so it is one call a layer, each row's logits its own alone."""
+    ours, _ = models
+    set_options(ours, top_k=2)
+    spans = [(0, 40), (0, 23)]
+    ids, mask, _ = padded_batch(spans, 48)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        got = ours(ids, attention_mask=mask).logits
+        assert roles["attn"] == 2
+        for b, (first, end) in enumerate(spans):
+            assert_close(got[b, first:end], ours(ids[b:b + 1, first:end]).logits[0], tol=1e-5)
+
+
+@pytest.mark.parametrize("spans", [[(0, 48), (0, 48)], [(0, 40), (8, 48), (3, 30)]], ids=["whole", "padded"])
+def test_a_compiled_training_step_runs_in_the_graph(models, roles, compiled, spans):
+    """torch.compile(fullgraph=True) of a training step (loss and backward) over whole rows, and over a batch with a
+    right-padded, a left-padded and a row padded on both sides: transformers hands each layer a 4-D mask, read and
+    checked on the device, the rows moved to start at 0 and attended in one call; the loss and gradients are the
+    eager step's."""
+    ours, _ = models
+    set_options(ours, top_k=2)
+    ids, mask, labels = padded_batch(spans, 48)
+
+    def step(ids, mask, labels):
+        ours.zero_grad()
+        loss = ours(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), ours.model.layers[0].self_attn.q_proj.weight.grad.clone()
+
+    ours.train()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+            want = step(ids, mask, labels)
+            roles.clear()
+            got = compiled(lambda *a: ours(*a[:1], attention_mask=a[1], labels=a[2]).loss)(ids, mask, labels)
+            assert roles["attn"] == 2  # one call a layer, inside the graph
+            ours.zero_grad()
+            got.backward()
+            assert roles["bwd_dq"] == 2 and roles["bwd_dkdv"] == 2
+            grad = ours.model.layers[0].self_attn.q_proj.weight.grad
+    finally:
+        ours.eval()
+    assert_close(got.detach(), want[0], tol=1e-5)
+    assert_close(grad, want[1], tol=1e-4)
+
+
+def test_moved_rows_move_their_gradient_back():
+    x = torch.randn(3, 2, 7, 4, dtype=torch.float64, requires_grad=True)
+    shift = torch.tensor([0, 3, 6], dtype=torch.int32)
+    moved = kg_hf._RowsMoved.apply(x, shift)
+    assert torch.equal(moved[1, :, 0], x[1, :, 3]) and torch.equal(kg_hf._RowsMoved.apply(moved, -shift), x)
+    assert torch.autograd.gradcheck(lambda x: kg_hf._RowsMoved.apply(x, shift), (x,))
+
+
+def test_a_compiled_prompts_mask_is_checked_on_the_device():
+    n = 20
+    causal = transformers.masking_utils.sdpa_mask(batch_size=3, q_length=n, kv_length=n, allow_is_causal_skip=False)
+    padding = torch.ones(3, n, dtype=torch.long)
+    padding[0, 15:], padding[1, :4], padding[2, :2], padding[2, 17:] = 0, 0, 0, 0
+    padded = transformers.masking_utils.sdpa_mask(batch_size=3, q_length=n, kv_length=n, attention_mask=padding.bool(),
+                                                  allow_is_causal_skip=False)
+    firsts, ends = kg_hf._prompt_rows_on_device(padded, n)
+    assert firsts.tolist() == [0, 4, 2] and ends.tolist() == [15, 20, 17]
+    assert [x.tolist() for x in kg_hf._prompt_rows_on_device(causal, n)] == [[0] * 3, [n] * 3]
+    additive = torch.where(padded, 0.0, torch.finfo(torch.float32).min)
+    assert all(map(torch.equal, kg_hf._prompt_rows_on_device(additive, n), (firsts, ends)))
+    holed, ahead, empty = padded.clone(), padded.clone(), padded.clone()
+    holed[0, :, 9, 5] = False
+    ahead[1, :, 6, 7] = True  # a query sees the key after it
+    empty[2] = False  # a row of padding alone
+    for bad in (holed, ahead, empty, additive + 0.5):
+        with pytest.raises(RuntimeError, match="not purely causal"):
+            kg_hf._prompt_rows_on_device(bad, n)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("padded", [False, True])
 def test_generate_over_a_static_cache_compiles_to_cuda_graphs(padded):
@@ -562,3 +648,36 @@ def test_generate_over_a_static_cache_compiles_to_cuda_graphs(padded):
         with torch.no_grad():
             alone = model(ids[1:, 700:]).logits[0, -1].float()
         assert (want.logits[0][1].float() - alone).norm() < 2e-2 * alone.norm()
+
+
+@pytest.mark.gpu
+def test_a_compiled_training_step_on_the_gpu():
+    """torch.compile (inductor) of a bf16 training step over a padded batch: no graph break, and the loss and
+    gradients of the eager step."""
+    from torch._dynamo.utils import counters
+
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                                      num_key_value_heads=2, head_dim=64, num_hidden_layers=2, vocab_size=1000,
+                                      max_position_embeddings=8192, kernelgen_kv_block=64, kernelgen_q_tile=64,
+                                      kernelgen_top_k=8, kernelgen_sink=1, kernelgen_local=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kernelgen",
+                                                          dtype=torch.bfloat16).cuda().train()
+    ids = torch.randint(1, 1000, (2, 4096), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, 3000:], mask[1, :500] = 0, 0
+    labels = torch.where(mask.bool(), ids, -100)
+
+    def step(forward):
+        model.zero_grad()
+        loss = forward(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()
+
+    want = step(model)
+    torch._dynamo.reset()
+    counters.clear()
+    got = step(torch.compile(model))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert (got[0] - want[0]).abs() < 2e-2 * want[0].abs()
+    assert (got[1] - want[1]).norm() < 5e-2 * want[1].norm()

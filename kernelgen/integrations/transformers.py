@@ -30,7 +30,7 @@ context costs more than the decode itself. `KeyRepsCache`, a `DynamicCache` whos
 (`kernelgen.KeyReps`) and extend them as the cache grows, takes that away; the lists are bit-identical:
 
     cache = KeyRepsCache(config=model.config)
-    model.generate(ids, past_key_values=cache, max_new_tokens=256)
+    model.generate(ids, cache=cache, max_new_tokens=256)
 
 Its layers follow the cache through beam search's reordering, batch selection and repetition, and cropping.
 
@@ -41,8 +41,11 @@ inside those graphs: the custom ops of `kernelgen.custom_ops`, each row's tokens
 device-side assertion stops the run: a compiled step cannot fall back). The blocks' means are kept with the cache
 here too, on its key tensor, and grown in place by each call, eager or compiled, that writes keys into it. A
 module whose last eager call fell back because of its mask (a custom mask) runs its compiled steps through SDPA
-as well. A compiled prompt or training step (more than `DECODE_MAX_QUERIES` queries) given a 4-D mask, which
-transformers builds while compiling, runs outside the graph (a graph break per layer): its mask is read on the host.
+as well. A compiled prompt or training step (more than `DECODE_MAX_QUERIES` queries, no keys cached before it)
+given a 4-D mask, which transformers builds while compiling with torch before 2.14, runs in the graph too: each
+row's tokens read from the mask on the device and the mask checked there likewise, its rows moved to start at 0
+and attended in one call (`seqlens`), as an eager padded batch is. One after cached keys, or of the index
+selector, runs outside the graph (a graph break per layer), its mask read on the host.
 
 **Padded batches.** A batch whose rows are padded (on the left, as generate() pads prompts, or on the right, as
 a training batch is) computes each row over its own tokens, exactly as if it were alone: its blocks are counted
@@ -161,9 +164,11 @@ def _module_spec(module) -> Spec | None:
     # a copy of each value, so that an options object changed in place is seen as changed
     module.__dict__["_kernelgen_spec"] = (config, text, tuple(copy.deepcopy(state.get(name)) for name in _READ),
                                           spec)
-    # what a compiled step reads instead (plain constants: it cannot run this function): the spec's JSON text
-    # and the blocks of the reps its selector keeps; a compiled model keeps what its last eager call saw
-    module.__dict__["_kernelgen_traced"] = ("", None) if spec is None else (spec.to_json(), _reps_blocks(spec))
+    # what a compiled step reads instead (plain constants: it cannot run this function): the spec's JSON text,
+    # the blocks of the reps its selector keeps, and whether a padded prompt is one call (not one a row, as the
+    # index selector's is); a compiled model keeps what its last eager call saw
+    module.__dict__["_kernelgen_traced"] = (("", None, False) if spec is None
+                                            else (spec.to_json(), _reps_blocks(spec), spec.selector != "index"))
     return spec
 
 
@@ -231,7 +236,9 @@ def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | PaddedRows | 
     counts, first, end = torch.stack([last.sum(-1), firsts, ends]).tolist()
     if min(counts) == 0:
         return "an attention mask whose last query sees no key (a row of padding alone, or a custom 4-D mask)"
-    offset = max(end) - n_q
+    # where the queries sit: after a static cache's written keys (the last query's row ends there), or at 0 when
+    # there are as many keys as queries (a prompt or a training batch, every row perhaps ending in padding)
+    offset = 0 if n_q == n_k else max(end) - n_q
     if any(c != e - f for c, f, e in zip(counts, first, end)) or offset < 0:
         return _HOLES
     positions = offset + torch.arange(n_q, device=mask.device)
@@ -438,7 +445,8 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
 
         return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
     if rows.offset == 0 and spec.selector != "index":
-        return _attention_padded_prompt(attn, query, key, value, rows, scaling)
+        return _attention_padded_prompt(attn, query, key, value, rows.pads.expand(batch), rows.tokens, scaling,
+                                        shifted=max(rows.firsts) > 0)
     if spec.selector != "index" and whole:
         # a chunk after earlier keys whose queries are all tokens (left padding, all of it before the chunk): one
         # call over the cache's rows. A chunk that still holds padding runs a call per row: a padding query would
@@ -460,24 +468,42 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
     return torch.cat(outputs).transpose(1, 2).contiguous(), None
 
 
-def _attention_padded_prompt(attn, query, key, value, rows: PaddedRows, scaling):
+def _attention_padded_prompt(attn, query, key, value, firsts: torch.Tensor, tokens: torch.Tensor, scaling,
+                             shifted: bool = True):
     """A padded prompt or training batch (its queries at keys 0 .. n_q - 1) in one call: each row moved to
-    start at position 0 (right padding: a gather where any row has left padding), attended with `seqlens`,
-    and moved back; the padding's output is 0."""
+    start at position 0 (right padding: where `shifted`, rows with left padding move), attended with `seqlens`
+    (`tokens`: each row's token count), and moved back; the padding's output is 0. `attn`: a kernelgen callable,
+    or the custom op's call (a compiled step's). `firsts`: each row's first token (int32 [B])."""
     batch, n = query.shape[0], query.shape[2]
     key, value = key[:, :, :n], value[:, :, :n]  # a static cache's keys past the prompt are not written
-    firsts = rows.pads.expand(batch)
-    shifted = max(rows.firsts) > 0
     if shifted:  # left padding: row b's token i to position i (and its padding after its tokens)
-        positions = torch.arange(n, device=query.device)
-        to_start = ((positions + firsts[:, None]) % n)[:, None, :, None]
-        query, key, value = (x.gather(2, to_start.expand(batch, x.shape[1], n, x.shape[3]))
-                             for x in (query, key, value))
-    o = attn(query, key, value, scale=scaling, seqlens=rows.tokens.expand(batch).contiguous())
+        query, key, value = (_RowsMoved.apply(x, firsts) for x in (query, key, value))
+    o = attn(query, key, value, scale=scaling, seqlens=tokens.expand(batch).contiguous())
     if shifted:
-        back = ((positions - firsts[:, None]) % n)[:, None, :, None]
-        o = o.gather(2, back.expand_as(o))
+        o = _RowsMoved.apply(o, -firsts)
     return o.transpose(1, 2).contiguous(), None
+
+
+def _rows_moved(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """x [B, H, N, D] with row b's position (i + shift[b]) mod N at position i."""
+    n = x.shape[2]
+    at = ((torch.arange(n, device=x.device) + shift[:, None]) % n)[:, None, :, None]
+    return x.gather(2, at.expand(x.shape[0], x.shape[1], n, x.shape[3]))
+
+
+class _RowsMoved(torch.autograd.Function):
+    """`_rows_moved`, whose gradient is moved back by a gather too: a gather's own backward scatters, which
+    CUDA's deterministic mode refuses (the moves are permutations, so no two values ever add)."""
+
+    @staticmethod
+    def forward(ctx, x, shift):
+        ctx.save_for_backward(shift)
+        return _rows_moved(x, shift)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shift, = ctx.saved_tensors
+        return _rows_moved(grad, -shift), None
 
 
 # ---- a static cache's kept reps --------------------------------------------------------------------------
@@ -538,20 +564,32 @@ def _in_graph(module, query, key, mask, dropout, kwargs) -> bool:
         return False
     if mask is None:  # purely causal: the keys seen follow from the shapes
         return not isinstance(_visible_keys(None, query.shape[2], key.shape[2]), str)
-    # a mask tensor: decode calls read each row's tokens from it on the device (`cache_seqlens`, `cache_leftpad`),
-    # unless this module's last eager call found its mask not causal over each row's tokens (a custom mask)
-    return (isinstance(mask, torch.Tensor) and mask.dim() == 4 and query.shape[2] <= DECODE_MAX_QUERIES
-            and not getattr(module, "_kernelgen_mask_refused", False))
+    # a mask tensor, read on the device, unless this module's last eager call found its mask not causal over each
+    # row's tokens (a custom mask)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or getattr(module, "_kernelgen_mask_refused", False):
+        return False
+    if query.shape[2] <= DECODE_MAX_QUERIES:  # a decode step (`cache_seqlens`, `cache_leftpad`)
+        return True
+    # a prompt or a training batch with no keys before it, in one call (`seqlens`)
+    return traced[2] and key.shape[2] == query.shape[2] and tuple(mask.shape[-2:]) == (query.shape[2],) * 2
 
 
 def _attention_in_graph(module, query, key, value, mask, scaling, dropout):
     """The call as torch.compile traces it: the ops `kernelgen::sparse_attention` (opaque to the compiler,
     replayable in CUDA graphs), with no host read of any tensor."""
-    spec_json, blocks = module._kernelgen_traced
+    spec_json, blocks, _ = module._kernelgen_traced
     n_q, n_k = query.shape[2], key.shape[2]
     if mask is None:
         n_keys = _visible_keys(None, n_q, n_k)  # from shapes alone
         o, _ = custom_ops.sparse_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], spec_json, scale=scaling)
+    elif n_q > DECODE_MAX_QUERIES:  # a prompt or a training batch: each row moved to start at 0, as eager calls do
+        firsts, ends = _prompt_rows_on_device(mask, n_q)
+        batch = query.shape[0]
+
+        def attn(q, k, v, scale, seqlens):
+            return custom_ops.sparse_attention(q, k, v, spec_json, scale=scale, seqlens=seqlens)[0]
+
+        return _attention_padded_prompt(attn, query, key, value, firsts.expand(batch), ends - firsts, scaling)
     else:  # a decode step over a static cache: its rows read on the device, its kept reps grown in place
         lens, pads = _rows_on_device(mask, n_q, n_k)
         reps = _static_reps(None, blocks, query, key, lens, pads)
@@ -577,6 +615,26 @@ def _rows_on_device(mask: torch.Tensor, n_q: int, n_k: int) -> tuple[torch.Tenso
     torch._assert_async(ok, "kernelgen attention: a compiled decode step's attention mask is not purely causal "
                             "over each row's tokens (a custom mask); run it without torch.compile")
     return lens, pads
+
+
+def _prompt_rows_on_device(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(firsts, ends): each row's tokens, keys [firsts[b], ends[b]) (int32 [B] each), read from the 4-D mask of
+    a prompt or a training batch (n queries at keys 0 .. n - 1) with tensor ops alone, and a device-side
+    assertion that the mask is what the eager call accepts (`_mask_verdict`): purely causal over each row's
+    tokens, a padding query's row seeing the tokens before it. A mask that is not stops the run; it never gives
+    a wrong result."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    last, keys = allowed[:, 0, -1, :], torch.arange(n, device=mask.device)
+    firsts = torch.where(last, keys, n).amin(-1).to(torch.int32)
+    ends = torch.where(last, keys + 1, 0).amax(-1).to(torch.int32)
+    visible = ((keys[None, None, :] <= keys[None, :, None]) & (keys >= firsts[:, None, None])
+               & (keys < ends[:, None, None]))
+    ok = (allowed == visible[:, None]).all() & (ends > firsts).all()
+    if mask.dtype != torch.bool:
+        ok = ok & (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
+    torch._assert_async(ok, "kernelgen attention: a compiled prompt's or training step's attention mask is not "
+                            "purely causal over each row's tokens (a custom mask); run it without torch.compile")
+    return firsts, ends
 
 
 register()
