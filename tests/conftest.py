@@ -1,4 +1,5 @@
 """Shared test setup. Without CUDA, kernels run in the Triton interpreter (set before triton loads)."""
+import collections
 import os
 import tempfile
 
@@ -43,3 +44,19 @@ def nvcc_really_runs():
     yield
     if was_enabled:
         tilelang.enable_cache()
+
+
+@pytest.fixture
+def roles(monkeypatch):
+    """The kernel roles kernelgen launches meanwhile, counted (a Counter by role name)."""
+    import kernelgen
+
+    seen = collections.Counter()
+    launch = kernelgen.SparseAttention._launch
+
+    def spy(self, served, *args, **options):
+        seen[served.role] += 1
+        return launch(self, served, *args, **options)
+
+    monkeypatch.setattr(kernelgen.SparseAttention, "_launch", spy)
+    return seen

@@ -1,6 +1,5 @@
 """kernelgen as a transformers attention implementation ("kernelgen"), on a tiny Llama-style model built in code
 (no downloads), fp32 in the CPU interpreter: against the same weights under SDPA."""
-import collections
 import functools
 import warnings
 
@@ -46,20 +45,6 @@ def models():
     ours.load_state_dict(sdpa.state_dict())
     yield ours, sdpa
     patch.undo()
-
-
-@pytest.fixture
-def roles(monkeypatch):
-    """The kernel roles kernelgen launches meanwhile, counted."""
-    seen = collections.Counter()
-    launch = kernelgen.SparseAttention._launch
-
-    def spy(self, served, *args, **options):
-        seen[served.role] += 1
-        return launch(self, served, *args, **options)
-
-    monkeypatch.setattr(kernelgen.SparseAttention, "_launch", spy)
-    return seen
 
 
 def set_options(model, **options):
@@ -609,6 +594,17 @@ def test_a_compiled_prompts_mask_is_checked_on_the_device():
             kg_hf._prompt_rows_on_device(bad, n)
 
 
+def gpu_llama():
+    """A 2-layer bf16 Llama on the GPU, sparse: 8 blocks of 64 keys a list, 1 sink and 2 local blocks."""
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                                      num_key_value_heads=2, head_dim=64, num_hidden_layers=2, vocab_size=1000,
+                                      max_position_embeddings=8192, kernelgen_kv_block=64, kernelgen_q_tile=64,
+                                      kernelgen_top_k=8, kernelgen_sink=1, kernelgen_local=2)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kernelgen",
+                                                         dtype=torch.bfloat16).cuda()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("padded", [False, True])
 def test_generate_over_a_static_cache_compiles_to_cuda_graphs(padded):
@@ -617,13 +613,7 @@ def test_generate_over_a_static_cache_compiles_to_cuda_graphs(padded):
     left-padded batch's too, and its padded row's first logits those of the row alone."""
     from torch._dynamo.utils import counters
 
-    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                                      num_key_value_heads=2, head_dim=64, num_hidden_layers=2, vocab_size=1000,
-                                      max_position_embeddings=8192, kernelgen_kv_block=64, kernelgen_q_tile=64,
-                                      kernelgen_top_k=8, kernelgen_sink=1, kernelgen_local=2)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kernelgen",
-                                                          dtype=torch.bfloat16).cuda().eval()
+    model = gpu_llama().eval()
     ids = torch.randint(1, 1000, (2, 3000), device="cuda")
     mask = torch.ones_like(ids)
     if padded:
@@ -656,13 +646,7 @@ def test_a_compiled_training_step_on_the_gpu():
     gradients of the eager step."""
     from torch._dynamo.utils import counters
 
-    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                                      num_key_value_heads=2, head_dim=64, num_hidden_layers=2, vocab_size=1000,
-                                      max_position_embeddings=8192, kernelgen_kv_block=64, kernelgen_q_tile=64,
-                                      kernelgen_top_k=8, kernelgen_sink=1, kernelgen_local=2)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kernelgen",
-                                                          dtype=torch.bfloat16).cuda().train()
+    model = gpu_llama().train()
     ids = torch.randint(1, 1000, (2, 4096), device="cuda")
     mask = torch.ones_like(ids)
     mask[0, 3000:], mask[1, :500] = 0, 0
