@@ -163,14 +163,17 @@ class KeyReps:
                 raise KernelgenTypeError(f"index must hold integer or bool batch rows, got dtype {index.dtype}")
             index = index.to(self.reps.device)
         try:
-            reps = self.reps[index]
+            # contiguous: the kernels read (and grow in place) reps [B, Hkv, n_kv_blocks, r, D] and their lengths
+            # [B, Hkv] by their shapes, so a strided pick (a step slice) is copied
+            reps = self.reps[index].contiguous()
         except IndexError as error:
             raise KernelgenValueError(f"index picks rows outside these key_reps' batch of {self.reps.shape[0]}: "
                                       f"{error}") from None
         if reps.dim() != self.reps.dim():
             raise KernelgenValueError(f"index must pick batch rows (a 1-D index, a slice or a bool mask), got "
                                       f"{index!r}")
-        seqlens, leftpad = (None, None) if self.seqlens is None else (self.seqlens[index], self.leftpad[index])
+        seqlens, leftpad = (None, None) if self.seqlens is None else (self.seqlens[index].contiguous(),
+                                                                      self.leftpad[index].contiguous())
         return KeyReps._made_by_key_reps(reps, self.n_k, self.kv_block, self.groups, seqlens, leftpad)
 
     def _with_room(self, n_k: int) -> KeyReps:
@@ -193,7 +196,9 @@ class KeyReps:
         if not 0 <= n_k <= self.n_k:
             raise KernelgenValueError(f"n_k = {n_k}: these key_reps hold {self.n_k} keys; crop to 0..{self.n_k}")
         whole = n_k // self.kv_block
-        return KeyReps._made_by_key_reps(self.reps[:, :, :whole], whole * self.kv_block, self.kv_block, self.groups)
+        # a copy: the kernels read reps by their shape, and a slice of the blocks is strided
+        return KeyReps._made_by_key_reps(self.reps[:, :, :whole].contiguous(), whole * self.kv_block, self.kv_block,
+                                         self.groups)
 
     def __repr__(self) -> str:
         lengths = "" if self.seqlens is None else ", per-row lengths"

@@ -70,6 +70,31 @@ def test_extending_pools_only_the_new_blocks(device):
     assert torch.equal(grown.reps[:, :, 2:], attn.key_reps(changed).reps[:, :, 2:])
 
 
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_cropped_and_strided_picked_reps_are_the_reps_of_their_keys(schedule, device):
+    """reps.cropped(n) passed as they are to a call over the first n keys, and index_batch with a step slice (of
+    reps of per-row lengths too, grown in place by a call), select what the call over those keys selects: the
+    kernels read reps by their shape, so a strided slice of them must not reach them as it is."""
+    spec = _spec("mean", schedule)
+    attn = get_kernel(spec)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(4, h, n, 64, generator=gen).to(device) for h, n in ((4, 2), (2, 200), (2, 200)))
+    cropped = attn.key_reps(k).cropped(160)
+    assert cropped.n_k == 160 and torch.equal(attn.select(q, k[:, :, :160], key_reps=cropped),
+                                              attn.select(q, k[:, :, :160]))
+    every_other = attn.key_reps(k).index_batch(slice(None, None, 2))
+    assert torch.equal(attn.select(q[::2], k[::2], key_reps=every_other), attn.select(q[::2], k[::2]))
+    lens = torch.tensor([30, 70, 110, 150], dtype=torch.int32, device=device)
+    reps = attn.key_reps(k, cache_seqlens=lens)
+    kept = reps.reps.clone()
+    picked, grown_lens = reps.index_batch(slice(None, None, 2)), torch.tensor([120, 200], dtype=torch.int32,
+                                                                               device=device)
+    o = attn(q[::2], k[::2], v[::2], cache_seqlens=grown_lens, key_reps=picked)  # grows picked in place
+    assert torch.equal(o, attn(q[::2], k[::2], v[::2], cache_seqlens=grown_lens))
+    assert torch.equal(picked.reps, attn.key_reps(k[::2], cache_seqlens=grown_lens).reps)
+    assert torch.equal(reps.reps[1::2], kept[1::2])  # the rows it did not pick are left as they were
+
+
 def test_the_call_autograd_keeps_working_with_kept_reps(device):
     """Inputs that require grad: the gradients over lists chosen from kept reps are those of the plain call."""
     attn = get_kernel(_spec())
