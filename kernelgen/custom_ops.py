@@ -195,6 +195,9 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
         n_k = _capacity(k, block_table)
         if n_k > previous.n_k:  # a cache that grew into a longer tensor: room for its new blocks, then grown
             previous = previous._with_room(n_k)
+        elif n_k < previous.n_k:
+            get_kernel(_spec_of(spec_json)).key_reps(k, cache_seqlens=cache_seqlens, previous=previous,
+                                                     block_table=block_table)  # raises
         _grow_key_reps_op(k, spec_json, cache_seqlens, previous.reps, previous.seqlens, previous.leftpad,
                           cache_leftpad, block_table)
         return previous

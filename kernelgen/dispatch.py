@@ -391,6 +391,10 @@ class SparseAttention:
                                       "attn.key_reps(k, previous=...), or make them with cache_seqlens=")
         if previous.n_k < n_k:  # a cache that grew (a new, longer tensor): room for its new blocks, then grown
             previous = previous._with_room(n_k)
+        elif previous.n_k > n_k:
+            raise KernelgenValueError(f"previous key_reps were made for a cache of {previous.n_k} keys a row; k holds "
+                                      f"{n_k}: a cache that grew extends them, one moved into a smaller tensor needs "
+                                      "attn.key_reps(k, cache_seqlens=...)")
         check_key_reps(previous, spec, shapes, k.device, varlen=True)
         self._grow_reps(k, shapes, previous, rows)
         return previous

@@ -303,8 +303,10 @@ def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device, varlen: bool = 
         raise KernelgenValueError(f"key_reps were made for kv_block, groups = {made}; this spec has "
                                   f"{(spec.kv_block, spec.groups)}")
     if key_reps.n_k != shapes.n_k:
-        if key_reps.seqlens is not None:
+        if key_reps.seqlens is not None and key_reps.n_k < shapes.n_k:
             fix = "grow them with attn.key_reps(k, cache_seqlens=..., previous=key_reps)"
+        elif key_reps.seqlens is not None:  # a cache copied into a smaller tensor: its reps are not cropped
+            fix = "make them for this k with attn.key_reps(k, cache_seqlens=...)"
         elif key_reps.n_k < shapes.n_k:
             fix = "extend them with attn.key_reps(k, previous=key_reps)"
         else:  # a cache cropped to a prefix of their keys

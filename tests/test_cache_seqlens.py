@@ -4,7 +4,7 @@ lengths; kept key representatives grow in place."""
 import pytest
 import torch
 
-from kernelgen import DecodeConfig, KeyReps, SelectConfig, Spec, get_kernel, reference
+from kernelgen import DecodeConfig, KeyReps, SelectConfig, Spec, custom_ops, get_kernel, reference
 from kernelgen.errors import KernelgenTypeError, KernelgenValueError
 
 from checks import assert_close_to_reference, assert_valid_selection
@@ -208,6 +208,13 @@ def test_bad_cache_seqlens_are_refused_by_name(device):
         (lambda: attn.key_reps(k, cache_seqlens=lens, previous=plain), KernelgenValueError, "without cache_seqlens"),
         (lambda: attn.key_reps(k, previous=reps), KernelgenValueError, "with cache_seqlens"),
         (lambda: reps.cropped(10), KernelgenValueError, "not cropped"),
+        # a cache moved into a smaller tensor: made again, not grown (which would name the same fix again)
+        (lambda: attn(q, k[:, :, :80], v[:, :, :80], cache_seqlens=lens, key_reps=reps), KernelgenValueError,
+         "k has 80: make them for this k with attn.key_reps"),
+        (lambda: attn.key_reps(k[:, :, :80], cache_seqlens=lens, previous=reps), KernelgenValueError,
+         "made for a cache of 100 keys a row; k holds 80"),
+        (lambda: custom_ops.key_reps(k[:, :, :80], spec, cache_seqlens=lens, previous=reps), KernelgenValueError,
+         "made for a cache of 100 keys a row; k holds 80"),
         (lambda: get_kernel(_spec("index"))(q, k, v, cache_seqlens=lens), KernelgenValueError, "'select_index' role"),
     ]
     for call, error, words in cases:
