@@ -105,6 +105,20 @@ def test_kept_reps_grow_in_place_to_new_lengths(selector, device):
     assert isinstance(reps.index_batch([1, 0]), KeyReps) and reps.index_batch([1, 0]).seqlens[0, 0] == 33
 
 
+def test_a_rewritten_row_brought_to_no_keys_is_pooled_again(device):
+    """A batch slot given a new request (its keys rewritten from position 0): reps grown to length 0 for that row
+    first, then by the call, select as the call that pools k does; the other rows keep growing."""
+    attn = get_kernel(_spec("mean"))
+    q, k, v, _ = _cache(1, torch.float32, device)
+    reps = attn.key_reps(k, cache_seqlens=torch.tensor([90, 80, 0, 48, 60], dtype=torch.int32, device=device))
+    k[1, :, :70] = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(9)).to(device)
+    attn.key_reps(k, cache_seqlens=torch.tensor([90, 0, 0, 48, 60], dtype=torch.int32, device=device),
+                  previous=reps)
+    lens = torch.tensor([91, 70, 3, 49, 60], dtype=torch.int32, device=device)
+    assert torch.equal(attn(q, k, v, cache_seqlens=lens, key_reps=reps), attn(q, k, v, cache_seqlens=lens))
+    assert torch.equal(reps.reps[1, :, :5], attn.key_reps(k, cache_seqlens=lens).reps[1, :, :5])
+
+
 PADS = (5, 20, 3, 16, 59)  # left padding: a few keys, past a block boundary, past an empty row's end, one key left
 
 
