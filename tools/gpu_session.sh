@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Maintainers: the GPU work of a release on one CUDA machine, in parts that each fit a 10-minute slot.
-#   PART=tests bash tools/gpu_session.sh    every GPU test (pytest -m gpu), in $WORKERS processes
+#   PART=tests bash tools/gpu_session.sh    every GPU test (pytest -m gpu), in $WORKERS processes, of $TESTS (default
+#                                           tests/; the whole suite takes longer than one slot: run it in halves,
+#                                           TESTS='tests/test_[a-k]*.py', then TESTS='tests/test_[l-z]*.py')
 #   PART=fuzz  bash tools/gpu_session.sh    tools/fuzz.py's random cases on every backend for $FUZZ_MINUTES
 #   PART=tune  bash tools/gpu_session.sh    kernelgen tune --preset bench (every backend, the benchmark shapes)
 #   PART=chunked bash tools/gpu_session.sh  kernelgen tune of the prefill-over-a-cache roles ($CHUNKED_ROLES, default
@@ -22,7 +24,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 git rev-parse --short HEAD 2>/dev/null
 if [ "$PART" = tests ]; then
   # pytest-xdist processes share the GPU (TileLang's tests are nvcc-bound, so several overlap well)
-  timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu -n ${WORKERS:-6} -p no:cacheprovider tests 2>&1 \
+  timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu -n ${WORKERS:-6} -p no:cacheprovider ${TESTS:-tests} 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -vE "Warning|warn" | tail -25
 fi
 if [ "$PART" = fuzz ]; then
