@@ -246,9 +246,10 @@ def tune(
     ctx: typer.Context,
     arch: str = typer.Option(..., help="GPU architecture to tune for, e.g. sm_90 (must be the GPU present)."),
     seq: Optional[int] = typer.Option(None, help="Sequence length; tuned for its power-of-two bucket."),
-    role: Optional[List[str]] = typer.Option(None, metavar="ROLE", help="A kernel role to tune, repeated for more "
-                                                                        "(--role attn --role select; default: every "
-                                                                        "tuned role the spec's calls run)."),
+    # the flag named: typer 0.27 registers no --role for a list option given a metavar alone
+    role: Optional[List[str]] = typer.Option(None, "--role", metavar="ROLE",
+                                             help="A kernel role to tune, repeated for more (--role attn --role "
+                                                  "select; default: every tuned role the spec's calls run)."),
     trials: Optional[int] = typer.Option(None, help="Trials per role (Optuna; default 30, with --preset or "
                                                     "--model each study's own count)."),
     timeout: Optional[float] = typer.Option(None, help="Seconds per role's study."),
