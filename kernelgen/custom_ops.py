@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 
 import torch
 
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_scale, refuse_grad_with_seqlens
+from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity, check_scale,
+                     refuse_grad_with_seqlens)
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -195,9 +195,7 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
         n_k = _capacity(k, block_table)
         if n_k > previous.n_k:  # a cache that grew into a longer tensor: room for its new blocks, then grown
             previous = previous._with_room(n_k)
-        elif n_k < previous.n_k:
-            get_kernel(_spec_of(spec_json)).key_reps(k, cache_seqlens=cache_seqlens, previous=previous,
-                                                     block_table=block_table)  # raises
+        check_reps_fit_capacity(previous, n_k)
         _grow_key_reps_op(k, spec_json, cache_seqlens, previous.reps, previous.seqlens, previous.leftpad,
                           cache_leftpad, block_table)
         return previous
@@ -294,10 +292,9 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
         # reps of per-row lengths follow the call, as the eager call's do: grown to its rows first (its op is
         # functional, as autograd needs, so the growth is an op of its own)
         _grow_key_reps_op(k, spec_json, cache_seqlens, *reps[:2], reps[3], cache_leftpad, block_table)
-    if scale is not None and not torch.compiler.is_compiling() and (
-            isinstance(scale, (bool, torch.Tensor)) or not isinstance(scale, numbers.Real)):
-        # raises, as the eager call does: float() would read a tensor and drop its gradient (dynamo, which traces
-        # a NumPy scalar as a tensor, refuses float() of a real one itself)
+    if scale is not None and not torch.compiler.is_compiling():
+        # as the eager call checks it: float() would read a tensor and drop its gradient (dynamo, which traces a
+        # NumPy scalar as a tensor, refuses float() of a real one itself)
         check_scale(scale)
     o, lse, _ = _attn_op(q, k, v, block_idx, spec_json, None if scale is None else float(scale),
                          *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3], seqlens, block_table)

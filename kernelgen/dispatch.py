@@ -27,7 +27,8 @@ from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
-                     CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps, check_keys, check_length,
+                     CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
+                     check_reps_fit_capacity, check_keys, check_length,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
                      refuse_grad_with_seqlens)
 from .archs import ANY_ARCH
@@ -391,10 +392,7 @@ class SparseAttention:
                                       "attn.key_reps(k, previous=...), or make them with cache_seqlens=")
         if previous.n_k < n_k:  # a cache that grew (a new, longer tensor): room for its new blocks, then grown
             previous = previous._with_room(n_k)
-        elif previous.n_k > n_k:
-            raise KernelgenValueError(f"previous key_reps were made for a cache of {previous.n_k} keys a row; k holds "
-                                      f"{n_k}: a cache that grew extends them, one moved into a smaller tensor needs "
-                                      "attn.key_reps(k, cache_seqlens=...)")
+        check_reps_fit_capacity(previous, n_k)
         check_key_reps(previous, spec, shapes, k.device, varlen=True)
         self._grow_reps(k, shapes, previous, rows)
         return previous

@@ -19,7 +19,8 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "CacheRows", "check_cache_rows", "check_paged_kv",
+__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps",
+           "check_reps_fit_capacity", "CacheRows", "check_cache_rows", "check_paged_kv",
            "check_pages",
            "refuse_grad_with_seqlens", "check_keys", "check_qkv",
            "check_block_idx", "check_block_lists", "check_index", "check_length", "check_return_lse",
@@ -288,6 +289,15 @@ def refuse_grad_with_seqlens(cache_seqlens, q, k, v, block_table=None) -> None:
                                       "under torch.no_grad()")
         raise KernelgenValueError("cache_seqlens= calls (a decode step or a prefill chunk over a KV cache) have no "
                                   "backward: call under torch.no_grad(), or without cache_seqlens")
+
+
+def check_reps_fit_capacity(previous: KeyReps, n_k: int) -> None:
+    """Reps of per-row lengths grow with their cache (`key_reps(previous=)`) into a tensor as long or longer; a
+    cache moved into a smaller tensor needs them made again."""
+    if previous.n_k > n_k:
+        raise KernelgenValueError(f"previous key_reps were made for a cache of {previous.n_k} keys a row; k holds "
+                                  f"{n_k}: a cache that grew extends them, one moved into a smaller tensor needs "
+                                  "attn.key_reps(k, cache_seqlens=...)")
 
 
 def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device, varlen: bool = False) -> torch.Tensor:
