@@ -39,7 +39,7 @@ from .backends.gluon import GluonAttnConfig  # noqa: E402
 from .backends.tilelang import TileLangAttnConfig, TileLangBwdDkdvConfig  # noqa: E402
 from .backends.triton import (AttnConfig, BwdDkdvConfig, BwdDqConfig, DecodeConfig, IndexSelectConfig,  # noqa: E402
                                 KvAttnConfig, KvBwdConfig, KvIndexSelectConfig, KvSelectConfig, KvUnionBwdConfig,
-                                KvUnionConfig, PagedPrefillConfig, SelectConfig)
+                                KvUnionConfig, SelectConfig)
 from .dispatch import SparseAttention, get_kernel  # noqa: E402
 from .errors import (KernelgenError, KernelgenNotImplementedError, KernelgenRuntimeError, KernelgenTypeError,  # noqa: E402
                      KernelgenValueError)
@@ -52,7 +52,6 @@ __all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "KeyReps", "Re
            "AttnConfig",
            "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig", "KvSelectConfig", "KvAttnConfig",
            "KvUnionConfig", "KvUnionBwdConfig", "KvBwdConfig", "KvIndexSelectConfig", "DecodeConfig",
-           "PagedPrefillConfig",
            "TileLangAttnConfig", "TileLangBwdDkdvConfig", "GluonAttnConfig",
            "KernelgenError", "KernelgenValueError", "KernelgenTypeError",
            "KernelgenRuntimeError", "KernelgenNotImplementedError", "backends", "reference", "from_block_mask",

@@ -479,8 +479,9 @@ register_role(Role("attn_rows", "attention of a prefill over a KV cache of per-r
 register_role(Role("kv_attn_rows", "attention over per-query lists of a prefill over a KV cache of per-row lengths: "
                    "kv_attn's partial kernel run per row, then its combine", canonical=_KERNEL_READS_LISTS,
                    workload=rows_workload, reverse_index=True))
-register_role(Role("attn_paged", "attention of a prefill chunk over a paged KV cache of per-row lengths: the decode "
-                   "kernel with more queries a program and no splits", canonical=_KERNEL_READS_LISTS,
+register_role(Role("attn_paged", "attention of a prefill chunk over a paged KV cache of per-row lengths: attn's "
+                   "loop over the pool's blocks where no mask is needed, a block at a time in its page where one is",
+                   canonical=_KERNEL_READS_LISTS,
                    workload=paged_rows_workload))
 register_role(Role("kv_attn_paged", "attention over per-query lists of a prefill chunk over a paged KV cache: "
                    "kv_attn's partial kernel with each task's block based in its page, then its combine",

@@ -2,11 +2,14 @@
 key p sits in page block_table[b, p // page_size]. A paged decode call is the call over the contiguous cache its
 pages make (`reference.gather_pages`), bit for bit: the same lists, o and lse, and the same kept representatives.
 A paged prefill chunk (more than 16 queries) selects the contiguous call's lists, bit for bit, and attends with
-its own kernel (`attn_paged`): o and lse match the float64 reference."""
+kernels of its own (`attn_paged`, `kv_attn_paged`): o and lse match the float64 reference, and the contiguous
+cache's call bit for bit where the same steps run."""
+import dataclasses
+
 import pytest
 import torch
 
-from kernelgen import DecodeConfig, PagedPrefillConfig, Spec, custom_ops, get_kernel, reference
+from kernelgen import AttnConfig, DecodeConfig, Spec, custom_ops, get_kernel, reference
 from kernelgen.errors import KernelgenTypeError, KernelgenValueError
 from kernelgen.roles import forward_roles
 
@@ -191,16 +194,17 @@ def test_a_paged_prefill_runs_the_paged_roles():
     assert forward_roles(_spec("mean"), 16, True, paged=True)[2] == "decode"
 
 
-@pytest.mark.parametrize("schedule, selector, dtype, page_size, rows", [
-    ("q_centric", "mean", torch.float32, 16, None), ("q_centric", "multi:2", torch.float16, 32, 16),
-    ("q_centric", "given", torch.float32, 32, 32), ("kv_centric", "mean", torch.float32, 16, None),
-    ("kv_centric", "given", torch.float16, 32, None)])
-def test_a_paged_prefill_is_the_reference_over_its_pages(schedule, selector, dtype, page_size, rows, device):
+@pytest.mark.parametrize("schedule, selector, dtype, page_size, config", [
+    ("q_centric", "mean", torch.float32, 16, None),
+    ("q_centric", "multi:2", torch.float16, 32, AttnConfig(block_m=16, num_warps=4, num_stages=1, kv_per_iter=2)),
+    ("q_centric", "given", torch.float32, 32, AttnConfig(block_m=32, num_warps=4, num_stages=1, kv_per_iter=1)),
+    ("kv_centric", "mean", torch.float32, 16, None), ("kv_centric", "given", torch.float16, 32, None)])
+def test_a_paged_prefill_is_the_reference_over_its_pages(schedule, selector, dtype, page_size, config, device):
     """A chunk of 40 queries at the end of rows of 96, 37, 0, 48 and 1 keys over shuffled pages (the pool's other
     pages NaN): the contiguous cache's lists bit for bit, o and lse the float64 reference's; a row with its own
     table row over the same pool is the batch's row, bit for bit; kept reps grow in place to the same lists."""
     spec = _spec(selector, schedule)
-    configs = None if rows is None else {"attn_paged": PagedPrefillConfig(rows=rows, num_warps=4, num_stages=1)}
+    configs = None if config is None else {"attn_paged": config}
     attn = get_kernel(spec, configs=configs)
     q, k, v, lens, k_pages, v_pages, table = _paged_cache(N_Q, dtype, device, page_size)
     if spec.selects:
@@ -243,16 +247,55 @@ def test_a_paged_prefill_reads_no_page_outside_the_pool(schedule, device):
                        attn(q, k_pages, v_pages, block_idx=without, block_table=table, cache_seqlens=lens))
 
 
+def test_a_paged_prefill_is_the_contiguous_call_where_the_same_steps_run(device):
+    """Q-centric lists over shuffled pages of 32 keys (two blocks each; blocks past a row's keys and a page outside
+    the pool listed too): with one block a step (the paged kernel's masked blocks take one at a time), o and lse
+    are attn_rows' over the contiguous cache, bit for bit, whether the blocks no mask touches walk the pool as one
+    row of blocks or each is loaded from its page on its own (a pool whose page stride is no whole number of
+    blocks); with two blocks a step they match the reference."""
+    spec = _spec("given", local=0, sink=0, top_k=5)
+    one_step = AttnConfig(block_m=32, num_warps=4, num_stages=1, kv_per_iter=1)
+    attn = get_kernel(spec, configs={"attn_paged": one_step, "attn_rows": one_step})
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(N_Q, torch.float32, device, 32)
+    idx = random_lists(spec, len(LENGTHS), 2, N_Q, 96, seed=5).to(device)
+    idx[..., -1] = 9  # past every row's 96 keys: an empty slot
+    o_rows, lse_rows = attn(q, k, v, block_idx=idx, cache_seqlens=lens, return_lse=True)
+    padded = torch.full((k_pages.shape[0], 2, 33, 64), float("nan"), device=device)  # a page stride of 66 rows
+    for pool in ("whole", "padded"):
+        if pool == "padded":
+            k_pages = padded.clone().index_copy_(2, torch.arange(32, device=device), k_pages)[:, :, :32]
+            v_pages = padded.clone().index_copy_(2, torch.arange(32, device=device), v_pages)[:, :, :32]
+        o, lse = attn(q, k_pages, v_pages, block_idx=idx, block_table=table, cache_seqlens=lens, return_lse=True)
+        assert torch.equal(o, o_rows) and torch.equal(lse, lse_rows), pool
+    two_steps = get_kernel(spec, configs={"attn_paged": dataclasses.replace(one_step, kv_per_iter=2)})
+    o, lse = two_steps(q, k_pages, v_pages, block_idx=idx, block_table=table, cache_seqlens=lens, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, idx, cache_seqlens=lens)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float32)
+
+
+def test_a_pool_walks_as_one_row_of_blocks_only_where_its_strides_allow():
+    from kernelgen.backends.triton import pool_ratio
+
+    spec = _spec("given", kv_block=16)
+    pool = torch.empty(10, 2, 32, 64)
+    assert pool_ratio(spec, pool, pool) == 4  # a page: 2 heads x 2 blocks of 16 rows
+    assert pool_ratio(spec, pool.transpose(1, 2).contiguous().transpose(1, 2), pool) == 0  # k's and v's differ
+    vllm = torch.empty(10, 32, 2, 64).transpose(1, 2)  # [n_pages, page_size, Hkv, D]
+    assert pool_ratio(spec, vllm, vllm) == 2
+    assert pool_ratio(spec, torch.empty(10, 2, 33, 64)[:, :, :32], torch.empty(10, 2, 33, 64)[:, :, :32]) == 0
+
+
 def test_paged_prefill_configs_are_checked():
     from kernelgen import backends
 
     triton = backends.get("triton")
     q_spec, kv_spec = _spec("mean"), _spec("mean", "kv_centric")
-    assert {c.rows for c in triton.config_space(q_spec, "attn_paged", "sm_90")} == {16, 32}  # q_tile 16, G 2
-    for spec, rows, words in ((kv_spec, 16, "with the kv_attn_paged role"), (q_spec, 64, "dividing q_tile"),
-                              (q_spec, 24, "must be one of")):
+    assert not any(c.use_tma for c in triton.config_space(q_spec, "attn_paged", "sm_90"))
+    for spec, config, words in ((kv_spec, AttnConfig(block_m=16), "with the kv_attn_paged role"),
+                                (q_spec, AttnConfig(block_m=16, use_tma=True), "through pointers"),
+                                (q_spec, AttnConfig(block_m=64), "block_m")):
         with pytest.raises(KernelgenValueError, match=words):
-            triton.check_config(spec, "attn_paged", PagedPrefillConfig(rows=rows), "sm_90")
+            triton.check_config(spec, "attn_paged", config, "sm_90")
 
 
 @pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])

@@ -52,7 +52,7 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
              "bwd_dq": (lambda spec, cfg, arch: bwd_dq_smem_bytes(spec, cfg), "attn_bwd_dq"),
              "bwd_dkdv": (lambda spec, cfg, arch: bwd_dkdv_smem_bytes(spec, cfg), "attn_bwd_dkdv"),
              "decode": (lambda spec, cfg, arch: decode_smem_bytes(spec, cfg), "decode_partial"),
-             "attn_paged": (lambda spec, cfg, arch: decode_smem_bytes(spec, cfg, rows=cfg.rows), "decode_partial"),
+             "attn_paged": (attn_smem_bytes, "attn_paged_fwd"),
              "kv_attn_union": (lambda spec, cfg, arch: attn_smem_bytes(spec, AttnConfig(block_m=cfg.block_m,
                                                                                         num_stages=cfg.num_stages), arch),
                                "kv_attn_union")}
@@ -64,7 +64,7 @@ KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_
            "decode_select": {"pool", "decode_select_topk"}, "kv_decode_select": {"pool", "kv_decode_select_topk"},
            "kv_attn_union": {"kv_attn_union"}, "kv_bwd_union": {"union_bwd_dq", "union_bwd_dkdv"},
            "attn_rows": {"attn_rows_fwd"}, "kv_attn_rows": {"kv_attn_rows_partial", "kv_combine"},
-           "attn_paged": {"decode_partial"}, "kv_attn_paged": {"kv_attn_paged_partial", "kv_combine"}}
+           "attn_paged": {"paged_lists", "attn_paged_fwd"}, "kv_attn_paged": {"kv_attn_paged_partial", "kv_combine"}}
 
 
 class Case(NamedTuple):
@@ -135,8 +135,7 @@ def _cases(arch) -> list[Case]:
                       (SPECS[4][0], _largest(SPECS[4][0], arch, role="decode"))):
         cases.append(Case(spec, {**_defaults(spec, arch, ["attn", "select"]), "decode": cfg}, 2000, decode=True,
                           rows=True))
-    # a paged prefill's largest point at D 256 (the decode kernel with the most rows; no decode call: one
-    # decode_partial compiled)
+    # a paged prefill's largest point at D 256 (the forward's loop through pointers, at the most shared memory)
     cases.append(Case(SPECS[4][0], {**_defaults(SPECS[4][0], arch, ["attn", "select"]),
                                     "attn_paged": _largest(SPECS[4][0], arch, role="attn_paged")}, 2000, rows=True))
     cases.append(Case(KV_SPECS[0], {role: _largest(KV_SPECS[0], arch, role=role) for role in ("kv_select", "kv_attn")},

@@ -185,17 +185,6 @@ class DecodeConfig(_JsonConfig):
 
 
 @dataclass(frozen=True)
-class PagedPrefillConfig(_JsonConfig):
-    """A prefill chunk over a paged KV cache under Q-centric lists: the decode kernel with no splits, one program
-    per (batch, KV head, rows // next_pow2(G) queries of one Q tile), whose `rows` packed (query, head) rows share
-    each K/V block it loads through the block table."""
-
-    rows: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-@dataclass(frozen=True)
 class IndexSelectConfig(_JsonConfig):
     """The index selector's scoring and top-k, one Q tile per program. rows: packed (index head, query) rows
     per tl.dot (as many index heads as fit, the tile's queries in steps of the rest); chunk: KV blocks
@@ -629,20 +618,17 @@ def decode_rows(spec: Spec) -> int:
     return max(16, next_pow2(spec.gqa_group))
 
 
-def decode_queries(spec: Spec, rows: int) -> int:
-    """Queries a decode program packs into its `rows`: as many as they hold where the queries share a list
-    (Q-centric: queries of one Q tile, as rows / next_pow2(G) divides q_tile), so that one K/V block load serves
+def decode_queries(spec: Spec) -> int:
+    """Queries a decode program packs into its rows: as many as the padding to 16 rows holds where they share
+    a list (Q-centric: a call's few queries are in one Q tile, q_tile >= 16), so that one K/V block load serves
     them all; one where each query has its own list."""
-    return 1 if spec.per_query else rows // next_pow2(spec.gqa_group)
+    return 1 if spec.per_query else decode_rows(spec) // next_pow2(spec.gqa_group)
 
 
-def decode_smem_bytes(spec: Spec, cfg: DecodeConfig | PagedPrefillConfig, elem_bytes: int = 2,
-                      rows: int | None = None) -> int:
+def decode_smem_bytes(spec: Spec, cfg: DecodeConfig, elem_bytes: int = 2) -> int:
     """Shared memory of the decode kernel: num_stages buffers of one K and one V block, plus the packed rows
-    (`decode_rows`, or `rows`) of q and of P (tests/test_triton_compile.py checks it bounds what Triton 3.6 asks
-    for on sm_80 to sm_90)."""
-    rows = decode_rows(spec) if rows is None else rows
-    return (cfg.num_stages * 2 * spec.kv_block + 2 * rows) * spec.head_dim * elem_bytes
+    of q and of P (tests/test_triton_compile.py checks it bounds what Triton 3.6 asks for on sm_80 to sm_90)."""
+    return (cfg.num_stages * 2 * spec.kv_block + 2 * decode_rows(spec)) * spec.head_dim * elem_bytes
 
 
 def decode_infeasible(spec: Spec, cfg: DecodeConfig, arch: str) -> str | None:
@@ -671,33 +657,11 @@ def decode_space(spec: Spec, arch: str):
             for n, w, s in itertools.product(DECODE_SPLITS, (2, 4, 8), (1, 2, 3)))
 
 
-def paged_prefill_infeasible(spec: Spec, cfg: PagedPrefillConfig, arch: str) -> str | None:
-    """Why the paged prefill cannot run `cfg` for `spec` on `arch`, or None: Q-centric lists, rows that pack whole
-    queries of one Q tile, and the decode kernel's registers and shared memory at those rows."""
-    rows, least = cfg.rows, decode_rows(spec)
+def attn_paged_infeasible(spec: Spec, cfg: AttnConfig, arch: str) -> str | None:
+    """attn_rows' rules, for Q-centric lists (per-query lists have kv_attn_paged)."""
     if spec.per_query:
         return "per-query lists attend over pages with the kv_attn_paged role, not attn_paged"
-    if rows not in TILE_ROWS or rows < least or spec.q_tile % (rows // next_pow2(spec.gqa_group)):
-        return (f"rows={rows} must be one of {TILE_ROWS}, at least {least}, and pack queries of one Q tile of "
-                f"{spec.q_tile} (rows / next_pow2(gqa_group) dividing q_tile)")
-    if cfg.num_warps not in (1, 2, 4, 8) or cfg.num_stages < 1:
-        return f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}; expected 1, 2, 4 or 8 warps and >= 1 stage"
-    return _resources(rows * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps),
-                      "rows * (head_dim + kv_block) / (32 * num_warps)", decode_smem_bytes(spec, cfg, rows=rows),
-                      f"num_stages K and V blocks and the rows, on {arch}: fewer stages or rows",
-                      arch_facts(arch).smem_per_block, FWD_REGS_LIMIT)
-
-
-def paged_prefill_default(spec: Spec, arch: str) -> PagedPrefillConfig:
-    # as many rows as the forward's default packs, so that a K/V block load serves as many queries (not measured)
-    return _first_feasible(spec, arch, paged_prefill_infeasible, (
-        PagedPrefillConfig(rows=m, num_warps=w, num_stages=s)
-        for m in (128, 64, 32, 16) for s in (2, 1) for w in (8, 4)))
-
-
-def paged_prefill_space(spec: Spec, arch: str):
-    return (PagedPrefillConfig(rows=m, num_warps=w, num_stages=s)
-            for m, w, s in itertools.product(TILE_ROWS, (4, 8), (1, 2, 3)))
+    return attn_rows_infeasible(spec, cfg, arch)
 
 
 # ---- the index selector: feasibility, defaults, space ---------------------------------------------------
@@ -1426,18 +1390,16 @@ def _on_default_stream(device: torch.device) -> bool:
 
 def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale, *,
                   seqlens: torch.Tensor | None = None, leftpad: torch.Tensor | None = None,
-                  block_table: torch.Tensor | None = None, rows: int | None = None):
+                  block_table: torch.Tensor | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists (Q-centric or per-query:
     the spec says which) of a call of a few queries: a partial per (query group, split), merged, with
     splits > 1, by the group's last program in split order (`arrival_counts`). `seqlens`, `leftpad` (int32 [B]):
     batch row b holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its queries the last positions
-    of those. `block_table` (int32 [B, pages a row]): k and v are pools of pages [n_pages, Hkv, page_size, D].
-    `rows`: a program's packed rows (`decode_rows` when None; `launch_attn_paged`'s more)."""
+    of those. `block_table` (int32 [B, pages a row]): k and v are pools of pages [n_pages, Hkv, page_size, D]."""
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
-    constexprs = _decode_constexprs(spec, cfg, rows)
-    groups = cdiv(shapes.n_q, constexprs["QUERIES"])
+    groups = cdiv(shapes.n_q, decode_queries(spec))
     if cfg.splits == 1:  # the partial is the output: nothing to merge
         o_part, lse_part, split_strides, arrived = o, lse, (0,), lse
     else:
@@ -1454,32 +1416,55 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
         *lse_part.stride()[:3], *block_idx.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         block_table.stride(0) if paged else 0, k.shape[0] if paged else 0,
-        shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E, **constexprs,
+        shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E, **_decode_constexprs(spec, cfg),
         VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None, PAGED=paged,
         PAGE_SIZE=k.shape[2] if paged else spec.kv_block)
     return o, lse
 
 
 @functools.lru_cache(maxsize=None)  # read on every decode launch: a spec's and config's, made once
-def _decode_constexprs(spec: Spec, cfg: DecodeConfig, rows: int | None = None) -> dict:
-    rows = decode_rows(spec) if rows is None else rows
+def _decode_constexprs(spec: Spec, cfg: DecodeConfig) -> dict:
     return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
-                ROWS=rows, QUERIES=decode_queries(spec, rows),
-                LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits,
+                ROWS=decode_rows(spec), QUERIES=decode_queries(spec), LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits,
                 CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def launch_attn_paged(mod, spec: Spec, cfg: PagedPrefillConfig, shapes: Shapes, q, k, v, block_idx, scale,
+def launch_attn_paged(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale,
                       seqlens: torch.Tensor, block_table: torch.Tensor):
-    """`launch_decode`'s (o, lse) of a prefill chunk over a paged KV cache: the decode kernel with one split
-    and `cfg.rows` packed rows a program (the queries of one Q tile that share each K/V block load)."""
-    return launch_decode(mod, spec, _paged_prefill_decode(cfg), shapes, q, k, v, block_idx, scale,
-                         seqlens=seqlens, block_table=block_table, rows=cfg.rows)
+    """`launch_attn_rows`' (o, lse) of a prefill chunk over a paged KV cache: k and v are pools of pages
+    [n_pages, Hkv, page_size, D], row b's key p in page block_table[b, p // page_size] (`attn_paged_fwd`: the
+    forward's loop over the pool's blocks where no mask is needed, a block at a time in its page where one is)."""
+    scale = softmax_scale(scale, spec)
+    o = empty(*q.shape, device=q.device, dtype=q.dtype)
+    lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
+    row_idx = empty(*block_idx.shape, device=q.device, dtype=torch.int32)
+    pool_idx = empty(*block_idx.shape, device=q.device, dtype=torch.int32)
+    n_pages, _, page_size, _ = k.shape
+    ratio = pool_ratio(spec, k, v)
+    constexprs = _attn_constexprs(spec, cfg)
+    mod.paged_lists[(shapes.n_q_tiles, shapes.batch * shapes.heads_kv)](
+        block_idx, block_table, seqlens, row_idx, pool_idx, *block_idx.stride()[:3], *row_idx.stride()[:3],
+        block_table.stride(0), shapes.n_k, n_pages, shapes.heads_kv, ratio, KV_BLOCK=spec.kv_block, TOP_K=spec.top_k,
+        TOP_K_PAD=constexprs["TOP_K_PAD"], BLOCKS_A_PAGE=page_size // spec.kv_block)
+    splits = spec.gqa_group * spec.q_tile // cfg.block_m
+    mod.attn_paged_fwd[(shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)](
+        q, k, v, o, lse, row_idx, pool_idx, seqlens, block_table,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *row_idx.stride()[:3],
+        block_table.stride(0), shapes.n_q, shapes.n_k, n_pages, shapes.heads_kv, n_pages * ratio, scale * LOG2E,
+        BLOCKS_A_PAGE=page_size // spec.kv_block, **constexprs)
+    return o, lse
 
 
-@functools.lru_cache(maxsize=None)
-def _paged_prefill_decode(cfg: PagedPrefillConfig) -> DecodeConfig:
-    return DecodeConfig(splits=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+def pool_ratio(spec: Spec, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Blocks of kv_block rows (of stride k.stride(2)) from one page's start to the next's in k and in v, where
+    both pools have the same whole number and their blocks' key offsets fit in int32: `attn_paged_fwd` then
+    walks the pool as one row of blocks; else 0 (every block is loaded from its page on its own)."""
+    ratios = set()
+    for pool in (k, v):
+        rows = spec.kv_block * pool.stride(2)
+        ratios.add(pool.stride(0) // rows if rows > 0 and pool.stride(0) % rows == 0 else 0)
+    ratio = ratios.pop() if len(ratios) == 1 else 0
+    return ratio if k.shape[0] * ratio * spec.kv_block < 2 ** 31 else 0
 
 
 def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
@@ -1748,15 +1733,13 @@ class TritonBackend(Backend):
         "decode": RoleImpl(launch=launch_decode, template="triton/decode.py.j2", config_type=DecodeConfig,
                            default=decode_default, space=decode_space, infeasible=decode_infeasible, varlen=True,
                            paged=True),
-        # a prefill chunk over a paged cache: Q-centric lists, the decode kernel with more rows and no splits;
-        # per-query lists, kv_attn's partial kernel with each task's block based in its page
+        # a prefill chunk over a paged cache: each schedule's forward kernel with its blocks based in their pages
         "kv_attn_paged": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn_paged.py.j2",
                                   config_type=KvAttnConfig, default=kv_attn_default, space=kv_attn_space,
                                   infeasible=kv_attn_infeasible, varlen=True, paged=True),
-        "attn_paged": RoleImpl(launch=launch_attn_paged, template="triton/decode.py.j2",
-                               config_type=PagedPrefillConfig, default=paged_prefill_default,
-                               space=paged_prefill_space, infeasible=paged_prefill_infeasible, varlen=True,
-                               paged=True),
+        "attn_paged": RoleImpl(launch=launch_attn_paged, template="triton/attn_paged.py.j2", config_type=AttnConfig,
+                               default=attn_rows_default, space=attn_rows_space, infeasible=attn_paged_infeasible,
+                               varlen=True, paged=True),
         # its backward (bwd_delta is shared with the Q-centric schedule)
         "kv_bwd": RoleImpl(launch=launch_kv_bwd, template="triton/kv_bwd.py.j2", config_type=KvBwdConfig,
                            default=kv_bwd_default, space=kv_bwd_space, infeasible=kv_bwd_infeasible),
