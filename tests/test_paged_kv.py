@@ -233,7 +233,7 @@ def test_a_paged_prefill_is_the_reference_over_its_pages(schedule, selector, dty
 @pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
 def test_a_paged_prefill_reads_no_page_outside_the_pool(schedule, device):
     """A table entry outside [0, n_pages) holds no keys in a prefill chunk too: its blocks are masked, as if the
-    lists did not name them."""
+    lists did not name them, raw or prepared."""
     spec = _spec("given", schedule)
     attn = get_kernel(spec)
     q, k, v, lens, k_pages, v_pages, table = _paged_cache(N_Q, torch.float32, device, 32)
@@ -243,8 +243,10 @@ def test_a_paged_prefill_reads_no_page_outside_the_pool(schedule, device):
     holes[0, 0], holes[1, 2] = -5, 10**6  # row 0's blocks 0 and 1; row 1's page 2 lies past its 37 keys
     without = idx.clone()
     without[0, :, :, :2] = -1
-    assert torch.equal(attn(q, k_pages, v_pages, block_idx=idx, block_table=holes, cache_seqlens=lens),
-                       attn(q, k_pages, v_pages, block_idx=without, block_table=table, cache_seqlens=lens))
+    expected = attn(q, k_pages, v_pages, block_idx=without, block_table=table, cache_seqlens=lens)
+    assert torch.equal(attn(q, k_pages, v_pages, block_idx=idx, block_table=holes, cache_seqlens=lens), expected)
+    prepared = attn.prepare(idx, seq_q=N_Q, seq_k=96)  # its reverse index (per-query lists) serves as it is
+    assert torch.equal(attn(q, k_pages, v_pages, block_idx=prepared, block_table=holes, cache_seqlens=lens), expected)
 
 
 def test_a_paged_prefill_is_the_contiguous_call_where_the_same_steps_run(device):

@@ -1228,11 +1228,8 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
     task of the reverse index (built here when None), then their merge per (query, head). `seqlens`, `leftpad`
     (the kv_attn_rows role's module): a prefill over a KV cache of per-row lengths, as `launch_attn_rows`'.
     `block_table` (with seqlens; the kv_attn_paged role's module): k and v are pools of pages, as
-    `launch_decode`'s; the slots whose page lies outside the pool are emptied first (its reverse index built
-    here)."""
+    `launch_decode`'s (a block whose page lies outside the pool gives an empty partial)."""
     scale = softmax_scale(scale, spec)
-    if block_table is not None:
-        block_idx, reverse = _listed_pages_only(block_idx, block_table, k.shape[0], k.shape[2] // spec.kv_block), None
     if reverse is None:
         reverse = build_query_reverse_index(block_idx, shapes.n_kv_blocks)
     g_pad = next_pow2(spec.gqa_group)
@@ -1262,17 +1259,6 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
         STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     return combine_partials(mod, spec, cfg, shapes, o_part, lse_part, block_idx, q.dtype)
-
-
-def _listed_pages_only(block_idx: torch.Tensor, block_table: torch.Tensor, n_pages: int,
-                       blocks_a_page: int) -> torch.Tensor:
-    """Normalised per-query lists [B, Hkv, Nq, top_k] with -1 in each slot whose block's page (block_table
-    [B, pages a row]) lies outside [0, n_pages): such a page holds no keys, so no task of the reverse index may
-    read it. On the device (no sync); an emptied slot keeps its place (the reverse index and the combine take
-    -1 in any slot)."""
-    listed = block_idx.clamp(min=0).view(block_idx.shape[0], -1).long() // blocks_a_page
-    pages = block_table.gather(1, listed).view_as(block_idx)
-    return torch.where((pages < 0) | (pages >= n_pages), -1, block_idx)
 
 
 def launch_kv_attn_union(mod, spec: Spec, cfg: KvUnionConfig, shapes: Shapes, q, k, v, block_idx,
