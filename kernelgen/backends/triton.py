@@ -618,6 +618,7 @@ def decode_rows(spec: Spec) -> int:
     return max(16, next_pow2(spec.gqa_group))
 
 
+@functools.lru_cache(maxsize=None)  # read on every decode launch
 def decode_queries(spec: Spec) -> int:
     """Queries a decode program packs into its rows: as many as the padding to 16 rows holds where they share
     a list (Q-centric: a call's few queries are in one Q tile, q_tile >= 16), so that one K/V block load serves
@@ -1411,8 +1412,9 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
 @functools.lru_cache(maxsize=None)  # read on every decode launch: a spec's and config's, made once
 def _decode_constexprs(spec: Spec, cfg: DecodeConfig) -> dict:
     return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
-                ROWS=decode_rows(spec), QUERIES=decode_queries(spec), LIST_QUERIES=spec.list_queries, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits,
-                CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                ROWS=decode_rows(spec), QUERIES=decode_queries(spec), LIST_QUERIES=spec.list_queries,
+                TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_attn_paged(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale,
