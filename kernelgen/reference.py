@@ -209,13 +209,15 @@ def attention(
     return o, lse
 
 
-def _broadcast_lists(block_idx, q: torch.Tensor, spec: Spec):
-    """Given lists with a batch or KV-head dimension of 1 expanded to q's: a dimension of 1 broadcasts, as
-    inputs.check_block_idx has the calls take it (restated: the oracle shares no code with what it checks)."""
+def _broadcast_lists(block_idx, q: torch.Tensor, k: torch.Tensor):
+    """Given lists with a batch or KV-head dimension of 1 expanded to q's batch and k's KV heads (a pool's
+    too: [n_pages, Hkv, ...]): a dimension of 1 broadcasts, as inputs.check_block_idx has the calls take it
+    (restated: the oracle shares no code with what it checks). k's heads, not Hq / G: a check of a slice of
+    the query heads passes fewer than G of them."""
     if block_idx is None or block_idx.dim() != 4:
         return block_idx
     return block_idx.expand(q.shape[0] if block_idx.shape[0] == 1 else -1,
-                            q.shape[1] // spec.gqa_group if block_idx.shape[1] == 1 else -1, -1, -1)
+                            k.shape[1] if block_idx.shape[1] == 1 else -1, -1, -1)
 
 
 def sparse_attention(
@@ -242,7 +244,7 @@ def sparse_attention(
     own) padded with -1 past its tiles. `block_table` ([B, pages a row] ints): k and v are pools of pages
     [n_pages, Hkv, page_size, D], the call over `gather_pages` of them (each row's capacity without
     cache_seqlens). Given lists with a batch or KV-head dimension of 1 hold every row's or head's list."""
-    block_idx = _broadcast_lists(block_idx, q, spec)
+    block_idx = _broadcast_lists(block_idx, q, k)
     if block_table is not None:
         k, v = gather_pages(k, block_table, cache_seqlens), gather_pages(v, block_table, cache_seqlens)
         if cache_seqlens is None:
@@ -364,7 +366,7 @@ def sparse_attention_grads(
     if stored_o is not None and stored_o.shape != q.shape:
         raise KernelgenValueError(f"stored_o.shape = {tuple(stored_o.shape)}; expected q's, {tuple(q.shape)} (the "
                                   "forward's o)")
-    block_idx = _broadcast_lists(block_idx, q, spec)
+    block_idx = _broadcast_lists(block_idx, q, k)
     nq, nk = q.shape[2], k.shape[2]
     kd = k.detach().double().requires_grad_()
     vd = v.detach().double().requires_grad_()

@@ -151,3 +151,14 @@ def test_gradients_broadcast_lists_of_one_batch_or_kv_head():
     want = reference.sparse_attention_grads(q, k, v, do, spec, lists.expand(2, 2, -1, -1))
     for got, expected in zip(reference.sparse_attention_grads(q, k, v, do, spec, lists), want):
         assert torch.equal(got, expected)
+
+
+def test_a_slice_of_the_query_heads_takes_lists_of_one_kv_head():
+    """A check of fewer query heads than a group (q[:, :2] at G = 4) with lists of one KV head: the rows of the
+    whole call, as the GPU tests check a slice of the heads in float64."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=2, causal=True, gqa_group=4)
+    q, k, v = rand(1, 4, 64, 64), rand(1, 1, 64, 64), rand(1, 1, 64, 64)
+    lists = torch.tensor([[0, 1], [1, -1], [2, 0], [3, 1]], dtype=torch.int32).view(1, 1, 4, 2)
+    whole_o, whole_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=lists)
+    o, lse, _ = reference.sparse_attention(q[:, :2], k, v, spec, block_idx=lists)
+    assert torch.equal(o, whole_o[:, :2]) and torch.equal(lse, whole_lse[:, :2])
