@@ -32,7 +32,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .errors import KernelgenTypeError, KernelgenValueError
+from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
+from .inputs import Shapes, check_index
 from .interop import block_membership
 from .spec import Spec
 
@@ -221,7 +222,7 @@ def _check_top_ks(top_ks) -> list[int]:
     return sorted(set(top_ks))
 
 
-def _layer_tensors(name: str, layer, spec: Spec, device):
+def _layer_tensors(name: str, layer, spec: Spec, device, uses_index: bool = False):
     if not isinstance(layer, Mapping):
         raise KernelgenTypeError(f"layer {name!r} must be a dict with 'q', 'k' and optionally 'v', got "
                                  f"{type(layer).__name__}")
@@ -250,6 +251,16 @@ def _layer_tensors(name: str, layer, spec: Spec, device):
         raise KernelgenValueError(f"layer {name!r}: q has {q.shape[1]} heads and k {k.shape[1]}, so G = "
                                   f"{q.shape[1] // k.shape[1]}, but spec.gqa_group = {spec.gqa_group}")
     index = tuple(tensors[x] for x in _INDEX_KEYS)
+    if uses_index and all(t is not None for t in index):  # shapes as a call checks them, in float32 (any float)
+        shapes = Shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], spec.n_q_tiles(q.shape[2]),
+                        spec.n_kv_blocks(k.shape[2]))
+        try:
+            if not all(t.is_floating_point() for t in index):
+                raise KernelgenTypeError(f"index: q_idx, k_idx and w must be float tensors, got "
+                                         f"{', '.join(str(t.dtype) for t in index)}")
+            check_index(tuple(t.float().contiguous() for t in index), spec.replace(selector="index"), shapes, q.device)
+        except KernelgenError as error:
+            raise type(error)(f"layer {name!r}: {error}") from None
     return q, k, v, (index if all(t is not None for t in index) else None)
 
 
@@ -268,7 +279,8 @@ def _select(q, k, spec: Spec, index, use_kernels) -> torch.Tensor:
 
 
 def _layer_quality(name, layer, base: Spec, specs: dict, scale, use_kernels, device, chunk_elements) -> list[dict]:
-    q, k, v, index = _layer_tensors(name, layer, base, device)
+    uses_index = any(spec.selector == "index" for spec in specs.values())
+    q, k, v, index = _layer_tensors(name, layer, base, device, uses_index)
     scale = scale if scale is not None else layer.get("scale") or 1.0 / math.sqrt(q.shape[-1])
     b, hq, n_q, _ = q.shape
     g, n_k = base.gqa_group, k.shape[2]

@@ -134,6 +134,22 @@ def test_bad_inputs_name_what_is_wrong():
         selection_quality({"l": {"q": layers["l"]["q"]}}, spec, ["mean"], [2])
 
 
+def test_index_vectors_are_checked_as_a_call_checks_them(tmp_path):
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, gqa_group=2)
+    short_w = _layer(index=True)
+    short_w["w"] = short_w["w"][..., :-1]
+    with pytest.raises(ValueError, match="layer 'l': index: w.shape"):
+        selection_quality({"l": short_w}, spec, ["index"], [2])
+    odd_di = _layer(index=True)
+    odd_di.update(q_idx=odd_di["q_idx"][..., :24], k_idx=odd_di["k_idx"][..., :24])
+    with pytest.raises(ValueError, match="layer 'l': index: q_idx.shape.-1. = 24"):
+        selection_quality({"l": odd_di}, spec, ["index"], [2])
+    assert len(selection_quality({"l": short_w}, spec, ["mean"], [2])) == 4  # unused vectors are not read
+    torch.save({"layers": {"l": short_w}}, tmp_path / "short_w.pt")
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "short_w.pt"), "--kv-block", "16", "--q-tile", "16",
+                          "--top-k", "2", "--out", str(tmp_path / "out")), "w.shape")
+
+
 class _Attention(torch.nn.Module):
     """A Llama-shaped attention block: projections, then SDPA on k and v repeated per query head (repeat_kv)."""
 
