@@ -243,6 +243,9 @@ def _layer_tensors(name: str, layer, spec: Spec, device, uses_index: bool = Fals
         raise KernelgenValueError(f"layer {name!r}: q {tuple(q.shape)}, k {tuple(k.shape)}"
                                   f"{'' if v is None else f', v {tuple(v.shape)}'} do not fit q [B, Hq, Nq, D], "
                                   "k and v [B, Hkv, Nk, D]")
+    if 0 in q.shape or 0 in k.shape:
+        raise KernelgenValueError(f"layer {name!r}: q {tuple(q.shape)}, k {tuple(k.shape)}: B, H, N and D must be at "
+                                  "least 1 (an empty input has no attention to measure)")
     if q.shape[1] % k.shape[1]:
         raise KernelgenValueError(f"layer {name!r}: q has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}")
     if q.shape[-1] != spec.head_dim:

@@ -132,6 +132,10 @@ def test_bad_inputs_name_what_is_wrong():
         selection_quality(layers, spec.replace(sink=2, local=1), ["mean"], [2])
     with pytest.raises(ValueError, match="no 'k'"):
         selection_quality({"l": {"q": layers["l"]["q"]}}, spec, ["mean"], [2])
+    for empty in ({"q": layers["l"]["q"][:, :, :0]}, {"k": layers["l"]["k"][:, :, :0]}, {"k": layers["l"]["k"][:, :0]},
+                  {"q": layers["l"]["q"][:0], "k": layers["l"]["k"][:0]}):  # Nq, Nk, Hkv, B of 0: no NaN rows
+        with pytest.raises(ValueError, match="must be at least 1"):
+            selection_quality({"l": {"q": layers["l"]["q"], "k": layers["l"]["k"], **empty}}, spec, ["mean"], [2])
 
 
 def test_index_vectors_are_checked_as_a_call_checks_them(tmp_path):
