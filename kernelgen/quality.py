@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
-from .inputs import Shapes, check_index
+from .inputs import Shapes, check_index, check_scale
 from .interop import block_membership
 from .spec import Spec
 
@@ -184,7 +184,8 @@ def selection_quality(layers: Mapping[str, Mapping], spec: Spec, selectors: Iter
                gqa_group must be the tensors'; selector and top_k are replaced by each of `selectors`, `top_ks`.
     selectors  "mean", "multi:r" (e.g. "multi:4"), "index" (every layer must hold q_idx, k_idx and w).
     top_ks     list budgets, forced blocks included (each at least the spec's forced blocks).
-    scale      softmax scale (default: the layer's recorded "scale", else 1/sqrt(D)).
+    scale      softmax scale, a real number > 0 as a call takes (default: the layer's recorded "scale", else
+               1/sqrt(D)).
     use_kernels  choose the lists with kernelgen's selection kernels (`get_kernel(spec).select`) or with the
                float64 reference (`kernelgen.reference.select_blocks`, the same math); default: the kernels for
                fp16 and bf16 on a CUDA device, the reference elsewhere (the CPU interpreter is slow).
@@ -284,7 +285,7 @@ def _select(q, k, spec: Spec, index, use_kernels) -> torch.Tensor:
 def _layer_quality(name, layer, base: Spec, specs: dict, scale, use_kernels, device, chunk_elements) -> list[dict]:
     uses_index = any(spec.selector == "index" for spec in specs.values())
     q, k, v, index = _layer_tensors(name, layer, base, device, uses_index)
-    scale = scale if scale is not None else layer.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+    scale = _layer_scale(name, layer, scale, q.shape[-1])
     b, hq, n_q, _ = q.shape
     g, n_k = base.gqa_group, k.shape[2]
     n_blocks, kv_block, per_list = base.n_kv_blocks(n_k), base.kv_block, base.list_queries
@@ -334,6 +335,21 @@ def _layer_quality(name, layer, base: Spec, specs: dict, scale, use_kernels, dev
                             recall=float(recall[sel, top_k][h] / counted[h]) if counted[h] else math.nan,
                             rel_error=rel, inflation=float(inflation[sel, top_k][h // g])))
     return out
+
+
+def _layer_scale(name: str, layer, scale, head_dim: int) -> float:
+    """The softmax scale, checked as a call's: `scale`, else the layer's recorded one, else 1/sqrt(D)."""
+    if scale is None:
+        scale = layer.get("scale")
+        if isinstance(scale, torch.Tensor) and scale.numel() == 1:  # a file may hold it as a tensor
+            scale = scale.item()
+        if scale is None:
+            return 1.0 / math.sqrt(head_dim)
+        try:
+            return check_scale(scale)
+        except KernelgenError as error:
+            raise type(error)(f"layer {name!r}: recorded {error}") from None
+    return check_scale(scale)
 
 
 def _inflation(lists: torch.Tensor, g: int, n_blocks: int) -> torch.Tensor:

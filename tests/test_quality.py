@@ -132,6 +132,14 @@ def test_bad_inputs_name_what_is_wrong():
         selection_quality(layers, spec.replace(sink=2, local=1), ["mean"], [2])
     with pytest.raises(ValueError, match="no 'k'"):
         selection_quality({"l": {"q": layers["l"]["q"]}}, spec, ["mean"], [2])
+    for bad in (-1.0, 0.0, math.nan):  # the kernels track each row's max on unscaled scores: scale > 0
+        with pytest.raises((ValueError, TypeError), match="scale"):
+            selection_quality(layers, spec, ["mean"], [2], scale=bad)
+        with pytest.raises((ValueError, TypeError), match="layer 'l': recorded scale"):
+            selection_quality({"l": {**layers["l"], "scale": bad}}, spec, ["mean"], [2])
+    recorded = selection_quality({"l": {**layers["l"], "scale": torch.tensor(0.25)}}, spec, ["mean"], [2])
+    given = selection_quality(layers, spec, ["mean"], [2], scale=0.25)
+    assert [(r["recall"], r["rel_error"]) for r in recorded] == [(r["recall"], r["rel_error"]) for r in given]
     for empty in ({"q": layers["l"]["q"][:, :, :0]}, {"k": layers["l"]["k"][:, :, :0]}, {"k": layers["l"]["k"][:, :0]},
                   {"q": layers["l"]["q"][:0], "k": layers["l"]["k"][:0]}):  # Nq, Nk, Hkv, B of 0: no NaN rows
         with pytest.raises(ValueError, match="must be at least 1"):
