@@ -62,7 +62,8 @@ def capture_qkv(model: torch.nn.Module, layers: Iterable[str] | None = None, *, 
     `name#2`, `name#3`, ...
 
     k and v repeated per query head before the call (Hugging Face's `repeat_kv`) are stored once per KV head.
-    `causal` is True for `is_causal=True` or a mask that is exactly the bottom-right causal one, else False;
+    `causal` is True for `is_causal=True` or a mask that is exactly the bottom-right causal one, else False
+    (`is_causal=True` with Nq != Nk, which SDPA aligns top-left, warns: kernelgen's causal mask is bottom-right);
     `scale` is the call's (None: 1/sqrt(D)). Tensors are detached and moved to `device` (None: left where they
     are)."""
     functional = torch.nn.functional
@@ -104,6 +105,11 @@ def _record(captured, name, query, key, value, attn_mask, is_causal, scale, devi
     k, v = _undo_repeat_kv(k, v)
     n_q, n_k = q.shape[-2], k.shape[-2]
     causal = bool(is_causal) or (attn_mask is not None and _is_causal_mask(attn_mask, n_q, n_k))
+    if is_causal and n_q != n_k:
+        warnings.warn(f"capture_qkv: {name} called scaled_dot_product_attention(is_causal=True) with Nq={n_q} != "
+                      f"Nk={n_k}: SDPA aligns that mask top-left, kernelgen's causal mask (recorded causal=True) "
+                      "bottom-right, so its quality is measured against another attention than the model's",
+                      stacklevel=3)
     entry = {"q": q, "k": k, "v": v, "causal": causal, "scale": scale}
     same = captured.get(name)
     if same is not None and all(same[x].shape[1:] == entry[x].shape[1:] for x in "qkv") and \

@@ -3,6 +3,7 @@ monotonicity in top_k, capture of q/k/v at the attention call, and the command l
 import csv
 import importlib.util
 import math
+import warnings
 
 import pytest
 import torch
@@ -209,6 +210,23 @@ def test_capture_records_q_k_v_at_the_attention_call():
     spec = Spec(head_dim=64, kv_block=16, q_tile=16, causal=True, gqa_group=4)
     rows = selection_quality(layers, spec, ["mean"], [3])
     assert len(rows) == 2 * 4 and all(0 < r["recall"] <= 1 for r in rows)
+
+
+def test_capture_warns_of_is_causal_with_fewer_queries_than_keys():
+    """SDPA's is_causal is top-left aligned when Nq != Nk; kernelgen's causal mask is bottom-right."""
+    class Call(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = Call()
+    q, k, v = torch.randn(1, 1, 4, 64), torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64)
+    with pytest.warns(UserWarning, match="top-left"), capture_qkv(model) as layers:
+        model(q, k, v)
+    assert layers[ROOT]["causal"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with capture_qkv(model):
+            model(q, k[:, :, :4], v[:, :, :4])  # Nq == Nk: both alignments agree
 
 
 def test_capture_names_the_model_s_own_attention_call_root():
