@@ -719,8 +719,8 @@ def quality(
                   f"sink={sink} ({spec.n_kv_blocks(n_k)} KV blocks)")
     if spec.per_query:
         console.print("inflation: the pairs the KV-centric union design computes over those the lists hold; "
-                      "prepare() serves it at most "
-                      f"{union_max_inflation(kv_block):.2f}")
+                      f"prepare() serves it at most {union_max_inflation(kv_block):.2f}, or where this spec's tuned "
+                      "winners of both designs on the GPU put their crossover")
     console.print(table)
     note = full_coverage_note(budgets, spec.n_kv_blocks(n_k))
     if note:

@@ -15,7 +15,8 @@ For each layer, selector and top_k, per query head:
   neighbouring queries' lists agree, as the KV-centric union design pays for it: the (query, block) pairs it
   computes over a tile of `tile_union.union_tile_q(G)` queries over those the lists hold, per KV head
   (`TileUnion.inflation`). `SparseAttention.prepare` serves the union design where it is at most
-  `tile_union.union_max_inflation`.
+  `tile_union.union_max_inflation`, or the crossover of the spec's tuned winners of both designs on the GPU
+  where the tuning DB holds them.
 
 The dense softmax is computed a chunk of queries at a time (about `chunk_elements` scores per chunk): no
 `Nq x Nk` tensor is held at once. `kernelgen quality --qkv FILE.pt` runs it from the command line.

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cli import invoke, one_line_error
+from test_cli import flat, invoke, one_line_error
 
 from kernelgen import Spec, reference
 from kernelgen.quality import ROOT, capture_qkv, full_coverage_note, selection_quality, summarize
@@ -283,6 +283,7 @@ def test_cli_reports_per_query_lists_union_inflation(tmp_path):
                     "--out", str(out))
     assert result.exit_code == 0, result.output
     assert "inflation" in result.output and "per-query lists" in result.output
+    assert "tuned winners" in flat(result.output)  # the limit of prepare() is the tuned crossover where one is
     with open(out / "quality.csv") as f:
         rows = list(csv.DictReader(f))
     assert all(float(r["inflation"]) >= 1 for r in rows)
