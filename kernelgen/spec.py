@@ -66,6 +66,8 @@ class Spec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise KernelgenTypeError(f"Spec.{name} must be an int, got {type(value).__name__} {value!r}")
+            if value >= 2**31:  # counts and ids are int32 in the lists and the kernels
+                raise KernelgenValueError(f"Spec.{name}={value} is too large; expected less than 2**31")
         if not isinstance(self.causal, bool):
             raise KernelgenTypeError(f"Spec.causal must be a bool, got {type(self.causal).__name__}")
         if self.head_dim not in HEAD_DIMS:

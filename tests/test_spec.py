@@ -44,6 +44,8 @@ def test_frozen_hashable_json_round_trip():
         (dict(head_dim=64, gqa_group=0), "gqa_group"),
         (dict(head_dim=64, top_k=0), "top_k"),
         (dict(head_dim=64, local=-1), "local"),
+        (dict(head_dim=64, top_k=10**20), "top_k=.*too large"),
+        (dict(head_dim=64, gqa_group=2**31), "gqa_group=.*too large"),
     ],
 )
 def test_rejects_what_it_cannot_compute(kwargs, match):
