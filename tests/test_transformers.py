@@ -661,7 +661,9 @@ def test_a_compiled_training_step_on_the_gpu():
     want = step(model)
     torch._dynamo.reset()
     counters.clear()
-    got = step(torch.compile(model))
+    # the lists are chosen from q and k's bf16 bits: inductor's fused rounding flips some (gradients then 9% apart)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        got = step(torch.compile(model))
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert (got[0] - want[0]).abs() < 2e-2 * want[0].abs()
     assert (got[1] - want[1]).norm() < 5e-2 * want[1].norm()
