@@ -688,7 +688,12 @@ def quality(
         if "index" in chosen and not has_index:
             _fail(f"--selectors index: {qkv} holds no index vectors (q_idx, k_idx, w) in every layer")
     if causal is None:
-        causal = all(bool(layer.get("causal", False)) for layer in layers.values())
+        recorded = {name: bool(layer.get("causal", False)) for name, layer in layers.items()}
+        if len(set(recorded.values())) > 1:  # one spec measures every layer: a mixed file would mismeasure some
+            causal_ones = [name for name, was in recorded.items() if was]
+            _fail(f"--qkv {qkv}: {len(causal_ones)} of {len(recorded)} layers record causal (e.g. "
+                  f"{causal_ones[0]!r}), the rest not; pass --causal or --no-causal, or capture them apart")
+        causal = all(recorded.values())
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:

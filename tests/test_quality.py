@@ -315,3 +315,17 @@ def test_cli_bad_input_is_one_line(tmp_path):
     one_line_error(invoke("quality", "--qkv", str(tmp_path / "d32.pt")), "head_dim")
     torch.save({"something": 1}, tmp_path / "other.pt")
     one_line_error(invoke("quality", "--qkv", str(tmp_path / "other.pt")), "layers")
+
+
+def test_cli_refuses_layers_that_record_causal_differently(tmp_path):
+    """One spec measures every layer: a file whose layers record causal differently is refused without --causal /
+    --no-causal, and measured with either."""
+    path = tmp_path / "mixed.pt"
+    torch.save({"layers": {"self": {**_layer(n_q=64, n_k=64), "causal": True},
+                           "cross": {**_layer(n_q=64, n_k=64, seed=1), "causal": False}}}, path)
+    one_line_error(invoke("quality", "--qkv", str(path), "--kv-block", "16", "--top-k", "2"), "1 of 2 layers",
+                   "--no-causal")
+    result = invoke("quality", "--qkv", str(path), "--kv-block", "16", "--q-tile", "16", "--top-k", "2", "--causal",
+                    "--out", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+
