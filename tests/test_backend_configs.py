@@ -405,6 +405,18 @@ def test_tilelang_config_infeasible_on_sm89_says_why(cfg, why):
     assert tilelang_backend.attn_infeasible(spec, TileLangAttnConfig(128, 2, 256), "sm_80") is None  # 160 KB fit
 
 
+def test_tilelang_hopper_space_and_default_fit_its_shared_memory():
+    """On Hopper too every point and the default fit 227 KB (TileLang plans attn_smem_bytes there as well): at
+    D=256 with 128-key blocks two stages of 128 rows need 320 KB, which fails to lower or to launch."""
+    spec = Spec(head_dim=256, kv_block=128, q_tile=128, top_k=16, causal=True, backend="tilelang")
+    limit = arch_facts("sm_90").smem_per_block
+    space = _tilelang_feasible(spec, "sm_90")
+    assert space and all(tilelang_backend.attn_smem_bytes(spec, c) <= limit for c in space)
+    assert tilelang_backend.attn_smem_bytes(spec, tilelang_backend.attn_default(spec, "sm_90")) <= limit
+    why = tilelang_backend.attn_infeasible(spec, TileLangAttnConfig(128, 2, 256, overlap=True), "sm_90")
+    assert re.search(r"327680 B of shared memory .* sm_90 allows at most 232448 B", why)
+
+
 def test_tilelang_on_cpu_lists_hopper_s_configs_and_runs_nowhere():
     """As kernelgen.archs has it: "cpu" (where specs are planned or exported, never launched) is given
     Hopper's configs; the backend itself does not run on the CPU."""

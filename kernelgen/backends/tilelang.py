@@ -225,7 +225,7 @@ class TileLangAttnConfig:
 
 
 def attn_smem_bytes(spec: Spec, cfg: TileLangAttnConfig, elem_bytes: int = 2) -> int:
-    """Dynamic shared memory of the forward off Hopper: the Q rows (O reuses them) and num_stages K and V
+    """Dynamic shared memory of the forward on every arch: the Q rows (O reuses them) and num_stages K and V
     blocks. TileLang 0.1.15 plans exactly this (the lowered kernels' dyn_shared_memory_buf; a CPU test checks)."""
     return (cfg.block_m + 2 * cfg.num_stages * spec.kv_block) * spec.head_dim * elem_bytes
 
@@ -235,6 +235,11 @@ def _mma_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | Non
     if cfg.overlap or cfg.pingpong:
         return (f"overlap={cfg.overlap}, pingpong={cfg.pingpong} on {arch}: both schedule Hopper's asynchronous "
                 f"wgmma, and {arch} runs mma.sync; expected overlap=False, pingpong=False")
+    return _smem_infeasible(spec, cfg, arch)
+
+
+def _smem_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | None:
+    """Why `cfg`'s shared memory does not fit `arch`'s per block, or None."""
     smem, limit = attn_smem_bytes(spec, cfg), arch_facts(arch).smem_per_block
     if smem > limit:
         return (f"{smem} B of shared memory (block_m={cfg.block_m} Q rows and num_stages={cfg.num_stages} K and V "
@@ -245,8 +250,8 @@ def _mma_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | Non
 
 def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | None:
     """Why the TileLang forward cannot run `cfg` for `spec` on `arch`, or None. The row packing rule of every
-    backend; 256 threads need 128 rows (two 64-row warpgroups). Off Hopper (_mma_infeasible): no overlap or
-    ping-pong, and the shared memory within the arch's. On Hopper: three stages at head_dim 64 are left
+    backend; 256 threads need 128 rows (two 64-row warpgroups); the shared memory within the arch's, on every
+    arch. Off Hopper (_mma_infeasible): no overlap or ping-pong. On Hopper: three stages at head_dim 64 are left
     out: on the H200 that kernel never finished (a32k tune, 2026-11-30). 128 threads: one stage, as that
     forward is built without warp specialisation (attn_pass_configs) and TileLang 0.1.15 generates no
     code for it with more (without UNROLLED_PIPELINE_DRAIN, which the Hopper builds do not take)."""
@@ -269,7 +274,7 @@ def attn_infeasible(spec: Spec, cfg: TileLangAttnConfig, arch: str) -> str | Non
         return "pingpong=True needs overlap=True and threads=256 (two consumer warpgroups taking turns)"
     if spec.head_dim == 64 and cfg.num_stages == 3:
         return "num_stages=3 at head_dim=64 is left out: on the H200 that kernel never finished"
-    return None
+    return _smem_infeasible(spec, cfg, arch)
 
 
 def attn_default(spec: Spec, arch: str) -> TileLangAttnConfig:
@@ -312,7 +317,8 @@ def launch_attn(kernel, spec: Spec, config, shapes: Shapes, q, k, v, block_idx, 
 def compiled_attn(spec: Spec, config: TileLangAttnConfig, problem: Problem):
     """The forward for one problem shape (cached here and on disk by TileLang)."""
     arch = target_arch(problem.device)
-    _refuse_infeasible("attn", config, arch, None if hopper(arch) else _mma_infeasible(spec, config, _arch(arch)))
+    _refuse_infeasible("attn", config, arch, _smem_infeasible(spec, config, _arch(arch)) if hopper(arch)
+                       else _mma_infeasible(spec, config, _arch(arch)))
     return compile_attn(_build_for(build_attn, spec, config, problem), config, arch)
 
 
