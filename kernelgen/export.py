@@ -118,6 +118,7 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
             f"export_module needs a registered backend ({', '.join(backends.names())}), got {spec.backend!r}: "
             f"{backends.AUTO!r} chooses per GPU from the tuning DB, which an exported module does not carry")
     backends.check_spec(spec)
+    _check_embedded_backends(spec)
     out_path = Path(out_path)
     if out_path.suffix != ".py":
         raise KernelgenValueError(f"out_path must name a .py file, got {out_path}")
@@ -187,6 +188,19 @@ def resolve_configs(spec: Spec, configs: dict | None, arch: str) -> dict:
         backend.check_config(kernel_spec, role, cfg, arch)
         out[role] = cfg
     return out
+
+
+def _check_embedded_backends(spec: Spec) -> None:
+    """Every backend a call of `spec` runs is one of kernelgen's own: an exported module embeds kernelgen's sources,
+    so a plug-in registered from another package would be unknown when the module is imported."""
+    own = [b.name for b in backends.all_backends() if type(b).__module__.startswith(f"{__package__}.")]
+    for role in call_roles(spec):
+        backend = _runner(spec, role)[0]
+        if backend.name not in own:
+            raise KernelgenValueError(
+                f"backend={backend.name!r} (role {role!r}) is a plug-in from {type(backend).__module__}, outside "
+                f"kernelgen: an exported module embeds kernelgen's own sources and runs their backends "
+                f"({', '.join(own)}); use the plug-in through get_kernel")
 
 
 def _runner(spec: Spec, role: str):

@@ -400,6 +400,23 @@ def test_auto_backend_is_not_exported(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_plug_in_backend_from_outside_kernelgen_is_refused(tmp_path):
+    """An exported module embeds kernelgen's sources: a backend registered from another package would be unknown
+    when the module is imported, so export names it instead of writing that module."""
+    class Outside(backends.Backend):
+        name = "outside"
+        devices = ("cpu",)
+        roles = {"attn": backends.RoleImpl(launch=lambda *args: None)}
+
+    backends.register(Outside())
+    try:
+        with pytest.raises(KernelgenValueError, match=r"backend='outside' \(role 'attn'\) is a plug-in from test_"):
+            export_module(MEAN.replace(backend="outside"), tmp_path / "m.py")
+    finally:
+        backends.unregister("outside")
+    assert not list(tmp_path.iterdir())
+
+
 def test_write_is_atomic(tmp_path, monkeypatch):
     """The file is replaced whole or not at all: a failed export leaves the old file and no temp file."""
     out = tmp_path / "sub" / "kg.py"

@@ -3,7 +3,7 @@
     from kernelgen import backends
     backends.names()                  # ("triton", "tilelang", "gluon")
     backends.get("gluon").unsupported(spec, device)   # why it cannot serve, or None
-    backends.register(MyBackend())    # a plug-in: served, tuned, listed and exported like the others
+    backends.register(MyBackend())    # a plug-in: served, tuned and listed like the others
 
 Everything else in kernelgen iterates over this registry; no other module compares a backend's name.
 `Spec(backend="auto")` is served by the registry's choice: the fastest tuned backend that can run the
