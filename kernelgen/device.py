@@ -125,18 +125,30 @@ def _index(device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
+def _cuda_facts(device) -> tuple[str, str]:
+    """(arch, name) of a CUDA device; a KernelgenValueError where torch has no such GPU (its own error is an
+    AssertionError or a RuntimeError)."""
+    try:
+        return _cuda_arch(_index(device))
+    except (AssertionError, RuntimeError) as error:
+        from .errors import KernelgenValueError
+
+        raise KernelgenValueError(f"device {device}: no such CUDA GPU here ({error}); on the CPU only the Triton "
+                                  "backend runs, in its interpreter") from None
+
+
 def device_arch(device="cuda") -> str:
     """"sm_90" for an H100/H200 and so on; "cpu" for the CPU (kernels in the interpreter)."""
     if torch.device(device).type != "cuda":
         return "cpu"
-    return _cuda_arch(_index(device))[0]
+    return _cuda_facts(device)[0]
 
 
 def gpu_name(device="cuda") -> str:
     """The GPU's name as CUDA reports it ("NVIDIA H200"); "cpu" for the CPU."""
     if torch.device(device).type != "cuda":
         return "cpu"
-    return _cuda_arch(_index(device))[1]
+    return _cuda_facts(device)[1]
 
 
 def current_arch() -> str | None:

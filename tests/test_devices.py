@@ -39,6 +39,18 @@ def test_launching_on_makes_the_tensor_s_gpu_current(monkeypatch):
     assert isinstance(launching_on(torch.zeros(1)), contextlib.nullcontext)
 
 
+@pytest.mark.parametrize("backend", ["triton", "tilelang", "auto"])
+def test_asking_what_a_gpu_is_served_without_one_says_so(backend, monkeypatch):
+    def no_gpu(*args):
+        raise RuntimeError("No CUDA GPUs are available")
+
+    kernelgen.device._cuda_arch.cache_clear()
+    monkeypatch.setattr(torch.cuda, "current_device", no_gpu)
+    attn = kernelgen.get_kernel(SPEC.replace(backend=backend))
+    with pytest.raises(kernelgen.KernelgenValueError, match="device cuda: no such CUDA GPU here .No CUDA GPUs are"):
+        attn.served("attn", 256, device="cuda")
+
+
 def test_every_launch_of_a_training_step_runs_under_its_tensors_device(device, monkeypatch):
     """Selection, lists, the forward and the backward's roles: each launch enters launching_on with a tensor of
     the call's device."""
