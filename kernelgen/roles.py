@@ -2,7 +2,7 @@
 
 A role is data. Each backend that runs it supplies a template and a launcher for it (`RoleImpl` in
 `kernelgen.backends.base`); a backend that lacks a role has it run by the registry's fallback
-backend (`kernelgen.backends.fallback_for`). Adding a role is one `Role` here (or `register_role`)
+backend (`kernelgen.backends.runner`). Adding a role is one `Role` here (or `register_role`)
 plus one `RoleImpl` per backend that runs it.
 
 Launch signatures, after (kernel, spec, config, shapes):

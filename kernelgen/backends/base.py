@@ -35,7 +35,8 @@ class RoleImpl:
 
     template     templates/<backend>/<role>.py.j2 (a path relative to templates/, or absolute); None when
                  the backend renders nothing (the float64 reference, say)
-    config_type  the frozen dataclass of its tunables; None: nothing to tune
+    config_type  the frozen dataclass of its tunables, with `to_json()` (a rendered module ends with it); None:
+                 nothing to tune
     default      (spec, arch) -> the config served on `arch` when nothing is tuned
     space        (spec, arch) -> candidate configs (the feasible ones are kept: `Backend.config_space`)
     infeasible   (spec, config, arch) -> why the kernel cannot run that config on `arch`, or None
