@@ -122,6 +122,8 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
     out_path = Path(out_path)
     if out_path.suffix != ".py":
         raise KernelgenValueError(f"out_path must name a .py file, got {out_path}")
+    if out_path.is_dir():
+        raise KernelgenValueError(f"out_path {out_path} is a directory; expected a .py file to write")
     if arch is None:
         arch = current_arch() or "cpu"
     resolved = resolve_configs(spec, configs, check_arch(arch))

@@ -377,6 +377,10 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match="configs\\['attn'\\]"):  # another backend's config type
         export_module(MEAN.replace(backend="tilelang"), tmp_path / "m.py", configs={"attn": MEAN_CONFIGS["attn"]})
     assert not list(tmp_path.iterdir())
+    (tmp_path / "d.py").mkdir()  # a directory named like the file: named, not a rename's error about a temp file
+    with pytest.raises(ValueError, match=r"d\.py is a directory; expected a \.py file"):
+        export_module(MEAN, tmp_path / "d.py")
+    assert [p.name for p in tmp_path.iterdir()] == ["d.py"]
 
 
 def test_the_configs_baked_in_are_the_arch_s(tmp_path):
