@@ -218,6 +218,19 @@ def test_auto_without_rows_follows_the_measured_rule(user_db, tilelang_installed
     assert lookup.fastest_backend(blocks128, 32768, torch.bfloat16, torch.device("cpu")) == "triton"
 
 
+def test_auto_without_rows_skips_a_backend_with_no_config_for_the_spec(user_db, tilelang_installed, monkeypatch):
+    """A spec TileLang computes but cannot pack (16 rows a tile, where its programs hold 64 or 128) is served by
+    the rule's next backend that has a config for it, not refused at every call."""
+    monkeypatch.setattr(GLUON, "not_installed", lambda: None)
+    few_rows = AUTO.replace(kv_block=128, q_tile=16)
+    with pytest.raises(KernelgenValueError, match="no feasible TileLang attention config"):
+        TILELANG.default_config(few_rows.replace(backend="tilelang"), "attn", "sm_90")
+    attn = SparseAttention(few_rows)
+    assert attn.backend(32768, device=CUDA) == "triton"  # Gluon holds at least 64 rows a program too
+    assert attn.served("attn", 32768, device=CUDA).backend is TRITON
+    assert SparseAttention(few_rows.replace(gqa_group=4)).backend(32768, device=CUDA) == "tilelang"  # 64 rows
+
+
 def test_auto_with_rows_of_one_backend_serves_it(user_db, monkeypatch):
     _add_backend(user_db, "tilelang", 0.1, TL_WINNER)
     monkeypatch.setattr(TILELANG, "not_installed", lambda: "no TileLang here")
