@@ -61,9 +61,10 @@ Layers whose type (`config.layer_types`) is neither "full_attention" nor named u
 `"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
 cannot compute falls back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong result: an
 attention mask that is not causal over each row's tokens (a custom 4-D mask, an additive bias), dropout > 0,
-`output_attentions`, soft-capping, attention sinks, sliding windows, a non-causal module, a head_dim kernelgen
-has no kernels for, and dtypes its kernels do not take on the device (float32 on a GPU, bfloat16 in the CPU
-interpreter).
+`output_attentions`, sliding windows, a non-causal module, a head_dim kernelgen has no kernels for, and dtypes
+its kernels do not take on the device (float32 on a GPU, bfloat16 in the CPU interpreter). A model whose attention
+applies soft-capping or attention sinks, which SDPA does not compute either, is refused (a ValueError) at its
+first attention call, in every layer.
 """
 from __future__ import annotations
 
@@ -345,8 +346,7 @@ def _unsupported(module, query, dropout, kwargs) -> str | None:
         return "dropout > 0"
     if kwargs.get("output_attentions"):
         return "output_attentions=True (kernelgen returns no attention weights)"
-    for name, what in (("softcap", "soft-capping"), ("s_aux", "attention sinks (s_aux)"),
-                       ("sliding_window", "a sliding window"), ("position_bias", "a position bias")):
+    for name, what in (("sliding_window", "a sliding window"), ("position_bias", "a position bias")):
         if kwargs.get(name) is not None:
             return what
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
@@ -366,6 +366,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention function: query [B, H, Nq, D], key and value [B, Hkv, Nk, D] (the KV cache
     included) -> (attn_output [B, Nq, H, D], None)."""
+    for name, what in (("softcap", "soft-capping"), ("s_aux", "attention sinks"), ("sinks", "attention sinks")):
+        if kwargs.get(name) is not None:  # SDPA, which runs what kernelgen cannot, would ignore or refuse it
+            raise KernelgenValueError(f"kernelgen attention: this model's attention applies {what} ({name}=), which "
+                                      "neither kernelgen nor SDPA computes; load it with attn_implementation="
+                                      "\"eager\" (or another implementation that applies it)")
     args = (module, query, key, value, attention_mask, scaling, dropout)
     if torch.compiler.is_compiling() and _in_graph(module, query, key, attention_mask, dropout, kwargs):
         return _attention_in_graph(*args)
