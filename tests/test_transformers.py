@@ -87,6 +87,22 @@ def test_registered_and_the_spec_comes_from_the_config():
         kg_hf.layer_spec(transformers.LlamaConfig(hidden_size=64, num_attention_heads=2))
 
 
+def test_a_misspelt_option_is_refused(models):
+    """A kernelgen_<name> attribute that is no option (a typo) is a ValueError naming it, as an unknown key of the
+    "kernelgen" object is, set before the first call or after it; never the default silently."""
+    with pytest.raises(ValueError, match="kernelgen_topk"):
+        kg_hf.layer_spec(tiny_config(kernelgen_topk=4))
+    ours, _ = models
+    set_options(ours, top_k=2)
+    assert kg_hf._module_spec(ours.model.layers[0].self_attn).top_k == 2
+    ours.config.kernelgen_topk = 4
+    try:
+        with pytest.raises(ValueError, match="kernelgen_topk"):
+            kg_hf._module_spec(ours.model.layers[0].self_attn)
+    finally:
+        del ours.config.kernelgen_topk
+
+
 def test_what_kernelgen_cannot_compute_runs_sdpa_with_a_warning(models):
     """head_dim 32 (no kernels), dropout and output_attentions: SDPA's result, one warning per reason."""
     torch.manual_seed(1)

@@ -132,8 +132,9 @@ def layer_spec(config, layer_type: str | None = None) -> Spec | None:
     config.json with. Options no Spec takes, or a head_dim kernelgen has no kernels for, are a
     KernelgenValueError."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return _spec(json.dumps({name: getattr(text, name, None) for name in _READ}, sort_keys=True, default=str),
-                 layer_type or FULL)
+    values = {name: getattr(text, name, None) for name in _READ}
+    values.update((name, value) for name, value in vars(text).items() if name.startswith("kernelgen_"))  # typos
+    return _spec(json.dumps(values, sort_keys=True, default=str), layer_type or FULL)
 
 
 # what a module's spec is read from: the sparse options and the model's shape, as the config holds them
@@ -156,15 +157,16 @@ def _module_spec(module) -> Spec | None:
     if kept is not None and kept[0] is config:
         text, values, spec = kept[1:]
         state = vars(text)
-        if all(state.get(name) == value for name, value in zip(_READ, values)):
+        if len(state) == values[-1] and all(state.get(name) == value for name, value in zip(_READ, values)):
             return spec
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_types, layer_idx = getattr(text, "layer_types", None), getattr(module, "layer_idx", None)
     spec = layer_spec(config, layer_types[layer_idx] if layer_types and layer_idx is not None else None)
     state = vars(text)
     # a copy of each value, so that an options object changed in place is seen as changed
-    module.__dict__["_kernelgen_spec"] = (config, text, tuple(copy.deepcopy(state.get(name)) for name in _READ),
-                                          spec)
+    # (and how many attributes the config has: one added, a misspelt option say, reads it again)
+    module.__dict__["_kernelgen_spec"] = (config, text, (*(copy.deepcopy(state.get(name)) for name in _READ),
+                                                         len(state)), spec)
     # what a compiled step reads instead (plain constants: it cannot run this function): the spec's JSON text,
     # the blocks of the reps its selector keeps, and whether a padded prompt is one call (not one a row, as the
     # index selector's is); a compiled model keeps what its last eager call saw

@@ -83,6 +83,11 @@ def layer_type_specs(config: dict) -> dict[str, Spec | None]:
     ours = config.get("kernelgen", text.get("kernelgen"))
     ours = {} if ours is None else ours
     top = {**MODEL_OPTIONS, **_sparse_options(ours, "kernelgen")}
+    unknown = sorted({key for key in (*text, *config) if key.startswith("kernelgen_")}
+                     - {f"kernelgen_{name}" for name in MODEL_OPTIONS})
+    if unknown:
+        raise KernelgenValueError(f"model config: unknown options {unknown}; expected some of "
+                                  f"{[f'kernelgen_{name}' for name in MODEL_OPTIONS]}")
     for name in MODEL_OPTIONS:  # kernelgen_<option> keys (a loaded config's attributes) win over the object
         value = text.get(f"kernelgen_{name}", config.get(f"kernelgen_{name}"))
         if value is not None:
