@@ -89,9 +89,14 @@ def test_registered_and_the_spec_comes_from_the_config():
 
 def test_a_misspelt_option_is_refused(models):
     """A kernelgen_<name> attribute that is no option (a typo) is a ValueError naming it, as an unknown key of the
-    "kernelgen" object is, set before the first call or after it; never the default silently."""
+    "kernelgen" object is, set before the first call or after it; so is a layer type the model does not have
+    under the object's "layer_types". Never the defaults silently."""
     with pytest.raises(ValueError, match="kernelgen_topk"):
         kg_hf.layer_spec(tiny_config(kernelgen_topk=4))
+    config = tiny_config(kernelgen={"layer_types": {"sliding_atention": {"top_k": 4}}})
+    config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match="sliding_atention"):
+        kg_hf.layer_spec(config, "sliding_attention")
     ours, _ = models
     set_options(ours, top_k=2)
     assert kg_hf._module_spec(ours.model.layers[0].self_attn).top_k == 2

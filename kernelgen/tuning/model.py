@@ -98,6 +98,10 @@ def layer_type_specs(config: dict) -> dict[str, Spec | None]:
     layer_types = text.get("layer_types") or [FULL]
     if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
         raise KernelgenValueError("model config: layer_types must be a list of layer type names")
+    unknown = sorted(set(per_type) - set(layer_types) - {FULL})
+    if unknown:
+        raise KernelgenValueError(f"model config: kernelgen.layer_types names {unknown}, which the model's layer "
+                                  f"types {list(dict.fromkeys(layer_types))} do not hold")
     specs: dict[str, Spec | None] = {}
     for layer_type in dict.fromkeys(layer_types):
         if layer_type != FULL and layer_type not in per_type:
