@@ -34,7 +34,8 @@ from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx,
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
-from .roles import DECODE_MAX_QUERIES, backward_roles, forward_roles, get_role, union_workload_inflation
+from .roles import (DECODE_MAX_QUERIES, backward_roles, forward_roles, get_role, pinnable_roles,
+                    union_workload_inflation)
 from .spec import Spec
 from .tile_union import TileUnion, build_tile_union, union_max_inflation
 from .tuning.buckets import seq_bucket
@@ -109,8 +110,12 @@ class SparseAttention:
         self._fixed = dict(configs or {})
         self._shape_kernels: dict = {}  # per-shape kernels (TileLang's) of this spec
         self._generation = autotune.generation  # what the served configs were read under
+        runs = pinnable_roles(spec)
         for role, cfg in self._fixed.items():
             get_role(role)
+            if role not in runs:  # a pin no call reads is a caller's mistake, not a choice to ignore
+                raise KernelgenValueError(f"configs pins {role!r}, which no call of {spec} runs; its calls run "
+                                          f"{list(runs)}")
             backend = self._pinned_backend(role, cfg)
             # no device yet: what no arch runs fails here, what this one cannot when served
             backend.check_config(get_role(role).kernel_spec(spec, backend.name), role, cfg, ANY_ARCH)
@@ -664,7 +669,7 @@ def _cached(spec: Spec, validate_lists: bool) -> SparseAttention:
 def get_kernel(spec: Spec, *, configs: dict | None = None, validate_lists: bool = False) -> SparseAttention:
     """The callable for `spec` (cached per spec). `configs` ({role: config}, e.g. {"attn": AttnConfig(...),
     "select": SelectConfig(...)}; the config type says the backend) pins tunables instead of the tuning DB's
-    winners or the defaults."""
+    winners or the defaults; a role no call of `spec` runs (`roles.pinnable_roles`) is refused."""
     if not isinstance(spec, Spec):
         raise KernelgenTypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
     if configs:

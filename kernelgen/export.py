@@ -51,7 +51,7 @@ from .codegen import render as _render_module
 from .codegen.render import render, template_path
 from .device import current_arch
 from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
-from .roles import backward_roles, forward_roles, get_role
+from .roles import call_roles, get_role
 from .spec import Spec
 
 __all__ = ["export_module", "ExportError", "assemble", "call_roles"]
@@ -68,23 +68,6 @@ _PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "select", "prepare", "key_reps")
 
 class ExportError(KernelgenError, RuntimeError):
     """kernelgen's sources cannot be assembled into a standalone module (an import it cannot satisfy)."""
-
-
-def call_roles(spec: Spec) -> tuple[str, ...]:
-    """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector; with the
-    `mean` and `multi:r` selectors `key_reps` too, and `decode_select` for a Q-centric decode call),
-    `attn`, `decode` (a call of a few queries), `attn_rows` and `attn_paged` (a prefill over a cache of per-row
-    lengths, contiguous or paged; `kv_attn_rows` and `kv_attn_paged` for per-query lists), and its backward's,
-    under the schedule's role names (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the
-    gathered design only: their kv_attn config is pinned, and a pinned kv_attn keeps prepared lists off the union
-    design."""
-    lists, selection, attn = forward_roles(spec)
-    backward = backward_roles(spec)
-    kept = ("key_reps",) if selection in ("select", "kv_select") else ()  # the pooling selectors' kept reps
-    _, decode_selection, decode = forward_roles(spec, 1)
-    decoding = (decode_selection,) if decode_selection not in (None, selection) else ()
-    rows = (forward_roles(spec, cache_rows=True)[2], forward_roles(spec, cache_rows=True, paged=True)[2])
-    return (lists, *((selection,) if selection else ()), *kept, attn, *decoding, decode, *rows) + backward
 
 
 def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str | None = None,

@@ -513,6 +513,29 @@ def tuned_roles(spec: Spec) -> tuple[str, ...]:
     return tuple(n for n in names if n is not None and ROLES[n].tuned)
 
 
+def call_roles(spec: Spec) -> tuple[str, ...]:
+    """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector; with the
+    `mean` and `multi:r` selectors `key_reps` too, and `decode_select` for a Q-centric decode call),
+    `attn`, `decode` (a call of a few queries), `attn_rows` and `attn_paged` (a prefill over a cache of per-row
+    lengths, contiguous or paged; `kv_attn_rows` and `kv_attn_paged` for per-query lists), and its backward's,
+    under the schedule's role names (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the
+    gathered design only: their kv_attn config is pinned, and a pinned kv_attn keeps prepared lists off the union
+    design."""
+    lists, selection, attn = forward_roles(spec)
+    backward = backward_roles(spec)
+    kept = ("key_reps",) if selection in ("select", "kv_select") else ()  # the pooling selectors' kept reps
+    _, decode_selection, decode = forward_roles(spec, 1)
+    decoding = (decode_selection,) if decode_selection not in (None, selection) else ()
+    rows = (forward_roles(spec, cache_rows=True)[2], forward_roles(spec, cache_rows=True, paged=True)[2])
+    return (lists, *((selection,) if selection else ()), *kept, attn, *decoding, decode, *rows) + backward
+
+
+def pinnable_roles(spec: Spec) -> tuple[str, ...]:
+    """The roles a config may be pinned for (`get_kernel(spec, configs=...)`): those a call runs (`call_roles`)
+    and the tuned ones it may run (`tuned_roles`: per-query lists' union design too)."""
+    return tuple(dict.fromkeys((*call_roles(spec), *tuned_roles(spec))))
+
+
 def forward_roles(spec: Spec, n_q: int | None = None, cache_rows: bool = False,
                   paged: bool = False) -> tuple[str, str | None, str]:
     """(lists, the selection role or None for given lists, attn): the roles of a forward of `spec`'s

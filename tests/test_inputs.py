@@ -366,6 +366,7 @@ def test_top_k_too_small_for_forced_blocks(kwargs):
     ({"select": kernelgen.SelectConfig(tiles=8, chunk=32, splits=3)}, ValueError, r"configs\['select'\]"),
     ({"fwd": kernelgen.AttnConfig()}, ValueError,
      re.escape(f"role='fwd' is unknown; expected one of {sorted(kernelgen.roles.ROLES)}")),
+    ({"kv_attn": kernelgen.KvAttnConfig()}, ValueError, r"configs pins 'kv_attn', which no call of .* runs"),
 ])
 def test_pinned_configs_are_checked(configs, error, match):
     """A pinned config outside the feasible space (one that could leave rows unwritten) is refused."""
