@@ -254,7 +254,8 @@ def compile_cases(cases: list[dict], arch: str) -> None:
     from kernelgen import Spec, backends, get_kernel
     from kernelgen.inputs import Shapes, check_block_idx, check_index
     from kernelgen.reference import scatter_pages
-    from kernelgen.roles import ROLES, WorkloadShape, backward_roles, forward_roles, get_role, index_inputs
+    from kernelgen.roles import (ROLES, WorkloadShape, backward_roles, forward_roles, get_role, index_inputs,
+                             pinnable_roles)
 
     capability = int(arch.removeprefix("sm_"))
     driver.set_active(OfflineDriver(capability))
@@ -289,7 +290,9 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                 roles += backward_roles(spec) + (("kv_bwd_union",) if case.get("union") else ())
             configs = {role: backends.runner(spec.backend, role).config_from_dict(role, case[role])
                        for role in ROLES if role in case}
-            get_kernel(spec, configs=configs)  # the spec and the pinned configs pass dispatch's checks
+            # the spec and the configs of the roles its calls run pass dispatch's checks (a case may pin more: a
+            # selection config beside a spec of given lists, compiled with a selector's spec)
+            get_kernel(spec, configs={role: cfg for role, cfg in configs.items() if role in pinnable_roles(spec)})
             shapes = Shapes(1, 2 * g, 2, n, n, spec.n_q_tiles(n), spec.n_kv_blocks(n))
             t = {"q": torch.randn(1, 2 * g, n, spec.head_dim, dtype=torch.bfloat16),
                  "seqlens": torch.full((1,), n, dtype=torch.int32)}
