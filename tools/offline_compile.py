@@ -292,7 +292,8 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                        for role in ROLES if role in case}
             # the spec and the configs of the roles its calls run pass dispatch's checks (a case may pin more: a
             # selection config beside a spec of given lists, compiled with a selector's spec)
-            get_kernel(spec, configs={role: cfg for role, cfg in configs.items() if role in pinnable_roles(spec)})
+            runs = pinnable_roles(spec)
+            get_kernel(spec, configs={role: cfg for role, cfg in configs.items() if role in runs})
             shapes = Shapes(1, 2 * g, 2, n, n, spec.n_q_tiles(n), spec.n_kv_blocks(n))
             t = {"q": torch.randn(1, 2 * g, n, spec.head_dim, dtype=torch.bfloat16),
                  "seqlens": torch.full((1,), n, dtype=torch.int32)}
