@@ -55,6 +55,24 @@ def test_a_wrong_result_is_reported_not_passed(monkeypatch):
     assert fuzz.run_case(case)["status"] == "wrong"
 
 
+def test_a_zero_reference_gradient_is_met_up_to_the_rounding_of_the_terms_it_cancels():
+    # one key: p = 1, o = v, and dk = sum_i q_i * (do_i . v - do_i . o_i) is 0 exactly, as a sum of 34 terms of
+    # size |q| |do| |v|; fp32 rounds each, so 1e-5 of error is rounding there, and a wrong value is not
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(2, 2, 17, 64, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 1, 1, 64, generator=g) for _ in range(2))
+    o = v.expand(2, 2, 17, 64)
+    want = [torch.zeros(2, 2, 17, 64, dtype=torch.float64), torch.zeros(2, 1, 1, 64, dtype=torch.float64),
+            (do.double().sum(dim=(1, 2), keepdim=True))]
+    grads = [w.float() for w in want]
+    inputs = (q, k, v, do, o, None)
+    grads[1] = torch.full_like(grads[1], 1.01e-5)
+    fuzz.compare_grads(grads, want, [True] * 3, torch.float32, torch, inputs)
+    grads[1] = torch.full_like(grads[1], 0.5)
+    with pytest.raises(fuzz.Failure, match="dk"):
+        fuzz.compare_grads(grads, want, [True] * 3, torch.float32, torch, inputs)
+
+
 def test_a_process_that_died_leaves_its_seed(tmp_path):
     rows = [dict(seed=3, status="start"), dict(seed=3, status="pass"), dict(seed=5, status="start")]
     (tmp_path / "worker-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"seed": 5, "sta')
