@@ -21,7 +21,11 @@ mkdir -p "$OUT"
 export KERNELGEN_CACHE_DIR=${KERNELGEN_CACHE_DIR:-/tmp/kg-cache} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-git rev-parse --short HEAD 2>/dev/null
+# The tree that runs is the working copy, committed or not: name its git tree beside HEAD, so that a figure is
+# tied to the commit holding that tree (`git log --format='%h %T'` lists both).
+tree=$(idx=$(mktemp -u); GIT_INDEX_FILE=$idx git add -A 2>/dev/null && GIT_INDEX_FILE=$idx git write-tree; rm -f "$idx")
+if [ "$tree" = "$(git rev-parse 'HEAD^{tree}' 2>/dev/null)" ]; then echo "commit $(git rev-parse --short HEAD)"
+else echo "tree $tree (HEAD $(git rev-parse --short HEAD 2>/dev/null), with changes not committed)"; fi
 if [ "$PART" = tests ]; then
   # pytest-xdist processes share the GPU (TileLang's tests are nvcc-bound, so several overlap well)
   timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu -n ${WORKERS:-6} -p no:cacheprovider ${TESTS:-tests} 2>&1 \
