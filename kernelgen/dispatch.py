@@ -157,7 +157,7 @@ class SparseAttention:
             fastest = fastest_backend(self.spec, bucket, dtype, device, role)
             if fastest is not None:
                 return backends.get(fastest)
-        return backends.runner(self._backend(bucket, dtype, device), role, device)
+        return backends.runner(self._backend(bucket, dtype, device), role, device, self.spec)
 
     @functools.lru_cache(maxsize=256)
     def _served(self, role: str, bucket: int, dtype, device) -> Served:

@@ -93,6 +93,19 @@ def test_the_fallback_runs_it_where_tilelang_cannot_run():
     assert backends.runner("tilelang", "bwd_dq", "cpu") is TRITON
 
 
+def test_the_fallback_runs_it_where_tilelang_has_no_config_of_the_spec(monkeypatch):
+    """dK/dV splits a KV block into 32 keys or more: a TileLang spec of 16-key blocks (its forward runs) has its
+    dK/dV run by Triton on the GPU too, not a "no feasible config" error at the first backward."""
+    monkeypatch.setattr("kernelgen.device.device_arch", lambda device: "sm_90")
+    gpu = torch.device("cuda")
+    small, large = _spec(True, 64, 1, 16, 64), _spec(True, 64, 1, 64, 64)
+    assert not backends.has_config(TILELANG, small, "bwd_dkdv", "sm_90")
+    assert backends.has_config(TILELANG, small, "attn", "sm_90")
+    assert backends.runner("tilelang", "bwd_dkdv", gpu, small) is TRITON
+    assert backends.runner("tilelang", "bwd_dkdv", gpu, large) is TILELANG
+    assert backends.runner("tilelang", "attn", gpu, small) is TILELANG
+
+
 # (causal, D, G, kv_block, q_tile), arch, config (None: the arch's default)
 COMPILE_CASES = [
     ((True, 128, 4, 128, 128), "sm_90a", None),

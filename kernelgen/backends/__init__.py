@@ -18,7 +18,7 @@ from .tilelang import TileLangBackend
 from .triton import TritonBackend
 
 __all__ = ["Backend", "RoleImpl", "Problem", "Shapes", "AUTO", "FALLBACK", "register", "unregister", "get", "names",
-           "all_backends", "runner", "check_spec", "of_config", "config_types"]
+           "all_backends", "runner", "has_config", "check_spec", "of_config", "config_types"]
 
 AUTO = "auto"
 # Runs the roles a spec's backend lacks (selection, list normalising) and serves `auto` where nothing is
@@ -69,16 +69,34 @@ def check_spec(spec) -> None:
         raise KernelgenValueError(reason)
 
 
-def runner(backend: str, role: str, device=None) -> Backend:
+def runner(backend: str, role: str, device=None, spec=None) -> Backend:
     """The backend that runs `role` for a spec served by `backend`: that backend if it has the role, else
     the fallback (selection and list normalising run in Triton for the TileLang and Gluon forwards). On
     `device`, a role the backend marks optional (`RoleImpl.optional`: TileLang's dK/dV backward) runs on the
-    fallback where the backend cannot run (the CPU's interpreter)."""
+    fallback where the backend cannot run (the CPU's interpreter), or, given the served `spec`, where it has no
+    config of that spec on the device's arch (TileLang's dK/dV takes KV blocks of 32 keys or more)."""
     chosen = get(backend)
     impl = chosen.roles.get(role)
-    if impl is None or (impl.optional and device is not None and chosen.device_unsupported(device)):
+    if impl is None:
         return get(FALLBACK)
+    if impl.optional and device is not None:
+        if chosen.device_unsupported(device) or (spec is not None and not has_config(chosen, spec, role, device)):
+            return get(FALLBACK)
     return chosen
+
+
+def has_config(backend: Backend, spec, role: str, device_or_arch) -> bool:
+    """Whether `backend` has a config of `role` for `spec` on a device (or arch): a spec it computes may still
+    have no point that runs there (TileLang's forward packs at least 64 rows a program)."""
+    from ..device import device_arch
+    from ..roles import get_role
+
+    arch = device_or_arch if isinstance(device_or_arch, str) else device_arch(device_or_arch)
+    try:
+        backend.default_config(get_role(role).kernel_spec(spec, backend.name), role, arch)
+    except KernelgenValueError:
+        return False
+    return True
 
 
 def of_config(role: str, config) -> Backend:

@@ -244,15 +244,7 @@ def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device,
         arch = _target(device).arch
     except Exception:
         return backends.FALLBACK
-    return rule_backend(spec, arch, lambda name: servable.get(name, False) and _has_default(name, spec, role, arch))
+    return rule_backend(spec, arch, lambda name: servable.get(name, False)
+                        and backends.has_config(backends.get(name), spec, role, arch))
 
 
-def _has_default(name: str, spec, role: str, arch: str) -> bool:
-    """Whether backend `name` has a config of `role` for `spec` on `arch` (a spec it computes may still have no
-    point that runs there: TileLang's forward packs at least 64 rows a program)."""
-    backend = backends.get(name)
-    try:
-        backend.default_config(get_role(role).kernel_spec(spec, name), role, arch)
-    except KernelgenValueError:
-        return False
-    return True
