@@ -77,6 +77,9 @@ def test_registered_and_the_spec_comes_from_the_config():
     assert kg_hf.layer_spec(tiny_config(kernelgen_top_k=0)) is None
     with pytest.raises(ValueError, match="unknown"):
         kg_hf.layer_spec(tiny_config(kernelgen={"topk": 3}))
+    for selector in ("index", "given"):  # inputs a model's attention never passes: refused where the spec is read
+        with pytest.raises(ValueError, match=f"selector='{selector}'.*'mean' or 'multi:r'"):
+            kg_hf.layer_spec(tiny_config(kernelgen_selector=selector))
     # `kernelgen tune --model config.json` tunes the specs the model is served, defaults included
     from kernelgen.tuning.model import model_specs
 

@@ -44,8 +44,8 @@ module whose last eager call fell back because of its mask (a custom mask) runs 
 as well. A compiled prompt or training step (more than `DECODE_MAX_QUERIES` queries, no keys cached before it)
 given a 4-D mask, which transformers builds while compiling with torch before 2.14, runs in the graph too: each
 row's tokens read from the mask on the device and the mask checked there likewise, its rows moved to start at 0
-and attended in one call (`seqlens`), as an eager padded batch is. One after cached keys, or of the index
-selector, runs outside the graph (a graph break per layer), its mask read on the host.
+and attended in one call (`seqlens`), as an eager padded batch is. One after cached keys runs outside the graph (a
+graph break per layer), its mask read on the host.
 
 **Padded batches.** A batch whose rows are padded (on the left, as generate() pads prompts, or on the right, as
 a training batch is) computes each row over its own tokens, exactly as if it were alone: its blocks are counted
@@ -54,8 +54,7 @@ decode step is one call (`cache_leftpad`, eager or compiled); so is a prompt or 
 left-padded rows moved to start at 0), or, where every row's keys fit in top_k blocks (every block listed: dense
 attention), one SDPA call with the mask (the same attention; its padding positions are SDPA's, read by nothing).
 A prompt chunk after earlier keys whose queries are all tokens (left padding, all of it before the chunk) is one
-call over the cache's rows (`cache_seqlens`, `cache_leftpad`); one that holds padding, or one of the index
-selector, runs a call per row.
+call over the cache's rows (`cache_seqlens`, `cache_leftpad`); one that holds padding runs a call per row.
 
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's
 `"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
@@ -134,7 +133,15 @@ def layer_spec(config, layer_type: str | None = None) -> Spec | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     values = {name: getattr(text, name, None) for name in _READ}
     values.update((name, value) for name, value in vars(text).items() if name.startswith("kernelgen_"))  # typos
-    return _spec(json.dumps(values, sort_keys=True, default=str), layer_type or FULL)
+    spec = _spec(json.dumps(values, sort_keys=True, default=str), layer_type or FULL)
+    if spec is not None and spec.selector in ("index", "given"):  # a model's attention passes neither
+        raise KernelgenValueError(f"selector={spec.selector!r} takes {_SELECTOR_INPUTS[spec.selector]}, which a "
+                                  "transformers model's attention does not pass: the integration selects with "
+                                  "'mean' or 'multi:r'")
+    return spec
+
+
+_SELECTOR_INPUTS = {"index": "index vectors (index=(q_idx, k_idx, w))", "given": "block lists (block_idx=)"}
 
 
 # what a module's spec is read from: the sparse options and the model's shape, as the config holds them
@@ -167,11 +174,9 @@ def _module_spec(module) -> Spec | None:
     # (and how many attributes the config has: one added, a misspelt option say, reads it again)
     module.__dict__["_kernelgen_spec"] = (config, text, (*(copy.deepcopy(state.get(name)) for name in _READ),
                                                          len(state)), spec)
-    # what a compiled step reads instead (plain constants: it cannot run this function): the spec's JSON text,
-    # the blocks of the reps its selector keeps, and whether a padded prompt is one call (not one a row, as the
-    # index selector's is); a compiled model keeps what its last eager call saw
-    module.__dict__["_kernelgen_traced"] = (("", None, False) if spec is None
-                                            else (spec.to_json(), _reps_blocks(spec), spec.selector != "index"))
+    # what a compiled step reads instead (plain constants: it cannot run this function): the spec's JSON text and
+    # the blocks of the reps its selector keeps; a compiled model keeps what its last eager call saw
+    module.__dict__["_kernelgen_traced"] = ("", None) if spec is None else (spec.to_json(), _reps_blocks(spec))
     return spec
 
 
@@ -428,7 +433,7 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
     (`seqlens`, its rows moved to start at position 0), or, where every row's keys fit in top_k blocks (every
     block listed: dense causal attention over the row's tokens), SDPA over the padded batch. So is a chunk after
     earlier keys (of a longer prompt) whose queries are all tokens (`cache_seqlens`, `cache_leftpad`: a prefill
-    over the cache's rows); one that holds padding, or the index selector's, runs a call per row."""
+    over the cache's rows); one that holds padding runs a call per row."""
     batch, n_q = query.shape[0], query.shape[2]
     pads, lens = (x.expand(batch).contiguous() for x in (rows.pads, rows.lens))  # a mask of one row broadcasts
     static = rows.offset + n_q < key.shape[2]  # a preallocated cache, its first offset + n_q keys written
@@ -451,10 +456,10 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
-    if rows.offset == 0 and spec.selector != "index":
+    if rows.offset == 0:
         return _attention_padded_prompt(attn, query, key, value, rows.pads.expand(batch), rows.tokens, scaling,
                                         shifted=max(rows.firsts) > 0)
-    if spec.selector != "index" and whole:
+    if whole:
         # a chunk after earlier keys whose queries are all tokens (left padding, all of it before the chunk): one
         # call over the cache's rows. A chunk that still holds padding runs a call per row: a padding query would
         # see no key, but it would join its Q tile's pooled query, and so choose the row's blocks
@@ -578,13 +583,13 @@ def _in_graph(module, query, key, mask, dropout, kwargs) -> bool:
     if query.shape[2] <= DECODE_MAX_QUERIES:  # a decode step (`cache_seqlens`, `cache_leftpad`)
         return True
     # a prompt or a training batch with no keys before it, in one call (`seqlens`)
-    return traced[2] and key.shape[2] == query.shape[2] and tuple(mask.shape[-2:]) == (query.shape[2],) * 2
+    return key.shape[2] == query.shape[2] and tuple(mask.shape[-2:]) == (query.shape[2],) * 2
 
 
 def _attention_in_graph(module, query, key, value, mask, scaling, dropout):
     """The call as torch.compile traces it: the ops `kernelgen::sparse_attention` (opaque to the compiler,
     replayable in CUDA graphs), with no host read of any tensor."""
-    spec_json, blocks, _ = module._kernelgen_traced
+    spec_json, blocks = module._kernelgen_traced
     n_q, n_k = query.shape[2], key.shape[2]
     if mask is None:
         n_keys = _visible_keys(None, n_q, n_k)  # from shapes alone
