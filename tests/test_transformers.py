@@ -112,7 +112,8 @@ def test_a_misspelt_option_is_refused(models):
 
 
 def test_what_kernelgen_cannot_compute_runs_sdpa_with_a_warning(models):
-    """head_dim 32 (no kernels), dropout and output_attentions: SDPA's result, one warning per reason."""
+    """head_dim 32 (no kernels), dropout, output_attentions, a sliding window and values of another head_dim:
+    SDPA's result, one warning per reason."""
     torch.manual_seed(1)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=64, num_attention_heads=2,
                                       num_key_value_heads=1, num_hidden_layers=1, vocab_size=VOCAB)
@@ -127,13 +128,14 @@ def test_what_kernelgen_cannot_compute_runs_sdpa_with_a_warning(models):
     q = torch.randn(1, 4, 20, 64)
     k = v = torch.randn(1, 2, 20, 64)
     for kwargs, reason in (({"dropout": 0.1}, "dropout"), ({"output_attentions": True}, "output_attentions"),
-                           ({"sliding_window": 8}, "sliding window")):
+                           ({"sliding_window": 8}, "sliding window"), ({"v": torch.randn(1, 2, 20, 128)}, "value")):
+        value = kwargs.pop("v", v)  # MLA-style: values wider than queries and keys
         with pytest.warns(kg_hf.KernelgenFallbackWarning, match=reason):
             torch.manual_seed(2)
-            got = kg_hf.attention_forward(attn, q, k, v, None, scaling=0.125, **kwargs)[0]
+            got = kg_hf.attention_forward(attn, q, k, value, None, scaling=0.125, **kwargs)[0]
         torch.manual_seed(2)
-        want = transformers.integrations.sdpa_attention.sdpa_attention_forward(attn, q, k, v, None, scaling=0.125,
-                                                                              **kwargs)[0]
+        want = transformers.integrations.sdpa_attention.sdpa_attention_forward(attn, q, k, value, None,
+                                                                              scaling=0.125, **kwargs)[0]
         assert torch.equal(got, want)
 
 

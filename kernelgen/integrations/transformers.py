@@ -60,7 +60,8 @@ Layers whose type (`config.layer_types`) is neither "full_attention" nor named u
 `"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
 cannot compute falls back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong result: an
 attention mask that is not causal over each row's tokens (a custom 4-D mask, an additive bias), dropout > 0,
-`output_attentions`, sliding windows, a non-causal module, a head_dim kernelgen has no kernels for, and dtypes
+`output_attentions`, sliding windows, a non-causal module, a head_dim kernelgen has no kernels for (or values of
+another head_dim than the queries'), and dtypes
 its kernels do not take on the device (float32 on a GPU, bfloat16 in the CPU interpreter). A model whose attention
 applies soft-capping or attention sinks, which SDPA does not compute either, is refused (a ValueError) at its
 first attention call, in every layer.
@@ -347,6 +348,15 @@ def _extendable(reps: KeyReps | None, spec: Spec, key: torch.Tensor, padded: boo
 
 # ---- the attention function ------------------------------------------------------------------------------
 
+def _head_dims_unsupported(query, value) -> str | None:
+    """Why kernelgen has no kernels of these head dims (SDPA has), or None."""
+    if query.shape[-1] not in HEAD_DIMS:
+        return f"head_dim={query.shape[-1]} (kernelgen's kernels take {HEAD_DIMS})"
+    if value.shape[-1] != query.shape[-1]:
+        return f"a value head_dim ({value.shape[-1]}) unlike the query's ({query.shape[-1]})"
+    return None
+
+
 def _unsupported(module, query, dropout, kwargs) -> str | None:
     """Why kernelgen cannot compute this call (beyond its mask), or None."""
     if dropout and dropout > 0:
@@ -379,7 +389,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                       "neither kernelgen nor SDPA computes; load it with attn_implementation="
                                       "\"eager\" (or another implementation that applies it)")
     args = (module, query, key, value, attention_mask, scaling, dropout)
-    if torch.compiler.is_compiling() and _in_graph(module, query, key, attention_mask, dropout, kwargs):
+    if torch.compiler.is_compiling() and _in_graph(module, query, key, value, attention_mask, dropout, kwargs):
         return _attention_in_graph(*args)
     return _attention_eager(*args, **kwargs)
 
@@ -389,8 +399,9 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
     """The call as it runs outside torch.compile, where the mask is read on the host (a graph break inside a
     compiled model, where `_in_graph` declines)."""
     args = (module, query, key, value, attention_mask, scaling, dropout)
-    if query.shape[-1] not in HEAD_DIMS:
-        return _fall_back(f"head_dim={query.shape[-1]} (kernelgen's kernels take {HEAD_DIMS})", *args, **kwargs)
+    reason = _head_dims_unsupported(query, value)
+    if reason:
+        return _fall_back(reason, *args, **kwargs)
     spec = _module_spec(module)
     if spec is None:  # not kernelgen's layer: SDPA, as configured
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -566,13 +577,13 @@ def _static_reps(attn, blocks: tuple[int, int] | None, query, key, lens,
 
 # ---- inside torch.compile ----------------------------------------------------------------------------------
 
-def _in_graph(module, query, key, mask, dropout, kwargs) -> bool:
+def _in_graph(module, query, key, value, mask, dropout, kwargs) -> bool:
     """Whether a call being traced by torch.compile can run inside the graph: a layer of kernelgen's, a call it
     computes, and a mask it can read on the device. Every other call runs `_attention_eager` (a graph break:
     correct, slower; or SDPA, as the eager call would)."""
     traced = getattr(module, "_kernelgen_traced", None)  # None before the module's first eager call
-    if query.shape[-1] not in HEAD_DIMS or traced is None or not traced[0] or _unsupported(module, query, dropout,
-                                                                                            kwargs):
+    if (_head_dims_unsupported(query, value) or traced is None or not traced[0]
+            or _unsupported(module, query, dropout, kwargs)):
         return False
     if mask is None:  # purely causal: the keys seen follow from the shapes
         return not isinstance(_visible_keys(None, query.shape[2], key.shape[2]), str)
