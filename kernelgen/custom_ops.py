@@ -186,7 +186,7 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
     returned in place of previous, as the eager call's), which a CUDA graph replays. Pass them to
     `sparse_attention(..., key_reps=)`, which grows reps of per-row lengths to its rows itself."""
     spec_json = _spec_json(spec)
-    k = autocast_qkv(k, k, k)[0]
+    k = autocast_qkv(k, k, k)[0].detach()  # the reps feed the selection, which is not differentiated
     _tensors_or_none(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, block_table=block_table)
     rows = cache_seqlens is not None or block_table is not None
     if previous is not None and not isinstance(previous, KeyReps):
@@ -204,11 +204,18 @@ def key_reps(k: torch.Tensor, spec: Spec | str, cache_seqlens=None, previous: Ke
                                                  block_table=block_table)  # raises
     reps, seqlens, leftpad = _key_reps_op(k, spec_json, cache_seqlens, None if previous is None else previous.reps,
                                           0 if previous is None else previous.n_k, cache_leftpad, block_table)
-    spec = _spec_of(spec_json)
+    blocks = _reps_blocks(spec_json)
     n_k = _capacity(k, block_table)
     if not rows:
-        return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups)
-    return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups, seqlens, leftpad)
+        return KeyReps._made_by_key_reps(reps, n_k, *blocks)
+    return KeyReps._made_by_key_reps(reps, n_k, *blocks, seqlens, leftpad)
+
+
+@torch.compiler.assume_constant_result
+def _reps_blocks(spec_json: str) -> tuple[int, int]:
+    # (kv_block, groups) of the spec's reps, outside the traced graph: dynamo does not trace json.loads
+    spec = _spec_of(spec_json)
+    return spec.kv_block, spec.groups
 
 
 _SPEC_FIELDS = tuple(field.name for field in dataclasses.fields(Spec))
@@ -266,7 +273,9 @@ def _tensors_or_none(**arguments) -> None:
 def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> torch.Tensor:
     """`get_kernel(spec).select(q, k, index=...)` as a custom op."""
     q, k, _ = autocast_qkv(q, k, k)
-    return _select_op(q, k, _spec_json(spec), *_index_args(index))
+    # the selection is not differentiated (as NSA's and DSA's are not): a traced backward stops at its inputs
+    detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in (q, k, *_index_args(index))]
+    return _select_op(*detached[:2], _spec_json(spec), *detached[2:])
 
 
 def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, index=None,
@@ -293,9 +302,12 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
         # functional, as autograd needs, so the growth is an op of its own)
         _grow_key_reps_op(k, spec_json, cache_seqlens, *reps[:2], reps[3], cache_leftpad, block_table)
     if scale is not None and not torch.compiler.is_compiling():
-        # as the eager call checks it: float() would read a tensor and drop its gradient (dynamo, which traces a
-        # NumPy scalar as a tensor, refuses float() of a real one itself)
+        # as the eager call checks it: float() would read a tensor and drop its gradient
         check_scale(scale)
+    elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        # dynamo traces a NumPy scalar as a tensor, whose value the op's float argument cannot take
+        raise KernelgenTypeError(f"scale must be a Python float under torch.compile, got {type(scale).__name__} (a "
+                                 "NumPy scalar is traced as a tensor): pass float(scale)")
     o, lse, _ = _attn_op(q, k, v, block_idx, spec_json, None if scale is None else float(scale),
                          *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3], seqlens, block_table)
     if seqlens is not None:  # the padding's o and lse, cleared outside the op: no gradient reaches them

@@ -97,7 +97,8 @@ class SparseAttention:
 
     q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = spec.gqa_group * Hkv; fp16/bf16 (fp32 in the interpreter).
     With inputs that require grad (and grad enabled), o backpropagates: dq, dk, dv for the lists the forward
-    used, deterministic run to run.
+    used, deterministic run to run. Under torch.compile the call, select() and key_reps() run
+    `kernelgen.custom_ops` (traced whole, forward and backward).
     `validate_lists=True` makes repeated ids in given lists an error (costs a device sync per call).
     """
 
@@ -236,6 +237,14 @@ class SparseAttention:
                seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
         if not self.spec.selects:
             raise KernelgenValueError("spec.selector='given' has no selector: pass block_idx to the call")
+        if torch.compiler.is_compiling():
+            rows = dict(key_reps=key_reps, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens,
+                        block_table=block_table)
+            if any(value is not None for value in rows.values()):
+                raise KernelgenValueError(f"under torch.compile, select() takes q, k and index= (the op "
+                                          f"kernelgen::select_blocks); {[n for n, x in rows.items() if x is not None]} "
+                                          f"too only eagerly: a call with them selects and attends in one op")
+            return self._traced().select_blocks(q, k, self.spec, index=index)
         q, k, _ = autocast_qkv(q, k, k)
         shapes = self._check_shapes(q, k, k, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
@@ -345,6 +354,9 @@ class SparseAttention:
         from there; reps grown to another left padding than they hold are pooled again, on the device.
         `block_table` (int32 [B, pages a row]): k is a paged cache (`inputs.PAGED_LAYOUT`), its reps those of
         the rows its pages hold, per row as with cache_seqlens (each row's capacity without it)."""
+        if torch.compiler.is_compiling():
+            return self._traced().key_reps(k, self.spec, cache_seqlens=cache_seqlens, previous=previous,
+                                           cache_leftpad=cache_leftpad, block_table=block_table)
         if self.spec.selection_role not in ("select", "kv_select"):
             raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
                                       f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
@@ -487,6 +499,11 @@ class SparseAttention:
                  cache_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None):
         check_return_lse(return_lse)
+        if torch.compiler.is_compiling():  # dynamo cannot trace this dispatcher (its caches, its host reads)
+            o, lse = self._traced().sparse_attention(
+                q, k, v, self.spec, block_idx=block_idx, scale=scale, index=index, cache_seqlens=cache_seqlens,
+                key_reps=key_reps, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table)
+            return (o, lse) if return_lse else o
         q, k, v = autocast_qkv(q, k, v)
         shapes = self._start_call(q, k, v, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
@@ -501,6 +518,18 @@ class SparseAttention:
         if isinstance(rows, TokenRows):
             o, lse = clear_padding(o, lse, rows.seqlens)
         return (o, lse) if return_lse else o
+
+    def _traced(self):
+        """kernelgen.custom_ops, which a call being compiled runs instead: get_kernel(spec)'s kernels as ops that
+        torch.compile traces (fullgraph, forward and backward). They serve the spec's tuned configs: pinned ones
+        are refused there."""
+        if self._fixed:
+            raise KernelgenValueError(f"under torch.compile a call runs kernelgen.custom_ops, which serve "
+                                      f"{self.spec}'s tuned configs, not pinned ones ({sorted(self._fixed)}): call "
+                                      "this kernel outside the compiled region (torch.compiler.disable)")
+        from . import custom_ops  # it imports this module
+
+        return custom_ops
 
     def _start_call(self, q, k, v, block_table=None) -> Shapes:
         """What every call does first: check the inputs, and take up winners a background tune stored."""

@@ -61,6 +61,38 @@ def test_compiles_without_graph_breaks(device):
     assert torch.equal(o, eo * 2) and torch.equal(lse, else_)
 
 
+def test_the_eager_api_under_compile_runs_the_ops(device):
+    """get_kernel(spec)'s call, select() and key_reps() inside torch.compile run the ops (fullgraph, forward and
+    backward), as a FlexAttention user writes a model; a kernel with pinned configs, which the ops do not serve,
+    is refused by name, and so is a NumPy scale (traced as a tensor): eagerly both run."""
+    import numpy as np
+
+    attn = kernelgen.get_kernel(SPEC)
+
+    def layer(q, k, v):
+        o, lse = attn(q, k, v, return_lse=True, scale=0.1)
+        return o * 2, lse, attn.select(q, k), attn.key_reps(k).reps
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    q, k, v = (x.detach().requires_grad_() for x in inputs(device))
+    o, lse, lists, reps = compiled(q, k, v)
+    o.backward(torch.ones_like(o))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    eo, else_ = attn(*leaves, return_lse=True, scale=0.1)
+    (eo * 2).backward(torch.ones_like(eo))
+    assert torch.equal(o, eo * 2) and torch.equal(lse, else_)
+    assert torch.equal(lists, attn.select(q, k)) and torch.equal(reps, attn.key_reps(k).reps)
+    for got, want in zip((q, k, v), leaves):
+        assert torch.equal(got.grad, want.grad)
+    q, k, v = inputs(device)
+    pinned = kernelgen.get_kernel(SPEC, configs={"attn": attn.config("attn", q.shape[2], k.shape[2], q.dtype, q.device)})
+    with pytest.raises(Exception, match="pinned"):
+        torch.compile(lambda q, k, v: pinned(q, k, v), fullgraph=True, backend="eager")(q, k, v)
+    with pytest.raises(Exception, match="scale must be a Python float under torch.compile"):
+        torch.compile(lambda q, k, v: attn(q, k, v, scale=np.float32(0.1)), fullgraph=True, backend="eager")(q, k, v)
+    assert torch.equal(pinned(q, k, v), attn(q, k, v)) and attn(q, k, v, scale=np.float32(0.5)).isfinite().all()
+
+
 def test_compiles_with_dynamic_lengths_and_backpropagates(device):
     """torch.compile(dynamic=True), as a model sees prompts of many lengths: one graph, forward and backward
     (aot_eager traces the backward too), bit-equal to the eager calls at each length."""
