@@ -85,7 +85,8 @@ def test_the_eager_api_under_compile_runs_the_ops(device):
     for got, want in zip((q, k, v), leaves):
         assert torch.equal(got.grad, want.grad)
     q, k, v = inputs(device)
-    pinned = kernelgen.get_kernel(SPEC, configs={"attn": attn.config("attn", q.shape[2], k.shape[2], q.dtype, q.device)})
+    config = attn.config("attn", q.shape[2], k.shape[2], q.dtype, q.device)
+    pinned = kernelgen.get_kernel(SPEC, configs={"attn": config})
     with pytest.raises(Exception, match="pinned"):
         torch.compile(lambda q, k, v: pinned(q, k, v), fullgraph=True, backend="eager")(q, k, v)
     with pytest.raises(Exception, match="scale must be a Python float under torch.compile"):
