@@ -424,3 +424,43 @@ def test_a_db_with_only_the_columns_kernelgen_reads_takes_new_rows(tmp_path):
         upsert(db, median_ms=2.0)
         upsert(db, median_ms=1.0)
         assert lookup(db)["median_ms"] == 1.0 and lookup(db)["tflops"] is not None
+
+
+# ---------------------------------------------------------------------------------------------------
+# A DB another process keeps locked
+
+
+@contextlib.contextmanager
+def _held(path, *, exclusively):
+    """Another connection holds `path`'s write lock for the duration; `exclusively`, in SQLite's exclusive
+    locking mode, so that readers wait too (it can be taken only while no other connection is open)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    if exclusively:
+        conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+    conn.execute("BEGIN EXCLUSIVE")
+    conn.execute("SELECT count(*) FROM winners").fetchone()
+    try:
+        yield
+    finally:
+        conn.execute("ROLLBACK")
+        conn.close()
+
+
+def test_a_db_locked_past_the_wait_is_one_error_naming_the_file(tmp_path, monkeypatch):
+    """A lock held longer than the retries wait is a KernelgenRuntimeError naming the file (one CLI line), when
+    opening or writing: never a bare sqlite3 error."""
+    from kernelgen.tuning import db as db_module
+
+    monkeypatch.setattr(db_module, "BUSY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(db_module, "LOCKED_RETRY_DEADLINE_S", 0.2)
+    path = tmp_path / "tuning.db"
+    with TuningDB(path) as tuned:
+        upsert(tuned)
+    with _held(path, exclusively=True), pytest.raises(KernelgenRuntimeError, match="is locked") as opening:
+        TuningDB(path)
+    with TuningDB(path) as opened:
+        with _held(path, exclusively=False), pytest.raises(KernelgenRuntimeError, match="is locked") as writing:
+            upsert(opened, median_ms=0.5)
+        assert lookup(opened)["median_ms"] == 1.0  # the lock gone, the DB is as it was
+    for error in (opening, writing):
+        assert str(path) in str(error.value) and "\n" not in str(error.value)

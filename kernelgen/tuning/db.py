@@ -349,13 +349,18 @@ class TuningDB:
     Where the file or its directory cannot be written (a read-only cache), the DB is opened read-only, or is
     empty when the file does not exist or holds another program's table: lookups and `rows` work (or miss),
     and `upsert` and `clear` raise a KernelgenRuntimeError naming the path (`read_only` says why;
-    `check_writable` asks up front).
+    `check_writable` asks up front). A lock another process holds past the retries' deadline (a SQLite shell's
+    open transaction, say) is a KernelgenRuntimeError naming the file.
     """
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path is not None else default_user_db_path()
         self._lock = threading.RLock()
         self.read_only: str | None = None  # why writes are refused; None: the DB is writable
+        with self._locked_is_an_error():
+            self._open()
+
+    def _open(self) -> None:
         if self.path.exists() and not os.access(self.path, os.W_OK):  # root too, on a read-only mount or inode
             self._open_for_reading("the file is not writable")
             return
@@ -579,10 +584,22 @@ class TuningDB:
                 self._conn.execute("ROLLBACK")
             raise
 
+    @contextlib.contextmanager
+    def _locked_is_an_error(self) -> Iterator[None]:
+        """A lock still held after the retries' deadline: a KernelgenRuntimeError naming the file."""
+        try:
+            yield
+        except sqlite3.OperationalError as error:
+            if not _is_locked(error):
+                raise
+            raise KernelgenRuntimeError(
+                f"the tuning database {self.path} is locked by another process ({_one_line(error)}, still after "
+                f"{LOCKED_RETRY_DEADLINE_S:g} s); try again once it ends") from None
+
     def _run(self, operation: Callable[[], _T]) -> _T:
         """Run one DB operation: retried while locked; on a file corrupted since we opened it,
         recovered once and run again on the empty DB."""
-        with self._lock:
+        with self._lock, self._locked_is_an_error():
             try:
                 return _retry_while_locked(operation)
             except sqlite3.DatabaseError as error:
