@@ -464,3 +464,33 @@ def test_a_db_locked_past_the_wait_is_one_error_naming_the_file(tmp_path, monkey
         assert lookup(opened)["median_ms"] == 1.0  # the lock gone, the DB is as it was
     for error in (opening, writing):
         assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_winners_table_keyed_otherwise_is_never_served_nor_written(tmp_path):
+    """A winners table whose primary key is not kernelgen's (a later layout with one more key column): its rows
+    are ambiguous under kernelgen's key, so the user DB is empty and read-only, the bundled DB is skipped, and
+    the file is left as it was."""
+    import json
+
+    import sqlite_utils
+
+    from kernelgen.tuning.db import KEY_COLUMNS, SCHEMA, UnreadableDatabase, rows_of_file
+
+    path = tmp_path / "tuning.db"
+    with contextlib.closing(sqlite_utils.Database(path)) as made:
+        made["winners"].create({**SCHEMA, "variant": str}, pk=(*KEY_COLUMNS, "variant"))
+        for variant, ms in (("a", 1.0), ("b", 0.5)):
+            made["winners"].insert({**KEY, "bucket": 2048, "config": json.dumps({"variant": variant}),
+                                    "median_ms": ms, "n_trials": 4, "timestamp": "t", **FP.as_columns(),
+                                    "variant": variant})
+    before = path.read_bytes()
+    with TuningDB(path) as db:
+        assert db.read_only is not None and "primary key" in db.read_only
+        assert lookup(db) is None
+        with pytest.raises(KernelgenRuntimeError, match="cannot be written"):
+            upsert(db, median_ms=0.1)
+    with TuningDB(tmp_path / "user.db") as user:
+        assert Winners(user, bundled_path=path).lookup(**KEY, bucket=2048, fingerprint=FP) is None
+    with pytest.raises(UnreadableDatabase, match="primary key"):
+        rows_of_file(path)
+    assert path.read_bytes() == before

@@ -725,6 +725,10 @@ def _check_schema(db: sqlite_utils.Database) -> None:
     missing = [name for name in REQUIRED_COLUMNS if name not in db.table(TABLE).columns_dict]
     if missing:
         raise _ForeignSchema(f"its {TABLE!r} table lacks the columns {missing}: not a kernelgen tuning DB")
+    # Another key (a layout with more key columns) makes kernelgen's lookups ambiguous and its upserts fail.
+    pks = db.table(TABLE).pks
+    if set(pks) != set(KEY_COLUMNS):
+        raise _ForeignSchema(f"its {TABLE!r} table's primary key is {pks}, not {list(KEY_COLUMNS)}: another layout")
 
 
 def _open_read_only(path: Path, what: str = "bundled tuning database") -> sqlite_utils.Database | None:
