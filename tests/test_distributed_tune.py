@@ -248,3 +248,17 @@ def test_a_storage_that_cannot_be_opened_is_named(tmp_path):
     for url in (f"journal://{tmp_path / 'file' / 'study.log'}", f"sqlite:///{tmp_path / 'file' / 'optuna.db'}"):
         with pytest.raises(KernelgenRuntimeError, match=f"storage {url} cannot be opened"):
             open_storage(parse_storage(url))
+
+
+def test_a_storage_of_another_optuna_schema_is_named(tmp_path):
+    """An SQLite storage whose tables another Optuna version set up: one error naming the storage (Optuna's own is
+    a bare RuntimeError, a traceback from `kernelgen tune`)."""
+    import sqlite3
+
+    path = tmp_path / "optuna.db"
+    open_storage(parse_storage(path)).engine.dispose()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = 'v99.0.0'")
+    conn.close()
+    with pytest.raises(KernelgenRuntimeError, match=f"storage sqlite:///{path} cannot be opened: .*optuna"):
+        open_storage(parse_storage(path))

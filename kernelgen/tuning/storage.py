@@ -124,6 +124,7 @@ def open_storage(storage: StorageURL):
                                               heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
     except ImportError as error:  # the database's driver (psycopg2, say) is not installed
         raise KernelgenValueError(f"storage {storage.url}: {error}; install the database's Python driver") from None
-    except SQLAlchemyError as error:  # no server there, refused credentials, ...
+    except (SQLAlchemyError, RuntimeError) as error:  # no server there, refused credentials, ...; RuntimeError:
+        # tables another Optuna version set up (`optuna storage upgrade` migrates them)
         raise KernelgenRuntimeError(f"storage {storage.url} cannot be opened: {' '.join(str(error).split())[:300]}") \
             from None
