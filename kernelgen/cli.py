@@ -458,7 +458,8 @@ def db_bundle(files: List[Path] = typer.Argument(..., help="DB files whose winne
                                                          "user DB)."),
               into: Optional[Path] = typer.Option(None, help="The bundled DB file (default: tuning_db/winners.db).")):
     """Merge tuned winners into the bundled DB that ships with kernelgen (maintainers): a merged row replaces
-    the bundled row of the same key; every other row is kept."""
+    the bundled row of the same key; every other row is kept. Rows of one key in several FILES merge as the
+    user DB keeps them: of one fingerprint the faster, else the later measured."""
     from .tuning.db import BUNDLED_DB_PATH, merge_into_bundled
 
     for file in files:

@@ -494,3 +494,25 @@ def test_a_winners_table_keyed_otherwise_is_never_served_nor_written(tmp_path):
     with pytest.raises(UnreadableDatabase, match="primary key"):
         rows_of_file(path)
     assert path.read_bytes() == before
+
+
+def test_bundle_merges_conflicting_rows_of_the_given_files_as_upsert_keeps_them(tmp_path):
+    """Two machines' DBs with a row of the same key: whatever the order the files are given in, of one fingerprint
+    the faster is kept, of two the later measured (as one DB keeps them); a merged row replaces the bundled one."""
+    from kernelgen.tuning.db import merge_into_bundled, read_only_rows
+
+    stale = Fingerprint(**{**FP.as_columns(), "template_hash": "t-old"})
+    files = {}
+    for name, ms, fingerprint, stamp in (("fast", 1.0, FP, "2026-01-02"), ("slow", 2.0, FP, "2026-01-03"),
+                                         ("old", 0.5, stale, "2026-01-01"), ("new", 3.0, FP, "2026-01-04")):
+        files[name] = write_bundled_db(tmp_path / f"{name}.db", [
+            _row({"from": name}, median_ms=ms, timestamp=f"{stamp}T00:00:00+00:00", **fingerprint.as_columns())])
+    bundled = write_bundled_db(tmp_path / "winners.db", [_row({"from": "bundled"}, median_ms=0.1),
+                                                         _row({"from": "bundled"}, bucket=4096)])
+    for pair, kept in ((("fast", "slow"), "fast"), (("old", "new"), "new")):
+        for order in (pair, pair[::-1]):
+            target = tmp_path / f"into-{'-'.join(order)}.db"
+            write_bundled_db(target, read_only_rows(bundled))
+            merge_into_bundled([files[name] for name in order], target)
+            rows = {row["bucket"]: row["config"]["from"] for row in read_only_rows(target)}
+            assert rows == {2048: kept, 4096: "bundled"}, order

@@ -822,14 +822,33 @@ def write_bundled_db(path: str | Path, rows: Iterable[dict] = ()) -> Path:
     return path
 
 
+def _kept(old: dict, new: dict) -> dict:
+    """Of two rows of one key, the one `TuningDB.upsert` keeps had both been written in the order measured: of
+    one fingerprint the faster, of two the later measured (an earlier one's stack is gone)."""
+    if Fingerprint.from_row(old) == Fingerprint.from_row(new):
+        return new if new["median_ms"] < old["median_ms"] else old
+    return new if new["timestamp"] > old["timestamp"] else old
+
+
 def merge_into_bundled(paths: Iterable[str | Path], bundled: str | Path = BUNDLED_DB_PATH) -> list[dict]:
-    """Merge the winners of other DB files (a GPU machine's user DB) into the bundled DB file: a row of
-    theirs replaces the bundled row of the same key, every other bundled row is kept. Returns the rows."""
+    """Merge the winners of other DB files (GPU machines' user DBs) into the bundled DB file: a row of theirs
+    replaces the bundled row of the same key, every other bundled row is kept. Rows of one key in several of
+    `paths` merge as one DB keeps them (`_kept`), whatever their order. Returns the rows."""
     bundled = Path(bundled)
     # read-only, and strictly: a file that is not a tuning DB is an error, never merged as empty or overwritten
     rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in (rows_of_file(bundled) if bundled.exists() else [])}
+    merged: dict[tuple, dict] = {}
+    dropped = 0
     for path in paths:
         for row in rows_of_file(path):
-            rows[tuple(row[c] for c in KEY_COLUMNS)] = row
+            key = tuple(row[c] for c in KEY_COLUMNS)
+            if key in merged:
+                dropped += 1
+                row = _kept(merged[key], row)
+            merged[key] = row
+    if dropped:
+        logger.info("%d merged rows had a faster or later measured row of the same key in another file; "
+                    "that one is kept", dropped)
+    rows.update(merged)
     write_bundled_db(bundled, rows.values())
     return list(rows.values())
