@@ -262,3 +262,25 @@ def test_a_storage_of_another_optuna_schema_is_named(tmp_path):
     conn.close()
     with pytest.raises(KernelgenRuntimeError, match=f"storage sqlite:///{path} cannot be opened: .*optuna"):
         open_storage(parse_storage(path))
+
+
+def test_a_journal_cut_off_mid_append_keeps_its_studies(tmp_path):
+    """A tuner killed while appending leaves a last line without its newline. The next tune's first append would
+    join it and make the journal unreadable (every study in it); instead the torn line is cut off when the
+    storage opens, and the complete trials stay."""
+    path = tmp_path / "study.log"
+    url = parse_storage(f"journal://{path}")
+    optuna.create_study(study_name="s", storage=open_storage(url)).optimize(
+        lambda trial: trial.suggest_int("x", 0, 9), n_trials=3)
+    whole = path.read_bytes()
+    with open(path, "ab") as journal:
+        journal.write(b'{"op_code":5,"worker_id":"gone","trial_id":3,"sta')
+    study = optuna.load_study(study_name="s", storage=open_storage(url))
+    study.optimize(lambda trial: trial.suggest_int("x", 0, 9), n_trials=2)
+    assert path.read_bytes().startswith(whole)
+    study = optuna.load_study(study_name="s", storage=open_storage(url))
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 5
+    text = tmp_path / "notes.txt"  # not a journal: left as it is, whatever its last line
+    text.write_text("not a journal")
+    open_storage(parse_storage(f"journal://{text}"))
+    assert text.read_text() == "not a journal"

@@ -8,11 +8,14 @@
     /path/optuna.db                       a plain path: an SQLite file
 
 `parse_storage` checks a URL without opening anything (the CLI validates `--storage` with it);
-`open_storage` opens it. Without a storage, a single-worker tune keeps its studies in
-`cache_dir()/optuna.db` and a tune of several workers in the journal `cache_dir()/optuna-journal.log`.
+`open_storage` opens it (a journal's last line cut off mid-append by a killed tuner is cut off first).
+Without a storage, a single-worker tune keeps its studies in `cache_dir()/optuna.db` and a tune of several
+workers in the journal `cache_dir()/optuna-journal.log`.
 """
 from __future__ import annotations
 
+import logging
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from ..errors import KernelgenRuntimeError, KernelgenValueError
 __all__ = ["StorageURL", "parse_storage", "open_storage", "default_storage", "HEARTBEAT_S", "GRACE_S"]
 
 HEARTBEAT_S, GRACE_S = 30, 120  # RDB storages: a RUNNING trial whose tuner stopped beating for GRACE_S is stale
+log = logging.getLogger("kernelgen")
 RDB_BACKENDS = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 _EXPECTED = ("expected sqlite:///PATH, postgresql://USER@HOST/DB (or another SQLAlchemy URL), "
@@ -98,6 +102,43 @@ def default_storage(workers: int) -> StorageURL:
     return parse_storage(f"journal://{path}" if workers > 1 else path)
 
 
+def _cut_torn_tail(path: Path) -> None:
+    """Cut off a journal's last line when it lacks its newline: an append cut short (a tuner killed while
+    writing, a full disk). Optuna skips such a line, but its next append would join it and make that line, and
+    so every later one, unreadable. Under Optuna's own append lock no append is in flight, so the line is torn."""
+    from optuna.storages.journal import JournalFileSymlinkLock  # JournalFileBackend's default lock
+
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:
+        with open(path, "rb+") as journal:
+            size = journal.seek(0, os.SEEK_END)
+            journal.seek(size - 1)
+            if journal.read(1) == b"\n":
+                return
+            journal.seek(0)
+            if not journal.read(11) == b'{"op_code":':  # not a journal: left as it is
+                return
+            keep = size
+            while keep > 0:  # back to the last newline, a block at a time: a journal may be large
+                start = max(0, keep - 65536)
+                journal.seek(start)
+                block = journal.read(keep - start)
+                newline = block.rfind(b"\n")
+                if newline >= 0:
+                    keep = start + newline + 1
+                    break
+                keep = start
+            journal.truncate(keep)
+            os.fsync(journal.fileno())
+    finally:
+        lock.release()
+    log.warning("storage journal://%s ended in a line cut off mid-append (%d bytes, a tuner killed while writing); "
+                "cut it off", path, size - keep)
+
+
 def open_storage(storage: StorageURL):
     """The Optuna storage object of a checked URL (its file's directory made when missing)."""
     import optuna
@@ -108,6 +149,7 @@ def open_storage(storage: StorageURL):
     try:
         if storage.kind == "journal":
             storage.journal_path.parent.mkdir(parents=True, exist_ok=True)
+            _cut_torn_tail(storage.journal_path)
             return optuna.storages.JournalStorage(JournalFileBackend(str(storage.journal_path)))
         if sqlite:
             Path(storage.url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
