@@ -516,3 +516,22 @@ def test_bundle_merges_conflicting_rows_of_the_given_files_as_upsert_keeps_them(
             merge_into_bundled([files[name] for name in order], target)
             rows = {row["bucket"]: row["config"]["from"] for row in read_only_rows(target)}
             assert rows == {2048: kept, 4096: "bundled"}, order
+
+
+def test_a_user_db_locked_when_dispatch_opens_it_still_serves_the_bundled_winners(isolated_cache_dir, monkeypatch,
+                                                                                   caplog):
+    """Dispatch's Winners() over a user DB another process keeps locked: one warning, and the bundled winners are
+    served without it (not the defaults, after a wait per lookup)."""
+    from kernelgen.tuning import db as db_module
+
+    monkeypatch.setattr(db_module, "BUSY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(db_module, "LOCKED_RETRY_DEADLINE_S", 0.2)
+    with TuningDB() as tuned:
+        upsert(tuned, median_ms=1.0)
+    bundled = write_bundled_db(isolated_cache_dir.parent / "winners.db", [_row({"BLOCK_M": 128}, median_ms=2.0)])
+    with _held(isolated_cache_dir / "tuning.db", exclusively=True), caplog.at_level(logging.WARNING, "kernelgen"):
+        winners = Winners(bundled_path=bundled)
+        row = winners.lookup(**KEY, bucket=2048, fingerprint=FP)
+    assert row["source"] == "bundled" and row["config"] == {"BLOCK_M": 128}
+    assert [r.getMessage() for r in caplog.records if "is locked" in r.getMessage()] != []
+    winners.user.close()

@@ -510,11 +510,20 @@ class TuningDB:
         return sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                check_same_thread=False)
 
-    def _open_for_reading(self, reason: str) -> None:
+    @classmethod
+    def without_file(cls, path: str | Path | None, reason: str) -> TuningDB:
+        """An empty, read-only stand-in for the DB at `path`, which cannot be opened for `reason`: lookups miss."""
+        db = cls.__new__(cls)
+        db.path = Path(path) if path is not None else default_user_db_path()
+        db._lock = threading.RLock()
+        db._open_for_reading(reason, read_file=False)
+        return db
+
+    def _open_for_reading(self, reason: str, read_file: bool = True) -> None:
         """Open the file read-only, as it cannot be written (or holds another program's table) for `reason`; an
         empty in-memory DB when the file does not exist or cannot be read as a tuning DB (lookups miss)."""
         self.read_only = reason
-        db = _open_read_only(self.path, what="user tuning database") if self.path.is_file() else None
+        db = _open_read_only(self.path, what="user tuning database") if read_file and self.path.is_file() else None
         if db is None:
             logger.debug("user tuning database %s cannot be created (%s); it holds no winners", self.path,
                          self.read_only)
@@ -740,6 +749,16 @@ def _open_read_only(path: Path, what: str = "bundled tuning database") -> sqlite
         return None
 
 
+def _user_db_for_lookups() -> TuningDB:
+    """The user DB; where another process keeps it locked past the wait, an empty stand-in, so that dispatch
+    serves the bundled winners rather than waiting again at every lookup."""
+    try:
+        return TuningDB()
+    except KernelgenRuntimeError as error:
+        logger.warning("%s; this process looks up the bundled winners without it", error)
+        return TuningDB.without_file(None, _one_line(error))
+
+
 class Winners:
     """Tuned configs from the user DB first, then from the bundled read-only DB.
 
@@ -747,7 +766,7 @@ class Winners:
     """
 
     def __init__(self, user: TuningDB | None = None, bundled_path: str | Path = BUNDLED_DB_PATH):
-        self.user = user if user is not None else TuningDB()
+        self.user = user if user is not None else _user_db_for_lookups()
         self.bundled_path = Path(bundled_path)
         self._bundled = _open_read_only(self.bundled_path)
         self._lock = threading.Lock()  # the bundled connection is shared between threads
