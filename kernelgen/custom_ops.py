@@ -28,7 +28,7 @@ import torch
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity, check_scale,
-                     refuse_grad_with_seqlens)
+                     describe_index, refuse_grad_with_seqlens)
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -259,7 +259,7 @@ def _index_args(index) -> tuple:
         return None, None, None
     if isinstance(index, (tuple, list)) and len(index) == 3:
         return tuple(index)
-    raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {type(index).__name__}; {INDEX_LAYOUT}")
+    raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {describe_index(index)}; {INDEX_LAYOUT}")
 
 
 def _tensors_or_none(**arguments) -> None:

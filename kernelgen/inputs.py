@@ -23,7 +23,7 @@ __all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps",
            "check_reps_fit_capacity", "CacheRows", "check_cache_rows", "check_paged_kv",
            "check_pages",
            "refuse_grad_with_seqlens", "check_keys", "check_qkv",
-           "check_block_idx", "check_block_lists", "check_index", "check_length", "check_return_lse",
+           "check_block_idx", "check_block_lists", "describe_index", "check_index", "check_length", "check_return_lse",
            "softmax_scale", "empty", "next_pow2", "cdiv", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS",
            "INDEX_LAYOUT"]
 
@@ -537,6 +537,13 @@ def lists_layout(spec: Spec) -> str:
     return "[B, Hkv, Nq, top_k]" if spec.per_query else "[B, Hkv, n_q_tiles, top_k]"
 
 
+def describe_index(index) -> str:
+    """What `index=` was, for an error: a tuple's or list's length too, since a pair is still a tuple."""
+    if isinstance(index, (tuple, list)):
+        return f"a {type(index).__name__} of {len(index)}"
+    return type(index).__name__
+
+
 def check_index(index, spec: Spec, shapes: Shapes, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The index selector's (q_idx, k_idx, w), checked against the call's shapes and device (INDEX_LAYOUT);
     Hi comes from q_idx's heads. q_idx and k_idx share a dtype: float16, bfloat16, float32, or float8_e4m3fn on
@@ -545,7 +552,7 @@ def check_index(index, spec: Spec, shapes: Shapes, device) -> tuple[torch.Tensor
         raise KernelgenValueError(f"index= is the input of the 'index' selector; spec.selector={spec.selector!r} "
                                   "takes none (use Spec(selector='index'))")
     if not isinstance(index, (tuple, list)) or len(index) != 3:
-        raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {type(index).__name__}; {INDEX_LAYOUT}")
+        raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {describe_index(index)}; {INDEX_LAYOUT}")
     q_idx, k_idx, w = index
     for name, t, dims in (("q_idx", q_idx, 4), ("k_idx", k_idx, 4), ("w", w, 3)):
         if not isinstance(t, torch.Tensor):

@@ -130,7 +130,8 @@ def test_bad_index_inputs(device, schedule):
     q, k, v, (qi, ki, w) = make(spec, 1, 2, 64, 64, device, index_heads=2, index_dim=32)
     attn = kernelgen.get_kernel(spec)
     bad = [
-        ((qi, ki), KernelgenTypeError, "tuple"),
+        ((qi, ki), KernelgenTypeError, "got a tuple of 2"),  # a pair is a tuple too: say how many
+        ([qi, ki, w, w], KernelgenTypeError, "got a list of 4"),
         ((qi.numpy() if device == "cpu" else None, ki, w), KernelgenTypeError, "q_idx must be a torch.Tensor"),
         ((qi[0], ki, w), KernelgenValueError, "q_idx must be 4-D"),
         ((qi, ki.half(), w), KernelgenTypeError, "k_idx.dtype"),
@@ -192,6 +193,8 @@ def test_custom_ops(device):
     spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2, selector="index", local=1)
     q, k, v, index = make(spec, 1, 2, 70, 90, device, index_heads=2, index_dim=32, shared=True)
     attn = kernelgen.get_kernel(spec)
+    with pytest.raises(KernelgenTypeError, match="got a tuple of 2"):
+        sparse_attention(q, k, v, spec, index=index[:2])
     assert torch.equal(select_blocks(q, k, spec, index=index), attn.select(q, k, index=index))
     o, lse = sparse_attention(q, k, v, spec, index=index)
     eo, else_ = attn(q, k, v, index=index, return_lse=True)
