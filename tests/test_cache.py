@@ -66,3 +66,16 @@ def test_kernels_go_to_the_cache_dir_when_it_can_be_written(tmp_path, monkeypatc
     assert cache_dir() == tmp_path / "cache" and not cache_dir().exists()  # cache_dir() creates nothing
     assert kernels_dir() == tmp_path / "cache" / "kernels" and unwritable(kernels_dir()) is None
     assert list(kernels_dir().iterdir()) == []  # the write probe leaves nothing behind
+
+
+def test_a_cache_dir_given_with_a_tilde_is_the_home_s(tmp_path, monkeypatch):
+    """KERNELGEN_CACHE_DIR='~/kg' (quoted in a shell, a Dockerfile's ENV) is under $HOME, not a './~' directory."""
+    from kernelgen.tuning.db import default_user_db_path
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", "~/kg")
+    monkeypatch.chdir(tmp_path)
+    assert cache_dir() == tmp_path / "home" / "kg"
+    assert kernels_dir() == tmp_path / "home" / "kg" / "kernels"
+    assert default_user_db_path() == tmp_path / "home" / "kg" / "tuning.db"
+    assert not (tmp_path / "~").exists()

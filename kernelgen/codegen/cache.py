@@ -30,7 +30,8 @@ def cache_dir() -> Path:
     """`$KERNELGEN_CACHE_DIR`, else the platform's user cache dir for kernelgen (not created here: it may
     be read-only, see `unwritable`)."""
     if os.environ.get("KERNELGEN_CACHE_DIR"):
-        return Path(os.environ["KERNELGEN_CACHE_DIR"])
+        # ~ expanded: a value quoted in a shell, or set by a Dockerfile's ENV, reaches us unexpanded
+        return Path(os.environ["KERNELGEN_CACHE_DIR"]).expanduser()
     import platformdirs  # here: an exported module embeds this file and replaces cache_dir
 
     return Path(platformdirs.user_cache_dir("kernelgen"))

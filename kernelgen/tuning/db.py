@@ -131,7 +131,7 @@ BUNDLED_DB_PATH: Path = _find_bundled_db()
 def default_user_db_path() -> Path:
     """`$KERNELGEN_CACHE_DIR/tuning.db` when that variable is set, else the platform's user cache dir."""
     cache_dir = os.environ.get("KERNELGEN_CACHE_DIR") or platformdirs.user_cache_dir("kernelgen")
-    return Path(cache_dir) / "tuning.db"
+    return Path(cache_dir).expanduser() / "tuning.db"  # ~ expanded, as codegen.cache.cache_dir does
 
 
 # ---------------------------------------------------------------------------------------------------
