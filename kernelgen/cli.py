@@ -495,6 +495,8 @@ def export(
     from . import backends as registry
     from .export import export_module, tuned_configs
 
+    if out.suffix != ".py" or out.is_dir():  # before any lookup; export_module's own check names out_path
+        _fail(f"--out {out}: expected a .py file to write (the module's name)")
     if spec_file is not None:
         _refuse_with(ctx, "--spec", "the file gives the whole spec", *SPEC_OPTIONS)
     if seq is None:
