@@ -28,7 +28,7 @@ import torch
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity, check_scale,
-                     describe_index, refuse_grad_with_seqlens)
+                     describe_index, lists_type_error, refuse_grad_with_seqlens)
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -267,6 +267,8 @@ def _tensors_or_none(**arguments) -> None:
     names it, not left to the op schema's error."""
     for name, value in arguments.items():
         if value is not None and not isinstance(value, torch.Tensor):
+            if name == "block_idx":
+                raise lists_type_error(value, "a torch.Tensor or None")
             raise KernelgenTypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
 
 

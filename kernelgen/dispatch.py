@@ -30,7 +30,7 @@ from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx,
                      CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
                      check_reps_fit_capacity, check_keys, check_length,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
-                     refuse_grad_with_seqlens)
+                     lists_type_error, refuse_grad_with_seqlens)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -428,7 +428,7 @@ class SparseAttention:
         queries' lists agree closely enough (`BlockLists.union`; measuring that is one host sync)."""
         seq_q, seq_k = check_length("seq_q", seq_q), check_length("seq_k", seq_k)
         if not isinstance(block_idx, torch.Tensor):
-            raise KernelgenTypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
+            raise lists_type_error(block_idx)
         if block_idx.device.type != "cuda" and not interpreting():
             raise KernelgenValueError(f"block_idx is on {block_idx.device}; expected the CUDA device the calls will use")
         if block_idx.dim() != 4:

@@ -23,7 +23,8 @@ __all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps",
            "check_reps_fit_capacity", "CacheRows", "check_cache_rows", "check_paged_kv",
            "check_pages",
            "refuse_grad_with_seqlens", "check_keys", "check_qkv",
-           "check_block_idx", "check_block_lists", "describe_index", "check_index", "check_length", "check_return_lse",
+           "check_block_idx", "check_block_lists", "lists_type_error", "describe_index", "check_index",
+           "check_length", "check_return_lse",
            "softmax_scale", "empty", "next_pow2", "cdiv", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS",
            "INDEX_LAYOUT"]
 
@@ -471,13 +472,23 @@ def _explain_qkv(q, k, v, spec: Spec) -> None:
                                   f"the layout is {LAYOUT}")
 
 
+def lists_type_error(block_idx, expected: str = "a torch.Tensor") -> KernelgenTypeError:
+    """The error for a block_idx that is no tensor; a FlexAttention BlockMask, the natural thing for a Flex user
+    to pass, is told how to convert it."""
+    got = type(block_idx).__name__
+    if got == "BlockMask":
+        return KernelgenTypeError(f"block_idx must be {expected}, got a FlexAttention BlockMask: pass "
+                                  "kernelgen.from_block_mask(block_mask, spec), its lists")
+    return KernelgenTypeError(f"block_idx must be {expected}, got {got}")
+
+
 def check_block_idx(block_idx, spec: Spec, shapes: Shapes, device, validate: bool = False) -> torch.Tensor:
     """A caller's lists checked on the host, as contiguous int32 (the "lists" role then puts them in the
     kernels' form); a batch or KV-head dimension of 1 broadcasts (a BlockMask's B=None, H=None). int64 lists are
     converted exactly: values outside [0, n_kv_blocks) become empty slots, never wrapped ids. With `validate`,
     a repeated id is an error (this reads the lists back)."""
     if not isinstance(block_idx, torch.Tensor):
-        raise KernelgenTypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
+        raise lists_type_error(block_idx)
     expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
     if block_idx.dim() == 4 and all(n in (1, want) for n, want in zip(block_idx.shape[:2], expected[:2])):
         block_idx = block_idx.expand(*expected[:2], *block_idx.shape[2:])  # B or Hkv of 1 broadcasts, as in Flex

@@ -9,6 +9,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 import kernelgen
 from kernelgen import Spec, from_block_mask, reference, to_block_mask
 from kernelgen.bench.anchors import flex_token_mask
+from kernelgen.custom_ops import sparse_attention
 from kernelgen.interop import block_mask_blocks, block_membership
 
 # eager flex_attention warns that it is unfused; that is what these CPU tests run
@@ -199,6 +200,15 @@ def test_bad_inputs_name_the_argument():
     mask = create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
     with pytest.raises(TypeError, match="block_mask"):
         from_block_mask(lists, spec)
+    # a Flex user's first try: the BlockMask itself as block_idx, which is told how to convert it
+    given = kernelgen.get_kernel(spec.replace(selector="given"))
+    q = torch.zeros(1, 1, 64, 64)
+    with pytest.raises(TypeError, match=r"got a FlexAttention BlockMask: pass kernelgen.from_block_mask"):
+        given(q, q, q, block_idx=mask)
+    with pytest.raises(TypeError, match=r"got a FlexAttention BlockMask: pass kernelgen.from_block_mask"):
+        given.prepare(mask, 64, 64)
+    with pytest.raises(TypeError, match=r"got a FlexAttention BlockMask: pass kernelgen.from_block_mask"):
+        sparse_attention(q, q, q, spec.replace(selector="given"), block_idx=mask)
     with pytest.raises(ValueError, match=r"BLOCK_SIZE.*spec.kv_block = 32"):
         from_block_mask(mask, spec.replace(kv_block=32))
     with pytest.raises(ValueError, match=r"BLOCK_SIZE.*spec.q_tile"):
