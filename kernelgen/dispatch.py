@@ -66,6 +66,16 @@ class Served:
                 f"source={self.source!r})")
 
 
+def _query_bucket(n_k, dtype) -> int:
+    """The length bucket of a question to `config`/`served`/`backend`, its arguments checked: a dtype given as
+    'bf16' or a length as '4096' would match no tuned row and answer "default" where calls are served a winner."""
+    n_k = check_length("n_k", n_k)
+    if not isinstance(dtype, torch.dtype):
+        raise KernelgenTypeError(f"dtype must be a torch.dtype, the calls' q.dtype (e.g. torch.bfloat16), got "
+                                 f"{type(dtype).__name__} {dtype!r}")
+    return seq_bucket(n_k)
+
+
 def _local_device(device) -> torch.device:
     """`device`, or where None this machine's GPU, or its CPU where it has none (the interpreter)."""
     if device is None:
@@ -130,15 +140,16 @@ class SparseAttention:
     def config(self, role: str, n_q: int, n_k: int, dtype=torch.bfloat16, device=None):
         """The config a call of these lengths runs `role` with: pinned, else the tuning DB's winner for this
         device (default: the GPU, or the CPU where there is none), dtype and length bucket, else the default."""
-        return self._served(role, seq_bucket(n_k), dtype, _local_device(device)).config
+        check_length("n_q", n_q)
+        return self._served(role, _query_bucket(n_k, dtype), dtype, _local_device(device)).config
 
     def served(self, role: str, n_k: int, dtype=torch.bfloat16, device=None) -> Served:
         """Backend, config and its source for `role` in a call with n_k keys (device: as `config`'s)."""
-        return self._served(role, seq_bucket(n_k), dtype, _local_device(device))
+        return self._served(role, _query_bucket(n_k, dtype), dtype, _local_device(device))
 
     def backend(self, n_k: int, dtype=torch.bfloat16, device=None) -> str:
         """The backend that runs the attention of a call with n_k keys (device: as `config`'s)."""
-        return self._backend(seq_bucket(n_k), dtype, _local_device(device))
+        return self._backend(_query_bucket(n_k, dtype), dtype, _local_device(device))
 
     @functools.lru_cache(maxsize=256)
     def _backend(self, bucket: int, dtype, device) -> str:

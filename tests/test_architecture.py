@@ -288,3 +288,18 @@ def test_an_unknown_role_is_named_as_such():
     attn = kernelgen.get_kernel(Spec(head_dim=64))
     with pytest.raises(kernelgen.KernelgenValueError, match=r"role='foo' is unknown; expected one of"):
         attn.served("foo", 100, torch.float32, "cpu")
+
+
+def test_what_is_served_checks_the_question():
+    """config/served/backend answer for a call's length and dtype: a dtype or length of another type would match
+    no tuned row and answer "default" where calls get a winner, so it is refused, named."""
+    attn = kernelgen.get_kernel(Spec(head_dim=64))
+    with pytest.raises(kernelgen.KernelgenTypeError, match=r"dtype must be a torch.dtype.*got str 'bf16'"):
+        attn.served("attn", 4096, "bf16", "cpu")
+    with pytest.raises(kernelgen.KernelgenTypeError, match=r"n_k must be an int, got str '4096'"):
+        attn.backend("4096", torch.float32, "cpu")
+    with pytest.raises(kernelgen.KernelgenValueError, match=r"n_q must be a positive int, got 0"):
+        attn.config("attn", 0, 4096, torch.float32, "cpu")
+    with pytest.raises(kernelgen.KernelgenTypeError, match=r"n_k must be an int, got float 64.5"):
+        attn.config("attn", 64, 64.5, torch.float32, "cpu")
+    assert attn.served("attn", 4096, torch.float32, "cpu").source == "default"
