@@ -116,6 +116,12 @@ class SparseAttention:
         if not isinstance(spec, Spec):
             raise KernelgenTypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
         backends.check_spec(spec)
+        if configs is not None and not isinstance(configs, dict):  # dict() of a list fails naming no argument
+            raise KernelgenTypeError(f"configs must be a dict {{role: config}}, e.g. "
+                                     f"{{'attn': kernelgen.AttnConfig(...)}}, got {type(configs).__name__}")
+        if not isinstance(validate_lists, bool):
+            raise KernelgenTypeError(f"validate_lists must be a bool, got {type(validate_lists).__name__} "
+                                     f"{validate_lists!r}")
         self.spec = spec
         self.validate_lists = validate_lists
         self._fixed = dict(configs or {})

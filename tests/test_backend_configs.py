@@ -461,3 +461,14 @@ def test_pinned_config_fields_have_their_declared_types():
     with pytest.raises(KernelgenTypeError, match=r"\.use_tma must be bool, got 1"):
         TRITON.check_config(spec.replace(schedule="q_centric", selector="given"), "attn", AttnConfig(use_tma=1),
                             ANY_ARCH)
+
+
+def test_get_kernel_s_options_are_checked():
+    """configs as a list (of configs, without their roles) and a validate_lists that is no bool are named."""
+    spec = Spec(head_dim=64)
+    with pytest.raises(KernelgenTypeError, match=r"configs must be a dict \{role: config\}.*got list"):
+        kernelgen.get_kernel(spec, configs=[AttnConfig()])
+    with pytest.raises(KernelgenTypeError, match=r"validate_lists must be a bool, got str 'yes'"):
+        kernelgen.get_kernel(spec, validate_lists="yes")
+    with pytest.raises(KernelgenTypeError, match=r"validate_lists must be a bool, got NoneType"):
+        kernelgen.get_kernel(spec, validate_lists=None)
