@@ -425,17 +425,18 @@ def check_pages(k, block_table, spec: Spec) -> tuple[int, int, int]:
 
 def check_keys(k, spec: Spec) -> tuple[int, int, int]:
     """k alone, held to the rules `check_qkv` holds k to (a cache whose representatives are kept): (B, Hkv, Nk)."""
-    _explain_qkv(k, k, k, spec)  # raises naming what is wrong; returns when k passes
+    _explain_qkv(k, k, k, spec, first="k")  # raises naming what is wrong; returns when k passes
     b, hkv, n_k, _ = k.shape
     if min(b, hkv, n_k) < 1:
         raise KernelgenValueError(f"empty input: k {tuple(k.shape)}")
     return b, hkv, n_k
 
 
-def _explain_qkv(q, k, v, spec: Spec) -> None:
+def _explain_qkv(q, k, v, spec: Spec, first: str = "q") -> None:
     """Raise the precise error for inputs that failed check_qkv's fast test (returns if they are
-    fine after all: CPU tensors under the interpreter)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    fine after all: CPU tensors under the interpreter). `first`: the name of the tensor passed as q (check_keys
+    passes k alone), so that the message names the argument the caller gave."""
+    for name, t in ((first, q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise KernelgenTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
@@ -449,9 +450,9 @@ def _explain_qkv(q, k, v, spec: Spec) -> None:
         if t.stride(-1) != 1:
             raise KernelgenValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {t.stride()}")
         if t.dtype != q.dtype:
-            raise KernelgenTypeError(f"{name}.dtype = {t.dtype} differs from q.dtype = {q.dtype}")
+            raise KernelgenTypeError(f"{name}.dtype = {t.dtype} differs from {first}.dtype = {q.dtype}")
         if t.device != q.device:
-            raise KernelgenValueError(f"{name} is on {t.device} but q is on {q.device}")
+            raise KernelgenValueError(f"{name} is on {t.device} but {first} is on {q.device}")
         if t.device.type == "cuda" and t.dtype not in _GPU_DTYPES:
             raise KernelgenTypeError(f"{name}.dtype must be float16 or bfloat16 on a GPU, got {t.dtype}: the kernels' "
                                      "tensor-core products would round float32 to tf32 (cast with .to(torch.bfloat16); "
@@ -461,12 +462,14 @@ def _explain_qkv(q, k, v, spec: Spec) -> None:
             raise KernelgenValueError("CUDA tensors with TRITON_INTERPRET=1: unset it to run the kernels on the GPU")
     elif q.device.type == "cpu":
         if not interpreting():
-            raise KernelgenValueError("q is on the CPU: kernelgen runs on CUDA, or on the CPU only under TRITON_INTERPRET=1")
+            raise KernelgenValueError(f"{first} is on the CPU: kernelgen runs on CUDA, or on the CPU only under "
+                                      "TRITON_INTERPRET=1")
         if q.dtype == torch.bfloat16:
             raise KernelgenTypeError("bfloat16 is not supported by the Triton CPU interpreter (it computes garbage); "
                             "use float16 or float32 on the CPU")
     else:
-        raise KernelgenValueError(f"q is on {q.device}; expected a CUDA device (or the CPU under TRITON_INTERPRET=1)")
+        raise KernelgenValueError(f"{first} is on {q.device}; expected a CUDA device (or the CPU under "
+                                  "TRITON_INTERPRET=1)")
     if k.shape != v.shape:
         raise KernelgenValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}; "
                                   f"the layout is {LAYOUT}")

@@ -125,8 +125,9 @@ def test_bad_key_reps_are_refused_naming_what_is_wrong(device):
         (lambda: get_kernel(_spec("given")).key_reps(k), KernelgenValueError, "pooling"),
         (lambda: attn.key_reps(k[:, :, :50], previous=reps), KernelgenValueError, "shrank"),
         (lambda: attn.key_reps(k, previous=reps.reps), KernelgenTypeError, "previous"),
-        (lambda: attn.key_reps(k[..., :32]), KernelgenValueError, "head_dim"),
-        (lambda: attn.key_reps(k.double()), KernelgenTypeError, "dtype"),
+        (lambda: attn.key_reps(k[..., :32]), KernelgenValueError, "k.shape[-1] = 32 does not match spec.head_dim"),
+        (lambda: attn.key_reps(k.double()), KernelgenTypeError, "k.dtype"),  # k is what the caller passed, not q
+        (lambda: attn.key_reps(k[0]), KernelgenValueError, "k must be 4-D"),
         (lambda: KeyReps(reps.reps, 70, 16, 1), KernelgenTypeError, "key_reps(k)"),
     ]
     for call, error, words in cases:
