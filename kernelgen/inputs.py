@@ -416,8 +416,9 @@ def check_pages(k, block_table, spec: Spec) -> tuple[int, int, int]:
         raise KernelgenValueError(f"block_table's rows must be contiguous, got strides {block_table.stride()}")
     n_pages, hkv, page_size, _ = k.shape
     if page_size % spec.kv_block:
+        # a vLLM/FlashAttention pool passed untransposed lands here: its heads read as the page size
         raise KernelgenValueError(f"k's pages hold {page_size} keys (k.shape[2]); a page must hold whole blocks: a "
-                                  f"multiple of spec.kv_block = {spec.kv_block}")
+                                  f"multiple of spec.kv_block = {spec.kv_block}; the layout is {PAGED_LAYOUT}")
     if min(n_pages, hkv) < 1:
         raise KernelgenValueError(f"empty input: k {tuple(k.shape)}")
     return block_table.shape[0], hkv, block_table.shape[1] * page_size

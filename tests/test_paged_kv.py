@@ -178,6 +178,10 @@ def test_bad_pages_are_named(device):
         reference.gather_pages(k_pages, table[0])
     with pytest.raises(KernelgenValueError, match="a page must hold whole blocks"):
         attn(q, k_pages[:, :, :24], v_pages[:, :, :24], block_table=table)
+    # FlashAttention's and vLLM's pool [n_pages, page_size, Hkv, D], passed as it is: told to transpose it
+    fa_layout = r"whole blocks.*\[n_pages, page_size, Hkv, D\] as \.transpose\(1, 2\)"
+    with pytest.raises(KernelgenValueError, match=fa_layout):
+        attn(q, k_pages.transpose(1, 2).contiguous(), v_pages.transpose(1, 2).contiguous(), block_table=table)
     with pytest.raises(KernelgenValueError, match="no backward"):
         attn(q.requires_grad_(), k_pages, v_pages, block_table=table)
     with pytest.raises(KernelgenValueError, match="not the index selector"):
