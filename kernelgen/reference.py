@@ -220,6 +220,16 @@ def _broadcast_lists(block_idx, q: torch.Tensor, k: torch.Tensor):
                             k.shape[1] if block_idx.shape[1] == 1 else -1, -1, -1)
 
 
+def _check_heads(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> None:
+    """q's heads are the spec's groups of k's heads, or some of them (a check of a slice of the query heads): more
+    than gqa_group * Hkv is no call of the spec (q passed as [B, N, H, D], say), never an answer."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq > spec.gqa_group * hkv or hq % hkv:
+        raise KernelgenValueError(f"q has {hq} heads and k {hkv} (q.shape[1], k.shape[1]); spec.gqa_group = "
+                                  f"{spec.gqa_group} takes at most {spec.gqa_group * hkv}, a multiple of {hkv}: the "
+                                  "layout is [B, H, N, D]")
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -244,6 +254,7 @@ def sparse_attention(
     own) padded with -1 past its tiles. `block_table` ([B, pages a row] ints): k and v are pools of pages
     [n_pages, Hkv, page_size, D], the call over `gather_pages` of them (each row's capacity without
     cache_seqlens). Given lists with a batch or KV-head dimension of 1 hold every row's or head's list."""
+    _check_heads(q, k, spec)
     block_idx = _broadcast_lists(block_idx, q, k)
     if block_table is not None:
         k, v = gather_pages(k, block_table, cache_seqlens), gather_pages(v, block_table, cache_seqlens)
@@ -366,6 +377,7 @@ def sparse_attention_grads(
     if stored_o is not None and stored_o.shape != q.shape:
         raise KernelgenValueError(f"stored_o.shape = {tuple(stored_o.shape)}; expected q's, {tuple(q.shape)} (the "
                                   "forward's o)")
+    _check_heads(q, k, spec)
     block_idx = _broadcast_lists(block_idx, q, k)
     nq, nk = q.shape[2], k.shape[2]
     kd = k.detach().double().requires_grad_()

@@ -162,3 +162,15 @@ def test_a_slice_of_the_query_heads_takes_lists_of_one_kv_head():
     whole_o, whole_lse, _ = reference.sparse_attention(q, k, v, spec, block_idx=lists)
     o, lse, _ = reference.sparse_attention(q[:, :2], k, v, spec, block_idx=lists)
     assert torch.equal(o, whole_o[:, :2]) and torch.equal(lse, whole_lse[:, :2])
+
+
+def test_queries_in_the_wrong_layout_are_refused_not_answered():
+    """q passed as [B, N, H, D]: more heads than the spec's groups of k's heads is no call of the spec."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=4, causal=True, gqa_group=2, local=1)
+    q, k = torch.randn(1, 2, 64, 64), torch.randn(1, 1, 64, 64)
+    with pytest.raises(ValueError, match=r"q has 64 heads .* at most 2.*\[B, H, N, D\]"):
+        reference.sparse_attention(q.transpose(1, 2), k, k, spec)
+    with pytest.raises(ValueError, match="q has 64 heads"):
+        reference.sparse_attention_grads(q.transpose(1, 2), k, k, q.transpose(1, 2), spec, torch.zeros(1, 1, 1, 4))
+    assert reference.sparse_attention(q, k, k, spec)[0].shape == q.shape
+    assert reference.sparse_attention(q[:, :1], k, k, spec)[0].shape == q[:, :1].shape  # a slice of the group
