@@ -41,6 +41,7 @@ from .backends.triton import (AttnConfig, BwdDkdvConfig, BwdDqConfig, DecodeConf
                                 KvAttnConfig, KvBwdConfig, KvIndexSelectConfig, KvSelectConfig, KvUnionBwdConfig,
                                 KvUnionConfig, SelectConfig)
 from .dispatch import SparseAttention, get_kernel  # noqa: E402
+from . import custom_ops  # noqa: E402,F401  (registers the ops that calls under torch.compile run)
 from .errors import (KernelgenError, KernelgenNotImplementedError, KernelgenRuntimeError, KernelgenTypeError,  # noqa: E402
                      KernelgenValueError)
 from .inputs import BlockLists, KeyReps  # noqa: E402

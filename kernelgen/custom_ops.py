@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import torch
 
+from . import dispatch
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity, check_scale,
@@ -315,3 +317,6 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
     if seqlens is not None:  # the padding's o and lse, cleared outside the op: no gradient reaches them
         o, lse = clear_padding(o, lse, seqlens)
     return o, lse
+
+
+dispatch.trace_through(sys.modules[__name__])  # get_kernel(spec)'s calls under torch.compile run these

@@ -25,7 +25,7 @@ import torch
 
 from . import backends
 from .backends import Backend, Problem, RoleImpl
-from .errors import KernelgenTypeError, KernelgenValueError
+from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
                      CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
                      check_reps_fit_capacity, check_keys, check_length,
@@ -74,6 +74,18 @@ def _query_bucket(n_k, dtype) -> int:
         raise KernelgenTypeError(f"dtype must be a torch.dtype, the calls' q.dtype (e.g. torch.bfloat16), got "
                                  f"{type(dtype).__name__} {dtype!r}")
     return seq_bucket(n_k)
+
+
+# kernelgen.custom_ops, which sets itself here when imported (kernelgen's __init__ imports it; it imports this
+# module, so this one cannot import it): what a call being compiled runs instead of this dispatcher
+_traced_ops = None
+
+
+def trace_through(ops) -> None:
+    """Make `ops` (kernelgen.custom_ops: sparse_attention, select_blocks, key_reps) what calls run under
+    torch.compile."""
+    global _traced_ops
+    _traced_ops = ops
 
 
 def _local_device(device) -> torch.device:
@@ -544,9 +556,9 @@ class SparseAttention:
             raise KernelgenValueError(f"under torch.compile a call runs kernelgen.custom_ops, which serve "
                                       f"{self.spec}'s tuned configs, not pinned ones ({sorted(self._fixed)}): call "
                                       "this kernel outside the compiled region (torch.compiler.disable)")
-        from . import custom_ops  # it imports this module
-
-        return custom_ops
+        if _traced_ops is None:
+            raise KernelgenRuntimeError("under torch.compile a call runs kernelgen.custom_ops: import it first")
+        return _traced_ops
 
     def _start_call(self, q, k, v, block_table=None) -> Shapes:
         """What every call does first: check the inputs, and take up winners a background tune stored."""
