@@ -306,7 +306,7 @@ class SparseAttention:
         if seqlens is None:
             return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device)
         return check_token_rows(seqlens, self.spec, shapes, device, key_reps=key_reps, index=index,
-                                cache_seqlens=cache_leftpad if cache_seqlens is None else cache_seqlens)
+                                cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
 
     def _selection_role(self, shapes: Shapes, rows) -> str | None:
         """The selection role a call runs: a Q-centric padded batch's is the decode selection, whose module has

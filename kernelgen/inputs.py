@@ -246,12 +246,13 @@ class TokenRows(NamedTuple):
 
 
 def check_token_rows(seqlens, spec: Spec, shapes: Shapes, device, *, cache_seqlens=None, key_reps=None,
-                     index=None) -> TokenRows:
+                     index=None, cache_leftpad=None) -> TokenRows:
     """A call's `seqlens` (a right-padded batch), and what such a call can be: causal self-attention, over given
     lists or a pooling selector's, with nothing of a KV cache."""
-    if cache_seqlens is not None:
-        raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or cache_seqlens= (a KV cache's "
-                                  "rows), not both")
+    for name, value in (("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad)):
+        if value is not None:
+            raise KernelgenValueError(f"pass seqlens= (a right-padded batch's tokens) or {name}= (a KV cache's "
+                                      "rows), not both")
     if not spec.causal:
         raise KernelgenValueError("seqlens= needs a causal spec: a padded row's queries must see none of the "
                                   "padding after its tokens (run each row's own length)")

@@ -126,6 +126,8 @@ def test_bad_seqlens_are_refused_by_name(device):
         (lambda: attn(q, k, v, seqlens=lens[:1]), KernelgenValueError, "seqlens must have shape [B]"),
         (lambda: attn(q, k, v, seqlens=[5, 3]), KernelgenTypeError, "seqlens must be a torch.Tensor"),
         (lambda: attn(q, k, v, seqlens=lens, cache_seqlens=lens), KernelgenValueError, "not both"),
+        (lambda: attn(q, k, v, seqlens=lens, cache_leftpad=lens), KernelgenValueError,
+         "pass seqlens= .* or cache_leftpad= .*, not both"),
         (lambda: attn(q[:, :, :50], k, v, seqlens=lens), KernelgenValueError, "Nq == Nk"),
         (lambda: attn(q, k, v, seqlens=lens, key_reps=attn.key_reps(k)), KernelgenValueError, "no key_reps"),
         (lambda: get_kernel(_spec(causal=False))(q, k, v, seqlens=lens), KernelgenValueError, "causal"),
