@@ -29,8 +29,8 @@ import torch
 from . import dispatch
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity, check_scale,
-                     describe_index, lists_type_error, refuse_grad_with_seqlens)
+from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity, check_reps_length,
+                     check_scale, describe_index, lists_type_error, refuse_grad_with_seqlens)
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -303,7 +303,10 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
     spec_json = _spec_json(spec)
     if key_reps is not None and (cache_seqlens is not None or block_table is not None) and key_reps.seqlens is not None:
         # reps of per-row lengths follow the call, as the eager call's do: grown to its rows first (its op is
-        # functional, as autograd needs, so the growth is an op of its own)
+        # functional, as autograd needs, so the growth is an op of its own); reps of another capacity are refused
+        # first, as the eager call refuses them, not grown in place for a call that then fails
+        if isinstance(k, torch.Tensor) and k.dim() == 4 and (block_table is None or block_table.dim() == 2):
+            check_reps_length(key_reps, _capacity(k, block_table))  # other k, tables: the call's checks name them
         _grow_key_reps_op(k, spec_json, cache_seqlens, *reps[:2], reps[3], cache_leftpad, block_table)
     if scale is not None and not torch.compiler.is_compiling():
         # as the eager call checks it: float() would read a tensor and drop its gradient

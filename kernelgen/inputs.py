@@ -19,7 +19,7 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
-__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps",
+__all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_reps_length",
            "check_reps_fit_capacity", "CacheRows", "check_cache_rows", "check_paged_kv",
            "check_pages",
            "refuse_grad_with_seqlens", "check_keys", "check_qkv",
@@ -302,6 +302,20 @@ def check_reps_fit_capacity(previous: KeyReps, n_k: int) -> None:
                                   "attn.key_reps(k, cache_seqlens=...)")
 
 
+def check_reps_length(key_reps: KeyReps, n_k: int) -> None:
+    """Reps made for a call's n_k keys (a cache's capacity), else an error that says how to make them so."""
+    if key_reps.n_k != n_k:
+        if key_reps.seqlens is not None and key_reps.n_k < n_k:
+            fix = "grow them with attn.key_reps(k, cache_seqlens=..., previous=key_reps)"
+        elif key_reps.seqlens is not None:  # a cache copied into a smaller tensor: its reps are not cropped
+            fix = "make them for this k with attn.key_reps(k, cache_seqlens=...)"
+        elif key_reps.n_k < n_k:
+            fix = "extend them with attn.key_reps(k, previous=key_reps)"
+        else:  # a cache cropped to a prefix of their keys
+            fix = f"attn.key_reps(k, previous=key_reps.cropped({n_k})) makes them for this k"
+        raise KernelgenValueError(f"key_reps were made for n_k = {key_reps.n_k} keys but k has {n_k}: {fix}")
+
+
 def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device, varlen: bool = False) -> torch.Tensor:
     """The representatives tensor of a call's `key_reps=`, if they were made for this spec's blocks and this
     call's k (its batch, KV heads, length and device): a few comparisons, no launch."""
@@ -314,16 +328,7 @@ def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device, varlen: bool = 
     if made != (spec.kv_block, spec.groups):
         raise KernelgenValueError(f"key_reps were made for kv_block, groups = {made}; this spec has "
                                   f"{(spec.kv_block, spec.groups)}")
-    if key_reps.n_k != shapes.n_k:
-        if key_reps.seqlens is not None and key_reps.n_k < shapes.n_k:
-            fix = "grow them with attn.key_reps(k, cache_seqlens=..., previous=key_reps)"
-        elif key_reps.seqlens is not None:  # a cache copied into a smaller tensor: its reps are not cropped
-            fix = "make them for this k with attn.key_reps(k, cache_seqlens=...)"
-        elif key_reps.n_k < shapes.n_k:
-            fix = "extend them with attn.key_reps(k, previous=key_reps)"
-        else:  # a cache cropped to a prefix of their keys
-            fix = f"attn.key_reps(k, previous=key_reps.cropped({shapes.n_k})) makes them for this k"
-        raise KernelgenValueError(f"key_reps were made for n_k = {key_reps.n_k} keys but k has {shapes.n_k}: {fix}")
+    check_reps_length(key_reps, shapes.n_k)
     expected = (shapes.batch, shapes.heads_kv, shapes.n_kv_blocks, spec.groups, spec.head_dim)
     if tuple(key_reps.reps.shape) != expected:
         raise KernelgenValueError(f"key_reps hold shape {tuple(key_reps.reps.shape)}; this call's k needs "

@@ -289,3 +289,20 @@ def test_the_op_s_backward_computes_only_the_gradients_its_inputs_need(frozen, d
     for grads in results[:2]:
         for got, want, need in zip(grads, results[2], needs):
             assert (got is None and want is None) if not need else torch.equal(got, want)
+
+
+def test_kept_reps_of_another_capacity_are_refused_before_they_grow(device):
+    """Reps of per-row lengths made for a cache of another capacity: the op names their n_k as the eager call does,
+    and leaves them as they were (the growth is not run for a call that is refused)."""
+    q, k, v = inputs(device)
+    q = q[:, :, -1:]
+    lens = torch.tensor([40], dtype=torch.int32, device=device)
+    for capacity, words in ((k.shape[2] - 16, "grow them"), (k.shape[2] - 4, "grow them"),
+                            (k.shape[2] + 16, "make them for this k")):
+        cache = torch.cat([k, k], 2)[:, :, :capacity].contiguous()
+        reps = key_reps(cache, SPEC, cache_seqlens=lens)
+        before = reps.seqlens.clone()
+        with pytest.raises(ValueError, match=f"key_reps were made for n_k = {capacity} keys but k has "
+                                             f"{k.shape[2]}: {words}"):
+            sparse_attention(q, k, v, SPEC, cache_seqlens=lens + 7, key_reps=reps)
+        assert torch.equal(reps.seqlens, before)
