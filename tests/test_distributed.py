@@ -135,6 +135,8 @@ def _bad_inputs(world: int, rank: int) -> dict:
                                                               else lists, path="dense")),
         "one rank's grad": _raises(lambda: kd.attention(q_s.requires_grad_(last), k_s, v_s, spec, block_idx=lists,
                                                         path="dense")),
+        "one rank's return_lse": _raises(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, block_idx=lists,
+                                                              path="dense", return_lse="yes" if last else True)),
         "one rank's unshard": _raises(lambda: kd.unshard(q_s[:, :, :short].detach())),
         "after them": "in step" if torch.equal(kd.unshard(kd.shard(q, "zigzag"), "zigzag"), q) else "out of step",
     }
@@ -146,6 +148,7 @@ EXPECTED_MESSAGES = {"shapes": "differs across ranks", "chunks": "not a multiple
                      "one rank's path": "path differs across ranks", "one rank's spec": "spec differs across ranks",
                      "one rank's lists": "block_idx.shape", "one rank's list dtype": "block_idx.dtype must be",
                      "one rank's grad": "requires grad differs across ranks",
+                     "one rank's return_lse": "return_lse must be a bool",
                      "one rank's unshard": "x_shard shape differs across ranks", "after them": "in step"}
 
 

@@ -200,16 +200,18 @@ def _check_call(q, k, v, spec, layout: str, path: str) -> None:
 
 
 def _prepare_call(q, k, v, spec: Spec, group, layout: str, block_idx, scale, path: str = "auto",
-                  backward: bool = False) -> tuple[_Call | None, torch.Tensor | None]:
+                  backward: bool = False, return_lse: bool = False) -> tuple[_Call | None, torch.Tensor | None]:
     """(call, this rank's rows of the given lists or None); call None when the group has one rank (the call runs
     as on one GPU). Every rank checks its own call, then all agree (`_check_same_everywhere`): a call refused on
     one rank raises on every rank, never leaves the others waiting in a collective."""
     g = group_of(group)
     if g.world == 1:
+        check_return_lse(return_lse)
         _check_call(q, k, v, spec, layout, path)
         return None, None
     refusal, lay, rows = None, None, None
     try:
+        check_return_lse(return_lse)
         _check_call(q, k, v, spec, layout, path)
         lay = Layout.of_shard(layout, g.world, g.rank, q.shape[2])
         lay.check(spec)
@@ -287,10 +289,10 @@ def attention(q_shard: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Tenso
     the spec's selector, run across shards. path: "dense" (ring), "sparse" (fetch the listed remote blocks)
     or "auto" (the one that moves fewer bytes). Returns this rank's o (and lse) shard; o backpropagates.
     """
-    check_return_lse(return_lse)
     backward = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                for x in (q_shard, k_shard, v_shard))
-    call, rows = _prepare_call(q_shard, k_shard, v_shard, spec, group, layout, block_idx, scale, path, backward)
+    call, rows = _prepare_call(q_shard, k_shard, v_shard, spec, group, layout, block_idx, scale, path, backward,
+                               return_lse)
     if call is None:
         o, lse = get_kernel(spec)(q_shard, k_shard, v_shard, block_idx=block_idx, scale=scale, return_lse=True)
         return (o, lse) if return_lse else o
