@@ -138,6 +138,7 @@ def _bad_inputs(world: int, rank: int) -> dict:
         "one rank's return_lse": _raises(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, block_idx=lists,
                                                               path="dense", return_lse="yes" if last else True)),
         "one rank's unshard": _raises(lambda: kd.unshard(q_s[:, :, :short].detach())),
+        "odd zigzag unshard": _raises(lambda: kd.unshard(q_s[:, :, :5].detach())),
         "after them": "in step" if torch.equal(kd.unshard(kd.shard(q, "zigzag"), "zigzag"), q) else "out of step",
     }
 
@@ -149,7 +150,9 @@ EXPECTED_MESSAGES = {"shapes": "differs across ranks", "chunks": "not a multiple
                      "one rank's lists": "block_idx.shape", "one rank's list dtype": "block_idx.dtype must be",
                      "one rank's grad": "requires grad differs across ranks",
                      "one rank's return_lse": "return_lse must be a bool",
-                     "one rank's unshard": "x_shard shape differs across ranks", "after them": "in step"}
+                     "one rank's unshard": "x_shard shape differs across ranks",
+                     "odd zigzag unshard": "x_shard.shape[2] = 5 does not cut into the 2 equal chunks",
+                     "after them": "in step"}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -334,6 +334,10 @@ def unshard(x_shard: torch.Tensor, layout: str = "zigzag", group=None) -> torch.
             raise KernelgenValueError(f"x_shard must be a [B, H, N, ...] tensor of at most {_WIDEST} dims, got "
                                       f"{getattr(x_shard, 'shape', type(x_shard).__name__)}")
         lay = Layout.of_shard(layout, g.world, g.rank, x_shard.shape[2])
+        per_shard = lay.n_chunks // g.world
+        if g.world > 1 and x_shard.shape[2] % per_shard:  # chunks of unequal lengths would be cut wrong
+            raise KernelgenValueError(f"x_shard.shape[2] = {x_shard.shape[2]} does not cut into the {per_shard} equal "
+                                      f"chunks a shard of layout={layout!r} holds")
     except KernelgenError as error:
         if g.world == 1:
             raise
