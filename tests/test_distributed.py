@@ -139,6 +139,7 @@ def _bad_inputs(world: int, rank: int) -> dict:
                                                               path="dense", return_lse="yes" if last else True)),
         "one rank's unshard": _raises(lambda: kd.unshard(q_s[:, :, :short].detach())),
         "odd zigzag unshard": _raises(lambda: kd.unshard(q_s[:, :, :5].detach())),
+        "one rank's unshard layout": _raises(lambda: kd.unshard(q_s.detach(), "contiguous" if last else "zigzag")),
         "after them": "in step" if torch.equal(kd.unshard(kd.shard(q, "zigzag"), "zigzag"), q) else "out of step",
     }
 
@@ -152,7 +153,7 @@ EXPECTED_MESSAGES = {"shapes": "differs across ranks", "chunks": "not a multiple
                      "one rank's return_lse": "return_lse must be a bool",
                      "one rank's unshard": "x_shard shape differs across ranks",
                      "odd zigzag unshard": "x_shard.shape[2] = 5 does not cut into the 2 equal chunks",
-                     "after them": "in step"}
+                     "one rank's unshard layout": "layout differs across ranks", "after them": "in step"}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -346,5 +346,6 @@ def unshard(x_shard: torch.Tensor, layout: str = "zigzag", group=None) -> torch.
         return x_shard.detach()
     dtype = [_crc(x_shard.dtype) if refusal is None else -1]
     shape = ("x_shard shape", _shape_field(x_shard), lambda v: v[1:1 + v[0]])
-    _agree(g, _device_of(x_shard, g), [shape, ("x_shard dtype", dtype, None)], refusal)
+    name = ("layout", [LAYOUTS.index(layout) if layout in LAYOUTS else -1], lambda v: repr(LAYOUTS[v[0]]))
+    _agree(g, _device_of(x_shard, g), [shape, ("x_shard dtype", dtype, None), name], refusal)
     return lay.assemble(g.all_gather(x_shard.detach()))
