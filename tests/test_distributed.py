@@ -203,6 +203,20 @@ def test_one_process_runs_as_one_gpu():
     assert torch.equal(kd.unshard(o), o_one) and torch.equal(lse, lse_one)
 
 
+def test_group_without_process_group():
+    """A group given while torch.distributed is not initialized is refused, never run as one rank on a shard."""
+    assert not dist.is_initialized()
+    spec = _spec(causal=True)
+    q, k, v, _ = _inputs(spec, 64, seed=3)
+    lists = reference.select_blocks(q, k, spec.replace(selector="mean")).to(torch.int32)
+    stale = object()
+    for call in (lambda: kd.attention(q, k, v, spec, block_idx=lists, group=stale),
+                 lambda: kd.select_blocks(q, k, spec.replace(selector="mean"), group=stale),
+                 lambda: kd.shard(q, group=stale), lambda: kd.unshard(q, group=stale)):
+        with pytest.raises(ValueError, match="group=.* torch.distributed is not initialized"):
+            call()
+
+
 def test_layout_tables():
     """Zigzag over 2 ranks: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2; ids map both ways."""
     lay = kd.Layout("zigzag", 2, 1, 64)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import KernelgenValueError
+
 __all__ = ["Group", "group_of"]
 
 
@@ -59,8 +61,12 @@ class Group:
 
 def group_of(group) -> Group:
     """The Group of a call's `group=` argument: the default group when None and one is initialized; one
-    rank when torch.distributed is not initialized."""
+    rank when torch.distributed is not initialized and no group is given."""
     if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:  # a group of a destroyed (or never made) process group: its ranks are not here
+            raise KernelgenValueError(f"group={group!r} was given but torch.distributed is not initialized; call "
+                                      "torch.distributed.init_process_group first (or pass group=None to run "
+                                      "as one rank)")
         return Group(None, 0, 1)
     pg = dist.group.WORLD if group is None else group
     return Group(None if group is None else group, dist.get_rank(pg), dist.get_world_size(pg))
