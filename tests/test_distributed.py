@@ -217,6 +217,20 @@ def test_group_without_process_group():
             call()
 
 
+def test_check_goes_where_the_backend_communicates(monkeypatch):
+    """The ranks' check tensor goes to a CUDA device under NCCL whatever device a rank's shard is on (a CPU shard
+    is that rank's refusal, not an error raised alone in the check's all_gather), and to the CPU under gloo."""
+    from kernelgen.distributed.attention import _device_of
+    from kernelgen.distributed.comm import Group
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _device_of(torch.zeros(1), Group(None, 0, 2)) == torch.device("cuda", 0)
+    assert _device_of(None, Group(None, 0, 2)) == torch.device("cuda", 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert _device_of(torch.zeros(1), Group(None, 0, 2)) == torch.device("cpu")
+
+
 def test_layout_tables():
     """Zigzag over 2 ranks: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2; ids map both ways."""
     lay = kd.Layout("zigzag", 2, 1, 64)

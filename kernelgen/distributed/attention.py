@@ -130,11 +130,14 @@ def _agree(group: Group, device, fields: list[tuple], refusal: Exception | None)
 
 
 def _device_of(x, group: Group):
-    """Where the check's tensor goes: x's device, or where the group's backend communicates when x is no tensor."""
-    if isinstance(x, torch.Tensor):
+    """Where the check's tensor goes: where the group's backend communicates (x's device when it can), so that a
+    rank whose x is on a device the backend cannot take (a CPU shard under NCCL) refuses instead of raising alone
+    in the check's all_gather."""
+    if dist.get_backend(group.pg) != "nccl":
+        return torch.device("cpu")
+    if isinstance(x, torch.Tensor) and x.is_cuda:
         return x.device
-    nccl = dist.get_backend(group.pg) == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _crc(value) -> int:
