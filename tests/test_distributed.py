@@ -231,6 +231,19 @@ def test_check_goes_where_the_backend_communicates(monkeypatch):
     assert _device_of(torch.zeros(1), Group(None, 0, 2)) == torch.device("cpu")
 
 
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_simulated_ranks_take_broadcast_lists(path):
+    """simulate: one list for every KV head ([B, 1, n_q_tiles, top_k]) broadcasts, as on one GPU."""
+    from kernelgen.distributed.simulate import simulate, unshard_runs
+
+    spec = _spec(causal=True)
+    q, k, v, _ = _inputs(spec, 64, seed=5)
+    lists = reference.select_blocks(q, k, spec.replace(selector="mean"))[:, :1].to(torch.int32)
+    want = kernelgen.get_kernel(spec)(q, k, v, block_idx=lists)
+    got = unshard_runs(simulate(q, k, v, lists, spec, world=2, path=path), "o")
+    assert _err(got, want.double()) < TOL
+
+
 def test_layout_tables():
     """Zigzag over 2 ranks: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2; ids map both ways."""
     lay = kd.Layout("zigzag", 2, 1, 64)

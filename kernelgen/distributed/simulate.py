@@ -75,10 +75,11 @@ def simulate(q, k, v, lists, spec: Spec, *, world: int = 2, layout: str = "zigza
              do=None, scale=None) -> list[RankRun]:
     """Run `kernelgen.distributed.attention(..., path=path)` (forward, and the backward of `do` when given) of full
     q, k, v [B, H, N, D] over `world` simulated ranks in one process: one RankRun per rank. `lists`: global
-    lists [B, Hkv, n_q_tiles, top_k] (given; the Q-centric schedule)."""
+    lists [B, Hkv, n_q_tiles, top_k] (given; the Q-centric schedule; a B or Hkv dimension of 1 broadcasts)."""
     if path not in ("dense", "sparse"):
         raise KernelgenValueError(f"path={path!r}; simulate runs 'dense' or 'sparse'")
     n = q.shape[2]
+    lists = lists.expand(q.shape[0], k.shape[1], -1, -1)  # a B or Hkv dimension of 1 broadcasts, as on one GPU
     lays = [Layout(layout, world, r, n) for r in range(world)]
     lays[0].check(spec)
     calls = [_Call.of(spec, lay, Group(None, lay.rank, world), q.device, scale) for lay in lays]
