@@ -201,6 +201,8 @@ def test_one_process_runs_as_one_gpu():
     o, lse = kd.attention(kd.shard(q), kd.shard(k), kd.shard(v), spec, block_idx=lists, return_lse=True)
     o_one, lse_one = kernelgen.get_kernel(spec)(q, k, v, block_idx=lists, return_lse=True)
     assert torch.equal(kd.unshard(o), o_one) and torch.equal(lse, lse_one)
+    odd = q[:, :, :63]  # one rank holds any length, as the call takes it
+    assert torch.equal(kd.shard(odd, "zigzag"), odd) and torch.equal(kd.unshard(odd, "zigzag"), odd)
 
 
 def test_group_without_process_group():

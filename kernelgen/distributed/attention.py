@@ -322,6 +322,8 @@ def shard(x: torch.Tensor, layout: str = "zigzag", group=None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dim() < 3:
         raise KernelgenValueError(f"x must be a [B, H, N, ...] tensor, got {getattr(x, 'shape', type(x).__name__)}")
     lay = Layout(layout, g.world, g.rank, x.shape[2])
+    if g.world == 1:  # one rank holds the whole sequence, whatever its length (attention runs it as on one GPU)
+        return x.clone(memory_format=torch.contiguous_format)
     if x.shape[2] % lay.n_chunks:
         raise KernelgenValueError(f"x.shape[2] = {x.shape[2]} is not a multiple of the {lay.n_chunks} chunks of "
                                   f"layout={layout!r} over {g.world} ranks")
