@@ -7,6 +7,7 @@ import os
 import socket
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -140,6 +141,9 @@ def _bad_inputs(world: int, rank: int) -> dict:
         "one rank's unshard": _raises(lambda: kd.unshard(q_s[:, :, :short].detach())),
         "odd zigzag unshard": _raises(lambda: kd.unshard(q_s[:, :, :5].detach())),
         "one rank's unshard layout": _raises(lambda: kd.unshard(q_s.detach(), "contiguous" if last else "zigzag")),
+        "equal scales of two types": _raises(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, block_idx=lists,
+                                                                  path="dense", scale=np.float64(0.125) if last
+                                                                  else 0.125)) or "ran alike",
         "after them": "in step" if torch.equal(kd.unshard(kd.shard(q, "zigzag"), "zigzag"), q) else "out of step",
     }
 
@@ -153,7 +157,8 @@ EXPECTED_MESSAGES = {"shapes": "differs across ranks", "chunks": "not a multiple
                      "one rank's return_lse": "return_lse must be a bool",
                      "one rank's unshard": "x_shard shape differs across ranks",
                      "odd zigzag unshard": "x_shard.shape[2] = 5 does not cut into the 2 equal chunks",
-                     "one rank's unshard layout": "layout differs across ranks", "after them": "in step"}
+                     "one rank's unshard layout": "layout differs across ranks",
+                     "equal scales of two types": "ran alike", "after them": "in step"}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..dispatch import SparseAttention, get_kernel
 from ..errors import KernelgenError, KernelgenTypeError, KernelgenValueError
-from ..inputs import check_qkv, check_return_lse
+from ..inputs import check_qkv, check_return_lse, check_scale
 from ..spec import Spec
 from .comm import Group, group_of
 from .fetch import fetch, local_backward, local_forward, local_prepared, requests_of, return_gradients
@@ -215,6 +215,7 @@ def _prepare_call(q, k, v, spec: Spec, group, layout: str, block_idx, scale, pat
     refusal, lay, rows = None, None, None
     try:
         check_return_lse(return_lse)
+        scale = None if scale is None else check_scale(scale)  # a float: ranks compare its value, not its type
         _check_call(q, k, v, spec, layout, path)
         lay = Layout.of_shard(layout, g.world, g.rank, q.shape[2])
         lay.check(spec)
