@@ -141,6 +141,7 @@ def _bad_inputs(world: int, rank: int) -> dict:
         "one rank's unshard": _raises(lambda: kd.unshard(q_s[:, :, :short].detach())),
         "odd zigzag unshard": _raises(lambda: kd.unshard(q_s[:, :, :5].detach())),
         "one rank's unshard layout": _raises(lambda: kd.unshard(q_s.detach(), "contiguous" if last else "zigzag")),
+        "select of given lists": _raises(lambda: kd.select_blocks(q_s, k_s, spec.replace(selector="given"))),
         "equal scales of two types": _raises(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, block_idx=lists,
                                                                   path="dense", scale=np.float64(0.125) if last
                                                                   else 0.125)) or "ran alike",
@@ -158,6 +159,7 @@ EXPECTED_MESSAGES = {"shapes": "differs across ranks", "chunks": "not a multiple
                      "one rank's unshard": "x_shard shape differs across ranks",
                      "odd zigzag unshard": "x_shard.shape[2] = 5 does not cut into the 2 equal chunks",
                      "one rank's unshard layout": "layout differs across ranks",
+                     "select of given lists": "selects nothing: its lists are the caller's",
                      "equal scales of two types": "ran alike", "after them": "in step"}
 
 

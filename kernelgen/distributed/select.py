@@ -26,7 +26,8 @@ __all__ = ["select_rows", "check_selects_across_shards"]
 def check_selects_across_shards(spec: Spec) -> None:
     """A ValueError unless the spec's selector can choose a rank's lists across shards."""
     if not spec.selects:
-        raise KernelgenValueError("spec.selector='given' needs block_idx= (global block ids)")
+        raise KernelgenValueError("spec.selector='given' selects nothing: its lists are the caller's, passed to "
+                                  "attention(..., block_idx=) (global block ids)")
     if spec.selection_role != "select":
         raise KernelgenValueError(
             f"spec.selector={spec.selector!r} cannot select across shards (the pooled selectors 'mean' and "
