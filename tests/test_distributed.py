@@ -266,6 +266,9 @@ def test_layout_tables():
     # more blocks than a shard's worth: the ring moves fewer bytes forward, the fetch fewer forward and backward
     most = kd.traffic((1, 8, 131072, 128), 2, 2, 128, 9000)
     assert most.path() == "dense" and most.path(backward=True) == "sparse"
+    for world, rank in ((2, 2), (2, -1), (0, 0), (2, 1.0)):  # a rank outside the world has no chunks
+        with pytest.raises(ValueError, match="Layout (rank|world)="):
+            kd.Layout("zigzag", world, rank, 64)
 
 
 @pytest.mark.gpu

@@ -40,6 +40,11 @@ class Layout:
     def __post_init__(self) -> None:
         if self.name not in LAYOUTS:
             raise KernelgenValueError(f"layout={self.name!r} is unknown; expected one of {LAYOUTS}")
+        for name, value, low in (("world", self.world, 1), ("n", self.n, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise KernelgenValueError(f"Layout {name}={value!r}; expected an int >= {low}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world:
+            raise KernelgenValueError(f"Layout rank={self.rank!r}; expected an int in [0, world={self.world})")
 
     @classmethod
     def of_shard(cls, name: str, world: int, rank: int, shard_len: int) -> "Layout":
