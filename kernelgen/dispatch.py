@@ -666,6 +666,29 @@ class SparseAttention:
         return f"SparseAttention({self.spec})"
 
 
+NO_DOUBLE_BACKWARD = ("kernelgen's attention gradients are not differentiable (no double backward): dq, dk and dv "
+                      "from a create_graph=True backward cannot be backpropagated again")
+
+
+def once_differentiable(backward):
+    """A backward whose gradients raise NO_DOUBLE_BACKWARD when differentiated. torch's once_differentiable marks
+    them so only where a grad output (do) requires grad, but dq, dk and dv depend on the saved q, k and v too: a
+    create_graph=True backward of o.sum() (a do that requires no grad) gave gradients that a second backward
+    took silently as constants. Here every gradient of a backward run with grad on (create_graph=True) is
+    marked."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grad_outputs):
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        if not torch.is_grad_enabled() or all(grad is None for grad in grads):
+            return grads
+        refuse = torch._C._functions.DelayedError(NO_DOUBLE_BACKWARD.encode(), len(grads))
+        return refuse(*[None if grad is None else grad.detach().requires_grad_() for grad in grads])
+
+    return wrapper
+
+
 class _AttentionFunction(torch.autograd.Function):
     """attn(q, k, v) with a backward: the forward runs as without grad and keeps the lists it attended over
     (given or selected: never selected again, and selection is not differentiated, as in NSA and DSA);
@@ -683,7 +706,7 @@ class _AttentionFunction(torch.autograd.Function):
         return o, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # no double backward: the gradients are not differentiated
+    @once_differentiable  # no double backward: the gradients are not differentiated
     def backward(ctx, do, _dlse):
         if do is None:  # o did not reach the loss (only lse, which has no gradient)
             return (None,) * 10
