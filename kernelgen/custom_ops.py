@@ -30,7 +30,8 @@ from . import dispatch
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity, check_reps_length,
-                     check_scale, describe_index, lists_type_error, refuse_grad_with_seqlens)
+                     check_scale, describe_index, lists_type_error, refuse_forward_ad,
+                     refuse_grad_with_seqlens)
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -291,6 +292,7 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
     (`Spec.to_json`). Prepared lists (`attn.prepare`) go in as their normalised ids: their reverse index and
     union design stay outside the op, which builds what its calls need."""
     q, k, v = autocast_qkv(q, k, v)
+    refuse_forward_ad(q, k, v)
     if isinstance(block_idx, BlockLists):  # an op takes tensors: prepared lists go in as their normalised ids
         block_idx = block_idx.block_idx
     _tensors_or_none(block_idx=block_idx, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens,

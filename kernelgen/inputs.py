@@ -281,6 +281,16 @@ def _check_row_ints(name: str, value, shapes: Shapes, device) -> torch.Tensor:
     return value
 
 
+def refuse_forward_ad(q, k, v) -> None:
+    """Forward-mode AD (`torch.autograd.forward_ad` dual tensors) has no rule here: the kernels read the primals
+    only, so o would come back with no tangent, a silently zero directional derivative."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            raise KernelgenTypeError(f"{name} is a forward-mode AD dual tensor (torch.autograd.forward_ad): kernelgen "
+                                     "has no forward-mode derivative (jvp); use backward mode, loss.backward() or "
+                                     "torch.autograd.grad")
+
+
 def refuse_grad_with_seqlens(cache_seqlens, q, k, v, block_table=None) -> None:
     """A call over per-row lengths, or over a paged cache, has no backward: refuse one whose inputs would take
     gradients."""

@@ -239,6 +239,21 @@ def test_double_backward_is_an_error_even_where_do_requires_no_grad(device):
         dq.sum().backward()
 
 
+@pytest.mark.parametrize("op", [False, True], ids=["eager", "custom-op"])
+def test_forward_mode_ad_is_refused(op, device):
+    """The kernels read a dual tensor's primal only: o would carry no tangent (a silently zero jvp)."""
+    import torch.autograd.forward_ad as fwAD
+
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True)
+    q, k, v, do = leaves(1, 1, 1, 64, 64, 64, torch.float32, device, seed=5)
+    attend = (lambda *qkv: sparse_attention(*qkv, spec)[0]) if op else kernelgen.get_kernel(spec)
+    with fwAD.dual_level():
+        with pytest.raises(TypeError, match="forward-mode AD"):
+            attend(fwAD.make_dual(q.detach(), do), k.detach(), v.detach())
+    with pytest.raises(TypeError, match="forward-mode AD"):
+        torch.func.jvp(lambda x: attend(x, k.detach(), v.detach()), (q.detach(),), (do,))
+
+
 def test_the_backward_gets_no_zero_tensor_for_lse_s_gradient(device, monkeypatch):
     """lse has no gradient, so autograd hands the backward None for it rather than a zero tensor it would
     allocate and fill on every step."""
