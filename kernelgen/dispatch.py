@@ -30,7 +30,8 @@ from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx,
                      CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
                      check_reps_fit_capacity, check_keys, check_length,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
-                     lists_type_error, refuse_forward_ad, refuse_grad_with_seqlens)
+                     lists_type_error, refuse_forward_ad, refuse_function_transforms,
+                     refuse_grad_with_seqlens)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -533,6 +534,7 @@ class SparseAttention:
                 q, k, v, self.spec, block_idx=block_idx, scale=scale, index=index, cache_seqlens=cache_seqlens,
                 key_reps=key_reps, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table)
             return (o, lse) if return_lse else o
+        refuse_function_transforms(q, k, v)
         q, k, v = autocast_qkv(q, k, v)
         refuse_forward_ad(q, k, v)
         shapes = self._start_call(q, k, v, block_table)

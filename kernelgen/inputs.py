@@ -281,6 +281,17 @@ def _check_row_ints(name: str, value, shapes: Shapes, device) -> torch.Tensor:
     return value
 
 
+def refuse_function_transforms(q, k, v) -> None:
+    """torch.func transforms (grad, vjp, vmap, jacrev) hand the call wrapped tensors, which the kernels cannot
+    read: torch failed on them with messages about its own internals (an autograd.Function's setup_context, the
+    storage of a BatchedTensorImpl)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+            raise KernelgenTypeError(f"{name} is a tensor of a torch.func transform (grad, vjp, vmap, jacrev, ...), "
+                                     "which kernelgen's kernels cannot read: take gradients with loss.backward() or "
+                                     "torch.autograd.grad, and batch along B instead of vmap")
+
+
 def refuse_forward_ad(q, k, v) -> None:
     """Forward-mode AD (`torch.autograd.forward_ad` dual tensors) has no rule here: the kernels read the primals
     only, so o would come back with no tangent, a silently zero directional derivative."""

@@ -250,8 +250,22 @@ def test_forward_mode_ad_is_refused(op, device):
     with fwAD.dual_level():
         with pytest.raises(TypeError, match="forward-mode AD"):
             attend(fwAD.make_dual(q.detach(), do), k.detach(), v.detach())
-    with pytest.raises(TypeError, match="forward-mode AD"):
+    with pytest.raises(TypeError, match="forward-mode AD|torch.func transform"):
         torch.func.jvp(lambda x: attend(x, k.detach(), v.detach()), (q.detach(),), (do,))
+
+
+def test_function_transforms_are_refused_naming_them(device):
+    """torch.func's wrapped tensors reach no kernel: a TypeError names the transform and what to use instead."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True)
+    q, k, v, do = leaves(2, 1, 1, 64, 64, 64, torch.float32, device, seed=5)
+    attn = kernelgen.get_kernel(spec)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    with pytest.raises(TypeError, match="torch.func transform"):
+        torch.func.grad(lambda x: attn(x, k, v).sum())(q)
+    with pytest.raises(TypeError, match="torch.func transform"):
+        torch.func.vjp(lambda x: attn(x, k, v), q)
+    with pytest.raises(TypeError, match="torch.func transform"):
+        torch.vmap(lambda a, b, c: attn(a[None], b[None], c[None]))(q, k, v)
 
 
 def test_the_backward_gets_no_zero_tensor_for_lse_s_gradient(device, monkeypatch):
