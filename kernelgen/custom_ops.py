@@ -125,6 +125,16 @@ def _backward(ctx, do, _dlse, _dlists):
 torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_context=_setup_context)
 
 
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(dispatch.NO_DOUBLE_BACKWARD)
+
+
+# the backward op's own backward (a create_graph=True gradient differentiated): torch's message would name a
+# missing registration, not that the gradients are not differentiable
+torch.library.register_autograd("kernelgen::sparse_attention_backward", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
+
+
 # ---- the pooling selectors' kept representatives (KeyReps), as tensors: a KeyReps is not an op argument --------
 
 def _capacity(k: torch.Tensor, block_table: torch.Tensor | None) -> int:

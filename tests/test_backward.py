@@ -221,20 +221,22 @@ def test_return_lse_carries_no_gradient_and_only_some_inputs_require_grad(device
     assert_grads_close([k_only.grad], [want[1]], torch.float32)
 
 
-def test_double_backward_is_an_error_even_where_do_requires_no_grad(device):
+@pytest.mark.parametrize("op", [False, True], ids=["eager", "custom-op"])
+def test_double_backward_is_an_error_even_where_do_requires_no_grad(op, device):
     """dq depends on q: differentiating a create_graph=True gradient must fail, not treat dq as a constant. With
     o.sum() (a do that requires no grad) and q = x * x, the second backward used to give x.grad = 2 * dq."""
     spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True)
     q, k, v, do = leaves(1, 1, 1, 64, 64, 64, torch.float32, device, seed=5)
     attn = kernelgen.get_kernel(spec)
+    attend = (lambda *qkv: sparse_attention(*qkv, spec)[0]) if op else attn
     x = q.detach().requires_grad_()
-    gx, = torch.autograd.grad(attn(x * x, k.detach(), v.detach()).sum(), x, create_graph=True)
+    gx, = torch.autograd.grad(attend(x * x, k.detach(), v.detach()).sum(), x, create_graph=True)
     want = 2 * x.detach() * reference.sparse_attention_grads(x * x, k, v, torch.ones_like(do), spec,
                                                              attn.select((x * x).detach(), k.detach()))[0]
     assert_grads_close([gx.detach(), gx.detach(), gx.detach()], [want] * 3, torch.float32)  # first order: right
     with pytest.raises(RuntimeError, match="not differentiable"):
         gx.sum().backward()
-    dq, = torch.autograd.grad(attn(q, k, v), q, do.requires_grad_(), create_graph=True)
+    dq, = torch.autograd.grad(attend(q, k, v), q, do.requires_grad_(), create_graph=True)
     with pytest.raises(RuntimeError, match="not differentiable"):
         dq.sum().backward()
 
