@@ -253,6 +253,23 @@ def test_simulated_ranks_take_broadcast_lists(path):
     assert _err(got, want.double()) < TOL
 
 
+def test_no_double_backward_even_where_do_requires_no_grad(monkeypatch):
+    """A rank's dq, dk, dv depend on its q, k, v: a create_graph=True backward's gradients raise when
+    differentiated, whether or not do requires grad (o.sum()'s does not)."""
+    import importlib
+
+    cp = importlib.import_module("kernelgen.distributed.attention")  # the package's attention is the function
+
+    grads = tuple(torch.randn(1, 2, 8, D) for _ in range(3))
+    monkeypatch.setattr(cp, "ring_backward", lambda *args: grads)
+    ctx = type("Ctx", (), {"call": None, "path": "dense", "steps": None, "needs_input_grad": (True,) * 7,
+                           "saved_tensors": tuple(torch.randn(1, 2, 8, D) for _ in range(5))})()
+    with torch.enable_grad():  # as autograd runs a backward under create_graph=True
+        dq = cp._ContextParallel.backward(ctx, torch.ones(1, 2, 8, D), None)[0]
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        dq.sum().backward()
+
+
 def test_layout_tables():
     """Zigzag over 2 ranks: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2; ids map both ways."""
     lay = kd.Layout("zigzag", 2, 1, 64)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..dispatch import SparseAttention, get_kernel
+from ..dispatch import SparseAttention, get_kernel, once_differentiable
 from ..errors import KernelgenError, KernelgenTypeError, KernelgenValueError
 from ..inputs import check_qkv, check_return_lse, check_scale
 from ..spec import Spec
@@ -265,7 +265,7 @@ class _ContextParallel(torch.autograd.Function):
         return o, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable  # no double backward: create_graph=True gradients raise when differentiated
     def backward(ctx, do, _dlse):
         call = ctx.call
         q, k, v, o, lse = ctx.saved_tensors
