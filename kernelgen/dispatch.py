@@ -31,7 +31,7 @@ from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx,
                      check_reps_fit_capacity, check_keys, check_length,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
                      lists_type_error, refuse_forward_ad, refuse_function_transforms,
-                     refuse_grad_with_seqlens)
+                     refuse_grad_with_seqlens, refuse_nsa_layout)
 from .archs import ANY_ARCH
 from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
@@ -464,8 +464,9 @@ class SparseAttention:
         if block_idx.dim() != 4:
             raise KernelgenValueError(f"block_idx must be 4-D {lists_layout(self.spec)}, got shape "
                                       f"{tuple(block_idx.shape)}")
-        b, hkv = block_idx.shape[:2]
         spec = self.spec
+        refuse_nsa_layout(block_idx.shape, spec, seq_q)  # dim 1 is read as Hkv below: an error would name T there
+        b, hkv = block_idx.shape[:2]
         shapes = Shapes(b, hkv * spec.gqa_group, hkv, seq_q, seq_k, spec.n_q_tiles(seq_q), spec.n_kv_blocks(seq_k))
         checked = check_block_idx(block_idx, spec, shapes, block_idx.device, self.validate_lists)
         # the lists' form does not depend on the dtype of the calls that read them

@@ -23,7 +23,8 @@ __all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_reps_leng
            "check_reps_fit_capacity", "CacheRows", "check_cache_rows", "check_paged_kv",
            "check_pages",
            "refuse_grad_with_seqlens", "check_keys", "check_qkv",
-           "check_block_idx", "check_block_lists", "lists_type_error", "describe_index", "check_index",
+           "check_block_idx", "check_block_lists", "refuse_nsa_layout", "lists_type_error", "describe_index",
+           "check_index",
            "check_length", "check_return_lse",
            "softmax_scale", "empty", "next_pow2", "cdiv", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS",
            "INDEX_LAYOUT"]
@@ -525,10 +526,12 @@ def check_block_idx(block_idx, spec: Spec, shapes: Shapes, device, validate: boo
     if not isinstance(block_idx, torch.Tensor):
         raise lists_type_error(block_idx)
     expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
+    given = tuple(block_idx.shape)  # the caller's, for an error: not the broadcast one
     if block_idx.dim() == 4 and all(n in (1, want) for n, want in zip(block_idx.shape[:2], expected[:2])):
         block_idx = block_idx.expand(*expected[:2], *block_idx.shape[2:])  # B or Hkv of 1 broadcasts, as in Flex
     if tuple(block_idx.shape) != expected:
-        raise KernelgenValueError(f"block_idx.shape = {tuple(block_idx.shape)}, expected {lists_layout(spec)} = {expected}")
+        refuse_nsa_layout(given, spec, shapes.n_q, shapes.heads_kv)
+        raise KernelgenValueError(f"block_idx.shape = {given}, expected {lists_layout(spec)} = {expected}")
     if block_idx.device != device:
         raise KernelgenValueError(f"block_idx is on {block_idx.device} but q is on {device}")
     if block_idx.dtype == torch.int64:
@@ -542,6 +545,19 @@ def check_block_idx(block_idx, spec: Spec, shapes: Shapes, device, validate: boo
         if bool(((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] >= 0)).any()):
             raise KernelgenValueError("block_idx holds a repeated block id in some list; each list must be a set")
     return block_idx
+
+
+def refuse_nsa_layout(shape: tuple, spec: Spec, n_q: int, heads_kv: int | None = None) -> None:
+    """Raise where per-query lists of this shape look like NSA's (fla-core's) [B, T, Hkv, S]: Nq in dim 1, where
+    Hkv belongs (`heads_kv`, None where the caller does not know it: prepare reads Hkv from that dimension)."""
+    shape = tuple(shape)
+    if not spec.per_query or len(shape) != 4 or shape[1] != n_q or shape[2] == n_q:
+        return
+    if heads_kv is not None and (shape[1] == heads_kv or shape[2] not in (1, heads_kv)):
+        return
+    raise KernelgenValueError(f"block_idx.shape = {shape} holds Nq = {n_q} in dim 1; per-query lists are "
+                              f"{lists_layout(spec)}: lists in NSA's [B, T, Hkv, S] layout (fla-core's) go in as "
+                              "block_idx.transpose(1, 2)")
 
 
 def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> torch.Tensor:

@@ -191,6 +191,25 @@ def test_bad_inputs_are_clear_errors(device):
             kernelgen.get_kernel(kv_spec(backend=name))
 
 
+def test_lists_in_nsa_layout_are_refused_naming_the_transpose(device):
+    """fla-core's NSA keeps per-query lists as [B, T, Hkv, S]: passed as they are, the call and prepare say so (prepare
+    reads Hkv from dim 1, so it must not claim T there as the expected Hkv)."""
+    spec = kv_spec(top_k=2, selector="given", gqa_group=2)
+    q, k, v = make_inputs(1, 2, 2, 40, 64, 64, torch.float32, device, 37)
+    attn = kernelgen.get_kernel(spec)
+    ours = torch.zeros(1, 2, 40, 2, dtype=torch.int32, device=device)
+    for nsa in (ours.transpose(1, 2), ours[:, :1].transpose(1, 2)):  # Hkv heads, or one broadcast
+        with pytest.raises(KernelgenValueError, match=r"NSA's \[B, T, Hkv, S\].*block_idx.transpose\(1, 2\)"):
+            attn(q, k, v, block_idx=nsa)
+        with pytest.raises(KernelgenValueError, match=r"NSA's \[B, T, Hkv, S\].*block_idx.transpose\(1, 2\)") as error:
+            attn.prepare(nsa, 40, 64)
+        assert "(1, 40, 40, 2)" not in str(error.value)
+    with pytest.raises(KernelgenValueError, match=r"NSA's \[B, T, Hkv, S\]"):  # one query (a decode step)
+        attn(q[:, :, :1], k, v, block_idx=ours[:, :, :1].transpose(1, 2))
+    with pytest.raises(KernelgenValueError, match=r"block_idx.shape = \(1, 1, 39, 2\)"):  # the caller's, not broadcast
+        attn(q, k, v, block_idx=ours[:, :1, :39])
+
+
 # ---- GPU: long sequences, bf16/fp16 -------------------------------------------------------------------------
 
 GPU_CASES = [  # B, Hkv, G, Nq, Nk, D, kv_block, top_k, causal
