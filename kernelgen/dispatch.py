@@ -720,9 +720,9 @@ class _AttentionFunction(torch.autograd.Function):
         if union is not None and not attn._union_backward(union, ctx.prepared.block_idx, ctx.shapes, q.dtype,
                                                           q.device):
             union = None  # the gathered design's backward reads the union forward's o and lse alike
-        elif ctx.prepared is None and attn.spec.per_query and "kv_bwd_union" in attn._fixed:
-            # raw or selected lists under a pinned union backward config: the union the forward built, else
-            # theirs for the backward config's tile_q
+        elif union is None and attn.spec.per_query and "kv_bwd_union" in attn._fixed:
+            # raw or selected lists, or prepared ones the forward ran gathered, under a pinned union backward
+            # config: the union the forward built, else theirs for the backward config's tile_q
             union = ctx.built_union or build_tile_union(block_idx, attn._fixed["kv_bwd_union"].tile_q,
                                                          ctx.shapes.n_kv_blocks)
         reverse = ctx.prepared.reverse_index() if ctx.prepared is not None and union is None else None

@@ -242,6 +242,28 @@ def test_the_backward_runs_the_union_design_only_where_lists_agree_closely(devic
         assert ran == [want], (prepared.union.inflation(prepared.block_idx), ran)
 
 
+def test_a_pinned_union_backward_serves_prepared_lists_of_the_gathered_forward(device, monkeypatch):
+    """Prepared lists too loose for the union forward (no kv_attn_union pinned) under a pinned kv_bwd_union: the
+    backward runs the pinned design, as it does for raw lists, against the float64 reference."""
+    from kernelgen.backends.triton import TritonBackend
+
+    ran = []
+    for role in ("kv_attn", "kv_attn_union", "kv_bwd", "kv_bwd_union"):
+        impl = TritonBackend.roles[role]
+        monkeypatch.setitem(TritonBackend.roles, role, dataclasses.replace(
+            impl, launch=lambda *a, role=role, launch=impl.launch: ran.append(role) or launch(*a)))
+    spec = kv_spec(top_k=4, kv_block=16, gqa_group=2)
+    nq = 200
+    loose = random_query_lists(spec, 1, 1, nq, nq, device="cpu").to(device)
+    attn = kernelgen.get_kernel(spec, configs={"kv_bwd_union": bwd_config(8)["kv_bwd_union"]})
+    prepared = attn.prepare(loose, nq, nq)
+    assert prepared.union is None
+    q, k, v, do = leaves(1, 1, 2, nq, nq, 64, torch.float32, device, 41)
+    attn(q, k, v, block_idx=prepared).backward(do)
+    assert ran == ["kv_attn", "kv_bwd_union"], ran
+    assert_grads_close((q.grad, k.grad, v.grad), reference.sparse_attention_grads(q, k, v, do, spec, loose), q.dtype)
+
+
 def test_a_pinned_union_config_serves_raw_and_selected_lists(device, monkeypatch):
     """Raw lists and the selector's own (no prepare, no sync) run the union design, forward and backward, where
     configs pin it: against the float64 reference."""
