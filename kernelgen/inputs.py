@@ -614,7 +614,8 @@ def check_index(index, spec: Spec, shapes: Shapes, device) -> tuple[torch.Tensor
         raise KernelgenValueError(f"index= is the input of the 'index' selector; spec.selector={spec.selector!r} "
                                   "takes none (use Spec(selector='index'))")
     if not isinstance(index, (tuple, list)) or len(index) != 3:
-        raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {describe_index(index)}; {INDEX_LAYOUT}")
+        raise KernelgenTypeError(f"index must be a tuple (q_idx, k_idx, w), got {describe_index(index)}; "
+                                 f"{INDEX_LAYOUT}")
     q_idx, k_idx, w = index
     for name, t, dims in (("q_idx", q_idx, 4), ("k_idx", k_idx, 4), ("w", w, 3)):
         if not isinstance(t, torch.Tensor):
