@@ -16,9 +16,11 @@ assembled from kernelgen's own sources, so that nothing is written twice:
              `module_name` verbatim); a part of kernelgen that is not embedded is a ModuleNotFoundError
              when (if ever) a function imports it
   launcher   SPEC, CONFIGS, `kernel` (kernelgen's own SparseAttention with every role's config pinned, so
-             that nothing is tuned or looked up), attn(q, k, v, *, block_idx=None, scale=None,
-             return_lse=False) (its output backpropagates, as kernelgen's does), select(q, k) and
-             prepare(block_idx, seq_q, seq_k)
+             that nothing is tuned or looked up), attn(q, k, v, *, block_idx=None, index=None, scale=None,
+             return_lse=False, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None,
+             block_table=None) (its output backpropagates, as kernelgen's does), select(q, k, *, ...),
+             key_reps(k, *, previous=None, ...) and prepare(block_idx, seq_q, seq_k): the keyword arguments
+             of kernelgen's SparseAttention
 
 Kernels are built by the backends' own code (`Backend.build`): rendered modules are written, as kernelgen
 writes them, to `codegen.cache.load_module`'s directory (Triton and TileLang read a kernel's source from
