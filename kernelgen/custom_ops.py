@@ -9,10 +9,12 @@
     reps = key_reps(k_cache, spec, cache_seqlens=lens)                    # the selector's kept representatives
     key_reps(k_cache, spec, cache_seqlens=lens, previous=reps)            # grown in place (a CUDA graph replays it)
     o, lse = sparse_attention(q, k_cache, v_cache, spec, cache_seqlens=lens, key_reps=reps)
+    o, lse = sparse_attention(q, k, v, spec, seqlens=lens)               # a right-padded batch, one call
 
-The ops take the spec as its JSON text, and the index selector's tensors as three optional arguments (a string is a valid op argument; a dataclass is not) and
-dispatch to `get_kernel(spec)`, so they run exactly the kernels and checks of the eager API. Their
-fake (meta) implementations give output shapes and dtypes without running anything.
+The ops take the spec as its JSON text (a string is a valid op argument; a dataclass is not), and the index
+selector's tensors as three optional arguments, and dispatch to `get_kernel(spec)`, so they run exactly the kernels
+and checks of the eager API. Their fake (meta) implementations give output shapes and dtypes without running
+anything.
 
 `kernelgen::sparse_attention` backpropagates (`torch.library.register_autograd`): it also returns the lists
 it attended over (in the kernels' form; given or selected), which its backward, the op

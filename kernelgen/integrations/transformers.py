@@ -56,15 +56,14 @@ attention), one SDPA call with the mask (the same attention; its padding positio
 A prompt chunk after earlier keys whose queries are all tokens (left padding, all of it before the chunk) is one
 call over the cache's rows (`cache_seqlens`, `cache_leftpad`); one that holds padding runs a call per row.
 
-Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's
-`"layer_types"` run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen
-cannot compute falls back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong result: an
-attention mask that is not causal over each row's tokens (a custom 4-D mask, an additive bias), dropout > 0,
-`output_attentions`, sliding windows, a non-causal module, a head_dim kernelgen has no kernels for (or values of
-another head_dim than the queries'), and dtypes
-its kernels do not take on the device (float32 on a GPU, bfloat16 in the CPU interpreter). A model whose attention
-applies soft-capping or attention sinks, which SDPA does not compute either, is refused (a ValueError) at its
-first attention call, in every layer.
+Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's `"layer_types"`
+run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen cannot compute falls
+back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong result: an attention mask that is not
+causal over each row's tokens (a custom 4-D mask, an additive bias), dropout > 0, `output_attentions`, sliding
+windows, a position bias, a non-causal module, a head_dim kernelgen has no kernels for (or values of another
+head_dim than the queries'), and dtypes its kernels do not take on the device (float32 on a GPU, bfloat16 in the CPU
+interpreter). A model whose attention applies soft-capping or attention sinks, which SDPA does not compute either,
+is refused (a ValueError) at its first attention call, in every layer.
 """
 from __future__ import annotations
 
