@@ -569,8 +569,10 @@ def bench(
     chunked: bool = typer.Option(False, "--chunked", help="A prefill chunk over a KV cache of per-row lengths (B8, "
                                                           "rows of N down to N/2) in one call (cache_seqlens=) "
                                                           "against a call per row, FlexAttention (same lists and "
-                                                          "lengths) and SDPA with the rows' mask (shapes "
-                                                          "chunk512_32k, chunk2048_32k; GPU only)."),
+                                                          "lengths) and SDPA with the rows' mask, and the one "
+                                                          "call over the same cache in shuffled pages "
+                                                          "(block_table=) (shapes chunk512_32k, chunk2048_32k; "
+                                                          "GPU only)."),
     context_parallel: bool = typer.Option(False, "--context-parallel", help="A 2-rank context-parallel run's "
                                           "per-rank kernels (dense ring and sparse fetch), forward and backward, "
                                           "timed on one GPU against one GPU's, the bytes each path moves, and the "

@@ -9,7 +9,7 @@ one sink and two local blocks; a cache of capacity N whose rows hold N down to a
 - the whole `mean` pipeline (selection and attention), one call and a call per row; per-query lists (the
   KV-centric schedule) one call (the `kv_attn_rows` role) and a call per row;
 - the same one calls over the cache scattered in shuffled pages of PAGE_BLOCKS blocks (`block_table=`: the
-  `attn_paged` role), compared with the contiguous call (`max_abs_vs_contiguous`);
+  `attn_paged` and `kv_attn_paged` roles), compared with the contiguous call (`max_abs_vs_contiguous`);
 - FlexAttention (torch.compile'd) over a BlockMask of the same lists with the rows' lengths
   (`to_block_mask(..., cache_seqlens=)`);
 - SDPA with the rows' mask (causal from each row's own diagonal AND its keys: SDPA's memory-efficient kernel)
