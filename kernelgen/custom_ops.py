@@ -30,7 +30,7 @@ import torch
 
 from . import dispatch
 from .dispatch import clear_padding, get_kernel
-from .errors import KernelgenTypeError, KernelgenValueError
+from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity, check_reps_length,
                      check_scale, describe_index, lists_type_error, refuse_forward_ad,
                      refuse_grad_with_seqlens)
@@ -128,7 +128,7 @@ torch.library.register_autograd("kernelgen::sparse_attention", _backward, setup_
 
 
 def _no_double_backward(ctx, *grads):
-    raise RuntimeError(dispatch.NO_DOUBLE_BACKWARD)
+    raise KernelgenRuntimeError(dispatch.NO_DOUBLE_BACKWARD)
 
 
 # the backward op's own backward (a create_graph=True gradient differentiated): torch's message would name a
