@@ -221,13 +221,19 @@ def _broadcast_lists(block_idx, q: torch.Tensor, k: torch.Tensor):
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> None:
-    """q's heads are the spec's groups of k's heads, or some of them (a check of a slice of the query heads): more
-    than gqa_group * Hkv is no call of the spec (q passed as [B, N, H, D], say), never an answer."""
+    """q's heads are the spec's groups of k's heads, or some of one group with that KV head alone (a check of a slice
+    of the query heads: q[:, h*G + a : h*G + c] with k[:, h:h+1]). More than gqa_group * Hkv is no call of the spec
+    (q passed as [B, N, H, D], say), and fewer with several KV heads does not say which heads they are (query head
+    i reads KV head i // G): never an answer."""
     hq, hkv = q.shape[1], k.shape[1]
     if hq > spec.gqa_group * hkv or hq % hkv:
         raise KernelgenValueError(f"q has {hq} heads and k {hkv} (q.shape[1], k.shape[1]); spec.gqa_group = "
                                   f"{spec.gqa_group} takes at most {spec.gqa_group * hkv}, a multiple of {hkv}: the "
                                   "layout is [B, H, N, D]")
+    if hq < spec.gqa_group * hkv and hkv > 1:
+        raise KernelgenValueError(f"q has {hq} heads and k {hkv}; spec.gqa_group = {spec.gqa_group} takes "
+                                  f"{spec.gqa_group * hkv}: some query heads go with their one KV head alone "
+                                  "(q[:, h*G + a : h*G + c] with k[:, h:h+1])")
 
 
 def sparse_attention(

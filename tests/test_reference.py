@@ -174,3 +174,19 @@ def test_queries_in_the_wrong_layout_are_refused_not_answered():
         reference.sparse_attention_grads(q.transpose(1, 2), k, k, q.transpose(1, 2), spec, torch.zeros(1, 1, 1, 4))
     assert reference.sparse_attention(q, k, k, spec)[0].shape == q.shape
     assert reference.sparse_attention(q[:, :1], k, k, spec)[0].shape == q[:, :1].shape  # a slice of the group
+
+
+def test_some_query_heads_with_several_kv_heads_are_refused_not_answered():
+    """Query head i reads KV head i // G: q[:, :2] at G = 2 beside k's 2 heads are both KV head 0's, which the
+    oracle cannot tell from q[:, 2:4] (KV head 1's). It refuses them rather than pair head 1 with KV head 1; a
+    slice goes with its KV head alone."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=2, causal=True, gqa_group=2, selector="given")
+    q, k, v = rand(1, 4, 32, 64), rand(1, 2, 32, 64), rand(1, 2, 32, 64)
+    lists = torch.tensor([[0, -1], [0, 1]], dtype=torch.int32).view(1, 1, 2, 2)
+    whole_o, _, _ = reference.sparse_attention(q, k, v, spec, block_idx=lists)
+    with pytest.raises(ValueError, match=r"q has 2 heads and k 2; .* k\[:, h:h\+1\]"):
+        reference.sparse_attention(q[:, :2], k, v, spec, block_idx=lists)
+    with pytest.raises(ValueError, match="q has 2 heads and k 2"):
+        reference.sparse_attention_grads(q[:, :2], k, v, q[:, :2], spec, lists)
+    o, _, _ = reference.sparse_attention(q[:, 2:4], k[:, 1:], v[:, 1:], spec, block_idx=lists)
+    assert torch.equal(o, whole_o[:, 2:4])
