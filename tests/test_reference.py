@@ -190,3 +190,19 @@ def test_some_query_heads_with_several_kv_heads_are_refused_not_answered():
         reference.sparse_attention_grads(q[:, :2], k, v, q[:, :2], spec, lists)
     o, _, _ = reference.sparse_attention(q[:, 2:4], k[:, 1:], v[:, 1:], spec, block_idx=lists)
     assert torch.equal(o, whole_o[:, 2:4])
+
+
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_the_selector_fills_every_slot_the_forced_blocks_leave(schedule):
+    """The forced blocks are a set: at diagonal block 0 (Nq = Nk, tile 0 or query 0), sink=1 and local=2 force
+    block 0 alone (local block -1 does not exist), so top_k=3 leaves two free slots, not top_k - (sink + local) = 0,
+    as the kernels' selection fills them."""
+    kw = {} if schedule == "kv_centric" else {"q_tile": 16}
+    spec = Spec(head_dim=64, kv_block=16, top_k=3, causal=False, sink=1, local=2, schedule=schedule, **kw)
+    q = torch.zeros(1, 1, 64, 64, dtype=torch.float64)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 64, 64, dtype=torch.float64)
+    for b, val in enumerate([-1.0, 0.5, -0.5, 0.9]):
+        k[0, 0, 16 * b : 16 * b + 16, 0] = val
+    lists = reference.select_blocks(q, k, spec)[0, 0]
+    assert lists[0].tolist() == [0, 1, 3]  # block 0 forced; blocks 3 and 1 score highest
