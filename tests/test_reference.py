@@ -206,3 +206,16 @@ def test_the_selector_fills_every_slot_the_forced_blocks_leave(schedule):
         k[0, 0, 16 * b : 16 * b + 16, 0] = val
     lists = reference.select_blocks(q, k, spec)[0, 0]
     assert lists[0].tolist() == [0, 1, 3]  # block 0 forced; blocks 3 and 1 score highest
+
+
+def test_a_query_whose_listed_blocks_all_lie_past_its_diagonal_is_an_empty_row():
+    """Nq = Nk = 32, q_tile 32, kv_block 16, top_k=1, causal: the tile's list is its diagonal block 1 alone, and
+    queries 0..15 see none of its keys: o = 0, lse = -inf, and no gradient, as for a list of empty slots."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=32, top_k=1, causal=True)
+    q, k, v, do = rand(1, 1, 32, 64), rand(1, 1, 32, 64), rand(1, 1, 32, 64), rand(1, 1, 32, 64)
+    o, lse, idx = reference.sparse_attention(q, k, v, spec)
+    assert idx.tolist() == [[[[1]]]]
+    assert (o[0, 0, :16] == 0).all() and torch.isneginf(lse[0, 0, :16]).all() and torch.isfinite(lse[0, 0, 16:]).all()
+    dq, dk, dv = reference.sparse_attention_grads(q, k, v, do, spec, idx, stored_o=o.float())
+    assert (dq[0, 0, :16] == 0).all() and (dk[0, 0, :16] == 0).all() and (dv[0, 0, :16] == 0).all()
+    assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
