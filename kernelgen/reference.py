@@ -261,6 +261,9 @@ def sparse_attention(
     [n_pages, Hkv, page_size, D], the call over `gather_pages` of them (each row's capacity without
     cache_seqlens). Given lists with a batch or KV-head dimension of 1 hold every row's or head's list."""
     _check_heads(q, k, spec)
+    if seqlens is not None and (q.shape[2] != k.shape[2] or cache_seqlens is not None or block_table is not None):
+        raise KernelgenValueError(f"seqlens is a padded batch of self-attention: Nq == Nk (got {q.shape[2]} and "
+                                  f"{k.shape[2]}), without cache_seqlens or block_table")
     block_idx = _broadcast_lists(block_idx, q, k)
     if block_table is not None:
         k, v = gather_pages(k, block_table, cache_seqlens), gather_pages(v, block_table, cache_seqlens)

@@ -219,3 +219,18 @@ def test_a_query_whose_listed_blocks_all_lie_past_its_diagonal_is_an_empty_row()
     dq, dk, dv = reference.sparse_attention_grads(q, k, v, do, spec, idx, stored_o=o.float())
     assert (dq[0, 0, :16] == 0).all() and (dk[0, 0, :16] == 0).all() and (dv[0, 0, :16] == 0).all()
     assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
+
+
+def test_seqlens_outside_self_attention_are_refused_not_answered():
+    """seqlens is a right-padded batch of self-attention (Nq == Nk), refused with cache_seqlens or block_table, as
+    the kernels refuse them: no answer for a call no kernel makes (Nq = 32 against Nk = 64 was q's 32 rows over
+    k's first 32 keys; with cache_seqlens, seqlens was ignored)."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=2, causal=True)
+    q, k = rand(1, 1, 32, 64), rand(1, 1, 64, 64)
+    lens = torch.tensor([40], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"Nq == Nk \(got 32 and 64\)"):
+        reference.sparse_attention(q, k, k, spec, seqlens=lens)
+    with pytest.raises(ValueError, match="without cache_seqlens or block_table"):
+        reference.sparse_attention(k, k, k, spec, seqlens=lens, cache_seqlens=lens)
+    o, lse, _ = reference.sparse_attention(k, k, k, spec, seqlens=lens)
+    assert (o[0, 0, 40:] == 0).all() and torch.isneginf(lse[0, 0, 40:]).all()
