@@ -386,6 +386,16 @@ def test_db_bundle_merges_and_keeps(tmp_path):
     one_line_error(invoke("db", "bundle", str(tmp_path / "missing.db"), "--into", str(target)), "missing.db")
 
 
+def test_db_bundle_refuses_a_user_db_as_target(tmp_path):
+    """A user DB (WAL) may be written by a tuner while bundle reads it and replaces the file: refused, and kept."""
+    ours, live = tmp_path / "gpu.db", tmp_path / "tuning.db"
+    _add_row(ours, "new-key")
+    _add_row(live, "live-key")
+    before = [r["spec_key"] for r in TuningDB(live).rows()]
+    one_line_error(invoke("db", "bundle", str(ours), "--into", str(live)), "WAL")
+    assert [r["spec_key"] for r in TuningDB(live).rows()] == before == ["live-key"]
+
+
 def test_export_writes_an_importable_module(tmp_path):
     spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True)
     (tmp_path / "spec.json").write_text(spec.to_json())

@@ -849,11 +849,25 @@ def _kept(old: dict, new: dict) -> dict:
     return new if new["timestamp"] > old["timestamp"] else old
 
 
+def _is_wal_file(path: Path) -> bool:
+    """Whether `path` is an SQLite file in WAL mode (header bytes 18-19 are 2, SQLite's file format docs)."""
+    try:
+        with open(path, "rb") as file:
+            header = file.read(20)
+    except OSError:
+        return False
+    return header.startswith(b"SQLite format 3\x00") and header[18:20] == b"\x02\x02"
+
+
 def merge_into_bundled(paths: Iterable[str | Path], bundled: str | Path = BUNDLED_DB_PATH) -> list[dict]:
     """Merge the winners of other DB files (GPU machines' user DBs) into the bundled DB file: a row of theirs
     replaces the bundled row of the same key, every other bundled row is kept. Rows of one key in several of
     `paths` merge as one DB keeps them (`_kept`), whatever their order. Returns the rows."""
     bundled = Path(bundled)
+    if _is_wal_file(bundled):
+        # A WAL file is a user DB that tuners write: replacing it would drop rows written meanwhile.
+        raise KernelgenValueError(f"{bundled} is a user tuning DB (WAL journal), which tuners may be writing; "
+                                  "bundle into a copy of it, or into the bundled DB file")
     # read-only, and strictly: a file that is not a tuning DB is an error, never merged as empty or overwritten
     rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in (rows_of_file(bundled) if bundled.exists() else [])}
     merged: dict[tuple, dict] = {}
