@@ -28,6 +28,9 @@ there is (generate of 1 + `--decode` tokens less generate of 1 token) / `--decod
 a warm-up generate that compiles. `--padded` makes that batch's prompts n down to about n/2 tokens, padded on the
 left: kernelgen computes each row over its own tokens.
 
+`--compile` also times each prefill of the model under `torch.compile` (Inductor, after a warm-up that compiles),
+as a user who compiles the model runs it: kernelgen's selection and attention are traced as its custom ops.
+
 Without a CUDA GPU kernelgen runs in Triton's CPU interpreter: the example then runs a tiny model (2 layers,
 hidden 64, 128 tokens, 16-key blocks) in float32, checks that kernelgen with every block listed gives SDPA's
 logits, that decoding over a `KeyRepsCache` gives the logits a `DynamicCache` does, and says that its times mean
@@ -170,6 +173,7 @@ def main(argv=None) -> int:
                    "(compiled, CUDA graphs) at these batch sizes (GPU; no value: 1)")
     p.add_argument("--padded", action="store_true", help="the static cache's batch: prompts of n down to about n/2 "
                    "tokens, padded on the left")
+    p.add_argument("--compile", action="store_true", help="also time the prefills of the model under torch.compile")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
 
@@ -206,30 +210,18 @@ def main(argv=None) -> int:
         plain, kept = (decode(model, ids, make(config=model.config), steps) for _, _, make in DECODERS[2:])
         print(f"decode, {steps} steps: logits over a KeyRepsCache equal a DynamicCache's: {torch.equal(plain, kept)}")
         assert torch.equal(plain, kept)
+        if args.compile:  # the compiled model runs kernelgen's ops: the eager logits (aot_eager: no C++ build here)
+            model.set_attn_implementation("kernelgen")
+            error = (prefill(torch.compile(model, backend="aot_eager"), ids) - prefill(model, ids)).abs().max().item()
+            print(f"compiled prefill: logits max-abs difference from the eager model's {error:.2e}")
+            assert error < 1e-5 * want.abs().max().item(), error
 
     results = []
     print(f"{'tokens':>8} {'attention':>10} {'prefill s':>10} {'tokens/s':>10} {'attention s':>12} {'attention %':>12}")
     for n in seqs:
         ids = random_ids(config.vocab_size, 1, n, seed=n).to(device)
-        times = {}
-        for name in ("no-op", "sdpa", "kernelgen"):
-            model.set_attn_implementation(name)
-            try:
-                times[name] = timed_prefill(model, ids, args.repeats)
-            except torch.OutOfMemoryError:
-                print(f"{n:>8} {name:>10}   out of memory")
-                torch.cuda.empty_cache()
-        if "no-op" not in times:
-            continue
-        for name in [name for name in ("sdpa", "kernelgen") if name in times]:
-            attention = max(0.0, times[name] - times["no-op"])
-            row = {"tokens": n, "attention": name, "prefill_s": times[name], "tokens_per_s": n / times[name],
-                   "attention_s": attention, "attention_share": attention / times[name],
-                   "rest_of_model_s": times["no-op"]}
-            results.append(row)
-            print(f"{n:>8} {name:>10} {times[name]:>10.3f} {row['tokens_per_s']:>10.0f} {attention:>12.3f} "
-                  f"{100 * row['attention_share']:>11.1f}%")
-        print(f"{n:>8} {'no-op':>10} {times['no-op']:>10.3f} {n / times['no-op']:>10.0f}   (the model without attention)")
+        for compiled in (False, True) if args.compile and on_gpu else (False,):
+            results += prefill_rows(torch.compile(model) if compiled else model, model, ids, args.repeats, compiled)
         del ids
         for batch in args.decode_batch if on_gpu and args.decode else ():
             results += decode_rows(model, config.vocab_size, n, batch, args.decode)
@@ -244,6 +236,31 @@ def main(argv=None) -> int:
             json.dump({"meta": meta, "results": results}, f, indent=1)
         print(f"wrote {args.out}")
     return 0
+
+
+def prefill_rows(runner, model, ids, repeats: int, compiled: bool) -> list[dict]:
+    """Prefills of `ids` by `runner` (the model, or it compiled) under no-op, SDPA and kernelgen attention (set on
+    `model`): seconds, tokens/s and the attention's share."""
+    n, label, times, rows = ids.shape[1], " (compiled)" if compiled else "", {}, []
+    for name in ("no-op", "sdpa", "kernelgen"):
+        model.set_attn_implementation(name)
+        try:
+            times[name] = timed_prefill(runner, ids, repeats)
+        except torch.OutOfMemoryError:
+            print(f"{n:>8} {name:>10}   out of memory{label}")
+            torch.cuda.empty_cache()
+    if "no-op" not in times:
+        return rows
+    for name in [name for name in ("sdpa", "kernelgen") if name in times]:
+        attention = max(0.0, times[name] - times["no-op"])
+        rows.append({"tokens": n, "attention": name, "compiled": compiled, "prefill_s": times[name],
+                     "tokens_per_s": n / times[name], "attention_s": attention,
+                     "attention_share": attention / times[name], "rest_of_model_s": times["no-op"]})
+        print(f"{n:>8} {name:>10} {times[name]:>10.3f} {rows[-1]['tokens_per_s']:>10.0f} {attention:>12.3f} "
+              f"{100 * rows[-1]['attention_share']:>11.1f}%{label}")
+    print(f"{n:>8} {'no-op':>10} {times['no-op']:>10.3f} {n / times['no-op']:>10.0f}   (the model without attention"
+          f"{label.replace(' (', ', ').rstrip(')')})")
+    return rows
 
 
 def decode_rows(model, vocab: int, n: int, batch: int, steps: int) -> list[dict]:

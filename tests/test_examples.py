@@ -52,19 +52,20 @@ def test_quality_tiny_reports_each_length(tmp_path):
 
 def test_hf_llama_sparse_runs_tiny_on_the_cpu(tmp_path):
     """On a CPU the example runs its tiny model in the interpreter (it says so), checks kernelgen against SDPA with
-    every block listed and decoding over a KeyRepsCache against a DynamicCache, and times the three attention
-    implementations."""
+    every block listed, decoding over a KeyRepsCache against a DynamicCache and the compiled model against the eager
+    one, and times the three attention implementations."""
     if torch.cuda.is_available():
         return  # the GPU run is the example's own (1B-scale, 32k and 128k tokens)
     pytest.importorskip("transformers")
     out = tmp_path / "hf.json"
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_llama_sparse.py"), "--seq", "64", "--out",
-                             str(out)], capture_output=True, text=True, timeout=900,
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_llama_sparse.py"), "--seq", "64", "--compile",
+                             "--out", str(out)], capture_output=True, text=True, timeout=900,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "No CUDA GPU" in result.stdout and "every block listed" in result.stdout
     assert re.search(r"model: \d+\.\dK parameters", result.stdout), result.stdout[:500]  # not 0.000164B
     assert "logits over a KeyRepsCache equal a DynamicCache's: True" in result.stdout
+    assert "compiled prefill: logits max-abs difference from the eager model's 0.00e+00" in result.stdout
     rows = json.loads(out.read_text())["results"]
     assert [(r["tokens"], r["attention"]) for r in rows] == [(64, "sdpa"), (64, "kernelgen")]
 
