@@ -141,6 +141,11 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> t
     (q_idx, k_idx, w) of the "index" selector."""
     if not spec.selects:
         raise KernelgenValueError("select_blocks: spec.selector='given' chooses no blocks; the caller passes block_idx")
+    if q.shape[1] < spec.gqa_group * k.shape[1] and spec.selector != "index":
+        # the selector pools all G query heads of a KV head: some of them would choose other lists
+        raise KernelgenValueError(f"q has {q.shape[1]} of the {spec.gqa_group} query heads of its KV head, and "
+                                  f"selector {spec.selector!r} pools all of them: pass the lists the whole group "
+                                  "selects (block_idx=)")
     nq, nk = q.shape[2], k.shape[2]
     scores = block_scores(q, k, spec, index)
     eligible, forced = tile_eligibility(spec, nq, nk, device=q.device)

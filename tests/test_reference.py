@@ -173,7 +173,12 @@ def test_queries_in_the_wrong_layout_are_refused_not_answered():
     with pytest.raises(ValueError, match="q has 64 heads"):
         reference.sparse_attention_grads(q.transpose(1, 2), k, k, q.transpose(1, 2), spec, torch.zeros(1, 1, 1, 4))
     assert reference.sparse_attention(q, k, k, spec)[0].shape == q.shape
-    assert reference.sparse_attention(q[:, :1], k, k, spec)[0].shape == q[:, :1].shape  # a slice of the group
+    # a slice of the group: its lists are the whole group's, which the selector pools from all of its heads
+    with pytest.raises(ValueError, match=r"q has 1 of the 2 query heads .* pools all of them.*block_idx="):
+        reference.sparse_attention(q[:, :1], k, k, spec)
+    lists = reference.select_blocks(q, k, spec)
+    assert torch.equal(reference.sparse_attention(q[:, :1], k, k, spec, block_idx=lists)[0],
+                       reference.sparse_attention(q, k, k, spec)[0][:, :1])
 
 
 def test_some_query_heads_with_several_kv_heads_are_refused_not_answered():
