@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -22,7 +23,7 @@ from rich.logging import RichHandler
 from rich.table import Column, Table
 from rich.text import Text
 
-from .errors import KernelgenError
+from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
 
 
 # The exceptions module of the click that typer runs on (recent typer vendors click as typer._click).
@@ -91,6 +92,26 @@ def _needs(ctx: typer.Context, name: str, needed: str, why: str) -> None:
         _fail(f"{given[0]} needs {needed}: {why}")
 
 
+@contextlib.contextmanager
+def _as_typed(ctx: typer.Context, *names: str, **renamed: str):
+    """A bad value of an option, raised by the library under its own name for it (a parameter's, a Spec
+    field's: `names`, or the keys of `renamed`, whose values are the options' parameters), becomes one line
+    naming the option as the command line spells it: "seq must be ..." is "--seq must be ...",
+    "Spec.kv_block=48" is "--kv-block 48"."""
+    try:
+        yield
+    except (KernelgenValueError, KernelgenTypeError) as error:
+        flags = {param.name: param.opts[0] for param in ctx.command.params}
+        message = str(error)
+        for name, param in {**{name: name for name in names}, **renamed}.items():
+            flag = flags[param]
+            message = re.sub(rf"(?<![\w.-])(?:Spec\.)?{name}=", f"{flag} ", message)
+            message = re.sub(rf"\bSpec\.{name}\b|^{name}\b", flag, message)
+            if "_" in name:  # an identifier, never an English word: named in prose too ("leave q_tile at ...")
+                message = re.sub(rf"(?<![\w.-]){name}(?= )", flag, message)
+        _fail(message)
+
+
 def clean_errors(command):
     """Bad input raised inside a command (a kernelgen error, a ValueError or TypeError, a file that cannot be
     read) becomes one line and exit status 2."""
@@ -136,17 +157,22 @@ def _spec_from_file(spec_file) -> "Spec":
         _fail(f"--spec {spec_file}: {error}")
 
 
-def _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink, backend,
-                       schedule="q_centric"):
+def _spec_from_options(ctx, spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
+                       backend, schedule="q_centric"):
     from . import backends
     from .spec import Spec
 
     if spec_file is not None:
         spec = _spec_from_file(spec_file)
-    else:
+        try:
+            backends.check_spec(spec)
+        except KernelgenError as error:
+            _fail(f"--spec {spec_file}: {error}")
+        return spec
+    with _as_typed(ctx, *SPEC_OPTIONS):
         spec = Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal,
                     gqa_group=gqa_group, selector=selector, local=local, sink=sink, backend=backend, schedule=schedule)
-    backends.check_spec(spec)
+        backends.check_spec(spec)
     return spec
 
 
@@ -289,7 +315,8 @@ def tune(
     from .tuning.presets import studies
     from .tuning.storage import parse_storage
 
-    check_arch(arch)
+    with _as_typed(ctx, "arch"):
+        check_arch(arch)
     if preset is not None and model is not None:
         _fail("--preset and --model are two sets of studies: give one")
     if not dry_run:
@@ -307,8 +334,9 @@ def tune(
                      *SPEC_OPTIONS)
     if spec_file is not None:
         _refuse_with(ctx, "--spec", "the file gives the whole spec", *SPEC_OPTIONS)
-    check_budget(DEFAULT_TRIALS if trials is None else trials, timeout)
-    check_workers(workers)
+    with _as_typed(ctx, "trials", "timeout", "workers"):
+        check_budget(DEFAULT_TRIALS if trials is None else trials, timeout)
+        check_workers(workers)
     if storage is not None:
         try:
             storage = str(parse_storage(storage))
@@ -331,12 +359,15 @@ def tune(
                   "worker runs per GPU")
     names = [b for b in (backends_option or "").split(",") if b] or None
     for name in names or ():
-        registry.get(name)
+        with _as_typed(ctx, backend="backends_option"):
+            registry.get(name)
     if preset is not None or model is not None:
         if model is not None:
             if seq is None:
                 _fail("--model needs --seq: the sequence length to tune the model's attention for")
-            chosen_studies = list(model_studies(read_model_config(model), check_seq(seq), DEFAULT_TRIALS, arch,
+            with _as_typed(ctx, "seq"):
+                check_seq(seq)
+            chosen_studies = list(model_studies(read_model_config(model), seq, DEFAULT_TRIALS, arch,
                                                 names))
             if role:
                 unknown = sorted(set(role) - {study.role for study in chosen_studies})
@@ -353,8 +384,10 @@ def tune(
     else:
         if seq is None:
             _fail("--seq is required (or --preset)")
-        spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local,
-                                  sink, backend, schedule)
+        with _as_typed(ctx, "seq"):
+            check_seq(seq)
+        spec = _spec_from_options(ctx, spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector,
+                                  local, sink, backend, schedule)
         own = tuned_roles(spec)
         for name in role or ():
             if name not in ROLES or not ROLES[name].tuned:
@@ -365,8 +398,11 @@ def tune(
                       f"it; its tuned roles: {', '.join(own)}")
         trials = DEFAULT_TRIALS if trials is None else trials
         runs = [(spec, r, seq, trials, None, None) for r in (role or own)]
-    # every study planned (and so checked) before any is printed or run
-    plans = [_check_plan(plan(spec, r, seq=n, arch=arch, trials=t, shape=shape)) for spec, r, n, t, shape, _ in runs]
+    # every study planned (and so checked) before any is printed or run; a spec of the options is theirs to name
+    from_options = preset is None and model is None and spec_file is None
+    with _as_typed(ctx, "arch", *(SPEC_OPTIONS if from_options else ())):
+        plans = [_check_plan(plan(spec, r, seq=n, arch=arch, trials=t, shape=shape))
+                 for spec, r, n, t, shape, _ in runs]
     for p, (spec, r, n, t, shape, label) in zip(plans, runs):
         if dry_run:
             _print_plan(p, every_config)
@@ -502,12 +538,16 @@ def export(
     if seq is None:
         for name in ("gpu", "dtype"):
             _needs(ctx, name, "--seq", "it chooses the tuned winners of that sequence length to bake in")
-    spec = _spec_from_options(spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
-                              backend, schedule)
+    spec = _spec_from_options(ctx, spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local,
+                              sink, backend, schedule)
     from .archs import check_arch
     from .device import current_arch
+    from .tuning.plan import check_seq
 
-    arch = check_arch(arch) if arch is not None else current_arch() or "cpu"
+    with _as_typed(ctx, "arch", "seq"):
+        arch = check_arch(arch) if arch is not None else current_arch() or "cpu"
+        if seq is not None:
+            check_seq(seq)
     if spec.backend == registry.AUTO and seq is None:
         _fail("--backend auto bakes in the backend the tuning DBs serve fastest: give --seq (and --arch) too")
     if seq is not None and arch == "cpu":
@@ -633,8 +673,9 @@ def bench(
         for name in MAIN_BENCH_OPTIONS:
             _needs(ctx, name, "a CUDA GPU", "on a CPU the bench runs only its smoke run in the interpreter")
     _check_out_dir(out)
-    benchmark.main(shapes=shapes, out=str(out), overhead=overhead, sweep=sweep, graph=graph,
-                   stall_timeout=stall_timeout)
+    with _as_typed(ctx, "stall_timeout"):
+        benchmark.main(shapes=shapes, out=str(out), overhead=overhead, sweep=sweep, graph=graph,
+                       stall_timeout=stall_timeout)
     png = benchmark.plot(str(out))
     if png:
         console.print(f"plot: {png}")
@@ -643,6 +684,7 @@ def bench(
 @app.command()
 @clean_errors
 def quality(
+    ctx: typer.Context,
     qkv: Path = typer.Option(..., "--qkv", help="A .pt file of captured tensors: {'layers': {name: {'q', 'k', 'v'[, "
                                                  "'q_idx', 'k_idx', 'w']}}} (kernelgen.quality.capture_qkv) or one "
                                                  "layer's {'q', 'k', 'v'}."),
@@ -663,8 +705,9 @@ def quality(
     queries' lists agree (the KV-centric union design's inflation)."""
     import torch
 
-    from .quality import full_coverage_note, load_qkv, plot_recall, selection_quality, summarize, write_csv
-    from .spec import Spec
+    from .quality import (QUALITY_SELECTORS, full_coverage_note, load_qkv, plot_recall, selection_quality, summarize,
+                          write_csv)
+    from .spec import HEAD_DIMS, Spec
     from .tile_union import union_max_inflation
 
     if not qkv.is_file():
@@ -673,8 +716,8 @@ def quality(
         budgets = [int(t) for t in top_k.split(",") if t.strip()]
     except ValueError:
         budgets = []
-    if not budgets:
-        _fail(f"--top-k {top_k!r}: expected comma-separated ints, e.g. 4,8,16")
+    if not budgets or min(budgets) < 1:
+        _fail(f"--top-k {top_k!r}: expected comma-separated ints >= 1, e.g. 4,8,16")
     try:
         layers = load_qkv(qkv)
     except KernelgenError as error:  # its messages start with the file's path
@@ -690,6 +733,9 @@ def quality(
         chosen = ["mean", f"multi:{r}"] + (["index"] if has_index else [])
     else:
         chosen = [sel.strip() for sel in selectors.split(",") if sel.strip()]
+        if not chosen or "given" in chosen:
+            _fail(f"--selectors {selectors!r}: expected some of {', '.join(QUALITY_SELECTORS)} (given lists are no "
+                  "selection to measure)")
         if "index" in chosen and not has_index:
             _fail(f"--selectors index: {qkv} holds no index vectors (q_idx, k_idx, w) in every layer")
     if causal is None:
@@ -711,10 +757,19 @@ def quality(
         _fail(f"--device {device}: no such CUDA GPU here ({torch.cuda.device_count()} visible); give --device cpu")
     if q.shape[1] % max(1, k.shape[1]):
         _fail(f"--qkv {qkv}: q has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}")
-    spec = Spec(head_dim=q.shape[-1], kv_block=kv_block, q_tile=q_tile, top_k=max(budgets), causal=causal,
-                gqa_group=q.shape[1] // k.shape[1], local=local, sink=sink, schedule=schedule)
+    if q.shape[-1] not in HEAD_DIMS:
+        _fail(f"--qkv {qkv}: q's head dim {q.shape[-1]} is not supported; expected one of {HEAD_DIMS}")
+    with _as_typed(ctx, "kv_block", "q_tile", "top_k", "local", "sink", "schedule", selector="selectors"):
+        spec = Spec(head_dim=q.shape[-1], kv_block=kv_block, q_tile=q_tile, top_k=max(budgets), causal=causal,
+                    gqa_group=q.shape[1] // k.shape[1], local=local, sink=sink, schedule=schedule)
+        for sel in chosen:  # every selector and budget checked before any is measured
+            for budget in budgets:
+                spec.replace(selector=sel, top_k=budget)
     _check_out_dir(out)
-    rows = selection_quality(layers, spec, chosen, budgets, device=where)
+    try:
+        rows = selection_quality(layers, spec, chosen, budgets, device=where)
+    except (KernelgenValueError, KernelgenTypeError) as error:  # the options are checked: the file's tensors
+        _fail(f"--qkv {qkv}: {error}")
     columns = ["selector", "top_k", "recall (mean)", "recall (lowest)", "rel. error (mean)", "rel. error (max)",
                "lowest recall at"] + (["inflation (mean)"] if spec.per_query else [])
     table = Table(*columns)

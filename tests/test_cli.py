@@ -190,20 +190,20 @@ def test_bench_gpu_shapes_on_a_cpu_are_a_clear_error(tmp_path):
 def test_tune_gluon_spec_the_kernel_cannot_compute_is_a_clear_error():
     result = invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "128", "--kv-block", "32",
                     "--backend", "gluon", "--dry-run")
-    one_line_error(result, "kv_block=32 is not supported by backend='gluon'")
+    one_line_error(result, "--kv-block 32 is not supported by --backend 'gluon'")
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--head-dim", "96"], ["head_dim=96"]),
-    (["--backend", "banana"], ["backend='banana' is unknown"]),
-    (["--arch", "banana"], ["arch='banana' is not a CUDA arch"]),
-    (["--arch", "sm_999"], ["arch='sm_999' is not a CUDA arch"]),
-    (["--arch", "sm_75"], ["arch='sm_75' is older than kernelgen's kernels run on; expected sm_80 or newer"]),
-    (["--seq", "-5"], ["seq must be an int from 1"]),
-    (["--trials", "0"], ["trials must be an int >= 1"]),
+    (["--head-dim", "96"], ["--head-dim 96 is not supported"]),
+    (["--backend", "banana"], ["--backend 'banana' is unknown"]),
+    (["--arch", "banana"], ["--arch 'banana' is not a CUDA arch"]),
+    (["--arch", "sm_999"], ["--arch 'sm_999' is not a CUDA arch"]),
+    (["--arch", "sm_75"], ["--arch 'sm_75' is older than kernelgen's kernels run on; expected sm_80 or newer"]),
+    (["--seq", "-5"], ["--seq must be an int from 1"]),
+    (["--trials", "0"], ["--trials must be an int >= 1"]),
     (["--role", "foo"], ["--role 'foo' is not a tuned role"]),
     (["--backend", "gluon", "--arch", "sm_89", "--kv-block", "64", "--role", "attn"], ["runs on sm_90 only"]),
-    (["--workers", "0"], ["workers must be an int >= 1"]),
+    (["--workers", "0"], ["--workers must be an int >= 1"]),
     (["--storage", "banana://host/db"], ["--storage", "unknown scheme 'banana'"]),
     (["--storage", "journal://"], ["--storage", "names no journal file"]),
     (["--storage", "sqlite:/optuna.db"], ["--storage", "not a URL"]),
@@ -223,7 +223,8 @@ def test_tune_workers_and_storage(tmp_path, monkeypatch):
     result = invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--role", "attn", "--workers", "2",
                     "--storage", f"journal://{tmp_path / 'study.log'}", "--dry-run")
     assert result.exit_code == 0, result.output
-    one_line_error(invoke("tune", "--arch", "sm_90", "--seq", "4096", "--workers", "0"), "workers must be an int >= 1")
+    one_line_error(invoke("tune", "--arch", "sm_90", "--seq", "4096", "--workers", "0"),
+                   "--workers must be an int >= 1")
     monkeypatch.setattr("kernelgen.device.current_arch", lambda: "sm_90")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     one_line_error(invoke("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--workers", "2"),
@@ -471,7 +472,7 @@ def test_export_arch_option(tmp_path):
     assert '"attn": {"block_m": 64, "kv_per_iter": 1, "num_stages": 2, "num_warps": 8, "use_tma": false}' in \
         out.read_text()
     one_line_error(invoke("export", *options, "--arch", "sm_75", "--out", str(tmp_path / "old.py")),
-                   "arch='sm_75' is older than kernelgen's kernels run on")
+                   "--arch 'sm_75' is older than kernelgen's kernels run on")
     assert not (tmp_path / "old.py").exists()
 
 
@@ -493,6 +494,7 @@ def _bad_files(root: Path) -> None:
     (root / "corrupt.json").write_text('{"head_dim": 64, ')
     (root / "list.json").write_text("[64, 64]")
     (root / "fields.json").write_text('{"head_dim": 64, "banana": 1}')
+    (root / "banana_backend.json").write_text('{"head_dim": 64, "backend": "banana"}')
     (root / "a_dir").mkdir()
     torch.save({x: torch.zeros(1, 2, 128, 64) for x in "qkv"}, root / "qkv.pt")
     for name, table in (("foreign.db", "winners (role TEXT, backend TEXT)"), ("no_winners.db", "other (x)")):
@@ -520,36 +522,44 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
     (["export"], ["Missing option '--out'"]),
     (["info", "extra"], ["unexpected extra argument", "kernelgen info --help"]),
     # numbers: negative, zero, huge
-    (DRY + ["--seq", "0"], ["seq must be an int from 1"]),
-    (DRY + ["--seq", str(10**30)], ["seq must be an int from 1"]),
-    (DRY + ["--trials", "-1"], ["trials must be an int >= 1"]),
-    (["tune", "--arch", "sm_90", "--preset", "bench", "--trials", "0", "--dry-run"], ["trials must be an int >= 1"]),
-    (DRY + ["--timeout", "-5"], ["timeout must be a number of seconds > 0"]),
-    (DRY + ["--timeout", "nan"], ["timeout must be a number of seconds > 0"]),
-    (DRY + ["--head-dim", "0"], ["head_dim=0"]),
-    (DRY + ["--head-dim", "-64"], ["head_dim=-64"]),
-    (DRY + ["--kv-block", str(2**40)], ["kv_block="]),
-    (DRY + ["--q-tile", "-1"], ["q_tile=-1"]),
-    (DRY + ["--top-k", "0"], ["top_k must be >= 1"]),
-    (DRY + ["--top-k", str(10**10)], ["top_k=10000000000 is too large"]),
+    (DRY + ["--seq", "0"], ["--seq must be an int from 1"]),
+    (DRY + ["--seq", str(10**30)], ["--seq must be an int from 1"]),
+    (DRY + ["--trials", "-1"], ["--trials must be an int >= 1"]),
+    (["tune", "--arch", "sm_90", "--preset", "bench", "--trials", "0", "--dry-run"], ["--trials must be an int >= 1"]),
+    (DRY + ["--timeout", "-5"], ["--timeout must be a number of seconds > 0"]),
+    (DRY + ["--timeout", "nan"], ["--timeout must be a number of seconds > 0"]),
+    (DRY + ["--head-dim", "0"], ["--head-dim 0 is not supported"]),
+    (DRY + ["--head-dim", "-64"], ["--head-dim -64 is not supported"]),
+    (DRY + ["--kv-block", str(2**40)], ["--kv-block 1099511627776 is too large"]),
+    (DRY + ["--q-tile", "-1"], ["--q-tile -1 is not supported"]),
+    (DRY + ["--top-k", "0"], ["--top-k must be >= 1"]),
+    (DRY + ["--top-k", str(10**10)], ["--top-k 10000000000 is too large"]),
     (DRY + ["--top-k", str(2**30)], ["search space is empty"]),
-    (DRY + ["--gqa-group", "0"], ["gqa_group must be >= 1"]),
-    (DRY + ["--gqa-group", str(10**11)], ["gqa_group=100000000000 is too large"]),
+    (DRY + ["--gqa-group", "0"], ["--gqa-group must be >= 1"]),
+    (DRY + ["--gqa-group", str(10**11)], ["--gqa-group 100000000000 is too large"]),
     (DRY + ["--gqa-group", str(2**30)], ["search space is empty"]),
-    (DRY + ["--local", "-1"], ["local=-1"]),
-    (DRY + ["--local", str(10**12)], ["local=1000000000000 is too large"]),
+    (DRY + ["--local", "-1"], ["--local and --sink must be >= 0", "--local -1"]),
+    (DRY + ["--local", str(10**12)], ["--local 1000000000000 is too large"]),
     (DRY + ["--local", str(2**30)], ["cannot hold its forced blocks"]),
-    (DRY + ["--sink", "-1"], ["sink=-1"]),
-    (["bench", "--stall-timeout", "-1", "--out", "{FILES}/b"], ["stall_timeout must be"]),
-    (["bench", "--stall-timeout", "nan", "--out", "{FILES}/b"], ["stall_timeout must be"]),
-    (["bench", "--stall-timeout", "1e300", "--out", "{FILES}/b"], ["stall_timeout must be"]),
+    (DRY + ["--sink", "-1"], ["--sink -1"]),
+    (DRY + ["--kv-block", "48"], ["--kv-block 48 is not supported", "a power of two"]),
+    (DRY + ["--top-k", "1", "--local", "2"], ["--top-k 1 cannot hold its forced blocks", "--local 2"]),
+    (DRY + ["--schedule", "kv_centric", "--q-tile", "32"], ["--q-tile 32 with --schedule 'kv_centric'",
+                                                            "leave --q-tile at its default"]),
+    (["export", "--out", "{FILES}/m.py", "--arch", "sm_90", "--seq", "0"], ["--seq must be an int from 1"]),
+    (["export", "--out", "{FILES}/m.py", "--head-dim", "0"], ["--head-dim 0 is not supported"]),
+    (["export", "--out", "{FILES}/m.py", "--arch", "banana"], ["--arch 'banana' is not a CUDA arch"]),
+    (DRY_FILE + ["--spec", "{FILES}/banana_backend.json"], ["--spec", "banana_backend.json", "backend='banana'"]),
+    (["bench", "--stall-timeout", "-1", "--out", "{FILES}/b"], ["--stall-timeout must be"]),
+    (["bench", "--stall-timeout", "nan", "--out", "{FILES}/b"], ["--stall-timeout must be"]),
+    (["bench", "--stall-timeout", "1e300", "--out", "{FILES}/b"], ["--stall-timeout must be"]),
     # unknown names
-    (DRY + ["--selector", "banana"], ["selector='banana' is unknown"]),
-    (DRY + ["--selector", "multi:x"], ["selector='multi:x'"]),
+    (DRY + ["--selector", "banana"], ["--selector 'banana' is unknown"]),
+    (DRY + ["--selector", "multi:x"], ["--selector 'multi:x'"]),
     (DRY + ["--role", "banana"], ["--role 'banana' is not a tuned role"]),
     (DRY + ["--role", "kv_attn"], ["--role 'kv_attn'", "q_centric", "never run it", "bwd_dkdv"]),
     (DRY + ["--schedule", "kv_centric", "--role", "attn"], ["--role 'attn'", "kv_centric", "kv_bwd_union"]),
-    (DRY + ["--schedule", "banana"], ["schedule='banana' is unknown"]),
+    (DRY + ["--schedule", "banana"], ["--schedule 'banana' is unknown"]),
     (["tune", "--arch", "cpu", "--seq", "256", "--role", "attn"], ["--arch cpu", "--dry-run"]),
     (DRY_FILE + ["--model", "{FILES}/missing.json"], ["--model", "missing.json", "No such file"]),
     (["quality", "--qkv", "{FILES}/qkv.pt", "--device", "tpu", "--out", "{FILES}/q"],
@@ -573,8 +583,9 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
     (["export", "--out", "{FILES}/m.py", "--arch", "cpu", "--seq", "1024"], ["--seq", "give --arch"]),
     (["export", "--out", "{FILES}/m.py", "--spec", "{FILES}/fields.json", "--backend", "tilelang"],
      ["--spec cannot be combined with --backend"]),
-    (["tune", "--arch", "sm_90", "--preset", "bench", "--backends", "banana", "--dry-run"], ["backend='banana'"]),
-    (["export", "--out", "{FILES}/m.py", "--backend", "banana"], ["backend='banana' is unknown"]),
+    (["tune", "--arch", "sm_90", "--preset", "bench", "--backends", "banana", "--dry-run"],
+     ["--backends 'banana' is unknown"]),
+    (["export", "--out", "{FILES}/m.py", "--backend", "banana"], ["--backend 'banana' is unknown"]),
     (["bench", "--shapes", "banana", "--out", "{FILES}/b"], ["unknown bench shapes 'banana'"]),
     (["bench", "--shapes", ",", "--out", "{FILES}/b"], ["no bench shape named"]),
     (["bench", "--sweep", "banana", "--out", "{FILES}/b"], ["unknown sweep shapes 'banana'"]),

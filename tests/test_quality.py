@@ -287,8 +287,9 @@ def test_cli_reports_per_query_lists_union_inflation(tmp_path):
     with open(out / "quality.csv") as f:
         rows = list(csv.DictReader(f))
     assert all(float(r["inflation"]) >= 1 for r in rows)
-    one_line_error(invoke("quality", "--qkv", str(path), "--schedule", "kv_centric", "--q-tile", "16"), "q_tile")
-    one_line_error(invoke("quality", "--qkv", str(path), "--schedule", "bogus"), "schedule")
+    one_line_error(invoke("quality", "--qkv", str(path), "--schedule", "kv_centric", "--q-tile", "16"),
+                   "--q-tile 16 with --schedule 'kv_centric'")
+    one_line_error(invoke("quality", "--qkv", str(path), "--schedule", "bogus"), "--schedule 'bogus' is unknown")
 
 
 class _NotATensor:
@@ -309,10 +310,18 @@ def test_cli_bad_input_is_one_line(tmp_path):
     one_line_error(invoke("quality", "--qkv", str(tmp_path / "list.pt")), "list.pt", "expected {'layers'")
     one_line_error(invoke("quality", "--qkv", str(path), "--top-k", "four"), "--top-k")
     one_line_error(invoke("quality", "--qkv", str(path), "--selectors", "index"), "index vectors")
-    one_line_error(invoke("quality", "--qkv", str(path), "--selectors", "multi:3"), "multi:3")
-    one_line_error(invoke("quality", "--qkv", str(path), "--kv-block", "16", "--sink", "3", "--top-k", "2"), "top_k")
+    one_line_error(invoke("quality", "--qkv", str(path), "--selectors", "multi:3"), "--selectors 'multi:3'")
+    one_line_error(invoke("quality", "--qkv", str(path), "--selectors", "given"), "--selectors 'given'")
+    one_line_error(invoke("quality", "--qkv", str(path), "--kv-block", "16", "--sink", "3", "--top-k", "2"),
+                   "--top-k 2 cannot hold", "--sink 3")
+    for budgets in ("0", "4,0", "-4"):  # each budget, not only the largest
+        one_line_error(invoke("quality", "--qkv", str(path), "--top-k", budgets), f"--top-k '{budgets}'", ">= 1")
+    one_line_error(invoke("quality", "--qkv", str(path), "--kv-block", "48"), "--kv-block 48 is not supported")
     torch.save({"layers": {"l": {"q": torch.randn(1, 2, 8, 32), "k": torch.randn(1, 2, 8, 32)}}}, tmp_path / "d32.pt")
-    one_line_error(invoke("quality", "--qkv", str(tmp_path / "d32.pt")), "head_dim")
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "d32.pt")), "--qkv", "d32.pt", "head dim 32")
+    torch.save({"layers": {"l": {"q": torch.randn(1, 2, 8, 64).int(), "k": torch.randn(1, 2, 8, 64)}}},
+               tmp_path / "int.pt")
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "int.pt")), "--qkv", "int.pt", "4-D float tensor")
     torch.save({"something": 1}, tmp_path / "other.pt")
     one_line_error(invoke("quality", "--qkv", str(tmp_path / "other.pt")), "layers")
 
