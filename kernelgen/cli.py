@@ -369,15 +369,20 @@ def tune(
                 check_seq(seq)
             chosen_studies = list(model_studies(read_model_config(model), seq, DEFAULT_TRIALS, arch,
                                                 names))
-            if role:
-                unknown = sorted(set(role) - {study.role for study in chosen_studies})
-                if unknown:
-                    _fail(f"--role {', '.join(unknown)}: the model's studies tune "
-                          f"{', '.join(dict.fromkeys(study.role for study in chosen_studies))}")
-                chosen_studies = [study for study in chosen_studies if study.role in role]
+            source, whose = "--model", "the model's"
         else:
             chosen = [s for s in (shapes or "").split(",") if s] or None
-            chosen_studies = studies(preset, arch, chosen, names, role or None)
+            chosen_studies = studies(preset, arch, chosen, names)
+            source, whose = f"--preset {preset}", f"the {preset} preset's"
+        if not chosen_studies:  # nothing run would read as success
+            with_backends = f" with --backends {backends_option}" if names else ""
+            _fail(f"{source} plans no study on {arch}{with_backends}: nothing to tune")
+        if role:
+            unknown = sorted(set(role) - {study.role for study in chosen_studies})
+            if unknown:
+                _fail(f"--role {', '.join(unknown)}: {whose} studies tune "
+                      f"{', '.join(dict.fromkeys(study.role for study in chosen_studies))}")
+            chosen_studies = [study for study in chosen_studies if study.role in role]
         if trials is not None:  # an explicit --trials sets every study's
             chosen_studies = [dataclasses.replace(study, trials=trials) for study in chosen_studies]
         runs = [(study.spec, study.role, study.seq, study.trials, study.shape, study.label) for study in chosen_studies]

@@ -255,6 +255,13 @@ def test_tune_presets_take_roles_and_the_kv_shapes():
     assert all(s.spec.per_query and s.shape["n_k"] == 32768 for s in kv)
     assert studies("kv", "sm_90", None, ["tilelang"]) == []  # per-query lists run in Triton only
     one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "kv", "--shapes", "c", "--dry-run"), "shape 'c'")
+    # a preset whose --role or --backends leave no study: an error, as nothing would run
+    one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "bench", "--role", "kv_attn", "--dry-run"),
+                   "--role kv_attn: the bench preset's studies tune attn, bwd_dq, bwd_dkdv, select")
+    one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "bench", "--role", "attn", "--role", "banana",
+                          "--dry-run"), "--role banana")
+    one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "kv", "--backends", "tilelang", "--dry-run"),
+                   "--preset kv plans no study on sm_90 with --backends tilelang")
 
 
 def test_tune_trials_override_a_presets_own_counts():
