@@ -180,6 +180,7 @@ def _spec_from_options(ctx, spec_file, head_dim, kv_block, q_tile, top_k, causal
 DEFAULT_TRIALS = 30  # per role of one spec
 SPEC_FILE = typer.Option(None, "--spec", help="Spec JSON file (Spec.to_json()), instead of the spec options.")
 MAIN_BENCH_OPTIONS = ("overhead", "sweep", "graph")  # the main bench's own: timings on a GPU
+MAIN_BENCH_ONLY = (*MAIN_BENCH_OPTIONS, "stall_timeout")  # what the benches of their own leave unread
 SPEC_OPTIONS = ("head_dim", "kv_block", "q_tile", "top_k", "causal", "gqa_group", "selector", "local", "sink",
                 "backend", "schedule")
 HEAD_DIM = typer.Option(128, help="Head dimension D.")
@@ -634,7 +635,7 @@ def bench(
 
         if backward or untuned or kv_centric or decode or padded or chunked or shapes:
             _fail("--context-parallel is a bench of its own (one shape): give it alone")
-        _refuse_with(ctx, "--context-parallel", "a bench of its own (one shape)", *MAIN_BENCH_OPTIONS)
+        _refuse_with(ctx, "--context-parallel", "a bench of its own (one shape)", *MAIN_BENCH_ONLY)
         if not torch.cuda.is_available():
             _fail("bench --context-parallel needs a CUDA GPU: it times kernels")
         _check_out_dir(out)
@@ -659,7 +660,7 @@ def bench(
         if len(chosen) > 1:
             _fail(f"{' and '.join(flag for flag, _, _ in chosen)} are separate benches: give one")
         flag, run, known = chosen[0]
-        _refuse_with(ctx, flag, "a bench of its own", *MAIN_BENCH_OPTIONS)
+        _refuse_with(ctx, flag, "a bench of its own", *MAIN_BENCH_ONLY)
         names = benchmark._names(shapes, "bench shapes", known)
         if not torch.cuda.is_available():
             _fail(f"bench {flag} needs a CUDA GPU: it times kernels")
