@@ -418,12 +418,14 @@ def tune(
 
 def _all_rows(path: Optional[Path], **filters) -> list[dict]:
     """Rows of the user DB and the bundled DB with their source, or of one DB file (`path`)."""
-    from .tuning.db import BUNDLED_DB_PATH, TuningDB, read_only_rows, rows_of_file
+    from .tuning.db import BUNDLED_DB_PATH, TuningDB, default_user_db_path, read_only_rows, rows_of_file
 
     if path is not None:  # named on the command line: a file that is not a tuning DB is an error
         return [{**r, "source": str(path)} for r in rows_of_file(path, **filters)]
-    with TuningDB() as user:
-        rows = [{**r, "source": "user"} for r in user.rows(**filters)]
+    rows = []
+    if default_user_db_path().exists():  # listing makes no user DB (nor its cache dir) where there is none
+        with TuningDB() as user:
+            rows = [{**r, "source": "user"} for r in user.rows(**filters)]
     return rows + [{**r, "source": "bundled"} for r in read_only_rows(BUNDLED_DB_PATH, **filters)]
 
 
@@ -834,7 +836,7 @@ def info():
         why = backend.not_installed() or backend.device_unsupported(device)
         table.add_row(f"backend {backend.name}", f"{'runs here' if not why else why}; {backend.summary}")
     cache = cache_dir()
-    read_only = unwritable(cache)
+    read_only = unwritable(cache, create=False)  # info reads: a missing cache dir stays missing
     if read_only is None:
         table.add_row("cache dir", str(cache))
         table.add_row("kernel modules", str(cache / "kernels"))

@@ -362,6 +362,22 @@ def test_a_cache_dir_that_cannot_be_created(tmp_path, monkeypatch):
     one_line_error(invoke("db", "clear", "--yes"), "cannot be written", "file/cache/tuning.db")
 
 
+def test_reading_commands_make_no_cache_dir(tmp_path):
+    """info, db list and db show only read: a missing cache dir stays missing (no directory, no empty user DB),
+    and one that could not be made (its parent read-only) is said to be read-only."""
+    assert invoke("info").exit_code == 0
+    assert invoke("db", "list").exit_code == 0
+    one_line_error(invoke("db", "show", "abc"), "no rows for spec key abc")
+    assert not (tmp_path / "cache").exists()
+    (tmp_path / "parent").mkdir()
+    with read_only(tmp_path / "parent"), pytest.MonkeyPatch.context() as env:
+        env.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "parent" / "cache"))
+        result = invoke("info")
+        assert result.exit_code == 0, result.output
+        assert f"{tmp_path / 'parent' / 'cache'}(read-only:" in "".join(flat(result.output).split())
+    assert not (tmp_path / "parent" / "cache").exists()
+
+
 def test_db_list_path_reads_without_writing(tmp_path):
     """--path opens the file read-only: a shipped DB in a read-only directory stays as it is."""
     path = tmp_path / "shipped.db"

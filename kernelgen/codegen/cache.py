@@ -37,12 +37,19 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kernelgen"))
 
 
-def unwritable(directory: Path) -> str | None:
+def unwritable(directory: Path, create: bool = True) -> str | None:
     """Why no file can be created in `directory` (made when missing), or None when one can. Tried rather than
     read from permission bits: root ignores those, while a read-only mount or an immutable directory refuses
-    root too."""
+    root too. With create=False a missing `directory` is left missing: its nearest existing ancestor, where it
+    would be made, is tried instead."""
+    directory = Path(directory)
+    if not create:
+        while not directory.exists() and directory != directory.parent:
+            directory = directory.parent
+        if not directory.is_dir():
+            return "not a directory"
     try:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".kernelgen-probe-")
     except FileExistsError:
         return "not a directory"
