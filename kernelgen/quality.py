@@ -68,10 +68,16 @@ def capture_qkv(model: torch.nn.Module, layers: Iterable[str] | None = None, *, 
     `scale` is the call's (None: 1/sqrt(D)). Tensors are detached and moved to `device` (None: left where they
     are)."""
     functional = torch.nn.functional
+    if not isinstance(model, torch.nn.Module):
+        raise KernelgenTypeError(f"capture_qkv: model must be a torch.nn.Module, got {type(model).__name__}")
     modules = {name or ROOT: module for name, module in model.named_modules()}
     if layers is not None:
+        names = [layers] if isinstance(layers, str) else list(layers) if isinstance(layers, Iterable) else [layers]
+        if not all(isinstance(name, str) for name in names):
+            raise KernelgenTypeError(f"capture_qkv: layers must be a module's name or a list of them "
+                                     f"(model.named_modules()), got {layers!r}")
         # "" (named_modules' name of the model) names it too
-        layers = [name or ROOT for name in ([layers] if isinstance(layers, str) else layers)]
+        layers = [name or ROOT for name in names]
         unknown = [name for name in layers if name not in modules]
         if unknown:
             raise KernelgenValueError(f"capture_qkv: layers {unknown} are not modules of the model (its names: "
@@ -206,6 +212,14 @@ def selection_quality(layers: Mapping[str, Mapping], spec: Spec, selectors: Iter
     if not isinstance(layers, Mapping) or not layers:
         raise KernelgenValueError("layers must be a non-empty dict {name: {'q': ..., 'k': ..., 'v': ...}}")
     selectors, top_ks = _check_selectors(selectors), _check_top_ks(top_ks)
+    device = _check_device(device)
+    if use_kernels is not None and not isinstance(use_kernels, bool):  # a string would choose by its truth
+        raise KernelgenTypeError(f"use_kernels must be None, True or False, got {use_kernels!r}")
+    if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int):
+        raise KernelgenTypeError(f"chunk_elements must be an int, got {type(chunk_elements).__name__} "
+                                 f"{chunk_elements!r}")
+    if chunk_elements < 1:
+        raise KernelgenValueError(f"chunk_elements must be >= 1 (scores per chunk), got {chunk_elements}")
     specs = {(sel, top_k): spec.replace(selector=sel, top_k=top_k) for sel in selectors for top_k in top_ks}
     rows = []
     for name, layer in layers.items():
@@ -214,20 +228,45 @@ def selection_quality(layers: Mapping[str, Mapping], spec: Spec, selectors: Iter
 
 
 def _check_selectors(selectors) -> list[str]:
+    if not isinstance(selectors, (str, Iterable)):
+        raise KernelgenTypeError(f"selectors must be a selector's name or a list of them, e.g. ['mean', 'multi:4'], "
+                                 f"got {type(selectors).__name__} {selectors!r}")
     selectors = [selectors] if isinstance(selectors, str) else list(selectors)
     if not selectors:
         raise KernelgenValueError(f"selectors is empty; expected some of {QUALITY_SELECTORS}")
     for sel in selectors:
-        if sel == "given" or not isinstance(sel, str):
+        if not isinstance(sel, str):
+            raise KernelgenTypeError(f"selectors must be names (str), e.g. 'mean', got {type(sel).__name__} {sel!r}")
+        if sel == "given":
             raise KernelgenValueError(f"selectors: {sel!r} chooses no blocks; expected some of {QUALITY_SELECTORS}")
     return selectors
 
 
 def _check_top_ks(top_ks) -> list[int]:
+    if isinstance(top_ks, bool) or not isinstance(top_ks, (int, Iterable)) or isinstance(top_ks, str):
+        raise KernelgenTypeError(f"top_ks must be an int or a list of ints >= 1, got {type(top_ks).__name__} "
+                                 f"{top_ks!r}")
     top_ks = [top_ks] if isinstance(top_ks, int) else list(top_ks)
-    if not top_ks or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in top_ks):
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in top_ks):
+        raise KernelgenTypeError(f"top_ks must be ints >= 1, got {top_ks!r}")
+    if not top_ks or min(top_ks) < 1:
         raise KernelgenValueError(f"top_ks must be a non-empty list of ints >= 1, got {top_ks!r}")
     return sorted(set(top_ks))
+
+
+def _check_device(device) -> torch.device | None:
+    """Where to compute: None (q's device), or a CPU or a CUDA GPU present here."""
+    if device is None:
+        return None
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError):
+        where = None
+    if where is None or where.type not in ("cpu", "cuda"):
+        raise KernelgenValueError(f"device must be cpu or cuda (cuda:N), a torch.device or its name, got {device!r}")
+    if where.type == "cuda" and not (torch.cuda.is_available() and (where.index or 0) < torch.cuda.device_count()):
+        raise KernelgenValueError(f"device={device!r}: no such CUDA GPU here ({torch.cuda.device_count()} visible)")
+    return where
 
 
 def _layer_tensors(name: str, layer, spec: Spec, device, uses_index: bool = False):
@@ -243,11 +282,13 @@ def _layer_tensors(name: str, layer, spec: Spec, device, uses_index: bool = Fals
             raise KernelgenTypeError(f"layer {name!r}: {key} must be a torch.Tensor, got {type(t).__name__}")
         tensors[key] = None if t is None else t.to(device if device is not None else layer["q"].device)
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    if q.device.type not in ("cpu", "cuda"):
+        raise KernelgenValueError(f"layer {name!r}: q is on {q.device}; expected cpu or cuda (or pass device=)")
     for key, t in (("q", q), ("k", k), ("v", v)):
         if t is not None and (t.dim() != 4 or not t.is_floating_point()):
             raise KernelgenValueError(f"layer {name!r}: {key} must be a 4-D float tensor [B, H, N, D], got "
                                       f"{t.dtype} {tuple(t.shape)}")
-    if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1] or (v is not None and v.shape[:3] != k.shape[:3]):
+    if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1] or (v is not None and v.shape != k.shape):
         raise KernelgenValueError(f"layer {name!r}: q {tuple(q.shape)}, k {tuple(k.shape)}"
                                   f"{'' if v is None else f', v {tuple(v.shape)}'} do not fit q [B, Hq, Nq, D], "
                                   "k and v [B, Hkv, Nk, D]")

@@ -141,6 +141,24 @@ def test_bad_inputs_name_what_is_wrong():
     recorded = selection_quality({"l": {**layers["l"], "scale": torch.tensor(0.25)}}, spec, ["mean"], [2])
     given = selection_quality(layers, spec, ["mean"], [2], scale=0.25)
     assert [(r["recall"], r["rel_error"]) for r in recorded] == [(r["recall"], r["rel_error"]) for r in given]
+    for selectors in (None, 5, [5]):  # not names: a TypeError naming selectors
+        with pytest.raises(TypeError, match="selectors must be"):
+            selection_quality(layers, spec, selectors, [2])
+    for top_ks in (None, 2.0, "2", [2.0]):
+        with pytest.raises(TypeError, match="top_ks must be"):
+            selection_quality(layers, spec, ["mean"], top_ks)
+    for device in ("banana", "meta"):  # neither a CPU nor a CUDA GPU
+        with pytest.raises(ValueError, match=f"device must be cpu or cuda .*{device}"):
+            selection_quality(layers, spec, ["mean"], [2], device=device)
+    with pytest.raises(ValueError, match="layer 'l': q is on meta"):
+        selection_quality({"l": {k: t.to("meta") for k, t in layers["l"].items()}}, spec, ["mean"], [2])
+    with pytest.raises(TypeError, match="use_kernels must be None, True or False"):  # "no" was taken as True
+        selection_quality(layers, spec, ["mean"], [2], use_kernels="no")
+    for chunk, error in ((1e6, TypeError), ("x", TypeError), (0, ValueError), (-5, ValueError)):
+        with pytest.raises(error, match="chunk_elements must be"):
+            selection_quality(layers, spec, ["mean"], [2], chunk_elements=chunk)
+    with pytest.raises(ValueError, match="do not fit"):  # v of another head dim than k's
+        selection_quality({"l": {**layers["l"], "v": layers["l"]["v"][..., :32]}}, spec, ["mean"], [2])
     for empty in ({"q": layers["l"]["q"][:, :, :0]}, {"k": layers["l"]["k"][:, :, :0]}, {"k": layers["l"]["k"][:, :0]},
                   {"q": layers["l"]["q"][:0], "k": layers["l"]["k"][:0]}):  # Nq, Nk, Hkv, B of 0: no NaN rows
         with pytest.raises(ValueError, match="must be at least 1"):
@@ -206,6 +224,12 @@ def test_capture_records_q_k_v_at_the_attention_call():
     assert list(only) == ["2"] and only["2"]["q"].device.type == "cpu"
     with pytest.raises(ValueError, match="nope"):
         with capture_qkv(model, layers=["nope"]):
+            pass
+    with pytest.raises(TypeError, match="layers must be a module's name"):
+        with capture_qkv(model, layers=5):
+            pass
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        with capture_qkv("model"):
             pass
     spec = Spec(head_dim=64, kv_block=16, q_tile=16, causal=True, gqa_group=4)
     rows = selection_quality(layers, spec, ["mean"], [3])
