@@ -59,6 +59,7 @@ def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | N
     from torch.nn.attention.flex_attention import BlockMask
 
     _check_spec(spec)
+    _check_flag("exact_mask_mod", exact_mask_mod)
     seq_q, seq_k = check_length("seq_q", seq_q), check_length("seq_k", seq_k)
     idx = _lists_tensor(lists, spec, seq_q, seq_k)
     n_blocks, per_list = spec.n_kv_blocks(seq_k), spec.list_queries
@@ -129,9 +130,8 @@ def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False) -> tor
     - **Budget.** A list holding more than `spec.top_k` blocks is a ValueError naming `spec.top_k`.
     """
     _check_spec(spec)
-    if not hasattr(block_mask, "kv_num_blocks") or not hasattr(block_mask, "BLOCK_SIZE"):
-        raise KernelgenTypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got "
-                                 f"{type(block_mask).__name__}")
+    _check_block_mask(block_mask)
+    _check_flag("union_heads", union_heads)
     seq_q, seq_k = (int(n) for n in block_mask.seq_lengths)
     mask_q, mask_kv = (int(s) for s in block_mask.BLOCK_SIZE)
     per_list, kv_block = spec.list_queries, spec.kv_block
@@ -185,6 +185,13 @@ def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False) -> tor
 def block_membership(block_idx: torch.Tensor, n_blocks: int) -> torch.Tensor:
     """bool `[..., n_lists, n_blocks]` of lists `[..., n_lists, top_k]`: whether each list holds each block
     (-1 and out-of-range ids hold none; a repeated id counts once)."""
+    if not isinstance(block_idx, torch.Tensor) or block_idx.dtype not in (torch.int32, torch.int64):
+        raise KernelgenTypeError(f"block_idx must be an int32 or int64 torch.Tensor [..., n_lists, top_k], got "
+                                 f"{getattr(block_idx, 'dtype', type(block_idx).__name__)}")
+    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int):
+        raise KernelgenTypeError(f"n_blocks must be an int (the KV blocks there are), got {n_blocks!r}")
+    if n_blocks < 0:
+        raise KernelgenValueError(f"n_blocks must be >= 0 (the KV blocks there are), got {n_blocks}")
     idx = block_idx.long()
     dense = torch.zeros(*idx.shape[:-1], n_blocks + 1, dtype=torch.bool, device=idx.device)
     dense.scatter_(-1, torch.where((idx >= 0) & (idx < n_blocks), idx, n_blocks), True)
@@ -200,6 +207,7 @@ def block_mask_blocks(block_mask) -> tuple[torch.Tensor, torch.Tensor]:
         out.scatter_(-1, torch.where(used, ids.long(), ids.shape[-1]), True)
         return out[..., :-1]
 
+    _check_block_mask(block_mask)
     partial = dense(block_mask.kv_num_blocks, block_mask.kv_indices)
     if block_mask.full_kv_num_blocks is None:
         return partial, torch.zeros_like(partial)
@@ -272,6 +280,18 @@ def _keys_of_row(seq_k: int, lengths: torch.Tensor | None):
 def _check_spec(spec) -> None:
     if not isinstance(spec, Spec):
         raise KernelgenTypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
+
+
+def _check_block_mask(block_mask) -> None:
+    if not hasattr(block_mask, "kv_num_blocks") or not hasattr(block_mask, "BLOCK_SIZE"):
+        raise KernelgenTypeError(f"block_mask must be a torch.nn.attention.flex_attention.BlockMask, got "
+                                 f"{type(block_mask).__name__}")
+
+
+def _check_flag(name: str, value) -> None:
+    """A keyword that is True or False: any other value (a string) would choose by its truth."""
+    if not isinstance(value, bool):
+        raise KernelgenTypeError(f"{name} must be True or False, got {value!r}"[:200])
 
 
 def _check_q_block(q_block, spec: Spec) -> int:

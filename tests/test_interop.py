@@ -218,3 +218,18 @@ def test_bad_inputs_name_the_argument():
     three_heads = create_block_mask(lambda b, h, q, kv: kv <= q, 1, 3, 64, 64, device="cpu", BLOCK_SIZE=16)
     with pytest.raises(ValueError, match="3 heads.*gqa_group = 2"):
         from_block_mask(three_heads, spec.replace(top_k=4, gqa_group=2))
+    # flags are True or False: a string (or None) would choose by its truth
+    with pytest.raises(TypeError, match="exact_mask_mod must be True or False, got 'no'"):
+        to_block_mask(lists, spec, 64, 64, exact_mask_mod="no")
+    with pytest.raises(TypeError, match="union_heads must be True or False, got 'yes'"):
+        from_block_mask(mask, spec.replace(top_k=4), union_heads="yes")
+    # the public helpers check their arguments, naming them
+    with pytest.raises(TypeError, match="block_mask must be a"):
+        block_mask_blocks(None)
+    for bad in (lists.tolist(), lists.float()):
+        with pytest.raises(TypeError, match="block_idx must be an int32 or int64"):
+            block_membership(bad, 4)
+    with pytest.raises(TypeError, match="n_blocks must be an int"):
+        block_membership(lists, "4")
+    with pytest.raises(ValueError, match="n_blocks must be >= 0"):
+        block_membership(lists, -1)
