@@ -504,12 +504,16 @@ def db_bundle(files: List[Path] = typer.Argument(..., help="DB files whose winne
     """Merge tuned winners into the bundled DB that ships with kernelgen (maintainers): a merged row replaces
     the bundled row of the same key; every other row is kept. Rows of one key in several FILES merge as the
     user DB keeps them: of one fingerprint the faster, else the later measured."""
+    from .codegen.cache import unwritable
     from .tuning.db import BUNDLED_DB_PATH, merge_into_bundled
 
     for file in files:
         if not file.is_file():
             _fail(f"{file} is not a file")
     target = into or BUNDLED_DB_PATH
+    problem = unwritable(Path(target).parent, create=False)  # before any is read: the merge rewrites the file
+    if problem is not None:
+        _fail(f"--into {target}: cannot write to {Path(target).parent} ({problem})")
     rows = merge_into_bundled(files, target)
     console.print(f"{len(rows)} rows in {target}")
 

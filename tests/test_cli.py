@@ -410,6 +410,16 @@ def test_db_bundle_merges_and_keeps(tmp_path):
     one_line_error(invoke("db", "bundle", str(tmp_path / "missing.db"), "--into", str(target)), "missing.db")
 
 
+def test_db_bundle_into_a_directory_it_cannot_write_is_one_line(tmp_path):
+    """--into a file of a read-only directory: one line naming --into, and nothing written."""
+    _add_row(tmp_path / "gpu.db", "gpu-key")
+    (tmp_path / "ro").mkdir()
+    with read_only(tmp_path / "ro"):
+        one_line_error(invoke("db", "bundle", str(tmp_path / "gpu.db"), "--into", str(tmp_path / "ro" / "x.db")),
+                       "--into", "cannot write to", str(tmp_path / "ro"))
+    assert not (tmp_path / "ro" / "x.db").exists()
+
+
 def test_db_bundle_refuses_a_user_db_as_target(tmp_path):
     """A user DB (WAL) may be written by a tuner while bundle reads it and replaces the file: refused, and kept."""
     ours, live = tmp_path / "gpu.db", tmp_path / "tuning.db"
