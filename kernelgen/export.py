@@ -104,6 +104,12 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
             f"{backends.AUTO!r} chooses per GPU from the tuning DB, which an exported module does not carry")
     backends.check_spec(spec)
     _check_embedded_backends(spec)
+    if not isinstance(out_path, (str, os.PathLike)):
+        raise KernelgenTypeError(f"out_path must be the path of a .py file (a str or os.PathLike), got "
+                                 f"{type(out_path).__name__}")
+    if sources is not None and not isinstance(sources, dict):
+        raise KernelgenTypeError(f"sources must be a dict {{role: where its config came from}}, got "
+                                 f"{type(sources).__name__}")
     out_path = Path(out_path)
     if out_path.suffix != ".py":
         raise KernelgenValueError(f"out_path must name a .py file, got {out_path}")
@@ -133,6 +139,8 @@ def tuned_configs(spec: Spec, *, arch: str, seq: int, gpu_name: str | None = Non
     from .tuning.plan import check_seq
 
     dtype = torch.bfloat16 if dtype is None else dtype
+    if dtype not in (torch.bfloat16, torch.float16):  # the dtypes winners are tuned for
+        raise KernelgenValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype!r}")
     target = Target(check_arch(arch), gpu_name)
     bucket = seq_bucket(check_seq(seq))
     if spec.backend == backends.AUTO:

@@ -20,7 +20,7 @@ import kernelgen
 from checks import TEST_ARCH
 from kernelgen import AttnConfig, GluonAttnConfig, KernelgenValueError, SelectConfig, Spec, TileLangAttnConfig, backends
 from kernelgen.codegen.render import render
-from kernelgen.export import ExportError, call_roles, export_module, module_imports, resolve_import
+from kernelgen.export import ExportError, call_roles, export_module, module_imports, resolve_import, tuned_configs
 from kernelgen.roles import BACKWARD_ROLES, get_role
 
 # causal, GQA 2, local and sink, Nq != Nk; exported with non-default configs (baked in)
@@ -376,6 +376,12 @@ def test_bad_arguments(tmp_path):
         export_module(MEAN.replace(backend="gluon"), tmp_path / "m.py")
     with pytest.raises(TypeError, match="configs\\['attn'\\]"):  # another backend's config type
         export_module(MEAN.replace(backend="tilelang"), tmp_path / "m.py", configs={"attn": MEAN_CONFIGS["attn"]})
+    with pytest.raises(kernelgen.KernelgenTypeError, match="out_path must be the path of a .py file"):
+        export_module(MEAN, None)
+    with pytest.raises(kernelgen.KernelgenTypeError, match="sources must be a dict"):
+        export_module(MEAN, tmp_path / "m.py", sources=["tuned"])
+    with pytest.raises(KernelgenValueError, match="dtype must be torch.bfloat16 or torch.float16"):
+        tuned_configs(MEAN, arch="sm_90", seq=4096, dtype=torch.float32)  # no winner is tuned for it
     assert not list(tmp_path.iterdir())
     (tmp_path / "d.py").mkdir()  # a directory named like the file: named, not a rename's error about a temp file
     with pytest.raises(ValueError, match=r"d\.py is a directory; expected a \.py file"):
