@@ -403,7 +403,7 @@ def tune(
                 _fail(f"--role {name!r}: calls of this spec ({spec.schedule}, selector {spec.selector!r}) never run "
                       f"it; its tuned roles: {', '.join(own)}")
         trials = DEFAULT_TRIALS if trials is None else trials
-        runs = [(spec, r, seq, trials, None, None) for r in (role or own)]
+        runs = [(spec, r, seq, trials, None, None) for r in dict.fromkeys(role or own)]  # a role repeated: once
     # every study planned (and so checked) before any is printed or run; a spec of the options is theirs to name
     from_options = preset is None and model is None and spec_file is None
     with _as_typed(ctx, "arch", *(SPEC_OPTIONS if from_options else ())):

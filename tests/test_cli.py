@@ -145,6 +145,8 @@ def test_tune_plans_the_roles_the_spec_s_calls_run():
                                              "kv_bwd", "kv_bwd_union"]
     result = invoke(*base, "--selector", "given", "--role", "bwd_dq")
     assert result.exit_code == 0 and _planned_roles(result.output) == ["bwd_dq"]
+    result = invoke(*base, "--role", "attn", "--role", "select", "--role", "attn")  # one study per role
+    assert result.exit_code == 0 and _planned_roles(result.output) == ["attn", "select"]
 
 
 def test_tune_dry_run_summarises_a_large_space_and_lists_it_on_request():
