@@ -324,6 +324,18 @@ def test_two_gpu_tool_arguments():
         two_gpu.parse_args(["--paths", "ring"])
 
 
+def test_two_gpu_tool_says_what_it_needs(monkeypatch):
+    """Run where it cannot run: without 2 CUDA GPUs, or without torchrun's ranks, one line saying so (no
+    KeyError or rendezvous traceback)."""
+    two_gpu = tool("context_parallel_2gpu")
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(SystemExit, match="needs 2 CUDA GPUs and NCCL .*--smoke runs it on the CPU"):
+            two_gpu.main(["--seq", "262144", "--out", "cp-2gpu.json"])
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="start it with torchrun --nproc-per-node 2"):
+        two_gpu.main(["--smoke"])
+
+
 def _tool_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))

@@ -242,6 +242,19 @@ def test_maintainer_tools_answer_help_without_a_gpu(name):
     assert result.stdout.startswith(f"usage: {name}.py") and "Maintainers:" in result.stdout
 
 
+@pytest.mark.parametrize("name, args", [("kv_bwd_sweep", ("kv_nsa32k",)), ("kv_attn_sweep", ())])
+def test_maintainer_sweeps_say_they_need_a_gpu(name, args):
+    """A sweep run without a GPU, as docs/PERF.md's Reproduce gives it: one line saying it needs one, no
+    traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the sweeps run on a GPU here")
+    result = _tool(name, *args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "needs a CUDA GPU" in lines[0], result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("stdin, says", [("", "stdin is empty"), ("[{'spec'", "stdin is not JSON"),
                                          ('{"spec": {}}', "not a list"), ("[1]", "objects (cases)")])
 def test_offline_compile_says_what_it_expects_on_stdin(stdin, says):

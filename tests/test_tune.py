@@ -346,6 +346,19 @@ def test_no_cuda_needs_device_cpu(monkeypatch, tmp_path, db):
         plan(SPEC, "attn", seq=SEQ)
 
 
+def test_tune_scaling_tool_without_a_gpu_says_so(monkeypatch, tmp_path):
+    """tools/tune_scaling.py as docs/PERF.md gives it, on a machine without a GPU: one line naming --device cpu,
+    before any tune starts (not the tuner's traceback)."""
+    from checks import tool
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["tune_scaling.py", "--workers", "1,2", "--trials", "40", "--shape", "a32k",
+                                      "--out", str(tmp_path / "tune_scaling.json")])
+    with pytest.raises(SystemExit, match="needs one \\(--device cpu runs the interpreter"):
+        tool("tune_scaling").main()
+    assert not (tmp_path / "tune_scaling.json").exists()
+
+
 def test_arch_mismatch(monkeypatch, tmp_path, db, no_cached_gpu):
     with pytest.raises(KernelgenValueError, match="sm_90.*cpu"):
         run_tune(tmp_path, db, arch="sm_90")

@@ -107,6 +107,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     cuda = not args.smoke
+    if cuda and torch.cuda.device_count() < 2:
+        raise SystemExit(f"context_parallel_2gpu.py needs 2 CUDA GPUs and NCCL ({torch.cuda.device_count()} "
+                         "visible here); --smoke runs it on the CPU over gloo")
+    if "RANK" not in os.environ:
+        raise SystemExit("context_parallel_2gpu.py runs one process per rank: start it with torchrun "
+                         "--nproc-per-node 2 tools/context_parallel_2gpu.py ...")
     spec = CP_SPEC if cuda else SMOKE["spec"]
     heads_kv = CP_HEADS_KV if cuda else SMOKE["heads_kv"]
     if cuda:

@@ -92,6 +92,10 @@ def main() -> None:
         for name in names:
             ptxas(name)
         return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("kv_bwd_sweep.py times kernels: it needs a CUDA GPU (--ptxas compiles for sm_90 without one)")
     t0, rows = time.time(), []
     for name in names:
         rows += sweep(name, args.budget, t0)

@@ -71,6 +71,9 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cpu: the interpreter at a tiny size (plumbing only)")
     parser.add_argument("--out", default="tune_scaling.json")
     args = parser.parse_args()
+    if args.device != "cpu" and not torch.cuda.is_available():
+        sys.exit("tune_scaling.py tunes on CUDA GPUs: it needs one (--device cpu runs the interpreter at a tiny "
+                 "size, the plumbing only)")
     shape = "tiny" if args.device == "cpu" else args.shape
     runs = []
     for workers in (int(n) for n in args.workers.split(",")):
