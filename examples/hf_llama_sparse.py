@@ -182,10 +182,11 @@ def main(argv=None) -> int:
         device, dtype = "cuda", torch.bfloat16
         seqs, top_k, kv_block = args.seq or [32768, 131072], args.top_k or 16, args.kv_block or 128
     else:
-        print("No CUDA GPU: kernelgen runs in Triton's CPU interpreter. This runs a tiny model (2 layers, hidden 64) "
-              "at 128 tokens in float32 and checks it; its times say nothing about kernelgen's speed.")
         device, dtype = "cpu", torch.float32
         seqs, top_k, kv_block = args.seq or [128], args.top_k or 4, args.kv_block or 16
+        print("No CUDA GPU: kernelgen runs in Triton's CPU interpreter. This runs a tiny model (2 layers, hidden 64) "
+              f"at {', '.join(map(str, seqs))} tokens in float32 and checks it; its times say nothing about "
+              "kernelgen's speed.")
         args.repeats = 1
     config = model_config(on_gpu, top_k, kv_block, args.backend)
     torch.manual_seed(0)
@@ -208,7 +209,8 @@ def main(argv=None) -> int:
         model.config.kernelgen_top_k = top_k
         steps = max(1, min(args.decode, 4))
         plain, kept = (decode(model, ids, make(config=model.config), steps) for _, _, make in DECODERS[2:])
-        print(f"decode, {steps} steps: logits over a KeyRepsCache equal a DynamicCache's: {torch.equal(plain, kept)}")
+        print(f"decode, {steps} step{'s' if steps > 1 else ''}: logits over a KeyRepsCache equal a DynamicCache's: "
+              f"{torch.equal(plain, kept)}")
         assert torch.equal(plain, kept)
         if args.compile:  # the compiled model runs kernelgen's ops: the eager logits (aot_eager: no C++ build here)
             model.set_attn_implementation("kernelgen")

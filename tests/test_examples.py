@@ -63,6 +63,7 @@ def test_hf_llama_sparse_runs_tiny_on_the_cpu(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "No CUDA GPU" in result.stdout and "every block listed" in result.stdout
+    assert "a tiny model (2 layers, hidden 64) at 64 tokens" in result.stdout  # --seq's, not the default 128
     assert re.search(r"model: \d+\.\dK parameters", result.stdout), result.stdout[:500]  # not 0.000164B
     assert "logits over a KeyRepsCache equal a DynamicCache's: True" in result.stdout
     assert "compiled prefill: logits max-abs difference from the eager model's 0.00e+00" in result.stdout
