@@ -12,7 +12,7 @@ the selected blocks hold (recall) and the relative L2 error of the sparse output
 quality_N<length>.csv (per layer and head) and, with matplotlib, quality_N<length>.png.
 
 On a CUDA GPU: d_model 256, 4 heads of 64, trained at the longest length, lists of 64-key blocks. On a CPU:
-a tiny size (N up to 256, 16-key blocks) and a few steps, to show the script runs end to end; its figures
+a tiny size (N up to 256, 16-key blocks) and 40 dense steps, to show the script runs end to end; its figures
 say little about long contexts.
 """
 from __future__ import annotations
