@@ -605,6 +605,27 @@ def test_a_compiled_training_step_runs_in_the_graph(models, roles, compiled, spa
     assert_close(grad, want[1], tol=1e-4)
 
 
+def test_a_model_compiled_before_any_eager_call_runs_in_the_graph(roles, compiled, monkeypatch):
+    """torch.compile(model, fullgraph=True) called first, as a FlexAttention user compiles: no eager call has kept
+    each layer's spec on its module, so the layer reads it from the config while the compiler traces; the prompt's
+    logits are the eager model's, with no graph break and no recompile."""
+    monkeypatch.setattr(kg_hf, "get_kernel", small_select_tiles)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="kernelgen").eval()
+    set_options(model, top_k=2)
+    ids = tokens(1, 48, seed=3)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        roles.clear()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        step = compiled(model)
+        got = step(ids).logits
+        assert roles["attn"] == 2  # one call a layer, inside the graph
+        assert torch.equal(step(ids).logits, got)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
+        assert_close(got, model(ids).logits, tol=1e-6)
+
+
 def test_moved_rows_move_their_gradient_back():
     x = torch.randn(3, 2, 7, 4, dtype=torch.float64, requires_grad=True)
     shift = torch.tensor([0, 3, 6], dtype=torch.int32)

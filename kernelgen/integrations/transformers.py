@@ -388,8 +388,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                       "neither kernelgen nor SDPA computes; load it with attn_implementation="
                                       "\"eager\" (or another implementation that applies it)")
     args = (module, query, key, value, attention_mask, scaling, dropout)
-    if torch.compiler.is_compiling() and _in_graph(module, query, key, value, attention_mask, dropout, kwargs):
-        return _attention_in_graph(*args)
+    traced = _in_graph(module, query, key, value, attention_mask, dropout, kwargs) if torch.compiler.is_compiling() \
+        else None
+    if traced is not None:
+        return _attention_in_graph(*args, traced)
     return _attention_eager(*args, **kwargs)
 
 
@@ -576,30 +578,40 @@ def _static_reps(attn, blocks: tuple[int, int] | None, query, key, lens,
 
 # ---- inside torch.compile ----------------------------------------------------------------------------------
 
-def _in_graph(module, query, key, value, mask, dropout, kwargs) -> bool:
-    """Whether a call being traced by torch.compile can run inside the graph: a layer of kernelgen's, a call it
-    computes, and a mask it can read on the device. Every other call runs `_attention_eager` (a graph break:
-    correct, slower; or SDPA, as the eager call would)."""
-    traced = getattr(module, "_kernelgen_traced", None)  # None before the module's first eager call
-    if (_head_dims_unsupported(query, value) or traced is None or not traced[0]
-            or _unsupported(module, query, dropout, kwargs)):
-        return False
+@torch._dynamo.assume_constant_result
+def _traced_spec(module) -> tuple[str, tuple | None]:
+    """The module's `_kernelgen_traced`, read from its config as the eager call reads it, for a module whose first
+    call is traced: run once, while torch.compile traces (it cannot trace `_module_spec`), its result a constant."""
+    _module_spec(module)
+    return module.__dict__["_kernelgen_traced"]
+
+
+def _in_graph(module, query, key, value, mask, dropout, kwargs) -> tuple[str, tuple | None] | None:
+    """What a call being traced by torch.compile runs inside the graph with (the spec's JSON text and the reps'
+    blocks), where it can: a layer of kernelgen's, a call it computes, and a mask it can read on the device. Every
+    other call (None) runs `_attention_eager` (a graph break: correct, slower; or SDPA, as the eager call would)."""
+    # a compiled model keeps what its last eager call saw; a model compiled before any reads its config now
+    traced = getattr(module, "_kernelgen_traced", None)
+    if traced is None and not _head_dims_unsupported(query, value):
+        traced = _traced_spec(module)
+    if (_head_dims_unsupported(query, value) or not traced[0] or _unsupported(module, query, dropout, kwargs)):
+        return None
     if mask is None:  # purely causal: the keys seen follow from the shapes
-        return not isinstance(_visible_keys(None, query.shape[2], key.shape[2]), str)
+        return None if isinstance(_visible_keys(None, query.shape[2], key.shape[2]), str) else traced
     # a mask tensor, read on the device, unless this module's last eager call found its mask not causal over each
     # row's tokens (a custom mask)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or getattr(module, "_kernelgen_mask_refused", False):
-        return False
+        return None
     if query.shape[2] <= DECODE_MAX_QUERIES:  # a decode step (`cache_seqlens`, `cache_leftpad`)
-        return True
+        return traced
     # a prompt or a training batch with no keys before it, in one call (`seqlens`)
-    return key.shape[2] == query.shape[2] and tuple(mask.shape[-2:]) == (query.shape[2],) * 2
+    return traced if key.shape[2] == query.shape[2] and tuple(mask.shape[-2:]) == (query.shape[2],) * 2 else None
 
 
-def _attention_in_graph(module, query, key, value, mask, scaling, dropout):
+def _attention_in_graph(module, query, key, value, mask, scaling, dropout, traced):
     """The call as torch.compile traces it: the ops `kernelgen::sparse_attention` (opaque to the compiler,
     replayable in CUDA graphs), with no host read of any tensor."""
-    spec_json, blocks = module._kernelgen_traced
+    spec_json, blocks = traced
     n_q, n_k = query.shape[2], key.shape[2]
     if mask is None:
         n_keys = _visible_keys(None, n_q, n_k)  # from shapes alone
