@@ -728,3 +728,21 @@ def test_a_compiled_training_step_on_the_gpu():
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert (got[0] - want[0]).abs() < 2e-2 * want[0].abs()
     assert (got[1] - want[1]).norm() < 5e-2 * want[1].norm()
+
+
+@pytest.mark.gpu
+def test_a_model_compiled_before_any_eager_call_on_the_gpu():
+    """torch.compile(fullgraph=True, inductor) of a fresh bf16 model's prompt, before any eager call: kernelgen
+    inside the graph, and the eager model's logits."""
+    from torch._dynamo.utils import counters
+
+    model = gpu_llama().eval()
+    ids = torch.randint(1, 1000, (1, 4096), device="cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    # the lists are chosen from q and k's bf16 bits: inductor's fused rounding would flip some
+    with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=True):
+        got = torch.compile(model, fullgraph=True)(ids).logits.float()
+        want = model(ids).logits.float()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert (got - want).norm() < 2e-2 * want.norm()
