@@ -456,6 +456,10 @@ class SparseAttention:
         ids count once (an error with validate_lists=True), as in a call given the raw lists. Per-query
         lists also get their reverse index, and the design their calls run: the union one where neighbouring
         queries' lists agree closely enough (`BlockLists.union`; measuring that is one host sync)."""
+        if torch.compiler.is_compiling():  # its checks and reverse index read the lists on the host
+            raise KernelgenRuntimeError("attn.prepare cannot run inside torch.compile: prepare the lists before the "
+                                        "compiled region and pass them in, or pass the raw lists as block_idx (a "
+                                        "compiled call prepares what it needs itself)")
         seq_q, seq_k = check_length("seq_q", seq_q), check_length("seq_k", seq_k)
         if not isinstance(block_idx, torch.Tensor):
             raise lists_type_error(block_idx)

@@ -94,6 +94,22 @@ def test_the_eager_api_under_compile_runs_the_ops(device):
     assert torch.equal(pinned(q, k, v), attn(q, k, v)) and attn(q, k, v, scale=np.float32(0.5)).isfinite().all()
 
 
+def test_prepare_inside_compile_is_refused_and_prepared_lists_pass_in(device):
+    """attn.prepare reads the lists on the host: inside torch.compile it is refused by name (dynamo's own error was
+    about json's encoder); lists prepared outside pass into the compiled call, which equals the eager one."""
+    spec = SPEC.replace(selector="given")
+    attn = kernelgen.get_kernel(spec)
+    q, k, v = inputs(device)
+    idx = torch.randint(-1, spec.n_kv_blocks(k.shape[2]), (q.shape[0], k.shape[1], spec.n_q_tiles(q.shape[2]),
+                                                          spec.top_k), dtype=torch.int32, device=device)
+    with pytest.raises(Exception, match="attn.prepare cannot run inside torch.compile"):
+        torch.compile(lambda q, k, v: attn(q, k, v, block_idx=attn.prepare(idx, q.shape[2], k.shape[2])),
+                      fullgraph=True, backend="eager")(q, k, v)
+    lists = attn.prepare(idx, q.shape[2], k.shape[2])
+    compiled = torch.compile(lambda q, k, v: attn(q, k, v, block_idx=lists), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, k, v), attn(q, k, v, block_idx=lists))
+
+
 def test_compiles_with_dynamic_lengths_and_backpropagates(device):
     """torch.compile(dynamic=True), as a model sees prompts of many lengths: one graph, forward and backward
     (aot_eager traces the backward too), bit-equal to the eager calls at each length."""
