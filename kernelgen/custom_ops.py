@@ -33,7 +33,7 @@ from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity, check_reps_length,
                      check_scale, describe_index, lists_type_error, refuse_forward_ad,
-                     refuse_grad_with_seqlens)
+                     refuse_function_transforms, refuse_grad_with_seqlens)
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -305,6 +305,8 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
     union design stay outside the op, which builds what its calls need."""
     q, k, v = autocast_qkv(q, k, v)
     refuse_forward_ad(q, k, v)
+    if not torch.compiler.is_compiling():  # dynamo runs no torch.func transform over the op
+        refuse_function_transforms(q, k, v)
     if isinstance(block_idx, BlockLists):  # an op takes tensors: prepared lists go in as their normalised ids
         block_idx = block_idx.block_idx
     _tensors_or_none(block_idx=block_idx, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens,

@@ -256,11 +256,13 @@ def test_forward_mode_ad_is_refused(op, device):
         torch.func.jvp(lambda x: attend(x, k.detach(), v.detach()), (q.detach(),), (do,))
 
 
-def test_function_transforms_are_refused_naming_them(device):
-    """torch.func's wrapped tensors reach no kernel: a TypeError names the transform and what to use instead."""
+@pytest.mark.parametrize("op", [False, True], ids=["eager", "custom-op"])
+def test_function_transforms_are_refused_naming_them(op, device):
+    """torch.func's wrapped tensors reach no kernel: a TypeError names the transform and what to use instead (the
+    custom op's own message was torch's, about an autograd.Function's setup_context)."""
     spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True)
     q, k, v, do = leaves(2, 1, 1, 64, 64, 64, torch.float32, device, seed=5)
-    attn = kernelgen.get_kernel(spec)
+    attn = (lambda *qkv: sparse_attention(*qkv, spec)[0]) if op else kernelgen.get_kernel(spec)
     q, k, v = q.detach(), k.detach(), v.detach()
     with pytest.raises(TypeError, match="torch.func transform"):
         torch.func.grad(lambda x: attn(x, k, v).sum())(q)
