@@ -591,10 +591,12 @@ def _in_graph(module, query, key, value, mask, dropout, kwargs) -> tuple[str, tu
     blocks), where it can: a layer of kernelgen's, a call it computes, and a mask it can read on the device. Every
     other call (None) runs `_attention_eager` (a graph break: correct, slower; or SDPA, as the eager call would)."""
     # a compiled model keeps what its last eager call saw; a model compiled before any reads its config now
+    if _head_dims_unsupported(query, value):
+        return None
     traced = getattr(module, "_kernelgen_traced", None)
-    if traced is None and not _head_dims_unsupported(query, value):
+    if traced is None:
         traced = _traced_spec(module)
-    if (_head_dims_unsupported(query, value) or not traced[0] or _unsupported(module, query, dropout, kwargs)):
+    if not traced[0] or _unsupported(module, query, dropout, kwargs):
         return None
     if mask is None:  # purely causal: the keys seen follow from the shapes
         return None if isinstance(_visible_keys(None, query.shape[2], key.shape[2]), str) else traced
