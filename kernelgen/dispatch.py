@@ -42,6 +42,7 @@ from .tile_union import TileUnion, build_tile_union, union_max_inflation
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
 from .tuning.lookup import fastest_backend, recheck, served_config, tuned_row
+from .varlen import batch_lists, check_packed, packed_batches, pad, unpad
 
 __all__ = ["get_kernel", "SparseAttention", "Served"]
 
@@ -117,6 +118,8 @@ class SparseAttention:
     attn(q, k_pages, v_pages, block_table=t, cache_seqlens=n)   a decode call or prefill chunk over a paged
                                           KV cache (`inputs.PAGED_LAYOUT`); key_reps(k_pages, block_table=t, ...)
                                           likewise
+    attn(q, k, v, seqlens=n)              a right-padded batch; attn.varlen(q, k, v, cu_seqlens) packed sequences
+                                          (`varlen.VARLEN_LAYOUT`), each as the call over it alone
 
     q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = spec.gqa_group * Hkv; fp16/bf16 (fp32 in the interpreter).
     With inputs that require grad (and grad enabled), o backpropagates: dq, dk, dv for the lists the forward
@@ -555,6 +558,30 @@ class SparseAttention:
         if isinstance(rows, TokenRows):
             o, lse = clear_padding(o, lse, rows.seqlens)
         return (o, lse) if return_lse else o
+
+    def varlen(self, q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, scale=None, return_lse: bool = False):
+        """Causal self-attention over packed sequences of different lengths, in FlashAttention's varlen layout
+        (`varlen.VARLEN_LAYOUT`): each sequence selects and attends as the call over it alone would, bit for bit,
+        forward and backward. o is [total, Hq, D]; lse (return_lse) float32 [Hq, total], as FlashAttention's.
+        block_idx: a padded batch's given lists, [n, Hkv, rows, top_k], row d sequence d's. Eagerly the bounds are
+        read from the device once per cu_seqlens tensor; under torch.compile pass max_seqlen (an int)."""
+        check_return_lse(return_lse)
+        total, max_seqlen = check_packed(q, k, v, cu_seqlens, max_seqlen, self.spec)
+        n = cu_seqlens.shape[0] - 1
+        outputs = []
+        for batch in packed_batches(cu_seqlens, total, max_seqlen):
+            o, lse = self(pad(q, batch), pad(k, batch), pad(v, batch), seqlens=batch.seqlens, scale=scale,
+                          block_idx=batch_lists(block_idx, batch, self.spec, n), return_lse=True)
+            outputs.append((batch, unpad(o, batch), unpad(lse, batch)))
+        if len(outputs) == 1 and outputs[0][0].tokens is None:  # every token, in packed order
+            o, lse = outputs[0][1:]
+        else:  # each batch's tokens to their places (a sequence of no tokens has none)
+            o, lse = q.new_zeros(q.shape), q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
+            if outputs:
+                tokens = (torch.cat([batch.tokens for batch, _, _ in outputs]),)
+                o = o.index_put(tokens, torch.cat([o for _, o, _ in outputs]))
+                lse = lse.index_put(tokens, torch.cat([lse for _, _, lse in outputs]))
+        return (o, lse.t()) if return_lse else o
 
     def _traced(self):
         """kernelgen.custom_ops, which a call being compiled runs instead: get_kernel(spec)'s kernels as ops that

@@ -65,7 +65,7 @@ _ALLOWED_ROOTS = frozenset(sys.stdlib_module_names) | {"torch", "triton"}
 # The dtypes a template that takes a `dtype` (a per-shape backend's: its kernel is compiled per problem) is
 # rendered for: the half-precision dtypes a GPU call takes (float32 runs in Triton's interpreter only).
 _RENDER_DTYPES = ("bfloat16", "float16")
-_PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "select", "prepare", "key_reps")
+_PUBLIC = ("SPEC", "CONFIGS", "kernel", "attn", "varlen", "select", "prepare", "key_reps")
 
 
 class ExportError(KernelgenError, RuntimeError):
@@ -86,10 +86,11 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
               "default" when the default was baked, else "given").
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False, key_reps=None,
-    cache_seqlens=None, cache_leftpad=None, seqlens=None)`, `select(q, k)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised
-    once, as SparseAttention.prepare), `key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None)`
-    (the pooling selectors' kept
-    representatives, as SparseAttention.key_reps), `SPEC` (the
+    cache_seqlens=None, cache_leftpad=None, seqlens=None)`, `varlen(q, k, v, cu_seqlens, max_seqlen=None, *,
+    block_idx=None, scale=None, return_lse=False)` (packed sequences, as SparseAttention.varlen), `select(q, k)`,
+    `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `key_reps(k, *,
+    previous=None, cache_seqlens=None, cache_leftpad=None)` (the pooling selectors' kept representatives, as
+    SparseAttention.key_reps), `SPEC` (the
     spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind them;
     `kernel.validate_lists = True` makes repeated ids in given lists an error). Its inputs are checked
     exactly as get_kernel's are (the same code). Without a CUDA device it selects Triton's interpreter
@@ -642,6 +643,13 @@ def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, k
     block_table[b, p // page_size])."""
     return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps,
                   cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table)
+
+
+def varlen(q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, scale=None, return_lse=False):
+    """Causal self-attention over packed sequences, FlashAttention's varlen layout: q [total, Hq, D], k and v
+    [total, Hkv, D], cu_seqlens int32 [n + 1]; each sequence as attn over it alone. o [total, Hq, D] (and lse
+    float32 [Hq, total]); block_idx: given lists, [n, Hkv, rows, top_k], row d sequence d's."""
+    return kernel.varlen(q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, scale=scale, return_lse=return_lse)
 
 
 def select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None,

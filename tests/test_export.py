@@ -35,7 +35,7 @@ CALLS = '''
 import torch
 
 
-def run_calls(attn, select, prepare, x):
+def run_calls(attn, select, prepare, varlen, x):
     """Outputs by name, and (exception type, message) or None for each bad call."""
     q, k, v, idx = x["q"], x["k"], x["v"], x.get("idx")
     n_q, n_k = q.shape[2], k.shape[2]
@@ -45,6 +45,8 @@ def run_calls(attn, select, prepare, x):
         out["o"], out["lse"] = attn(q, k, v, return_lse=True)
         lens = torch.tensor([n_q, n_q // 3][:q.shape[0]], dtype=torch.int32)  # a right-padded batch
         out["o_padded"] = attn(q, k[:, :, :n_q].contiguous(), v[:, :, :n_q].contiguous(), seqlens=lens)
+        bounds = torch.tensor([0, n_q // 3, n_q], dtype=torch.int32)  # two packed sequences
+        out["o_varlen"] = varlen(*(t[0, :, :n_q].transpose(0, 1) for t in (q, k, v)), bounds)
         size = x["spec"]["kv_block"]  # a prefill chunk over a paged cache: a block a page, the pages in reverse
         n = n_k - n_k % size
         k_pages, v_pages = (t[:, :, :n].reshape(*t.shape[:2], n // size, size, -1).transpose(1, 2).flatten(0, 1)
@@ -125,7 +127,7 @@ CHILD = CALLS + BLOCKING + textwrap.dedent('''
         module = load(x["path"])
         assert module.CONFIGS == x["configs"], (module.CONFIGS, x["configs"])
         assert module.SPEC == x["spec"], (module.SPEC, x["spec"])
-        results[name] = run_calls(module.attn, module.select, module.prepare, x)
+        results[name] = run_calls(module.attn, module.select, module.prepare, module.varlen, x)
     leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
     assert not leaked, leaked
     torch.save(results, sys.argv[2])
@@ -227,7 +229,7 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
 
     for name, spec, configs in (("mean", MEAN, MEAN_CONFIGS), ("given", GIVEN, None)):
         attn = kernelgen.get_kernel(spec, configs=configs)
-        expect_out, expect_errors = run_calls(attn, attn.select, attn.prepare, cases[name])
+        expect_out, expect_errors = run_calls(attn, attn.select, attn.prepare, attn.varlen, cases[name])
         out, errors = exported[name]
         assert out.keys() == expect_out.keys()
         for key, want in expect_out.items():

@@ -1,0 +1,180 @@
+"""Packed sequences of different lengths, in FlashAttention's varlen layout: q [total, Hq, D], k and v
+[total, Hkv, D], the sequences one after another, `cu_seqlens` (int32 [n + 1]) their bounds (`attn.varlen`).
+
+They run as right-padded batches (`attn(q, k, v, seqlens=)`), so each sequence selects and attends exactly as it
+would alone, bit for bit. Sequences of similar lengths share a batch, padded to its longest (less than twice
+each one's length): the padding costs copies and memory, never attention.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from .errors import KernelgenTypeError, KernelgenValueError
+from .inputs import BlockLists, check_length
+from .spec import Spec
+
+__all__ = ["VARLEN_LAYOUT", "PackedBatch", "check_packed", "packed_batches", "pad", "unpad", "batch_lists"]
+
+VARLEN_LAYOUT = ("q [total, Hq, D], k and v [total, Hkv, D] (FlashAttention's varlen layout: the sequences one "
+                 "after another), cu_seqlens int32 [n + 1] (0, then each sequence's end)")
+# A sequence shares a batch padded to at most this factor of its length: a batch more is a few launches more, a
+# padded token a copy and memory (never attention).
+PADDING_SLACK = 2
+
+
+class PackedBatch(NamedTuple):
+    """Some of the packed sequences as one right-padded batch: `sequences` (int64 [m], ascending), each a row
+    of `length` positions (its longest), `seqlens` (int32 [m]) their lengths; each of the batch's tokens, in
+    packed order, at (`row`, `pos`) of the batch, from `tokens` of the packed tensors (None: all of them, in
+    order)."""
+
+    sequences: torch.Tensor
+    length: int
+    seqlens: torch.Tensor
+    row: torch.Tensor
+    pos: torch.Tensor
+    tokens: torch.Tensor | None
+
+
+def check_packed(q, k, v, cu_seqlens, max_seqlen, spec: Spec) -> tuple[int, int | None]:
+    """(total tokens, max_seqlen or None) of a varlen call, its layout checked; dtypes, devices and strides
+    are the padded call's to check."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise KernelgenTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise KernelgenValueError(f"varlen takes {VARLEN_LAYOUT}; {name} has shape {tuple(x.shape)}")
+    total, heads_q, head_dim = q.shape
+    if k.shape[0] != total or v.shape[0] != total:
+        raise KernelgenValueError(f"varlen is self-attention over packed sequences: q, k and v hold the same tokens, "
+                                  f"got {total}, {k.shape[0]} and {v.shape[0]}")
+    if k.shape != v.shape:
+        raise KernelgenValueError(f"k and v must have the same shape [total, Hkv, D], got {tuple(k.shape)} and "
+                                  f"{tuple(v.shape)}")
+    if head_dim != spec.head_dim or k.shape[2] != spec.head_dim:
+        raise KernelgenValueError(f"the head dim of q and k must be spec.head_dim={spec.head_dim}, got {head_dim} "
+                                  f"and {k.shape[2]} ({VARLEN_LAYOUT})")
+    if heads_q != spec.gqa_group * k.shape[1]:
+        raise KernelgenValueError(f"q must have spec.gqa_group x Hkv = {spec.gqa_group} x {k.shape[1]} heads, got "
+                                  f"{heads_q} ({VARLEN_LAYOUT})")
+    if not spec.causal:
+        raise KernelgenValueError("varlen needs a causal spec: each sequence runs as a row of a right-padded batch, "
+                                  "whose queries must see none of the padding after its tokens")
+    if spec.selector == "index":
+        raise KernelgenValueError("varlen takes the pooling selectors (mean, multi:r) or given lists, not the index "
+                                  "selector")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise KernelgenTypeError(f"cu_seqlens must be a torch.Tensor (int32 [n + 1]), got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise KernelgenTypeError(f"cu_seqlens must be int32, got dtype {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise KernelgenValueError(f"cu_seqlens must be 1-D [n + 1] for n >= 1 sequences, got shape "
+                                  f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise KernelgenValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+    return total, None if max_seqlen is None else check_length("max_seqlen", max_seqlen)
+
+
+def packed_batches(cu_seqlens: torch.Tensor, total: int, max_seqlen: int | None) -> list[PackedBatch]:
+    """The padded batches a varlen call runs. Eagerly, from the bounds read once per cu_seqlens tensor (one
+    device sync; the layers of a step, passing the same tensor, share it) and checked. Under torch.compile
+    every sequence in one batch of `max_seqlen` positions, checked on the device."""
+    if torch.compiler.is_compiling():
+        if max_seqlen is None:
+            raise KernelgenValueError("under torch.compile varlen needs max_seqlen= (an int): the longest "
+                                      "sequence would be read from the device")
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        torch._assert_async((cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & (lengths >= 0).all()
+                            & (lengths <= max_seqlen).all(),
+                            "cu_seqlens must rise from 0 to the packed tokens, each sequence at most max_seqlen")
+        n = lengths.shape[0]
+        return [_batch(torch.arange(n, device=cu_seqlens.device), max_seqlen, lengths, cu_seqlens[:-1], total,
+                       every_token=True)]
+    global _last
+    ref, version, key, batches = _last
+    if ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and key == (total, max_seqlen):
+        return batches
+    batches = _batches_of(cu_seqlens.tolist(), total, max_seqlen, cu_seqlens.device)
+    _last = (weakref.ref(cu_seqlens), cu_seqlens._version, (total, max_seqlen), batches)
+    return batches
+
+
+_last: tuple = (None, None, None, None)  # (weakref to cu_seqlens, its version, (total, max_seqlen), its batches)
+
+
+def _batches_of(bounds: list[int], total: int, max_seqlen: int | None, device) -> list[PackedBatch]:
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != total or min(lengths) < 0:
+        raise KernelgenValueError(f"cu_seqlens must rise from 0 to the {total} packed tokens (each sequence's end "
+                                  f"after its start), got {_shown(bounds)}")
+    if max_seqlen is not None and max(lengths) > max_seqlen:
+        raise KernelgenValueError(f"a sequence of {max(lengths)} tokens is longer than max_seqlen={max_seqlen}")
+    # longest first: a batch is padded to its first sequence and takes those longer than half of it, so that
+    # no sequence is padded to twice its length and there is a batch per halving of the lengths at most
+    order = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] * PADDING_SLACK > lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    batches = []
+    for group in groups:
+        longest = lengths[group[0]]
+        group.sort()  # packed order: a batch of every sequence reads the packed tensors as they are
+        every_token = sum(lengths[i] for i in group) == total
+        batches.append(_batch(torch.tensor(group, device=device), longest,
+                              torch.tensor([lengths[i] for i in group], device=device, dtype=torch.int32),
+                              torch.tensor([bounds[i] for i in group], device=device), sum(lengths[i] for i in group),
+                              every_token))
+    return batches
+
+
+def _batch(sequences, length: int, lengths, starts, tokens: int, every_token: bool) -> PackedBatch:
+    lengths = lengths.long()
+    row = torch.repeat_interleave(torch.arange(sequences.shape[0], device=sequences.device), lengths,
+                                  output_size=tokens)
+    first = torch.cumsum(lengths, 0) - lengths  # each row's first token among the batch's
+    pos = torch.arange(tokens, device=sequences.device) - first[row]
+    return PackedBatch(sequences, length, lengths.to(torch.int32), row, pos,
+                       None if every_token else starts.to(torch.int64)[row] + pos)
+
+
+def _shown(bounds: list[int]) -> str:
+    return str(bounds) if len(bounds) <= 12 else f"[{', '.join(map(str, bounds[:10]))}, ..., {bounds[-1]}]"
+
+
+def pad(x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """A packed [total, H, D] tensor's sequences of `batch` as a right-padded [m, H, length, D] batch (zeros
+    past each row's tokens: padding must be finite)."""
+    tokens = x if batch.tokens is None else x.index_select(0, batch.tokens)
+    padded = x.new_zeros((batch.sequences.shape[0], batch.length) + tuple(x.shape[1:]))
+    return padded.index_put((batch.row, batch.pos), tokens).transpose(1, 2)
+
+
+def unpad(x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """A padded batch's [m, H, length, ...] output back to its tokens, [tokens, H, ...] in packed order."""
+    return x.transpose(1, 2)[batch.row, batch.pos]
+
+
+def batch_lists(block_idx, batch: PackedBatch, spec: Spec, n: int) -> torch.Tensor | None:
+    """A varlen call's lists (a padded batch's: [n, Hkv, rows, top_k], row d sequence d's lists) for `batch`."""
+    if block_idx is None:
+        return None
+    if isinstance(block_idx, BlockLists):
+        raise KernelgenTypeError("varlen takes block_idx as a tensor (a padded batch's lists, one row per "
+                                 "sequence), not prepared BlockLists: each batch of sequences takes its rows of it")
+    if not isinstance(block_idx, torch.Tensor):
+        raise KernelgenTypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
+    rows = spec.n_q_tiles(batch.length)
+    if block_idx.dim() != 4 or block_idx.shape[0] != n or block_idx.shape[2] < rows:
+        what = "Nq = max_seqlen" if spec.per_query else "n_q_tiles(max_seqlen)"
+        raise KernelgenValueError(f"varlen's block_idx is a padded batch's lists, [n, Hkv, {what}, top_k] with "
+                                  f"n = {n} sequences and at least {rows} rows (row d: sequence d's lists, ids from "
+                                  f"its first token), got {tuple(block_idx.shape)}")
+    if batch.sequences.shape[0] == n and block_idx.shape[2] == rows:  # every sequence, in order
+        return block_idx
+    return block_idx.index_select(0, batch.sequences)[:, :, :rows]

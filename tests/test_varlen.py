@@ -1,0 +1,161 @@
+"""Packed sequences of different lengths (`attn.varlen`, FlashAttention's varlen layout): each sequence selects
+and attends exactly as the call over it alone, forward and backward, eagerly and under torch.compile."""
+import pytest
+import torch
+
+from kernelgen import Spec, get_kernel, reference
+from kernelgen.errors import KernelgenTypeError, KernelgenValueError
+from kernelgen.varlen import packed_batches
+
+from checks import assert_close_to_reference
+from test_decode import random_lists
+
+# an empty sequence, one token, a partial last tile, a tile boundary; lengths that make three padded batches
+LENGTHS = (40, 0, 1, 33, 16, 7)
+PER_QUERY = {"schedule": "kv_centric", "q_tile": 64}
+
+
+def _spec(selector="mean", **fields):
+    return Spec(**{"head_dim": 64, "kv_block": 16, "q_tile": 16, "top_k": 3, "causal": True, "gqa_group": 2,
+                   "selector": selector, "local": 1, "sink": 1, **fields})
+
+
+def _packed(dtype, device, lengths=LENGTHS, heads_kv=2, group=2, head_dim=64, seed=0):
+    """q, k, v, dO packed [total, H, D], and cu_seqlens."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v, do = (torch.randn(total, h, head_dim, generator=gen).to(device=device, dtype=dtype)
+                   for h in (heads_kv * group, heads_kv, heads_kv, heads_kv * group))
+    bounds = torch.tensor((0,) + lengths).cumsum(0).to(device=device, dtype=torch.int32)
+    return q, k, v, do, bounds
+
+
+def _alone(x, start, n):
+    """Sequence [start, start + n) of a packed tensor as a call's [1, H, n, D]."""
+    return x[start:start + n].transpose(0, 1)[None]
+
+
+def _lists(spec, lengths, device):
+    """Given lists of a padded batch of the sequences, [n, Hkv, rows(longest), top_k], with -1, repeats and ids
+    past each sequence's blocks."""
+    return random_lists(spec, len(lengths), 2, max(lengths), max(lengths), seed=1).to(device)
+
+
+@pytest.mark.parametrize("selector, dtype, fields", [("mean", torch.float32, {}),
+                                                     ("multi:2", torch.float16, {}),
+                                                     ("given", torch.float32, {}),
+                                                     ("mean", torch.float32, PER_QUERY),
+                                                     ("given", torch.float16, PER_QUERY)])
+def test_each_sequence_is_the_call_over_it_alone(selector, dtype, fields, device):
+    """o, lse and dq, dk, dv of each packed sequence equal those of the call over it alone, bit for bit, in
+    several padded batches; they match the float64 reference; a second backward is bitwise equal."""
+    spec = _spec(selector, **fields)
+    attn = get_kernel(spec)
+    q, k, v, do, bounds = _packed(dtype, device)
+    assert len(packed_batches(bounds, q.shape[0], None)) > 1  # the lengths span more than one padded batch
+    given = _lists(spec, LENGTHS, device) if selector == "given" else None
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = attn.varlen(*leaves, bounds, block_idx=given, return_lse=True)
+    assert o.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    grads = torch.autograd.grad(o, leaves, do)
+    again = torch.autograd.grad(attn.varlen(*leaves, bounds, block_idx=given), leaves, do)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    for d, (start, n) in enumerate(zip(bounds.tolist(), LENGTHS)):
+        if n == 0:
+            continue
+        alone = [_alone(x, start, n).detach().requires_grad_() for x in (q, k, v)]
+        lists = None if given is None else given[d:d + 1, :, :spec.n_q_tiles(n)]
+        o_alone, lse_alone = attn(*alone, block_idx=lists, return_lse=True)
+        grads_alone = torch.autograd.grad(o_alone, alone, _alone(do, start, n))
+        assert torch.equal(_alone(o, start, n), o_alone), d
+        assert torch.equal(lse[:, start:start + n], lse_alone[0]), d
+        assert all(torch.equal(_alone(g, start, n), g_alone) for g, g_alone in zip(grads, grads_alone)), d
+        ref_o, ref_lse, _ = reference.sparse_attention(*(x.detach() for x in alone), spec, lists)
+        assert_close_to_reference(o_alone, lse_alone, ref_o, ref_lse, dtype)
+
+
+def test_under_torch_compile_it_is_the_eager_call(device):
+    """With max_seqlen, attn.varlen traces whole (fullgraph, aot_eager), forward and backward, and gives the
+    eager call's bits (one batch padded to max_seqlen there, several eagerly: the same rows)."""
+    import kernelgen.custom_ops  # noqa: F401  (the ops a call being compiled runs)
+
+    spec = _spec()
+    attn = get_kernel(spec)
+    q, k, v, do, bounds = _packed(torch.float32, device)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    compiled = torch.compile(lambda q, k, v, b: attn.varlen(q, k, v, b, max_seqlen=48), backend="aot_eager",
+                             fullgraph=True)
+    o = compiled(*leaves, bounds)
+    o_eager = attn.varlen(*leaves, bounds)
+    assert torch.equal(o, o_eager)
+    grads, grads_eager = (torch.autograd.grad(x, leaves, do) for x in (o, o_eager))
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_eager))
+    if device == "cpu":  # on a GPU a device-side assert, which ends the process's CUDA context
+        too_short = torch.compile(lambda q, k, v, b: attn.varlen(q, k, v, b, max_seqlen=32), backend="aot_eager")
+        with pytest.raises(RuntimeError, match="each sequence at most max_seqlen"):
+            too_short(q, k, v, bounds)
+    with pytest.raises(Exception, match="under torch.compile varlen needs max_seqlen="):  # dynamo wraps it
+        torch.compile(lambda q, k, v, b: attn.varlen(q, k, v, b), backend="eager", fullgraph=True)(q, k, v, bounds)
+
+
+def test_the_bounds_are_read_once_per_tensor(device):
+    """The layers of a step pass one cu_seqlens: its bounds are read (a device sync) once; written in place,
+    they are read again."""
+    q, _, _, _, bounds = _packed(torch.float32, device)
+    first = packed_batches(bounds, q.shape[0], None)
+    assert packed_batches(bounds, q.shape[0], None) is first
+    bounds[1:] = bounds[-1]  # one sequence of every token
+    (batch,) = packed_batches(bounds, q.shape[0], None)
+    assert batch.tokens is None and batch.length == q.shape[0]
+
+
+def test_bad_inputs_are_refused_by_name(device):
+    q, k, v, _, bounds = _packed(torch.float32, device, lengths=(5, 3))
+    attn = get_kernel(_spec())
+    given = _lists(_spec("given"), (5, 3), device)
+    for call, error, words in [
+        (lambda: attn.varlen(q[None], k, v, bounds), KernelgenValueError, "varlen takes q [total, Hq, D]"),
+        (lambda: attn.varlen(q, k[:4], v[:4], bounds), KernelgenValueError, "the same tokens"),
+        (lambda: attn.varlen(q[:, :3], k, v, bounds), KernelgenValueError, "2 x 2 heads"),
+        (lambda: attn.varlen(q, k, v, bounds.long()), KernelgenTypeError, "cu_seqlens must be int32"),
+        (lambda: attn.varlen(q, k, v, [0, 5, 8]), KernelgenTypeError, "cu_seqlens must be a torch.Tensor"),
+        (lambda: attn.varlen(q, k, v, bounds[:1]), KernelgenValueError, "cu_seqlens must be 1-D"),
+        (lambda: attn.varlen(q, k, v, bounds.flip(0).contiguous()), KernelgenValueError, "rise from 0"),
+        (lambda: attn.varlen(q, k, v, bounds[:2]), KernelgenValueError, "rise from 0 to the 8 packed tokens"),
+        (lambda: attn.varlen(q, k, v, bounds, max_seqlen=4), KernelgenValueError, "longer than max_seqlen=4"),
+        (lambda: attn.varlen(q, k, v, bounds, max_seqlen=4.0), KernelgenTypeError, "max_seqlen must be an int"),
+        (lambda: attn.varlen(q, k, v, bounds, return_lse=1), KernelgenTypeError, "return_lse must be a bool"),
+        (lambda: get_kernel(_spec(causal=False)).varlen(q, k, v, bounds), KernelgenValueError, "causal"),
+        (lambda: get_kernel(_spec("index")).varlen(q, k, v, bounds), KernelgenValueError, "index selector"),
+        (lambda: get_kernel(_spec("given")).varlen(q, k, v, bounds, block_idx=given[:1]), KernelgenValueError,
+         "n = 2 sequences"),
+        (lambda: get_kernel(_spec("given")).varlen(q, k, v, bounds, block_idx=get_kernel(_spec("given")).prepare(
+            given, 5, 5)), KernelgenTypeError, "not prepared BlockLists"),
+    ]:
+        with pytest.raises(error, match=words.replace("[", r"\[")):
+            call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_on_gpu(dtype, schedule):
+    """Sequences of 8192, 0, 5000, 1 and 300 tokens packed (128-key blocks, top-16): outputs and gradients equal
+    each sequence's own call, bit for bit, and the backward is deterministic."""
+    lengths = (8192, 0, 5000, 1, 300)
+    spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, local=2, sink=1, schedule=schedule)
+    attn = get_kernel(spec)
+    q, k, v, do, bounds = _packed(dtype, "cuda", lengths, heads_kv=2, group=4, head_dim=128)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = attn.varlen(*leaves, bounds)
+    grads = torch.autograd.grad(o, leaves, do)
+    again = torch.autograd.grad(attn.varlen(*leaves, bounds), leaves, do)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    for start, n in zip(bounds.tolist(), lengths):
+        if n == 0:
+            continue
+        alone = [_alone(x, start, n).detach().requires_grad_() for x in (q, k, v)]
+        o_alone = attn(*alone)
+        grads_alone = torch.autograd.grad(o_alone, alone, _alone(do, start, n))
+        assert torch.equal(_alone(o, start, n), o_alone), n
+        assert all(torch.equal(_alone(g, start, n), g_alone) for g, g_alone in zip(grads, grads_alone)), n
