@@ -309,6 +309,33 @@ def test_a_right_padded_training_batch_is_each_row_alone(models, roles, schedule
     assert_close(grad, want, tol=1e-4)
 
 
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_packed_sequences_are_each_alone(models, roles, schedule):
+    """Sequences packed in each row (position_ids that restart, no cache: a padding-free training batch, whose
+    mask transformers makes block-diagonal) run attn.varlen: one padded batch a layer, no fallback; each
+    sequence's logits and the gradients they give are the sequence's alone."""
+    ours, _ = models
+    set_options(ours, top_k=2, schedule=schedule, q_tile=16 if schedule == "q_centric" else 64)
+    lengths = [(40, 24), (17, 40, 7)]  # a row each
+    seqs = [[tokens(1, n, seed=40 + 3 * b + i) for i, n in enumerate(row)] for b, row in enumerate(lengths)]
+    ids = torch.cat([torch.cat(row, 1) for row in seqs])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        got = ours(ids, position_ids=positions, use_cache=False).logits
+        assert roles["attn" if schedule == "q_centric" else "kv_attn"] == 6  # 2 layers, 3 padded batches each: 40, 40, 24 | 17 | 7
+        got.square().mean(-1).sum().backward()
+        grad = ours.model.layers[0].self_attn.q_proj.weight.grad.clone()
+        ours.zero_grad()
+        alone = [[ours(seq, use_cache=False).logits for seq in row] for row in seqs]
+        sum(a.square().mean(-1).sum() for row in alone for a in row).backward()
+        want = ours.model.layers[0].self_attn.q_proj.weight.grad
+        ours.zero_grad()
+    for b, row in enumerate(alone):
+        assert_close(got[b:b + 1].detach(), torch.cat(row, 1).detach(), tol=1e-5)
+    assert_close(grad, want, tol=1e-4)
+
+
 def test_a_mask_with_holes_falls_back_to_sdpa_with_one_warning(models):
     ours, sdpa = models
     set_options(ours, top_k=2)

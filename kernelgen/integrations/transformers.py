@@ -56,6 +56,11 @@ attention), one SDPA call with the mask (the same attention; its padding positio
 A prompt chunk after earlier keys whose queries are all tokens (left padding, all of it before the chunk) is one
 call over the cache's rows (`cache_seqlens`, `cache_leftpad`); one that holds padding runs a call per row.
 
+**Packed sequences.** A padding-free training batch (`position_ids` that restart, no cache: transformers then
+builds a block-diagonal causal mask, as for `DataCollatorWithFlattening`'s batches) runs eagerly as
+`attn.varlen`, its sequences read from the mask, each attended as if it were alone. A compiled step of such a
+module runs SDPA, as after any mask an eager call could not take into the graph.
+
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's `"layer_types"`
 run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen cannot compute falls
 back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong result: an attention mask that is not
@@ -203,7 +208,14 @@ class PaddedRows(NamedTuple):
         return range(max(0, self.firsts[b] - self.offset), max(0, min(n_q, self.ends[b] - self.offset)))
 
 
-def _visible_keys(mask, n_q: int, n_k: int) -> int | PaddedRows | str:
+class PackedRows(NamedTuple):
+    """A mask of sequences packed in each row, as transformers builds it from position_ids that restart (a
+    padding-free batch): each query sees its own sequence's keys up to itself. `cu_seqlens` (int32 [n + 1], on
+    the mask's device): the sequences' bounds among the rows' tokens one after another (`attn.varlen`)."""
+    cu_seqlens: torch.Tensor
+
+
+def _visible_keys(mask, n_q: int, n_k: int) -> int | PaddedRows | PackedRows | str:
     """How many leading keys a call sees if `mask` is purely causal, bottom-right aligned over them (then
     the call attends over those keys, causally); the rows of a padded batch where each row's tokens are
     contiguous and causal among themselves; else why not (a str)."""
@@ -227,7 +239,7 @@ def _visible_keys(mask, n_q: int, n_k: int) -> int | PaddedRows | str:
 _HOLES = "an attention mask that is not purely causal over each row's tokens (a custom 4-D mask)"
 
 
-def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | PaddedRows | str:
+def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | PaddedRows | PackedRows | str:
     if mask.dtype == torch.bool:
         allowed = mask
     else:  # additive: 0 where allowed, a large negative number (or -inf) where not
@@ -248,17 +260,38 @@ def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | PaddedRows | 
     # there are as many keys as queries (a prompt or a training batch, every row perhaps ending in padding)
     offset = 0 if n_q == n_k else max(end) - n_q
     if any(c != e - f for c, f, e in zip(counts, first, end)) or offset < 0:
-        return _HOLES
+        return _packed_rows(allowed) if n_q == n_k else _HOLES
     positions = offset + torch.arange(n_q, device=mask.device)
     expected = ((keys[None, None, :] <= positions[None, :, None]) & (keys >= firsts[:, None, None])
                 & (keys < ends[:, None, None]))
     if not bool((allowed == expected).all()):
-        return _HOLES
+        return _packed_rows(allowed) if n_q == n_k else _HOLES
     if max(first) == 0 and min(end) == offset + n_q:
         return offset + n_q  # no padding
     pads = firsts.to(torch.int32)
     return PaddedRows(offset, tuple(first), tuple(end), pads, torch.full_like(pads, offset + n_q),
                       (ends - firsts).to(torch.int32))
+
+
+def _packed_rows(allowed: torch.Tensor, chunk: int = 1024) -> PackedRows | str:
+    """`allowed` ([B, N, N] bool) read as sequences packed in each row, where query i sees exactly keys
+    [start, i] of the sequence it is in; else _HOLES. Read `chunk` queries at a time: the positions' int64
+    tensor of a whole 32k mask would be 8 GiB."""
+    batch, n = allowed.shape[:2]
+    keys = torch.arange(n, device=allowed.device)
+    firsts, lasts, counts = [], [], []
+    for start in range(0, n, chunk):
+        rows = allowed[:, start:start + chunk]
+        firsts.append(torch.where(rows, keys, n).amin(-1))
+        lasts.append(torch.where(rows, keys, -1).amax(-1))
+        counts.append(rows.sum(-1))
+    firsts, lasts, counts = (torch.cat(x, 1) for x in (firsts, lasts, counts))  # [B, N] each
+    starts = firsts == keys  # a sequence begins at this query
+    same = torch.cat([starts[:, :1], firsts[:, 1:] == firsts[:, :-1]], 1)  # or continues the one before it
+    if not bool(((lasts == keys) & (counts == keys - firsts + 1) & (starts | same)).all()):
+        return _HOLES
+    bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([batch * n], device=allowed.device)])
+    return PackedRows(bounds.to(torch.int32))
 
 
 # ---- a cache that keeps the selector's key representatives -----------------------------------------------
@@ -413,12 +446,18 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
     if reason is None:
         n_keys = _visible_keys(attention_mask, query.shape[2], key.shape[2])
         reason = n_keys if isinstance(n_keys, str) else None
-        # what a compiled step of this module, which cannot read its mask, should expect (see `_in_graph`)
-        module.__dict__["_kernelgen_mask_refused"] = reason is not None
+        # what a compiled step of this module, which cannot read its mask, should expect (see `_in_graph`; it
+        # runs no packed sequences)
+        module.__dict__["_kernelgen_mask_refused"] = reason is not None or isinstance(n_keys, PackedRows)
     if reason is not None:
         _forget_reps(key)  # this call's keys are written, and its reps will not see them
         return _fall_back(reason, *args, **kwargs)
     attn = get_kernel(spec)
+    if isinstance(n_keys, PackedRows):  # each sequence alone, as its own call (FlashAttention's varlen)
+        _forget_reps(key)
+        flat = (x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]) for x in (query, key, value))
+        o = attn.varlen(*flat, n_keys.cu_seqlens, scale=scaling)
+        return o.view(query.shape[0], query.shape[2], *o.shape[1:]), None
     if isinstance(n_keys, PaddedRows):
         return _attention_padded(module, attn, spec, query, key, value, n_keys, scaling, attention_mask, kwargs)
     if n_keys < key.shape[2]:  # a preallocated (static) cache, its first n_keys keys written
