@@ -617,7 +617,9 @@ def bench(
                                                         "call (seqlens=) under each schedule against a call per "
                                                         "row, SDPA with the padding mask and dense SDPA cuDNN, "
                                                         "forward and "
-                                                        "forward+backward (shapes pad_b8_8k, pad_b8_16k; GPU only)."),
+                                                        "forward+backward (shapes pad_b8_8k, pad_b8_16k; and "
+                                                        "packed_32k: attn.varlen over sequences packed in one "
+                                                        "row; GPU only)."),
     chunked: bool = typer.Option(False, "--chunked", help="A prefill chunk over a KV cache of per-row lengths (B8, "
                                                           "rows of N down to N/2) in one call (cache_seqlens=) "
                                                           "against a call per row, FlexAttention (same lists and "
