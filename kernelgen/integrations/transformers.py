@@ -273,11 +273,12 @@ def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | PaddedRows | 
                       (ends - firsts).to(torch.int32))
 
 
-def _packed_rows(allowed: torch.Tensor, chunk: int = 1024) -> PackedRows | str:
+def _packed_rows(allowed: torch.Tensor) -> PackedRows | str:
     """`allowed` ([B, N, N] bool) read as sequences packed in each row, where query i sees exactly keys
-    [start, i] of the sequence it is in; else _HOLES. Read `chunk` queries at a time: the positions' int64
-    tensor of a whole 32k mask would be 8 GiB."""
+    [start, i] of the sequence it is in; else _HOLES. Read some queries at a time (2**26 positions, 512 MiB of
+    int64): the positions of a whole 32k mask would take 8 GiB."""
     batch, n = allowed.shape[:2]
+    chunk = max(1, (1 << 26) // (batch * n))
     keys = torch.arange(n, device=allowed.device)
     firsts, lasts, counts = [], [], []
     for start in range(0, n, chunk):
