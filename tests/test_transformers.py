@@ -336,6 +336,21 @@ def test_packed_sequences_are_each_alone(models, roles, schedule):
     assert_close(grad, want, tol=1e-4)
 
 
+def test_a_packed_mask_of_one_row_broadcasts_over_the_batch(models):
+    """A block-diagonal 4-D mask [1, 1, N, N] given for a batch of 2 (SDPA broadcasts it) runs attn.varlen over
+    each row, as the mask expanded to the batch does (it was a ValueError about cu_seqlens)."""
+    ours, _ = models
+    set_options(ours, top_k=2)
+    seq = torch.cat([torch.zeros(17, dtype=torch.long), torch.ones(23, dtype=torch.long)])
+    allowed = (seq[:, None] == seq[None, :]) & torch.ones(40, 40, dtype=torch.bool).tril()
+    ids = tokens(2, 40, seed=9)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        got = ours(ids, attention_mask=allowed[None, None], use_cache=False).logits
+        want = ours(ids, attention_mask=allowed[None, None].expand(2, 1, 40, 40), use_cache=False).logits
+    assert torch.equal(got, want)
+
+
 def test_a_mask_with_holes_falls_back_to_sdpa_with_one_warning(models):
     ours, sdpa = models
     set_options(ours, top_k=2)

@@ -211,8 +211,22 @@ class PaddedRows(NamedTuple):
 class PackedRows(NamedTuple):
     """A mask of sequences packed in each row, as transformers builds it from position_ids that restart (a
     padding-free batch): each query sees its own sequence's keys up to itself. `cu_seqlens` (int32 [n + 1], on
-    the mask's device): the sequences' bounds among the rows' tokens one after another (`attn.varlen`)."""
+    the mask's device): the sequences' bounds among the rows' tokens one after another (`attn.varlen`); `rows`
+    and `n`: the mask's rows and tokens a row (a mask of one row broadcasts over the batch, `bounds`)."""
     cu_seqlens: torch.Tensor
+    rows: int
+    n: int
+    repeated: dict  # batch -> a one-row mask's bounds over that many rows (one tensor: varlen reads it once)
+
+    def bounds(self, batch: int) -> torch.Tensor:
+        """cu_seqlens of a call of `batch` rows."""
+        if self.rows == batch:
+            return self.cu_seqlens
+        if batch not in self.repeated:
+            starts = self.cu_seqlens[:-1]
+            self.repeated[batch] = torch.cat([*(starts + b * self.n for b in range(batch)),
+                                              self.cu_seqlens[-1:] * batch])
+        return self.repeated[batch]
 
 
 def _visible_keys(mask, n_q: int, n_k: int) -> int | PaddedRows | PackedRows | str:
@@ -292,7 +306,7 @@ def _packed_rows(allowed: torch.Tensor) -> PackedRows | str:
     if not bool(((lasts == keys) & (counts == keys - firsts + 1) & (starts | same)).all()):
         return _HOLES
     bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([batch * n], device=allowed.device)])
-    return PackedRows(bounds.to(torch.int32))
+    return PackedRows(bounds.to(torch.int32), batch, n, {})
 
 
 # ---- a cache that keeps the selector's key representatives -----------------------------------------------
@@ -457,7 +471,7 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
     if isinstance(n_keys, PackedRows):  # each sequence alone, as its own call (FlashAttention's varlen)
         _forget_reps(key)
         flat = (x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]) for x in (query, key, value))
-        o = attn.varlen(*flat, n_keys.cu_seqlens, scale=scaling)
+        o = attn.varlen(*flat, n_keys.bounds(query.shape[0]), scale=scaling)
         return o.view(query.shape[0], query.shape[2], *o.shape[1:]), None
     if isinstance(n_keys, PaddedRows):
         return _attention_padded(module, attn, spec, query, key, value, n_keys, scaling, attention_mask, kwargs)
