@@ -93,6 +93,8 @@ def packed_batches(cu_seqlens: torch.Tensor, total: int, max_seqlen: int | None)
         n = lengths.shape[0]
         return [_batch(torch.arange(n, device=cu_seqlens.device), max_seqlen, lengths, cu_seqlens[:-1], total,
                        every_token=True)]
+    if cu_seqlens.is_inference():  # made under torch.inference_mode: no version counter, so read every call
+        return _batches_of(cu_seqlens.tolist(), total, max_seqlen, cu_seqlens.device)
     global _last
     ref, version, key, batches = _last
     if ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and key == (total, max_seqlen):

@@ -351,6 +351,24 @@ def test_a_packed_mask_of_one_row_broadcasts_over_the_batch(models):
     assert torch.equal(got, want)
 
 
+def test_packed_sequences_under_inference_mode(models):
+    """Under torch.inference_mode the mask (an inference tensor, no version counter) is read each layer: packed
+    rows run attn.varlen, a padded batch its call (both were torch's RuntimeError about the counter)."""
+    ours, _ = models
+    set_options(ours, top_k=2)
+    ids, positions = tokens(1, 40, seed=11), torch.cat([torch.arange(17), torch.arange(23)])[None]
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :5] = 0
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        calls = (lambda: ours(ids, position_ids=positions, use_cache=False).logits,
+                 lambda: ours(tokens(2, 40), attention_mask=mask).logits)
+        want = [call() for call in calls]
+        with torch.inference_mode():
+            got = [call() for call in calls]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_a_mask_with_holes_falls_back_to_sdpa_with_one_warning(models):
     ours, sdpa = models
     set_options(ours, top_k=2)

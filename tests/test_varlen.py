@@ -109,6 +109,19 @@ def test_the_bounds_are_read_once_per_tensor(device):
     assert batch.tokens is None and batch.length == q.shape[0]
 
 
+def test_bounds_made_under_inference_mode(device):
+    """Bounds made under torch.inference_mode (which keeps no version counter) are read each call: the call is
+    the eager one's, and bounds written in place are seen (it was torch's RuntimeError about the counter)."""
+    attn = get_kernel(_spec())
+    q, k, v, _, bounds = _packed(torch.float32, device, lengths=(5, 19))
+    want = attn.varlen(q, k, v, bounds)
+    with torch.inference_mode():
+        made = bounds.clone()
+        assert torch.equal(attn.varlen(q, k, v, made), want)
+        made[1] = 0  # one sequence of every token
+        assert torch.equal(attn.varlen(q, k, v, made), attn.varlen(q, k, v, bounds[[0, 2]]))
+
+
 def test_bad_inputs_are_refused_by_name(device):
     q, k, v, _, bounds = _packed(torch.float32, device, lengths=(5, 3))
     attn = get_kernel(_spec())

@@ -242,6 +242,8 @@ def _visible_keys(mask, n_q: int, n_k: int) -> int | PaddedRows | PackedRows | s
         return n_q if n_q < n_k else "more queries than keys without a mask"
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2:] != (n_q, n_k):
         return f"an attention mask of shape {tuple(getattr(mask, 'shape', ()))} (expected None or 4-D [.., Nq, Nk])"
+    if mask.is_inference():  # made under torch.inference_mode: no version counter, so read every call
+        return _mask_verdict(mask, n_q, n_k)
     ref, version, verdict = _last_mask
     if ref is not None and ref() is mask and version == mask._version:
         return verdict
