@@ -571,7 +571,7 @@ class SparseAttention:
         outputs = []
         for batch in packed_batches(cu_seqlens, total, max_seqlen):
             o, lse = self(pad(q, batch), pad(k, batch), pad(v, batch), seqlens=batch.seqlens, scale=scale,
-                          block_idx=batch_lists(block_idx, batch, self.spec, n), return_lse=True)
+                          block_idx=batch_lists(block_idx, batch, self.spec, n, k.shape[1]), return_lse=True)
             outputs.append((batch, unpad(o, batch), unpad(lse, batch)))
         if len(outputs) == 1 and outputs[0][0].tokens is None:  # every token, in packed order
             o, lse = outputs[0][1:]

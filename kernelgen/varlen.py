@@ -162,8 +162,9 @@ def unpad(x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return x.transpose(1, 2)[batch.row, batch.pos]
 
 
-def batch_lists(block_idx, batch: PackedBatch, spec: Spec, n: int) -> torch.Tensor | None:
-    """A varlen call's lists (a padded batch's: [n, Hkv, rows, top_k], row d sequence d's lists) for `batch`."""
+def batch_lists(block_idx, batch: PackedBatch, spec: Spec, n: int, heads_kv: int) -> torch.Tensor | None:
+    """A varlen call's lists (a padded batch's: [n, Hkv, rows, top_k], row d sequence d's lists) for `batch`;
+    their shape checked whole (an error shows the caller's, not a batch's slice of it)."""
     if block_idx is None:
         return None
     if isinstance(block_idx, BlockLists):
@@ -172,11 +173,14 @@ def batch_lists(block_idx, batch: PackedBatch, spec: Spec, n: int) -> torch.Tens
     if not isinstance(block_idx, torch.Tensor):
         raise KernelgenTypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
     rows = spec.n_q_tiles(batch.length)
-    if block_idx.dim() != 4 or block_idx.shape[0] != n or block_idx.shape[2] < rows:
+    if (block_idx.dim() != 4 or block_idx.shape[0] != n
+            or (block_idx.shape[1] != 1 and block_idx.shape[1] != heads_kv)  # not `in`: dynamo (SymInt)
+            or block_idx.shape[2] < rows or block_idx.shape[3] != spec.top_k):
         what = "Nq = max_seqlen" if spec.per_query else "n_q_tiles(max_seqlen)"
         raise KernelgenValueError(f"varlen's block_idx is a padded batch's lists, [n, Hkv, {what}, top_k] with "
-                                  f"n = {n} sequences and at least {rows} rows (row d: sequence d's lists, ids from "
-                                  f"its first token), got {tuple(block_idx.shape)}")
+                                  f"n = {n} sequences, Hkv = {heads_kv} (or 1), at least {rows} rows and top_k = "
+                                  f"{spec.top_k} (row d: sequence d's lists, ids from its first token), got "
+                                  f"{tuple(block_idx.shape)}")
     if batch.sequences.shape[0] == n and block_idx.shape[2] == rows:  # every sequence, in order
         return block_idx
     return block_idx.index_select(0, batch.sequences)[:, :, :rows]

@@ -1,5 +1,7 @@
 """Packed sequences of different lengths (`attn.varlen`, FlashAttention's varlen layout): each sequence selects
 and attends exactly as the call over it alone, forward and backward, eagerly and under torch.compile."""
+import re
+
 import pytest
 import torch
 
@@ -98,6 +100,20 @@ def test_under_torch_compile_it_is_the_eager_call(device):
         torch.compile(lambda q, k, v, b: attn.varlen(q, k, v, b), backend="eager", fullgraph=True)(q, k, v, bounds)
 
 
+def test_given_lists_under_torch_compile_with_dynamic_shapes(device):
+    """A compiled call recompiled with the KV head count dynamic (a SymInt) and the lists' static takes lists of
+    the right shape (`in` over the SymInt in the shape check refused them) and gives the eager call's bits."""
+    import kernelgen.custom_ops  # noqa: F401  (the ops a call being compiled runs)
+
+    compiled = torch.compile(lambda a, q, k, v, b, g: a.varlen(q, k, v, b, max_seqlen=48, block_idx=g),
+                             backend="aot_eager", fullgraph=True)
+    for heads_kv, selector in ((1, "mean"), (2, "given")):
+        attn = get_kernel(_spec(selector))
+        q, k, v, _, bounds = _packed(torch.float32, device, lengths=(40, 3), heads_kv=heads_kv)
+        given = random_lists(_spec("given"), 2, heads_kv, 48, 48, seed=2).to(device) if selector == "given" else None
+        assert torch.equal(compiled(attn, q, k, v, bounds, given), attn.varlen(q, k, v, bounds, block_idx=given))
+
+
 def test_the_bounds_are_read_once_per_tensor(device):
     """The layers of a step pass one cu_seqlens: its bounds are read (a device sync) once; written in place,
     they are read again."""
@@ -147,6 +163,12 @@ def test_bad_inputs_are_refused_by_name(device):
     ]:
         with pytest.raises(error, match=words.replace("[", r"\[")):
             call()
+    # lists of another top_k or Hkv over sequences in two padded batches: the error shows the caller's shape
+    q, k, v, _, bounds = _packed(torch.float32, device, lengths=(40, 3))
+    given = _lists(_spec("given"), (40, 3), device)
+    for lists in (given[..., :2], given[:, [0, 1, 1]]):
+        with pytest.raises(KernelgenValueError, match="top_k = 3 .*got " + re.escape(str(tuple(lists.shape)))):
+            get_kernel(_spec("given")).varlen(q, k, v, bounds, block_idx=lists)
 
 
 @pytest.mark.gpu
