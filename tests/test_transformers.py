@@ -351,6 +351,23 @@ def test_a_packed_mask_of_one_row_broadcasts_over_the_batch(models):
     assert torch.equal(got, want)
 
 
+def test_packed_sequences_compiled(models):
+    """A compiled step over packed sequences cannot read their mask: before any eager call it stops at the mask's
+    check, whose message names packed sequences and what to do; after an eager step it breaks the graph into
+    that eager call, the eager logits bit for bit."""
+    ours, _ = models
+    set_options(ours, top_k=2)
+    ids, positions = tokens(1, 40, seed=12), torch.cat([torch.arange(17), torch.arange(23)])[None]
+    for module in ours.modules():  # as if compiled before any eager call
+        module.__dict__.pop("_kernelgen_mask_refused", None)
+    compiled = torch.compile(ours, backend="aot_eager")
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="packed in a row: run one step eagerly first"):
+            compiled(ids, position_ids=positions, use_cache=False)
+        want = ours(ids, position_ids=positions, use_cache=False).logits
+        assert torch.equal(compiled(ids, position_ids=positions, use_cache=False).logits, want)
+
+
 def test_packed_sequences_under_inference_mode(models):
     """Under torch.inference_mode the mask (an inference tensor, no version counter) is read each layer: packed
     rows run attn.varlen, a padded batch its call (both were torch's RuntimeError about the counter)."""

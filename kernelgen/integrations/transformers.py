@@ -58,8 +58,10 @@ call over the cache's rows (`cache_seqlens`, `cache_leftpad`); one that holds pa
 
 **Packed sequences.** A padding-free training batch (`position_ids` that restart, no cache: transformers then
 builds a block-diagonal causal mask, as for `DataCollatorWithFlattening`'s batches) runs eagerly as
-`attn.varlen`, its sequences read from the mask, each attended as if it were alone. A compiled step of such a
-module runs SDPA, as after any mask an eager call could not take into the graph.
+`attn.varlen`, its sequences read from the mask, each attended as if it were alone. A compiled step cannot read
+such a mask on the device: once an eager call of the module has seen one, its compiled calls break the graph into
+that eager call (attn.varlen); a module compiled before any eager call stops at the mask's device-side check (on a
+GPU that ends the CUDA context), whose message says to run a step eagerly first.
 
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's `"layer_types"`
 run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen cannot compute falls
@@ -725,7 +727,9 @@ def _prompt_rows_on_device(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, to
     if mask.dtype != torch.bool:
         ok = ok & (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
     torch._assert_async(ok, "kernelgen attention: a compiled prompt's or training step's attention mask is not "
-                            "purely causal over each row's tokens (a custom mask); run it without torch.compile")
+                            "purely causal over each row's tokens (a custom mask, or sequences packed in a row: "
+                            "run one step eagerly first, after which the module's compiled calls run them eagerly); "
+                            "run it without torch.compile")
     return firsts, ends
 
 
