@@ -581,7 +581,9 @@ class SparseAttention:
                 tokens = (torch.cat([batch.tokens for batch, _, _ in outputs]),)
                 o = o.index_put(tokens, torch.cat([o for _, o, _ in outputs]))
                 lse = lse.index_put(tokens, torch.cat([lse for _, _, lse in outputs]))
-        return (o, lse.t()) if return_lse else o
+            else:  # no tokens at all: an empty o, still of q's graph (a loss over it backpropagates)
+                o = q * 0
+        return (o, lse.t().contiguous()) if return_lse else o  # FlashAttention's varlen lse: [Hq, total]
 
     def _traced(self):
         """kernelgen.custom_ops, which a call being compiled runs instead: get_kernel(spec)'s kernels as ops that
