@@ -140,7 +140,10 @@ def layer_spec(config, layer_type: str | None = None) -> Spec | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     values = {name: getattr(text, name, None) for name in _READ}
     values.update((name, value) for name, value in vars(text).items() if name.startswith("kernelgen_"))  # typos
-    spec = _spec(json.dumps(values, sort_keys=True, default=str), layer_type or FULL)
+    return _checked_spec(_spec(json.dumps(values, sort_keys=True, default=str), layer_type or FULL))
+
+
+def _checked_spec(spec: Spec | None) -> Spec | None:
     if spec is not None and spec.selector in ("index", "given"):  # a model's attention passes neither
         raise KernelgenValueError(f"selector={spec.selector!r} takes {_SELECTOR_INPUTS[spec.selector]}, which a "
                                   "transformers model's attention does not pass: the integration selects with "
@@ -636,12 +639,24 @@ def _static_reps(attn, blocks: tuple[int, int] | None, query, key, lens,
 
 # ---- inside torch.compile ----------------------------------------------------------------------------------
 
-@torch._dynamo.assume_constant_result
 def _traced_spec(module) -> tuple[str, tuple | None]:
-    """The module's `_kernelgen_traced`, read from its config as the eager call reads it, for a module whose first
-    call is traced: run once, while torch.compile traces (it cannot trace `_module_spec`), its result a constant."""
-    _module_spec(module)
-    return module.__dict__["_kernelgen_traced"]
+    """The module's `_kernelgen_traced` for a module whose first call is traced, read from its config as the eager
+    call reads it: the compiler reads the config's values (guarding them, so that a changed option recompiles),
+    and `_traced_spec_of` makes them the spec while it traces (it cannot trace the spec's JSON and caches)."""
+    config = module.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    values = tuple(getattr(text, name, None) for name in _READ)
+    layer_types, layer_idx = getattr(text, "layer_types", None), getattr(module, "layer_idx", None)
+    return _traced_spec_of(values, layer_types[layer_idx] if layer_types and layer_idx is not None else None)
+
+
+@torch._dynamo.assume_constant_result
+def _traced_spec_of(values: tuple, layer_type: str | None) -> tuple[str, tuple | None]:
+    """(spec JSON text or "", reps blocks) of the config values `_READ` names: run once while the compiler traces,
+    its result a constant. Its arguments are plain values, which every torch's compiler passes (torch 2.11's
+    takes no module)."""
+    spec = _checked_spec(_spec(json.dumps(dict(zip(_READ, values)), sort_keys=True, default=str), layer_type or FULL))
+    return ("", None) if spec is None else (spec.to_json(), _reps_blocks(spec))
 
 
 def _in_graph(module, query, key, value, mask, dropout, kwargs) -> tuple[str, tuple | None] | None:
