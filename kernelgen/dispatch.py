@@ -42,7 +42,7 @@ from .tile_union import TileUnion, build_tile_union, union_max_inflation
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
 from .tuning.lookup import fastest_backend, recheck, served_config, tuned_row
-from .varlen import batch_lists, check_packed, packed_batches, pad, unpad
+from .varlen import batch_call, batch_lists, batch_outputs, check_packed, packed_batches
 
 __all__ = ["get_kernel", "SparseAttention", "Served"]
 
@@ -570,9 +570,10 @@ class SparseAttention:
         n = cu_seqlens.shape[0] - 1
         outputs = []
         for batch in packed_batches(cu_seqlens, total, max_seqlen):
-            o, lse = self(pad(q, batch), pad(k, batch), pad(v, batch), seqlens=batch.seqlens, scale=scale,
-                          block_idx=batch_lists(block_idx, batch, self.spec, n, k.shape[1]), return_lse=True)
-            outputs.append((batch, unpad(o, batch), unpad(lse, batch)))
+            inputs, rows = batch_call(batch, q, k, v)
+            o, lse = self(*inputs, **rows, scale=scale, return_lse=True,
+                          block_idx=batch_lists(block_idx, batch, self.spec, n, k.shape[1]))
+            outputs.append((batch, *batch_outputs(batch, o, lse)))
         if len(outputs) == 1 and outputs[0][0].tokens is None:  # every token, in packed order
             o, lse = outputs[0][1:]
         else:  # each batch's tokens to their places (a sequence of no tokens has none)

@@ -3,7 +3,8 @@
 
 They run as right-padded batches (`attn(q, k, v, seqlens=)`), so each sequence selects and attends exactly as it
 would alone, bit for bit. Sequences of similar lengths share a batch, padded to its longest (less than twice
-each one's length): the padding costs copies and memory, never attention.
+each one's length): the padding costs copies and memory, never attention. A sequence in a batch of its own runs
+as the call over it alone, on views of the packed tensors.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import BlockLists, check_length
 from .spec import Spec
 
-__all__ = ["VARLEN_LAYOUT", "PackedBatch", "check_packed", "packed_batches", "pad", "unpad", "batch_lists"]
+__all__ = ["VARLEN_LAYOUT", "PackedBatch", "check_packed", "packed_batches", "batch_call", "batch_outputs",
+           "batch_lists"]
 
 VARLEN_LAYOUT = ("q [total, Hq, D], k and v [total, Hkv, D] (FlashAttention's varlen layout: the sequences one "
                  "after another), cu_seqlens int32 [n + 1] (0, then each sequence's end)")
@@ -29,7 +31,8 @@ class PackedBatch(NamedTuple):
     """Some of the packed sequences as one right-padded batch: `sequences` (int64 [m], ascending), each a row
     of `length` positions (its longest), `seqlens` (int32 [m]) their lengths; each of the batch's tokens, in
     packed order, at (`row`, `pos`) of the batch, from `tokens` of the packed tensors (None: all of them, in
-    order)."""
+    order). `start`: where a batch of one sequence (read on the host) begins; it runs as the call over that
+    sequence alone, on views of the packed tensors (no copy, and not the padded call's per-row kernels)."""
 
     sequences: torch.Tensor
     length: int
@@ -37,6 +40,7 @@ class PackedBatch(NamedTuple):
     row: torch.Tensor
     pos: torch.Tensor
     tokens: torch.Tensor | None
+    start: int | None = None
 
 
 def check_packed(q, k, v, cu_seqlens, max_seqlen, spec: Spec) -> tuple[int, int | None]:
@@ -131,22 +135,37 @@ def _batches_of(bounds: list[int], total: int, max_seqlen: int | None, device) -
         batches.append(_batch(torch.tensor(group, device=device), longest,
                               torch.tensor([lengths[i] for i in group], device=device, dtype=torch.int32),
                               torch.tensor([bounds[i] for i in group], device=device), sum(lengths[i] for i in group),
-                              every_token))
+                              every_token, bounds[group[0]] if len(group) == 1 else None))
     return batches
 
 
-def _batch(sequences, length: int, lengths, starts, tokens: int, every_token: bool) -> PackedBatch:
+def _batch(sequences, length: int, lengths, starts, tokens: int, every_token: bool,
+           start: int | None = None) -> PackedBatch:
     lengths = lengths.long()
     row = torch.repeat_interleave(torch.arange(sequences.shape[0], device=sequences.device), lengths,
                                   output_size=tokens)
     first = torch.cumsum(lengths, 0) - lengths  # each row's first token among the batch's
     pos = torch.arange(tokens, device=sequences.device) - first[row]
     return PackedBatch(sequences, length, lengths.to(torch.int32), row, pos,
-                       None if every_token else starts.to(torch.int64)[row] + pos)
+                       None if every_token else starts.to(torch.int64)[row] + pos, start)
 
 
 def _shown(bounds: list[int]) -> str:
     return str(bounds) if len(bounds) <= 12 else f"[{', '.join(map(str, bounds[:10]))}, ..., {bounds[-1]}]"
+
+
+def batch_call(batch: PackedBatch, q, k, v) -> tuple[tuple[torch.Tensor, ...], dict]:
+    """The (q, k, v) and options of the call a batch runs: its sequence alone (a view), or its padded batch."""
+    if batch.start is not None:
+        return tuple(x[batch.start:batch.start + batch.length].transpose(0, 1)[None] for x in (q, k, v)), {}
+    return (pad(q, batch), pad(k, batch), pad(v, batch)), {"seqlens": batch.seqlens}
+
+
+def batch_outputs(batch: PackedBatch, o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call's o [m, Hq, length, D] and lse [m, Hq, length] at the batch's tokens: [tokens, Hq, D], [tokens, Hq]."""
+    if batch.start is not None:
+        return o[0].transpose(0, 1), lse[0].t()
+    return unpad(o, batch), unpad(lse, batch)
 
 
 def pad(x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
