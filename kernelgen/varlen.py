@@ -25,6 +25,10 @@ VARLEN_LAYOUT = ("q [total, Hq, D], k and v [total, Hkv, D] (FlashAttention's va
 # A sequence shares a batch padded to at most this factor of its length: a batch more is a few launches more, a
 # padded token a copy and memory (never attention).
 PADDING_SLACK = 2
+# A sequence this long runs alone: its call fills the GPU, and the padded call's per-row kernels are slower than
+# the tuned ones of a call over one sequence (on an H100, 12288 and 8192 tokens padded together took longer than
+# their two calls).
+ALONE_TOKENS = 4096
 
 
 class PackedBatch(NamedTuple):
@@ -123,7 +127,7 @@ def _batches_of(bounds: list[int], total: int, max_seqlen: int | None, device) -
     order = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:
-        if groups and lengths[i] * PADDING_SLACK > lengths[groups[-1][0]]:
+        if groups and lengths[groups[-1][0]] < ALONE_TOKENS and lengths[i] * PADDING_SLACK > lengths[groups[-1][0]]:
             groups[-1].append(i)
         else:
             groups.append([i])
