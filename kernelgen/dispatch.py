@@ -568,22 +568,23 @@ class SparseAttention:
         check_return_lse(return_lse)
         total, max_seqlen = check_packed(q, k, v, cu_seqlens, max_seqlen, self.spec)
         n = cu_seqlens.shape[0] - 1
-        outputs = []
-        for batch in packed_batches(cu_seqlens, total, max_seqlen):
+        batches = packed_batches(cu_seqlens, total, max_seqlen)
+        # each token's o and lse written once, in place (no concatenation): a batch's sequence alone is a slice
+        o, lse = q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+        for batch in batches:
             inputs, rows = batch_call(batch, q, k, v)
-            o, lse = self(*inputs, **rows, scale=scale, return_lse=True,
-                          block_idx=batch_lists(block_idx, batch, self.spec, n, k.shape[1]))
-            outputs.append((batch, *batch_outputs(batch, o, lse)))
-        if len(outputs) == 1 and outputs[0][0].tokens is None:  # every token, in packed order
-            o, lse = outputs[0][1:]
-        else:  # each batch's tokens to their places (a sequence of no tokens has none)
-            o, lse = q.new_zeros(q.shape), q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
-            if outputs:
-                tokens = (torch.cat([batch.tokens for batch, _, _ in outputs]),)
-                o = o.index_put(tokens, torch.cat([o for _, o, _ in outputs]))
-                lse = lse.index_put(tokens, torch.cat([lse for _, _, lse in outputs]))
-            else:  # no tokens at all: an empty o, still of q's graph (a loss over it backpropagates)
-                o = q * 0
+            o_batch, lse_batch = batch_outputs(batch, *self(
+                *inputs, **rows, scale=scale, return_lse=True,
+                block_idx=batch_lists(block_idx, batch, self.spec, n, k.shape[1])))
+            if len(batches) == 1 and batch.tokens is None:  # every token, in packed order
+                o, lse = o_batch, lse_batch
+            elif batch.start is not None:
+                o[batch.start:batch.start + batch.length], lse[batch.start:batch.start + batch.length] = (
+                    o_batch, lse_batch)
+            else:
+                o[batch.tokens], lse[batch.tokens] = o_batch, lse_batch
+        if not batches:  # no tokens at all: an empty o, still of q's graph (a loss over it backpropagates)
+            o = q * 0
         return (o, lse.t().contiguous()) if return_lse else o  # FlashAttention's varlen lse: [Hq, total]
 
     def _traced(self):
