@@ -42,7 +42,7 @@ from .tile_union import TileUnion, build_tile_union, union_max_inflation
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
 from .tuning.lookup import fastest_backend, recheck, served_config, tuned_row
-from .varlen import batch_call, batch_lists, batch_outputs, check_packed, packed_batches
+from .varlen import batch_lists, check_packed, packed_attention
 
 __all__ = ["get_kernel", "SparseAttention", "Served"]
 
@@ -564,27 +564,18 @@ class SparseAttention:
         (`varlen.VARLEN_LAYOUT`): each sequence selects and attends as the call over it alone would, bit for bit,
         forward and backward. o is [total, Hq, D]; lse (return_lse) float32 [Hq, total], as FlashAttention's.
         block_idx: a padded batch's given lists, [n, Hkv, rows, top_k], row d sequence d's. Eagerly the bounds are
-        read from the device once per cu_seqlens tensor; under torch.compile pass max_seqlen (an int)."""
+        read from the device once per cu_seqlens tensor; under torch.compile pass max_seqlen (an int: one batch, padded
+        to the power of two at or above it)."""
         check_return_lse(return_lse)
         total, max_seqlen = check_packed(q, k, v, cu_seqlens, max_seqlen, self.spec)
         n = cu_seqlens.shape[0] - 1
-        batches = packed_batches(cu_seqlens, total, max_seqlen)
-        # each token's o and lse written once, in place (no concatenation): a batch's sequence alone is a slice
-        o, lse = q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
-        for batch in batches:
-            inputs, rows = batch_call(batch, q, k, v)
-            o_batch, lse_batch = batch_outputs(batch, *self(
-                *inputs, **rows, scale=scale, return_lse=True,
-                block_idx=batch_lists(block_idx, batch, self.spec, n, k.shape[1])))
-            if len(batches) == 1 and batch.tokens is None:  # every token, in packed order
-                o, lse = o_batch, lse_batch
-            elif batch.start is not None:
-                o[batch.start:batch.start + batch.length], lse[batch.start:batch.start + batch.length] = (
-                    o_batch, lse_batch)
-            else:
-                o[batch.tokens], lse[batch.tokens] = o_batch, lse_batch
-        if not batches:  # no tokens at all: an empty o, still of q's graph (a loss over it backpropagates)
-            o = q * 0
+
+        def call(q, k, v, **options):
+            return self(q, k, v, **options, scale=scale, return_lse=True)
+
+        o, lse = packed_attention(call, q, k, v, cu_seqlens, max_seqlen,
+                                  None if block_idx is None else
+                                  (lambda batch: batch_lists(block_idx, batch, self.spec, n, k.shape[1], max_seqlen)))
         return (o, lse.t().contiguous()) if return_lse else o  # FlashAttention's varlen lse: [Hq, total]
 
     def _traced(self):

@@ -17,8 +17,8 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import BlockLists, check_length
 from .spec import Spec
 
-__all__ = ["VARLEN_LAYOUT", "PackedBatch", "check_packed", "packed_batches", "batch_call", "batch_outputs",
-           "batch_lists"]
+__all__ = ["VARLEN_LAYOUT", "PackedBatch", "check_packed", "check_cu_seqlens", "check_max_seqlen",
+           "packed_attention", "packed_batches", "batch_call", "batch_outputs", "batch_lists"]
 
 VARLEN_LAYOUT = ("q [total, Hq, D], k and v [total, Hkv, D] (FlashAttention's varlen layout: the sequences one "
                  "after another), cu_seqlens int32 [n + 1] (0, then each sequence's end)")
@@ -74,16 +74,58 @@ def check_packed(q, k, v, cu_seqlens, max_seqlen, spec: Spec) -> tuple[int, int 
     if spec.selector == "index":
         raise KernelgenValueError("varlen takes the pooling selectors (mean, multi:r) or given lists, not the index "
                                   "selector")
+    check_cu_seqlens(cu_seqlens, q.device)
+    return total, check_max_seqlen(max_seqlen)
+
+
+def check_cu_seqlens(cu_seqlens, device, name: str = "cu_seqlens") -> None:
+    """A varlen call's bounds (`name` is the caller's argument): int32 [n + 1] on the queries' device."""
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise KernelgenTypeError(f"cu_seqlens must be a torch.Tensor (int32 [n + 1]), got {type(cu_seqlens).__name__}")
+        raise KernelgenTypeError(f"{name} must be a torch.Tensor (int32 [n + 1]), got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
-        raise KernelgenTypeError(f"cu_seqlens must be int32, got dtype {cu_seqlens.dtype}")
+        raise KernelgenTypeError(f"{name} must be int32, got dtype {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise KernelgenValueError(f"cu_seqlens must be 1-D [n + 1] for n >= 1 sequences, got shape "
+        raise KernelgenValueError(f"{name} must be 1-D [n + 1] for n >= 1 sequences, got shape "
                                   f"{tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != q.device:
-        raise KernelgenValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
-    return total, None if max_seqlen is None else check_length("max_seqlen", max_seqlen)
+    if cu_seqlens.device != device:
+        raise KernelgenValueError(f"{name} is on {cu_seqlens.device} but q is on {device}")
+
+
+def check_max_seqlen(max_seqlen, name: str = "max_seqlen") -> int | None:
+    """A varlen call's longest sequence, or None."""
+    if max_seqlen is not None and torch.compiler.is_compiling():
+        # the compiler may make it dynamic (an int that changed between calls): compare it, never take its value,
+        # which would recompile for each new one (packed_batches pads to a power of two at or above it)
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise KernelgenTypeError(f"{name} must be an int, got {type(max_seqlen).__name__}")
+        if max_seqlen < 1:
+            raise KernelgenValueError(f"{name} must be a positive int")
+        return max_seqlen
+    return None if max_seqlen is None else check_length(name, max_seqlen)
+
+
+def packed_attention(call, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int | None,
+                     lists=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [total, Hq, D] and lse [total, Hq] of checked packed sequences, each batch of them attended by
+    `call(q, k, v, **options) -> (o, lse)`, a padded batch's attention (options: `seqlens=`, and `block_idx=` where
+    `lists(batch)` gives the batch's lists). Each token's o and lse are written once, in place (no
+    concatenation): a batch's sequence alone is a slice."""
+    batches = packed_batches(cu_seqlens, q.shape[0], max_seqlen)
+    o, lse = q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+    for batch in batches:
+        inputs, options = batch_call(batch, q, k, v)
+        if lists is not None:
+            options["block_idx"] = lists(batch)
+        o_batch, lse_batch = batch_outputs(batch, *call(*inputs, **options))
+        if len(batches) == 1 and batch.tokens is None:  # every token, in packed order
+            o, lse = o_batch, lse_batch
+        elif batch.start is not None:
+            o[batch.start:batch.start + batch.length], lse[batch.start:batch.start + batch.length] = o_batch, lse_batch
+        else:
+            o[batch.tokens], lse[batch.tokens] = o_batch, lse_batch
+    if not batches:  # no tokens at all: an empty o, still of q's graph (a loss over it backpropagates)
+        o = q * 0
+    return o, lse
 
 
 def packed_batches(cu_seqlens: torch.Tensor, total: int, max_seqlen: int | None) -> list[PackedBatch]:
@@ -99,8 +141,8 @@ def packed_batches(cu_seqlens: torch.Tensor, total: int, max_seqlen: int | None)
                             & (lengths <= max_seqlen).all(),
                             "cu_seqlens must rise from 0 to the packed tokens, each sequence at most max_seqlen")
         n = lengths.shape[0]
-        return [_batch(torch.arange(n, device=cu_seqlens.device), max_seqlen, lengths, cu_seqlens[:-1], total,
-                       every_token=True)]
+        return [_batch(torch.arange(n, device=cu_seqlens.device), _traced_length(max_seqlen), lengths,
+                       cu_seqlens[:-1], total, every_token=True)]
     if cu_seqlens.is_inference():  # made under torch.inference_mode: no version counter, so read every call
         return _batches_of(cu_seqlens.tolist(), total, max_seqlen, cu_seqlens.device)
     global _last
@@ -110,6 +152,16 @@ def packed_batches(cu_seqlens: torch.Tensor, total: int, max_seqlen: int | None)
     batches = _batches_of(cu_seqlens.tolist(), total, max_seqlen, cu_seqlens.device)
     _last = (weakref.ref(cu_seqlens), cu_seqlens._version, (total, max_seqlen), batches)
     return batches
+
+
+def _traced_length(max_seqlen) -> int:
+    """The padded length of a compiled call's batch: the power of two at or above max_seqlen. Where the compiler
+    made max_seqlen dynamic (a SymInt, as it does to an int that changed between calls), each comparison guards
+    its range, not its value: the call is recompiled once per doubling of the longest sequence, not for each."""
+    length = 1
+    while length < max_seqlen:
+        length *= 2
+    return length
 
 
 _last: tuple = (None, None, None, None)  # (weakref to cu_seqlens, its version, (total, max_seqlen), its batches)
@@ -185,9 +237,11 @@ def unpad(x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     return x.transpose(1, 2)[batch.row, batch.pos]
 
 
-def batch_lists(block_idx, batch: PackedBatch, spec: Spec, n: int, heads_kv: int) -> torch.Tensor | None:
+def batch_lists(block_idx, batch: PackedBatch, spec: Spec, n: int, heads_kv: int,
+                max_seqlen: int | None = None) -> torch.Tensor | None:
     """A varlen call's lists (a padded batch's: [n, Hkv, rows, top_k], row d sequence d's lists) for `batch`;
-    their shape checked whole (an error shows the caller's, not a batch's slice of it)."""
+    their shape checked whole (an error shows the caller's, not a batch's slice of it). A compiled call's batch,
+    padded past `max_seqlen`, takes rows of -1 (empty lists) for its padding's tiles."""
     if block_idx is None:
         return None
     if isinstance(block_idx, BlockLists):
@@ -196,14 +250,17 @@ def batch_lists(block_idx, batch: PackedBatch, spec: Spec, n: int, heads_kv: int
     if not isinstance(block_idx, torch.Tensor):
         raise KernelgenTypeError(f"block_idx must be a torch.Tensor, got {type(block_idx).__name__}")
     rows = spec.n_q_tiles(batch.length)
+    needed = rows if max_seqlen is None or batch.length <= max_seqlen else spec.n_q_tiles(max_seqlen)
     if (block_idx.dim() != 4 or block_idx.shape[0] != n
             or (block_idx.shape[1] != 1 and block_idx.shape[1] != heads_kv)  # not `in`: dynamo (SymInt)
-            or block_idx.shape[2] < rows or block_idx.shape[3] != spec.top_k):
+            or block_idx.shape[2] < needed or block_idx.shape[3] != spec.top_k):
         what = "Nq = max_seqlen" if spec.per_query else "n_q_tiles(max_seqlen)"
         raise KernelgenValueError(f"varlen's block_idx is a padded batch's lists, [n, Hkv, {what}, top_k] with "
-                                  f"n = {n} sequences, Hkv = {heads_kv} (or 1), at least {rows} rows and top_k = "
+                                  f"n = {n} sequences, Hkv = {heads_kv} (or 1), at least {needed} rows and top_k = "
                                   f"{spec.top_k} (row d: sequence d's lists, ids from its first token), got "
                                   f"{tuple(block_idx.shape)}")
+    if block_idx.shape[2] < rows:
+        block_idx = torch.nn.functional.pad(block_idx, (0, 0, 0, rows - block_idx.shape[2]), value=-1)
     if batch.sequences.shape[0] == n and block_idx.shape[2] == rows:  # every sequence, in order
         return block_idx
     return block_idx.index_select(0, batch.sequences)[:, :, :rows]

@@ -363,10 +363,92 @@ def test_packed_sequences_compiled(models):
         module.__dict__.pop("_kernelgen_mask_refused", None)
     compiled = torch.compile(ours, backend="aot_eager")
     with torch.no_grad():
-        with pytest.raises(RuntimeError, match="packed in a row: run one step eagerly first"):
+        with pytest.raises(RuntimeError, match=r"packed in a row: pass FlashAttention's varlen kwargs .*, or run one "
+                                               "step eagerly first"):
             compiled(ids, position_ids=positions, use_cache=False)
         want = ours(ids, position_ids=positions, use_cache=False).logits
         assert torch.equal(compiled(ids, position_ids=positions, use_cache=False).logits, want)
+
+
+def packed_batch(lengths, seed=0):
+    """One row of packed sequences: ids [1, total], position_ids that restart, and FlashAttention's varlen kwargs
+    as `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives them (two int32 tensors, two ints)."""
+    ids = torch.cat([tokens(1, n, seed=seed + i) for i, n in enumerate(lengths)], 1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    bounds = torch.tensor((0,) + tuple(lengths)).cumsum(0).to(torch.int32)
+    return ids, positions, {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds.clone(), "max_length_q": max(lengths),
+                            "max_length_k": max(lengths)}
+
+
+def test_flash_attention_varlen_kwargs_bound_the_sequences(models, roles):
+    """FlashAttention's varlen kwargs with no mask (position_ids that do not restart: transformers then passes
+    none) bound the sequences, as in FlashAttention's varlen path: the logits are those of the block-diagonal mask
+    over the same positions, bit for bit. Bounds of another dtype, or keys' bounds unlike the queries', are
+    refused by name."""
+    ours, _ = models
+    set_options(ours, top_k=2)
+    ids, _, kwargs = packed_batch((17, 40, 7), seed=60)
+    sequence = torch.repeat_interleave(torch.arange(3), torch.tensor((17, 40, 7)))
+    allowed = (sequence[:, None] == sequence[None, :]) & torch.ones(64, 64, dtype=torch.bool).tril()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        got = ours(ids, use_cache=False, **kwargs).logits
+        assert roles["attn"] == 4  # 2 layers: 40 and 17 in one padded batch, 7 alone (a decode call)
+        assert torch.equal(got, ours(ids, attention_mask=allowed[None, None], use_cache=False).logits)
+        with pytest.raises(TypeError, match="cu_seq_lens_q must be int32"):
+            ours(ids, use_cache=False, **{**kwargs, "cu_seq_lens_q": kwargs["cu_seq_lens_q"].long()})
+        other = kwargs["cu_seq_lens_k"].clone()
+        other[1] = 20
+        with pytest.raises(ValueError, match="cu_seq_lens_k differs from cu_seq_lens_q"):
+            ours(ids, use_cache=False, **{**kwargs, "cu_seq_lens_k": other})
+
+
+def test_a_compiled_packed_training_step_runs_in_the_graph(models, roles, compiled):
+    """torch.compile(fullgraph=True) of a padding-free training step given FlashAttention's varlen kwargs: the
+    sequences are attended in the graph as one padded batch a layer (the mask checked on the device against the
+    kwargs), the loss and gradients are the eager step's, and batches whose longest sequence differs recompile
+    once per doubling of it, not for each."""
+    ours, _ = models
+    set_options(ours, top_k=2)
+
+    def loss_of(ids, positions, **kwargs):
+        return ours(ids, position_ids=positions, labels=ids, use_cache=False, **kwargs).loss
+
+    step = compiled(loss_of)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    ours.train()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+            for lengths in ((17, 23), (40, 7), (9, 30, 5), (31, 2, 6), (12, 20, 25)):
+                ids, positions, kwargs = packed_batch(lengths, seed=70)
+                ours.zero_grad()
+                want = loss_of(ids, positions)
+                want.backward()
+                want_grad = ours.model.layers[0].self_attn.q_proj.weight.grad.clone()
+                ours.zero_grad()
+                roles.clear()
+                got = step(ids, positions, **kwargs)
+                assert roles["attn"] == 2, lengths  # one padded batch a layer, inside the graph
+                got.backward()
+                assert_close(got.detach(), want.detach(), tol=1e-5)
+                assert_close(ours.model.layers[0].self_attn.q_proj.weight.grad, want_grad, tol=1e-4)
+    finally:
+        ours.eval()
+    # the first batch; dynamic shapes (the longest sequence 40: padded to 64); the sequence count changed and the
+    # longest halved (30, padded to 32); the longest sequences 31 and 25 then fall in that graph's range
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 3
+
+
+def test_a_compiled_steps_packed_mask_is_checked_against_the_kwargs(models, compiled):
+    """A compiled step whose mask bounds other sequences than FlashAttention's kwargs stops at the device-side
+    check (on the CPU, a RuntimeError): never a wrong result."""
+    ours, _ = models
+    set_options(ours, top_k=2)
+    ids, positions, kwargs = packed_batch((17, 23), seed=80)
+    _, _, other = packed_batch((20, 20), seed=80)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="FlashAttention's kwargs"):
+        compiled(lambda *a, **k: ours(*a, **k).logits)(ids, position_ids=positions, use_cache=False, **other)
 
 
 def test_packed_sequences_under_inference_mode(models):

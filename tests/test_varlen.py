@@ -100,6 +100,25 @@ def test_under_torch_compile_it_is_the_eager_call(device):
         torch.compile(lambda q, k, v, b: attn.varlen(q, k, v, b), backend="eager", fullgraph=True)(q, k, v, bounds)
 
 
+def test_a_compiled_call_recompiles_once_per_doubling_of_the_longest_sequence(device):
+    """Under torch.compile max_seqlen, once the compiler makes it dynamic, is compared, never specialised: the
+    padded batch is the power of two at or above it, so new lengths in that range reuse the graph; each call is
+    the eager call, bit for bit."""
+    import kernelgen.custom_ops  # noqa: F401  (the ops a call being compiled runs)
+
+    attn = get_kernel(_spec())
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, b, m: attn.varlen(q, k, v, b, max_seqlen=m), backend="aot_eager",
+                             fullgraph=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for seed, lengths in enumerate(((20, 9, 3), (30, 5, 7), (17, 25, 2), (31, 1, 4))):
+        q, k, v, _, bounds = _packed(torch.float32, device, lengths, seed=seed)
+        assert torch.equal(compiled(q, k, v, bounds, max(lengths)), attn.varlen(q, k, v, bounds)), lengths
+    # 20 (static), then 30 dynamic: 16 < max_seqlen <= 32 holds for 25 and 31
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
+    torch._dynamo.reset()
+
+
 def test_given_lists_under_torch_compile_with_dynamic_shapes(device):
     """A compiled call recompiled with the KV head count dynamic (a SymInt) and the lists' static takes lists of
     the right shape (`in` over the SymInt in the shape check refused them) and gives the eager call's bits."""

@@ -57,11 +57,15 @@ A prompt chunk after earlier keys whose queries are all tokens (left padding, al
 call over the cache's rows (`cache_seqlens`, `cache_leftpad`); one that holds padding runs a call per row.
 
 **Packed sequences.** A padding-free training batch (`position_ids` that restart, no cache: transformers then
-builds a block-diagonal causal mask, as for `DataCollatorWithFlattening`'s batches) runs eagerly as
-`attn.varlen`, its sequences read from the mask, each attended as if it were alone. A compiled step cannot read
-such a mask on the device: once an eager call of the module has seen one, its compiled calls break the graph into
+builds a block-diagonal causal mask, as for `DataCollatorWithFlattening`'s batches) runs as `attn.varlen`, its
+sequences read from the mask, each attended as if it were alone. Where the batch carries FlashAttention's varlen
+kwargs (`cu_seq_lens_q`, `cu_seq_lens_k`, `max_length_q`, `max_length_k`, as
+`DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives them), they bound the sequences, as in
+FlashAttention's varlen path: a call with no mask reads none, and a compiled step runs them in the graph (one
+padded batch), its mask checked against them on the device. Without those kwargs a compiled step cannot read a
+packed mask on the device: once an eager call of the module has seen one, its compiled calls break the graph into
 that eager call (attn.varlen); a module compiled before any eager call stops at the mask's device-side check (on a
-GPU that ends the CUDA context), whose message says to run a step eagerly first.
+GPU that ends the CUDA context), whose message says what to do.
 
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's `"layer_types"`
 run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen cannot compute falls
@@ -92,6 +96,7 @@ from ..errors import KernelgenValueError
 from ..inputs import KeyReps
 from ..roles import DECODE_MAX_QUERIES
 from ..spec import HEAD_DIMS, Spec
+from ..varlen import check_cu_seqlens, check_max_seqlen, packed_attention
 from ..tuning.model import FULL, MODEL_OPTIONS, layer_type_specs
 
 __all__ = ["NAME", "register", "layer_spec", "attention_forward", "KernelgenFallbackWarning",
@@ -446,7 +451,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     traced = _in_graph(module, query, key, value, attention_mask, dropout, kwargs) if torch.compiler.is_compiling() \
         else None
     if traced is not None:
-        return _attention_in_graph(*args, traced)
+        return _attention_in_graph(*args, traced, kwargs)
     return _attention_eager(*args, **kwargs)
 
 
@@ -465,6 +470,15 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     reason = _unsupported(module, query, dropout, kwargs)
+    packed = _flash_varlen(query, key, kwargs) if reason is None and attention_mask is None else None
+    if packed is not None:  # no mask to read: the sequences are FlashAttention's kwargs', as in its varlen path
+        _forget_reps(key)
+        cu_seqlens, cu_seqlens_k, max_length = packed
+        if cu_seqlens_k is not cu_seqlens and not torch.equal(cu_seqlens_k, cu_seqlens):
+            raise KernelgenValueError(_KV_BOUNDS)
+        max_length = max_length if isinstance(max_length, int) else None  # a tensor: varlen reads the bounds
+        o = get_kernel(spec).varlen(*_flat(query, key, value), cu_seqlens, max_length, scale=scaling)
+        return o.view(query.shape[0], query.shape[2], *o.shape[1:]), None
     if reason is None:
         n_keys = _visible_keys(attention_mask, query.shape[2], key.shape[2])
         reason = n_keys if isinstance(n_keys, str) else None
@@ -477,8 +491,7 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
     attn = get_kernel(spec)
     if isinstance(n_keys, PackedRows):  # each sequence alone, as its own call (FlashAttention's varlen)
         _forget_reps(key)
-        flat = (x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]) for x in (query, key, value))
-        o = attn.varlen(*flat, n_keys.bounds(query.shape[0]), scale=scaling)
+        o = attn.varlen(*_flat(query, key, value), n_keys.bounds(query.shape[0]), scale=scaling)
         return o.view(query.shape[0], query.shape[2], *o.shape[1:]), None
     if isinstance(n_keys, PaddedRows):
         return _attention_padded(module, attn, spec, query, key, value, n_keys, scaling, attention_mask, kwargs)
@@ -497,6 +510,30 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         layer.key_reps = attn.key_reps(key, previous=_extendable(layer.key_reps, spec, key))
         o = attn(query, key, value, scale=scaling, key_reps=layer.key_reps)
     return o.transpose(1, 2).contiguous(), None
+
+
+# FlashAttention's varlen kwargs: a padding-free batch's sequences among its rows' tokens one after another, which
+# transformers passes to every attention call where the data collator gives them
+# (`DataCollatorWithFlattening(return_flash_attn_kwargs=True)`)
+_FLASH_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_KV_BOUNDS = ("kernelgen attention: cu_seq_lens_k differs from cu_seq_lens_q; kernelgen attends packed sequences "
+              "over their own tokens (FlashAttention's varlen self-attention), so the two must be equal")
+
+
+def _flash_varlen(query, key, kwargs) -> tuple[torch.Tensor, torch.Tensor, object] | None:
+    """(cu_seq_lens_q, cu_seq_lens_k, max_length_q) of a call that carries all four of FlashAttention's varlen kwargs
+    and whose keys are its queries' tokens (no cache before them), their bounds checked; else None."""
+    values = [kwargs.get(name) for name in _FLASH_VARLEN]
+    if any(value is None for value in values) or query.shape[2] != key.shape[2]:
+        return None
+    for name, bounds in zip(_FLASH_VARLEN, values[:2]):
+        check_cu_seqlens(bounds, query.device, name)
+    return values[0], values[1], values[2]
+
+
+def _flat(*tensors: torch.Tensor):
+    """[B, H, N, D] tensors in FlashAttention's varlen layout, [B * N, H, D]: the rows' tokens one after another."""
+    return (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in tensors)
 
 
 def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedRows, scaling, mask, kwargs):
@@ -671,6 +708,9 @@ def _in_graph(module, query, key, value, mask, dropout, kwargs) -> tuple[str, tu
         traced = _traced_spec(module)
     if not traced[0] or _unsupported(module, query, dropout, kwargs):
         return None
+    packed = _flash_varlen(query, key, kwargs)
+    if packed is not None:  # packed sequences, their bounds on the device; a tensor max_length is read on the host
+        return traced if isinstance(packed[2], int) else None
     if mask is None:  # purely causal: the keys seen follow from the shapes
         return None if isinstance(_visible_keys(None, query.shape[2], key.shape[2]), str) else traced
     # a mask tensor, read on the device, unless this module's last eager call found its mask not causal over each
@@ -683,11 +723,27 @@ def _in_graph(module, query, key, value, mask, dropout, kwargs) -> tuple[str, tu
     return traced if key.shape[2] == query.shape[2] and tuple(mask.shape[-2:]) == (query.shape[2],) * 2 else None
 
 
-def _attention_in_graph(module, query, key, value, mask, scaling, dropout, traced):
+def _attention_in_graph(module, query, key, value, mask, scaling, dropout, traced, kwargs):
     """The call as torch.compile traces it: the ops `kernelgen::sparse_attention` (opaque to the compiler,
     replayable in CUDA graphs), with no host read of any tensor."""
     spec_json, blocks = traced
     n_q, n_k = query.shape[2], key.shape[2]
+    packed = _flash_varlen(query, key, kwargs)
+    if packed is not None:  # packed sequences (FlashAttention's varlen kwargs), in one padded batch
+        cu_seqlens, cu_seqlens_k, max_length = packed
+        if cu_seqlens_k is not cu_seqlens:
+            if cu_seqlens_k.shape != cu_seqlens.shape:
+                raise KernelgenValueError(_KV_BOUNDS)
+            torch._assert_async((cu_seqlens_k == cu_seqlens).all(), _KV_BOUNDS)
+        if mask is not None:
+            _packed_mask_on_device(mask, cu_seqlens, query.shape[0], n_q)
+
+        def attn(q, k, v, **options):
+            return custom_ops.sparse_attention(q, k, v, spec_json, scale=scaling, **options)
+
+        max_length = check_max_seqlen(max_length, "max_length_q")
+        o, _ = packed_attention(attn, *_flat(query, key, value), cu_seqlens, max_length)
+        return o.view(query.shape[0], n_q, *o.shape[1:]), None
     if mask is None:
         n_keys = _visible_keys(None, n_q, n_k)  # from shapes alone
         o, _ = custom_ops.sparse_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], spec_json, scale=scaling)
@@ -705,6 +761,24 @@ def _attention_in_graph(module, query, key, value, mask, scaling, dropout, trace
         o, _ = custom_ops.sparse_attention(query, key, value, spec_json, scale=scaling, cache_seqlens=lens,
                                            key_reps=reps, cache_leftpad=pads)
     return o.transpose(1, 2).contiguous(), None
+
+
+def _packed_mask_on_device(mask: torch.Tensor, cu_seqlens: torch.Tensor, batch: int, n: int) -> None:
+    """A device-side assertion that a compiled step's 4-D mask (of `batch` rows, or one that broadcasts) is the
+    block-diagonal causal mask of the packed sequences `cu_seqlens` bounds among the rows' tokens (n a row), as
+    transformers builds from position_ids that restart: what FlashAttention's kwargs say, the mask says too. One
+    that does not stops the run; it never gives a wrong result."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    tokens = torch.arange(batch * n, device=mask.device, dtype=cu_seqlens.dtype)
+    sequence = torch.searchsorted(cu_seqlens, tokens, right=True).view(-1, n)  # each token's, per row
+    keys = torch.arange(n, device=mask.device)
+    visible = (sequence[:, :, None] == sequence[:, None, :]) & (keys[None, None, :] <= keys[None, :, None])
+    ok = (allowed == visible[:, None]).all()
+    if mask.dtype != torch.bool:
+        ok = ok & (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
+    torch._assert_async(ok, "kernelgen attention: a compiled step's attention mask is not the block-diagonal causal "
+                            "mask of the sequences FlashAttention's kwargs (cu_seq_lens_q) bound; run it without "
+                            "torch.compile")
 
 
 def _rows_on_device(mask: torch.Tensor, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -743,8 +817,9 @@ def _prompt_rows_on_device(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, to
         ok = ok & (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
     torch._assert_async(ok, "kernelgen attention: a compiled prompt's or training step's attention mask is not "
                             "purely causal over each row's tokens (a custom mask, or sequences packed in a row: "
-                            "run one step eagerly first, after which the module's compiled calls run them eagerly); "
-                            "run it without torch.compile")
+                            "pass FlashAttention's varlen kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs="
+                            "True)), or run one step eagerly first, after which the module's compiled calls run them "
+                            "eagerly); run it without torch.compile")
     return firsts, ends
 
 
