@@ -891,6 +891,44 @@ def test_a_compiled_training_step_on_the_gpu():
 
 
 @pytest.mark.gpu
+def test_a_compiled_packed_training_step_on_the_gpu():
+    """torch.compile (inductor) of a bf16 padding-free training step given FlashAttention's varlen kwargs: no graph
+    break, the loss and gradients of the eager step (which reads the block-diagonal mask), and a second batch whose
+    longest sequence stays in the same power of two reuses the graphs."""
+    from torch._dynamo.utils import counters
+
+    model = gpu_llama().train()
+
+    def batch(lengths):
+        ids = torch.randint(1, 1000, (1, sum(lengths)), device="cuda")
+        positions = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+        bounds = torch.tensor((0,) + lengths, device="cuda").cumsum(0).to(torch.int32)
+        return ids, positions, {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": max(lengths),
+                                "max_length_k": max(lengths)}
+
+    def step(forward, ids, positions, **kwargs):
+        model.zero_grad()
+        loss = forward(ids, position_ids=positions, labels=ids, **kwargs).loss
+        loss.backward()
+        return loss.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model)
+    graphs = []
+    for lengths in ((3000, 700, 396), (2500, 1200, 300, 96), (2900, 1196)):
+        ids, positions, kwargs = batch(lengths)
+        want = step(model, ids, positions)
+        with torch._inductor.config.patch(emulate_precision_casts=True):  # as in the padded step's test
+            got = step(compiled, ids, positions, **kwargs)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert (got[0] - want[0]).abs() < 2e-2 * want[0].abs(), lengths
+        assert (got[1] - want[1]).norm() < 5e-2 * want[1].norm(), lengths
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[2] == graphs[1]  # dynamic shapes after the first batch; 2900 is padded to 4096 as 2500 was
+
+
+@pytest.mark.gpu
 def test_a_model_compiled_before_any_eager_call_on_the_gpu():
     """torch.compile(fullgraph=True, inductor) of a fresh bf16 model's prompt, before any eager call: kernelgen
     inside the graph, and the eager model's logits."""
