@@ -381,10 +381,10 @@ def packed_batch(lengths, seed=0):
 
 
 def test_flash_attention_varlen_kwargs_bound_the_sequences(models, roles):
-    """FlashAttention's varlen kwargs with no mask (position_ids that do not restart: transformers then passes
-    none) bound the sequences, as in FlashAttention's varlen path: the logits are those of the block-diagonal mask
-    over the same positions, bit for bit. Bounds of another dtype, or keys' bounds unlike the queries', are
-    refused by name."""
+    """FlashAttention's varlen kwargs with a mask causal over every token (none: position_ids that do not restart;
+    or the causal one transformers builds where the model made a cache) bound the sequences, as in FlashAttention's
+    varlen path: the logits are those of the block-diagonal mask over the same positions, bit for bit. Bounds of
+    another dtype, or keys' bounds unlike the queries', are refused by name."""
     ours, _ = models
     set_options(ours, top_k=2)
     ids, _, kwargs = packed_batch((17, 40, 7), seed=60)
@@ -395,6 +395,12 @@ def test_flash_attention_varlen_kwargs_bound_the_sequences(models, roles):
         got = ours(ids, use_cache=False, **kwargs).logits
         assert roles["attn"] == 4  # 2 layers: 40 and 17 in one padded batch, 7 alone (a decode call)
         assert torch.equal(got, ours(ids, attention_mask=allowed[None, None], use_cache=False).logits)
+        causal = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+        assert torch.equal(ours(ids, attention_mask=causal, use_cache=False, **kwargs).logits, got)
+        # with a cache, transformers builds the causal mask whatever position_ids say; the kwargs still bound
+        positions = torch.cat([torch.arange(n) for n in (17, 40, 7)])[None]
+        assert torch.equal(ours(ids, position_ids=positions, **kwargs).logits,
+                           ours(ids, position_ids=positions, use_cache=False).logits)
         with pytest.raises(TypeError, match="cu_seq_lens_q must be int32"):
             ours(ids, use_cache=False, **{**kwargs, "cu_seq_lens_q": kwargs["cu_seq_lens_q"].long()})
         other = kwargs["cu_seq_lens_k"].clone()
@@ -441,13 +447,13 @@ def test_a_compiled_packed_training_step_runs_in_the_graph(models, roles, compil
 
 
 def test_a_compiled_steps_packed_mask_is_checked_against_the_kwargs(models, compiled):
-    """A compiled step whose mask bounds other sequences than FlashAttention's kwargs stops at the device-side
-    check (on the CPU, a RuntimeError): never a wrong result."""
+    """A compiled step whose mask bounds other sequences than FlashAttention's kwargs (and is not causal over every
+    token) stops at the device-side check (on the CPU, a RuntimeError): never a wrong result."""
     ours, _ = models
     set_options(ours, top_k=2)
     ids, positions, kwargs = packed_batch((17, 23), seed=80)
     _, _, other = packed_batch((20, 20), seed=80)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="FlashAttention's kwargs"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match="neither causal nor the block-diagonal causal mask"):
         compiled(lambda *a, **k: ours(*a, **k).logits)(ids, position_ids=positions, use_cache=False, **other)
 
 
@@ -892,9 +898,10 @@ def test_a_compiled_training_step_on_the_gpu():
 
 @pytest.mark.gpu
 def test_a_compiled_packed_training_step_on_the_gpu():
-    """torch.compile (inductor) of a bf16 padding-free training step given FlashAttention's varlen kwargs: no graph
-    break, the loss and gradients of the eager step (which reads the block-diagonal mask), and a second batch whose
-    longest sequence stays in the same power of two reuses the graphs."""
+    """torch.compile (inductor) of a bf16 padding-free training step given FlashAttention's varlen kwargs (the
+    model makes a cache, so transformers builds a causal mask: the kwargs bound the sequences): no graph break, the
+    loss and gradients of the eager step over the block-diagonal mask, and a third batch whose longest sequence
+    stays in the second's power of two reuses its graphs."""
     from torch._dynamo.utils import counters
 
     model = gpu_llama().train()
@@ -918,7 +925,7 @@ def test_a_compiled_packed_training_step_on_the_gpu():
     graphs = []
     for lengths in ((3000, 700, 396), (2500, 1200, 300, 96), (2900, 1196)):
         ids, positions, kwargs = batch(lengths)
-        want = step(model, ids, positions)
+        want = step(model, ids, positions, use_cache=False)  # the block-diagonal mask, read on the host
         with torch._inductor.config.patch(emulate_precision_casts=True):  # as in the padded step's test
             got = step(compiled, ids, positions, **kwargs)
         assert not counters["graph_break"], dict(counters["graph_break"])

@@ -61,8 +61,9 @@ builds a block-diagonal causal mask, as for `DataCollatorWithFlattening`'s batch
 sequences read from the mask, each attended as if it were alone. Where the batch carries FlashAttention's varlen
 kwargs (`cu_seq_lens_q`, `cu_seq_lens_k`, `max_length_q`, `max_length_k`, as
 `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives them), they bound the sequences, as in
-FlashAttention's varlen path: a call with no mask reads none, and a compiled step runs them in the graph (one
-padded batch), its mask checked against them on the device. Without those kwargs a compiled step cannot read a
+FlashAttention's varlen path, wherever the mask is causal over every token (none, or the one transformers builds
+where the model made a cache, which drops the restarts) or packed; a mask with padding, or a custom one, is read
+instead. A compiled step runs them in the graph (one padded batch), its mask checked on the device. Without those kwargs a compiled step cannot read a
 packed mask on the device: once an eager call of the module has seen one, its compiled calls break the graph into
 that eager call (attn.varlen); a module compiled before any eager call stops at the mask's device-side check (on a
 GPU that ends the CUDA context), whose message says what to do.
@@ -470,15 +471,6 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     reason = _unsupported(module, query, dropout, kwargs)
-    packed = _flash_varlen(query, key, kwargs) if reason is None and attention_mask is None else None
-    if packed is not None:  # no mask to read: the sequences are FlashAttention's kwargs', as in its varlen path
-        _forget_reps(key)
-        cu_seqlens, cu_seqlens_k, max_length = packed
-        if cu_seqlens_k is not cu_seqlens and not torch.equal(cu_seqlens_k, cu_seqlens):
-            raise KernelgenValueError(_KV_BOUNDS)
-        max_length = max_length if isinstance(max_length, int) else None  # a tensor: varlen reads the bounds
-        o = get_kernel(spec).varlen(*_flat(query, key, value), cu_seqlens, max_length, scale=scaling)
-        return o.view(query.shape[0], query.shape[2], *o.shape[1:]), None
     if reason is None:
         n_keys = _visible_keys(attention_mask, query.shape[2], key.shape[2])
         reason = n_keys if isinstance(n_keys, str) else None
@@ -489,9 +481,14 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         _forget_reps(key)  # this call's keys are written, and its reps will not see them
         return _fall_back(reason, *args, **kwargs)
     attn = get_kernel(spec)
-    if isinstance(n_keys, PackedRows):  # each sequence alone, as its own call (FlashAttention's varlen)
+    # FlashAttention's varlen kwargs bound the sequences where the mask is causal over every token or packed (a
+    # mask with padding, or a custom one, is read instead: FlashAttention's varlen path likewise takes a padding mask
+    # first)
+    packed = _flash_varlen(query, key, kwargs) if isinstance(n_keys, (int, PackedRows)) else None
+    if packed is not None or isinstance(n_keys, PackedRows):  # each sequence alone, as its own call
         _forget_reps(key)
-        o = attn.varlen(*_flat(query, key, value), n_keys.bounds(query.shape[0]), scale=scaling)
+        bounds, max_length = (n_keys.bounds(query.shape[0]), None) if packed is None else _read_bounds(*packed)
+        o = attn.varlen(*_flat(query, key, value), bounds, max_length, scale=scaling)
         return o.view(query.shape[0], query.shape[2], *o.shape[1:]), None
     if isinstance(n_keys, PaddedRows):
         return _attention_padded(module, attn, spec, query, key, value, n_keys, scaling, attention_mask, kwargs)
@@ -529,6 +526,15 @@ def _flash_varlen(query, key, kwargs) -> tuple[torch.Tensor, torch.Tensor, objec
     for name, bounds in zip(_FLASH_VARLEN, values[:2]):
         check_cu_seqlens(bounds, query.device, name)
     return values[0], values[1], values[2]
+
+
+def _read_bounds(cu_seqlens, cu_seqlens_k, max_length) -> tuple[torch.Tensor, int | None]:
+    """An eager call's bounds and longest sequence from FlashAttention's varlen kwargs: the keys' bounds must be the
+    queries' (self-attention); a max_length tensor (transformers computes one from position_ids) is not read, as
+    varlen reads the bounds."""
+    if cu_seqlens_k is not cu_seqlens and not torch.equal(cu_seqlens_k, cu_seqlens):
+        raise KernelgenValueError(_KV_BOUNDS)
+    return cu_seqlens, max_length if isinstance(max_length, int) else None
 
 
 def _flat(*tensors: torch.Tensor):
@@ -764,21 +770,23 @@ def _attention_in_graph(module, query, key, value, mask, scaling, dropout, trace
 
 
 def _packed_mask_on_device(mask: torch.Tensor, cu_seqlens: torch.Tensor, batch: int, n: int) -> None:
-    """A device-side assertion that a compiled step's 4-D mask (of `batch` rows, or one that broadcasts) is the
-    block-diagonal causal mask of the packed sequences `cu_seqlens` bounds among the rows' tokens (n a row), as
-    transformers builds from position_ids that restart: what FlashAttention's kwargs say, the mask says too. One
-    that does not stops the run; it never gives a wrong result."""
+    """A device-side assertion that a compiled step's 4-D mask (of `batch` rows, or one that broadcasts) is what the
+    eager call takes FlashAttention's kwargs with: causal over every token (transformers builds that where a cache
+    was made), or the block-diagonal causal mask of the packed sequences `cu_seqlens` bounds among the rows' tokens
+    (n a row), as transformers builds from position_ids that restart. Another (padding, a custom mask) stops the
+    run; it never gives a wrong result."""
     allowed = mask if mask.dtype == torch.bool else mask == 0
     tokens = torch.arange(batch * n, device=mask.device, dtype=cu_seqlens.dtype)
     sequence = torch.searchsorted(cu_seqlens, tokens, right=True).view(-1, n)  # each token's, per row
     keys = torch.arange(n, device=mask.device)
-    visible = (sequence[:, :, None] == sequence[:, None, :]) & (keys[None, None, :] <= keys[None, :, None])
-    ok = (allowed == visible[:, None]).all()
+    causal = keys[None, :] <= keys[:, None]
+    visible = (sequence[:, :, None] == sequence[:, None, :]) & causal
+    ok = (allowed == visible[:, None]).all() | (allowed == causal).all()
     if mask.dtype != torch.bool:
         ok = ok & (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
-    torch._assert_async(ok, "kernelgen attention: a compiled step's attention mask is not the block-diagonal causal "
-                            "mask of the sequences FlashAttention's kwargs (cu_seq_lens_q) bound; run it without "
-                            "torch.compile")
+    torch._assert_async(ok, "kernelgen attention: a compiled step given FlashAttention's varlen kwargs has an "
+                            "attention mask that is neither causal nor the block-diagonal causal mask of the sequences "
+                            "they bound (padding, or a custom mask); run it without torch.compile")
 
 
 def _rows_on_device(mask: torch.Tensor, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
