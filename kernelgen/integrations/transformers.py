@@ -63,10 +63,10 @@ kwargs (`cu_seq_lens_q`, `cu_seq_lens_k`, `max_length_q`, `max_length_k`, as
 `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` gives them), they bound the sequences, as in
 FlashAttention's varlen path, wherever the mask is causal over every token (none, or the one transformers builds
 where the model made a cache, which drops the restarts) or packed; a mask with padding, or a custom one, is read
-instead. A compiled step runs them in the graph (one padded batch), its mask checked on the device. Without those kwargs a compiled step cannot read a
-packed mask on the device: once an eager call of the module has seen one, its compiled calls break the graph into
-that eager call (attn.varlen); a module compiled before any eager call stops at the mask's device-side check (on a
-GPU that ends the CUDA context), whose message says what to do.
+instead. A compiled step runs them in the graph (one padded batch), its mask checked on the device. Without those
+kwargs a compiled step cannot read a packed mask on the device: once an eager call of the module has seen one, its
+compiled calls break the graph into that eager call (attn.varlen); a module compiled before any eager call stops at
+the mask's device-side check (on a GPU that ends the CUDA context), whose message says what to do.
 
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's `"layer_types"`
 run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen cannot compute falls
