@@ -14,8 +14,10 @@ A step is the loss over every token and its backward into every weight, under:
 - "kernelgen": each sequence is attended alone, block-sparse (16 blocks of 128 keys a list, 1 sink and 2 local
   blocks among them), through `attn.varlen`; eagerly its bounds are read from the mask, and under torch.compile
   (Inductor, after a warm-up step that compiles) from the varlen kwargs, inside the graph;
-- "no-op": attention replaced by zeros: the rest of the model alone. A step less this one is its attention's time.
-Times are `triton.testing.do_bench` medians.
+- "no-op": attention replaced by zeros: the rest of the model alone. A step less this one (eager, or compiled: the
+  compiler also fuses the rest of the model) is its attention's time.
+Each runs eagerly and under torch.compile (SDPA's mask then built in the graph). Times are `triton.testing.do_bench`
+medians.
 
 Without a CUDA GPU kernelgen runs in Triton's CPU interpreter: the example then runs a tiny model (2 layers, hidden
 64, sequences of 48, 32 and 16 tokens, 16-key blocks) in float32, checks that the compiled step (aot_eager) gives
@@ -42,6 +44,9 @@ except ImportError:
     sys.exit("this example needs transformers: pip install -e '.[hf]'")
 
 GPU_LENGTHS = (12288, 8192, 6144, 3072, 2048, 1024)
+# (attention implementation, compiled): each compiled step against the compiled no-op, as torch.compile also fuses
+# the rest of the model
+RUNS = (("no-op", False), ("sdpa", False), ("kernelgen", False), ("no-op", True), ("sdpa", True), ("kernelgen", True))
 CPU_LENGTHS = (48, 32, 16)
 
 
@@ -111,19 +116,20 @@ def main() -> None:
     torch.manual_seed(0)
     weights = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).state_dict()
     rows, losses = [], {}
-    for implementation, compiled in (("no-op", False), ("sdpa", False), ("kernelgen", False), ("kernelgen", True)):
+    for implementation, compiled in RUNS:
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=dtype)
         model.load_state_dict(weights)
         model.to(device).train()
-        step = step_of(model, torch.compile(model, backend="inductor" if on_gpu else "aot_eager") if compiled else model)
+        backend = "inductor" if on_gpu else "aot_eager"  # aot_eager: the graph as traced, run eagerly
+        step = step_of(model, torch.compile(model, backend=backend) if compiled else model)
         start = time.perf_counter()
         loss = step(batch)  # a warm-up (it compiles)
         first = time.perf_counter() - start
         name = implementation + (", compiled" if compiled else "")
         grad = model.model.layers[0].self_attn.q_proj.weight.grad  # none where attention is a no-op
         losses[name] = (loss.float().item(), None if grad is None else grad.float().clone())
-        row = {"implementation": name, "step_ms": milliseconds(step, batch, on_gpu), "first_step_s": first,
-               "loss": losses[name][0]}
+        row = {"implementation": name, "attention": implementation, "compiled": compiled,
+               "step_ms": milliseconds(step, batch, on_gpu), "first_step_s": first, "loss": losses[name][0]}
         rows.append(row)
         print(f"{name:20s} step {row['step_ms']:10.2f} ms   first step {first:7.1f} s   loss {row['loss']:.4f}",
               flush=True)
@@ -136,11 +142,14 @@ def main() -> None:
           f"{grad_error:.2e} apart (relative L2)")
     if not on_gpu:
         assert abs(compiled[0] - eager[0]) <= 1e-5 * abs(eager[0]) and grad_error < 1e-4, "compiled != eager"
-    no_op = rows[0]["step_ms"]
-    for row in rows[1:]:
-        print(f"{row['implementation']:20s} attention (step less no-op) {row['step_ms'] - no_op:10.2f} ms")
+    no_op = {row["compiled"]: row["step_ms"] for row in rows if row["attention"] == "no-op"}
+    for row in rows:
+        if row["attention"] != "no-op":
+            print(f"{row['implementation']:20s} attention (step less no-op) "
+                  f"{row['step_ms'] - no_op[row['compiled']]:10.2f} ms")
     if args.out:
-        meta = {"torch": torch.__version__, "transformers": transformers.__version__, "layers": config.num_hidden_layers,
+        meta = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "layers": config.num_hidden_layers,
                 "lengths": list(GPU_LENGTHS if on_gpu else CPU_LENGTHS),
                 "device": torch.cuda.get_device_name() if on_gpu else "cpu (interpreter)"}
         with open(args.out, "w") as f:
