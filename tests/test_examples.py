@@ -71,6 +71,23 @@ def test_hf_llama_sparse_runs_tiny_on_the_cpu(tmp_path):
     assert [(r["tokens"], r["attention"]) for r in rows] == [(64, "sdpa"), (64, "kernelgen")]
 
 
+def test_hf_packed_training_runs_tiny_on_the_cpu(tmp_path):
+    """On a CPU the example runs its tiny packed batch in the interpreter (it says so), checks the compiled training
+    step (the varlen kwargs, inside the graph) against the eager one, and times each implementation both ways."""
+    if torch.cuda.is_available():
+        return  # the GPU run is the example's own (1B-scale layers, 32768 packed tokens)
+    pytest.importorskip("transformers")
+    out = tmp_path / "packed.json"
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_packed_training.py"), "--out", str(out)],
+                            capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "no CUDA GPU" in result.stdout
+    assert "q_proj gradient 0.00e+00 apart" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["attention"], r["compiled"]) for r in rows] == [(a, c) for c in (False, True)
+                                                               for a in ("no-op", "sdpa", "kernelgen")]
+
+
 def test_decode_graph_checks_each_step_on_the_cpu():
     """On a CPU the example decodes its tiny ragged cache eagerly in the interpreter (it says so) and checks every
     step against the reference, each row over its own keys."""
