@@ -11,7 +11,7 @@
 #                                           (another bench: OVERHEAD= BENCH_ARGS=--chunked, as it takes no --overhead)
 #   PART=more  bash tools/gpu_session.sh    bench --backward, --kv-centric (fla-core from $FLA if set) and
 #                                           --context-parallel
-#   PART=examples bash tools/gpu_session.sh examples/quality_tiny.py and examples/hf_llama_sparse.py
+#   PART=examples bash tools/gpu_session.sh examples/quality_tiny.py, hf_llama_sparse.py and hf_packed_training.py
 # Logs and results go to $OUT (default /tmp/out); the user DB a tune fills is copied there as winners.db,
 # which `kernelgen db bundle $OUT/winners.db` merges into the bundled tuning_db/winners.db.
 set -u
@@ -30,6 +30,14 @@ if [ "$PART" = tests ]; then
   # pytest-xdist processes share the GPU (TileLang's tests are nvcc-bound, so several overlap well)
   timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu -n ${WORKERS:-6} -p no:cacheprovider ${TESTS:-tests} 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -vE "Warning|warn" | tail -25
+  # the processes share the GPU's memory: on an 80 GB card the longest tests can run out of it side by side, so
+  # the failures run once more, one at a time
+  failed=$(grep '^FAILED' "$OUT/gpu_tests.log" | awk '{print $2}')
+  if [ -n "$failed" ]; then
+    echo "again, one process: $(echo $failed | wc -w) tests"
+    timeout ${RETRY_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider $failed 2>&1 \
+      | tee "$OUT/gpu_tests_again.log" | grep -vE "Warning|warn" | tail -15
+  fi
 fi
 if [ "$PART" = fuzz ]; then
   python3 tools/fuzz.py --device cuda --minutes ${FUZZ_MINUTES:-5} --workers ${WORKERS:-7} --start ${FUZZ_START:-0} \
@@ -64,4 +72,6 @@ if [ "$PART" = examples ]; then
   timeout ${EXAMPLE_TIMEOUT:-240} python3 examples/quality_tiny.py --out "$OUT/quality" 2>&1 | tee "$OUT/quality.log" | tail -25
   timeout ${EXAMPLE_TIMEOUT:-240} python3 examples/hf_llama_sparse.py --out "$OUT/hf_llama_sparse.json" 2>&1 \
     | tee "$OUT/hf_llama_sparse.log" | tail -15
+  timeout ${EXAMPLE_TIMEOUT:-240} python3 examples/hf_packed_training.py --out "$OUT/hf_packed_training.json" 2>&1 \
+    | tee "$OUT/hf_packed_training.log" | tail -12
 fi
