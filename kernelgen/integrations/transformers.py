@@ -97,8 +97,8 @@ from ..errors import KernelgenValueError
 from ..inputs import KeyReps
 from ..roles import DECODE_MAX_QUERIES
 from ..spec import HEAD_DIMS, Spec
-from ..varlen import check_cu_seqlens, check_max_seqlen, packed_attention
 from ..tuning.model import FULL, MODEL_OPTIONS, layer_type_specs
+from ..varlen import check_cu_seqlens, check_max_seqlen, packed_attention
 
 __all__ = ["NAME", "register", "layer_spec", "attention_forward", "KernelgenFallbackWarning",
            "KeyRepsCache", "KeyRepsLayer"]
