@@ -426,7 +426,7 @@ def test_a_compiled_packed_training_step_runs_in_the_graph(models, roles, compil
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
-            for lengths in ((17, 23), (40, 7), (9, 30, 5), (31, 2, 6), (12, 20, 25)):
+            for lengths in ((17, 23), (40, 7), (9, 30, 5), (31, 2, 6)):
                 ids, positions, kwargs = packed_batch(lengths, seed=70)
                 ours.zero_grad()
                 want = loss_of(ids, positions)
@@ -442,7 +442,7 @@ def test_a_compiled_packed_training_step_runs_in_the_graph(models, roles, compil
     finally:
         ours.eval()
     # the first batch; dynamic shapes (the longest sequence 40: padded to 64); the sequence count changed and the
-    # longest halved (30, padded to 32); the longest sequences 31 and 25 then fall in that graph's range
+    # longest halved (30, padded to 32); the longest sequence 31 then falls in that graph's range
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 3
 
 
