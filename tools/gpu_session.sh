@@ -35,7 +35,7 @@ if [ "$PART" = tests ]; then
   failed=$(grep '^FAILED' "$OUT/gpu_tests.log" | awk '{print $2}')
   if [ -n "$failed" ]; then
     echo "again, one process: $(echo $failed | wc -w) tests"
-    timeout ${RETRY_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider $failed 2>&1 \
+    (set -f; timeout ${RETRY_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider $failed) 2>&1 \
       | tee "$OUT/gpu_tests_again.log" | grep -vE "Warning|warn" | tail -15
   fi
 fi
