@@ -380,11 +380,12 @@ def packed_batch(lengths, seed=0):
                             "max_length_k": max(lengths)}
 
 
-def test_flash_attention_varlen_kwargs_bound_the_sequences(models, roles):
+def test_flash_attention_varlen_kwargs_bound_the_sequences(models, roles, monkeypatch):
     """FlashAttention's varlen kwargs with a mask causal over every token (none: position_ids that do not restart;
     or the causal one transformers builds where the model made a cache) bound the sequences, as in FlashAttention's
     varlen path: the logits are those of the block-diagonal mask over the same positions, bit for bit. Bounds of
-    another dtype, or keys' bounds unlike the queries', are refused by name."""
+    another dtype, or keys' bounds unlike the queries', are refused by name. The keys' bounds are compared with the
+    queries' once for a pair of tensors, not in every layer (each comparison waits on the device)."""
     ours, _ = models
     set_options(ours, top_k=2)
     ids, _, kwargs = packed_batch((17, 40, 7), seed=60)
@@ -407,6 +408,15 @@ def test_flash_attention_varlen_kwargs_bound_the_sequences(models, roles):
         other[1] = 20
         with pytest.raises(ValueError, match="cu_seq_lens_k differs from cu_seq_lens_q"):
             ours(ids, use_cache=False, **{**kwargs, "cu_seq_lens_k": other})
+        compared, equal, bounds = [], torch.equal, kwargs["cu_seq_lens_k"]
+        monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(bounds is a or bounds is b) or equal(a, b))
+        ours(ids, use_cache=False, **kwargs)
+        assert sum(compared) == 0  # this pair was found equal before
+        bounds[1] = 20  # a write: compared again, and refused
+        with pytest.raises(ValueError, match="cu_seq_lens_k differs from cu_seq_lens_q"):
+            ours(ids, use_cache=False, **kwargs)
+        bounds[1] = 17
+        assert torch.equal(ours(ids, use_cache=False, **kwargs).logits, got) and sum(compared) == 2
 
 
 def test_a_compiled_packed_training_step_runs_in_the_graph(models, roles, compiled):

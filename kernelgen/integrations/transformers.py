@@ -266,13 +266,20 @@ def _visible_keys(mask, n_q: int, n_k: int) -> int | PaddedRows | PackedRows | s
 _HOLES = "an attention mask that is not purely causal over each row's tokens (a custom 4-D mask)"
 
 
-def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | PaddedRows | PackedRows | str:
+def _allowed(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | bool]:
+    """(allowed, plain) of a 4-D mask: its allowed entries, and whether every entry is allowed or blocked (a 0-d
+    tensor for an additive mask, which must hold 0 or at most half its dtype's minimum: another value would weight
+    the scores, which kernelgen does not)."""
     if mask.dtype == torch.bool:
-        allowed = mask
-    else:  # additive: 0 where allowed, a large negative number (or -inf) where not
-        allowed = mask == 0
-        if not bool((allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
-            return "an additive attention mask with a bias (values other than 0 and -inf)"
+        return mask, True
+    allowed = mask == 0
+    return allowed, (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
+
+
+def _mask_verdict(mask: torch.Tensor, n_q: int, n_k: int) -> int | PaddedRows | PackedRows | str:
+    allowed, plain = _allowed(mask)
+    if not bool(plain):
+        return "an additive attention mask with a bias (values other than 0 and -inf)"
     if allowed.shape[1] > 1 and not bool((allowed == allowed[:, :1]).all()):
         return "an attention mask that differs between heads"
     allowed = allowed[:, 0]
@@ -532,9 +539,27 @@ def _read_bounds(cu_seqlens, cu_seqlens_k, max_length) -> tuple[torch.Tensor, in
     """An eager call's bounds and longest sequence from FlashAttention's varlen kwargs: the keys' bounds must be the
     queries' (self-attention); a max_length tensor (transformers computes one from position_ids) is not read, as
     varlen reads the bounds."""
-    if cu_seqlens_k is not cu_seqlens and not torch.equal(cu_seqlens_k, cu_seqlens):
+    if cu_seqlens_k is not cu_seqlens and not _equal_bounds(cu_seqlens, cu_seqlens_k):
         raise KernelgenValueError(_KV_BOUNDS)
     return cu_seqlens, max_length if isinstance(max_length, int) else None
+
+
+_last_equal: tuple = (None, None, None, None)  # weakrefs to the last two bounds found equal, and their versions
+
+
+def _equal_bounds(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal(a, b), remembered for the last pair found equal: the collator gives every layer the same two
+    tensors, and each comparison waits on the device (a write to either, seen by its version, compares again)."""
+    global _last_equal
+    if a.is_inference() or b.is_inference():  # made under torch.inference_mode: no version counter
+        return torch.equal(a, b)
+    ref_a, version_a, ref_b, version_b = _last_equal
+    if ref_a is not None and ref_a() is a and ref_b() is b and (version_a, version_b) == (a._version, b._version):
+        return True
+    equal = torch.equal(a, b)
+    if equal:
+        _last_equal = (weakref.ref(a), a._version, weakref.ref(b), b._version)
+    return equal
 
 
 def _flat(*tensors: torch.Tensor):
@@ -775,7 +800,7 @@ def _packed_mask_on_device(mask: torch.Tensor, cu_seqlens: torch.Tensor, batch: 
     was made), or the block-diagonal causal mask of the packed sequences `cu_seqlens` bounds among the rows' tokens
     (n a row), as transformers builds from position_ids that restart. Another (padding, a custom mask) stops the
     run; it never gives a wrong result."""
-    allowed = mask if mask.dtype == torch.bool else mask == 0
+    allowed, plain = _allowed(mask)
     tokens = torch.arange(batch * n, device=mask.device, dtype=cu_seqlens.dtype)
     sequence = torch.searchsorted(cu_seqlens, tokens, right=True).view(-1, n)  # each token's, per row
     keys = torch.arange(n, device=mask.device)
@@ -784,8 +809,7 @@ def _packed_mask_on_device(mask: torch.Tensor, cu_seqlens: torch.Tensor, batch: 
     # compared as int8: inductor's value ranges of torch 2.11 fail on == between these boolean tensors
     seen, packed, causal = (x.to(torch.int8) for x in (allowed, visible, causal))
     ok = (seen == packed[:, None]).all() | (seen == causal).all()
-    if mask.dtype != torch.bool:
-        ok = ok & (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
+    ok = ok & plain
     torch._assert_async(ok, "kernelgen attention: a compiled step given FlashAttention's varlen kwargs has an "
                             "attention mask that is neither causal nor the block-diagonal causal mask of the sequences "
                             "they bound (padding, or a custom mask); run it without torch.compile")
@@ -796,15 +820,14 @@ def _rows_on_device(mask: torch.Tensor, n_q: int, n_k: int) -> tuple[torch.Tenso
     tensor ops alone, and a device-side assertion that the mask is purely causal over them, bottom-right
     aligned, every query one of its row's tokens: what the eager call checks on the host. A mask that is not
     stops the run; it never gives a wrong result."""
-    allowed = mask if mask.dtype == torch.bool else mask == 0
+    allowed, plain = _allowed(mask)
     last, keys = allowed[:, 0, -1, :], torch.arange(n_k, device=mask.device)
     lens = torch.where(last, keys + 1, 0).amax(-1).to(torch.int32)
     pads = torch.where(last, keys, n_k).amin(-1).to(torch.int32)
     last_key = lens[:, None] - n_q + torch.arange(n_q, device=mask.device)[None, :]  # [B, Nq]: each query's
     visible = (keys[None, None, :] <= last_key[:, :, None]) & (keys[None, None, :] >= pads[:, None, None])
     ok = (allowed == visible[:, None]).all() & (lens - pads >= n_q).all()
-    if mask.dtype != torch.bool:
-        ok = ok & (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
+    ok = ok & plain
     torch._assert_async(ok, "kernelgen attention: a compiled decode step's attention mask is not purely causal "
                             "over each row's tokens (a custom mask); run it without torch.compile")
     return lens, pads
@@ -816,15 +839,14 @@ def _prompt_rows_on_device(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, to
     assertion that the mask is what the eager call accepts (`_mask_verdict`): purely causal over each row's
     tokens, a padding query's row seeing the tokens before it. A mask that is not stops the run; it never gives
     a wrong result."""
-    allowed = mask if mask.dtype == torch.bool else mask == 0
+    allowed, plain = _allowed(mask)
     last, keys = allowed[:, 0, -1, :], torch.arange(n, device=mask.device)
     firsts = torch.where(last, keys, n).amin(-1).to(torch.int32)
     ends = torch.where(last, keys + 1, 0).amax(-1).to(torch.int32)
     visible = ((keys[None, None, :] <= keys[None, :, None]) & (keys >= firsts[:, None, None])
                & (keys < ends[:, None, None]))
     ok = (allowed == visible[:, None]).all() & (ends > firsts).all()
-    if mask.dtype != torch.bool:
-        ok = ok & (allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()
+    ok = ok & plain
     torch._assert_async(ok, "kernelgen attention: a compiled prompt's or training step's attention mask is not "
                             "purely causal over each row's tokens (a custom mask, or sequences packed in a row: "
                             "pass FlashAttention's varlen kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs="
