@@ -147,8 +147,12 @@ def test_seq_bucket():
 
 
 def test_a_spec_no_config_fits_is_a_clear_error():
-    with pytest.raises(KernelgenValueError, match="smaller kv_block"):
-        TRITON.default_config(Spec(head_dim=256, kv_block=256), "attn", "sm_90")
+    """sm_86's 99 KB do not hold one step's K and V of a 256-key block's halves at D=256 (sm_90's 227 KB do)."""
+    spec = Spec(head_dim=256, kv_block=256)
+    assert TRITON.default_config(spec, "attn", "sm_90").num_stages == 1
+    with pytest.raises(KernelgenValueError, match=r"head_dim=256, kv_block=256 on sm_86: .* 128 x 256 a step .* "
+                                                  "smaller kv_block"):
+        TRITON.default_config(spec, "attn", "sm_86")
 
 
 @pytest.mark.parametrize("role", ["kv_select", "kv_decode_select"])

@@ -103,6 +103,24 @@ def test_given_lists_with_empty_and_out_of_range(causal, index_dtype, device):
     run_and_check(spec, q, k, v, block_idx=idx)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_kv_blocks_of_256_keys_run_as_their_halves(causal, device):
+    """A step holds at most 128 keys: a 256-key block runs as its two halves. Selected and given lists (-1,
+    out-of-range ids, a last block whose second half is past the last key) match the reference, and so does a
+    prefill over cache rows of other lengths."""
+    spec = Spec(head_dim=64, kv_block=256, q_tile=64, top_k=2, causal=causal, gqa_group=2)
+    q, k, v = make_inputs(1, 1, 2, 200, 600, 64, torch.float32, device, 29)
+    run_and_check(spec, q, k, v)
+    given = spec.replace(selector="given")
+    run_and_check(given, q, k, v, block_idx=given_lists(given, 1, 1, 200, 600, 2, device))
+    q, k, v = make_inputs(2, 1, 2, 100, 600, 64, torch.float32, device, 31)
+    lens = torch.tensor([600, 333], dtype=torch.int32, device=device)
+    idx = given_lists(given, 2, 1, 100, 600, 3, device)
+    o, lse = kernelgen.get_kernel(given)(q, k, v, block_idx=idx, cache_seqlens=lens, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, given, idx, cache_seqlens=lens)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float32)
+
+
 def test_given_lists_repeated_ids_count_once(device):
     spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, selector="given")
     q, k, v = make_inputs(1, 1, 1, 64, 128, 64, torch.float32, device, 17)

@@ -229,6 +229,32 @@ def pack_infeasible(spec: Spec, block_m: int) -> str | None:
     return None
 
 
+STEP_KEYS = 128  # the Q-centric forward's keys per step: its score tile's columns
+
+
+def _step_spec(spec: Spec) -> Spec:
+    """The spec the Q-centric forward's kernels run for `spec`: a KV block wider than a step (256 keys) runs as its
+    halves of STEP_KEYS keys, each listed id b as the ids 2b and 2b + 1 (`_step_lists`): the same keys, the same
+    attention."""
+    if spec.kv_block <= STEP_KEYS:
+        return spec
+    return spec.replace(kv_block=STEP_KEYS, top_k=spec.top_k * (spec.kv_block // STEP_KEYS))
+
+
+def _stepped(spec: Spec, shapes: Shapes, block_idx: torch.Tensor) -> tuple[Spec, Shapes, torch.Tensor]:
+    """(spec, shapes, lists) of a Q-centric forward launch in STEP_KEYS-key blocks (`_step_spec`): normalised
+    lists (ids ascending, then -1) split into their blocks' halves stay normalised, a half past the last key an
+    empty slot (-1)."""
+    stepped = _step_spec(spec)
+    if stepped is spec:
+        return spec, shapes, block_idx
+    ratio = spec.kv_block // STEP_KEYS
+    n_blocks = cdiv(shapes.n_k, STEP_KEYS)
+    ids = block_idx[..., None] * ratio + torch.arange(ratio, device=block_idx.device, dtype=block_idx.dtype)
+    ids = torch.where((block_idx[..., None] < 0) | (ids >= n_blocks), -1, ids).flatten(-2).to(torch.int32)
+    return stepped, shapes._replace(n_kv_blocks=n_blocks), ids
+
+
 def attn_smem_bytes(spec: Spec, cfg: AttnConfig, arch: str, elem_bytes: int = 2) -> int:
     """Shared memory of the forward on `arch`: buffers of one K and one V block per step, plus the Q tile.
     With wgmma (sm_90) Triton 3.6 keeps num_stages of them (what it asked for on the H200: 278528 B for
@@ -247,14 +273,15 @@ def attn_infeasible(spec: Spec, cfg: AttnConfig, arch: str) -> str | None:
     """Why the Triton forward cannot run `cfg` for `spec` on `arch`, or None: the row packing rule, at most
     128 keys per step, registers for the scores and accumulator, TMA only where the arch has it, and
     buffers that fit in the arch's shared memory."""
+    spec = _step_spec(spec)
     packing = pack_infeasible(spec, cfg.block_m)
     if packing:
         return packing
     if cfg.kv_per_iter not in (1, 2):
         return f"kv_per_iter={cfg.kv_per_iter}; expected 1 or 2"
-    block_n = spec.kv_block * cfg.kv_per_iter  # one step is at most 128 keys
-    if block_n > 128:
-        return f"kv_block * kv_per_iter = {block_n} keys per step; at most 128"
+    block_n = spec.kv_block * cfg.kv_per_iter
+    if block_n > STEP_KEYS:
+        return f"kv_block * kv_per_iter = {block_n} keys per step; at most {STEP_KEYS}"
     if cfg.use_tma and cfg.kv_per_iter > 1:
         return "use_tma loads one block per step: kv_per_iter must be 1"
     facts = arch_facts(arch)
@@ -283,10 +310,11 @@ def attn_default(spec: Spec, arch: str) -> AttnConfig:
             cfg = AttnConfig(block_m=block_m, num_warps=warps, num_stages=num_stages)
             if attn_infeasible(spec, cfg, arch) is None:
                 return cfg
+    step = _step_spec(spec).kv_block
     raise KernelgenValueError(
-        f"no attention config fits {spec} on {arch}: one K and one V block of kv_block x head_dim = {spec.kv_block} x "
-        f"{spec.head_dim} plus a Q tile exceed its {arch_facts(arch).smem_per_block} B of shared memory; use a "
-        "smaller kv_block")
+        f"no attention config fits head_dim={spec.head_dim}, kv_block={spec.kv_block} on {arch}: one K and one V "
+        f"block of {step} x {spec.head_dim} a step plus a Q tile exceed its {arch_facts(arch).smem_per_block} B of "
+        "shared memory; use a smaller kv_block")
 
 
 def attn_space(spec: Spec, arch: str):
@@ -1422,6 +1450,7 @@ def launch_attn_paged(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v,
     """`launch_attn_rows`' (o, lse) of a prefill chunk over a paged KV cache: k and v are pools of pages
     [n_pages, Hkv, page_size, D], row b's key p in page block_table[b, p // page_size] (`attn_paged_fwd`: the
     forward's loop over the pool's blocks where no mask is needed, a block at a time in its page where one is)."""
+    spec, shapes, block_idx = _stepped(spec, shapes, block_idx)
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
@@ -1541,6 +1570,7 @@ def _kv_block_descriptors(spec: Spec, use_tma: bool, k, v):
 
 def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists."""
+    spec, shapes, block_idx = _stepped(spec, shapes, block_idx)
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
@@ -1568,6 +1598,7 @@ def launch_attn_rows(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, 
     """`launch_attn`'s (o, lse) of a prefill over a KV cache of per-row lengths: batch row b holds k's keys
     [leftpad[b], seqlens[b]) (int32 [B]; leftpad None: from 0), its Nq queries the last positions of those, its
     lists over its own blocks (`attn_rows_fwd`: the forward's kernel per row, through pointers)."""
+    spec, shapes, block_idx = _stepped(spec, shapes, block_idx)
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
