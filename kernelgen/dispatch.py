@@ -277,6 +277,8 @@ class SparseAttention:
                 raise KernelgenValueError(f"under torch.compile, select() takes q, k and index= (the op "
                                           f"kernelgen::select_blocks); {[n for n, x in rows.items() if x is not None]} "
                                           f"too only eagerly: a call with them selects and attends in one op")
+            if self._outside_graph():
+                return _eagerly(self.select, q, k, index=index)
             return self._traced().select_blocks(q, k, self.spec, index=index)
         q, k, _ = autocast_qkv(q, k, k)
         shapes = self._check_shapes(q, k, k, block_table)
@@ -387,6 +389,9 @@ class SparseAttention:
         from there; reps grown to another left padding than they hold are pooled again, on the device.
         `block_table` (int32 [B, pages a row]): k is a paged cache (`inputs.PAGED_LAYOUT`), its reps those of
         the rows its pages hold, per row as with cache_seqlens (each row's capacity without it)."""
+        if torch.compiler.is_compiling() and self._outside_graph():
+            return _eagerly(self.key_reps, k, cache_seqlens=cache_seqlens, previous=previous,
+                            cache_leftpad=cache_leftpad, block_table=block_table)
         if torch.compiler.is_compiling():
             return self._traced().key_reps(k, self.spec, cache_seqlens=cache_seqlens, previous=previous,
                                            cache_leftpad=cache_leftpad, block_table=block_table)
@@ -537,6 +542,10 @@ class SparseAttention:
                  cache_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None):
         check_return_lse(return_lse)
+        if torch.compiler.is_compiling() and self._outside_graph(scale):
+            return _eagerly(self, q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse,
+                            key_reps=key_reps, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                            seqlens=seqlens, block_table=block_table)
         if torch.compiler.is_compiling():  # dynamo cannot trace this dispatcher (its caches, its host reads)
             o, lse = self._traced().sparse_attention(
                 q, k, v, self.spec, block_idx=block_idx, scale=scale, index=index, cache_seqlens=cache_seqlens,
@@ -578,14 +587,16 @@ class SparseAttention:
                                   (lambda batch: batch_lists(block_idx, batch, self.spec, n, k.shape[1], max_seqlen)))
         return (o, lse.t().contiguous()) if return_lse else o  # FlashAttention's varlen lse: [Hq, total]
 
+    def _outside_graph(self, scale=None) -> bool:
+        """Whether a call being compiled runs eagerly, outside the graph (`_eagerly`): the ops serve the spec's
+        tuned configs, not pinned ones, and take scale as a Python float (dynamo traces a NumPy scalar as a
+        tensor; eagerly a NumPy scalar runs and a tensor or bool is refused by name)."""
+        return bool(self._fixed) or (scale is not None and (isinstance(scale, bool) or
+                                                            not isinstance(scale, (int, float))))
+
     def _traced(self):
         """kernelgen.custom_ops, which a call being compiled runs instead: get_kernel(spec)'s kernels as ops that
-        torch.compile traces (fullgraph, forward and backward). They serve the spec's tuned configs: pinned ones
-        are refused there."""
-        if self._fixed:
-            raise KernelgenValueError(f"under torch.compile a call runs kernelgen.custom_ops, which serve "
-                                      f"{self.spec}'s tuned configs, not pinned ones ({sorted(self._fixed)}): call "
-                                      "this kernel outside the compiled region (torch.compiler.disable)")
+        torch.compile traces (fullgraph, forward and backward), with the spec's tuned configs."""
         if _traced_ops is None:
             raise KernelgenRuntimeError("under torch.compile a call runs kernelgen.custom_ops: import it first")
         return _traced_ops
@@ -698,6 +709,15 @@ class SparseAttention:
 
 NO_DOUBLE_BACKWARD = ("kernelgen's attention gradients are not differentiable (no double backward): dq, dk and dv "
                       "from a create_graph=True backward cannot be backpropagated again")
+
+
+@torch.compiler.disable(reason="kernelgen: a call with pinned configs (an exported module pins them all) or a "
+                               "scale that is not a Python float runs outside the graph, eagerly: the custom ops "
+                               "serve the spec's tuned configs and take a Python float scale")
+def _eagerly(method, *args, **kwargs):
+    """A compiled call that the custom ops cannot take (`SparseAttention._outside_graph`), run eagerly: a graph
+    break (under fullgraph=True, dynamo's error giving the reason above)."""
+    return method(*args, **kwargs)
 
 
 def once_differentiable(backward):

@@ -517,6 +517,8 @@ _HEADER = '''\
 q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = SPEC["gqa_group"] * Hkv; block_idx int32 (or int64)
 [B, Hkv, n_q_tiles, top_k], -1 for an empty slot. Semantics: kernelgen's docs/SEMANTICS.md.
 `kernel.validate_lists = True` makes a repeated id in a given list an error (one device sync per call).
+Under torch.compile a call runs eagerly outside the graph (a graph break; its configs are pinned, and
+kernelgen's custom ops serve tuned ones): `kernelgen.get_kernel(spec)` runs in the graph.
 
 Below: kernelgen's own modules verbatim (_SOURCES) and the kernels it renders for this spec (_RENDERED),
 imported as the private package {package} by a finder on sys.meta_path; the launcher at the end serves

@@ -690,6 +690,8 @@ def softmax_scale(scale, spec: Spec) -> float:
 
 def check_scale(scale) -> float:
     """A caller's softmax scale (not None) as a float, checked."""
+    if type(scale).__module__ == "numpy" and getattr(scale, "ndim", None) == 0:
+        scale = scale.item()  # a 0-d array: how dynamo passes a NumPy scalar past a graph break
     # a real scalar (Python's or NumPy's, whose bool is no Real); a tensor is refused: its value would need a read
     # from the device
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):

@@ -63,8 +63,9 @@ def test_compiles_without_graph_breaks(device):
 
 def test_the_eager_api_under_compile_runs_the_ops(device):
     """get_kernel(spec)'s call, select() and key_reps() inside torch.compile run the ops (fullgraph, forward and
-    backward), as a FlexAttention user writes a model; a kernel with pinned configs, which the ops do not serve,
-    is refused by name, and so is a NumPy scale (traced as a tensor): eagerly both run."""
+    backward), as a FlexAttention user writes a model. A kernel with pinned configs, which the ops do not serve (an
+    exported module pins them all), and a NumPy scale (traced as a tensor) run eagerly outside the graph: a graph
+    break, which fullgraph=True refuses giving that reason."""
     import numpy as np
 
     attn = kernelgen.get_kernel(SPEC)
@@ -86,12 +87,24 @@ def test_the_eager_api_under_compile_runs_the_ops(device):
         assert torch.equal(got.grad, want.grad)
     q, k, v = inputs(device)
     config = attn.config("attn", q.shape[2], k.shape[2], q.dtype, q.device)
-    pinned = kernelgen.get_kernel(SPEC, configs={"attn": config})
-    with pytest.raises(Exception, match="pinned"):
+    pinned = kernelgen.get_kernel(SPEC, configs={"attn": config, "select": attn.config("select", q.shape[2],
+                                                                                        k.shape[2], q.dtype, q.device)})
+    with pytest.raises(Exception, match="a call with pinned configs .* runs outside the graph"):
         torch.compile(lambda q, k, v: pinned(q, k, v), fullgraph=True, backend="eager")(q, k, v)
-    with pytest.raises(Exception, match="scale must be a Python float under torch.compile"):
+    with pytest.raises(Exception, match="a scale that is not a Python float runs outside the graph"):
         torch.compile(lambda q, k, v: attn(q, k, v, scale=np.float32(0.1)), fullgraph=True, backend="eager")(q, k, v)
-    assert torch.equal(pinned(q, k, v), attn(q, k, v)) and attn(q, k, v, scale=np.float32(0.5)).isfinite().all()
+
+    def pinned_layer(q, k, v):
+        return pinned(q, k, v) * 2, pinned.select(q, k), pinned.key_reps(k).reps, attn(q, k, v, scale=np.float32(.5))
+
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    o, lists, reps, o_numpy = torch.compile(pinned_layer, backend="aot_eager")(*leaves)
+    o.sum().backward()
+    assert torch.equal(o, attn(q, k, v) * 2) and torch.equal(o_numpy, attn(q, k, v, scale=0.5))
+    assert torch.equal(lists, attn.select(q, k)) and torch.equal(reps, attn.key_reps(k).reps)
+    eager = [x.detach().requires_grad_() for x in (q, k, v)]
+    (pinned(*eager) * 2).sum().backward()
+    assert all(torch.equal(got.grad, want.grad) for got, want in zip(leaves, eager))
 
 
 def test_prepare_inside_compile_is_refused_and_prepared_lists_pass_in(device):

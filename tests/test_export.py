@@ -58,6 +58,8 @@ def run_calls(attn, select, prepare, varlen, x):
         out["o"], out["lse"] = attn(q, k, v, block_idx=idx, return_lse=True)  # int64: converted exactly
         out["o_int32_scaled"] = attn(q, k, v, block_idx=idx.clamp(-1, 2**31 - 1).int(), scale=0.3)
         out["o_prepared"], out["lse_prepared"] = attn(q, k, v, block_idx=prepare(idx, n_q, n_k), return_lse=True)
+        # compiled: the exported module's pinned configs run outside the graph, kernelgen's in its ops
+        out["o_compiled"] = torch.compile(lambda q, k, v: attn(q, k, v, block_idx=idx) * 2, backend="aot_eager")(q, k, v)
     # the backward: the gradients of sum(o * do) through the module's autograd
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     o = attn(*leaves, block_idx=idx)
