@@ -11,6 +11,7 @@ SPEC = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=2, causal=True, selector=
 
 
 def test_first_use_serves_at_once_and_tunes_in_the_background(tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)  # as on a GPU: the interpreter starts no tune
     monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(autotune.ENV, "1")
     monkeypatch.setenv(autotune.TRIALS_ENV, "2")
@@ -36,6 +37,16 @@ def test_first_use_serves_at_once_and_tunes_in_the_background(tmp_path, monkeypa
     for out in (o, o2):
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
     db.close()
+
+
+def test_the_interpreter_starts_no_tune(tmp_path, monkeypatch, caplog):
+    """Its timings say nothing of a GPU's: switched on, a call in the interpreter starts no tune and says so."""
+    monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(autotune.ENV, "1")
+    monkeypatch.setattr(autotune, "_warned", set())
+    q, k, v = (torch.randn(1, 1, 100, 64) for _ in range(3))
+    SparseAttention(SPEC)(q, k, v, block_idx=torch.zeros(1, 1, 2, 2, dtype=torch.int32))
+    assert not autotune.running() and "not tuned" in caplog.text
 
 
 def test_off_by_default(tmp_path, monkeypatch):
@@ -71,6 +82,7 @@ def test_the_background_tune_runs_on_the_call_s_gpu(monkeypatch):
             jobs.append(json.loads(argv[-1]))
 
     monkeypatch.setattr(autotune.subprocess, "Popen", Started)
+    monkeypatch.setattr(autotune, "interpreting", lambda: False)
     monkeypatch.setattr(autotune, "_requested", set())
     monkeypatch.setattr(autotune, "_running", {})
     autotune.request(SPEC, "attn", 4096, torch.device("cuda", 1))

@@ -5,7 +5,7 @@ tuned spec's), it asks for a short tune of that role in a separate process (`pyt
 kernelgen.tuning.autotune`); the call is served meanwhile. The winner goes to the user DB; when the
 process ends, `generation` moves on and every `SparseAttention` reads the DB again on its next call.
 
-KERNELGEN_AUTOTUNE=1           switch it on (also true, yes, on)
+KERNELGEN_AUTOTUNE=1           switch it on (also true, yes, on); in Triton's CPU interpreter it tunes nothing
 KERNELGEN_AUTOTUNE_TRIALS=N    configs a tune measures (default 8)
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 
+from ..device import interpreting
 from ..roles import get_role
 from ..spec import Spec
 
@@ -57,6 +58,12 @@ def request(spec: Spec, role: str, bucket: int, device) -> None:
     """Start a tune of `role` for `spec` (a kernel spec: its backend is the one tuned) in `bucket`, once per
     process; nothing when a tune of it ran or runs already, or the role has nothing to tune."""
     if not get_role(role).tuned:
+        return
+    if interpreting():  # its timings say nothing of a GPU's (`kernelgen tune` refuses the CPU likewise)
+        if "interpreter" not in _warned:
+            _warned.add("interpreter")
+            log.warning("%s: kernels run in Triton's CPU interpreter, which is not tuned (it runs the default "
+                        "configs): no tune started", ENV)
         return
     key = (spec, role, bucket, str(device))
     if key in _requested:
