@@ -78,6 +78,7 @@ def interpret_triton_language() -> None:
                 # a plain function, as triton's _tensor_member_fn binds a non-JIT helper: `x.sum(0)` passes x
                 setattr(tl.tensor, name, _tensor_method(as_interpreted(value)))
         _reduce_bitwise_in_numpy()
+        _patch_language_once_a_launch()
         _language_interpreted = True
 
 
@@ -104,6 +105,43 @@ def _reduce_bitwise_in_numpy() -> None:
         return self.to_tensor(ufunc.reduce(data, axis=self.axis, keepdims=self.keep_dims), input[0].dtype)
 
     interpreter.ReduceOps.apply_impl = apply_impl
+
+
+def _patch_language_once_a_launch() -> None:
+    """The interpreter patches the triton.language modules a function sees (inspect.getmembers over each) when a
+    kernel launches, and again on every call of a @jit helper inside it, for every program and loop step: a
+    quarter of a CPU test's time. Patched modules stay patched until the launch ends, so a helper's call inside a
+    launch skips the patch where the launch has patched every module the helper sees; a call outside any launch,
+    or one that sees another module (triton.language.core), patches as before."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang, executor = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang is None or scope_type is None or executor is None:
+        return  # another Triton's interpreter: as it is
+    launch_call = executor.__call__
+    languages = (tl, tl.core)
+    state = threading.local()  # patched: ids of the modules the current launch has patched (None outside one)
+
+    def patch(fn):
+        patched = getattr(state, "patched", None)
+        seen = {id(value) for value in fn.__globals__.values() if any(value is lang for lang in languages)}
+        if patched is not None and seen and seen <= patched:
+            return scope_type()  # nothing to restore: the launch restores what it patched
+        if patched is not None:
+            patched.update(seen)
+        return patch_lang(fn)
+
+    def launch(self, *args, **kwargs):
+        outer, state.patched = getattr(state, "patched", None), set()
+        try:
+            return launch_call(self, *args, **kwargs)
+        finally:
+            state.patched = outer
+
+    interpreter._patch_lang = patch
+    executor.__call__ = launch
 
 
 def _tensor_method(function):
