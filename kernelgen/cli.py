@@ -373,7 +373,8 @@ def tune(
             source, whose = "--model", "the model's"
         else:
             chosen = [s for s in (shapes or "").split(",") if s] or None
-            chosen_studies = studies(preset, arch, chosen, names)
+            with _as_typed(ctx, "preset", "shapes"):
+                chosen_studies = studies(preset, arch, chosen, names)
             source, whose = f"--preset {preset}", f"the {preset} preset's"
         if not chosen_studies:  # nothing run would read as success
             with_backends = f" with --backends {backends_option}" if names else ""
@@ -582,7 +583,9 @@ def export(
 
     for role, cfg in resolve_configs(spec, configs, arch).items():
         if cfg is not None:
-            where = (sources or {}).get(role, f"default for {arch}; --seq bakes in tuned winners")
+            where = (sources or {}).get(role, f"default for {arch}; " + ("--arch and --seq bake in a GPU's tuned "
+                                                                       "winners" if arch == "cpu" else
+                                                                       "--seq bakes in tuned winners"))
             console.print(f"{role}: {registry.runner(spec.backend, role).name} "
                           f"{json.dumps(registry.Backend.config_to_dict(cfg), sort_keys=True)} ({where})")
     console.print(f"wrote {path}")
@@ -769,6 +772,10 @@ def quality(
         _fail(f"--device {device!r}: expected cpu or cuda (cuda:N)")
     if where.type == "cuda" and not (torch.cuda.is_available() and (where.index or 0) < torch.cuda.device_count()):
         _fail(f"--device {device}: no such CUDA GPU here ({torch.cuda.device_count()} visible); give --device cpu")
+    if q.shape[2] < q.shape[1] or k.shape[2] < k.shape[1]:  # fewer tokens than heads: likely [B, N, H, D]
+        console.print(f"note: q {list(q.shape)} and k {list(k.shape)} are read as [B, H, N, D]: {q.shape[1]} "
+                      f"heads of {q.shape[2]} queries over {k.shape[2]} keys; transpose a [B, N, H, D] capture "
+                      "(capture_qkv records [B, H, N, D])")
     if q.shape[1] % max(1, k.shape[1]):
         _fail(f"--qkv {qkv}: q has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}")
     if q.shape[-1] not in HEAD_DIMS:

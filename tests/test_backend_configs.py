@@ -251,16 +251,16 @@ def test_gluon_pinned_config_types():
     """A Gluon spec takes a GluonAttnConfig (and the Triton SelectConfig); "auto" takes any attention type,
     a Gluon one only where the Gluon kernel computes the spec."""
     spec = _gluon(gqa_group=4)
-    with pytest.raises(KernelgenTypeError, match=r"must be a GluonAttnConfig for backend='gluon', got AttnConfig"):
+    with pytest.raises(KernelgenTypeError, match=r"must be an instance of GluonAttnConfig for backend='gluon', got AttnConfig"):
         GLUON.check_config(spec, "attn", AttnConfig(), "sm_90")
-    with pytest.raises(KernelgenTypeError, match=r"must be a GluonAttnConfig for backend='gluon', got AttnConfig"):
+    with pytest.raises(KernelgenTypeError, match=r"must be an instance of GluonAttnConfig for backend='gluon', got AttnConfig"):
         SparseAttention(spec, {"attn": AttnConfig()})
-    with pytest.raises(KernelgenTypeError, match=r"must be a AttnConfig for backend='triton', got GluonAttnConfig"):
+    with pytest.raises(KernelgenTypeError, match=r"must be an instance of AttnConfig for backend='triton', got GluonAttnConfig"):
         TRITON.check_config(spec.replace(backend="triton"), "attn", GluonAttnConfig(), ANY_ARCH)
-    with pytest.raises(KernelgenTypeError, match=r"must be a AttnConfig for backend='triton', got GluonAttnConfig"):
+    with pytest.raises(KernelgenTypeError, match=r"must be an instance of AttnConfig for backend='triton', got GluonAttnConfig"):
         SparseAttention(spec.replace(backend="triton"), {"attn": GluonAttnConfig()})
     SparseAttention(spec, {"select": SelectConfig(tiles=16)})  # the Triton selector's config
-    with pytest.raises(KernelgenTypeError, match=r"must be a SelectConfig"):
+    with pytest.raises(KernelgenTypeError, match=r"must be an instance of SelectConfig"):
         SparseAttention(spec, {"select": GluonAttnConfig()})
     auto = spec.replace(backend="auto")
     for cfg in (AttnConfig(num_warps=8), GluonAttnConfig()):

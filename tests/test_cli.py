@@ -241,7 +241,7 @@ def test_tune_preset_bench_dry_run_plans_every_backend_the_arch_runs():
         assert name in result.output
     result = invoke("tune", "--arch", "sm_89", "--preset", "bench", "--shapes", "a32k", "--dry-run")
     assert result.exit_code == 0 and "(gluon)" not in result.output and "(triton)" in result.output
-    one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "nope", "--dry-run"), "preset 'nope' is unknown")
+    one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "nope", "--dry-run"), "--preset 'nope' is unknown")
 
 
 def test_tune_presets_take_roles_and_the_kv_shapes():
@@ -256,7 +256,8 @@ def test_tune_presets_take_roles_and_the_kv_shapes():
     assert [s.spec.selector for s in kv] == ["given", "given", "given", "given", "mean", "index"]
     assert all(s.spec.per_query and s.shape["n_k"] == 32768 for s in kv)
     assert studies("kv", "sm_90", None, ["tilelang"]) == []  # per-query lists run in Triton only
-    one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "kv", "--shapes", "c", "--dry-run"), "shape 'c'")
+    one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "kv", "--shapes", "c", "--dry-run"),
+                   "--shapes 'c' is unknown")
     # a preset whose --role or --backends leave no study: an error, as nothing would run
     one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "bench", "--role", "kv_attn", "--dry-run"),
                    "--role kv_attn: the bench preset's studies tune attn, bwd_dq, bwd_dkdv, select")
@@ -487,7 +488,8 @@ def test_export_bakes_the_tuned_winners_for_arch_and_seq_and_says_so(tmp_path):
     assert f"'backend': '{resolved.backend}'" in text and "# config sources: " in text
     assert "bundled DB: NVIDIA H200 sm_90, bucket 32768" in flat(result.output)
     default = invoke("export", *options, "--out", str(tmp_path / "d.py"))
-    assert default.exit_code == 0 and "default for cpu; --seq bakes in tuned winners" in flat(default.output)
+    assert default.exit_code == 0
+    assert "default for cpu; --arch and --seq bake in a GPU's tuned winners" in flat(default.output)
     one_line_error(invoke("export", *options, "--gpu", "NVIDIA H200", "--out", str(out)), "--seq")
     one_line_error(invoke("export", *options, "--arch", "sm_9000", "--seq", "4096", "--out", str(out)), "arch")
     one_line_error(invoke("export", *options, "--arch", "sm_90", "--seq", "4096", "--dtype", "fp8", "--out",
@@ -601,7 +603,7 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
      ["--device 'tpu'", "cpu or cuda"]),
     (["quality", "--qkv", "{FILES}/qkv.pt", "--device", "cuda:99", "--out", "{FILES}/q"], ["--device cuda:99",
                                                                                             "no such CUDA GPU"]),
-    (["tune", "--arch", "sm_90", "--preset", "bench", "--shapes", "banana", "--dry-run"], ["shape 'banana'"]),
+    (["tune", "--arch", "sm_90", "--preset", "bench", "--shapes", "banana", "--dry-run"], ["--shapes 'banana' is unknown"]),
     # options that the others given leave unread
     (["tune", "--arch", "sm_90", "--preset", "bench", "--seq", "1024", "--dry-run"],
      ["--preset cannot be combined with --seq"]),

@@ -360,7 +360,7 @@ def test_top_k_too_small_for_forced_blocks(kwargs):
 
 
 @pytest.mark.parametrize("configs, error, match", [
-    ({"attn": kernelgen.SelectConfig()}, TypeError, r"configs\['attn'\] must be a AttnConfig"),
+    ({"attn": kernelgen.SelectConfig()}, TypeError, r"configs\['attn'\] must be an instance of AttnConfig"),
     ({"attn": kernelgen.AttnConfig(block_m=48)}, ValueError, r"configs\['attn'\] = .* is not feasible"),
     ({"attn": kernelgen.AttnConfig(block_m=64, kv_per_iter=3)}, ValueError, "not feasible"),
     ({"select": kernelgen.SelectConfig(tiles=8, chunk=32, splits=3)}, ValueError, r"configs\['select'\]"),

@@ -320,6 +320,18 @@ class _NotATensor:
     """An object a file may hold that torch.load(weights_only=True) refuses."""
 
 
+def test_cli_notes_a_capture_that_looks_like_b_n_h_d(tmp_path):
+    """A [B, N, H, D] capture is read as [B, H, N, D] (N heads of H tokens): the command says so."""
+    layer = {name: x.transpose(1, 2) for name, x in _layer(n_q=64, n_k=64).items() if name in ("q", "k", "v")}
+    torch.save({"layers": {"l": layer}}, tmp_path / "bnhd.pt")
+    result = invoke("quality", "--qkv", str(tmp_path / "bnhd.pt"), "--kv-block", "16", "--q-tile", "16",
+                    "--top-k", "1", "--out", str(tmp_path / "out"))
+    assert "are read as [B, H, N, D]: 64 heads of" in " ".join(result.output.split()), result.output
+    result = invoke("quality", "--qkv", str(_save(tmp_path)), "--kv-block", "16", "--q-tile", "16", "--top-k", "1",
+                    "--out", str(tmp_path / "out"))
+    assert result.exit_code == 0 and "read as" not in result.output
+
+
 def test_cli_bad_input_is_one_line(tmp_path):
     path = _save(tmp_path)
     one_line_error(invoke("quality", "--qkv", str(tmp_path / "missing.pt")), "--qkv", "no such file")

@@ -185,7 +185,7 @@ class Backend:
         backend runs on; an infeasible point could leave rows unwritten). Raises naming the role."""
         impl = self.role(role)
         if impl.config_type is not None and type(config) is not impl.config_type:
-            raise KernelgenTypeError(f"configs[{role!r}] must be a {impl.config_type.__name__} for "
+            raise KernelgenTypeError(f"configs[{role!r}] must be an instance of {impl.config_type.__name__} for "
                                      f"backend={self.name!r}, got {type(config).__name__}")
         if impl.config_type is not None:
             _check_field_types(role, config)

@@ -42,7 +42,7 @@ class Study:
 def _bench(arch: str, shape_names, backend_names) -> Iterator[Study]:
     for name in shape_names:
         if name not in SHAPES or name == "tiny":
-            raise KernelgenValueError(f"shape {name!r} is unknown; expected some of "
+            raise KernelgenValueError(f"shapes={name!r} is unknown; expected some of "
                                       f"{[n for n in SHAPES if n != 'tiny']}")
         shape = SHAPES[name]
         workload = _workload(shape)
@@ -77,7 +77,7 @@ def _kv(arch: str, shape_names, backend_names) -> Iterator[Study]:
     """The per-query roles of each backend that runs them (Triton)."""
     for name in shape_names:
         if name not in KV_CENTRIC_SHAPES:
-            raise KernelgenValueError(f"shape {name!r} is unknown; expected some of {list(KV_CENTRIC_SHAPES)}")
+            raise KernelgenValueError(f"shapes={name!r} is unknown; expected some of {list(KV_CENTRIC_SHAPES)}")
         shape = KV_CENTRIC_SHAPES[name]
         for backend_name in backend_names:
             backend = backends.get(backend_name)
