@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
 from dataclasses import dataclass
 
 from .errors import KernelgenTypeError, KernelgenValueError
@@ -64,8 +65,11 @@ class Spec:
     def __post_init__(self) -> None:
         for name in ("head_dim", "kv_block", "q_tile", "top_k", "gqa_group", "local", "sink"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise KernelgenTypeError(f"Spec.{name} must be an int, got {type(value).__name__} {value!r}")
+            if type(value) is not int:  # a NumPy integer: stored as the int it is (hashes, JSON and keys agree)
+                value = int(value)
+                object.__setattr__(self, name, value)
             if value >= 2**31:  # counts and ids are int32 in the lists and the kernels
                 raise KernelgenValueError(f"Spec.{name}={value} is too large; expected less than 2**31")
         if not isinstance(self.causal, bool):

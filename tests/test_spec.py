@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 
 import kernelgen
@@ -71,6 +72,12 @@ def test_unknown_backend_is_refused_where_it_is_served():
 def test_type_errors():
     with pytest.raises(TypeError, match="head_dim"):
         Spec(head_dim=64.0)
+    with pytest.raises(TypeError, match="top_k"):
+        Spec(head_dim=64, top_k=np.float64(4))
+    # a NumPy integer is the int it is: the same spec, hash and JSON
+    numpy_spec = Spec(head_dim=np.int64(64), top_k=np.int32(4))
+    assert numpy_spec == Spec(head_dim=64, top_k=4) and type(numpy_spec.top_k) is int
+    assert hash(numpy_spec) == hash(Spec(head_dim=64, top_k=4)) and Spec.from_json(numpy_spec.to_json()) == numpy_spec
     with pytest.raises(TypeError, match="causal"):
         Spec(head_dim=64, causal=1)
     with pytest.raises(ValueError, match="unknown fields"):
