@@ -9,6 +9,8 @@ import operator
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kernelgen
 import kernelgen.dispatch
@@ -145,3 +147,40 @@ def test_the_interpreter_reduces_xor_in_numpy_exactly(monkeypatch):
     xor = functools.reduce(operator.xor, x.unbind(1))
     assert torch.equal(rows, xor)
     assert torch.equal(whole, functools.reduce(operator.xor, xor.unbind(0)).reshape(1))
+
+
+def test_the_interpreter_patches_the_language_once_a_launch(monkeypatch):
+    """The interpreter patches triton.language's builtins when a kernel launches, and did again on every call of
+    a @jit helper inside it (every program and loop step): a quarter of a CPU test's time. Inside a launch a
+    helper that sees only modules the launch patched skips it (`device.interpret_triton_language`): the
+    patches do not grow with the calls, and the results are the same."""
+    if not interpreting():
+        pytest.skip("kernels run on the GPU here, not in the interpreter")
+    from triton.runtime import interpreter
+
+    interpret_triton_language()
+    patched = []
+    patch_builtin = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *args: patched.append(args[0]) or patch_builtin(*args))
+
+    counts = []
+    for steps in (1, 8):
+        patched.clear()
+        out = torch.empty(4 * 16)
+        _steps_kernel[(4,)](out, STEPS=steps)
+        assert (out == steps * 17).all()
+        counts.append(len(patched))
+    assert counts[0] == counts[1] > 0
+
+
+@triton.jit
+def _add_one(x):
+    return x + 1
+
+
+@triton.jit
+def _steps_kernel(out_ptr, STEPS: tl.constexpr):
+    x = tl.zeros((16,), tl.float32)
+    for _ in range(STEPS):
+        x = _add_one(x)
+    tl.store(out_ptr + tl.program_id(0) * 16 + tl.arange(0, 16), x + tl.sum(x, 0))
