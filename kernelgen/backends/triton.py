@@ -234,7 +234,7 @@ STEP_KEYS = 128  # the Q-centric forward's keys per step: its score tile's colum
 
 def _step_spec(spec: Spec) -> Spec:
     """The spec the Q-centric forward's kernels run for `spec`: a KV block wider than a step (256 keys) runs as its
-    halves of STEP_KEYS keys, each listed id b as the ids 2b and 2b + 1 (`_step_lists`): the same keys, the same
+    halves of STEP_KEYS keys, each listed id b as the ids 2b and 2b + 1 (`_stepped`): the same keys, the same
     attention."""
     if spec.kv_block <= STEP_KEYS:
         return spec
