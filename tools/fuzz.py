@@ -69,7 +69,7 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
         backend = (r.choice(["triton", "triton", "auto"]) if schedule == "kv_centric"
                    else r.choice(["triton", "triton", "gluon", "tilelang", "tilelang", "auto"]))
     selector = r.choice(["mean", "mean", "multi:2", "multi:4", "given", "given", "given", "index", "index"])
-    kv_block = r.choice([32, 64, 64, 128] if gpu else [16, 32, 64])
+    kv_block = r.choice([32, 64, 64, 128, 256] if gpu else [16, 32, 64])
     q_tile = 64 if schedule == "kv_centric" else r.choice([16, 32, 64, 64, 128])
     g = r.choice([1, 2, 4])
     spec = dict(head_dim=r.choice([64, 128]) if gpu else 64, kv_block=kv_block, q_tile=q_tile,
