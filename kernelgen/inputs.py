@@ -116,6 +116,9 @@ class BlockLists:
     def __setattr__(self, name, value):
         raise AttributeError("BlockLists are read-only")
 
+    def __reduce__(self):  # copy, deepcopy and pickle make them as prepare does (not through __setattr__)
+        return BlockLists._made_by_prepare, tuple(getattr(self, name) for name in self.__slots__)
+
     def __repr__(self) -> str:
         design = "" if self.union is None else f", union of {self.union.tile_q} queries"
         return (f"BlockLists(shape={tuple(self.block_idx.shape)}, kv_block={self.kv_block}, top_k={self.top_k}, "
@@ -157,6 +160,9 @@ class KeyReps:
 
     def __setattr__(self, name, value):
         raise AttributeError("KeyReps are read-only")
+
+    def __reduce__(self):  # copy, deepcopy and pickle make them as key_reps does (not through __setattr__)
+        return KeyReps._made_by_key_reps, tuple(getattr(self, name) for name in self.__slots__)
 
     def index_batch(self, index) -> KeyReps:
         """The reps of the batch rows `index` picks (any index of k's batch dimension: a KV cache reordered for

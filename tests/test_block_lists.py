@@ -1,5 +1,8 @@
 """Prepared lists (`attn.prepare` -> BlockLists): normalised once, then calls skip that launch and give
 exactly what the raw lists give."""
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -125,6 +128,23 @@ def test_block_lists_are_made_by_prepare_only(device):
     with pytest.raises(AttributeError, match="read-only"):
         lists.block_idx = idx
     assert "kv_block=32" in repr(lists) and lists.n_kv_blocks == 4 and lists.top_k == 4
+
+
+def test_block_lists_and_key_reps_copy_and_pickle(device):
+    """copy, deepcopy (a model copied for an EMA, a prompt cache reused) and pickle make them as prepare and
+    key_reps do: the same lists and reps, which the calls take as the originals."""
+    attn = kernelgen.get_kernel(SPEC)
+    q, k, v = make_inputs(1, 2, 2, 96, 128, 64, torch.float32, device, 61)
+    lists = attn.prepare(given_lists(SPEC, 1, 2, 96, 128, 7, device), 96, 128)
+    lists.reverse_index()
+    reps = kernelgen.get_kernel(SPEC.replace(selector="mean")).key_reps(k)
+    for made in (copy.copy, copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))):
+        copied_lists, copied_reps = made(lists), made(reps)
+        assert type(copied_lists) is BlockLists and torch.equal(copied_lists.block_idx, lists.block_idx)
+        assert copied_lists.union is None and torch.equal(copied_lists.reverse_index()[0], lists.reverse_index()[0])
+        assert torch.equal(attn(q, k, v, block_idx=copied_lists), attn(q, k, v, block_idx=lists))
+        assert torch.equal(copied_reps.reps, reps.reps) and copied_reps.n_k == reps.n_k
+    assert copy.deepcopy(reps).reps is not reps.reps  # reps grow in place: a deep copy is its own
 
 
 @pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
