@@ -404,6 +404,13 @@ def test_flash_attention_varlen_kwargs_bound_the_sequences(models, roles, monkey
                            ours(ids, position_ids=positions, use_cache=False).logits)
         with pytest.raises(TypeError, match="cu_seq_lens_q must be int32"):
             ours(ids, use_cache=False, **{**kwargs, "cu_seq_lens_q": kwargs["cu_seq_lens_q"].long()})
+        # without a cache, position_ids that restart make a packed mask: it must bound the kwargs' sequences, as a
+        # compiled step's device check requires
+        assert torch.equal(ours(ids, position_ids=positions, use_cache=False, **kwargs).logits,
+                           ours(ids, position_ids=positions, use_cache=False).logits)
+        elsewhere = torch.cat([torch.arange(n) for n in (20, 37, 7)])[None]
+        with pytest.raises(ValueError, match="bound other sequences than the attention mask"):
+            ours(ids, position_ids=elsewhere, use_cache=False, **kwargs)
         other = kwargs["cu_seq_lens_k"].clone()
         other[1] = 20
         with pytest.raises(ValueError, match="cu_seq_lens_k differs from cu_seq_lens_q"):

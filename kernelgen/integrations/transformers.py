@@ -495,6 +495,9 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
     if packed is not None or isinstance(n_keys, PackedRows):  # each sequence alone, as its own call
         _forget_reps(key)
         bounds, max_length = (n_keys.bounds(query.shape[0]), None) if packed is None else _read_bounds(*packed)
+        if packed is not None and isinstance(n_keys, PackedRows) and not _equal_bounds(n_keys.bounds(
+                query.shape[0]), bounds):  # a compiled step's device check refuses this mask likewise
+            raise KernelgenValueError(_MASK_BOUNDS)
         o = attn.varlen(*_flat(query, key, value), bounds, max_length, scale=scaling)
         return o.view(query.shape[0], query.shape[2], *o.shape[1:]), None
     if isinstance(n_keys, PaddedRows):
@@ -522,6 +525,9 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
 _FLASH_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _KV_BOUNDS = ("kernelgen attention: cu_seq_lens_k differs from cu_seq_lens_q; kernelgen attends packed sequences "
               "over their own tokens (FlashAttention's varlen self-attention), so the two must be equal")
+_MASK_BOUNDS = ("kernelgen attention: FlashAttention's varlen kwargs (cu_seq_lens_q) bound other sequences than the "
+                "attention mask transformers built from position_ids that restart; give position_ids that restart "
+                "where the kwargs' sequences start")
 
 
 def _flash_varlen(query, key, kwargs) -> tuple[torch.Tensor, torch.Tensor, object] | None:
@@ -544,21 +550,23 @@ def _read_bounds(cu_seqlens, cu_seqlens_k, max_length) -> tuple[torch.Tensor, in
     return cu_seqlens, max_length if isinstance(max_length, int) else None
 
 
-_last_equal: tuple = (None, None, None, None)  # weakrefs to the last two bounds found equal, and their versions
+_found_equal: dict = {}  # (id(a), id(b)) -> (weakref to a, its version, weakref to b, its version), a few pairs
 
 
 def _equal_bounds(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch.equal(a, b), remembered for the last pair found equal: the collator gives every layer the same two
-    tensors, and each comparison waits on the device (a write to either, seen by its version, compares again)."""
-    global _last_equal
+    """torch.equal(a, b), remembered for the last few pairs found equal: every layer compares the same tensors
+    (the collator's two bounds, and a packed mask's), and each comparison waits on the device (a write to either,
+    seen by its version, compares again)."""
     if a.is_inference() or b.is_inference():  # made under torch.inference_mode: no version counter
         return torch.equal(a, b)
-    ref_a, version_a, ref_b, version_b = _last_equal
-    if ref_a is not None and ref_a() is a and ref_b() is b and (version_a, version_b) == (a._version, b._version):
+    seen = _found_equal.get((id(a), id(b)))
+    if seen is not None and seen[0]() is a and seen[2]() is b and (seen[1], seen[3]) == (a._version, b._version):
         return True
     equal = torch.equal(a, b)
     if equal:
-        _last_equal = (weakref.ref(a), a._version, weakref.ref(b), b._version)
+        if len(_found_equal) >= 4:
+            _found_equal.pop(next(iter(_found_equal)))
+        _found_equal[id(a), id(b)] = (weakref.ref(a), a._version, weakref.ref(b), b._version)
     return equal
 
 
