@@ -128,13 +128,15 @@ def test_what_kernelgen_cannot_compute_runs_sdpa_with_a_warning(models):
     q = torch.randn(1, 4, 20, 64)
     k = v = torch.randn(1, 2, 20, 64)
     for kwargs, reason in (({"dropout": 0.1}, "dropout"), ({"output_attentions": True}, "output_attentions"),
-                           ({"sliding_window": 8}, "sliding window"), ({"v": torch.randn(1, 2, 20, 128)}, "value")):
+                           ({"sliding_window": 8}, "sliding window"), ({"v": torch.randn(1, 2, 20, 128)}, "value"),
+                           ({"float64": True}, "float64 in Triton's CPU interpreter")):
         value = kwargs.pop("v", v)  # MLA-style: values wider than queries and keys
+        inputs = [x.double() for x in (q, k, value)] if kwargs.pop("float64", False) else [q, k, value]
         with pytest.warns(kg_hf.KernelgenFallbackWarning, match=reason):
             torch.manual_seed(2)
-            got = kg_hf.attention_forward(attn, q, k, value, None, scaling=0.125, **kwargs)[0]
+            got = kg_hf.attention_forward(attn, *inputs, None, scaling=0.125, **kwargs)[0]
         torch.manual_seed(2)
-        want = transformers.integrations.sdpa_attention.sdpa_attention_forward(attn, q, k, value, None,
+        want = transformers.integrations.sdpa_attention.sdpa_attention_forward(attn, *inputs, None,
                                                                               scaling=0.125, **kwargs)[0]
         assert torch.equal(got, want)
 

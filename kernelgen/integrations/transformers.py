@@ -442,6 +442,8 @@ def _unsupported(module, query, dropout, kwargs) -> str | None:
         return f"tensors on {query.device} (kernelgen runs on CUDA GPUs, or the CPU in Triton's interpreter)"
     elif query.dtype == torch.bfloat16:
         return "bfloat16 in Triton's CPU interpreter (it computes bfloat16 wrongly)"
+    elif query.dtype not in (torch.float16, torch.float32):
+        return f"{query.dtype} in Triton's CPU interpreter (kernelgen's kernels take float16 and float32 there)"
     return None
 
 
