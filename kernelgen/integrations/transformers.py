@@ -263,7 +263,8 @@ def _visible_keys(mask, n_q: int, n_k: int) -> int | PaddedRows | PackedRows | s
     return verdict
 
 
-_HOLES = "an attention mask that is not purely causal over each row's tokens (a custom 4-D mask, or a padding mask with a gap inside a row)"
+_HOLES = ("an attention mask that is not purely causal over each row's tokens (a custom 4-D mask, or a padding mask "
+          "with a gap inside a row)")
 
 
 def _allowed(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | bool]:
