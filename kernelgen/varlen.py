@@ -58,7 +58,7 @@ def check_packed(q, k, v, cu_seqlens, max_seqlen, spec: Spec) -> tuple[int, int 
     total, heads_q, head_dim = q.shape
     if k.shape[0] != total or v.shape[0] != total:
         raise KernelgenValueError(f"varlen is self-attention over packed sequences: q, k and v hold the same tokens, "
-                                  f"got {total}, {k.shape[0]} and {v.shape[0]}")
+                                  f"got {total}, {k.shape[0]} and {v.shape[0]} ({VARLEN_LAYOUT})")
     if k.shape != v.shape:
         raise KernelgenValueError(f"k and v must have the same shape [total, Hkv, D], got {tuple(k.shape)} and "
                                   f"{tuple(v.shape)}")

@@ -164,6 +164,8 @@ def test_bad_inputs_are_refused_by_name(device):
     for call, error, words in [
         (lambda: attn.varlen(q[None], k, v, bounds), KernelgenValueError, "varlen takes q [total, Hq, D]"),
         (lambda: attn.varlen(q, k[:4], v[:4], bounds), KernelgenValueError, "the same tokens"),
+        (lambda: attn.varlen(*(x.transpose(0, 1) for x in (q, k, v)), bounds), KernelgenValueError,
+         "got 4, 2 and 2 .q [total, Hq, D]"),  # [H, total, D]: the layout named
         (lambda: attn.varlen(q[:, :3], k, v, bounds), KernelgenValueError, "2 x 2 heads"),
         (lambda: attn.varlen(q, k, v, bounds.long()), KernelgenTypeError, "cu_seqlens must be int32"),
         (lambda: attn.varlen(q, k, v, [0, 5, 8]), KernelgenTypeError, "cu_seqlens must be a torch.Tensor"),
