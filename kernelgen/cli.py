@@ -567,6 +567,11 @@ def export(
         _fail("--seq bakes in a GPU's tuned winners: give --arch too (e.g. sm_90); the CPU runs the defaults")
     if dtype not in ("bfloat16", "float16"):
         _fail(f"--dtype must be bfloat16 or float16, got {dtype!r}")
+    unsupported = arch == "cpu" and spec.backend != registry.AUTO and registry.get(spec.backend).device_unsupported(
+        torch.device("cpu"))
+    if unsupported:  # a module for a GPU machine may be written here, but says so
+        console.print(f"note: this machine cannot run backend {spec.backend!r} ({unsupported}): the module's calls "
+                      "run on a GPU the backend supports")
     configs, sources = None, None
     if seq is not None:
         from .tuning.lookup import Target, cannot_serve

@@ -14,6 +14,7 @@ from kernelgen import AttnConfig, Spec, backends
 from kernelgen.archs import ARCHS
 from kernelgen.backends.triton import attn_smem_bytes
 from kernelgen.cli import app
+from kernelgen.device import current_arch
 from kernelgen.roles import get_role
 from kernelgen.workloads import SHAPES
 from kernelgen.tuning.db import BUNDLED_DB_PATH, TuningDB, current_fingerprint, read_only_rows
@@ -456,6 +457,8 @@ def test_export_backend_option(tmp_path):
                     "--backend", "gluon", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert "\n@gluon.jit\ndef attn_fwd(" in out.read_text() and "'backend': 'gluon'" in out.read_text()
+    if current_arch() is None:  # written here for a GPU machine: the command says this one cannot run it
+        assert "note: this machine cannot run backend 'gluon'" in flat(result.output)
     result = invoke("export", "--backend", "auto", "--out", str(tmp_path / "auto.py"))
     one_line_error(result, "auto")
     assert not (tmp_path / "auto.py").exists()
