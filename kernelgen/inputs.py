@@ -10,6 +10,7 @@ import math
 import numbers
 import operator
 import os
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -27,7 +28,7 @@ __all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_reps_leng
            "check_index",
            "check_length", "check_return_lse",
            "softmax_scale", "empty", "next_pow2", "cdiv", "LOG2E", "LAYOUT", "lists_layout", "INDEX_DIMS",
-           "INDEX_LAYOUT"]
+           "INDEX_LAYOUT", "ReadOnce"]
 
 LOG2E = 1.4426950408889634
 LAYOUT = "q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] (heads before sequence, as SDPA and FlexAttention)"
@@ -53,6 +54,32 @@ class Shapes(NamedTuple):
     n_k: int
     n_q_tiles: int
     n_kv_blocks: int
+
+
+class ReadOnce:
+    """Values read from tensors on the host (each read waits on the device), remembered while the tensors are the
+    same objects at the same versions: a write through torch operations bumps a tensor's version and reads it
+    again; one that bypasses the counter (`.data`, `.numpy()`) is not seen. Tensors made under
+    torch.inference_mode have no version counter and are read every time. Holds the last `size` reads."""
+
+    def __init__(self, size: int = 1):
+        self._size, self._seen = size, {}
+
+    def get(self, tensors: tuple, key, read):
+        """read() for `tensors` (and a hashable `key` of what else it depends on), or the value remembered."""
+        if any(t.is_inference() for t in tensors):
+            return read()
+        ids = (tuple(id(t) for t in tensors), key)
+        seen = self._seen.get(ids)
+        if seen is not None and all(ref() is t and version == t._version
+                                    for (ref, version), t in zip(seen[0], tensors)):
+            return seen[1]
+        value = read()
+        self._seen.pop(ids, None)
+        if len(self._seen) >= self._size:
+            self._seen.pop(next(iter(self._seen)))
+        self._seen[ids] = ([(weakref.ref(t), t._version) for t in tensors], value)
+        return value
 
 
 def empty(*shape, like=None, device=None, dtype=None) -> torch.Tensor:

@@ -8,13 +8,12 @@ as the call over it alone, on views of the packed tensors.
 """
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
 
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import BlockLists, check_length
+from .inputs import BlockLists, ReadOnce, check_length
 from .spec import Spec
 
 __all__ = ["VARLEN_LAYOUT", "PackedBatch", "check_packed", "check_cu_seqlens", "check_max_seqlen",
@@ -143,15 +142,8 @@ def packed_batches(cu_seqlens: torch.Tensor, total: int, max_seqlen: int | None)
         n = lengths.shape[0]
         return [_batch(torch.arange(n, device=cu_seqlens.device), _traced_length(max_seqlen), lengths,
                        cu_seqlens[:-1], total, every_token=True)]
-    if cu_seqlens.is_inference():  # made under torch.inference_mode: no version counter, so read every call
-        return _batches_of(cu_seqlens.tolist(), total, max_seqlen, cu_seqlens.device)
-    global _last
-    ref, version, key, batches = _last
-    if ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and key == (total, max_seqlen):
-        return batches
-    batches = _batches_of(cu_seqlens.tolist(), total, max_seqlen, cu_seqlens.device)
-    _last = (weakref.ref(cu_seqlens), cu_seqlens._version, (total, max_seqlen), batches)
-    return batches
+    return _read_batches.get((cu_seqlens,), (total, max_seqlen),
+                             lambda: _batches_of(cu_seqlens.tolist(), total, max_seqlen, cu_seqlens.device))
 
 
 def _traced_length(max_seqlen) -> int:
@@ -164,7 +156,7 @@ def _traced_length(max_seqlen) -> int:
     return length
 
 
-_last: tuple = (None, None, None, None)  # (weakref to cu_seqlens, its version, (total, max_seqlen), its batches)
+_read_batches = ReadOnce()  # the last cu_seqlens' batches: the layers of a step share one tensor
 
 
 def _batches_of(bounds: list[int], total: int, max_seqlen: int | None, device) -> list[PackedBatch]:

@@ -232,6 +232,7 @@ def pack_infeasible(spec: Spec, block_m: int) -> str | None:
 STEP_KEYS = 128  # the Q-centric forward's keys per step: its score tile's columns
 
 
+@functools.lru_cache(maxsize=None)  # on every launch and feasibility check of the forward
 def _step_spec(spec: Spec) -> Spec:
     """The spec the Q-centric forward's kernels run for `spec`: a KV block wider than a step (256 keys) runs as its
     halves of STEP_KEYS keys, each listed id b as the ids 2b and 2b + 1 (`_stepped`): the same keys, the same
@@ -245,9 +246,9 @@ def _stepped(spec: Spec, shapes: Shapes, block_idx: torch.Tensor) -> tuple[Spec,
     """(spec, shapes, lists) of a Q-centric forward launch in STEP_KEYS-key blocks (`_step_spec`): normalised
     lists (ids ascending, then -1) split into their blocks' halves stay normalised, a half past the last key an
     empty slot (-1)."""
-    stepped = _step_spec(spec)
-    if stepped is spec:
+    if spec.kv_block <= STEP_KEYS:
         return spec, shapes, block_idx
+    stepped = _step_spec(spec)
     ratio = spec.kv_block // STEP_KEYS
     n_blocks = cdiv(shapes.n_k, STEP_KEYS)
     ids = block_idx[..., None] * ratio + torch.arange(ratio, device=block_idx.device, dtype=block_idx.dtype)

@@ -94,7 +94,7 @@ from .. import custom_ops
 from ..device import interpreting
 from ..dispatch import get_kernel
 from ..errors import KernelgenValueError
-from ..inputs import KeyReps
+from ..inputs import KeyReps, ReadOnce
 from ..roles import DECODE_MAX_QUERIES
 from ..spec import HEAD_DIMS, Spec
 from ..tuning.model import FULL, MODEL_OPTIONS, layer_type_specs
@@ -198,7 +198,7 @@ def _module_spec(module) -> Spec | None:
 
 # ---- masks ---------------------------------------------------------------------------------------------
 
-_last_mask: tuple = (None, None, None)  # (weakref to the mask, its version, its verdict): the layers share one
+_read_masks = ReadOnce()  # the last mask's verdict: the layers of a step share one mask
 
 
 class PaddedRows(NamedTuple):
@@ -244,7 +244,6 @@ def _visible_keys(mask, n_q: int, n_k: int) -> int | PaddedRows | PackedRows | s
     """How many leading keys a call sees if `mask` is purely causal, bottom-right aligned over them (then
     the call attends over those keys, causally); the rows of a padded batch where each row's tokens are
     contiguous and causal among themselves; else why not (a str)."""
-    global _last_mask
     if mask is None:
         # SDPA's reading of no mask: one query sees every key; more queries are causal from the top left,
         # over the first n_q keys (a static cache's empty prefill: the keys past them are not written yet)
@@ -253,14 +252,7 @@ def _visible_keys(mask, n_q: int, n_k: int) -> int | PaddedRows | PackedRows | s
         return n_q if n_q < n_k else "more queries than keys without a mask"
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2:] != (n_q, n_k):
         return f"an attention mask of shape {tuple(getattr(mask, 'shape', ()))} (expected None or 4-D [.., Nq, Nk])"
-    if mask.is_inference():  # made under torch.inference_mode: no version counter, so read every call
-        return _mask_verdict(mask, n_q, n_k)
-    ref, version, verdict = _last_mask
-    if ref is not None and ref() is mask and version == mask._version:
-        return verdict
-    verdict = _mask_verdict(mask, n_q, n_k)
-    _last_mask = (weakref.ref(mask), mask._version, verdict)
-    return verdict
+    return _read_masks.get((mask,), None, lambda: _mask_verdict(mask, n_q, n_k))  # its shape gives n_q, n_k
 
 
 _HOLES = ("an attention mask that is not purely causal over each row's tokens (a custom 4-D mask, or a padding mask "
@@ -553,24 +545,12 @@ def _read_bounds(cu_seqlens, cu_seqlens_k, max_length) -> tuple[torch.Tensor, in
     return cu_seqlens, max_length if isinstance(max_length, int) else None
 
 
-_found_equal: dict = {}  # (id(a), id(b)) -> (weakref to a, its version, weakref to b, its version), a few pairs
+_compared = ReadOnce(size=4)  # every layer compares the same tensors: the collator's two bounds, a packed mask's
 
 
 def _equal_bounds(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch.equal(a, b), remembered for the last few pairs found equal: every layer compares the same tensors
-    (the collator's two bounds, and a packed mask's), and each comparison waits on the device (a write to either,
-    seen by its version, compares again)."""
-    if a.is_inference() or b.is_inference():  # made under torch.inference_mode: no version counter
-        return torch.equal(a, b)
-    seen = _found_equal.get((id(a), id(b)))
-    if seen is not None and seen[0]() is a and seen[2]() is b and (seen[1], seen[3]) == (a._version, b._version):
-        return True
-    equal = torch.equal(a, b)
-    if equal:
-        if len(_found_equal) >= 4:
-            _found_equal.pop(next(iter(_found_equal)))
-        _found_equal[id(a), id(b)] = (weakref.ref(a), a._version, weakref.ref(b), b._version)
-    return equal
+    """torch.equal(a, b), which waits on the device, once per pair of tensors (`ReadOnce`)."""
+    return _compared.get((a, b), None, lambda: torch.equal(a, b))
 
 
 def _flat(*tensors: torch.Tensor):
