@@ -344,8 +344,15 @@ def test_shipped_bundled_db_opens(tmp_path):
         assert lookup(Winners(user_db)) is None  # empty until a tuning run fills it
 
 
-def test_winners_default_user_db_lives_in_cache_dir(isolated_cache_dir):
+def test_winners_default_user_db_lives_in_cache_dir_and_is_read_once_it_exists(isolated_cache_dir):
+    """Looking up winners creates no file (a fresh install serves the bundled ones); the user DB a tune then
+    writes in the cache dir is served from the next lookup on."""
     winners = Winners()
+    assert lookup(winners) is None and winners.user is None
+    assert not (isolated_cache_dir / "tuning.db").exists()
+    with TuningDB() as tuned:
+        upsert(tuned, median_ms=1.0)
+    assert lookup(winners)["source"] == "user"
     assert winners.user.path == isolated_cache_dir / "tuning.db"
     winners.user.close()
 
@@ -396,7 +403,7 @@ def test_a_user_db_that_cannot_be_created_is_empty(tmp_path, monkeypatch):
         assert db.read_only and db.rows() == [] and lookup(db) is None
         with pytest.raises(KernelgenRuntimeError, match=r"tuning database .*file/cache/tuning.db cannot be written"):
             upsert(db)
-    assert Winners().user.read_only  # dispatch's DB opens too
+    assert Winners().user is None  # dispatch's lookups miss the user DB, and create nothing
 
 
 def test_a_read_only_db_file_in_a_writable_dir_refuses_writes_clearly(tmp_path):

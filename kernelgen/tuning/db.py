@@ -766,10 +766,19 @@ class Winners:
     """
 
     def __init__(self, user: TuningDB | None = None, bundled_path: str | Path = BUNDLED_DB_PATH):
-        self.user = user if user is not None else _user_db_for_lookups()
+        self._user = user
         self.bundled_path = Path(bundled_path)
         self._bundled = _open_read_only(self.bundled_path)
         self._lock = threading.Lock()  # the bundled connection is shared between threads
+
+    @property
+    def user(self) -> TuningDB | None:
+        """The user DB (default path), opened once its file exists: serving the bundled winners before any tune
+        creates no cache directory and no file. None until then."""
+        with self._lock:
+            if self._user is None and default_user_db_path().is_file():
+                self._user = _user_db_for_lookups()
+            return self._user
 
     def lookup(
         self,
@@ -786,7 +795,8 @@ class Winners:
         """As `TuningDB.lookup`, with `source` ("user" or "bundled") added to the row."""
         key = dict(spec_key=spec_key, role=role, backend=backend, arch=arch, gpu_name=gpu_name,
                    dtype=dtype, bucket=bucket, fingerprint=fingerprint)
-        row = self.user.lookup(**key)
+        user = self.user
+        row = user.lookup(**key) if user is not None else None
         if row is not None:
             return {**row, "source": "user"}
         row = self._query_bundled(lambda db: _lookup(db, **key))
@@ -794,7 +804,8 @@ class Winners:
 
     def servable(self, fingerprint: Fingerprint, **key: Any) -> list[dict]:
         """As `TuningDB.servable`, over both DBs: the user's rows first, each with its `source`."""
-        rows = [{**row, "source": "user"} for row in self.user.servable(fingerprint, **key)]
+        user = self.user
+        rows = [] if user is None else [{**row, "source": "user"} for row in user.servable(fingerprint, **key)]
         bundled = self._query_bundled(lambda db: _servable(db, fingerprint, **key)) or []
         return rows + [{**row, "source": "bundled"} for row in bundled]
 
