@@ -499,7 +499,7 @@ def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec k
 
 @db_app.command("bundle")
 @clean_errors
-def db_bundle(files: List[Path] = typer.Argument(..., help="DB files whose winners to merge (a GPU machine's "
+def db_bundle(files: List[Path] = typer.Argument(..., metavar="FILE", help="DB files whose winners to merge (a GPU machine's "
                                                          "user DB)."),
               into: Optional[Path] = typer.Option(None, help="The bundled DB file (default: tuning_db/winners.db).")):
     """Merge tuned winners into the bundled DB that ships with kernelgen (maintainers): a merged row replaces

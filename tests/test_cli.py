@@ -558,7 +558,7 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
     (["db", "show", "abc", "--spec", "{FILES}/fields.json"], ["give a spec key or --spec FILE"]),
     (["db", "show", "--spec", "{FILES}/corrupt.json"], ["--spec", "corrupt.json"]),
     (["db", "clear", "--spec-key"], ["--spec-key", "requires an argument"]),
-    (["db", "bundle"], ["Missing argument"]),
+    (["db", "bundle"], ["Missing argument 'FILE'"]),
     (["export"], ["Missing option '--out'"]),
     (["info", "extra"], ["unexpected extra argument", "kernelgen info --help"]),
     # numbers: negative, zero, huge
