@@ -176,3 +176,20 @@ def test_the_custom_op_takes_a_prefill_over_cache_rows(device):
                           (q, k, v, None, spec.to_json(), None),
                           {"cache_seqlens": lens, "cache_leftpad": pads},
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("schedule, starts", [("q_centric", (0, 16, 48)), ("kv_centric", (0, 10, 17, 37))])
+def test_a_prompt_prefilled_in_chunks_gets_the_lists_of_one_call(schedule, starts, device):
+    """SEMANTICS, *Batch invariance*, queries split over calls: chunks that each start a whole number of q_tile
+    queries into the prompt (Q-centric), or anywhere (per-query lists), select the one call's lists over the
+    cache written so far."""
+    spec = _spec("mean", schedule)
+    attn = get_kernel(spec)
+    q, k, _, _ = _cache(64, torch.float32, device, capacity=64, lengths=(64,))
+    whole = attn.select(q, k)
+    per_query = spec.per_query
+    for start, end in zip(starts, (*starts[1:], 64)):
+        lens = torch.tensor([end], dtype=torch.int32, device=device)
+        chunk = attn.select(q[:, :, start:end], k, cache_seqlens=lens)
+        rows = slice(start, end) if per_query else slice(start // spec.q_tile, -(-end // spec.q_tile))
+        assert torch.equal(chunk, whole[:, :, rows]), (start, end)
