@@ -12,12 +12,15 @@ pinned by the caller, the tuning DB's winner for the spec, the nearest tuned spe
 the bundled one; `kernelgen.tuning.lookup.served_config`), or the backend's default. A winner measured
 under another torch or CUDA runtime is re-checked against the reference once before it is served. With
 KERNELGEN_AUTOTUNE=1 a role served anything but its own winner is tuned in the background
-(`kernelgen.tuning.autotune`).
+(`kernelgen.tuning.autotune`). Under `auto`, a role that a backend compiling per problem shape (TileLang) serves
+compiles for at most KERNELGEN_PER_SHAPE_LIMIT (default 8) shapes in a process; calls of other shapes run it on the
+fastest backend that compiles once per spec (`SparseAttention._past_shape_limit`).
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +50,29 @@ from .varlen import batch_lists, check_packed, packed_attention
 __all__ = ["get_kernel", "SparseAttention", "Served"]
 
 log = logging.getLogger("kernelgen")
+
+# Under auto, the problem shapes one role of a spec compiles on a backend that compiles per shape, in a process: each
+# costs the compiler's time (TileLang: nvcc, seconds) on the call that first sees it; past it, a serving process whose
+# lengths vary runs that role where it compiles once (as torch._dynamo's cache_size_limit bounds recompiles)
+PER_SHAPE_LIMIT_ENV, PER_SHAPE_LIMIT_DEFAULT = "KERNELGEN_PER_SHAPE_LIMIT", 8
+# per-shape kernels a SparseAttention keeps: the least recently used go (rebuilt from the compiler's caches)
+SHAPE_KERNELS_KEPT = 64
+_NOT_BUILT = object()
+
+
+def per_shape_limit() -> int:
+    """$KERNELGEN_PER_SHAPE_LIMIT, else PER_SHAPE_LIMIT_DEFAULT; a value that is no int >= 0 is a ValueError."""
+    value = os.environ.get(PER_SHAPE_LIMIT_ENV, "").strip()
+    if not value:
+        return PER_SHAPE_LIMIT_DEFAULT
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise KernelgenValueError(f"{PER_SHAPE_LIMIT_ENV}={value!r}; expected an int >= 0 (the problem shapes a "
+                                  f"role compiles per process under backend='auto'; default {PER_SHAPE_LIMIT_DEFAULT})")
+    return limit
 
 
 @dataclass(frozen=True, repr=False)
@@ -141,7 +167,8 @@ class SparseAttention:
         self.spec = spec
         self.validate_lists = validate_lists
         self._fixed = dict(configs or {})
-        self._shape_kernels: dict = {}  # per-shape kernels (TileLang's) of this spec
+        self._shape_kernels: dict = {}  # per-shape kernels (TileLang's) of this spec, least recently used first
+        self._shapes_compiled: dict = {}  # role -> problem shapes compiled per shape (`_past_shape_limit`)
         self._generation = autotune.generation  # what the served configs were read under
         runs = pinnable_roles(spec)
         for role, cfg in self._fixed.items():
@@ -197,7 +224,17 @@ class SparseAttention:
     def _served(self, role: str, bucket: int, dtype, device) -> Served:
         # cached per length bucket: the DB is read once per (role, bucket, dtype, device)
         get_role(role)  # an unknown role is named as such, not as one a backend lacks
-        backend = self._role_backend(role, bucket, dtype, device)
+        return self._served_on(self._role_backend(role, bucket, dtype, device), role, bucket, dtype, device)
+
+    @functools.lru_cache(maxsize=256)
+    def _served_compiled_once(self, role: str, bucket: int, dtype, device) -> Served:
+        """`_served`'s role for a call past the per-shape limit: on the backend, among those that compile once per
+        spec, whose tuned row for it is fastest, else the one the rule prefers (the attention) or the fallback."""
+        name = fastest_backend(self.spec, bucket, dtype, device, role, compiled_once=True)
+        backend = backends.get(backends.FALLBACK) if name is None else backends.runner(name, role)
+        return self._served_on(backend, role, bucket, dtype, device)
+
+    def _served_on(self, backend: Backend, role: str, bucket: int, dtype, device) -> Served:
         reason = backend.unsupported(self.spec, device)
         if reason:  # never a silent fallback to another backend
             raise KernelgenValueError(reason)
@@ -253,12 +290,38 @@ class SparseAttention:
             kernel = served.kernel
             if kernel is None:  # compiled per problem shape: one dict hit per call once built
                 key = (served.role, served.config, shapes, like.dtype, like.device)
-                kernel = self._shape_kernels.get(key)
-                if kernel is None:
-                    kernel = self._shape_kernels[key] = self._build(served.backend, served.spec, served.role,
-                                                                    served.config,
-                                                                    Problem(like.dtype, shapes, like.device))
+                kernel = self._shape_kernels.pop(key, _NOT_BUILT)
+                if kernel is _NOT_BUILT and self._past_shape_limit(served, shapes):
+                    served = self._served_compiled_once(served.role, seq_bucket(shapes.n_k), like.dtype, like.device)
+                    kernel = served.kernel
+                else:
+                    if kernel is _NOT_BUILT:
+                        kernel = self._build(served.backend, served.spec, served.role, served.config,
+                                             Problem(like.dtype, shapes, like.device))
+                    self._shape_kernels[key] = kernel  # the most recently used last
+                    while len(self._shape_kernels) > SHAPE_KERNELS_KEPT:
+                        del self._shape_kernels[next(iter(self._shape_kernels))]
             return served.impl.launch(kernel, served.spec, served.config, shapes, *args, **options)
+
+    def _past_shape_limit(self, served: Served, shapes: Shapes) -> bool:
+        """Whether a call of `shapes`, new to `served`'s per-shape kernels, runs its role elsewhere: under auto,
+        where the role has compiled per_shape_limit() other shapes in this process and is not pinned. Said once
+        a role."""
+        if self.spec.backend != backends.AUTO or served.role in self._fixed:
+            return False
+        compiled = self._shapes_compiled.setdefault(served.role, set())
+        if shapes in compiled:
+            return False
+        limit = per_shape_limit()
+        if len(compiled) < limit:
+            compiled.add(shapes)
+            return False
+        if len(compiled) == limit:
+            compiled.add(None)  # the mark that it was said
+            log.warning("kernelgen: %s of %s has compiled %s for %d problem shapes (it compiles per shape); calls "
+                        "of other shapes run it on a backend that compiles once (%s=%d: raise it to compile more)",
+                        served.role, self.spec, served.backend.name, limit, PER_SHAPE_LIMIT_ENV, limit)
+        return True
 
     def _run(self, role: str, like: torch.Tensor, shapes: Shapes, *args):
         """Launch any role's kernels for a call of these shapes."""
@@ -532,7 +595,8 @@ class SparseAttention:
 
     def _forget_served(self) -> None:
         """Read the tuning DB again on the next call (a background tune has stored a winner)."""
-        for cached in (self._backend, self._served, self._plan, self._backward_plan, self._union_limit):
+        for cached in (self._backend, self._served, self._served_compiled_once, self._plan, self._backward_plan,
+                       self._union_limit):
             cached.cache_clear()
         self._shape_kernels.clear()
         self._generation = autotune.generation

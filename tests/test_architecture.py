@@ -145,6 +145,58 @@ def test_a_backend_that_cannot_run_here_is_a_clear_error(reference_backend):
         backends.unregister("gpu_only")
 
 
+class PerShapeReference(ReferenceBackend):
+    """The reference as a backend that compiles per problem shape (as TileLang does): it counts its builds."""
+
+    name = "per_shape_reference"
+    per_shape = True
+
+    def __init__(self):
+        self.built = []
+
+    def build(self, spec, role, config, problem=None):
+        if role == "attn":
+            self.built.append(problem.shapes.n_q)
+        return None
+
+
+def test_auto_compiles_a_per_shape_role_for_a_bounded_number_of_shapes(reference_backend, monkeypatch, caplog):
+    """Under auto, a role served by a backend that compiles per problem shape compiles for at most
+    KERNELGEN_PER_SHAPE_LIMIT shapes; other shapes run on the fastest backend that compiles once (said once), the
+    shapes compiled keep theirs, and a backend named in the spec compiles every shape."""
+    from kernelgen import dispatch
+
+    per_shape = backends.register(PerShapeReference())
+    try:
+        monkeypatch.setenv("KERNELGEN_PER_SHAPE_LIMIT", "2")
+        monkeypatch.setattr(dispatch, "fastest_backend", lambda spec, bucket, dtype, device, role="attn",
+                            compiled_once=False: "reference" if compiled_once else "per_shape_reference")
+        attn = kernelgen.get_kernel(SPEC.replace(backend="auto"))
+        q, k, v = _inputs(300)
+        with caplog.at_level("WARNING", logger="kernelgen"):
+            for n in (100, 200, 100, 250, 300, 200):
+                o = attn(q[:, :, :n], k[:, :, :n], v[:, :, :n])
+                assert torch.allclose(o.double(), reference.sparse_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n],
+                                                                               SPEC)[0]), n
+        assert per_shape.built == [100, 200]  # 250 and 300 ran on the reference backend, which builds nothing
+        said = [r.getMessage() for r in caplog.records if "KERNELGEN_PER_SHAPE_LIMIT" in r.getMessage()]
+        said = [line for line in said if line.startswith("kernelgen: attn of")]
+        assert len(said) == 1 and "per_shape_reference" in said[0] and "for 2 problem shapes" in said[0]
+
+        per_shape.built.clear()  # a backend named, not chosen by auto, compiles every shape; two shapes' kernels
+        monkeypatch.setattr(dispatch, "SHAPE_KERNELS_KEPT", 4)  # of its two roles (select, attn) are kept
+        named = kernelgen.get_kernel(SPEC.replace(backend="per_shape_reference"))
+        for n in (100, 200, 100, 250, 100, 200):
+            named(q[:, :, :n], k[:, :, :n], v[:, :, :n])
+        assert per_shape.built == [100, 200, 250, 200]  # 200, the least recently used, went for 250
+
+        monkeypatch.setenv("KERNELGEN_PER_SHAPE_LIMIT", "many")
+        with pytest.raises(kernelgen.KernelgenValueError, match="KERNELGEN_PER_SHAPE_LIMIT='many'; expected an int"):
+            dispatch.per_shape_limit()
+    finally:
+        backends.unregister("per_shape_reference")
+
+
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="backend='nope' is unknown"):
         kernelgen.get_kernel(SPEC.replace(backend="nope"))

@@ -169,6 +169,8 @@ def test_auto_serves_the_faster_backend(user_db, tilelang_installed, tl_ms, expe
     attn = SparseAttention(AUTO)
     assert attn.backend(32768, device=CUDA) == expect
     assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA) == expect
+    # past the per-shape limit (TileLang compiles per problem shape): the faster of those that compile once
+    assert lookup.fastest_backend(AUTO, 32768, torch.bfloat16, CUDA, compiled_once=True) == "triton"
     assert attn.config("attn", 32768, 32768, device=CUDA) == (TL_WINNER if expect == "tilelang" else WINNER)
     assert attn.served("attn", 32768, device=CUDA).source == "user DB"
     assert attn.backend(32768, torch.float16, device=CUDA) == rule_backend(AUTO, "sm_90")  # nothing tuned for fp16: the rule

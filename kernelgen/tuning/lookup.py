@@ -214,15 +214,17 @@ def recheck(backend, spec: Spec, role: str, config, bucket: int, dtype: torch.dt
 
 # ---- auto ------------------------------------------------------------------------------------------
 
-def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device, role: str = "attn") -> str | None:
+def fastest_backend(spec, bucket: int, dtype: torch.dtype, device: torch.device, role: str = "attn",
+                    compiled_once: bool = False) -> str | None:
     """For `Spec.backend == "auto"`: the registered backend whose own tuned `role` for this spec is fastest,
-    among those that have the role and can serve the spec on this device. Each backend's row is its nearest
-    tuned bucket; the row nearer this bucket wins (an exact bucket beats a neighbour's), and between rows
-    equally near, the faster. With no tuned row: for the attention, the backend the measured rule prefers
-    (`rule_backend`); for another role, None (it runs where the attention runs: `backends.runner`)."""
+    among those that have the role and can serve the spec on this device (`compiled_once`: and compile it once
+    per spec, not per problem shape). Each backend's row is its nearest tuned bucket; the row nearer this bucket
+    wins (an exact bucket beats a neighbour's), and between rows equally near, the faster. With no tuned row: for
+    the attention, the backend the measured rule prefers (`rule_backend`); for another role, None (it runs where
+    the attention runs: `backends.runner`)."""
     servable = {}
     for backend in backends.all_backends():
-        if role not in backend.roles:
+        if role not in backend.roles or (compiled_once and backend.per_shape):
             continue
         try:
             servable[backend.name] = not cannot_serve(backend, spec, device)
