@@ -103,7 +103,7 @@ def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | N
                                     seq_lengths=(seq_q, seq_k))
 
 
-def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False) -> torch.Tensor:
+def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False, approximate: bool = False) -> torch.Tensor:
     """kernelgen's lists of a FlexAttention `BlockMask`: int32 `[B, Hkv, n_q_tiles, top_k]` (per-query lists
     for `schedule="kv_centric"`: `[B, Hkv, Nq, top_k]`), each list its valid ids ascending, then -1;
     `n_q_tiles` from the mask's `seq_lengths`. Pass them as `block_idx` to a `selector="given"` kernel.
@@ -112,10 +112,19 @@ def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False) -> tor
       `spec.causal`, a block no query of the tile can see is left out (kernelgen would mask it whole): it
       would only take a slot of `top_k`.
     - **Token-level mask.** Only the block structure is carried. Inside the listed blocks kernelgen applies
-      its own mask: causal (key <= query + Nk - Nq) with `spec.causal`, else none. kernelgen's attention
-      therefore equals FlexAttention's when the mask's `mask_mod` is, inside its `kv_*` blocks, that causal
-      predicate or always true; a finer mask_mod (a token-level sliding window, document boundaries) is not
-      reproduced. `sink` and `local` are not added: given lists are attended as they are.
+      its own mask: causal (key <= query + Nk - Nq, bottom-right aligned) with `spec.causal`, else none.
+      kernelgen's attention therefore equals FlexAttention's when the mask's `mask_mod` is, inside its blocks,
+      that causal predicate or always true. `sink` and `local` are not added: given lists are attended as they
+      are. What the mask's structure shows to differ is a ValueError naming the first such block, unless
+      `approximate=True` (the block structure alone, the result then FlexAttention's only approximately):
+      a full block (`full_kv_*`, every pair kept) of which kernelgen's causal mask hides part (a non-causal
+      mask for a causal spec, a prefix kept whole), and a partial block (`kv_*`: the mask_mod drops some pair)
+      that kernelgen attends whole and that does not cross `Nq` or `Nk` (a sliding window, document boundaries,
+      a causal mask for a non-causal spec, or FlexAttention's top-left `q_idx >= kv_idx` where `Nq != Nk`). A
+      mask without `full_kv_*` blocks (made by `BlockMask.from_kv_blocks` with a mask_mod) shows no full
+      block, so each block kernelgen attends whole is such a partial block; with the default (no-op) mask_mod
+      its blocks are full. The check reads the block structure, not the mask_mod: a partial block that
+      kernelgen also masks (the causal diagonal) is taken to be masked as kernelgen masks it.
     - **Block sizes.** The mask's `BLOCK_SIZE = (Q block, KV block)`. The KV block must equal `spec.kv_block`
       or be a multiple of it (each mask block becomes that many kernelgen blocks). The Q block must equal the
       queries of one list (`spec.q_tile`; 1 for per-query lists) or be a multiple of them (the lists of one Q
@@ -132,6 +141,7 @@ def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False) -> tor
     _check_spec(spec)
     _check_block_mask(block_mask)
     _check_flag("union_heads", union_heads)
+    _check_flag("approximate", approximate)
     seq_q, seq_k = (int(n) for n in block_mask.seq_lengths)
     mask_q, mask_kv = (int(s) for s in block_mask.BLOCK_SIZE)
     per_list, kv_block = spec.list_queries, spec.kv_block
@@ -161,6 +171,8 @@ def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False) -> tor
                     f"blocks, but kernelgen's list is shared by the spec.gqa_group = {g} query heads of a KV head; "
                     "pass union_heads=True to attend every head of a group to the union of their blocks")
         dense = grouped.any(2)
+    if not approximate:
+        _check_token_mask(block_mask, partial, full, spec, seq_q, seq_k)
     n_blocks = spec.n_kv_blocks(seq_k)
     dense = dense.repeat_interleave(mask_kv // kv_block, -1)[..., :n_blocks]
     dense = torch.nn.functional.pad(dense, (0, n_blocks - dense.shape[-1]))  # a mask narrower than seq_k
@@ -180,6 +192,41 @@ def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False) -> tor
     ids = torch.where(dense, torch.arange(n_blocks, device=dense.device), n_blocks).sort(-1).values
     ids = torch.nn.functional.pad(ids, (0, max(0, spec.top_k - n_blocks)), value=n_blocks)[..., :spec.top_k]
     return torch.where(ids < n_blocks, ids, -1).to(torch.int32).contiguous()
+
+
+def _check_token_mask(block_mask, partial: torch.Tensor, full: torch.Tensor, spec: Spec, seq_q: int, seq_k: int):
+    """A ValueError naming the first block where the mask's structure shows its token-level mask differs from
+    kernelgen's (`from_block_mask`, "Token-level mask")."""
+    from torch.nn.attention.flex_attention import noop_mask
+
+    mask_q, mask_kv = (int(x) for x in block_mask.BLOCK_SIZE)
+    n_q_blocks, n_kv_blocks = -(-seq_q // mask_q), -(-seq_k // mask_kv)
+    partial, full = (x[:, :, :n_q_blocks, :n_kv_blocks] for x in (partial, full))
+    if block_mask.mask_mod is noop_mask:  # every listed pair is kept: its partial blocks are full
+        partial, full = torch.zeros_like(partial), partial | full
+    device = partial.device
+    first_query = torch.arange(n_q_blocks, device=device) * mask_q
+    first_key = torch.arange(n_kv_blocks, device=device) * mask_kv
+    last_key = (first_key + mask_kv).clamp(max=seq_k) - 1
+    edge = (first_query + mask_q > seq_q)[:, None] | (first_key + mask_kv > seq_k)[None, :]
+    whole = last_key[None, :] <= first_query[:, None] + (seq_k - seq_q)  # kernelgen sees every pair of the block
+    if not spec.causal:
+        whole = torch.ones_like(whole)
+    masked_by_us = (full & ~whole).nonzero()
+    masked_by_flex = (partial & whole & ~edge).nonzero()
+    for found, what in ((masked_by_us, "keeps every pair of"), (masked_by_flex, "masks part of")):
+        if len(found):
+            b, h, qb, kb = (int(x) for x in found[0])
+            ours = ("kernelgen's causal mask (bottom-right aligned: key <= query + Nk - Nq) hides part of it"
+                    if what.startswith("keeps") else
+                    "kernelgen attends it whole (its only mask is the causal one, bottom-right aligned: key <= "
+                    "query + Nk - Nq; FlexAttention's q_idx >= kv_idx is top-left aligned where Nq != Nk)"
+                    if spec.causal else "kernelgen attends it whole (spec.causal=False: it masks nothing)")
+            raise KernelgenValueError(
+                f"block_mask {what} KV block {kb} (keys from {kb * mask_kv}) for Q block {qb} (queries from "
+                f"{qb * mask_q}), batch {b}, head {h}, where {ours}: block lists carry no token-level mask (a sliding "
+                "window, document boundaries, a prefix, another causal alignment). Pass approximate=True to take "
+                "the mask's block structure alone (kernelgen's result then differs from FlexAttention's)")
 
 
 def block_membership(block_idx: torch.Tensor, n_blocks: int) -> torch.Tensor:

@@ -167,6 +167,57 @@ def test_per_query_lists_round_trip():
     assert torch.equal(flex_token_mask(wide), reference.token_mask(lists, spec, 50, 70).repeat_interleave(2, 1))
 
 
+def _window(width):
+    return lambda b, h, q, kv: (kv <= q) & (q - kv < width)
+
+
+def _documents(*lengths):
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return lambda b, h, q, kv: (doc[q] == doc[kv]) & (kv <= q)
+
+
+@pytest.mark.parametrize("name, mask_mod, causal, n_q, n_k, block", [
+    ("a token-level sliding window", _window(40), True, 128, 128, "masks part of KV block 0 .* Q block 1"),
+    ("document boundaries", _documents(40, 50, 38), True, 128, 128, "masks part of KV block 0 .* Q block 1"),
+    ("a prefix kept whole", lambda b, h, q, kv: (kv <= q) | (kv < 40), True, 128, 128,
+     "keeps every pair of KV block 0 .* Q block 0"),
+    ("Flex's top-left causal, Nq < Nk", lambda b, h, q, kv: kv <= q, True, 64, 128, "masks part of KV block 0"),
+    ("a causal mask for a non-causal spec", lambda b, h, q, kv: kv <= q, False, 128, 128, "masks part of KV block 0"),
+    ("no mask for a causal spec", lambda b, h, q, kv: kv >= 0, True, 128, 128,
+     "keeps every pair of KV block 0 .* Q block 0"),
+])
+def test_a_token_level_mask_the_lists_cannot_carry_is_refused(name, mask_mod, causal, n_q, n_k, block):
+    """The mask's structure shows where its mask_mod is not kernelgen's causal (or no) mask: a ValueError naming the
+    block, unless approximate=True, which takes the block structure (and then differs from FlexAttention)."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=causal)
+    mask = create_block_mask(mask_mod, None, None, n_q, n_k, device="cpu", BLOCK_SIZE=32)
+    with pytest.raises(ValueError, match=block + ".*approximate=True"):
+        from_block_mask(mask, spec)
+    lists = from_block_mask(mask, spec, approximate=True)
+    q, k, v = _inputs(1, 1, 1, n_q, n_k)
+    ours = kernelgen.get_kernel(spec.replace(selector="given"))(q, k, v, block_idx=lists)
+    assert (ours - _flex(q, k, v, mask, spec)).abs().max() > 1e-2, name  # what the error spared the caller
+
+
+def test_masks_kernelgen_reproduces_pass_the_token_level_check():
+    """Bottom-right causal with Nq < Nk and partial edge blocks, no mask at all, and a mask without full blocks
+    whose mask_mod is the no-op: each converts, and kernelgen computes what FlexAttention does."""
+    cases = [(lambda b, h, q, kv: kv <= q + 50, True, 70, 120), (lambda b, h, q, kv: kv >= 0, False, 70, 120)]
+    for mask_mod, causal, n_q, n_k in cases:
+        spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=causal)
+        mask = create_block_mask(mask_mod, None, None, n_q, n_k, device="cpu", BLOCK_SIZE=32)
+        q, k, v = _inputs(1, 1, 1, n_q, n_k)
+        ours = kernelgen.get_kernel(spec.replace(selector="given"))(q, k, v, block_idx=from_block_mask(mask, spec))
+        torch.testing.assert_close(ours, _flex(q, k, v, mask, spec), atol=2e-5, rtol=1e-4)
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=4)
+    noop = BlockMask.from_kv_blocks(torch.tensor([[[2]]], dtype=torch.int32),
+                                    torch.tensor([[[[0, 1]]]], dtype=torch.int32), BLOCK_SIZE=16, seq_lengths=(16, 32))
+    assert from_block_mask(noop, spec).tolist() == [[[[0, 1, -1, -1]]]]
+    with pytest.raises(ValueError, match="masks part of KV block 0"):  # a mask_mod and no full blocks: partial ones
+        from_block_mask(BlockMask.from_kv_blocks(noop.kv_num_blocks, noop.kv_indices, BLOCK_SIZE=16,
+                                                 seq_lengths=(16, 32), mask_mod=lambda b, h, q, kv: kv >= 0), spec)
+
+
 def test_heads_of_a_group_must_agree_unless_union():
     spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=4, gqa_group=2)
     kv_num = torch.tensor([[[1], [1]]], dtype=torch.int32)  # 1 batch, 2 query heads, 1 Q block
@@ -214,7 +265,7 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match=r"BLOCK_SIZE.*spec.q_tile"):
         from_block_mask(mask, spec.replace(q_tile=32))
     with pytest.raises(ValueError, match="spec.top_k = 2"):  # the last tile lists all 4 blocks
-        from_block_mask(mask, spec)
+        from_block_mask(mask, spec.replace(causal=True))
     three_heads = create_block_mask(lambda b, h, q, kv: kv <= q, 1, 3, 64, 64, device="cpu", BLOCK_SIZE=16)
     with pytest.raises(ValueError, match="3 heads.*gqa_group = 2"):
         from_block_mask(three_heads, spec.replace(top_k=4, gqa_group=2))
@@ -223,6 +274,8 @@ def test_bad_inputs_name_the_argument():
         to_block_mask(lists, spec, 64, 64, exact_mask_mod="no")
     with pytest.raises(TypeError, match="union_heads must be True or False, got 'yes'"):
         from_block_mask(mask, spec.replace(top_k=4), union_heads="yes")
+    with pytest.raises(TypeError, match="approximate must be True or False, got 1"):
+        from_block_mask(mask, spec.replace(top_k=4), approximate=1)
     # the public helpers check their arguments, naming them
     with pytest.raises(TypeError, match="block_mask must be a"):
         block_mask_blocks(None)
