@@ -6,6 +6,7 @@ kernel needs at compile time that is not a tunable lives here; tunables live in 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import numbers
@@ -20,6 +21,23 @@ TILE_SIZES = (16, 32, 64, 128, 256)
 SELECTORS = ("mean", "multi:r", "index", "given")  # multi:r with r a power of two, e.g. "multi:4"
 SCHEDULES = ("q_centric", "kv_centric")  # kv_centric: per-query lists (docs/SEMANTICS.md)
 DEFAULT_Q_TILE = 64
+
+
+@functools.lru_cache(maxsize=64)  # read by every launch (Spec.groups): parsed once per selector string
+def _selector_groups(sel) -> int:
+    """r of a selector: 1 for mean, index and given; r for "multi:r"; a ValueError for anything else."""
+    if sel in ("mean", "index", "given"):
+        return 1
+    if isinstance(sel, str) and sel.startswith("multi:"):
+        try:
+            r = int(sel.split(":", 1)[1])
+        except ValueError:
+            r = 0
+        if r >= 2 and _is_pow2(r):
+            return r
+        raise KernelgenValueError(f"Spec.selector={sel!r}: r must be a power of two >= 2, e.g. 'multi:4'")
+    raise KernelgenValueError(f"Spec.selector={sel!r} is unknown; expected 'mean', 'multi:r' (e.g. 'multi:4'), "
+                             "'index' or 'given'")
 
 
 def _is_pow2(x: int) -> bool:
@@ -112,19 +130,8 @@ class Spec:
             )
 
     def _parse_selector(self) -> int:
-        sel = self.selector
-        if sel in ("mean", "index", "given"):
-            return 1
-        if isinstance(sel, str) and sel.startswith("multi:"):
-            try:
-                r = int(sel.split(":", 1)[1])
-            except ValueError:
-                r = 0
-            if r >= 2 and _is_pow2(r):
-                return r
-            raise KernelgenValueError(f"Spec.selector={sel!r}: r must be a power of two >= 2, e.g. 'multi:4'")
-        raise KernelgenValueError(f"Spec.selector={sel!r} is unknown; expected 'mean', 'multi:r' (e.g. 'multi:4'), "
-                                 "'index' or 'given'")
+        sel = self.selector  # not a str: unhashable perhaps, refused uncached
+        return _selector_groups(sel) if isinstance(sel, str) else _selector_groups.__wrapped__(sel)
 
     # ---- derived ---------------------------------------------------------------------------------
     @property
