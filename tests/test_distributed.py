@@ -100,11 +100,22 @@ def _run_case(case, world: int, rank: int) -> dict:
 
 
 def _raises(call) -> str:
-    """The message of the ValueError or TypeError `call` raises ("" when it raises none)."""
+    """The message of the ValueError, TypeError or RuntimeError `call` raises ("" when it raises none)."""
     try:
         call()
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RuntimeError) as e:
         return str(e)
+    return ""
+
+
+def _kind(call) -> str:
+    """Which of TypeError and ValueError `call` raises ("" when neither)."""
+    try:
+        call()
+    except TypeError:
+        return "TypeError"
+    except ValueError:
+        return "ValueError"
     return ""
 
 
@@ -116,6 +127,7 @@ def _bad_inputs(world: int, rank: int) -> dict:
     q_s, k_s, v_s = (kd.shard(x, "zigzag") for x in (q, k, v))
     last = rank == world - 1
     short = 48 if last else 64  # one rank's shards differ
+    first_only = dist.new_group([0])  # every rank takes part in making it
     return {
         "shapes": _raises(lambda: kd.attention(q_s[:, :, :short], k_s[:, :, :short], v_s[:, :, :short], spec,
                                                block_idx=lists)),
@@ -142,9 +154,20 @@ def _bad_inputs(world: int, rank: int) -> dict:
         "odd zigzag unshard": _raises(lambda: kd.unshard(q_s[:, :, :5].detach())),
         "one rank's unshard layout": _raises(lambda: kd.unshard(q_s.detach(), "contiguous" if last else "zigzag")),
         "select of given lists": _raises(lambda: kd.select_blocks(q_s, k_s, spec.replace(selector="given"))),
+        # only one rank's refused: each sees that rank's own error (not "scale differs"), of the type it raised there
+        "one rank's tensor scale": _raises(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, block_idx=lists,
+                                                                path="dense",
+                                                                scale=torch.tensor(0.1) if last else 0.1)),
+        "one rank's tensor scale kind": _kind(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, block_idx=lists,
+                                                                   path="dense",
+                                                                   scale=torch.tensor(0.1) if last else 0.1)),
+        # an error that is not kernelgen's, met on one rank while it checks its call, is passed to the others too
+        "one rank's sparse lists": _raises(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, path="dense",
+                                                                block_idx=lists.to_sparse() if last else lists)),
         "equal scales of two types": _raises(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, block_idx=lists,
                                                                   path="dense", scale=np.float64(0.125) if last
                                                                   else 0.125)) or "ran alike",
+        "outside the group": _raises(lambda: kd.shard(q, group=first_only)) if last else "rank 0: not a member",
         "after them": "in step" if torch.equal(kd.unshard(kd.shard(q, "zigzag"), "zigzag"), q) else "out of step",
     }
 
@@ -157,9 +180,13 @@ EXPECTED_MESSAGES = {"shapes": "differs across ranks", "chunks": "not a multiple
                      "one rank's grad": "requires grad differs across ranks",
                      "one rank's return_lse": "return_lse must be a bool",
                      "one rank's unshard": "x_shard shape differs across ranks",
-                     "odd zigzag unshard": "x_shard.shape[2] = 5 does not cut into the 2 equal chunks",
+                     "odd zigzag unshard": "a shard of 5 rows does not cut into the 2 equal chunks",
                      "one rank's unshard layout": "layout differs across ranks",
                      "select of given lists": "selects nothing: its lists are the caller's",
+                     "one rank's tensor scale": "scale must be a finite real",
+                     "one rank's tensor scale kind": "TypeError",
+                     "one rank's sparse lists": "unsupported for Sparse",
+                     "outside the group": "not a member",
                      "equal scales of two types": "ran alike", "after them": "in step"}
 
 
@@ -286,6 +313,10 @@ def test_layout_tables():
     for world, rank in ((2, 2), (2, -1), (0, 0), (2, 1.0)):  # a rank outside the world has no chunks
         with pytest.raises(ValueError, match="Layout (rank|world)="):
             kd.Layout("zigzag", world, rank, 64)
+    with pytest.raises(ValueError, match="4 equal chunks; N=18 is not a multiple"):  # unequal chunks would drop rows
+        kd.Layout("zigzag", 2, 1, 18)
+    alone = kd.Layout("zigzag", 1, 0, 19)  # one rank holds the sequence whole, in order, whatever its length
+    assert alone.shard_len == 19 and alone.positions().tolist() == list(range(19))
 
 
 @pytest.mark.gpu

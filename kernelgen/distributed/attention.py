@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch import SparseAttention, get_kernel, once_differentiable
-from ..errors import KernelgenError, KernelgenTypeError, KernelgenValueError
+from ..errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from ..inputs import check_qkv, check_return_lse, check_scale
 from ..spec import Spec
 from .comm import Group, group_of
@@ -88,7 +88,11 @@ def traffic(k_shape, elem_bytes: int, world: int, kv_block: int, blocks: int) ->
     return Traffic(dense, sparse, dense_backward, sparse_backward)
 
 
-_MESSAGE_BYTES = 256  # of a rank's refusal, as the other ranks receive it
+_UNCHECKED = object()  # a scale this rank refused (or never reached): left out of the comparison
+_MESSAGE_BYTES = 512  # of a rank's refusal, as the other ranks receive it
+# a refusal's kind, as the other ranks raise it (the first of these it is an instance of; else a runtime error)
+_REFUSAL_KINDS = (KernelgenTypeError, KernelgenValueError, KernelgenRuntimeError)
+_KIND_OF = ((TypeError, KernelgenTypeError), (ValueError, KernelgenValueError))
 _WIDEST = 8  # dims of a tensor whose shape the check compares
 
 
@@ -105,7 +109,7 @@ def _agree(group: Group, device, fields: list[tuple], refusal: Exception | None)
     waiting forever in a collective it never enters. `fields`: (name, ints (-1: not known on this rank),
     how to show them or None)."""
     message = list(str(refusal).encode()[:_MESSAGE_BYTES]) if refusal is not None else []
-    mine = [int(refusal is not None)] + [x for _, values, _ in fields for x in values]
+    mine = [_refusal_code(refusal)] + [x for _, values, _ in fields for x in values]
     mine += message + [0] * (_MESSAGE_BYTES - len(message))
     everyone = torch.stack(group.all_gather(torch.tensor(mine, dtype=torch.int64, device=device))).tolist()
     start = 1
@@ -126,7 +130,16 @@ def _agree(group: Group, device, fields: list[tuple], refusal: Exception | None)
     for s, row in enumerate(everyone):
         if row[0]:
             text = bytes(row[start:start + _MESSAGE_BYTES]).rstrip(b"\0").decode(errors="replace")
-            raise KernelgenValueError(f"rank {s} refused its call: {text} (every rank raises, none waits for it)")
+            raise _REFUSAL_KINDS[row[0] - 1](f"rank {s} refused its call: {text} (every rank raises, none waits "
+                                             "for it)")
+
+
+def _refusal_code(refusal: Exception | None) -> int:
+    """0 for none, else 1 + the index in _REFUSAL_KINDS of the kind the other ranks raise for it."""
+    if refusal is None:
+        return 0
+    kind = next((ours for theirs, ours in _KIND_OF if isinstance(refusal, theirs)), KernelgenRuntimeError)
+    return 1 + _REFUSAL_KINDS.index(kind)
 
 
 def _device_of(x, group: Group):
@@ -156,7 +169,7 @@ def _check_same_everywhere(q, k, spec: Spec, layout: str, given: bool, path: str
         ("path", [PATHS.index(path) if path in PATHS else -1], lambda v: repr(PATHS[v[0]])),
         ("whether an input requires grad", [int(backward)], None),
         ("spec", [_crc(spec.to_json()) if isinstance(spec, Spec) else -1], None),
-        ("scale", [_crc(scale)], None),
+        ("scale", [-1 if scale is _UNCHECKED else _crc(scale)], None),  # a refused one is not compared
     ]
     _agree(group, _device_of(q, group), fields, refusal)
 
@@ -212,10 +225,10 @@ def _prepare_call(q, k, v, spec: Spec, group, layout: str, block_idx, scale, pat
         check_return_lse(return_lse)
         _check_call(q, k, v, spec, layout, path)
         return None, None
-    refusal, lay, rows = None, None, None
+    refusal, lay, rows, checked = None, None, None, _UNCHECKED
     try:
         check_return_lse(return_lse)
-        scale = None if scale is None else check_scale(scale)  # a float: ranks compare its value, not its type
+        checked = None if scale is None else check_scale(scale)  # a float: ranks compare its value, not its type
         _check_call(q, k, v, spec, layout, path)
         lay = Layout.of_shard(layout, g.world, g.rank, q.shape[2])
         lay.check(spec)
@@ -223,10 +236,10 @@ def _prepare_call(q, k, v, spec: Spec, group, layout: str, block_idx, scale, pat
             rows = _rows(block_idx, spec, lay, k.shape[0], k.shape[1], q.device)
         else:
             check_selects_across_shards(spec)
-    except KernelgenError as error:
+    except Exception as error:  # not only kernelgen's: any error raised here alone would leave the others waiting
         refusal = error
-    _check_same_everywhere(q, k, spec, layout, block_idx is not None, path, backward, scale, refusal, g)
-    return _Call.of(spec, lay, g, q.device, scale), rows
+    _check_same_everywhere(q, k, spec, layout, block_idx is not None, path, backward, checked, refusal, g)
+    return _Call.of(spec, lay, g, q.device, checked), rows
 
 
 def _choose(rows, call: _Call, k, path: str, backward: bool):
@@ -322,13 +335,7 @@ def shard(x: torch.Tensor, layout: str = "zigzag", group=None) -> torch.Tensor:
     g = group_of(group)
     if not isinstance(x, torch.Tensor) or x.dim() < 3:
         raise KernelgenValueError(f"x must be a [B, H, N, ...] tensor, got {getattr(x, 'shape', type(x).__name__)}")
-    lay = Layout(layout, g.world, g.rank, x.shape[2])
-    if g.world == 1:  # one rank holds the whole sequence, whatever its length (attention runs it as on one GPU)
-        return x.clone(memory_format=torch.contiguous_format)
-    if x.shape[2] % lay.n_chunks:
-        raise KernelgenValueError(f"x.shape[2] = {x.shape[2]} is not a multiple of the {lay.n_chunks} chunks of "
-                                  f"layout={layout!r} over {g.world} ranks")
-    return lay.take(x)
+    return Layout(layout, g.world, g.rank, x.shape[2]).take(x)  # one rank: the whole sequence, of any length
 
 
 def unshard(x_shard: torch.Tensor, layout: str = "zigzag", group=None) -> torch.Tensor:
@@ -340,11 +347,7 @@ def unshard(x_shard: torch.Tensor, layout: str = "zigzag", group=None) -> torch.
             raise KernelgenValueError(f"x_shard must be a [B, H, N, ...] tensor of at most {_WIDEST} dims, got "
                                       f"{getattr(x_shard, 'shape', type(x_shard).__name__)}")
         lay = Layout.of_shard(layout, g.world, g.rank, x_shard.shape[2])
-        per_shard = lay.n_chunks // g.world
-        if g.world > 1 and x_shard.shape[2] % per_shard:  # chunks of unequal lengths would be cut wrong
-            raise KernelgenValueError(f"x_shard.shape[2] = {x_shard.shape[2]} does not cut into the {per_shard} equal "
-                                      f"chunks a shard of layout={layout!r} holds")
-    except KernelgenError as error:
+    except Exception as error:  # raised alone, it would leave the other ranks waiting in the all_gather
         if g.world == 1:
             raise
         refusal = error

@@ -69,4 +69,8 @@ def group_of(group) -> Group:
                                       "as one rank)")
         return Group(None, 0, 1)
     pg = dist.group.WORLD if group is None else group
-    return Group(None if group is None else group, dist.get_rank(pg), dist.get_world_size(pg))
+    rank = dist.get_rank(pg)
+    if rank < 0:  # torch says -1 to a rank outside the group; the group's members never wait for it
+        raise KernelgenValueError(f"this process (global rank {dist.get_rank()}) is not a member of group={group!r}: "
+                                  "call with a group it belongs to (every member of one group makes the same call)")
+    return Group(None if group is None else group, rank, dist.get_world_size(pg))

@@ -45,17 +45,25 @@ class Layout:
                 raise KernelgenValueError(f"Layout {name}={value!r}; expected an int >= {low}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world:
             raise KernelgenValueError(f"Layout rank={self.rank!r}; expected an int in [0, world={self.world})")
+        if self.n % self.n_chunks:  # unequal chunks would drop tokens
+            raise KernelgenValueError(f"layout={self.name!r} over {self.world} ranks cuts the sequence into "
+                                      f"{self.n_chunks} equal chunks; N={self.n} is not a multiple of it")
 
     @classmethod
     def of_shard(cls, name: str, world: int, rank: int, shard_len: int) -> "Layout":
         if name not in LAYOUTS:
             raise KernelgenValueError(f"layout={name!r} is unknown; expected one of {LAYOUTS}")
+        per_shard = cls(name, world, rank, 0).n_chunks // world
+        if shard_len % per_shard:  # chunks of unequal lengths would be cut wrong
+            raise KernelgenValueError(f"a shard of {shard_len} rows does not cut into the {per_shard} equal chunks a "
+                                      f"shard of layout={name!r} holds")
         return cls(name, world, rank, shard_len * world)
 
     # ---- chunks ------------------------------------------------------------------------------------
     @property
     def n_chunks(self) -> int:
-        return self.world * (2 if self.name == "zigzag" else 1)
+        """P chunks, or 2P for zigzag over P > 1 ranks (one rank holds the sequence as one chunk, in order)."""
+        return self.world * (2 if self.name == "zigzag" and self.world > 1 else 1)
 
     @property
     def chunk(self) -> int:
@@ -69,13 +77,10 @@ class Layout:
     def chunks(self, rank: int | None = None) -> tuple[int, ...]:
         """The chunks rank `rank` (default: this one) holds, in shard order."""
         r = self.rank if rank is None else rank
-        return (r,) if self.name == "contiguous" else (r, 2 * self.world - 1 - r)
+        return (r,) if self.n_chunks == self.world else (r, 2 * self.world - 1 - r)
 
     def check(self, spec: Spec) -> None:
         """Chunks must be whole KV blocks and whole Q tiles (ValueError naming the sizes otherwise)."""
-        if self.n % self.n_chunks:
-            raise KernelgenValueError(f"layout={self.name!r} over {self.world} ranks cuts the sequence into "
-                                      f"{self.n_chunks} equal chunks; N={self.n} is not a multiple of it")
         for name, size in (("kv_block", spec.kv_block), ("q_tile", spec.q_tile)):
             if self.chunk % size:
                 raise KernelgenValueError(
