@@ -433,8 +433,10 @@ def _search_in_processes(job: _SearchJob, devices: list[str], study: optuna.Stud
             proc.join()
             try:
                 status, why = receive.recv()
-            except EOFError:  # it died without a word
-                status, why = "error", f"exit code {proc.exitcode}"
+            except EOFError:  # it died without a word: often a script that spawn re-ran without its main guard
+                status, why = "error", (f"exit code {proc.exitcode}, without a reply (its stderr says why; a script "
+                                        "that tunes with workers must do so under `if __name__ == '__main__':`, as "
+                                        "each worker process imports the script again)")
             if status != "done":
                 errors.append(f"{proc.name} on {device}: {why}")
         return errors
