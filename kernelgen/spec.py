@@ -1,7 +1,8 @@
 """`Spec`: what sparse attention to compute (docs/SEMANTICS.md gives the semantics).
 
 A spec is frozen, hashable, validated on construction and round-trips through JSON. Everything a
-kernel needs at compile time that is not a tunable lives here; tunables live in `config.py`.
+kernel needs at compile time that is not a tunable lives here; tunables are each backend's config classes
+(`kernelgen/backends/<name>.py`).
 """
 from __future__ import annotations
 

@@ -130,8 +130,8 @@ def _tma_rows(x: torch.Tensor) -> torch.Tensor:
 
 def launch_attn(mod, spec: Spec, cfg: GluonAttnConfig, shapes: Shapes, q, k, v, block_idx, scale):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists. Dispatch has checked the
-    device (`GluonBackend.device_unsupported`); tests/sm90_offline.py compiles through this launcher with
-    CPU tensors."""
+    device (`GluonBackend.device_unsupported`); tests/test_gluon_compile.py and tools/offline_compile.py compile
+    through this launcher with CPU tensors."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise KernelgenTypeError(f"q.dtype = {q.dtype} is not supported by backend='gluon'; expected float16 or bfloat16")
     scale = softmax_scale(scale, spec)

@@ -24,10 +24,10 @@ Example::
     fp = current_fingerprint(backends.get("triton"), "attn")
     key = get_role("attn").key(spec, "triton")
     db.upsert(spec_key=key, role="attn", backend="triton", arch="sm_90", gpu_name="NVIDIA H200",
-              bucket=seq_bucket(n), dtype="bf16", config={"BLOCK_M": 128, "num_warps": 8},
+              bucket=seq_bucket(n), dtype="bfloat16", config=json.loads(AttnConfig(block_m=128).to_json()),
               median_ms=0.41, tflops=512.0, n_trials=64, fingerprint=fp)
     Winners(db).lookup(spec_key=key, role="attn", backend="triton", arch="sm_90",
-                       gpu_name="NVIDIA H200", dtype="bf16", bucket=seq_bucket(n), fingerprint=fp)
+                       gpu_name="NVIDIA H200", dtype="bfloat16", bucket=seq_bucket(n), fingerprint=fp)
 """
 from __future__ import annotations
 
