@@ -61,7 +61,8 @@ db_app = typer.Typer(help="The tuning databases (winners per spec, role, backend
                      rich_markup_mode=None,
                      no_args_is_help=True)
 app.add_typer(db_app, name="db")
-console = Console(markup=False)  # text from specs, paths and errors is printed as it is: '[tilelang]' is no tag
+# text from specs, paths and errors is printed as it is ('[tilelang]' is no tag); piped, tables keep every digit
+console = Console(markup=False, width=None if sys.stdout.isatty() else 200)
 
 
 def _fail(message: str) -> None:
@@ -124,6 +125,9 @@ def clean_errors(command):
     return run
 
 
+_LOG_HANDLER = "kernelgen.cli"  # the name of the handler the command line gives kernelgen's logger
+
+
 def _print_version(value: bool) -> None:
     if value:
         from . import __version__
@@ -137,8 +141,18 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kerne
                                                                      "before the command: kernelgen -v bench)."),
           version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                        help="Print kernelgen's version and exit.")):
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[RichHandler(console=console)])
-    logging.getLogger("kernelgen").setLevel(logging.DEBUG if verbose else logging.INFO)
+    # kernelgen's logs go to stderr (stdout holds what a command answers: `db show`'s JSON), one line each where it
+    # is no terminal; the handler is kernelgen's logger's own, replaced at each command (tests run many in a process)
+    handler = (RichHandler(console=Console(stderr=True, markup=False)) if sys.stderr.isatty()
+               else logging.StreamHandler(sys.stderr))
+    if not sys.stderr.isatty():
+        handler.setFormatter(logging.Formatter("kernelgen: %(levelname)s: %(message)s"))
+    handler.set_name(_LOG_HANDLER)
+    logger = logging.getLogger("kernelgen")
+    for old in [h for h in logger.handlers if h.get_name() == _LOG_HANDLER]:
+        logger.removeHandler(old)
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
 def _spec_from_file(spec_file) -> "Spec":
@@ -153,7 +167,7 @@ def _spec_from_file(spec_file) -> "Spec":
         _fail(f"--spec {spec_file}: expected a JSON object of Spec fields (Spec.to_json()), got {type(data).__name__}")
     try:
         return Spec.from_dict(data)
-    except KernelgenError as error:
+    except (KernelgenError, TypeError, ValueError) as error:  # a field missing or unknown: Spec's own TypeError
         _fail(f"--spec {spec_file}: {error}")
 
 
@@ -358,8 +372,11 @@ def tune(
         if workers > count:
             _fail(f"--workers {workers}: {count} CUDA GPU{'s are' if count != 1 else ' is'} visible here, and one "
                   "worker runs per GPU")
-    names = [b for b in (backends_option or "").split(",") if b] or None
+    names = list(dict.fromkeys(b for b in (backends_option or "").split(",") if b)) or None
     for name in names or ():
+        if name == registry.AUTO:
+            _fail(f"--backends {backends_option}: auto serves the backends tuned, it is none to tune; expected some "
+                  f"of {registry.names()}")
         with _as_typed(ctx, backend="backends_option"):
             registry.get(name)
     if preset is not None or model is not None:
@@ -368,17 +385,25 @@ def tune(
                 _fail("--model needs --seq: the sequence length to tune the model's attention for")
             with _as_typed(ctx, "seq"):
                 check_seq(seq)
-            chosen_studies = list(model_studies(read_model_config(model), seq, DEFAULT_TRIALS, arch,
-                                                names))
+            try:
+                chosen_studies = list(model_studies(read_model_config(model), seq, DEFAULT_TRIALS, arch, names))
+            except KernelgenError as error:  # the model's attention, not a flag of this command line
+                _fail(f"--model {model}: {error}")
             source, whose = "--model", "the model's"
         else:
-            chosen = [s for s in (shapes or "").split(",") if s] or None
+            chosen = list(dict.fromkeys(s for s in (shapes or "").split(",") if s)) or None
+            if shapes is not None and not chosen:
+                _fail(f"--shapes {shapes!r} names no shape")
             with _as_typed(ctx, "preset", "shapes"):
                 chosen_studies = studies(preset, arch, chosen, names)
             source, whose = f"--preset {preset}", f"the {preset} preset's"
         if not chosen_studies:  # nothing run would read as success
             with_backends = f" with --backends {backends_option}" if names else ""
             _fail(f"{source} plans no study on {arch}{with_backends}: nothing to tune")
+        planned = {study.spec.backend for study in chosen_studies}
+        for name in [n for n in names or () if n not in planned]:  # left out: say so, not tune the rest in silence
+            why = registry.get(name).arch_unsupported(arch) or f"none of {whose} studies runs on it there"
+            console.print(f"note: --backends {name} plans no study on {arch} ({why})")
         if role:
             unknown = sorted(set(role) - {study.role for study in chosen_studies})
             if unknown:
@@ -422,7 +447,10 @@ def _all_rows(path: Optional[Path], **filters) -> list[dict]:
     from .tuning.db import BUNDLED_DB_PATH, TuningDB, default_user_db_path, read_only_rows, rows_of_file
 
     if path is not None:  # named on the command line: a file that is not a tuning DB is an error
-        return [{**r, "source": str(path)} for r in rows_of_file(path, **filters)]
+        try:
+            return [{**r, "source": str(path)} for r in rows_of_file(path, **filters)]
+        except KernelgenError as error:
+            _fail(f"--path {path}: {error}")
     rows = []
     if default_user_db_path().exists():  # listing makes no user DB (nor its cache dir) where there is none
         with TuningDB() as user:
@@ -437,11 +465,12 @@ def db_list(spec_key: Optional[str] = typer.Option(None, help="Only this spec ke
                                                            "DB and the bundled DB).")):
     """List the tuned winners of the user DB and the bundled DB (full spec keys, one row each)."""
     rows = _all_rows(path, **({"spec_key": spec_key} if spec_key else {}))
-    table = Table("source", "spec_key", "role", "backend", "arch", "bucket", "dtype", "ms", "TFLOP/s",
+    table = Table("source", "spec_key", "role", "backend", "arch", "gpu", "bucket", "dtype", "ms", "TFLOP/s",
                   "trials", box=None)
     for row in rows:
         tf = row.get("tflops")
-        table.add_row(row["source"], row["spec_key"], row["role"], row["backend"], row["arch"], str(row["bucket"]),
+        table.add_row(row["source"], row["spec_key"], row["role"], row["backend"], row["arch"], row["gpu_name"],
+                      str(row["bucket"]),
                       row["dtype"], f"{row['median_ms']:.4f}", "-" if tf is None else f"{tf:.1f}",
                       str(row["n_trials"]))
     Console(width=max(console.width, 160), markup=False).print(table)
@@ -480,8 +509,11 @@ def db_show(spec_key: Optional[str] = typer.Argument(None, help="Spec key (see `
 def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec key."),
              yes: bool = typer.Option(False, "--yes", help="Do not ask.")):
     """Delete winners from the user DB (the bundled DB is read-only)."""
-    from .tuning.db import TuningDB
+    from .tuning.db import TuningDB, default_user_db_path
 
+    if not default_user_db_path().is_file():  # nothing to delete, and no DB (nor cache dir) made to say so
+        console.print(f"deleted 0 rows (there is no user DB at {default_user_db_path()})")
+        return
     with TuningDB() as db:
         db.check_writable()
         if not yes:
@@ -594,6 +626,10 @@ def export(
             console.print(f"{role}: {registry.runner(spec.backend, role).name} "
                           f"{json.dumps(registry.Backend.config_to_dict(cfg), sort_keys=True)} ({where})")
     console.print(f"wrote {path}")
+    if arch == "cpu":  # no GPU here and no --arch: the defaults are sized for no particular GPU
+        console.print("note: no GPU here and no --arch: the module pins the interpreter's defaults, sized for sm_90's "
+                      "shared memory; a GPU with less (sm_80, sm_86, sm_89) refuses those that do not fit. Export "
+                      "with --arch for the GPU that will run it")
 
 
 @app.command()
@@ -602,7 +638,8 @@ def bench(
     ctx: typer.Context,
     shapes: Optional[str] = typer.Option(None, help="Comma-separated shape names (default: all on a GPU; on a CPU "
                                                     "only the tiny interpreter smoke run)."),
-    out: Path = typer.Option(Path("bench-out"), help="Directory for bench.csv, bench.json and bench.png."),
+    out: Path = typer.Option(Path("bench-out"), help="Directory for bench.csv, bench.json, bench.jsonl (rows as "
+                                                     "they are measured) and bench.png."),
     overhead: bool = typer.Option(False, "--overhead", help="Also measure dispatch overhead per call."),
     sweep: str = typer.Option("", help="Shapes on which to also time every attention and select config."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="Also time each row replayed from a CUDA graph."),
@@ -687,10 +724,11 @@ def bench(
     import torch
 
     names = benchmark._names(shapes, "bench shapes") or []
-    gpu_only = [n for n in names + (benchmark._names(sweep, "sweep shapes") or []) if n != benchmark.SMOKE_SHAPE]
-    if gpu_only and not torch.cuda.is_available():
-        _fail(f"shapes {', '.join(gpu_only)} need a CUDA GPU; on a CPU the bench runs only its "
-              f"{benchmark.SMOKE_SHAPE!r} smoke run in the interpreter (no --shapes)")
+    for flag, chosen in (("--shapes", names), ("--sweep", benchmark._names(sweep, "sweep shapes") or [])):
+        gpu_only = [n for n in chosen if n != benchmark.SMOKE_SHAPE]
+        if gpu_only and not torch.cuda.is_available():
+            _fail(f"{flag} {','.join(gpu_only)}: these shapes need a CUDA GPU; on a CPU the bench runs only its "
+                  f"{benchmark.SMOKE_SHAPE!r} smoke run in the interpreter (no --shapes)")
     if not torch.cuda.is_available():
         for name in MAIN_BENCH_OPTIONS:
             _needs(ctx, name, "a CUDA GPU", "on a CPU the bench runs only its smoke run in the interpreter")

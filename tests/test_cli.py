@@ -33,9 +33,11 @@ def invoke(*args):
 
 
 def one_line_error(result, *words):
-    """Bad input: exit status 2 and one line on stderr naming what was wrong, never a traceback."""
+    """Bad input: exit status 2 and one line on stderr naming what was wrong, never a traceback (log lines that
+    came before it, each one line of its own, aside)."""
     assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines()
+             if not line.startswith(("kernelgen: WARNING: ", "kernelgen: INFO: "))]
     assert len(lines) == 1 and lines[0].startswith("kernelgen: error: "), result.stderr
     assert "Traceback" not in result.output
     for word in words:
@@ -363,7 +365,8 @@ def test_a_cache_dir_that_cannot_be_created(tmp_path, monkeypatch):
     assert "(none,andtheread-onlycachedircannotholdone)" in "".join(flat(result.output).split())
     result = invoke("db", "list")
     assert result.exit_code == 0 and f"{len(read_only_rows(BUNDLED_DB_PATH))} rows" in result.output, result.output
-    one_line_error(invoke("db", "clear", "--yes"), "cannot be written", "file/cache/tuning.db")
+    result = invoke("db", "clear", "--yes")  # no user DB: nothing to delete, and nothing made
+    assert result.exit_code == 0 and "deleted 0 rows (there is no user DB at" in flat(result.output), result.output
 
 
 def test_reading_commands_make_no_cache_dir(tmp_path):
@@ -535,6 +538,7 @@ def _bad_files(root: Path) -> None:
     (root / "list.json").write_text("[64, 64]")
     (root / "fields.json").write_text('{"head_dim": 64, "banana": 1}')
     (root / "banana_backend.json").write_text('{"head_dim": 64, "backend": "banana"}')
+    (root / "empty.json").write_text('{}')
     (root / "a_dir").mkdir()
     torch.save({x: torch.zeros(1, 2, 128, 64) for x in "qkv"}, root / "qkv.pt")
     for name, table in (("foreign.db", "winners (role TEXT, backend TEXT)"), ("no_winners.db", "other (x)")):
@@ -555,6 +559,11 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
     (DRY + ["--timeout", "soon"], ["'--timeout'"]),
     (DRY + ["--banana", "1"], ["No such option: --banana"]),
     (["db", "show"], ["give a spec key or --spec FILE"]),
+    (DRY_FILE + ["--spec", "{FILES}/empty.json"], ["--spec", "empty.json", "head_dim"]),
+    (["tune", "--arch", "sm_89", "--preset", "bench", "--backends", "auto", "--dry-run"],
+     ["--backends auto", "none to tune"]),
+    (["tune", "--arch", "sm_89", "--preset", "bench", "--shapes", ",", "--dry-run"], ["--shapes ','", "no shape"]),
+    (["db", "list", "--path", "{FILES}/text.db"], ["--path", "text.db", "unreadable"]),
     (["db", "show", "abc", "--spec", "{FILES}/fields.json"], ["give a spec key or --spec FILE"]),
     (["db", "show", "--spec", "{FILES}/corrupt.json"], ["--spec", "corrupt.json"]),
     (["db", "clear", "--spec-key"], ["--spec-key", "requires an argument"]),
@@ -679,19 +688,19 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, args, words):
 
 @pytest.mark.parametrize("user_db", ["foreign.db", "no_winners.db"])
 def test_a_user_db_of_another_schema_is_never_written(tmp_path, user_db):
-    """A user DB that holds another program's table: db list warns and lists the bundled rows, db clear is one
-    line, and the file is left as it was."""
+    """A user DB that holds another program's table (a winners table of another layout, or other tables and no
+    winners table): db list warns and lists the bundled rows, db clear is one line, and the file is left as it
+    was (no table added, no journal mode changed)."""
     _bad_files(tmp_path)
     path = tmp_path / "cache" / "tuning.db"
     path.parent.mkdir()
     path.write_bytes((tmp_path / user_db).read_bytes())
-    if user_db == "foreign.db":  # no table at all is a fresh DB: kernelgen makes its own table in it
-        result = invoke("db", "list")
-        assert result.exit_code == 0 and f"{len(read_only_rows(BUNDLED_DB_PATH))} rows" in result.output
-        one_line_error(invoke("db", "clear", "--yes"), "cannot be written", str(path), "lacks the columns")
-        assert path.read_bytes() == (tmp_path / user_db).read_bytes()
-    else:
-        assert invoke("db", "clear", "--yes").exit_code == 0
+    result = invoke("db", "list")
+    assert result.exit_code == 0 and f"{len(read_only_rows(BUNDLED_DB_PATH))} rows" in result.output
+    why = "lacks the columns" if user_db == "foreign.db" else "no 'winners' table"
+    one_line_error(invoke("db", "clear", "--yes"), "cannot be written", str(path), why)
+    one_line_error(invoke("db", "show", "abc"), "no rows for spec key abc")
+    assert path.read_bytes() == (tmp_path / user_db).read_bytes()
 
 
 def test_bench_stall_guard_ends_a_hang_with_stacks():
@@ -707,3 +716,30 @@ def test_bench_stall_guard_ends_a_hang_with_stacks():
     assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
     assert "row 3" in result.stdout  # the guard was re-armed by each line
     assert "Timeout (0:00:01)!" in result.stderr and 'File "<string>", line 7' in result.stderr
+
+
+def test_logs_go_to_stderr_and_answers_to_stdout(tmp_path):
+    """What a command answers is stdout alone (db show's JSON parses), its log lines go to stderr, one line each."""
+    from kernelgen.tuning.db import TuningDB
+
+    with TuningDB() as db:
+        key = next(iter(read_only_rows(BUNDLED_DB_PATH)))["spec_key"]
+    path = db.path
+    path.write_bytes(b"SQLite format 3\x00" + b"\x01" * 4000)  # damaged: moved aside with a warning
+    result = invoke("db", "show", key)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)[0]["spec_key"] == key
+    warned = [line for line in result.stderr.splitlines() if "corrupted" in line]
+    assert len(warned) == 1 and str(path) in warned[0]
+
+
+def test_tune_plans_long_lists_and_names_backends_it_leaves_out():
+    """A top_k past 128 plans every role (each selector space holds chunks of next_pow2(top_k) blocks); a
+    --backends entry that plans nothing on the arch is said, not dropped in silence."""
+    result = invoke("tune", "--arch", "sm_89", "--seq", "32768", "--top-k", "200", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "decode_select" in result.output and "search space is empty" not in result.output
+    result = invoke("tune", "--arch", "sm_89", "--preset", "bench", "--shapes", "a32k", "--backends", "gluon,triton",
+                    "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "note: --backends gluon plans no study on sm_89" in flat(result.output)

@@ -371,9 +371,16 @@ def select_default(spec: Spec, arch: str) -> SelectConfig:
     return cfg if select_infeasible(spec, cfg, arch) is None else dataclasses.replace(cfg, tiles=max(1, 16 // gr_pad))
 
 
+def _chunks(spec: Spec, sizes: tuple[int, ...]) -> list[int]:
+    """A selector space's chunk sizes (blocks a step), each at least next_pow2(top_k), which a chunk's top-k needs:
+    a long list's space keeps its points, not none."""
+    return sorted({max(c, next_pow2(spec.top_k)) for c in sizes})
+
+
 def select_space(spec: Spec, arch: str):
     return (SelectConfig(tiles=t, chunk=c, num_warps=w, num_stages=1, splits=n)
-            for t, c, w, n in itertools.product((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256), (4, 8), (1, 2, 4)))
+            for t, c, w, n in itertools.product((1, 2, 4, 8, 16, 32, 64), _chunks(spec, (16, 32, 64, 128, 256)),
+                                                (4, 8), (1, 2, 4)))
 
 
 # ---- the selector of a decode call: feasibility, defaults, space ------------------------------------
@@ -410,8 +417,8 @@ def decode_select_default(spec: Spec, arch: str) -> SelectConfig:
 def decode_select_space(spec: Spec, arch: str):
     gr_pad = next_pow2(spec.gqa_group * spec.groups)
     return (SelectConfig(tiles=t, chunk=c, num_warps=w, num_stages=1, splits=n)
-            for t, c, w, n in itertools.product(sorted({max(1, 16 // gr_pad), max(1, 32 // gr_pad)}), (16, 32, 64, 128),
-                                                (2, 4), DECODE_SELECT_SPLITS))
+            for t, c, w, n in itertools.product(sorted({max(1, 16 // gr_pad), max(1, 32 // gr_pad)}),
+                                                _chunks(spec, (16, 32, 64, 128)), (2, 4), DECODE_SELECT_SPLITS))
 
 
 # ---- KV-centric forward: feasibility, defaults, spaces ---------------------------------------------
@@ -472,7 +479,7 @@ def kv_decode_select_default(spec: Spec, arch: str) -> KvSelectConfig:
 
 def kv_decode_select_space(spec: Spec, arch: str):
     return (KvSelectConfig(queries=16, chunk=c, num_warps=w, splits=n)
-            for c, w, n in itertools.product((16, 32, 64, 128), (2, 4), DECODE_SELECT_SPLITS))
+            for c, w, n in itertools.product(_chunks(spec, (16, 32, 64, 128)), (2, 4), DECODE_SELECT_SPLITS))
 
 
 def kv_select_default(spec: Spec, arch: str) -> KvSelectConfig:
@@ -483,7 +490,7 @@ def kv_select_default(spec: Spec, arch: str) -> KvSelectConfig:
 
 def kv_select_space(spec: Spec, arch: str):
     return (KvSelectConfig(queries=q, chunk=c, num_warps=w)
-            for q, c, w in itertools.product((16, 32, 64, 128), (16, 32, 64, 128, 256), (4, 8)))
+            for q, c, w in itertools.product((16, 32, 64, 128), _chunks(spec, (16, 32, 64, 128, 256)), (4, 8)))
 
 
 def kv_attn_smem_bytes(spec: Spec, cfg: KvAttnConfig, elem_bytes: int = 2) -> int:

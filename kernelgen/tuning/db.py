@@ -567,6 +567,9 @@ class TuningDB:
     def _check_existing_schema(self) -> None:
         if self._db.table(TABLE).exists():
             _check_schema(self._db)  # another program's table: not damage, never moved aside nor written
+        elif self._db.table_names():  # another program's tables, and no winners table: not ours to add one to
+            raise _ForeignSchema(f"no {TABLE!r} table; it holds {', '.join(self._db.table_names()[:5])}: another "
+                                 "program's file")
 
     def _ensure_schema(self) -> None:
         if self._db.table(TABLE).exists():
@@ -877,8 +880,9 @@ def merge_into_bundled(paths: Iterable[str | Path], bundled: str | Path = BUNDLE
     bundled = Path(bundled)
     if _is_wal_file(bundled):
         # A WAL file is a user DB that tuners write: replacing it would drop rows written meanwhile.
-        raise KernelgenValueError(f"{bundled} is a user tuning DB (WAL journal), which tuners may be writing; "
-                                  "bundle into a copy of it, or into the bundled DB file")
+        raise KernelgenValueError(f"{bundled} is a user tuning DB (WAL journal), which tuners may be writing: bundle it "
+                                  f"into a new file instead (`kernelgen db bundle {bundled} FILE... --into NEW.db`), "
+                                  "or into the bundled DB file")
     # read-only, and strictly: a file that is not a tuning DB is an error, never merged as empty or overwritten
     rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in (rows_of_file(bundled) if bundled.exists() else [])}
     merged: dict[tuple, dict] = {}
