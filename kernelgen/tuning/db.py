@@ -880,9 +880,9 @@ def merge_into_bundled(paths: Iterable[str | Path], bundled: str | Path = BUNDLE
     bundled = Path(bundled)
     if _is_wal_file(bundled):
         # A WAL file is a user DB that tuners write: replacing it would drop rows written meanwhile.
-        raise KernelgenValueError(f"{bundled} is a user tuning DB (WAL journal), which tuners may be writing: bundle it "
-                                  f"into a new file instead (`kernelgen db bundle {bundled} FILE... --into NEW.db`), "
-                                  "or into the bundled DB file")
+        raise KernelgenValueError(f"{bundled} is a user tuning DB (WAL journal), which tuners may be writing: "
+                                  f"bundle it into a new file instead (`kernelgen db bundle {bundled} FILE... --into "
+                                  "NEW.db`), or into the bundled DB file")
     # read-only, and strictly: a file that is not a tuning DB is an error, never merged as empty or overwritten
     rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in (rows_of_file(bundled) if bundled.exists() else [])}
     merged: dict[tuple, dict] = {}
