@@ -507,6 +507,7 @@ def db_show(spec_key: Optional[str] = typer.Argument(None, help="Spec key (see `
 @db_app.command("clear")
 @clean_errors
 def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec key."),
+             gpu: Optional[str] = typer.Option(None, help="Only this GPU's rows (its name as `db list` shows it)."),
              yes: bool = typer.Option(False, "--yes", help="Do not ask.")):
     """Delete winners from the user DB (the bundled DB is read-only)."""
     from .tuning.db import TuningDB, default_user_db_path
@@ -517,15 +518,16 @@ def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec k
     with TuningDB() as db:
         db.check_writable()
         if not yes:
+            which = " and ".join([f"of {spec_key}"] * bool(spec_key) + [f"of GPU {gpu}"] * bool(gpu))
             try:
-                confirmed = typer.confirm(f"Delete {'all rows' if not spec_key else 'rows of ' + spec_key} in "
-                                          f"{db.path}?", default=False)
+                confirmed = typer.confirm(f"Delete {'rows ' + which if which else 'all rows'} in {db.path}?",
+                                          default=False)
             except typer.Abort:  # no answer to read (no terminal, end of input): a script that left out --yes
                 _fail("nothing deleted: not confirmed (pass --yes to delete without asking)")
             if not confirmed:  # the user's own answer: no error
                 console.print("nothing deleted")
                 return
-        n = db.clear(**({"spec_key": spec_key} if spec_key else {}))
+        n = db.clear(**{column: value for column, value in (("spec_key", spec_key), ("gpu_name", gpu)) if value})
     console.print(f"deleted {n} rows")
 
 

@@ -307,9 +307,9 @@ def test_tune_dry_run_plans_only_what_the_arch_runs(options):
         assert "(gluon)" in plans["sm_90"]
 
 
-def _add_row(path, spec_key="abc", ms=1.0):
+def _add_row(path, spec_key="abc", ms=1.0, gpu="NVIDIA H200"):
     with TuningDB(path) as db:
-        db.upsert(spec_key=spec_key, role="attn", backend="triton", arch="sm_90", gpu_name="NVIDIA H200", bucket=32768,
+        db.upsert(spec_key=spec_key, role="attn", backend="triton", arch="sm_90", gpu_name=gpu, bucket=32768,
                   dtype="bfloat16", config={"block_m": 64, "num_warps": 4, "num_stages": 2}, median_ms=ms, tflops=300.0,
                   n_trials=10, fingerprint=current_fingerprint(backends.get("triton"), "attn"), spec_json="{}")
 
@@ -338,6 +338,11 @@ def test_db_list_show_clear(tmp_path):
     one_line_error(runner.invoke(app, ["db", "clear"], input=""), "nothing deleted", "--yes")
     assert len(TuningDB(path).rows()) == 1
     assert len(read_only_rows(BUNDLED_DB_PATH)) == len(bundled)
+    _add_row(path, "def", 1.5, gpu="NVIDIA H100 80GB HBM3")  # the same key on another GPU of the arch: its own row
+    assert "NVIDIA H100 80GB HBM3" in flat(invoke("db", "list").output)
+    result = invoke("db", "clear", "--gpu", "NVIDIA H100 80GB HBM3", "--yes")
+    assert result.exit_code == 0 and "deleted 1 rows" in result.output
+    assert [r["gpu_name"] for r in TuningDB(path).rows()] == ["NVIDIA H200"]
 
 
 def test_a_read_only_cache_dir(tmp_path):
