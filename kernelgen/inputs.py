@@ -564,7 +564,10 @@ def check_block_idx(block_idx, spec: Spec, shapes: Shapes, device, validate: boo
         block_idx = block_idx.expand(*expected[:2], *block_idx.shape[2:])  # B or Hkv of 1 broadcasts, as in Flex
     if tuple(block_idx.shape) != expected:
         refuse_nsa_layout(given, spec, shapes.n_q, shapes.heads_kv)
-        raise KernelgenValueError(f"block_idx.shape = {given}, expected {lists_layout(spec)} = {expected}")
+        # a list per query given to a Q-centric spec: say which schedule takes them
+        other = (" (a list per query: Spec(schedule='kv_centric') takes those)"
+                 if not spec.per_query and len(given) == 4 and given[2] == shapes.n_q != shapes.n_q_tiles else "")
+        raise KernelgenValueError(f"block_idx.shape = {given}, expected {lists_layout(spec)} = {expected}{other}")
     if block_idx.device != device:
         raise KernelgenValueError(f"block_idx is on {block_idx.device} but q is on {device}")
     if block_idx.dtype == torch.int64:
@@ -590,7 +593,8 @@ def refuse_nsa_layout(shape: tuple, spec: Spec, n_q: int, heads_kv: int | None =
         return
     raise KernelgenValueError(f"block_idx.shape = {shape} holds Nq = {n_q} in dim 1; per-query lists are "
                               f"{lists_layout(spec)}: lists in NSA's [B, T, Hkv, S] layout (fla-core's) go in as "
-                              "block_idx.transpose(1, 2)")
+                              "block_idx.transpose(1, 2). If they are so already, q, k and v may be the ones in "
+                              "[B, T, H, D]: they go in as q.transpose(1, 2) (k and v likewise)")
 
 
 def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> torch.Tensor:

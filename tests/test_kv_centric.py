@@ -208,6 +208,13 @@ def test_lists_in_nsa_layout_are_refused_naming_the_transpose(device):
         attn(q[:, :, :1], k, v, block_idx=ours[:, :, :1].transpose(1, 2))
     with pytest.raises(KernelgenValueError, match=r"block_idx.shape = \(1, 1, 39, 2\)"):  # the caller's, not broadcast
         attn(q, k, v, block_idx=ours[:, :1, :39])
+    # q, k, v left in [B, T, H, D] while the lists were transposed: the message names that mistake too
+    with pytest.raises(KernelgenValueError, match=r"q, k and v may be the ones in \[B, T, H, D\]"):
+        attn(q, k, v, block_idx=ours.transpose(1, 2))
+    # a list per query given to a Q-centric spec: the schedule that takes them is named
+    q_centric = kernelgen.get_kernel(Spec(head_dim=64, kv_block=16, q_tile=16, top_k=2, gqa_group=2, selector="given"))
+    with pytest.raises(KernelgenValueError, match=r"schedule='kv_centric'\) takes those"):
+        q_centric(q, k, v, block_idx=ours)
 
 
 # ---- GPU: long sequences, bf16/fp16 -------------------------------------------------------------------------
