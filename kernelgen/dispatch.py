@@ -169,6 +169,8 @@ class SparseAttention:
         self._fixed = dict(configs or {})
         self._shape_kernels: dict = {}  # per-shape kernels (TileLang's) of this spec, least recently used first
         self._shapes_compiled: dict = {}  # role -> problem shapes compiled per shape (`_past_shape_limit`)
+        self._shape_limit: int | None = None  # per_shape_limit(), read at this kernel's first per-shape compile
+        self._said_past_limit: set = set()  # roles whose move past the limit was logged
         self._generation = autotune.generation  # what the served configs were read under
         runs = pinnable_roles(spec)
         for role, cfg in self._fixed.items():
@@ -312,12 +314,14 @@ class SparseAttention:
         compiled = self._shapes_compiled.setdefault(served.role, set())
         if shapes in compiled:
             return False
-        limit = per_shape_limit()
+        if self._shape_limit is None:  # once: a call past the limit must not read the environment again
+            self._shape_limit = per_shape_limit()
+        limit = self._shape_limit
         if len(compiled) < limit:
             compiled.add(shapes)
             return False
-        if len(compiled) == limit:
-            compiled.add(None)  # the mark that it was said
+        if served.role not in self._said_past_limit:
+            self._said_past_limit.add(served.role)
             log.warning("kernelgen: %s of %s has compiled %s for %d problem shapes (it compiles per shape); calls "
                         "of other shapes run it on a backend that compiles once (%s=%d: raise it to compile more)",
                         served.role, self.spec, served.backend.name, limit, PER_SHAPE_LIMIT_ENV, limit)

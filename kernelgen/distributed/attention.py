@@ -90,9 +90,8 @@ def traffic(k_shape, elem_bytes: int, world: int, kv_block: int, blocks: int) ->
 
 _UNCHECKED = object()  # a scale this rank refused (or never reached): left out of the comparison
 _MESSAGE_BYTES = 512  # of a rank's refusal, as the other ranks receive it
-# a refusal's kind, as the other ranks raise it (the first of these it is an instance of; else a runtime error)
-_REFUSAL_KINDS = (KernelgenTypeError, KernelgenValueError, KernelgenRuntimeError)
-_KIND_OF = ((TypeError, KernelgenTypeError), (ValueError, KernelgenValueError))
+# (a refusal's base, the kind the other ranks raise for it): the first base the refusal is an instance of
+_REFUSAL_KINDS = ((TypeError, KernelgenTypeError), (ValueError, KernelgenValueError), (Exception, KernelgenRuntimeError))
 _WIDEST = 8  # dims of a tensor whose shape the check compares
 
 
@@ -130,16 +129,15 @@ def _agree(group: Group, device, fields: list[tuple], refusal: Exception | None)
     for s, row in enumerate(everyone):
         if row[0]:
             text = bytes(row[start:start + _MESSAGE_BYTES]).rstrip(b"\0").decode(errors="replace")
-            raise _REFUSAL_KINDS[row[0] - 1](f"rank {s} refused its call: {text} (every rank raises, none waits "
-                                             "for it)")
+            raise _REFUSAL_KINDS[row[0] - 1][1](f"rank {s} refused its call: {text} (every rank raises, none waits "
+                                                "for it)")
 
 
 def _refusal_code(refusal: Exception | None) -> int:
-    """0 for none, else 1 + the index in _REFUSAL_KINDS of the kind the other ranks raise for it."""
+    """0 for none, else 1 + the index in _REFUSAL_KINDS of its kind."""
     if refusal is None:
         return 0
-    kind = next((ours for theirs, ours in _KIND_OF if isinstance(refusal, theirs)), KernelgenRuntimeError)
-    return 1 + _REFUSAL_KINDS.index(kind)
+    return 1 + next(i for i, (base, _) in enumerate(_REFUSAL_KINDS) if isinstance(refusal, base))
 
 
 def _device_of(x, group: Group):
