@@ -1,8 +1,9 @@
-"""FlexAttention interop: kernelgen's block lists to and from torch's `BlockMask`.
+"""Interop: kernelgen's block lists to and from torch's FlexAttention `BlockMask`, and from fla-core's NSA lists.
 
     lists = kernelgen.from_block_mask(block_mask, spec)        # int32 [B, Hkv, n_q_tiles, top_k], -1 padded
     block_mask = kernelgen.to_block_mask(lists, spec, seq_q, seq_k)
     o = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=spec.gqa_group > 1)
+    lists = kernelgen.from_fla_lists(block_indices, block_counts)  # NSA's [B, T, Hkv, S] as [B, Hkv, T, S]
 
 The two structures say the same thing at different grain. A `BlockMask`
 (`torch.nn.attention.flex_attention`) lists, per (batch, query head, Q block), the KV blocks to visit: the
@@ -19,7 +20,7 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import BlockLists, check_length, lists_layout
 from .spec import Spec
 
-__all__ = ["to_block_mask", "from_block_mask", "block_membership", "block_mask_blocks"]
+__all__ = ["to_block_mask", "from_block_mask", "from_fla_lists", "block_membership", "block_mask_blocks"]
 
 
 def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | None = None,
@@ -192,6 +193,82 @@ def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False, approx
     ids = torch.where(dense, torch.arange(n_blocks, device=dense.device), n_blocks).sort(-1).values
     ids = torch.nn.functional.pad(ids, (0, max(0, spec.top_k - n_blocks)), value=n_blocks)[..., :spec.top_k]
     return torch.where(ids < n_blocks, ids, -1).to(torch.int32).contiguous()
+
+
+
+def from_fla_lists(block_indices: torch.Tensor, block_counts=None, *, cu_seqlens: torch.Tensor | None = None,
+                   max_seqlen: int | None = None) -> torch.Tensor:
+    """kernelgen's per-query lists (`schedule="kv_centric"`, `selector="given"`) of fla-core's NSA selection.
+
+    block_indices  int32 or int64 `[B, T, Hkv, S]`, fla-core's layout (`parallel_nsa`'s `block_indices`): S block
+                   ids a (token, KV head), each counted from its sequence's first key.
+    block_counts   None (every slot used), an int, or an integer tensor `[B, T, Hkv]`: the slots a (token, KV
+                   head) uses, as fla-core's; slots past it become -1 (fla-core leaves them unread, whatever they
+                   hold).
+    cu_seqlens     int32 or int64 `[n + 1]`, the packed sequences' bounds (fla-core's varlen call, B = 1): the
+                   lists of `attn.varlen(q[0], k[0], v[0], cu_seqlens, block_idx=lists)`, a padded batch's
+                   `[n, Hkv, rows, S]`, row `d` sequence `d`'s tokens, rows past its length -1. `rows` is the
+                   longest sequence, read from the device (one sync), or `max_seqlen` where given (no sync).
+
+    Returns int32 `[B, Hkv, T, S]` (with cu_seqlens `[n, Hkv, rows, S]`). Ids keep their meaning: -1, repeated
+    and out-of-range ids stay empty slots, and the causal mask inside a listed block is kernelgen's (bottom-right,
+    as fla-core's with Nq = Nk). Only the selected branch: NSA's compressed and sliding-window branches and
+    their gated sum stay the caller's. The spec takes `top_k = S`."""
+    if not isinstance(block_indices, torch.Tensor) or block_indices.dtype not in (torch.int32, torch.int64):
+        raise KernelgenTypeError("block_indices must be an int32 or int64 torch.Tensor [B, T, Hkv, S], got "
+                                 f"{getattr(block_indices, 'dtype', type(block_indices).__name__)}")
+    if block_indices.dim() != 4 or block_indices.shape[-1] < 1:
+        raise KernelgenValueError(f"block_indices must be [B, T, Hkv, S] (fla-core's layout), got shape "
+                                  f"{tuple(block_indices.shape)}")
+    batch, tokens, heads_kv, slots = block_indices.shape
+    used = _used_slots(block_counts, block_indices)
+    lists = torch.where(used, block_indices, -1).to(torch.int32)
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise KernelgenValueError("max_seqlen is the longest packed sequence: it goes with cu_seqlens")
+        return lists.transpose(1, 2).contiguous()
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise KernelgenTypeError("cu_seqlens must be an int32 or int64 torch.Tensor [n + 1], got "
+                                 f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+    if batch != 1:
+        raise KernelgenValueError(f"with cu_seqlens, block_indices packs the sequences into one row, [1, T, Hkv, S] "
+                                  f"(fla-core's varlen layout), got shape {tuple(block_indices.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.device != block_indices.device:
+        raise KernelgenValueError(f"cu_seqlens must be [n + 1] on block_indices' device ({block_indices.device}), "
+                                  f"got shape {tuple(cu_seqlens.shape)} on {cu_seqlens.device}")
+    bounds = cu_seqlens.long()
+    starts, lengths = bounds[:-1], bounds.diff()
+    if max_seqlen is None:
+        if int(bounds[0]) != 0 or int(bounds[-1]) != tokens or bool((lengths < 0).any()):
+            raise KernelgenValueError(f"cu_seqlens must rise from 0 to the packed tokens ({tokens}), got "
+                                      f"{cu_seqlens.tolist()}"[:300])
+        max_seqlen = int(lengths.max())
+    elif isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise KernelgenTypeError(f"max_seqlen must be an int >= 0 (the longest sequence), got {max_seqlen!r}")
+    token = torch.arange(tokens, device=bounds.device)
+    sequence = torch.searchsorted(bounds[1:], token, right=True).clamp(max=starts.shape[0] - 1)
+    position = token - starts[sequence]
+    kept = position < max_seqlen  # a max_seqlen below a sequence's length drops its tail, as fla-core's would
+    out = torch.full((starts.shape[0], max_seqlen, heads_kv, slots), -1, dtype=torch.int32, device=lists.device)
+    out[sequence[kept], position[kept]] = lists[0, kept]
+    return out.transpose(1, 2).contiguous()
+
+
+def _used_slots(block_counts, block_indices: torch.Tensor) -> torch.Tensor:
+    """bool, broadcast against block_indices `[B, T, Hkv, S]`: the slots fla-core's `block_counts` uses."""
+    slot = torch.arange(block_indices.shape[-1], device=block_indices.device)
+    if block_counts is None:
+        return torch.ones_like(slot, dtype=torch.bool)
+    if isinstance(block_counts, int) and not isinstance(block_counts, bool):
+        return slot < block_counts
+    if (not isinstance(block_counts, torch.Tensor) or block_counts.is_floating_point()
+            or block_counts.dtype == torch.bool or block_counts.is_complex()):
+        raise KernelgenTypeError("block_counts must be None, an int or an integer torch.Tensor [B, T, Hkv], got "
+                                 f"{getattr(block_counts, 'dtype', type(block_counts).__name__)}")
+    if block_counts.shape != block_indices.shape[:3] or block_counts.device != block_indices.device:
+        raise KernelgenValueError(f"block_counts must be [B, T, Hkv] = {tuple(block_indices.shape[:3])} on "
+                                  f"block_indices' device, got {tuple(block_counts.shape)} on {block_counts.device}")
+    return slot < block_counts[..., None]
 
 
 def _check_token_mask(block_mask, partial: torch.Tensor, full: torch.Tensor, spec: Spec, seq_q: int, seq_k: int):

@@ -157,6 +157,29 @@ def python_reverse_index(block_idx, n_kv_blocks):
     return offsets, tiles
 
 
+def test_megatron_s_b_h_d_layout_goes_in_as_a_view(device):
+    """Megatron's [S, B, H, D] tensors go in as `x.permute(1, 2, 0, 3)` (no copy): o and the gradients (in the
+    leaves' own layout) match the reference on contiguous copies."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2)
+    gen = torch.Generator().manual_seed(5)
+    q_sbhd, k_sbhd, v_sbhd, do_sbhd = (torch.randn(96, 2, h, 64, generator=gen).to(device) for h in (4, 2, 2, 4))
+    for x in (q_sbhd, k_sbhd, v_sbhd):
+        x.requires_grad_()
+    views = [x.permute(1, 2, 0, 3) for x in (q_sbhd, k_sbhd, v_sbhd, do_sbhd)]
+    assert not views[0].is_contiguous() and views[0].stride(-1) == 1
+    attn = kernelgen.get_kernel(spec)
+    o = attn(*views[:3])
+    o.backward(views[3])
+    lists = attn.select(views[0].detach(), views[1].detach())
+    copies = [x.detach().contiguous() for x in views]
+    want_o, _, _ = reference.sparse_attention(*copies[:3], spec.replace(selector="given"), block_idx=lists)
+    assert (o.double() - want_o).abs().max() < 1e-4
+    want = reference.sparse_attention_grads(*copies, spec, lists)
+    grads = [x.grad for x in (q_sbhd, k_sbhd, v_sbhd)]
+    assert all(g.shape == x.shape for g, x in zip(grads, (q_sbhd, k_sbhd, v_sbhd)))
+    assert_grads_close([g.permute(1, 2, 0, 3) for g in grads], want, torch.float32)
+
+
 def test_reverse_index_against_python(device):
     gen = torch.Generator().manual_seed(0)
     n_blocks = 9

@@ -286,3 +286,77 @@ def test_bad_inputs_name_the_argument():
         block_membership(lists, "4")
     with pytest.raises(ValueError, match="n_blocks must be >= 0"):
         block_membership(lists, -1)
+
+
+def _fla_lists(b, tokens, heads_kv, slots, n_blocks, seed=0):
+    """fla-core's int64 [B, T, Hkv, S] lists with -1, repeated and out-of-range ids, and counts [B, T, Hkv]."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, n_blocks + 2, (b, tokens, heads_kv, slots), generator=gen)
+    counts = torch.randint(0, slots + 1, (b, tokens, heads_kv), generator=gen)
+    return ids, counts
+
+
+def test_fla_lists_are_the_transposed_lists_without_their_unused_slots():
+    ids, counts = _fla_lists(2, 24, 2, 3, 4)
+    used = torch.arange(3) < counts[..., None]
+    want = torch.where(used, ids, -1).transpose(1, 2).to(torch.int32)
+    for got, expected in ((kernelgen.from_fla_lists(ids, counts), want),
+                          (kernelgen.from_fla_lists(ids, 2), torch.where(torch.arange(3) < 2, ids, -1).transpose(1, 2)),
+                          (kernelgen.from_fla_lists(ids.int()), ids.transpose(1, 2))):
+        assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, expected.int())
+
+
+def test_fla_packed_lists_attend_each_sequence_as_alone():
+    """fla-core's varlen lists (B = 1, ids counted from each sequence's first key), converted with cu_seqlens:
+    attn.varlen gives each sequence the call over it alone with its own tokens' lists, bit for bit."""
+    spec = Spec(head_dim=64, kv_block=16, top_k=3, causal=True, gqa_group=2, selector="given", schedule="kv_centric")
+    attn = kernelgen.get_kernel(spec)
+    lengths = (40, 0, 1, 33)
+    total = sum(lengths)
+    bounds = torch.tensor((0,) + lengths).cumsum(0).to(torch.int32)
+    ids, counts = _fla_lists(1, total, 2, 3, 3, seed=1)
+    lists = kernelgen.from_fla_lists(ids, counts, cu_seqlens=bounds)
+    assert lists.shape == (4, 2, 40, 3)
+    assert torch.equal(lists, kernelgen.from_fla_lists(ids, counts, cu_seqlens=bounds.long(), max_seqlen=40))
+    wider = kernelgen.from_fla_lists(ids, counts, cu_seqlens=bounds, max_seqlen=48)  # as under torch.compile
+    assert torch.equal(wider[:, :, :40], lists) and bool((wider[:, :, 40:] == -1).all())
+    q, _, _ = _inputs(1, 4, 2, total, total, seed=2)
+    k, v = (torch.randn(total, 2, 64, generator=torch.Generator().manual_seed(s)) for s in (3, 4))
+    q = q[0].transpose(0, 1).contiguous()  # packed [total, Hq, D]
+    o = attn.varlen(q, k, v, bounds, block_idx=lists)
+    per_token = kernelgen.from_fla_lists(ids, counts)  # [1, Hkv, total, S]
+    for d, (start, n) in enumerate(zip(bounds[:-1].tolist(), lengths)):
+        seq = slice(start, start + n)
+        assert torch.equal(lists[d, :, :n], per_token[0, :, seq]) and bool((lists[d, :, n:] == -1).all())
+        if n == 0:
+            continue
+        alone = attn(*(x[seq].transpose(0, 1)[None] for x in (q, k, v)), block_idx=per_token[:, :, seq])
+        assert torch.equal(o[seq], alone[0].transpose(0, 1))
+        want, _, _ = reference.sparse_attention(*(x[seq].transpose(0, 1)[None] for x in (q, k, v)), spec,
+                                                block_idx=per_token[:, :, seq])
+        assert (o[seq] - want[0].transpose(0, 1)).abs().max() < 1e-4
+
+
+def test_fla_lists_bad_inputs_name_the_argument():
+    ids, counts = _fla_lists(1, 8, 2, 3, 2)
+    bounds = torch.tensor([0, 5, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="block_indices must be an int32 or int64"):
+        kernelgen.from_fla_lists(ids.float())
+    with pytest.raises(ValueError, match=r"block_indices must be \[B, T, Hkv, S\]"):
+        kernelgen.from_fla_lists(ids[0])
+    with pytest.raises(TypeError, match="block_counts must be None, an int or an integer"):
+        kernelgen.from_fla_lists(ids, counts.float())
+    with pytest.raises(ValueError, match=r"block_counts must be \[B, T, Hkv\] = \(1, 8, 2\)"):
+        kernelgen.from_fla_lists(ids, counts[:, :4])
+    with pytest.raises(ValueError, match="max_seqlen .* goes with cu_seqlens"):
+        kernelgen.from_fla_lists(ids, max_seqlen=8)
+    with pytest.raises(TypeError, match="cu_seqlens must be an int32 or int64"):
+        kernelgen.from_fla_lists(ids, cu_seqlens=[0, 5, 8])
+    with pytest.raises(ValueError, match=r"packs the sequences into one row, \[1, T, Hkv, S\]"):
+        kernelgen.from_fla_lists(ids.expand(2, -1, -1, -1), cu_seqlens=bounds)
+    with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to the packed tokens \\(8\\)"):
+        kernelgen.from_fla_lists(ids, cu_seqlens=torch.tensor([0, 5, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        kernelgen.from_fla_lists(ids, cu_seqlens=torch.tensor([0, 6, 5, 8], dtype=torch.int32))
+    with pytest.raises(TypeError, match="max_seqlen must be an int"):
+        kernelgen.from_fla_lists(ids, cu_seqlens=bounds, max_seqlen=5.0)
