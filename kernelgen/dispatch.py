@@ -423,15 +423,20 @@ class SparseAttention:
         self._grow_reps(k, shapes, key_reps, rows)
 
     def _select(self, q, k, shapes: Shapes, index, served: Served, key_reps: KeyReps | None = None,
-                rows: CacheRows | None = None) -> torch.Tensor:
+                rows: CacheRows | TokenRows | None = None) -> torch.Tensor:
         """The selector's lists for a checked call: from q and k (or k's kept representatives, `key_reps`), or
         from `index` (the index selector's); `rows`: a decode call's checked cache rows."""
-        varlen = self._varlen(served, rows)
-        k_rep = None if key_reps is None else check_key_reps(key_reps, self.spec, shapes, q.device, bool(varlen))
         if self.spec.selector == "index":
             if index is None:
                 raise KernelgenValueError("spec.selector='index' needs index=(q_idx, k_idx, w) (or block_idx=...)")
-            return self._launch(served, q, shapes, *check_index(index, self.spec, shapes, q.device))
+            if isinstance(rows, TokenRows):
+                # per-query lists over a right-padded batch (check_token_rows): a query's blocks score over the
+                # keys it sees, causal within its row, so none of the padding; the padding's lists are emptied
+                rows = None
+            return self._launch(served, q, shapes, *check_index(index, self.spec, shapes, q.device),
+                                **self._varlen(served, rows))
+        varlen = self._varlen(served, rows)
+        k_rep = None if key_reps is None else check_key_reps(key_reps, self.spec, shapes, q.device, bool(varlen))
         if index is not None:
             check_index(index, self.spec, shapes, q.device)  # raises: index= is the index selector's input
         return self._launch(served, q, shapes, q, k, *(() if k_rep is None else (k_rep,)),  # a plug-in may keep none
@@ -636,15 +641,17 @@ class SparseAttention:
             o, lse = clear_padding(o, lse, rows.seqlens)
         return (o, lse) if return_lse else o
 
-    def varlen(self, q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, scale=None, return_lse: bool = False):
+    def varlen(self, q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None,
+               return_lse: bool = False):
         """Causal self-attention over packed sequences of different lengths, in FlashAttention's varlen layout
         (`varlen.VARLEN_LAYOUT`): each sequence selects and attends as the call over it alone would, bit for bit,
         forward and backward. o is [total, Hq, D]; lse (return_lse) float32 [Hq, total], as FlashAttention's.
-        block_idx: a padded batch's given lists, [n, Hkv, rows, top_k], row d sequence d's. Eagerly the bounds are
-        read from the device once per cu_seqlens tensor; under torch.compile pass max_seqlen (an int: one batch, padded
-        to the power of two at or above it)."""
+        block_idx: a padded batch's given lists, [n, Hkv, rows, top_k], row d sequence d's. index: the index
+        selector's (q_idx, k_idx, w), packed as q is (`varlen.VARLEN_INDEX_LAYOUT`; per-query lists). Eagerly the
+        bounds are read from the device once per cu_seqlens tensor; under torch.compile pass max_seqlen (an int: one
+        batch, padded to the power of two at or above it)."""
         check_return_lse(return_lse)
-        total, max_seqlen = check_packed(q, k, v, cu_seqlens, max_seqlen, self.spec)
+        total, max_seqlen = check_packed(q, k, v, cu_seqlens, max_seqlen, self.spec, index)
         n = cu_seqlens.shape[0] - 1
 
         def call(q, k, v, **options):
@@ -652,7 +659,8 @@ class SparseAttention:
 
         o, lse = packed_attention(call, q, k, v, cu_seqlens, max_seqlen,
                                   None if block_idx is None else
-                                  (lambda batch: batch_lists(block_idx, batch, self.spec, n, k.shape[1], max_seqlen)))
+                                  (lambda batch: batch_lists(block_idx, batch, self.spec, n, k.shape[1], max_seqlen)),
+                                  index)
         return (o, lse.t().contiguous()) if return_lse else o  # FlashAttention's varlen lse: [Hq, total]
 
     def _outside_graph(self, scale=None) -> bool:

@@ -282,7 +282,7 @@ class TokenRows(NamedTuple):
 def check_token_rows(seqlens, spec: Spec, shapes: Shapes, device, *, cache_seqlens=None, key_reps=None,
                      index=None, cache_leftpad=None) -> TokenRows:
     """A call's `seqlens` (a right-padded batch), and what such a call can be: causal self-attention, over given
-    lists or a pooling selector's, with nothing of a KV cache."""
+    lists, a pooling selector's or (per-query lists) the index selector's, with nothing of a KV cache."""
     for name, value in (("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad)):
         if value is not None:
             raise KernelgenValueError(f"pass seqlens= (a right-padded batch's tokens) or {name}= (a KV cache's "
@@ -293,9 +293,10 @@ def check_token_rows(seqlens, spec: Spec, shapes: Shapes, device, *, cache_seqle
     if shapes.n_q != shapes.n_k:
         raise KernelgenValueError(f"seqlens= is for self-attention over a padded batch (Nq == Nk); q has "
                                   f"{shapes.n_q} queries and k {shapes.n_k} keys")
-    if spec.selector == "index" or index is not None:
-        raise KernelgenValueError("seqlens= takes the pooling selectors (mean, multi:r) or given lists, not the "
-                                  "index selector")
+    if (spec.selector == "index" or index is not None) and not spec.per_query:
+        raise KernelgenValueError("seqlens= takes the index selector with per-query lists (schedule='kv_centric') "
+                                  "only: a Q tile's score is a maximum over its queries, and a row's last tile "
+                                  "holds padding")
     if key_reps is not None:
         raise KernelgenValueError("seqlens= calls pool their own keys: pass no key_reps=")
     return TokenRows(_check_row_ints("seqlens", seqlens, shapes, device))
@@ -661,7 +662,7 @@ def check_index(index, spec: Spec, shapes: Shapes, device) -> tuple[torch.Tensor
             raise KernelgenValueError(f"index: {name} must be {dims}-D, got shape {tuple(t.shape)}; {INDEX_LAYOUT}")
         if t.device != device:
             raise KernelgenValueError(f"index: {name} is on {t.device} but q is on {device}")
-        if t.stride(-1) != 1:
+        if t.stride(-1) != 1 and t.shape[-1] > 1:  # one query's w [B, H, 1] is contiguous whatever its stride
             raise KernelgenValueError(f"index: {name} must be contiguous in its last dim (stride 1), got strides "
                                       f"{t.stride()}")
     if q_idx.dtype != k_idx.dtype:

@@ -16,11 +16,13 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import BlockLists, ReadOnce, check_length
 from .spec import Spec
 
-__all__ = ["VARLEN_LAYOUT", "PackedBatch", "check_packed", "check_cu_seqlens", "check_max_seqlen",
+__all__ = ["VARLEN_LAYOUT", "VARLEN_INDEX_LAYOUT", "PackedBatch", "check_packed", "check_cu_seqlens", "check_max_seqlen",
            "packed_attention", "packed_batches", "batch_call", "batch_outputs", "batch_lists"]
 
 VARLEN_LAYOUT = ("q [total, Hq, D], k and v [total, Hkv, D] (FlashAttention's varlen layout: the sequences one "
                  "after another), cu_seqlens int32 [n + 1] (0, then each sequence's end)")
+VARLEN_INDEX_LAYOUT = ("index=(q_idx, k_idx, w) packed as q is: q_idx [total, Hkv*Hi, Di], k_idx [total, Hkv or 1, "
+                       "Di], w [total, Hkv*Hi]")
 # A sequence shares a batch padded to at most this factor of its length: a batch more is a few launches more, a
 # padded token a copy and memory (never attention).
 PADDING_SLACK = 2
@@ -46,9 +48,9 @@ class PackedBatch(NamedTuple):
     start: int | None = None
 
 
-def check_packed(q, k, v, cu_seqlens, max_seqlen, spec: Spec) -> tuple[int, int | None]:
-    """(total tokens, max_seqlen or None) of a varlen call, its layout checked; dtypes, devices and strides
-    are the padded call's to check."""
+def check_packed(q, k, v, cu_seqlens, max_seqlen, spec: Spec, index=None) -> tuple[int, int | None]:
+    """(total tokens, max_seqlen or None) of a varlen call, its layout checked (the index selector's vectors'
+    too); dtypes, devices and strides are the padded call's to check."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise KernelgenTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -70,11 +72,26 @@ def check_packed(q, k, v, cu_seqlens, max_seqlen, spec: Spec) -> tuple[int, int 
     if not spec.causal:
         raise KernelgenValueError("varlen needs a causal spec: each sequence runs as a row of a right-padded batch, "
                                   "whose queries must see none of the padding after its tokens")
-    if spec.selector == "index":
-        raise KernelgenValueError("varlen takes the pooling selectors (mean, multi:r) or given lists, not the index "
-                                  "selector")
+    if (spec.selector == "index" or index is not None) and not spec.per_query:
+        raise KernelgenValueError("varlen takes the index selector with per-query lists (schedule='kv_centric') "
+                                  "only: a Q tile's score is a maximum over its queries, and a sequence's last tile "
+                                  "holds padding")
+    if index is not None:
+        _check_packed_index(index, total)
     check_cu_seqlens(cu_seqlens, q.device)
     return total, check_max_seqlen(max_seqlen)
+
+
+def _check_packed_index(index, total: int) -> None:
+    """The index selector's packed vectors: their ranks and token counts (the padded call checks the rest)."""
+    if not isinstance(index, (tuple, list)) or len(index) != 3:
+        raise KernelgenTypeError(f"varlen takes {VARLEN_INDEX_LAYOUT}, got {type(index).__name__}")
+    for name, x, rank in zip(("q_idx", "k_idx", "w"), index, (3, 3, 2)):
+        if not isinstance(x, torch.Tensor):
+            raise KernelgenTypeError(f"index: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != rank or x.shape[0] != total:
+            raise KernelgenValueError(f"varlen takes {VARLEN_INDEX_LAYOUT} with total = {total}; {name} has shape "
+                                      f"{tuple(x.shape)}")
 
 
 def check_cu_seqlens(cu_seqlens, device, name: str = "cu_seqlens") -> None:
@@ -104,17 +121,20 @@ def check_max_seqlen(max_seqlen, name: str = "max_seqlen") -> int | None:
 
 
 def packed_attention(call, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int | None,
-                     lists=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     lists=None, index=None) -> tuple[torch.Tensor, torch.Tensor]:
     """o [total, Hq, D] and lse [total, Hq] of checked packed sequences, each batch of them attended by
-    `call(q, k, v, **options) -> (o, lse)`, a padded batch's attention (options: `seqlens=`, and `block_idx=` where
-    `lists(batch)` gives the batch's lists). Each token's o and lse are written once, in place (no
-    concatenation): a batch's sequence alone is a slice."""
+    `call(q, k, v, **options) -> (o, lse)`, a padded batch's attention (options: `seqlens=`, `block_idx=` where
+    `lists(batch)` gives the batch's lists, and `index=`, the packed index vectors' batch). Each token's o and lse
+    are written once, in place (no concatenation): a batch's sequence alone is a slice."""
     batches = packed_batches(cu_seqlens, q.shape[0], max_seqlen)
     o, lse = q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
     for batch in batches:
         inputs, options = batch_call(batch, q, k, v)
         if lists is not None:
             options["block_idx"] = lists(batch)
+        if index is not None:  # w's padded rows [m, H, length] as the selector reads them: unit stride last
+            q_idx, k_idx, w = batch_call(batch, *index)[0]
+            options["index"] = (q_idx, k_idx, w.contiguous())
         o_batch, lse_batch = batch_outputs(batch, *call(*inputs, **options))
         if len(batches) == 1 and batch.tokens is None:  # every token, in packed order
             o, lse = o_batch, lse_batch

@@ -164,6 +164,21 @@ def test_bad_index_inputs(device, schedule):
 
 
 @SCHEDULES
+def test_a_decode_step_in_deepseek_s_layouts(device, schedule):
+    """One new token with DeepSeek's indexer layouts as the docs pass them: weights [B, 1, H] transposed and made
+    contiguous stay [B, H, 1] with a last stride of H (torch skips size-1 dims), which the call takes; the lists
+    and o are those of the same call over contiguous copies."""
+    spec = index_spec(schedule, gqa_group=2)
+    attn = kernelgen.get_kernel(spec)
+    q, k, v, (qi, ki, w) = make(spec, 2, 1, 1, 96, device, index_heads=4, index_dim=32)
+    weights = w.transpose(1, 2).clone(memory_format=torch.contiguous_format)  # DeepSeek's [B, T=1, H] ...
+    weights = weights.transpose(1, 2).contiguous()  # ... as the docs pass it
+    assert weights.stride(-1) != 1
+    assert torch.equal(attn.select(q, k, index=(qi, ki, weights)), attn.select(q, k, index=(qi, ki, w.clone())))
+    assert torch.equal(attn(q, k, v, index=(qi, ki, weights)), attn(q, k, v, index=(qi, ki, w.clone())))
+
+
+@SCHEDULES
 def test_fp8_is_refused_off_hopper(device, schedule):
     if device == "cuda" and kernelgen.device.device_arch() == "sm_90":
         pytest.skip("fp8 runs here: test_fp8_overlap_gpu")

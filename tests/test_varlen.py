@@ -76,6 +76,92 @@ def test_each_sequence_is_the_call_over_it_alone(selector, dtype, fields, device
         assert_close_to_reference(o_alone, lse_alone, ref_o, ref_lse, dtype)
 
 
+def _packed_index(total, heads_kv=2, index_heads=2, index_dim=32, shared=False, seed=7):
+    """The index selector's vectors packed as q is: q_idx [total, Hkv*Hi, Di], k_idx [total, Hkv or 1, Di],
+    w [total, Hkv*Hi] (weights of either sign)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(total, heads_kv * index_heads, index_dim, generator=gen),
+            torch.randn(total, 1 if shared else heads_kv, index_dim, generator=gen),
+            torch.randn(total, heads_kv * index_heads, generator=gen))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_index_selector_with_per_query_lists(shared, device):
+    """Per-query lists from the index selector over packed sequences (attn.varlen, index= packed as q) and a
+    padded batch (seqlens=): each sequence's lists, o, lse and gradients are the call's over it alone, bit for bit;
+    the padding's lists are empty."""
+    spec = _spec("index", **PER_QUERY)
+    attn = get_kernel(spec)
+    q, k, v, do, bounds = _packed(torch.float32, device)
+    index = tuple(x.to(device) for x in _packed_index(q.shape[0], shared=shared))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = attn.varlen(*leaves, bounds, index=index, return_lse=True)
+    grads = torch.autograd.grad(o, leaves, do)
+    if not shared:  # compiled (one batch padded to max_seqlen), forward and backward: the eager bits
+        import kernelgen.custom_ops  # noqa: F401  (the ops a call being compiled runs)
+
+        compiled = torch.compile(lambda q, k, v, b, i: attn.varlen(q, k, v, b, max_seqlen=48, index=i),
+                                 backend="aot_eager", fullgraph=True)
+        o_compiled = compiled(*leaves, bounds, index)
+        assert torch.equal(o_compiled, o)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(o_compiled, leaves, do), grads))
+    alone_index = [None] * len(LENGTHS)
+    for d, (start, n) in enumerate(zip(bounds.tolist(), LENGTHS)):
+        if n == 0:
+            continue
+        alone = [_alone(x, start, n).detach().requires_grad_() for x in (q, k, v)]
+        alone_index[d] = (_alone(index[0], start, n), _alone(index[1], start, n),
+                          index[2][start:start + n].t()[None].contiguous())
+        o_alone, lse_alone = attn(*alone, index=alone_index[d], return_lse=True)
+        grads_alone = torch.autograd.grad(o_alone, alone, _alone(do, start, n))
+        assert torch.equal(_alone(o, start, n), o_alone), d
+        assert torch.equal(lse[:, start:start + n], lse_alone[0]), d
+        assert all(torch.equal(_alone(g, start, n), g_alone) for g, g_alone in zip(grads, grads_alone)), d
+        lists = attn.select(*(x.detach() for x in alone[:2]), index=alone_index[d])
+        ref_o, ref_lse, _ = reference.sparse_attention(*(x.detach() for x in alone), spec.replace(selector="given"),
+                                                       lists)
+        assert_close_to_reference(o_alone, lse_alone, ref_o, ref_lse, torch.float32)
+    # the padded batch of the first and fourth sequences (40 and 33 tokens): select() and the call
+    rows = [0, 3]
+    seqlens = torch.tensor([LENGTHS[d] for d in rows], dtype=torch.int32, device=device)
+    starts = bounds.tolist()
+
+    def padded(x):
+        """Packed [total, H, ...] as the rows' right-padded [2, H, 40, ...] (contiguous)."""
+        out = x.new_zeros(len(rows), 40, *x.shape[1:])
+        for i, d in enumerate(rows):
+            out[i, :LENGTHS[d]] = x[starts[d]:starts[d] + LENGTHS[d]]
+        return out.transpose(1, 2).contiguous()
+
+    batch_qkv = [padded(x) for x in (q, k, v)]
+    q_idx, k_idx, w = (padded(x) for x in index)
+    lists = attn.select(batch_qkv[0], batch_qkv[1], index=(q_idx, k_idx, w), seqlens=seqlens)
+    o_padded = attn(*batch_qkv, index=(q_idx, k_idx, w), seqlens=seqlens)
+    for i, d in enumerate(rows):
+        n = LENGTHS[d]
+        want = attn.select(*(_alone(x, starts[d], n) for x in (q, k)), index=alone_index[d])
+        assert torch.equal(lists[i:i + 1, :, :n], want) and bool((lists[i, :, n:] == -1).all())
+        assert torch.equal(o_padded[i:i + 1, :, :n], _alone(o, starts[d], n).detach())
+
+
+def test_the_index_selector_needs_per_query_lists_with_lengths(device):
+    """A Q tile's index score is a maximum over its queries, and a row's last tile holds padding: Q-centric index
+    specs refuse seqlens= and varlen, naming the schedule; packed index vectors of another layout are named."""
+    q, k, v, _, bounds = _packed(torch.float32, device)
+    index = tuple(x.to(device) for x in _packed_index(q.shape[0]))
+    q_centric = get_kernel(_spec("index"))
+    with pytest.raises(ValueError, match="index selector with per-query lists \\(schedule='kv_centric'\\)"):
+        q_centric.varlen(q, k, v, bounds, index=index)
+    with pytest.raises(ValueError, match="seqlens= takes the index selector with per-query lists"):
+        q_centric(*(x[None].transpose(1, 2) for x in (q, k, v)), index=tuple(x[None].transpose(1, 2) for x in index),
+                  seqlens=torch.tensor([q.shape[0]], dtype=torch.int32, device=device))
+    per_query = get_kernel(_spec("index", **PER_QUERY))
+    with pytest.raises(ValueError, match=r"varlen takes index=\(q_idx, k_idx, w\) packed as q is.*w has shape"):
+        per_query.varlen(q, k, v, bounds, index=(index[0], index[1], index[2][None]))
+    with pytest.raises(TypeError, match="varlen takes index="):
+        per_query.varlen(q, k, v, bounds, index=index[0])
+
+
 def test_under_torch_compile_it_is_the_eager_call(device):
     """With max_seqlen, attn.varlen traces whole (fullgraph, aot_eager), forward and backward, and gives the
     eager call's bits (one batch padded to max_seqlen there, several eagerly: the same rows)."""
