@@ -301,3 +301,29 @@ def test_varlen_on_gpu(dtype, schedule):
         grads_alone = torch.autograd.grad(o_alone, alone, _alone(do, start, n))
         assert torch.equal(_alone(o, start, n), o_alone), n
         assert all(torch.equal(_alone(g, start, n), g_alone) for g, g_alone in zip(grads, grads_alone)), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_index_selector_over_packed_sequences_on_gpu(dtype):
+    """DSA's shape of selection over packed sequences (per-query lists, Hi = 4 index heads of 64): outputs and
+    gradients equal each sequence's own call, bit for bit."""
+    lengths = (8192, 0, 3000, 1, 300)
+    spec = Spec(head_dim=128, kv_block=64, top_k=16, causal=True, gqa_group=4, local=1, sink=1, selector="index",
+                schedule="kv_centric")
+    attn = get_kernel(spec)
+    q, k, v, do, bounds = _packed(dtype, "cuda", lengths, heads_kv=2, group=4, head_dim=128)
+    index = tuple(x.to("cuda", dtype) for x in _packed_index(q.shape[0], index_heads=4, index_dim=64))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = attn.varlen(*leaves, bounds, index=index)
+    grads = torch.autograd.grad(o, leaves, do)
+    for start, n in zip(bounds.tolist(), lengths):
+        if n == 0:
+            continue
+        alone = [_alone(x, start, n).detach().requires_grad_() for x in (q, k, v)]
+        alone_index = (_alone(index[0], start, n), _alone(index[1], start, n),
+                       index[2][start:start + n].t()[None].contiguous())
+        o_alone = attn(*alone, index=alone_index)
+        grads_alone = torch.autograd.grad(o_alone, alone, _alone(do, start, n))
+        assert torch.equal(_alone(o, start, n), o_alone), n
+        assert all(torch.equal(_alone(g, start, n), g_alone) for g, g_alone in zip(grads, grads_alone)), n
