@@ -248,10 +248,11 @@ def from_fla_lists(block_indices: torch.Tensor, block_counts=None, *, cu_seqlens
     token = torch.arange(tokens, device=bounds.device)
     sequence = torch.searchsorted(bounds[1:], token, right=True).clamp(max=starts.shape[0] - 1)
     position = token - starts[sequence]
-    kept = position < max_seqlen  # a max_seqlen below a sequence's length drops its tail, as fla-core's would
-    out = torch.full((starts.shape[0], max_seqlen, heads_kv, slots), -1, dtype=torch.int32, device=lists.device)
-    out[sequence[kept], position[kept]] = lists[0, kept]
-    return out.transpose(1, 2).contiguous()
+    # a token past max_seqlen goes to a spare row, cut off after (no data-dependent shapes: torch.compile traces it)
+    position = position.clamp(max=max_seqlen)
+    out = torch.full((starts.shape[0], max_seqlen + 1, heads_kv, slots), -1, dtype=torch.int32, device=lists.device)
+    out[sequence, position] = lists[0]
+    return out[:, :max_seqlen].transpose(1, 2).contiguous()
 
 
 def _used_slots(block_counts, block_indices: torch.Tensor) -> torch.Tensor:

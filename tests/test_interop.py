@@ -320,6 +320,11 @@ def test_fla_packed_lists_attend_each_sequence_as_alone():
     assert torch.equal(lists, kernelgen.from_fla_lists(ids, counts, cu_seqlens=bounds.long(), max_seqlen=40))
     wider = kernelgen.from_fla_lists(ids, counts, cu_seqlens=bounds, max_seqlen=48)  # as under torch.compile
     assert torch.equal(wider[:, :, :40], lists) and bool((wider[:, :, 40:] == -1).all())
+    compiled = torch.compile(lambda i, c, b: kernelgen.from_fla_lists(i, c, cu_seqlens=b, max_seqlen=48),
+                             backend="eager", fullgraph=True)  # no host read, no data-dependent shape
+    assert torch.equal(compiled(ids, counts, bounds), wider)
+    shorter = kernelgen.from_fla_lists(ids, counts, cu_seqlens=bounds, max_seqlen=16)  # tails past it dropped
+    assert torch.equal(shorter, lists[:, :, :16])
     q, _, _ = _inputs(1, 4, 2, total, total, seed=2)
     k, v = (torch.randn(total, 2, 64, generator=torch.Generator().manual_seed(s)) for s in (3, 4))
     q = q[0].transpose(0, 1).contiguous()  # packed [total, Hq, D]
