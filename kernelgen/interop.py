@@ -208,7 +208,8 @@ def from_fla_lists(block_indices: torch.Tensor, block_counts=None, *, cu_seqlens
     cu_seqlens     int32 or int64 `[n + 1]`, the packed sequences' bounds (fla-core's varlen call, B = 1): the
                    lists of `attn.varlen(q[0], k[0], v[0], cu_seqlens, block_idx=lists)`, a padded batch's
                    `[n, Hkv, rows, S]`, row `d` sequence `d`'s tokens, rows past its length -1. `rows` is the
-                   longest sequence, read from the device (one sync), or `max_seqlen` where given (no sync).
+                   longest sequence, read from the device (one sync),
+                   or `max_seqlen` where given (no sync; tokens past it are left out).
 
     Returns int32 `[B, Hkv, T, S]` (with cu_seqlens `[n, Hkv, rows, S]`). Ids keep their meaning: -1, repeated
     and out-of-range ids stay empty slots, and the causal mask inside a listed block is kernelgen's (bottom-right,
