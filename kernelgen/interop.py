@@ -211,9 +211,10 @@ def from_fla_lists(block_indices: torch.Tensor, block_counts=None, *, cu_seqlens
                    longest sequence, read from the device (one sync),
                    or `max_seqlen` where given (no sync; tokens past it are left out).
 
-    Returns int32 `[B, Hkv, T, S]` (with cu_seqlens `[n, Hkv, rows, S]`). Ids keep their meaning: -1, repeated
-    and out-of-range ids stay empty slots, and the causal mask inside a listed block is kernelgen's (bottom-right,
-    as fla-core's with Nq = Nk). Only the selected branch: NSA's compressed and sliding-window branches and
+    Returns int32 `[B, Hkv, T, S]` (with cu_seqlens `[n, Hkv, rows, S]`; `attn.varlen` takes the bounds as
+    int32). Ids keep their meaning: -1 and out-of-range ids are empty slots, a repeated id counts once (fla-core
+    attends it once a slot), and the causal mask inside a listed block is kernelgen's (bottom-right, as
+    fla-core's with Nq = Nk). Only the selected branch: NSA's compressed and sliding-window branches and
     their gated sum stay the caller's. The spec takes `top_k = S`."""
     if not isinstance(block_indices, torch.Tensor) or block_indices.dtype not in (torch.int32, torch.int64):
         raise KernelgenTypeError("block_indices must be an int32 or int64 torch.Tensor [B, T, Hkv, S], got "
