@@ -287,8 +287,8 @@ def _tensors_or_none(**arguments) -> None:
             raise KernelgenTypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
 
 
-def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec, index=None) -> torch.Tensor:
-    """`get_kernel(spec).select(q, k, index=...)` as a custom op."""
+def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec | str, index=None) -> torch.Tensor:
+    """`get_kernel(spec).select(q, k, index=...)` as a custom op (`spec` may also be its JSON text)."""
     q, k, _ = autocast_qkv(q, k, k)
     # the selection is not differentiated (as NSA's and DSA's are not): a traced backward stops at its inputs
     detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in (q, k, *_index_args(index))]

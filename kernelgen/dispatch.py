@@ -165,6 +165,9 @@ class SparseAttention:
             raise KernelgenTypeError(f"validate_lists must be a bool, got {type(validate_lists).__name__} "
                                      f"{validate_lists!r}")
         self.spec = spec
+        # what a call being compiled hands the ops: text, which dynamo keeps static (the spec's ints, read from a
+        # function compiled over kernels of several specs, it would make symbolic, which the ops cannot take)
+        self._spec_text = spec.to_json()
         self.validate_lists = validate_lists
         self._fixed = dict(configs or {})
         self._shape_kernels: dict = {}  # per-shape kernels (TileLang's) of this spec, least recently used first
@@ -346,7 +349,7 @@ class SparseAttention:
                                           f"too only eagerly: a call with them selects and attends in one op")
             if self._outside_graph():
                 return _eagerly(self.select, q, k, index=index)
-            return self._traced().select_blocks(q, k, self.spec, index=index)
+            return self._traced().select_blocks(q, k, self._spec_text, index=index)
         q, k, _ = autocast_qkv(q, k, k)
         shapes = self._check_shapes(q, k, k, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
@@ -465,7 +468,7 @@ class SparseAttention:
             return _eagerly(self.key_reps, k, cache_seqlens=cache_seqlens, previous=previous,
                             cache_leftpad=cache_leftpad, block_table=block_table)
         if torch.compiler.is_compiling():
-            return self._traced().key_reps(k, self.spec, cache_seqlens=cache_seqlens, previous=previous,
+            return self._traced().key_reps(k, self._spec_text, cache_seqlens=cache_seqlens, previous=previous,
                                            cache_leftpad=cache_leftpad, block_table=block_table)
         if self.spec.selection_role not in ("select", "kv_select"):
             raise KernelgenValueError(f"key_reps are the pooling selectors' (mean, multi:r); spec.selector="
@@ -621,7 +624,7 @@ class SparseAttention:
                             seqlens=seqlens, block_table=block_table)
         if torch.compiler.is_compiling():  # dynamo cannot trace this dispatcher (its caches, its host reads)
             o, lse = self._traced().sparse_attention(
-                q, k, v, self.spec, block_idx=block_idx, scale=scale, index=index, cache_seqlens=cache_seqlens,
+                q, k, v, self._spec_text, block_idx=block_idx, scale=scale, index=index, cache_seqlens=cache_seqlens,
                 key_reps=key_reps, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table)
             return (o, lse) if return_lse else o
         refuse_function_transforms(q, k, v)

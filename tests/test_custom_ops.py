@@ -107,6 +107,20 @@ def test_the_eager_api_under_compile_runs_the_ops(device):
     assert all(torch.equal(got.grad, want.grad) for got, want in zip(leaves, eager))
 
 
+def test_one_compiled_function_over_kernels_of_several_specs(device):
+    """A function compiled once and called with kernels of specs that differ in an int (layers of different
+    top_k or kv_block sharing one attention function): dynamo makes such ints symbolic on its recompile, so the
+    ops get the spec as text, which it keeps static. Each call is its kernel's eager one."""
+    q, k, v = inputs(device)
+    call = torch.compile(lambda attn, q, k, v: (attn(q, k, v), attn.select(q, k), attn.key_reps(k).reps),
+                         backend="aot_eager", fullgraph=True)
+    for fields in ({"top_k": 2}, {"top_k": 3}, {"top_k": 4, "kv_block": 16}):
+        attn = kernelgen.get_kernel(SPEC.replace(**fields))
+        o, lists, reps = call(attn, q, k, v)
+        assert torch.equal(o, attn(q, k, v)) and torch.equal(lists, attn.select(q, k)), fields
+        assert torch.equal(reps, attn.key_reps(k).reps), fields
+
+
 def test_prepare_inside_compile_is_refused_and_prepared_lists_pass_in(device):
     """attn.prepare reads the lists on the host: inside torch.compile it is refused by name (dynamo's own error was
     about json's encoder); lists prepared outside pass into the compiled call, which equals the eager one."""
