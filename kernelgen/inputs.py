@@ -690,7 +690,7 @@ def check_index(index, spec: Spec, shapes: Shapes, device) -> tuple[torch.Tensor
         raise KernelgenValueError(f"index: q_idx.shape[-1] = {di} (Di) is not supported; expected one of {INDEX_DIMS}")
     if k_idx.shape[0] != b or k_idx.shape[1] not in (hkv, 1) or k_idx.shape[2] != nk or k_idx.shape[3] != di:
         raise KernelgenValueError(f"index: k_idx.shape = {tuple(k_idx.shape)}, expected [B, Hkv or 1, Nk, Di] = "
-                                  f"[{b}, {hkv} or 1, {nk}, {di}]; {INDEX_LAYOUT}")
+                                  f"[{b}, {hkv if hkv == 1 else f'{hkv} or 1'}, {nk}, {di}]; {INDEX_LAYOUT}")
     if tuple(w.shape) != (b, heads, nq):
         raise KernelgenValueError(f"index: w.shape = {tuple(w.shape)}, expected [B, Hkv*Hi, Nq] = {(b, heads, nq)}; "
                                   f"{INDEX_LAYOUT}")

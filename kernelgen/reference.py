@@ -277,7 +277,7 @@ def sparse_attention(
     if cache_seqlens is not None:
         return _ragged(q, k, v, spec, block_idx, scale, cache_seqlens, cache_leftpad)
     if seqlens is not None:
-        return _padded(q, k, v, spec, block_idx, scale, seqlens)
+        return _padded(q, k, v, spec, block_idx, scale, seqlens, index)
     if block_idx is None:
         block_idx = select_blocks(q, k, spec, index)
     nq, nk = q.shape[2], k.shape[2]
@@ -351,8 +351,9 @@ def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens, cache_leftpad=
     return torch.cat(outs), torch.cat(lses), torch.cat(lists)
 
 
-def _padded(q, k, v, spec: Spec, block_idx, scale, seqlens):
-    """`sparse_attention` of a right-padded batch: each row's own call over its tokens, padded."""
+def _padded(q, k, v, spec: Spec, block_idx, scale, seqlens, index=None):
+    """`sparse_attention` of a right-padded batch: each row's own call over its tokens (and index vectors),
+    padded."""
     o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     lse = torch.full(q.shape[:3], -torch.inf, dtype=torch.float64, device=q.device)
     lists = torch.full((q.shape[0], k.shape[1], spec.n_q_tiles(q.shape[2]), spec.top_k), -1, dtype=torch.int32,
@@ -363,7 +364,8 @@ def _padded(q, k, v, spec: Spec, block_idx, scale, seqlens):
             continue
         given = None if block_idx is None else block_idx[b : b + 1, :, : spec.n_q_tiles(n)]
         row = (x[b : b + 1, :, :n] for x in (q, k, v))
-        o[b : b + 1, :, :n], lse[b : b + 1, :, :n], chosen = sparse_attention(*row, spec, given, scale)
+        row_index = None if index is None else tuple(x[b : b + 1, :, :n] for x in index)  # w's last dim: tokens
+        o[b : b + 1, :, :n], lse[b : b + 1, :, :n], chosen = sparse_attention(*row, spec, given, scale, row_index)
         lists[b : b + 1, :, : chosen.shape[2]] = chosen
     return o, lse, lists
 

@@ -77,13 +77,14 @@ def check_packed(q, k, v, cu_seqlens, max_seqlen, spec: Spec, index=None) -> tup
                                   "only: a Q tile's score is a maximum over its queries, and a sequence's last tile "
                                   "holds padding")
     if index is not None:
-        _check_packed_index(index, total)
+        _check_packed_index(index, total, k.shape[1])
     check_cu_seqlens(cu_seqlens, q.device)
     return total, check_max_seqlen(max_seqlen)
 
 
-def _check_packed_index(index, total: int) -> None:
-    """The index selector's packed vectors: their ranks and token counts (the padded call checks the rest)."""
+def _check_packed_index(index, total: int, heads_kv: int) -> None:
+    """The index selector's packed vectors, named in their packed layout (the padded call checks dtypes and
+    devices): ranks, token counts, heads, Di and unit last strides."""
     if not isinstance(index, (tuple, list)) or len(index) != 3:
         raise KernelgenTypeError(f"varlen takes {VARLEN_INDEX_LAYOUT}, got {type(index).__name__}")
     for name, x, rank in zip(("q_idx", "k_idx", "w"), index, (3, 3, 2)):
@@ -92,6 +93,19 @@ def _check_packed_index(index, total: int) -> None:
         if x.dim() != rank or x.shape[0] != total:
             raise KernelgenValueError(f"varlen takes {VARLEN_INDEX_LAYOUT} with total = {total}; {name} has shape "
                                       f"{tuple(x.shape)}")
+    q_idx, k_idx, w = index
+    heads = q_idx.shape[1]
+    for name, fine, expected in (("q_idx", heads and heads % heads_kv == 0, f"Hkv*Hi heads (Hkv = {heads_kv})"),
+                                 ("k_idx", k_idx.shape[1] in (heads_kv, 1), f"Hkv = {heads_kv} or 1 heads"),
+                                 ("k_idx", k_idx.shape[2] == q_idx.shape[2], f"q_idx's Di = {q_idx.shape[2]}"),
+                                 ("w", w.shape[1] == heads, f"q_idx's {heads} heads")):
+        if not fine:
+            raise KernelgenValueError(f"index: {name} must have {expected} ({VARLEN_INDEX_LAYOUT}), got shapes "
+                                      f"q_idx {tuple(q_idx.shape)}, k_idx {tuple(k_idx.shape)}, w {tuple(w.shape)}")
+    for name, x in (("q_idx", q_idx), ("k_idx", k_idx)):
+        if x.stride(-1) != 1:
+            raise KernelgenValueError(f"index: {name} must be contiguous in its last dim (stride 1), got strides "
+                                      f"{x.stride()}")
 
 
 def check_cu_seqlens(cu_seqlens, device, name: str = "cu_seqlens") -> None:

@@ -137,6 +137,8 @@ def test_the_index_selector_with_per_query_lists(shared, device):
     q_idx, k_idx, w = (padded(x) for x in index)
     lists = attn.select(batch_qkv[0], batch_qkv[1], index=(q_idx, k_idx, w), seqlens=seqlens)
     o_padded = attn(*batch_qkv, index=(q_idx, k_idx, w), seqlens=seqlens)
+    ref_o, _, ref_lists = reference.sparse_attention(*batch_qkv, spec, index=(q_idx, k_idx, w), seqlens=seqlens)
+    assert torch.equal(ref_lists, lists) and (o_padded - ref_o).abs().max() < 1e-4
     for i, d in enumerate(rows):
         n = LENGTHS[d]
         want = attn.select(*(_alone(x, starts[d], n) for x in (q, k)), index=alone_index[d])
@@ -160,6 +162,16 @@ def test_the_index_selector_needs_per_query_lists_with_lengths(device):
         per_query.varlen(q, k, v, bounds, index=(index[0], index[1], index[2][None]))
     with pytest.raises(TypeError, match="varlen takes index="):
         per_query.varlen(q, k, v, bounds, index=index[0])
+    # named in the packed layout, whatever the lengths (not as the padded batches' tensors)
+    three_heads = torch.cat([index[1], index[1][:, :1]], 1)
+    for bad, words in (((index[0], three_heads, index[2]), "k_idx must have Hkv = 2 or 1 heads"),
+                       ((index[0][:, :3], index[1], index[2][:, :3]), "q_idx must have Hkv\\*Hi heads"),
+                       ((index[0], index[1][..., :16], index[2]), "k_idx must have q_idx's Di = 32"),
+                       ((index[0], index[1], index[2][:, :2]), "w must have q_idx's 4 heads"),
+                       ((index[0].transpose(1, 2).contiguous().transpose(1, 2), index[1], index[2]),
+                        r"q_idx must be contiguous in its last dim .* got strides \(1, 32\*|q_idx must be contiguous")):
+        with pytest.raises(ValueError, match=words):
+            per_query.varlen(q, k, v, bounds, index=bad)
 
 
 def test_under_torch_compile_it_is_the_eager_call(device):
