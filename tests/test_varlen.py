@@ -169,7 +169,7 @@ def test_the_index_selector_needs_per_query_lists_with_lengths(device):
                        ((index[0], index[1][..., :16], index[2]), "k_idx must have q_idx's Di = 32"),
                        ((index[0], index[1], index[2][:, :2]), "w must have q_idx's 4 heads"),
                        ((index[0].transpose(1, 2).contiguous().transpose(1, 2), index[1], index[2]),
-                        r"q_idx must be contiguous in its last dim .* got strides \(1, 32\*|q_idx must be contiguous")):
+                        "q_idx must be contiguous in its last dim")):
         with pytest.raises(ValueError, match=words):
             per_query.varlen(q, k, v, bounds, index=bad)
 
