@@ -680,8 +680,10 @@ def check_index(index, spec: Spec, shapes: Shapes, device) -> tuple[torch.Tensor
     b, hkv, nq, nk = shapes.batch, shapes.heads_kv, shapes.n_q, shapes.n_k
     heads = q_idx.shape[1]
     if q_idx.shape[0] != b or q_idx.shape[2] != nq:
+        hint = ("; DeepSeek's indexer layout [B, T, H, Di] goes in as q_idx.transpose(1, 2)"
+                if q_idx.shape[1] == nq else "")
         raise KernelgenValueError(f"index: q_idx.shape = {tuple(q_idx.shape)} must have batch {b} and Nq = {nq} "
-                                  f"(q's); {INDEX_LAYOUT}")
+                                  f"(q's){hint}; {INDEX_LAYOUT}")
     if heads < hkv or heads % hkv:
         raise KernelgenValueError(f"index: q_idx has {heads} heads (dim 1), expected Hkv*Hi, a multiple of Hkv = {hkv}; "
                                   f"{INDEX_LAYOUT}")

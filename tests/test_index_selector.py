@@ -139,6 +139,7 @@ def test_bad_index_inputs(device, schedule):
         ((qi, ki, w.to(torch.int32)), KernelgenTypeError, "w.dtype"),
         ((qi[:, :3], ki, w[:, :3]), KernelgenValueError, "multiple of Hkv"),
         ((qi[:, :, :60], ki, w), KernelgenValueError, "Nq"),
+        ((qi.transpose(1, 2), ki, w), KernelgenValueError, r"layout \[B, T, H, Di\] goes in as q_idx.transpose"),
         ((qi, ki[:, :, :50], w), KernelgenValueError, "k_idx.shape"),
         ((qi, torch.cat([ki, ki[:, :1]], 1), w), KernelgenValueError, "Hkv or 1"),  # 3 key heads for 2 KV heads
         ((qi[..., :16], ki[..., :16], w), KernelgenValueError, "Di"),
