@@ -430,14 +430,13 @@ class SparseAttention:
         """The selector's lists for a checked call: from q and k (or k's kept representatives, `key_reps`), or
         from `index` (the index selector's); `rows`: a decode call's checked cache rows."""
         if self.spec.selector == "index":
+            # per-query lists over a right-padded batch (check_token_rows) select without the lengths: a query's
+            # blocks score over the keys it sees, causal within its row, so none of the padding (whose own lists
+            # are emptied); over a cache's rows the role's lack of lengths is named first
+            varlen = self._varlen(served, None if isinstance(rows, TokenRows) else rows)
             if index is None:
                 raise KernelgenValueError("spec.selector='index' needs index=(q_idx, k_idx, w) (or block_idx=...)")
-            if isinstance(rows, TokenRows):
-                # per-query lists over a right-padded batch (check_token_rows): a query's blocks score over the
-                # keys it sees, causal within its row, so none of the padding; the padding's lists are emptied
-                rows = None
-            return self._launch(served, q, shapes, *check_index(index, self.spec, shapes, q.device),
-                                **self._varlen(served, rows))
+            return self._launch(served, q, shapes, *check_index(index, self.spec, shapes, q.device), **varlen)
         varlen = self._varlen(served, rows)
         k_rep = None if key_reps is None else check_key_reps(key_reps, self.spec, shapes, q.device, bool(varlen))
         if index is not None:
