@@ -87,7 +87,7 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
 
     The module has `attn(q, k, v, *, block_idx=None, scale=None, return_lse=False, key_reps=None,
     cache_seqlens=None, cache_leftpad=None, seqlens=None)`, `varlen(q, k, v, cu_seqlens, max_seqlen=None, *,
-    block_idx=None, scale=None, return_lse=False)` (packed sequences, as SparseAttention.varlen), `select(q, k)`,
+    block_idx=None, index=None, scale=None, return_lse=False)` (packed sequences, as SparseAttention.varlen), `select(q, k)`,
     `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare), `key_reps(k, *,
     previous=None, cache_seqlens=None, cache_leftpad=None)` (the pooling selectors' kept representatives, as
     SparseAttention.key_reps), `SPEC` (the
@@ -647,11 +647,13 @@ def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, k
                   cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table)
 
 
-def varlen(q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, scale=None, return_lse=False):
+def varlen(q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None, return_lse=False):
     """Causal self-attention over packed sequences, FlashAttention's varlen layout: q [total, Hq, D], k and v
     [total, Hkv, D], cu_seqlens int32 [n + 1]; each sequence as attn over it alone. o [total, Hq, D] (and lse
-    float32 [Hq, total]); block_idx: given lists, [n, Hkv, rows, top_k], row d sequence d's."""
-    return kernel.varlen(q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, scale=scale, return_lse=return_lse)
+    float32 [Hq, total]); block_idx: given lists, [n, Hkv, rows, top_k], row d sequence d's; index: the index
+    selector's (q_idx, k_idx, w) packed as q is (per-query lists)."""
+    return kernel.varlen(q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, index=index, scale=scale,
+                         return_lse=return_lse)
 
 
 def select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None,

@@ -7,6 +7,7 @@ kernelgen's on the same inputs.
 import ast
 import dataclasses
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -357,6 +358,17 @@ def test_exported_package_is_private_and_refuses_what_it_lacks(tmp_path):
     again = _load(export_module(GIVEN, tmp_path / "kg_given_again.py"), "kg_given_again")
     other = _load(export_module(MEAN, tmp_path / "kg_mean_here.py"), "kg_mean_here")
     assert again._PACKAGE == package and other._PACKAGE != package
+
+
+def test_the_module_s_functions_take_what_the_kernel_s_methods_take(tmp_path):
+    """attn, varlen, select, key_reps and prepare of an exported module have the parameters of the
+    SparseAttention methods they call (an option added to one and not the other would be out of reach)."""
+    module = _load(export_module(GIVEN, tmp_path / "kg_given_params.py"), "kg_given_params")
+    kernel = kernelgen.get_kernel(GIVEN)
+    for name, method in (("attn", kernel.__call__), ("varlen", kernel.varlen), ("select", kernel.select),
+                         ("key_reps", kernel.key_reps), ("prepare", kernel.prepare)):
+        params = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(module, name)).parameters.values()]
+        assert params == [(p.name, p.kind, p.default) for p in inspect.signature(method).parameters.values()], name
 
 
 def test_bad_arguments(tmp_path):
