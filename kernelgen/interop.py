@@ -195,7 +195,6 @@ def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False, approx
     return torch.where(ids < n_blocks, ids, -1).to(torch.int32).contiguous()
 
 
-
 def from_fla_lists(block_indices: torch.Tensor, block_counts=None, *, cu_seqlens: torch.Tensor | None = None,
                    max_seqlen: int | None = None) -> torch.Tensor:
     """kernelgen's per-query lists (`schedule="kv_centric"`, `selector="given"`) of fla-core's NSA selection.
