@@ -90,8 +90,9 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
     block_idx=None, index=None, scale=None, return_lse=False)` (packed sequences, as SparseAttention.varlen),
     `select(q, k)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare),
     `key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None)` (the pooling selectors' kept
-    representatives, as SparseAttention.key_reps), `SPEC` (the spec's fields), `CONFIGS` (the configs' fields) and `kernel` (the SparseAttention behind them;
-    `kernel.validate_lists = True` makes repeated ids in given lists an error). Its inputs are checked
+    representatives, as SparseAttention.key_reps), `SPEC` (the spec's fields), `CONFIGS` (the configs' fields) and
+    `kernel` (the SparseAttention behind them; `kernel.validate_lists = True` makes repeated ids in given lists an
+    error). Its inputs are checked
     exactly as get_kernel's are (the same code). Without a CUDA device it selects Triton's interpreter
     itself, as `import kernelgen` does. Import it like any module (with importlib: spec_from_file_location,
     module_from_spec, exec_module).
