@@ -19,6 +19,7 @@ import torch
 from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import BlockLists, check_length, lists_layout
 from .spec import Spec
+from .varlen import sequence_lengths
 
 __all__ = ["to_block_mask", "from_block_mask", "from_fla_lists", "block_membership", "block_mask_blocks"]
 
@@ -238,12 +239,9 @@ def from_fla_lists(block_indices: torch.Tensor, block_counts=None, *, cu_seqlens
         raise KernelgenValueError(f"cu_seqlens must be [n + 1] on block_indices' device ({block_indices.device}), "
                                   f"got shape {tuple(cu_seqlens.shape)} on {cu_seqlens.device}")
     bounds = cu_seqlens.long()
-    starts, lengths = bounds[:-1], bounds.diff()
-    if max_seqlen is None:
-        if int(bounds[0]) != 0 or int(bounds[-1]) != tokens or bool((lengths < 0).any()):
-            raise KernelgenValueError(f"cu_seqlens must rise from 0 to the packed tokens ({tokens}), got "
-                                      f"{cu_seqlens.tolist()}"[:300])
-        max_seqlen = int(lengths.max())
+    starts = bounds[:-1]
+    if max_seqlen is None:  # one read of the bounds, checked as attn.varlen checks them
+        max_seqlen = max(sequence_lengths(cu_seqlens.tolist(), tokens))
     elif isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise KernelgenTypeError(f"max_seqlen must be an int >= 0 (the longest sequence), got {max_seqlen!r}")
     token = torch.arange(tokens, device=bounds.device)

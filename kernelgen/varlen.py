@@ -17,7 +17,7 @@ from .inputs import BlockLists, ReadOnce, check_length
 from .spec import Spec
 
 __all__ = ["VARLEN_LAYOUT", "VARLEN_INDEX_LAYOUT", "PackedBatch", "check_packed", "check_cu_seqlens",
-           "check_max_seqlen", "packed_attention", "packed_batches", "batch_call", "batch_outputs", "batch_lists"]
+           "check_max_seqlen", "sequence_lengths", "packed_attention", "packed_batches", "batch_call", "batch_outputs", "batch_lists"]
 
 VARLEN_LAYOUT = ("q [total, Hq, D], k and v [total, Hkv, D] (FlashAttention's varlen layout: the sequences one "
                  "after another), cu_seqlens int32 [n + 1] (0, then each sequence's end)")
@@ -193,11 +193,17 @@ def _traced_length(max_seqlen) -> int:
 _read_batches = ReadOnce()  # the last cu_seqlens' batches: the layers of a step share one tensor
 
 
-def _batches_of(bounds: list[int], total: int, max_seqlen: int | None, device) -> list[PackedBatch]:
+def sequence_lengths(bounds: list[int], total: int) -> list[int]:
+    """The packed sequences' lengths of bounds read on the host, checked: rising from 0 to `total`."""
     lengths = [end - start for start, end in zip(bounds, bounds[1:])]
     if bounds[0] != 0 or bounds[-1] != total or min(lengths) < 0:
         raise KernelgenValueError(f"cu_seqlens must rise from 0 to the {total} packed tokens (each sequence's end "
                                   f"after its start), got {_shown(bounds)}")
+    return lengths
+
+
+def _batches_of(bounds: list[int], total: int, max_seqlen: int | None, device) -> list[PackedBatch]:
+    lengths = sequence_lengths(bounds, total)
     if max_seqlen is not None and max(lengths) > max_seqlen:
         raise KernelgenValueError(f"a sequence of {max(lengths)} tokens is longer than max_seqlen={max_seqlen}")
     # longest first: a batch is padded to its first sequence and takes those longer than half of it, so that
