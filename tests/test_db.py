@@ -273,6 +273,32 @@ def test_concurrent_upserts_to_one_key_keep_the_fastest(hammered_dbs):
 GARBAGE = b"this is not an SQLite database\x00\xff" * 200
 
 
+def test_tuners_creating_one_db_together_all_write_it(tmp_path):
+    """Tuners that open a new DB file at the same moment (threads here: connections of their own, as processes'
+    are) all open it writable: the one that sees another create the winners table never takes the file for
+    another program's. 20 files, 4 openers each (before the fix about a third of the files refused one)."""
+    import threading
+
+    refused = []
+    for i in range(20):
+        path, barrier = tmp_path / f"tuning{i}.db", threading.Barrier(4)
+
+        def open_it(path=path, barrier=barrier):
+            barrier.wait()
+            try:
+                with TuningDB(path) as db:
+                    db.check_writable()
+            except KernelgenRuntimeError as error:
+                refused.append(str(error))
+
+        threads = [threading.Thread(target=open_it) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not refused, refused[0]
+
+
 def test_corrupted_file_is_moved_aside_and_recreated(tmp_path, caplog):
     path = tmp_path / "tuning.db"
     path.write_bytes(GARBAGE)

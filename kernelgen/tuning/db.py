@@ -565,11 +565,13 @@ class TuningDB:
         self._conn.execute("PRAGMA synchronous=NORMAL")
 
     def _check_existing_schema(self) -> None:
-        if self._db.table(TABLE).exists():
+        # the tables read once: a tuner creating the winners table between two reads would look like another
+        # program's file to a second one opening it at the same time
+        names = self._db.table_names()
+        if TABLE in names:
             _check_schema(self._db)  # another program's table: not damage, never moved aside nor written
-        elif self._db.table_names():  # another program's tables, and no winners table: not ours to add one to
-            raise _ForeignSchema(f"no {TABLE!r} table; it holds {', '.join(self._db.table_names()[:5])}: another "
-                                 "program's file")
+        elif names:  # another program's tables, and no winners table: not ours to add one to
+            raise _ForeignSchema(f"no {TABLE!r} table; it holds {', '.join(names[:5])}: another program's file")
 
     def _ensure_schema(self) -> None:
         if self._db.table(TABLE).exists():
