@@ -432,7 +432,7 @@ class SparseAttention:
         if self.spec.selector == "index":
             # per-query lists over a right-padded batch (check_token_rows) select without the lengths: a query's
             # blocks score over the keys it sees, causal within its row, so none of the padding (whose own lists
-            # are emptied); over a cache's rows the role's lack of lengths is named first
+            # are emptied); over a cache's rows the *_rows role takes them
             varlen = self._varlen(served, None if isinstance(rows, TokenRows) else rows)
             if index is None:
                 raise KernelgenValueError("spec.selector='index' needs index=(q_idx, k_idx, w) (or block_idx=...)")

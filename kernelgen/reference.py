@@ -275,7 +275,7 @@ def sparse_attention(
         if cache_seqlens is None:
             cache_seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32)
     if cache_seqlens is not None:
-        return _ragged(q, k, v, spec, block_idx, scale, cache_seqlens, cache_leftpad)
+        return _ragged(q, k, v, spec, block_idx, scale, cache_seqlens, cache_leftpad, index)
     if seqlens is not None:
         return _padded(q, k, v, spec, block_idx, scale, seqlens, index)
     if block_idx is None:
@@ -326,8 +326,9 @@ def scatter_pages(x: torch.Tensor, page_size: int, order: torch.Tensor, spare: i
     return pool
 
 
-def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens, cache_leftpad=None):
-    """`sparse_attention` of a cache of per-row lengths: each row's own call, stacked."""
+def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens, cache_leftpad=None, index=None):
+    """`sparse_attention` of a cache of per-row lengths: each row's own call (over its keys' index vectors too),
+    stacked."""
     outs, lses, lists = [], [], []
     n_lists = spec.n_q_tiles(q.shape[2])
     firsts = [0] * q.shape[0] if cache_leftpad is None else cache_leftpad.tolist()
@@ -343,8 +344,9 @@ def _ragged(q, k, v, spec: Spec, block_idx, scale, cache_seqlens, cache_leftpad=
             lists.append(torch.full((1, k.shape[1], n_lists, spec.top_k), -1, dtype=torch.int32, device=q.device)
                          if given is None else given)
             continue
+        row_index = None if index is None else (index[0][b : b + 1], index[1][b : b + 1, :, rows], index[2][b : b + 1])
         o, lse, chosen = sparse_attention(q[b : b + 1], k[b : b + 1, :, rows], v[b : b + 1, :, rows], spec, given,
-                                          scale)
+                                          scale, row_index)
         outs.append(o)
         lses.append(lse)
         lists.append(chosen)

@@ -229,12 +229,106 @@ def test_bad_cache_seqlens_are_refused_by_name(device):
          "made for a cache of 100 keys a row; k holds 80"),
         (lambda: custom_ops.key_reps(k[:, :, :80], spec, cache_seqlens=lens, previous=reps), KernelgenValueError,
          "made for a cache of 100 keys a row; k holds 80"),
-        (lambda: get_kernel(_spec("index"))(q, k, v, cache_seqlens=lens), KernelgenValueError, "'select_index' role"),
+        (lambda: get_kernel(_spec("index"))(q, k, v, cache_seqlens=lens), KernelgenValueError,
+         "needs index="),
     ]
     for call, error, words in cases:
         with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
             call()
         q = q.detach()
+
+
+def _index(q, capacity, index_heads=2, index_dim=32, shared_key=False, seed=1):
+    """The index selector's (q_idx, k_idx, w) beside a cache of `capacity` keys a row (q's batch and queries)."""
+    gen = torch.Generator().manual_seed(seed)
+    b, hq, n_q, _ = q.shape
+    heads = hq // 2 * index_heads  # _cache's group of 2
+    q_idx = torch.randn(b, heads, n_q, index_dim, generator=gen)
+    k_idx = torch.randn(b, 1 if shared_key else hq // 2, capacity, index_dim, generator=gen)
+    w = torch.randn(b, heads, n_q, generator=gen)
+    return tuple(x.to(device=q.device, dtype=q.dtype if x is not w else torch.float32) for x in (q_idx, k_idx, w))
+
+
+@pytest.mark.parametrize("schedule, n_q, dtype, pads, shared_key", [
+    ("kv_centric", 1, torch.float32, None, True),
+    ("kv_centric", 3, torch.float16, PADS, False),
+    ("kv_centric", 20, torch.float32, PADS, True),  # a prefill chunk: more queries than a decode call's
+    ("q_centric", 1, torch.float32, PADS, False),
+    ("q_centric", 20, torch.float16, None, True)])
+def test_the_index_selector_over_a_cache_s_rows(schedule, n_q, dtype, pads, shared_key, device):
+    """The index selector with cache_seqlens (and cache_leftpad): row b's lists and o are those of the call over
+    its own keys and their index vectors alone, bit for bit; o, lse match the float64 reference; a row with no
+    key gets no list, o = 0 and lse = -inf."""
+    spec = _spec("index", schedule)
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(n_q, dtype, device)
+    index = _index(q, k.shape[2], shared_key=shared_key)
+    pads = None if pads is None else torch.tensor(pads, dtype=torch.int32, device=device)
+    lists = attn.select(q, k, index=index, cache_seqlens=lens, cache_leftpad=pads)
+    o, lse = attn(q, k, v, index=index, cache_seqlens=lens, cache_leftpad=pads, return_lse=True)
+    for b, n in enumerate(LENGTHS):
+        keys = slice(0 if pads is None else min(PADS[b], n), n)
+        if keys.stop > keys.start:
+            row = (q[b:b + 1], k[b:b + 1, :, keys], v[b:b + 1, :, keys])
+            row_index = (index[0][b:b + 1], index[1][b:b + 1, :, keys], index[2][b:b + 1])
+            assert torch.equal(lists[b:b + 1], attn.select(*row[:2], index=row_index)), b
+            assert torch.equal(o[b:b + 1], attn(*row, index=row_index)), b
+            assert_valid_selection(lists[b:b + 1], *row[:2], spec, index=row_index)
+        else:
+            assert (lists[b] == -1).all() and (o[b] == 0).all() and torch.isinf(lse[b]).all()
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, index=index, cache_seqlens=lens,
+                                                   cache_leftpad=pads)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
+
+
+def test_the_index_selector_over_a_cache_s_rows_compiles(device):
+    """Under torch.compile (fullgraph) a decode step with the index selector over a cache of per-row lengths equals
+    the eager call."""
+    spec = _spec("index", "kv_centric")
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(1, torch.float32, device)
+    index = _index(q, k.shape[2])
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(q, k, v, index, lens):
+        return attn(q, k, v, index=index, cache_seqlens=lens)
+
+    assert torch.equal(step(q, k, v, index, lens), attn(q, k, v, index=index, cache_seqlens=lens))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["kv_centric", "q_centric"])
+def test_the_index_selector_over_a_long_ragged_cache_on_gpu(schedule):
+    """DSA's decode step over a ragged bf16 cache (rows of 64k, 40k, 1 and 0 keys in a 64k cache; one shared key
+    head, Hi = 16, Di = 128): each row's lists a valid top-k of its own keys, o and lse matching the float64
+    reference over them, and one CUDA graph of the step replayed as the rows grow equal to the eager step."""
+    spec = Spec(head_dim=128, kv_block=64, top_k=16, causal=True, gqa_group=16, schedule=schedule, local=1, sink=1,
+                selector="index", **({} if schedule == "kv_centric" else {"q_tile": 16}))
+    lengths = (65536, 40000, 1, 0)
+    q, k, v, lens = _cache(1, torch.bfloat16, "cuda", 65536, lengths, heads_kv=1, group=16, head_dim=128)
+    gen = torch.Generator().manual_seed(5)
+    index = (torch.randn(4, 16, 1, 128, generator=gen).cuda().bfloat16(),
+             torch.randn(4, 1, 65536, 128, generator=gen).cuda().bfloat16(),
+             torch.randn(4, 16, 1, generator=gen).cuda() / 4)
+    attn = get_kernel(spec)
+    lists = attn.select(q, k, index=index, cache_seqlens=lens)
+    for b, n in enumerate(lengths):
+        if n:
+            row_index = (index[0][b:b + 1], index[1][b:b + 1, :, :n], index[2][b:b + 1])
+            assert_valid_selection(lists[b:b + 1], q[b:b + 1], k[b:b + 1, :, :n], spec, index=row_index)
+        else:
+            assert (lists[b] == -1).all()
+    _check(spec.replace(selector="given"), q, k, v, lens, block_idx=lists)
+    o = attn(q, k, v, index=index, cache_seqlens=lens)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = attn(q, k, v, index=index, cache_seqlens=lens)
+    for step in range(1, 3):
+        lens.copy_(torch.tensor([65536, 40000 + 64 * step, 1 + step, 0], dtype=torch.int32, device="cuda"))
+        q.normal_()
+        index[0].normal_()
+        graph.replay()
+        assert torch.equal(o, attn(q, k, v, index=index, cache_seqlens=lens)), step
 
 
 @pytest.mark.gpu

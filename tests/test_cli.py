@@ -134,7 +134,7 @@ def _planned_roles(output: str) -> list[str]:
 
 
 def test_tune_plans_the_roles_the_spec_s_calls_run():
-    """A spec's tune covers its selector (and its decode calls' selector), its schedule's forward (both per-query
+    """A spec's tune covers its selector (and its decode calls' and a cache's rows' selector), its schedule's forward (both per-query
     designs, and the prefill over a cache of per-row lengths, contiguous or paged), decode and the backward: no
     role of the other schedule, no other selector's."""
     base = ("tune", "--arch", "sm_90", "--seq", "4096", "--head-dim", "64", "--dry-run")
@@ -144,8 +144,8 @@ def test_tune_plans_the_roles_the_spec_s_calls_run():
                                              "bwd_dq", "bwd_dkdv"]
     result = invoke(*base, "--schedule", "kv_centric", "--selector", "index")
     assert result.exit_code == 0, result.output
-    assert _planned_roles(result.output) == ["kv_select_index", "kv_attn", "kv_attn_union", "kv_attn_rows", "decode",
-                                             "kv_bwd", "kv_bwd_union"]
+    assert _planned_roles(result.output) == ["kv_select_index", "kv_attn", "kv_attn_union", "kv_attn_rows",
+                                             "kv_select_index_rows", "decode", "kv_bwd", "kv_bwd_union"]
     result = invoke(*base, "--selector", "given", "--role", "bwd_dq")
     assert result.exit_code == 0 and _planned_roles(result.output) == ["bwd_dq"]
     result = invoke(*base, "--role", "attn", "--role", "select", "--role", "attn")  # one study per role

@@ -1493,10 +1493,12 @@ def pool_ratio(spec: Spec, k: torch.Tensor, v: torch.Tensor) -> int:
 
 
 def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
-                        k_idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                        k_idx: torch.Tensor, w: torch.Tensor, seqlens: torch.Tensor | None = None,
+                        leftpad: torch.Tensor | None = None) -> torch.Tensor:
     """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) chosen by the index selector from
     checked index tensors (`inputs.check_index`): q_idx [B, Hkv*Hi, Nq, Di], k_idx [B, Hkv or 1, Nk, Di],
-    w [B, Hkv*Hi, Nq]."""
+    w [B, Hkv*Hi, Nq]. `seqlens`, `leftpad`: k_idx is a cache whose row b holds keys [leftpad[b], seqlens[b])
+    (the `select_index_rows` role's module), each row's lists its own call's."""
     index_heads = q_idx.shape[1] // shapes.heads_kv
     heads_step = min(next_pow2(index_heads), cfg.rows)  # as many heads per product as the rows hold
     q_rows = min(cfg.rows // heads_step, spec.q_tile)
@@ -1504,13 +1506,15 @@ def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes,
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q_idx.device,
                       dtype=torch.int32)
     stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
-    mod.select_index_topk[(shapes.n_q_tiles, shapes.batch * shapes.heads_kv)](
-        q_idx, k_idx, w, block_idx, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
+    kernel, lengths = (mod.select_index_topk, ()) if seqlens is None else (mod.select_index_topk_rows,
+                                                                          _row_keys(seqlens, leftpad))
+    kernel[(shapes.n_q_tiles, shapes.batch * shapes.heads_kv)](
+        q_idx, k_idx, w, block_idx, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
         index_heads, *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2],
         *block_idx.stride()[:3],
         INDEX_DIM=q_idx.shape[3], Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, TOP_K=spec.top_k,
         TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local, HEADS_STEP=heads_step, Q_ROWS=q_rows,
-        CHUNK=cfg.chunk, WIDTH=max(cfg.chunk, top_k_pad), CAUSAL=spec.causal,
+        CHUNK=cfg.chunk, WIDTH=max(cfg.chunk, top_k_pad), CAUSAL=spec.causal, **_has_leftpad(seqlens, leftpad),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return block_idx
 
@@ -1528,10 +1532,12 @@ def _index_vectors_fit(spec: Spec, cfg: KvIndexSelectConfig, arch: str, elem_byt
 
 
 def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
-                           k_idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                           k_idx: torch.Tensor, w: torch.Tensor, seqlens: torch.Tensor | None = None,
+                           leftpad: torch.Tensor | None = None) -> torch.Tensor:
     """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1) chosen by the index selector from
     checked index tensors (`inputs.check_index`), as `launch_select_index`'s: block scores into a scratch of
-    at most KV_INDEX_SCORES_BYTES, a chunk of queries at a time, then each chunk's top-k."""
+    at most KV_INDEX_SCORES_BYTES, a chunk of queries at a time, then each chunk's top-k. `seqlens`,
+    `leftpad`: as `launch_select_index`'s (the `kv_select_index_rows` role's module)."""
     index_heads = q_idx.shape[1] // shapes.heads_kv
     hold = cfg.hold and _index_vectors_fit(spec, cfg, device_arch(q_idx.device), q_idx.element_size(), index_heads,
                                            q_idx.shape[3])
@@ -1541,19 +1547,24 @@ def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Sh
     step = max(cfg.queries, cfg.rows)
     chunk_q = min(cdiv(shapes.n_q, step), max(1, KV_INDEX_SCORES_BYTES // (4 * bh * n_blocks * step))) * step
     scores = torch.empty(bh, chunk_q, n_blocks, device=q_idx.device, dtype=torch.float32)
+    rows = {} if seqlens is None else {"HAS_LEFTPAD": leftpad is not None}
+    scores_kernel, topk_kernel, lengths = ((mod.kv_index_block_scores, mod.kv_index_topk, ()) if seqlens is None else
+                                           (mod.kv_index_block_scores_rows, mod.kv_index_topk_rows,
+                                            _row_keys(seqlens, leftpad)))
     for q0 in range(0, shapes.n_q, chunk_q):
         n_chunk = min(chunk_q, shapes.n_q - q0)
-        mod.kv_index_block_scores[(cdiv(n_chunk, cfg.queries), bh, cdiv(n_blocks, cfg.span))](
-            q_idx, k_idx, w, scores, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, index_heads,
+        scores_kernel[(cdiv(n_chunk, cfg.queries), bh, cdiv(n_blocks, cfg.span))](
+            q_idx, k_idx, w, scores, *lengths, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, index_heads,
             *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2], *scores.stride()[:2],
             INDEX_DIM=q_idx.shape[3], KV_BLOCK=spec.kv_block, QUERIES=cfg.queries,
             HEADS_STEP=min(cfg.heads, next_pow2(index_heads)), CHUNK=cfg.chunk, SPAN=cfg.span, CAUSAL=spec.causal,
-            HOLD=hold, INDEX_HEADS=index_heads if hold else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        mod.kv_index_topk[(cdiv(n_chunk, cfg.rows), bh)](
-            scores, block_idx, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, *scores.stride()[:2],
+            HOLD=hold, INDEX_HEADS=index_heads if hold else 1, **rows, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+        topk_kernel[(cdiv(n_chunk, cfg.rows), bh)](
+            scores, block_idx, *lengths, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, *scores.stride()[:2],
             *block_idx.stride()[:3], KV_BLOCK=spec.kv_block, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k),
             SINK=spec.sink, N_LOCAL=spec.n_local, ROWS=cfg.rows, WIDTH=kv_index_select_width(spec, cfg),
-            CAUSAL=spec.causal, num_warps=4)
+            CAUSAL=spec.causal, **rows, num_warps=4)
     return block_idx
 
 
@@ -1724,6 +1735,9 @@ class TritonBackend(Backend):
         "select_index": RoleImpl(launch=launch_select_index, template="triton/select_index.py.j2",
                                  config_type=IndexSelectConfig, default=index_select_default,
                                  space=index_select_space, infeasible=index_select_infeasible),
+        "select_index_rows": RoleImpl(launch=launch_select_index, template="triton/select_index_rows.py.j2",
+                                      config_type=IndexSelectConfig, default=index_select_default,
+                                      space=index_select_space, infeasible=index_select_infeasible, varlen=True),
         "attn": RoleImpl(launch=launch_attn, template="triton/attn.py.j2", config_type=AttnConfig,
                          default=attn_default, space=attn_space, infeasible=attn_infeasible),
         "attn_rows": RoleImpl(launch=launch_attn_rows, template="triton/attn_rows.py.j2", config_type=AttnConfig,
@@ -1745,6 +1759,10 @@ class TritonBackend(Backend):
         "kv_select_index": RoleImpl(launch=launch_kv_select_index, template="triton/kv_select_index.py.j2",
                                     config_type=KvIndexSelectConfig, default=kv_index_select_default,
                                     space=kv_index_select_space, infeasible=kv_index_select_infeasible),
+        "kv_select_index_rows": RoleImpl(launch=launch_kv_select_index, template="triton/kv_select_index_rows.py.j2",
+                                         config_type=KvIndexSelectConfig, default=kv_index_select_default,
+                                         space=kv_index_select_space, infeasible=kv_index_select_infeasible,
+                                         varlen=True),
         "kv_attn": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn.py.j2", config_type=KvAttnConfig,
                             default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible),
         "kv_attn_rows": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn_rows.py.j2", config_type=KvAttnConfig,
