@@ -34,12 +34,12 @@ Either schedule, calls of at most DECODE_MAX_QUERIES queries (decoding against a
             blocks split over more programs; q pooled and the partial lists merged in the same launch)
   kv_decode_select (q, k[, k_rep])       kv_select's, for such a call of the KV-centric schedule (its blocks
             split over more programs, the partial lists merged in the same launch)
+  decode_select_index (q_idx, k_idx, w)  select_index's, for such a call (its blocks split over more programs,
+            the partial lists merged by a second launch)
+  kv_decode_select_index (q_idx, k_idx, w)   kv_select_index's, for such a call (a config of its own)
   decode    (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form, split-KV per query
-A prefill over a KV cache of per-row lengths (more queries, the last of each row's keys) selects with the two
-roles above, launched as a prefill's selection (the index selector, in a decode call too, with
-  select_index_rows (q_idx, k_idx, w, seqlens[, leftpad])       select_index's lists, each row over its own keys
-  kv_select_index_rows (q_idx, k_idx, w, seqlens[, leftpad])    kv_select_index's, likewise),
-and attends with
+A prefill over a KV cache of per-row lengths (more queries, the last of each row's keys) selects with the four
+roles above, launched as a prefill's selection, and attends with
   attn_rows (q, k, v, block_idx, scale, seqlens[, leftpad])   attn's (o, lse), each row over its own keys
   kv_attn_rows (q, k, v, block_idx, reverse, scale, seqlens[, leftpad])   kv_attn's, likewise
 and over a paged cache, with
@@ -69,8 +69,8 @@ from .spec import Spec
 from .workloads import agreeing_query_lists, useful_flops
 
 __all__ = ["Role", "ROLES", "BACKWARD_ROLES", "KV_BACKWARD_ROLES", "forward_roles", "backward_roles",
-           "DECODE_MAX_QUERIES", "register_role", "get_role", "SELECTION_ROLES", "Workload", "WorkloadShape",
-           "valid_top_k", "index_inputs", "INDEX_HEADS", "INDEX_DIM", "REL_L2_TOL", "GRAD_REL_L2_TOL"]
+           "DECODE_MAX_QUERIES", "register_role", "get_role", "SELECTION_ROLES", "DECODE_SELECTION_ROLES", "Workload",
+           "WorkloadShape", "valid_top_k", "index_inputs", "INDEX_HEADS", "INDEX_DIM", "REL_L2_TOL", "GRAD_REL_L2_TOL"]
 
 # what a tuned config must reproduce: rel. L2 error of o against the float64 reference
 REL_L2_TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4}
@@ -404,10 +404,11 @@ register_role(Role("kv_bwd", "backward over per-query lists: dk, dv and the dq p
                    "then dq's merge in slot order", canonical=_KERNEL_READS_LISTS, workload=kv_bwd_workload))
 KV_BACKWARD_ROLES = ("bwd_delta", "kv_bwd")
 # the roles that choose lists, one per (schedule, kind of selector): `Spec.selection_role` names a spec's; and
-# decode_select and kv_decode_select, the pooling selectors' in a decode call (`forward_roles(spec, 1)`), and
-# select_index_rows and kv_select_index_rows, the index selector's over a cache of per-row lengths
-SELECTION_ROLES = ("select", "select_index", "kv_select", "kv_select_index", "decode_select", "kv_decode_select",
-                   "select_index_rows", "kv_select_index_rows")
+# their decode forms, the selection of a decode call or of a call over a cache of per-row lengths
+# (`forward_roles(spec, 1)`)
+DECODE_SELECTION_ROLES = {"select": "decode_select", "kv_select": "kv_decode_select",
+                          "select_index": "decode_select_index", "kv_select_index": "kv_decode_select_index"}
+SELECTION_ROLES = ("select", "select_index", "kv_select", "kv_select_index", *DECODE_SELECTION_ROLES.values())
 
 
 # Decoding: a call of a few queries (one token, or a few speculative ones) against a long KV cache runs
@@ -491,9 +492,9 @@ register_role(Role("attn_paged", "attention of a prefill chunk over a paged KV c
 register_role(Role("kv_attn_paged", "attention over per-query lists of a prefill chunk over a paged KV cache: "
                    "kv_attn's partial kernel with each task's block based in its page, then its combine",
                    canonical=_KERNEL_READS_LISTS, workload=paged_rows_workload, reverse_index=True))
-def index_rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
-    """The index selector's workload over a KV cache of per-row lengths (`cache_rows_lengths`): a decode step, one
-    query at the end of each row, its lists judged against each row's own float64 scores."""
+def decode_select_index_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
+    """The index selector's workload in a decode step over a KV cache of per-row lengths (`cache_rows_lengths`):
+    one query at the end of each row, its lists judged against each row's own float64 scores."""
     one = shape._replace(n_q=1)
     q_idx, k_idx, w = index = index_inputs(spec, one, device, dtype)
     lens = cache_rows_lengths(shape.batch, shape.n_k, device)
@@ -508,11 +509,12 @@ def index_rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: 
     return Workload((*index, lens), judge if check else (lambda out: None), shape=one)
 
 
-# the index selector over a cache of per-row lengths: a call with cache_seqlens (a decode step or a prefill chunk)
-register_role(Role("select_index_rows", "select_index's lists over a KV cache of per-row lengths, each row over its "
-                   "own keys", canonical={"head_dim": 64}, workload=index_rows_workload))
-register_role(Role("kv_select_index_rows", "kv_select_index's per-query lists over a KV cache of per-row lengths, each "
-                   "row over its own keys", canonical={"head_dim": 64}, workload=index_rows_workload))
+register_role(Role("decode_select_index", "the index selector's lists for a call of a few queries (decoding) or over a "
+                   "KV cache of per-row lengths: the select_index kernel with its blocks split over many programs",
+                   canonical={"head_dim": 64}, workload=decode_select_index_workload))
+register_role(Role("kv_decode_select_index", "the index selector's per-query lists for a call of a few queries "
+                   "(decoding) or over a KV cache of per-row lengths: the kv_select_index kernels, configured for "
+                   "one query a row", canonical={"head_dim": 64}, workload=decode_select_index_workload))
 register_role(Role("decode_select", "the pooling selectors' lists for a call of a few queries (decoding): the select "
                    "kernel with its blocks split over many programs", workload=decode_select_workload))
 register_role(Role("kv_decode_select", "the pooling selectors' per-query lists for a call of a few queries (decoding): "
@@ -533,19 +535,17 @@ def tuned_roles(spec: Spec) -> tuple[str, ...]:
     lists), decode's and the backward's; a tune of the spec tunes these."""
     _, selection, attn = forward_roles(spec)
     decode_selection = forward_roles(spec, 1)[1]
-    rows_selection = forward_roles(spec, cache_rows=True)[1]
     paged = [] if spec.selector == "index" else [forward_roles(spec, paged=True)[2]]  # (no paged index selector)
     names = [selection, attn, *(["kv_attn_union", "kv_attn_rows"] if spec.per_query else ["attn_rows"]), *paged,
-             *dict.fromkeys(r for r in (decode_selection, rows_selection) if r != selection), "decode",
-             *backward_roles(spec),
+             *([decode_selection] if decode_selection != selection else []), "decode", *backward_roles(spec),
              *(["kv_bwd_union"] if spec.per_query else [])]
     return tuple(n for n in names if n is not None and ROLES[n].tuned)
 
 
 def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector; with the
-    `mean` and `multi:r` selectors `key_reps` too, `decode_select` for a Q-centric decode call, and
-    `select_index_rows` for the index selector's over a cache of per-row lengths),
+    `mean` and `multi:r` selectors `key_reps` too, and `decode_select` or `decode_select_index` for a Q-centric
+    decode call),
     `attn`, `decode` (a call of a few queries), `attn_rows` and `attn_paged` (a prefill over a cache of per-row
     lengths, contiguous or paged; `kv_attn_rows` and `kv_attn_paged` for per-query lists), and its backward's,
     under the schedule's role names (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the
@@ -555,9 +555,8 @@ def call_roles(spec: Spec) -> tuple[str, ...]:
     backward = backward_roles(spec)
     kept = ("key_reps",) if selection in ("select", "kv_select") else ()  # the pooling selectors' kept reps
     _, decode_selection, decode = forward_roles(spec, 1)
-    _, rows_selection, rows_attn = forward_roles(spec, cache_rows=True)
-    decoding = tuple(dict.fromkeys(r for r in (decode_selection, rows_selection) if r not in (None, selection)))
-    rows = (rows_attn, forward_roles(spec, cache_rows=True, paged=True)[2])
+    decoding = (decode_selection,) if decode_selection not in (None, selection) else ()
+    rows = (forward_roles(spec, cache_rows=True)[2], forward_roles(spec, cache_rows=True, paged=True)[2])
     return (lists, *((selection,) if selection else ()), *kept, attn, *decoding, decode, *rows) + backward
 
 
@@ -576,10 +575,7 @@ def forward_roles(spec: Spec, n_q: int | None = None, cache_rows: bool = False,
     cache (`paged`) with `attn_paged` (`kv_attn_paged`)."""
     decode = n_q is not None and n_q <= DECODE_MAX_QUERIES
     if decode or cache_rows or paged:
-        selection = {"select": "decode_select", "kv_select": "kv_decode_select"}.get(spec.selection_role,
-                                                                                    spec.selection_role)
-        if spec.selector == "index" and (cache_rows or paged):  # its kernels per row (no paged k_idx: refused)
-            selection += "_rows"
+        selection = DECODE_SELECTION_ROLES.get(spec.selection_role, spec.selection_role)
         rows = ("kv_" if spec.per_query else "") + ("attn_paged" if paged else "attn_rows")
         return ("lists", selection, "decode" if decode else rows)
     return ("lists", spec.selection_role, "kv_attn" if spec.per_query else "attn")

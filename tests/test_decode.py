@@ -39,13 +39,17 @@ def test_few_queries_are_served_by_decode():
     assert forward_roles(spec, DECODE_MAX_QUERIES + 1)[2] == "attn"
     assert forward_roles(spec.replace(schedule="kv_centric"), DECODE_MAX_QUERIES + 1)[2] == "kv_attn"
     # a pooling selector's decode call selects with decode_select (kv_decode_select for per-query lists); the
-    # index selector with its own role
+    # index selector with decode_select_index (kv_decode_select_index)
     mean = spec.replace(selector="mean")
     assert forward_roles(mean, 1)[1] == "decode_select" and forward_roles(mean, DECODE_MAX_QUERIES + 1)[1] == "select"
     per_query = mean.replace(schedule="kv_centric")
     assert forward_roles(per_query, 1)[1] == "kv_decode_select"
     assert forward_roles(per_query, DECODE_MAX_QUERIES + 1)[1] == "kv_select"
-    assert forward_roles(spec.replace(selector="index"), 1)[1] == "select_index"
+    index = spec.replace(selector="index")
+    assert forward_roles(index, 1)[1] == "decode_select_index"
+    assert forward_roles(index, DECODE_MAX_QUERIES + 1)[1] == "select_index"
+    assert forward_roles(index.replace(schedule="kv_centric"), 1)[1] == "kv_decode_select_index"
+    assert forward_roles(index, DECODE_MAX_QUERIES + 1, cache_rows=True)[1] == "decode_select_index"
 
 
 # schedule, G, Nq, Nk, dtype, splits: GQA 1/2/4, Nq 1..4, both schedules' lists, one split, more splits than blocks

@@ -298,3 +298,25 @@ def test_tune_runs_the_index_selector_on_cpu(tmp_path):
         result = tune(spec, "select_index", seq=128, trials=2, device="cpu", db=db, storage=tmp_path / "optuna.db")
         assert result.best_config is not None and result.n_failed == 0
         assert [row["role"] for row in db.rows()] == ["select_index"]
+
+
+@pytest.mark.parametrize("nq, index_heads, rows", [(1, 16, 16), (3, 4, 16), (16, 2, 32)])
+def test_a_decode_call_s_lists_are_the_same_however_its_blocks_are_split(nq, index_heads, rows, device):
+    """A decode call (at most 16 queries: one Q tile) selects with decode_select_index, whose programs share the
+    tile's blocks (splits, merged by merge_topk): 1, 4, 16 and 64 splits (more than the call's 26 blocks, so
+    some scan none) give the same lists, bit for bit, a valid top-k of the float64 scores, with or without
+    cache_seqlens."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=4, causal=True, gqa_group=2, selector="index", local=1,
+                sink=1)
+    q, k, _, index = make(spec, 2, 2, nq, 410, device, index_heads=index_heads, index_dim=32, seed=nq)
+    lens = torch.tensor([410, 150], dtype=torch.int32, device=device)
+    got = {}
+    for splits in (1, 4, 16, 64):
+        attn = kernelgen.get_kernel(spec, configs={"decode_select_index": IndexSelectConfig(rows=rows, chunk=2,
+                                                                                          splits=splits)})
+        got[splits] = attn.select(q, k, index=index), attn.select(q, k, index=index, cache_seqlens=lens)
+    for splits, (lists, rows_lists) in got.items():
+        assert torch.equal(lists, got[1][0]) and torch.equal(rows_lists, got[1][1]), splits
+    assert_valid_selection(got[1][0], q, k, spec, index=index)
+    row = (index[0][1:], index[1][1:, :, :150], index[2][1:])
+    assert_valid_selection(got[1][1][1:], q[1:], k[1:, :, :150], spec, index=row)

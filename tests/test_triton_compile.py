@@ -15,7 +15,7 @@ from kernelgen.archs import arch_facts
 from kernelgen.backends.triton import (attn_smem_bytes, bwd_dkdv_smem_bytes, bwd_dq_smem_bytes, decode_smem_bytes,
                                        index_select_smem_bytes, kv_attn_smem_bytes, kv_index_select_smem_bytes,
                                        kv_select_smem_bytes)
-from kernelgen.roles import backward_roles, forward_roles
+from kernelgen.roles import DECODE_SELECTION_ROLES, backward_roles, forward_roles
 
 pytest.importorskip("triton.backends.nvidia")
 
@@ -49,6 +49,8 @@ ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
              "kv_attn": (lambda spec, cfg, arch: kv_attn_smem_bytes(spec, cfg), "kv_attn_partial"),
              "select_index": (lambda spec, cfg, arch: index_select_smem_bytes(spec, cfg), "select_index_topk"),
              "kv_select_index": (kv_index_select_smem_bytes, "kv_index_block_scores"),
+             "decode_select_index": (lambda spec, cfg, arch: index_select_smem_bytes(spec, cfg), "select_index_topk_rows"),
+             "kv_decode_select_index": (kv_index_select_smem_bytes, "kv_index_block_scores_rows"),
              "bwd_dq": (lambda spec, cfg, arch: bwd_dq_smem_bytes(spec, cfg), "attn_bwd_dq"),
              "bwd_dkdv": (lambda spec, cfg, arch: bwd_dkdv_smem_bytes(spec, cfg), "attn_bwd_dkdv"),
              "decode": (lambda spec, cfg, arch: decode_smem_bytes(spec, cfg), "decode_partial"),
@@ -62,6 +64,8 @@ KERNELS = {"lists": {"normalize_lists"}, "select": {"pool", "select_topk"}, "kv_
            "bwd_delta": {"attn_bwd_delta"}, "bwd_dq": {"attn_bwd_dq"}, "bwd_dkdv": {"attn_bwd_dkdv"},
            "kv_bwd": {"kv_bwd_dkdv", "kv_bwd_dq_merge"}, "decode": {"decode_partial"},
            "decode_select": {"pool", "decode_select_topk"}, "kv_decode_select": {"pool", "kv_decode_select_topk"},
+           "decode_select_index": {"select_index_topk_rows"},
+           "kv_decode_select_index": {"kv_index_block_scores_rows", "kv_index_topk_rows"},
            "kv_attn_union": {"kv_attn_union"}, "kv_bwd_union": {"union_bwd_dq", "union_bwd_dkdv"},
            "attn_rows": {"attn_rows_fwd"}, "kv_attn_rows": {"kv_attn_rows_partial", "kv_combine"},
            "attn_paged": {"paged_lists", "attn_paged_fwd"}, "kv_attn_paged": {"kv_attn_paged_partial", "kv_combine"}}
@@ -142,8 +146,11 @@ def _cases(arch) -> list[Case]:
                       2000))
     for spec, (selection, attn) in ((INDEX_SPEC, ("select_index", "attn")),
                                     (KV_INDEX_SPEC, ("kv_select_index", "kv_attn"))):  # either schedule's
-        for dtype in ("float16", "bfloat16"):
-            cases.append(Case(spec, _defaults(spec, arch, [selection, attn]), 2000, index={**INDEX, "dtype": dtype}))
+        for dtype in ("float16", "bfloat16"):  # bf16: a decode call too, its selection over a cache's rows
+            decode = dtype == "bfloat16"
+            roles = [selection, attn, *([DECODE_SELECTION_ROLES[selection], "decode"] if decode else [])]
+            cases.append(Case(spec, _defaults(spec, arch, roles), 2000, index={**INDEX, "dtype": dtype},
+                              decode=decode))
         cases.append(Case(spec, {selection: _largest(spec, arch, role=selection),
                                  attn: default_config(spec, attn, arch)}, 2000, index={**INDEX, "dtype": "float16"}))
     # the per-query index selector holding its index vectors: the default's shape, and the largest such point
@@ -187,7 +194,7 @@ def test_kernels_compile_for_each_arch_and_fit_its_shared_memory():
             assert "error" not in result, f"{arch} {spec} {configs}: {result.get('error')}"
             kernels = dict(result["kernels"])
             expected = set().union(*(KERNELS[role] for role in case.roles))
-            if "select" in case.roles and configs["select"].splits > 1:
+            if any(role in case.roles and configs[role].splits > 1 for role in ("select", "decode_select_index")):
                 expected.add("merge_topk")
             assert expected <= set(kernels), (arch, kernels)
             assert all(shared <= facts.smem_per_block for shared in kernels.values()), (arch, kernels)

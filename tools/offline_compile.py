@@ -181,6 +181,8 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
             "kv_decode_select": lambda: (q, k),
             "select_index": lambda: t["index"],
             "kv_select_index": lambda: t["index"],
+            "decode_select_index": lambda: (*t["index"], t["seqlens"]),  # its kernels over a cache's rows
+            "kv_decode_select_index": lambda: (*t["index"], t["seqlens"]),
             "attn": lambda: (q, k, v, t["lists"], None),
             "kv_attn": lambda: (q, k, v, t["lists"], None, None),  # its reverse index: built by the launcher
             "kv_attn_union": lambda: (q, k, v, t["lists"], None, None),  # its tile union: built by the launcher
@@ -202,6 +204,7 @@ def _launch_args(role: str, t: dict, shapes) -> tuple:
 # what each role's launch returns, by name, for the roles after it
 _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), "select_index": ("lists",),
             "kv_select_index": ("lists",), "decode_select": ("lists",), "kv_decode_select": ("lists",),
+            "decode_select_index": ("lists",), "kv_decode_select_index": ("lists",),
             "attn": ("o", "lse"), "kv_attn": ("o", "lse"), "kv_attn_union": ("o", "lse"), "decode": ("o", "lse"),
             "attn_rows": ("o", "lse"), "kv_attn_rows": ("o", "lse"), "attn_paged": ("o", "lse"),
             "kv_attn_paged": ("o", "lse"),
@@ -322,6 +325,8 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                 one = shapes._replace(n_q=1, n_q_tiles=spec.n_q_tiles(1))
                 t = {**t, "q": t["q"][:, :, -1:],
                      "lists": torch.zeros(1, 2, one.n_q_tiles, spec.top_k, dtype=torch.int32)}
+                if "index" in t:  # the last query's index vectors
+                    t["index"] = (t["index"][0][:, :, -1:], t["index"][1], t["index"][2][:, :, -1:])
                 for role in [decode_selection, "decode"] if decode_selection else ["decode"]:
                     out = run(spec, role, configs.get(role), one, *_launch_args(role, t, one))
                     t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))

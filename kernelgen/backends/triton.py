@@ -188,12 +188,14 @@ class DecodeConfig(_JsonConfig):
 class IndexSelectConfig(_JsonConfig):
     """The index selector's scoring and top-k, one Q tile per program. rows: packed (index head, query) rows
     per tl.dot (as many index heads as fit, the tile's queries in steps of the rest); chunk: KV blocks
-    scored per step (chunk * kv_block keys)."""
+    scored per step (chunk * kv_block keys); splits: programs sharing a tile's blocks, their best keys merged
+    by a second launch (a decode call's one tile)."""
 
     rows: int = 64
     chunk: int = 1
     num_warps: int = 4
     num_stages: int = 1
+    splits: int = 1
 
 
 @dataclass(frozen=True)
@@ -730,10 +732,13 @@ def _index_step_infeasible(spec: Spec, cfg, rows: int, rows_what: str, fewer: st
 
 def index_select_infeasible(spec: Spec, cfg: IndexSelectConfig, arch: str) -> str | None:
     """Why the index selector cannot run `cfg` for `spec` on `arch`, or None: rows is a power of two from 16
-    (tl.dot's smallest M) to 256, chunk a power of two, the step's score tiles fit in registers, and
-    num_stages key steps and the packed query rows in shared memory (16-bit index vectors of dim 128)."""
+    (tl.dot's smallest M) to 256, chunk a power of two, splits one from 1 to 64 (merge_topk's), the step's score
+    tiles fit in registers, and num_stages key steps and the packed query rows in shared memory (16-bit index
+    vectors of dim 128)."""
     if cfg.rows not in (16, 32, 64, 128, 256):
         return f"rows={cfg.rows}; expected a power of two from 16 to 256"
+    if cfg.splits not in (1, 2, 4, 8, 16, 32, 64):
+        return f"splits={cfg.splits}; expected a power of two from 1 to 64"
     reason = _index_step_infeasible(spec, cfg, 2 * cfg.rows, "2 * rows", "fewer rows")
     if reason:
         return reason
@@ -756,6 +761,18 @@ def index_select_default(spec: Spec, arch: str) -> IndexSelectConfig:
 def index_select_space(spec: Spec, arch: str):
     return (IndexSelectConfig(rows=r, chunk=c, num_warps=w, num_stages=n)
             for r, c, w, n in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (4, 8), (1, 2, 3)))
+
+
+def decode_index_select_default(spec: Spec, arch: str) -> IndexSelectConfig:
+    # a decode call's one Q tile: 16 packed rows (Hi = 16 index heads of one query fill them), its blocks split
+    # over 16 programs (8 rows of a batch: 128 programs), as decode_select splits a tile's
+    cfg = IndexSelectConfig(rows=16, chunk=max(1, 128 // spec.kv_block), num_warps=4, num_stages=1, splits=16)
+    return cfg if index_select_infeasible(spec, cfg, arch) is None else index_select_default(spec, arch)
+
+
+def decode_index_select_space(spec: Spec, arch: str):
+    return (IndexSelectConfig(rows=r, chunk=c, num_warps=w, num_stages=n, splits=sp)
+            for r, c, w, n, sp in itertools.product((16, 32, 64), (1, 2, 4), (4, 8), (1, 2), (4, 8, 16, 32)))
 
 
 # ---- the index selector for per-query lists (KV-centric): feasibility, defaults, space ----------------------
@@ -828,6 +845,17 @@ def kv_index_select_default(spec: Spec, arch: str) -> KvIndexSelectConfig:
                             num_warps=w, num_stages=1, hold=hold)
         for q, h, w, hold in ((64, 1, 4, True), (64, 1, 8, False), (32, 1, 4, False), (32, 2, 8, False),
                               (16, 4, 8, False), (16, 1, 4, False))))
+
+
+def kv_decode_index_select_default(spec: Spec, arch: str) -> KvIndexSelectConfig:
+    # a decode step: one query a row, so a product's rows are queries=16 (tl.dot's least; kv_select_index's 64
+    # score 63 padding rows), and the keys spread over more programs (span 8). At 8 rows of up to 64k keys (Hi 16,
+    # Di 128, 64-key blocks, top-32): 148 us against 322 with kv_select_index's default (H200, 2026-12-06)
+    chunk = max(1, 256 // spec.kv_block)
+    width = max(128, next_pow2(spec.top_k))
+    decode = KvIndexSelectConfig(queries=16, heads=1, chunk=chunk, span=max(chunk, 8), rows=8, width=width,
+                                 num_warps=4, num_stages=1, hold=True)
+    return decode if kv_index_select_infeasible(spec, decode, arch) is None else kv_index_select_default(spec, arch)
 
 
 def kv_index_select_space(spec: Spec, arch: str):
@@ -1498,7 +1526,7 @@ def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes,
     """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) chosen by the index selector from
     checked index tensors (`inputs.check_index`): q_idx [B, Hkv*Hi, Nq, Di], k_idx [B, Hkv or 1, Nk, Di],
     w [B, Hkv*Hi, Nq]. `seqlens`, `leftpad`: k_idx is a cache whose row b holds keys [leftpad[b], seqlens[b])
-    (the `select_index_rows` role's module), each row's lists its own call's."""
+    (the `decode_select_index` role's module), each row's lists its own call's."""
     index_heads = q_idx.shape[1] // shapes.heads_kv
     heads_step = min(next_pow2(index_heads), cfg.rows)  # as many heads per product as the rows hold
     q_rows = min(cfg.rows // heads_step, spec.q_tile)
@@ -1508,14 +1536,19 @@ def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes,
     stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
     kernel, lengths = (mod.select_index_topk, ()) if seqlens is None else (mod.select_index_topk_rows,
                                                                           _row_keys(seqlens, leftpad))
-    kernel[(shapes.n_q_tiles, shapes.batch * shapes.heads_kv)](
-        q_idx, k_idx, w, block_idx, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
+    n_bh = shapes.batch * shapes.heads_kv
+    cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q_tiles * cfg.splits * top_k_pad,
+                                                   device=q_idx.device, dtype=torch.int64)
+    kernel[(shapes.n_q_tiles, n_bh, cfg.splits)](
+        q_idx, k_idx, w, block_idx, cand, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
         index_heads, *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2],
         *block_idx.stride()[:3],
         INDEX_DIM=q_idx.shape[3], Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, TOP_K=spec.top_k,
         TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local, HEADS_STEP=heads_step, Q_ROWS=q_rows,
-        CHUNK=cfg.chunk, WIDTH=max(cfg.chunk, top_k_pad), CAUSAL=spec.causal, **_has_leftpad(seqlens, leftpad),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CHUNK=cfg.chunk, WIDTH=max(cfg.chunk, top_k_pad), CAUSAL=spec.causal, SPLITS=cfg.splits,
+        **_has_leftpad(seqlens, leftpad), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.splits > 1:
+        _merge_topk(mod, spec, cand, block_idx, cfg.splits)
     return block_idx
 
 
@@ -1537,7 +1570,7 @@ def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Sh
     """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1) chosen by the index selector from
     checked index tensors (`inputs.check_index`), as `launch_select_index`'s: block scores into a scratch of
     at most KV_INDEX_SCORES_BYTES, a chunk of queries at a time, then each chunk's top-k. `seqlens`,
-    `leftpad`: as `launch_select_index`'s (the `kv_select_index_rows` role's module)."""
+    `leftpad`: as `launch_select_index`'s (the `kv_decode_select_index` role's module)."""
     index_heads = q_idx.shape[1] // shapes.heads_kv
     hold = cfg.hold and _index_vectors_fit(spec, cfg, device_arch(q_idx.device), q_idx.element_size(), index_heads,
                                            q_idx.shape[3])
@@ -1735,9 +1768,10 @@ class TritonBackend(Backend):
         "select_index": RoleImpl(launch=launch_select_index, template="triton/select_index.py.j2",
                                  config_type=IndexSelectConfig, default=index_select_default,
                                  space=index_select_space, infeasible=index_select_infeasible),
-        "select_index_rows": RoleImpl(launch=launch_select_index, template="triton/select_index_rows.py.j2",
-                                      config_type=IndexSelectConfig, default=index_select_default,
-                                      space=index_select_space, infeasible=index_select_infeasible, varlen=True),
+        "decode_select_index": RoleImpl(launch=launch_select_index, template="triton/decode_select_index.py.j2",
+                                        config_type=IndexSelectConfig, default=decode_index_select_default,
+                                        space=decode_index_select_space, infeasible=index_select_infeasible,
+                                        varlen=True),
         "attn": RoleImpl(launch=launch_attn, template="triton/attn.py.j2", config_type=AttnConfig,
                          default=attn_default, space=attn_space, infeasible=attn_infeasible),
         "attn_rows": RoleImpl(launch=launch_attn_rows, template="triton/attn_rows.py.j2", config_type=AttnConfig,
@@ -1759,8 +1793,8 @@ class TritonBackend(Backend):
         "kv_select_index": RoleImpl(launch=launch_kv_select_index, template="triton/kv_select_index.py.j2",
                                     config_type=KvIndexSelectConfig, default=kv_index_select_default,
                                     space=kv_index_select_space, infeasible=kv_index_select_infeasible),
-        "kv_select_index_rows": RoleImpl(launch=launch_kv_select_index, template="triton/kv_select_index_rows.py.j2",
-                                         config_type=KvIndexSelectConfig, default=kv_index_select_default,
+        "kv_decode_select_index": RoleImpl(launch=launch_kv_select_index, template="triton/kv_decode_select_index.py.j2",
+                                         config_type=KvIndexSelectConfig, default=kv_decode_index_select_default,
                                          space=kv_index_select_space, infeasible=kv_index_select_infeasible,
                                          varlen=True),
         "kv_attn": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn.py.j2", config_type=KvAttnConfig,
