@@ -11,6 +11,9 @@ For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU
   and the same step with the reps made afresh over every row's keys (a caller that keeps none);
 - the same decode, and the same step, over a paged cache (`block_table=`): the cache's pages shuffled over a pool,
   at PAGE_BLOCKS blocks a page; their outputs must equal the contiguous cache's bit for bit;
+- the index selector's decode step over the same cache of per-row lengths, under each schedule (index vectors of
+  the shape it is tuned on, `roles.INDEX_HEADS` heads of `roles.INDEX_DIM` per KV head): its selection reads every
+  key's index vector, DSA's decode step;
 - FlexAttention (torch.compile'd) over a BlockMask holding exactly the same lists;
 - dense SDPA (flash, efficient, cuDNN; the KV heads as they are, `enable_gqa`) over the whole cache: every
   query sees every key, the work of a decode step without sparsity;
@@ -41,6 +44,7 @@ from ..device import device_arch
 from ..dispatch import get_kernel
 from ..errors import KernelgenRuntimeError
 from ..reference import scatter_pages
+from ..roles import WorkloadShape, forward_roles, index_inputs
 from ..workloads import DECODE_SHAPES, random_query_lists, visible_pairs
 from .anchors import flex_block_mask, flex_call
 from .measure import _bench, _bench_graph, _config_json, _dump_rows, _rel_diff, host_ms, row_attempts
@@ -230,6 +234,26 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
         for blocks in PAGE_BLOCKS:
             attempt(name, f"paged cache, {blocks} blocks a page", lambda blocks=blocks: paged(blocks * given.kv_block))
         attempt(name, "per-query lists, kept reps", per_query)
+
+        def index_step(schedule):
+            index_spec = spec.replace(selector="index", schedule=schedule, backend=backends.AUTO)
+            kernel = get_kernel(index_spec)
+            index = index_inputs(index_spec, WorkloadShape(shape.batch, shape.heads_kv, shape.n_q, shape.n_k), q.device,
+                                 q.dtype)
+            lens = torch.full((shape.batch,), shape.n_k - 1, dtype=torch.int32, device=q.device)
+            chooser = kernel.served(forward_roles(index_spec, shape.n_q, cache_rows=True)[1], shape.n_k, q.dtype,
+                                    q.device)
+            select = functools.partial(kernel.select, q, k, index=index, cache_seqlens=lens)
+            step = functools.partial(kernel, q, k, v, index=index, cache_seqlens=lens)
+            index_bytes = index[1].numel() * index[1].element_size() // shape.n_k * (shape.n_k - 1)
+            extra = dict(select_config=_config_json(chooser.config), select_config_source=chooser.source)
+            record(name, f"kernelgen index {schedule} select only", select, _bench_graph(select, log=log), 0, **extra)
+            record(name, f"kernelgen index {schedule}, cache_seqlens step", step, _bench_graph(step, log=log),
+                   kv_bytes + index_bytes, note="select + decode, one graph; kv_MB: the listed blocks' K and V plus "
+                                                "every key's index vector", **extra)
+
+        for schedule in ("q_centric", "kv_centric"):
+            attempt(name, f"index selector, {schedule}", lambda schedule=schedule: index_step(schedule))
 
         def flex():
             calls = [flex_call(q, k, v, flex_block_mask(idx, spec, shape), spec) for idx in lists]
