@@ -124,7 +124,7 @@ def test_a_prefill_over_cache_rows_is_refused_where_it_cannot_run(device):
     q, k, v, lens = _cache(N_Q, torch.float32, device, lengths=LENGTHS)
     cases = [
         (lambda: attn(q.requires_grad_(), k, v, cache_seqlens=lens), "no backward"),
-        (lambda: get_kernel(_spec("index"))(q, k, v, cache_seqlens=lens), "'select_index' role"),
+        (lambda: get_kernel(_spec("index"))(q, k, v, cache_seqlens=lens), "needs index="),
         (lambda: get_kernel(spec, configs={"attn_rows": AttnConfig(use_tma=True)}), "use_tma"),
     ]
     for call, words in cases:
