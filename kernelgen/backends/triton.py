@@ -739,6 +739,9 @@ def index_select_infeasible(spec: Spec, cfg: IndexSelectConfig, arch: str) -> st
         return f"rows={cfg.rows}; expected a power of two from 16 to 256"
     if cfg.splits not in (1, 2, 4, 8, 16, 32, 64):
         return f"splits={cfg.splits}; expected a power of two from 1 to 64"
+    reason = _merge_infeasible(spec, cfg.splits)
+    if reason:
+        return reason
     reason = _index_step_infeasible(spec, cfg, 2 * cfg.rows, "2 * rows", "fewer rows")
     if reason:
         return reason
@@ -766,7 +769,8 @@ def index_select_space(spec: Spec, arch: str):
 def decode_index_select_default(spec: Spec, arch: str) -> IndexSelectConfig:
     # a decode call's one Q tile: 16 packed rows (Hi = 16 index heads of one query fill them), its blocks split
     # over 16 programs (8 rows of a batch: 128 programs), as decode_select splits a tile's
-    cfg = IndexSelectConfig(rows=16, chunk=max(1, 128 // spec.kv_block), num_warps=4, num_stages=1, splits=16)
+    splits = max(1, min(16, MERGE_CANDIDATES // next_pow2(spec.top_k)))
+    cfg = IndexSelectConfig(rows=16, chunk=max(1, 128 // spec.kv_block), num_warps=4, num_stages=1, splits=splits)
     return cfg if index_select_infeasible(spec, cfg, arch) is None else index_select_default(spec, arch)
 
 
