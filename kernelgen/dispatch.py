@@ -434,6 +434,8 @@ class SparseAttention:
             # blocks score over the keys it sees, causal within its row, so none of the padding (whose own lists
             # are emptied); over a cache's rows the *_rows role takes them
             varlen = self._varlen(served, None if isinstance(rows, TokenRows) else rows)
+            if key_reps is not None:
+                check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: the pooling selectors' input
             if index is None:
                 raise KernelgenValueError("spec.selector='index' needs index=(q_idx, k_idx, w) (or block_idx=...)")
             return self._launch(served, q, shapes, *check_index(index, self.spec, shapes, q.device), **varlen)

@@ -57,6 +57,20 @@ def test_defaults_are_points_of_their_spaces(spec):
         assert cfg in space, (arch, role, cfg)
 
 
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_the_index_selector_s_decode_defaults_are_points_of_their_spaces(schedule):
+    """decode_select_index's and kv_decode_select_index's defaults are in their spaces (a tune times them first
+    and falls back to them), at every kv_block and head_dim, on every arch."""
+    role = "decode_select_index" if schedule == "q_centric" else "kv_decode_select_index"
+    for arch, kv_block, head_dim, top_k in itertools.product(("sm_80", "sm_89", "sm_90"), (16, 32, 64, 128),
+                                                             (64, 128), (16, 64)):
+        spec = Spec(head_dim=head_dim, kv_block=kv_block, top_k=top_k, causal=True, selector="index",
+                    schedule=schedule, **({"q_tile": 64} if schedule == "q_centric" else {}))
+        backend, kernel_spec = _served(spec, role)
+        cfg = backend.default_config(kernel_spec, role, arch)
+        assert cfg in backend.config_space(kernel_spec, role, arch), (arch, kv_block, head_dim, cfg)
+
+
 def test_the_arch_table():
     """Shared memory per program as CUDA gives it, TMA and wgmma on sm_90 only; the interpreter gets sm_90's
     facts, an arch the table lacks its least, one older than the kernels an error."""

@@ -157,6 +157,15 @@ def test_bad_index_inputs(device, schedule):
         attn(q, k, v, index=(qi, ki, w), block_idx=attn.select(q, k, index=(qi, ki, w)))
     with pytest.raises(KernelgenValueError, match="selector='mean' takes none"):
         kernelgen.get_kernel(spec.replace(selector="mean"))(q, k, v, index=(qi, ki, w))
+    # key_reps= feeds the pooling selectors: refused, not ignored, in a call, a selection and over a cache's rows
+    reps = kernelgen.get_kernel(spec.replace(selector="mean")).key_reps(k)
+    lens = torch.full((1,), 50, dtype=torch.int32, device=device)
+    for call in (lambda: attn(q, k, v, index=(qi, ki, w), key_reps=reps),
+                 lambda: attn.select(q, k, index=(qi, ki, w), key_reps=torch.zeros(3)),
+                 lambda: attn(q[:, :, :1], k, v, index=(qi[:, :, :1], ki, w[:, :, :1]), key_reps=reps,
+                              cache_seqlens=lens)):
+        with pytest.raises(KernelgenValueError, match="key_reps= is the input of the pooling selectors"):
+            call()
     with pytest.raises(KernelgenValueError, match="selector='given' takes none"):
         kernelgen.get_kernel(spec.replace(selector="given"))(q, k, v, index=(qi, ki, w))
     # given lists are still accepted by an index spec

@@ -776,7 +776,7 @@ def decode_index_select_default(spec: Spec, arch: str) -> IndexSelectConfig:
 
 def decode_index_select_space(spec: Spec, arch: str):
     return (IndexSelectConfig(rows=r, chunk=c, num_warps=w, num_stages=n, splits=sp)
-            for r, c, w, n, sp in itertools.product((16, 32, 64), (1, 2, 4), (4, 8), (1, 2), (4, 8, 16, 32)))
+            for r, c, w, n, sp in itertools.product((16, 32, 64), (1, 2, 4, 8), (4, 8), (1, 2), (4, 8, 16, 32)))
 
 
 # ---- the index selector for per-query lists (KV-centric): feasibility, defaults, space ----------------------
@@ -860,6 +860,15 @@ def kv_decode_index_select_default(spec: Spec, arch: str) -> KvIndexSelectConfig
     decode = KvIndexSelectConfig(queries=16, heads=1, chunk=chunk, span=max(chunk, 8), rows=8, width=width,
                                  num_warps=4, num_stages=1, hold=True)
     return decode if kv_index_select_infeasible(spec, decode, arch) is None else kv_index_select_default(spec, arch)
+
+
+def kv_decode_index_select_space(spec: Spec, arch: str):
+    """One query a row: the fewest queries a product takes, shorter spans (more programs), and the top-k's fewest
+    rows; the default (`kv_decode_index_select_default`) among them."""
+    return (KvIndexSelectConfig(queries=16, heads=h, chunk=c, span=sp, rows=8, width=wd, num_warps=w, num_stages=1,
+                                hold=hold)
+            for h, c, sp, wd, w, hold in itertools.product((1, 2), (1, 2, 4, 8, 16), (4, 8, 16, 32), (32, 128, 256),
+                                                           (4, 8), (False, True)))
 
 
 def kv_index_select_space(spec: Spec, arch: str):
@@ -1799,7 +1808,7 @@ class TritonBackend(Backend):
                                     space=kv_index_select_space, infeasible=kv_index_select_infeasible),
         "kv_decode_select_index": RoleImpl(launch=launch_kv_select_index, template="triton/kv_decode_select_index.py.j2",
                                          config_type=KvIndexSelectConfig, default=kv_decode_index_select_default,
-                                         space=kv_index_select_space, infeasible=kv_index_select_infeasible,
+                                         space=kv_decode_index_select_space, infeasible=kv_index_select_infeasible,
                                          varlen=True),
         "kv_attn": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn.py.j2", config_type=KvAttnConfig,
                             default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible),
