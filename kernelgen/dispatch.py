@@ -432,7 +432,7 @@ class SparseAttention:
         if self.spec.selector == "index":
             # per-query lists over a right-padded batch (check_token_rows) select without the lengths: a query's
             # blocks score over the keys it sees, causal within its row, so none of the padding (whose own lists
-            # are emptied); over a cache's rows the *_rows role takes them
+            # are emptied); over a cache's rows the decode role takes them
             varlen = self._varlen(served, None if isinstance(rows, TokenRows) else rows)
             if key_reps is not None:
                 check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: the pooling selectors' input

@@ -89,9 +89,10 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
     cache_seqlens=None, cache_leftpad=None, seqlens=None, block_table=None)`, `varlen(q, k, v, cu_seqlens,
     max_seqlen=None, *, block_idx=None, index=None, scale=None, return_lse=False)` (packed sequences, as
     SparseAttention.varlen), `select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None,
-    seqlens=None, block_table=None)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as SparseAttention.prepare),
-    `key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None, block_table=None)` (the pooling selectors' kept
-    representatives, as SparseAttention.key_reps), `SPEC` (the spec's fields), `CONFIGS` (the configs' fields) and
+    seqlens=None, block_table=None)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as
+    SparseAttention.prepare), `key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None,
+    block_table=None)` (the pooling selectors' kept representatives, as SparseAttention.key_reps), `SPEC` (the
+    spec's fields), `CONFIGS` (the configs' fields) and
     `kernel` (the SparseAttention behind them; `kernel.validate_lists = True` makes repeated ids in given lists an
     error). Its inputs are checked
     exactly as get_kernel's are (the same code). Without a CUDA device it selects Triton's interpreter

@@ -492,6 +492,8 @@ register_role(Role("attn_paged", "attention of a prefill chunk over a paged KV c
 register_role(Role("kv_attn_paged", "attention over per-query lists of a prefill chunk over a paged KV cache: "
                    "kv_attn's partial kernel with each task's block based in its page, then its combine",
                    canonical=_KERNEL_READS_LISTS, workload=paged_rows_workload, reverse_index=True))
+
+
 def decode_select_index_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
     """The index selector's workload in a decode step over a KV cache of per-row lengths (`cache_rows_lengths`):
     one query at the end of each row, its lists judged against each row's own float64 scores."""

@@ -17,7 +17,8 @@ from .inputs import BlockLists, ReadOnce, check_length
 from .spec import Spec
 
 __all__ = ["VARLEN_LAYOUT", "VARLEN_INDEX_LAYOUT", "PackedBatch", "check_packed", "check_cu_seqlens",
-           "check_max_seqlen", "sequence_lengths", "packed_attention", "packed_batches", "batch_call", "batch_outputs", "batch_lists"]
+           "check_max_seqlen", "sequence_lengths", "packed_attention", "packed_batches", "batch_call", "batch_outputs",
+           "batch_lists"]
 
 VARLEN_LAYOUT = ("q [total, Hq, D], k and v [total, Hkv, D] (FlashAttention's varlen layout: the sequences one "
                  "after another), cu_seqlens int32 [n + 1] (0, then each sequence's end)")

@@ -1553,8 +1553,8 @@ def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes,
     cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q_tiles * cfg.splits * top_k_pad,
                                                    device=q_idx.device, dtype=torch.int64)
     kernel[(shapes.n_q_tiles, n_bh, cfg.splits)](
-        q_idx, k_idx, w, block_idx, cand, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv,
-        index_heads, *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2],
+        q_idx, k_idx, w, block_idx, cand, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks,
+        shapes.heads_kv, index_heads, *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2],
         *block_idx.stride()[:3],
         INDEX_DIM=q_idx.shape[3], Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, TOP_K=spec.top_k,
         TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local, HEADS_STEP=heads_step, Q_ROWS=q_rows,
@@ -1593,7 +1593,7 @@ def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Sh
     step = max(cfg.queries, cfg.rows)
     chunk_q = min(cdiv(shapes.n_q, step), max(1, KV_INDEX_SCORES_BYTES // (4 * bh * n_blocks * step))) * step
     scores = torch.empty(bh, chunk_q, n_blocks, device=q_idx.device, dtype=torch.float32)
-    rows = {} if seqlens is None else {"HAS_LEFTPAD": leftpad is not None}
+    row_options = _has_leftpad(seqlens, leftpad)
     scores_kernel, topk_kernel, lengths = ((mod.kv_index_block_scores, mod.kv_index_topk, ()) if seqlens is None else
                                            (mod.kv_index_block_scores_rows, mod.kv_index_topk_rows,
                                             _row_keys(seqlens, leftpad)))
@@ -1604,13 +1604,13 @@ def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Sh
             *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2], *scores.stride()[:2],
             INDEX_DIM=q_idx.shape[3], KV_BLOCK=spec.kv_block, QUERIES=cfg.queries,
             HEADS_STEP=min(cfg.heads, next_pow2(index_heads)), CHUNK=cfg.chunk, SPAN=cfg.span, CAUSAL=spec.causal,
-            HOLD=hold, INDEX_HEADS=index_heads if hold else 1, **rows, num_warps=cfg.num_warps,
+            HOLD=hold, INDEX_HEADS=index_heads if hold else 1, **row_options, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
         topk_kernel[(cdiv(n_chunk, cfg.rows), bh)](
             scores, block_idx, *lengths, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, *scores.stride()[:2],
             *block_idx.stride()[:3], KV_BLOCK=spec.kv_block, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k),
             SINK=spec.sink, N_LOCAL=spec.n_local, ROWS=cfg.rows, WIDTH=kv_index_select_width(spec, cfg),
-            CAUSAL=spec.causal, **rows, num_warps=4)
+            CAUSAL=spec.causal, **row_options, num_warps=4)
     return block_idx
 
 
@@ -1806,7 +1806,8 @@ class TritonBackend(Backend):
         "kv_select_index": RoleImpl(launch=launch_kv_select_index, template="triton/kv_select_index.py.j2",
                                     config_type=KvIndexSelectConfig, default=kv_index_select_default,
                                     space=kv_index_select_space, infeasible=kv_index_select_infeasible),
-        "kv_decode_select_index": RoleImpl(launch=launch_kv_select_index, template="triton/kv_decode_select_index.py.j2",
+        "kv_decode_select_index": RoleImpl(launch=launch_kv_select_index,
+                                         template="triton/kv_decode_select_index.py.j2",
                                          config_type=KvIndexSelectConfig, default=kv_decode_index_select_default,
                                          space=kv_decode_index_select_space, infeasible=kv_index_select_infeasible,
                                          varlen=True),
