@@ -306,8 +306,9 @@ def tune(
                                                      "dir's SQLite file; with --workers > 1 its journal file)."),
     preset: Optional[str] = typer.Option(None, help="A named set of studies instead of one spec: bench (the "
                                                     "benchmark shapes: each backend's attention, the selector and "
-                                                    "the backward), kv (the KV-centric bench shapes); --role "
-                                                    "narrows it."),
+                                                    "the backward), kv (the KV-centric bench shapes), decode "
+                                                    "(the decode bench shapes: decode and each schedule's "
+                                                    "selection of a decode step); --role narrows it."),
     shapes: Optional[str] = typer.Option(None, help="With --preset: comma-separated shape names."),
     backends_option: Optional[str] = typer.Option(None, "--backends", help="With --preset or --model: comma-separated "
                                                                            "backends."),

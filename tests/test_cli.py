@@ -271,6 +271,25 @@ def test_tune_presets_take_roles_and_the_kv_shapes():
                    "--preset kv plans no study on sm_90 with --backends tilelang")
 
 
+def test_the_decode_preset_plans_decode_and_each_schedule_s_decode_selection():
+    """The decode preset tunes what `bench --decode` times: decode over given lists, and a decode step's selection
+    (both selectors, both schedules), on a decode shape's one query against its whole cache."""
+    from kernelgen.tuning.presets import studies
+
+    planned = studies("decode", "sm_90", ["dec_b64k"], ["triton"])
+    assert [(s.role, s.spec.selector, s.spec.schedule) for s in planned] == [
+        ("decode", "given", "q_centric"), ("decode_select", "mean", "q_centric"),
+        ("kv_decode_select", "mean", "kv_centric"), ("decode_select_index", "index", "q_centric"),
+        ("kv_decode_select_index", "index", "kv_centric")]
+    assert all(s.seq == 65536 and s.shape == {"batch": 8, "heads_kv": 1, "n_q": 1, "n_k": 65536} for s in planned)
+    assert all(s.spec.gqa_group == 16 and s.spec.kv_block == 128 and s.spec.causal for s in planned)
+    result = invoke("tune", "--arch", "sm_90", "--preset", "decode", "--shapes", "dec_c32k", "--role",
+                    "decode_select_index", "--dry-run")
+    assert result.exit_code == 0 and "decode_select_index (triton)" in result.output, result.output
+    one_line_error(invoke("tune", "--arch", "sm_90", "--preset", "decode", "--shapes", "c", "--dry-run"),
+                   "--shapes 'c' is unknown")
+
+
 def test_tune_trials_override_a_presets_own_counts():
     """A preset plans each study's own trial count; an explicit --trials sets them all."""
     base = ("tune", "--arch", "sm_90", "--preset", "kv", "--shapes", "kv_nsa32k", "--role", "kv_bwd", "--dry-run")

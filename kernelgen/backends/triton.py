@@ -768,9 +768,11 @@ def index_select_space(spec: Spec, arch: str):
 
 def decode_index_select_default(spec: Spec, arch: str) -> IndexSelectConfig:
     # a decode call's one Q tile: 16 packed rows (Hi = 16 index heads of one query fill them), its blocks split
-    # over 16 programs (8 rows of a batch: 128 programs), as decode_select splits a tile's
+    # over 16 programs (8 rows of a batch: 128 programs), as decode_select splits a tile's; 256 keys a step (the
+    # tuned winner at bench --decode's dec_b64k and dec_c32k, H100: 1.43x and 1.15x over 128 keys)
     splits = max(1, min(16, MERGE_CANDIDATES // next_pow2(spec.top_k)))
-    cfg = IndexSelectConfig(rows=16, chunk=max(1, 128 // spec.kv_block), num_warps=4, num_stages=1, splits=splits)
+    chunk = max(1, min(8, 256 // spec.kv_block))
+    cfg = IndexSelectConfig(rows=16, chunk=chunk, num_warps=4, num_stages=1, splits=splits)
     return cfg if index_select_infeasible(spec, cfg, arch) is None else index_select_default(spec, arch)
 
 
@@ -854,7 +856,8 @@ def kv_index_select_default(spec: Spec, arch: str) -> KvIndexSelectConfig:
 def kv_decode_index_select_default(spec: Spec, arch: str) -> KvIndexSelectConfig:
     # a decode step: one query a row, so a product's rows are queries=16 (tl.dot's least; kv_select_index's 64
     # score 63 padding rows), and the keys spread over more programs (span 8). At 8 rows of up to 64k keys (Hi 16,
-    # Di 128, 64-key blocks, top-32): 148 us against 322 with kv_select_index's default (H200, 2026-12-06)
+    # Di 128, 64-key blocks, top-32): 148 us against 322 with kv_select_index's default (H200); within 1.12x of
+    # the tuned winners at bench --decode's shapes (H100)
     chunk = max(1, 256 // spec.kv_block)
     width = max(128, next_pow2(spec.top_k))
     decode = KvIndexSelectConfig(queries=16, heads=1, chunk=chunk, span=max(chunk, 8), rows=8, width=width,

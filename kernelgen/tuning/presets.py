@@ -8,6 +8,10 @@
           (kv_attn_union, on lists whose neighbours agree), the backward (kv_bwd, and kv_bwd_union on such lists),
           the mean selector (kv_select) and the index selector (kv_select_index, on Hi = 4, Di = 64 index
           vectors), Triton.
+  decode  the decode bench shapes (DECODE_SHAPES, a few queries against a long KV cache): the `decode` attention
+          of each backend that has it, and the selection of a decode step under each schedule, as `bench --decode`
+          times it (decode_select and kv_decode_select for the `mean` selector; decode_select_index and
+          kv_decode_select_index on Hi = 4, Di = 64 index vectors over a cache of per-row lengths).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from .. import backends
 from ..archs import check_arch
 from ..errors import KernelgenValueError
 from ..spec import Spec
-from ..workloads import KV_CENTRIC_SHAPES, SHAPES
+from ..workloads import DECODE_SHAPES, KV_CENTRIC_SHAPES, SHAPES
 
 __all__ = ["Study", "PRESETS", "studies"]
 
@@ -66,7 +70,8 @@ def _bench(arch: str, shape_names, backend_names) -> Iterator[Study]:
 KV_TRIALS = {"kv_attn": 16, "kv_attn_union": 12, "kv_bwd": 12, "kv_bwd_union": 12, "kv_select": 8,
              "kv_select_index": 12}
 KV_SELECTORS = {"kv_select": "mean", "kv_select_index": "index"}  # the selector each selection role tunes
-DEFAULT_SHAPES = {"bench": ["a32k", "b", "c", "c_dense"], "kv": list(KV_CENTRIC_SHAPES)}
+DEFAULT_SHAPES = {"bench": ["a32k", "b", "c", "c_dense"], "kv": list(KV_CENTRIC_SHAPES),
+                  "decode": list(DECODE_SHAPES)}
 
 
 def _workload(shape) -> dict:
@@ -87,7 +92,36 @@ def _kv(arch: str, shape_names, backend_names) -> Iterator[Study]:
                     yield Study(f"{name} {role} {backend.name}", spec, role, shape.n_k, trials, _workload(shape))
 
 
-PRESETS = {"bench": _bench, "kv": _kv}
+DECODE_TRIALS = 12  # per selection role of a decode step (decode's own space is small: searched whole)
+# the selection role of a decode step: (selector, schedule) it tunes
+DECODE_SELECTIONS = {"decode_select": ("mean", "q_centric"), "kv_decode_select": ("mean", "kv_centric"),
+                     "decode_select_index": ("index", "q_centric"),
+                     "kv_decode_select_index": ("index", "kv_centric")}
+
+
+def _decode(arch: str, shape_names, backend_names) -> Iterator[Study]:
+    for name in shape_names:
+        if name not in DECODE_SHAPES:
+            raise KernelgenValueError(f"shapes={name!r} is unknown; expected some of {list(DECODE_SHAPES)}")
+        shape = DECODE_SHAPES[name]
+        for backend_name in backend_names:
+            backend = backends.get(backend_name)
+            if backend.arch_unsupported(arch):
+                continue
+            given = shape.spec("given").replace(backend=backend.name)
+            if "decode" in backend.roles and not backend.spec_unsupported(given):
+                space = len(backend.config_space(given, "decode", arch))
+                if space:
+                    yield Study(f"{name} decode {backend.name}", given, "decode", shape.n_k,
+                                space if space <= GRID_MAX else DECODE_TRIALS, _workload(shape))
+            for role, (selector, schedule) in DECODE_SELECTIONS.items():
+                spec = shape.spec(selector).replace(schedule=schedule, backend=backend.name)
+                if role in backend.roles and not backend.spec_unsupported(spec):
+                    yield Study(f"{name} {role} {backend.name}", spec, role, shape.n_k, DECODE_TRIALS,
+                                _workload(shape))
+
+
+PRESETS = {"bench": _bench, "kv": _kv, "decode": _decode}
 
 
 def studies(preset: str, arch: str, shape_names=None, backend_names=None, roles=None) -> list[Study]:
