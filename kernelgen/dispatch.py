@@ -143,7 +143,8 @@ class SparseAttention:
                                           (`inputs.INDEX_LAYOUT`); attn.select(q, k, index=...) likewise
     attn(q, k_pages, v_pages, block_table=t, cache_seqlens=n)   a decode call or prefill chunk over a paged
                                           KV cache (`inputs.PAGED_LAYOUT`); key_reps(k_pages, block_table=t, ...)
-                                          likewise
+                                          likewise; the index selector's k_idx paged the same way, through the
+                                          same table (`inputs.PAGED_INDEX_LAYOUT`)
     attn(q, k, v, seqlens=n)              a right-padded batch; attn.varlen(q, k, v, cu_seqlens) packed sequences
                                           (`varlen.VARLEN_LAYOUT`), each as the call over it alone
 
@@ -375,9 +376,6 @@ class SparseAttention:
             if seqlens is not None:
                 raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or block_table= (a paged "
                                           "KV cache's), not both")
-            if self.spec.selector == "index" or index is not None:
-                raise KernelgenValueError("block_table= takes the pooling selectors (mean, multi:r) or given lists, "
-                                          "not the index selector (its k_idx is not paged)")
             return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device, block_table)
         if seqlens is None:
             return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device)
@@ -438,7 +436,8 @@ class SparseAttention:
                 check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: the pooling selectors' input
             if index is None:
                 raise KernelgenValueError("spec.selector='index' needs index=(q_idx, k_idx, w) (or block_idx=...)")
-            return self._launch(served, q, shapes, *check_index(index, self.spec, shapes, q.device), **varlen)
+            pool = None if "block_table" not in varlen else (k.shape[0], k.shape[2])  # k_idx paged as k is
+            return self._launch(served, q, shapes, *check_index(index, self.spec, shapes, q.device, pool), **varlen)
         varlen = self._varlen(served, rows)
         k_rep = None if key_reps is None else check_key_reps(key_reps, self.spec, shapes, q.device, bool(varlen))
         if index is not None:

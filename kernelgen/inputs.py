@@ -40,6 +40,9 @@ _GPU_DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DIMS = (32, 64, 128)  # Di of the index selector's vectors
 INDEX_LAYOUT = ("index=(q_idx [B, Hkv*Hi, Nq, Di], k_idx [B, Hkv or 1, Nk, Di], w [B, Hkv*Hi, Nq]): Hi index heads "
                 "per KV head (h*Hi .. h*Hi+Hi-1 belong to KV head h), one index key head per KV head or one shared")
+PAGED_INDEX_LAYOUT = ("over a paged cache (block_table=), k_idx is a pool of pages [n_pages, Hkv or 1, page_size, Di] "
+                      "read through the same block_table as k and v: row b's key p in page block_table[b, p // "
+                      "page_size]")
 _INDEX_FP8 = torch.float8_e4m3fn  # index vectors computed in fp8 (fp32 accumulation), on sm_90 only
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -644,10 +647,13 @@ def describe_index(index) -> str:
     return type(index).__name__
 
 
-def check_index(index, spec: Spec, shapes: Shapes, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def check_index(index, spec: Spec, shapes: Shapes, device,
+                pool: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The index selector's (q_idx, k_idx, w), checked against the call's shapes and device (INDEX_LAYOUT);
     Hi comes from q_idx's heads. q_idx and k_idx share a dtype: float16, bfloat16, float32, or float8_e4m3fn on
-    sm_90 (Hopper) GPUs; w is float32, float16 or bfloat16. Each is contiguous in its last dim."""
+    sm_90 (Hopper) GPUs; w is float32, float16 or bfloat16. Each is contiguous in its last dim. `pool`: a call
+    over a paged cache's (n_pages, page_size): k_idx is a pool of pages [n_pages, Hkv or 1, page_size, Di] that
+    the call's block_table reads, as k's (PAGED_INDEX_LAYOUT)."""
     if spec.selector != "index":
         raise KernelgenValueError(f"index= is the input of the 'index' selector; spec.selector={spec.selector!r} "
                                   "takes none (use Spec(selector='index'))")
@@ -690,9 +696,17 @@ def check_index(index, spec: Spec, shapes: Shapes, device) -> tuple[torch.Tensor
     di = q_idx.shape[3]
     if di not in INDEX_DIMS:
         raise KernelgenValueError(f"index: q_idx.shape[-1] = {di} (Di) is not supported; expected one of {INDEX_DIMS}")
-    if k_idx.shape[0] != b or k_idx.shape[1] not in (hkv, 1) or k_idx.shape[2] != nk or k_idx.shape[3] != di:
+    heads_k = hkv if hkv == 1 else f"{hkv} or 1"
+    if pool is not None:
+        n_pages, page_size = pool
+        if k_idx.shape[0] != n_pages or k_idx.shape[1] not in (hkv, 1) or k_idx.shape[2] != page_size or \
+                k_idx.shape[3] != di:
+            raise KernelgenValueError(f"index: k_idx.shape = {tuple(k_idx.shape)}, expected pages [n_pages, Hkv or 1, "
+                                      f"page_size, Di] = [{n_pages}, {heads_k}, {page_size}, {di}] with block_table= "
+                                      f"(k's pool and pages); {PAGED_INDEX_LAYOUT}")
+    elif k_idx.shape[0] != b or k_idx.shape[1] not in (hkv, 1) or k_idx.shape[2] != nk or k_idx.shape[3] != di:
         raise KernelgenValueError(f"index: k_idx.shape = {tuple(k_idx.shape)}, expected [B, Hkv or 1, Nk, Di] = "
-                                  f"[{b}, {hkv if hkv == 1 else f'{hkv} or 1'}, {nk}, {di}]; {INDEX_LAYOUT}")
+                                  f"[{b}, {heads_k}, {nk}, {di}]; {INDEX_LAYOUT}")
     if tuple(w.shape) != (b, heads, nq):
         raise KernelgenValueError(f"index: w.shape = {tuple(w.shape)}, expected [B, Hkv*Hi, Nq] = {(b, heads, nq)}; "
                                   f"{INDEX_LAYOUT}")

@@ -264,7 +264,7 @@ def sparse_attention(
     queries and keys alone (clamped to [0, N]); o = 0 and lse = -inf past them, and its lists (given: its
     own) padded with -1 past its tiles. `block_table` ([B, pages a row] ints): k and v are pools of pages
     [n_pages, Hkv, page_size, D], the call over `gather_pages` of them (each row's capacity without
-    cache_seqlens). Given lists with a batch or KV-head dimension of 1 hold every row's or head's list."""
+    cache_seqlens), and so is the index selector's k_idx ([n_pages, Hkv or 1, page_size, Di]). Given lists with a batch or KV-head dimension of 1 hold every row's or head's list."""
     _check_heads(q, k, spec)
     if seqlens is not None and (q.shape[2] != k.shape[2] or cache_seqlens is not None or block_table is not None):
         raise KernelgenValueError(f"seqlens is a padded batch of self-attention: Nq == Nk (got {q.shape[2]} and "
@@ -272,6 +272,8 @@ def sparse_attention(
     block_idx = _broadcast_lists(block_idx, q, k)
     if block_table is not None:
         k, v = gather_pages(k, block_table, cache_seqlens), gather_pages(v, block_table, cache_seqlens)
+        if index is not None:  # k_idx paged as k is, through the same table
+            index = (index[0], gather_pages(index[1], block_table, cache_seqlens), index[2])
         if cache_seqlens is None:
             cache_seqlens = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32)
     if cache_seqlens is not None:

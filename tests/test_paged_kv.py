@@ -14,7 +14,7 @@ from kernelgen.errors import KernelgenTypeError, KernelgenValueError
 from kernelgen.roles import forward_roles
 
 from checks import assert_close_to_reference, assert_valid_selection
-from test_cache_seqlens import _cache, _spec
+from test_cache_seqlens import _cache, _index, _spec
 from test_decode import random_lists
 
 LENGTHS = (96, 37, 0, 48, 1)  # a full row, a partial block, an empty row, a page boundary, one key
@@ -184,11 +184,83 @@ def test_bad_pages_are_named(device):
         attn(q, k_pages.transpose(1, 2).contiguous(), v_pages.transpose(1, 2).contiguous(), block_table=table)
     with pytest.raises(KernelgenValueError, match="no backward"):
         attn(q.requires_grad_(), k_pages, v_pages, block_table=table)
-    with pytest.raises(KernelgenValueError, match="not the index selector"):
-        get_kernel(_spec("index")).select(q.detach(), k_pages, block_table=table)
 
 
 N_Q = 40  # more than a decode call's 16: a prefill chunk; more than rows 1, 3 and 4 hold
+
+
+def _paged_index(q, table, page_size, shared_key=False):
+    """The index selector's inputs beside `_paged_cache`'s: (q_idx, k_idx, w) and k_idx's pages, through the same
+    table."""
+    q_idx, k_idx, w = _index(q, 96, shared_key=shared_key)
+    k_idx_pages, _ = paged(k_idx, page_size, table=table.cpu())
+    return (q_idx, k_idx, w), (q_idx, k_idx_pages, w)
+
+
+@pytest.mark.parametrize("schedule, n_q, dtype, page_size, shared_key", [
+    ("q_centric", 1, torch.float32, 16, False), ("q_centric", N_Q, torch.float16, 32, True),
+    ("kv_centric", 3, torch.float16, 32, True), ("kv_centric", N_Q, torch.float32, 16, False)])
+def test_the_index_selector_reads_k_idx_from_the_same_pages(schedule, n_q, dtype, page_size, shared_key, device):
+    """Over a paged cache the index selector reads k_idx from its own pool of pages through the call's block_table:
+    lists and o are the contiguous cache's call's bit for bit (a decode call, and a prefill chunk), and match the
+    float64 reference; no page outside the rows' is read (every other page of each pool is NaN)."""
+    spec = _spec("index", schedule)
+    attn = get_kernel(spec)
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(n_q, dtype, device, page_size)
+    index, paged_index = _paged_index(q, table, page_size, shared_key)
+    lists = attn.select(q, k_pages, index=paged_index, cache_seqlens=lens, block_table=table)
+    assert torch.equal(lists, attn.select(q, k, index=index, cache_seqlens=lens))
+    o, lse = attn(q, k_pages, v_pages, index=paged_index, block_table=table, cache_seqlens=lens, return_lse=True)
+    o_dense, lse_dense = attn(q, k, v, index=index, cache_seqlens=lens, return_lse=True)
+    if n_q <= 16:  # decode: the same kernel over the same lists
+        assert torch.equal(o, o_dense) and torch.equal(lse, lse_dense)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k_pages, v_pages, spec, index=paged_index,
+                                                   cache_seqlens=lens, block_table=table)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, dtype)
+    assert not torch.isnan(o).any() and (o[2] == 0).all() and (lists[2] == -1).all()  # the empty row
+    for b in (0, 1, 3):  # each row's lists: a valid top-k of its own keys' float64 index scores
+        n = int(lens[b])
+        row_index = (index[0][b:b + 1], index[1][b:b + 1, :, :n], index[2][b:b + 1])
+        assert_valid_selection(lists[b:b + 1], q[b:b + 1], k[b:b + 1, :, :n], spec, index=row_index)
+
+
+def test_index_pages_outside_the_pool_hold_no_keys(device):
+    """A table entry outside [0, n_pages) is never read for k_idx either: past a row's keys it changes nothing;
+    among them its keys are no row keys (never scored), and no NaN reaches the lists or o."""
+    spec = _spec("index")
+    attn = get_kernel(spec)
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(1, torch.float32, device, 32)
+    _, paged_index = _paged_index(q, table, 32)
+    lists = attn.select(q, k_pages, index=paged_index, block_table=table, cache_seqlens=lens)
+    unused = table.clone()
+    unused[1, 2], unused[4, 1:] = -1, 10**6
+    assert torch.equal(attn.select(q, k_pages, index=paged_index, block_table=unused, cache_seqlens=lens), lists)
+    holes = table.clone()
+    holes[0, 0] = -5  # row 0's first page: blocks 0 and 1, whose keys then score nothing
+    o = attn(q, k_pages, v_pages, index=paged_index, block_table=holes, cache_seqlens=lens)
+    assert not torch.isnan(o).any()
+
+
+def test_a_paged_index_is_checked_against_the_pool(device):
+    """k_idx over a paged cache must be a pool of k's pages (n_pages, page_size); its contiguous form is told so."""
+    attn = get_kernel(_spec("index"))
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(1, torch.float32, device, 32)
+    index, paged_index = _paged_index(q, table, 32)
+    with pytest.raises(KernelgenValueError, match=r"expected pages \[n_pages, Hkv or 1, page_size, Di\] = "
+                                                  r"\[18, 2 or 1, 32, 32\] with block_table="):
+        attn(q, k_pages, v_pages, index=index, block_table=table, cache_seqlens=lens)
+    with pytest.raises(KernelgenValueError, match=r"k_idx.shape = \(18, 2, 16, 32\)"):
+        attn.select(q, k_pages, index=(paged_index[0], paged_index[1][:, :, :16], paged_index[2]),
+                    block_table=table, cache_seqlens=lens)
+    with pytest.raises(KernelgenValueError, match=r"expected \[B, Hkv or 1, Nk, Di\]"):  # pages without a table
+        attn(q, k, v, index=paged_index, cache_seqlens=lens)
+    with pytest.raises(KernelgenValueError, match="needs index="):
+        attn(q, k_pages, v_pages, block_table=table)
+    with pytest.raises(KernelgenValueError, match="cache_leftpad= cannot go with block_table="):
+        attn(q, k_pages, v_pages, index=paged_index, block_table=table, cache_leftpad=lens * 0)
+
+
+
 
 
 def test_a_paged_prefill_runs_the_paged_roles():
@@ -369,6 +441,46 @@ def test_a_long_paged_cache_on_gpu(schedule, selector, page_size):
     if spec.selects:
         reps = attn.key_reps(k_pages, block_table=table, cache_seqlens=lens)
         assert torch.equal(reps.reps, attn.key_reps(k, cache_seqlens=lens).reps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule, n_q", [("q_centric", 1), ("kv_centric", 1), ("q_centric", 64),
+                                           ("kv_centric", 64)])
+def test_the_index_selector_over_a_long_paged_cache_on_gpu(schedule, n_q):
+    """DSA's decode step (and a prefill chunk) over a paged bf16 cache of rows of 32k, 20000, 1 and 0 keys, k_idx
+    paged through the same table: the contiguous cache's lists bit for bit, o against the reference, and a CUDA
+    graph of the step replays it bit for bit after the table's pages move."""
+    spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=2, sink=1,
+                selector="index")
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(n_q, torch.bfloat16, "cuda", 32768, (32768, 20000, 1, 0), heads_kv=2, group=4,
+                           head_dim=128)
+    k_pages, table = paged(k, 512)
+    v_pages, _ = paged(v, 512, table=table.cpu())
+    gen = torch.Generator("cuda").manual_seed(5)  # Hi = 4 index heads of Di = 64 a KV head, one shared key head
+    q_idx, k_idx = (torch.randn(4, h, n, 64, device="cuda", generator=gen).to(torch.bfloat16)
+                    for h, n in ((8, n_q), (1, 32768)))
+    w = torch.rand(4, 8, n_q, device="cuda", generator=gen)
+    k_idx_pages, _ = paged(k_idx, 512, table=table.cpu())
+    index, paged_index = (q_idx, k_idx, w), (q_idx, k_idx_pages, w)
+    lists = attn.select(q, k_pages, index=paged_index, block_table=table, cache_seqlens=lens)
+    assert torch.equal(lists, attn.select(q, k, index=index, cache_seqlens=lens))
+    o, lse = attn(q, k_pages, v_pages, index=paged_index, block_table=table, cache_seqlens=lens, return_lse=True)
+    ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec, index=index, cache_seqlens=lens)
+    assert_close_to_reference(o, lse, ref_o, ref_lse, torch.bfloat16)
+    if n_q <= 16:  # a decode call: the same kernels over the same lists
+        assert torch.equal(o, attn(q, k, v, index=index, cache_seqlens=lens))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = attn(q, k_pages, v_pages, index=paged_index, block_table=table, cache_seqlens=lens)
+    graph.replay()
+    assert torch.equal(replayed, o)
+    moved = torch.randperm(k_pages.shape[0], device="cuda")  # every pool's pages moved, the table with them
+    for pool in (k_pages, v_pages, k_idx_pages):
+        pool[moved] = pool.clone()
+    table.copy_(moved[table.long()].to(torch.int32))
+    graph.replay()
+    assert torch.equal(replayed, o)
 
 
 def test_a_paged_prefill_of_256_key_blocks(device):

@@ -18,7 +18,7 @@ A case: {"spec": Spec fields, "n": seq length} and, per role, that role's config
 (dispatch checks them), and compiled where the spec runs the role; a role without one gets the arch's default.
 "backward": true, or a backward role's config, compiles the backward's kernels (bwd_delta, bwd_dq, bwd_dkdv)
 too; a "decode" config, the decode role's (after the forward's: a call of one query, its selection where the spec
-selects, else given lists); "rows": true, a prefill over a cache of per-row lengths (`attn_rows`, or
+selects, else given lists; the index selector's over the cache's pages too); "rows": true, a prefill over a cache of per-row lengths (`attn_rows`, or
 `kv_attn_rows` for per-query lists, then `attn_paged` or `kv_attn_paged` over the cache's pages, after the
 forward, over its lists); "union": true, a per-query
 spec's union design too (kv_attn_union after the forward, kv_bwd_union after the backward); "index": {"heads": Hi, "dim": Di,
@@ -331,6 +331,11 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                     out = run(spec, role, configs.get(role), one, *_launch_args(role, t, one))
                     t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))
                     t["lists"] = t["lists"].clamp(-1, one.n_kv_blocks - 1)
+                if "index" in t:  # and over the cache's pages: k_idx paged as k is
+                    q_idx, k_idx, w = t["index"]
+                    k_idx_pages = scatter_pages(torch.nn.functional.pad(k_idx, room), spec.kv_block, pages)
+                    run(spec, decode_selection, configs.get(decode_selection), one, q_idx, k_idx_pages, w,
+                        t["seqlens"], None, t["table"])
             result = {"case": i, "kernels": [[name, kernel.metadata.shared] for name, kernel in compiled]}
             if case.get("resources"):
                 result["resources"] = [_resources(name, kernel, capability) for name, kernel in compiled]

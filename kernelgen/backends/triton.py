@@ -1536,13 +1536,27 @@ def pool_ratio(spec: Spec, k: torch.Tensor, v: torch.Tensor) -> int:
     return ratio if k.shape[0] * ratio * spec.kv_block < 2 ** 31 else 0
 
 
+def _index_pages(k_idx: torch.Tensor, seqlens: torch.Tensor | None, leftpad: torch.Tensor | None,
+                 block_table: torch.Tensor | None) -> tuple[tuple, tuple, int]:
+    """The index selector's arguments of a call's rows, before its counts and after them, and PAGE_SIZE: none for
+    a call of one length (TABLE unread); over a cache's rows SEQLENS, LEFTPAD, TABLE and n_pages, stride_tb; over a
+    paged one, k_idx a pool of pages [n_pages, Hkv or 1, page_size, Di] (its page stride in the batch stride's
+    place) read through `block_table`."""
+    if seqlens is None:
+        return (None,), (0,), 0
+    if block_table is None:
+        return (*_row_keys(seqlens, leftpad), None), (0, 0), 0
+    return (*_row_keys(seqlens, leftpad), block_table), (k_idx.shape[0], block_table.stride(0)), k_idx.shape[2]
+
+
 def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
                         k_idx: torch.Tensor, w: torch.Tensor, seqlens: torch.Tensor | None = None,
-                        leftpad: torch.Tensor | None = None) -> torch.Tensor:
+                        leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Block lists int32 [B, Hkv, n_q_tiles, top_k] (ids ascending, then -1) chosen by the index selector from
     checked index tensors (`inputs.check_index`): q_idx [B, Hkv*Hi, Nq, Di], k_idx [B, Hkv or 1, Nk, Di],
     w [B, Hkv*Hi, Nq]. `seqlens`, `leftpad`: k_idx is a cache whose row b holds keys [leftpad[b], seqlens[b])
-    (the `decode_select_index` role's module), each row's lists its own call's."""
+    (the `decode_select_index` role's module), each row's lists its own call's; with `block_table`, k_idx is a
+    pool of pages [n_pages, Hkv or 1, page_size, Di] (`inputs.check_index`'s paged form) that the table reads."""
     index_heads = q_idx.shape[1] // shapes.heads_kv
     heads_step = min(next_pow2(index_heads), cfg.rows)  # as many heads per product as the rows hold
     q_rows = min(cfg.rows // heads_step, spec.q_tile)
@@ -1550,19 +1564,19 @@ def launch_select_index(mod, spec: Spec, cfg: IndexSelectConfig, shapes: Shapes,
     block_idx = empty(shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k, device=q_idx.device,
                       dtype=torch.int32)
     stride_kh = 0 if k_idx.shape[1] == 1 else k_idx.stride(1)  # one key head shared by every KV head
-    kernel, lengths = (mod.select_index_topk, ()) if seqlens is None else (mod.select_index_topk_rows,
-                                                                          _row_keys(seqlens, leftpad))
+    lead, counts, page_size = _index_pages(k_idx, seqlens, leftpad, block_table)
+    kernel = mod.select_index_topk if seqlens is None else mod.select_index_topk_rows
     n_bh = shapes.batch * shapes.heads_kv
     cand = block_idx if cfg.splits == 1 else empty(n_bh * shapes.n_q_tiles * cfg.splits * top_k_pad,
                                                    device=q_idx.device, dtype=torch.int64)
     kernel[(shapes.n_q_tiles, n_bh, cfg.splits)](
-        q_idx, k_idx, w, block_idx, cand, *lengths, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks,
-        shapes.heads_kv, index_heads, *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2],
-        *block_idx.stride()[:3],
+        q_idx, k_idx, w, block_idx, cand, *lead, shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks,
+        shapes.heads_kv, index_heads, *counts, *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2),
+        *w.stride()[:2], *block_idx.stride()[:3],
         INDEX_DIM=q_idx.shape[3], Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, TOP_K=spec.top_k,
         TOP_K_PAD=top_k_pad, SINK=spec.sink, N_LOCAL=spec.n_local, HEADS_STEP=heads_step, Q_ROWS=q_rows,
         CHUNK=cfg.chunk, WIDTH=max(cfg.chunk, top_k_pad), CAUSAL=spec.causal, SPLITS=cfg.splits,
-        **_has_leftpad(seqlens, leftpad), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PAGE_SIZE=page_size, **_has_leftpad(seqlens, leftpad), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.splits > 1:
         _merge_topk(mod, spec, cand, block_idx, cfg.splits)
     return block_idx
@@ -1582,11 +1596,12 @@ def _index_vectors_fit(spec: Spec, cfg: KvIndexSelectConfig, arch: str, elem_byt
 
 def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Shapes, q_idx: torch.Tensor,
                            k_idx: torch.Tensor, w: torch.Tensor, seqlens: torch.Tensor | None = None,
-                           leftpad: torch.Tensor | None = None) -> torch.Tensor:
+                           leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """Per-query lists int32 [B, Hkv, Nq, top_k] (ids ascending, then -1) chosen by the index selector from
     checked index tensors (`inputs.check_index`), as `launch_select_index`'s: block scores into a scratch of
     at most KV_INDEX_SCORES_BYTES, a chunk of queries at a time, then each chunk's top-k. `seqlens`,
-    `leftpad`: as `launch_select_index`'s (the `kv_decode_select_index` role's module)."""
+    `leftpad`, `block_table`: as `launch_select_index`'s (the `kv_decode_select_index` role's module)."""
     index_heads = q_idx.shape[1] // shapes.heads_kv
     hold = cfg.hold and _index_vectors_fit(spec, cfg, device_arch(q_idx.device), q_idx.element_size(), index_heads,
                                            q_idx.shape[3])
@@ -1597,18 +1612,19 @@ def launch_kv_select_index(mod, spec: Spec, cfg: KvIndexSelectConfig, shapes: Sh
     chunk_q = min(cdiv(shapes.n_q, step), max(1, KV_INDEX_SCORES_BYTES // (4 * bh * n_blocks * step))) * step
     scores = torch.empty(bh, chunk_q, n_blocks, device=q_idx.device, dtype=torch.float32)
     row_options = _has_leftpad(seqlens, leftpad)
-    scores_kernel, topk_kernel, lengths = ((mod.kv_index_block_scores, mod.kv_index_topk, ()) if seqlens is None else
-                                           (mod.kv_index_block_scores_rows, mod.kv_index_topk_rows,
-                                            _row_keys(seqlens, leftpad)))
+    lead, counts, page_size = _index_pages(k_idx, seqlens, leftpad, block_table)
+    lengths = lead[:-1]  # the top-k reads the rows' lengths, no key
+    scores_kernel, topk_kernel = ((mod.kv_index_block_scores, mod.kv_index_topk) if seqlens is None else
+                                  (mod.kv_index_block_scores_rows, mod.kv_index_topk_rows))
     for q0 in range(0, shapes.n_q, chunk_q):
         n_chunk = min(chunk_q, shapes.n_q - q0)
         scores_kernel[(cdiv(n_chunk, cfg.queries), bh, cdiv(n_blocks, cfg.span))](
-            q_idx, k_idx, w, scores, *lengths, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, index_heads,
-            *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2], *scores.stride()[:2],
-            INDEX_DIM=q_idx.shape[3], KV_BLOCK=spec.kv_block, QUERIES=cfg.queries,
+            q_idx, k_idx, w, scores, *lead, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, index_heads,
+            *counts, *q_idx.stride()[:3], k_idx.stride(0), stride_kh, k_idx.stride(2), *w.stride()[:2],
+            *scores.stride()[:2], INDEX_DIM=q_idx.shape[3], KV_BLOCK=spec.kv_block, QUERIES=cfg.queries,
             HEADS_STEP=min(cfg.heads, next_pow2(index_heads)), CHUNK=cfg.chunk, SPAN=cfg.span, CAUSAL=spec.causal,
-            HOLD=hold, INDEX_HEADS=index_heads if hold else 1, **row_options, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            HOLD=hold, INDEX_HEADS=index_heads if hold else 1, PAGE_SIZE=page_size, **row_options,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         topk_kernel[(cdiv(n_chunk, cfg.rows), bh)](
             scores, block_idx, *lengths, q0, shapes.n_q, shapes.n_k, n_blocks, shapes.heads_kv, *scores.stride()[:2],
             *block_idx.stride()[:3], KV_BLOCK=spec.kv_block, TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k),
@@ -1787,7 +1803,7 @@ class TritonBackend(Backend):
         "decode_select_index": RoleImpl(launch=launch_select_index, template="triton/decode_select_index.py.j2",
                                         config_type=IndexSelectConfig, default=decode_index_select_default,
                                         space=decode_index_select_space, infeasible=index_select_infeasible,
-                                        varlen=True),
+                                        varlen=True, paged=True),
         "attn": RoleImpl(launch=launch_attn, template="triton/attn.py.j2", config_type=AttnConfig,
                          default=attn_default, space=attn_space, infeasible=attn_infeasible),
         "attn_rows": RoleImpl(launch=launch_attn_rows, template="triton/attn_rows.py.j2", config_type=AttnConfig,
@@ -1813,7 +1829,7 @@ class TritonBackend(Backend):
                                          template="triton/kv_decode_select_index.py.j2",
                                          config_type=KvIndexSelectConfig, default=kv_decode_index_select_default,
                                          space=kv_decode_index_select_space, infeasible=kv_index_select_infeasible,
-                                         varlen=True),
+                                         varlen=True, paged=True),
         "kv_attn": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn.py.j2", config_type=KvAttnConfig,
                             default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible),
         "kv_attn_rows": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn_rows.py.j2", config_type=KvAttnConfig,

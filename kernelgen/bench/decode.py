@@ -13,7 +13,8 @@ For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU
   at PAGE_BLOCKS blocks a page; their outputs must equal the contiguous cache's bit for bit;
 - the index selector's decode step over the same cache of per-row lengths, under each schedule (index vectors of
   the shape it is tuned on, `roles.INDEX_HEADS` heads of `roles.INDEX_DIM` per KV head): its selection reads every
-  key's index vector, DSA's decode step;
+  key's index vector, DSA's decode step; and the same step over a paged cache (k_idx paged through the same
+  table, as an indexer's key cache is kept);
 - FlexAttention (torch.compile'd) over a BlockMask holding exactly the same lists;
 - dense SDPA (flash, efficient, cuDNN; the KV heads as they are, `enable_gqa`) over the whole cache: every
   query sees every key, the work of a decode step without sparsity;
@@ -252,6 +253,18 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
             record(name, f"kernelgen index {schedule}, cache_seqlens step", step, _bench_graph(step, log=log),
                    kv_bytes + index_bytes, note="select + decode, one graph; kv_MB: the listed blocks' K and V plus "
                                                 "every key's index vector", **extra)
+            page_size = PAGE_BLOCKS[0] * given.kv_block  # the most scattered pages; k_idx through the same table
+            order = torch.randperm(shape.batch * shape.n_k // page_size, device=q.device,
+                                   generator=torch.Generator(q.device).manual_seed(page_size))
+            table = order.view(shape.batch, -1).to(torch.int32)
+            k_pages, v_pages, k_idx_pages = (scatter_pages(x, page_size, order) for x in (k, v, index[1]))
+            paged_index = (index[0], k_idx_pages, index[2])
+            paged_step = functools.partial(kernel, q, k_pages, v_pages, index=paged_index, cache_seqlens=lens,
+                                           block_table=table)
+            assert torch.equal(paged_step(), step())
+            record(name, f"kernelgen index {schedule}, cache_seqlens step, paged {page_size}", paged_step,
+                   _bench_graph(paged_step, log=log), kv_bytes + index_bytes, page_size=page_size,
+                   note="the cache_seqlens step over shuffled pages, k_idx's too", **extra)
 
         for schedule in ("q_centric", "kv_centric"):
             attempt(name, f"index selector, {schedule}", lambda schedule=schedule: index_step(schedule))
