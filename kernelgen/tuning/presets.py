@@ -43,6 +43,15 @@ class Study:
     shape: dict  # the workload timed: batch, heads_kv, n_q, n_k
 
 
+def _shapes_and_backends(shape_names, table: dict, backend_names):
+    """(shape, backend) pairs of a preset's named shapes of `table` (an unknown name refused) and backends."""
+    for name in shape_names:
+        if name not in table:
+            raise KernelgenValueError(f"shapes={name!r} is unknown; expected some of {list(table)}")
+        for backend_name in backend_names:
+            yield table[name], backends.get(backend_name)
+
+
 def _bench(arch: str, shape_names, backend_names) -> Iterator[Study]:
     for name in shape_names:
         if name not in SHAPES or name == "tiny":
@@ -80,16 +89,11 @@ def _workload(shape) -> dict:
 
 def _kv(arch: str, shape_names, backend_names) -> Iterator[Study]:
     """The per-query roles of each backend that runs them (Triton)."""
-    for name in shape_names:
-        if name not in KV_CENTRIC_SHAPES:
-            raise KernelgenValueError(f"shapes={name!r} is unknown; expected some of {list(KV_CENTRIC_SHAPES)}")
-        shape = KV_CENTRIC_SHAPES[name]
-        for backend_name in backend_names:
-            backend = backends.get(backend_name)
-            for role, trials in KV_TRIALS.items():
-                spec = shape.spec(KV_SELECTORS.get(role, "given")).replace(backend=backend.name)
-                if role in backend.roles and not backend.spec_unsupported(spec) and not backend.arch_unsupported(arch):
-                    yield Study(f"{name} {role} {backend.name}", spec, role, shape.n_k, trials, _workload(shape))
+    for shape, backend in _shapes_and_backends(shape_names, KV_CENTRIC_SHAPES, backend_names):
+        for role, trials in KV_TRIALS.items():
+            spec = shape.spec(KV_SELECTORS.get(role, "given")).replace(backend=backend.name)
+            if role in backend.roles and not backend.spec_unsupported(spec) and not backend.arch_unsupported(arch):
+                yield Study(f"{shape.name} {role} {backend.name}", spec, role, shape.n_k, trials, _workload(shape))
 
 
 DECODE_TRIALS = 12  # per selection role of a decode step (decode's own space is small: searched whole)
@@ -100,25 +104,20 @@ DECODE_SELECTIONS = {"decode_select": ("mean", "q_centric"), "kv_decode_select":
 
 
 def _decode(arch: str, shape_names, backend_names) -> Iterator[Study]:
-    for name in shape_names:
-        if name not in DECODE_SHAPES:
-            raise KernelgenValueError(f"shapes={name!r} is unknown; expected some of {list(DECODE_SHAPES)}")
-        shape = DECODE_SHAPES[name]
-        for backend_name in backend_names:
-            backend = backends.get(backend_name)
-            if backend.arch_unsupported(arch):
-                continue
-            given = shape.spec("given").replace(backend=backend.name)
-            if "decode" in backend.roles and not backend.spec_unsupported(given):
-                space = len(backend.config_space(given, "decode", arch))
-                if space:
-                    yield Study(f"{name} decode {backend.name}", given, "decode", shape.n_k,
-                                space if space <= GRID_MAX else DECODE_TRIALS, _workload(shape))
-            for role, (selector, schedule) in DECODE_SELECTIONS.items():
-                spec = shape.spec(selector).replace(schedule=schedule, backend=backend.name)
-                if role in backend.roles and not backend.spec_unsupported(spec):
-                    yield Study(f"{name} {role} {backend.name}", spec, role, shape.n_k, DECODE_TRIALS,
-                                _workload(shape))
+    for shape, backend in _shapes_and_backends(shape_names, DECODE_SHAPES, backend_names):
+        if backend.arch_unsupported(arch):
+            continue
+        given = shape.spec("given").replace(backend=backend.name)
+        space = len(backend.config_space(given, "decode", arch)) if "decode" in backend.roles and \
+            not backend.spec_unsupported(given) else 0
+        if space:
+            yield Study(f"{shape.name} decode {backend.name}", given, "decode", shape.n_k,
+                        space if space <= GRID_MAX else DECODE_TRIALS, _workload(shape))
+        for role, (selector, schedule) in DECODE_SELECTIONS.items():
+            spec = shape.spec(selector).replace(schedule=schedule, backend=backend.name)
+            if role in backend.roles and not backend.spec_unsupported(spec):
+                yield Study(f"{shape.name} {role} {backend.name}", spec, role, shape.n_k, DECODE_TRIALS,
+                            _workload(shape))
 
 
 PRESETS = {"bench": _bench, "kv": _kv, "decode": _decode}
