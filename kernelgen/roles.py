@@ -108,6 +108,8 @@ class Role:
     workload    (spec, shape, device, dtype, check) -> Workload that the tuner times; None: not tuned
     reverse_index  its launch takes the lists' reverse index after the lists: prepared lists' own, or None
                 (the launcher builds it)
+    timed_queries  the queries its workload times for the n_q asked (a decode step's one, a prefill chunk's at
+                most PREFILL_CHUNK); None: n_q
     """
 
     name: str
@@ -115,6 +117,7 @@ class Role:
     canonical: dict = dataclasses.field(default_factory=dict)
     workload: Callable[..., Workload] | None = None
     reverse_index: bool = False
+    timed_queries: Callable[[int], int] | None = None
 
     @property
     def tuned(self) -> bool:
@@ -416,6 +419,14 @@ SELECTION_ROLES = ("select", "select_index", "kv_select", "kv_select_index", *DE
 DECODE_MAX_QUERIES = 16
 
 
+def _one_query(n_q: int) -> int:
+    return 1
+
+
+def _prefill_chunk(n_q: int) -> int:
+    return min(n_q, PREFILL_CHUNK)
+
+
 def decode_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
     """The attention's workload with one query: the last token of the sequence, against every key."""
     one = shape._replace(n_q=1)
@@ -481,17 +492,18 @@ def paged_rows_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: 
 
 register_role(Role("attn_rows", "attention of a prefill over a KV cache of per-row lengths (each row's queries the "
                    "last of its own keys): the Q-centric forward's kernel run per row", canonical=_KERNEL_READS_LISTS,
-                   workload=rows_workload))
+                   workload=rows_workload, timed_queries=_prefill_chunk))
 register_role(Role("kv_attn_rows", "attention over per-query lists of a prefill over a KV cache of per-row lengths: "
                    "kv_attn's partial kernel run per row, then its combine", canonical=_KERNEL_READS_LISTS,
-                   workload=rows_workload, reverse_index=True))
+                   workload=rows_workload, reverse_index=True, timed_queries=_prefill_chunk))
 register_role(Role("attn_paged", "attention of a prefill chunk over a paged KV cache of per-row lengths: attn's "
                    "loop over the pool's blocks where no mask is needed, a block at a time in its page where one is",
                    canonical=_KERNEL_READS_LISTS,
-                   workload=paged_rows_workload))
+                   workload=paged_rows_workload, timed_queries=_prefill_chunk))
 register_role(Role("kv_attn_paged", "attention over per-query lists of a prefill chunk over a paged KV cache: "
                    "kv_attn's partial kernel with each task's block based in its page, then its combine",
-                   canonical=_KERNEL_READS_LISTS, workload=paged_rows_workload, reverse_index=True))
+                   canonical=_KERNEL_READS_LISTS, workload=paged_rows_workload, reverse_index=True,
+                   timed_queries=_prefill_chunk))
 
 
 def decode_select_index_workload(spec: Spec, shape: WorkloadShape, device, dtype, check: bool = True) -> Workload:
@@ -513,17 +525,20 @@ def decode_select_index_workload(spec: Spec, shape: WorkloadShape, device, dtype
 
 register_role(Role("decode_select_index", "the index selector's lists for a call of a few queries (decoding) or over a "
                    "KV cache of per-row lengths: the select_index kernel with its blocks split over many programs",
-                   canonical={"head_dim": 64}, workload=decode_select_index_workload))
+                   canonical={"head_dim": 64}, workload=decode_select_index_workload, timed_queries=_one_query))
 register_role(Role("kv_decode_select_index", "the index selector's per-query lists for a call of a few queries "
                    "(decoding) or over a KV cache of per-row lengths: the kv_select_index kernels, configured for "
-                   "one query a row", canonical={"head_dim": 64}, workload=decode_select_index_workload))
+                   "one query a row", canonical={"head_dim": 64}, workload=decode_select_index_workload,
+                   timed_queries=_one_query))
 register_role(Role("decode_select", "the pooling selectors' lists for a call of a few queries (decoding): the select "
-                   "kernel with its blocks split over many programs", workload=decode_select_workload))
+                   "kernel with its blocks split over many programs", workload=decode_select_workload,
+                   timed_queries=_one_query))
 register_role(Role("kv_decode_select", "the pooling selectors' per-query lists for a call of a few queries (decoding): "
-                   "the kv_select kernel with its blocks split over many programs", workload=decode_select_workload))
+                   "the kv_select kernel with its blocks split over many programs", workload=decode_select_workload,
+                   timed_queries=_one_query))
 register_role(Role("decode", "attention of a few queries (decoding) over either schedule's lists: split-KV per query, "
                    "its G heads packed, splits merged through lse", canonical=_KERNEL_READS_LISTS,
-                   workload=decode_workload))
+                   workload=decode_workload, timed_queries=_one_query))
 
 
 def backward_roles(spec: Spec) -> tuple[str, ...]:

@@ -163,6 +163,14 @@ def test_plan_shape_sets_the_timed_workload():
         plan(SPEC, "attn", seq=5000, arch="sm_90", shape={"batch": 1, "heads_kv": 1, "n_q": 64})
 
 
+def test_plan_names_the_queries_a_role_s_workload_times():
+    """A decode role times one query, a prefill over a cache's rows at most PREFILL_CHUNK, whatever seq asks: the
+    plan (and so `tune --dry-run`) says so."""
+    assert plan(SPEC, "decode", seq=65536, arch="sm_90")["shape"]["n_q"] == 1
+    assert plan(SPEC, "attn_rows", seq=65536, arch="sm_90")["shape"]["n_q"] == 2048
+    assert plan(SPEC, "attn", seq=65536, arch="sm_90")["shape"]["n_q"] == 65536
+
+
 @pytest.mark.parametrize("seq", [0, -1, -5000, True, 2.5, "4096", plan_module.MAX_SEQ + 1])
 def test_plan_rejects_a_seq_that_is_no_length(seq):
     with pytest.raises(KernelgenValueError, match=rf"seq must be an int from 1 to {plan_module.MAX_SEQ}"):

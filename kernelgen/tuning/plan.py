@@ -164,6 +164,8 @@ def plan(spec: Spec, role: str, *, seq: int, arch: str | None = None, trials: in
         space = [p for p in space if all(p[k] == v for k, v in fixed.items())]
     # one study, one shape: the bucket's default inputs, or the workload given
     b, hq, hkv, nq, nk = tune_inputs_shape(spec, bucket if shape is None else seq, cpu=cpu, shape=shape)
+    timed = get_role(role).timed_queries
+    nq = nq if timed is None else timed(nq)  # the workload's own query count (a decode step's one)
     return {
         "study_name": study_name(spec, role, arch, bucket),
         "spec_key": spec.key(),
