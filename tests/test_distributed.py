@@ -37,11 +37,14 @@ CASES = {
         ("full-zigzag-sparse-mha", _spec(gqa_group=1), "zigzag", "sparse", "given"),
         ("causal-zigzag-select", _spec(causal=True, sink=1, selector="mean"), "zigzag", "auto", "select"),
         ("causal-contiguous-sparse-one-list", _spec(causal=True), "contiguous", "sparse", "broadcast"),
+        ("causal-zigzag-index", _spec(causal=True, sink=1, local=1, selector="index"), "zigzag", "auto", "select"),
+        ("full-zigzag-index", _spec(sink=1, selector="index"), "zigzag", "sparse", "select"),
     ],
     4: [
         ("causal-zigzag-dense", _spec(causal=True, sink=1), "zigzag", "dense", "given"),
         ("causal-zigzag-sparse-select", _spec(causal=True, selector="mean"), "zigzag", "sparse", "select"),
         ("full-contiguous-sparse", _spec(local=1), "contiguous", "sparse", "given"),
+        ("full-zigzag-index-local", _spec(local=2, selector="index"), "zigzag", "dense", "select"),
     ],
 }
 SEQ = {2: 128, 4: 128}
@@ -57,6 +60,15 @@ def _inputs(spec: Spec, n: int, seed: int):
     return q, k, v, do
 
 
+def _index(spec: Spec, n: int, seed: int):
+    """The index selector's (q_idx, k_idx, w) beside `_inputs`' (2 index heads of 32 a KV head, one shared key
+    head)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    heads = 2 * 2
+    return (torch.randn(1, heads, n, 32, generator=gen), torch.randn(1, 1, n, 32, generator=gen),
+            torch.rand(1, heads, n, generator=gen))
+
+
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     finite = torch.isfinite(want)
     if not torch.equal(finite, torch.isfinite(got)):
@@ -69,7 +81,7 @@ def _run_case(case, world: int, rank: int) -> dict:
     name, spec, layout, path, lists_from = case
     n = SEQ[world]
     q, k, v, do = _inputs(spec, n, seed=len(name))
-    chooser = spec if spec.selects else spec.replace(selector="mean")
+    chooser = spec if spec.selection_role == "select" else spec.replace(selector="mean")
     lists = reference.select_blocks(q, k, chooser).to(torch.int32)
     if lists_from == "broadcast":
         lists = lists[:, :1]
@@ -81,14 +93,16 @@ def _run_case(case, world: int, rank: int) -> dict:
         x.requires_grad_()
     errors = {}
     if lists_from == "select":
-        rows = kd.select_blocks(q_s, k_s, spec, layout=layout)
-        single = kernelgen.get_kernel(spec).select(q, k)
+        index = _index(spec, n, len(name)) if spec.selector == "index" else None
+        index_s = None if index is None else tuple(kd.shard(x, layout) for x in index)
+        rows = kd.select_blocks(q_s, k_s, spec, index=index_s, layout=layout)
+        single = kernelgen.get_kernel(spec).select(q, k, index=index)
         want = single[:, :, kd.Layout.of_shard(layout, world, rank, n // world).global_ids(spec.q_tile)]
         errors["lists"] = 0.0 if torch.equal(rows, want) else float("inf")
         lists = single
         o_ref, lse_ref, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)
         grads_ref = reference.sparse_attention_grads(q, k, v, do, given, lists)
-        o_s, lse_s = kd.attention(q_s, k_s, v_s, spec, layout=layout, path=path, return_lse=True)
+        o_s, lse_s = kd.attention(q_s, k_s, v_s, spec, index=index_s, layout=layout, path=path, return_lse=True)
     else:
         o_s, lse_s = kd.attention(q_s, k_s, v_s, spec, block_idx=lists, layout=layout, path=path, return_lse=True)
     o_s.backward(do_s)
@@ -125,6 +139,7 @@ def _bad_inputs(world: int, rank: int) -> dict:
     q, k, v, _ = _inputs(spec, 128, seed=0)
     lists = reference.select_blocks(q, k, spec.replace(selector="mean")).to(torch.int32)
     q_s, k_s, v_s = (kd.shard(x, "zigzag") for x in (q, k, v))
+    index_s = tuple(kd.shard(x, "zigzag") for x in _index(spec, 128, 0))
     last = rank == world - 1
     short = 48 if last else 64  # one rank's shards differ
     first_only = dist.new_group([0])  # every rank takes part in making it
@@ -137,6 +152,13 @@ def _bad_inputs(world: int, rank: int) -> dict:
         "path": _raises(lambda: kd.attention(q_s, k_s, v_s, spec, block_idx=lists, path="ring")),
         "qk lengths": _raises(lambda: kd.attention(q_s, k_s[:, :, :32], v_s[:, :, :32], spec, block_idx=lists)),
         "index selector": _raises(lambda: kd.attention(q_s, k_s, v_s, spec.replace(selector="index"))),
+        "one rank's k_idx": _raises(lambda: kd.attention(q_s, k_s, v_s, spec.replace(selector="index"),
+                                                         index=(index_s[0], index_s[1].expand(-1, 2 if last else 1,
+                                                                                              -1, -1), index_s[2]))),
+        "index of a pooled selector": _raises(lambda: kd.attention(q_s, k_s, v_s, spec.replace(selector="mean"),
+                                                                   index=index_s)),
+        "short k_idx": _raises(lambda: kd.select_blocks(q_s, k_s, spec.replace(selector="index"),
+                                                        index=(index_s[0], index_s[1][:, :, :32], index_s[2]))),
         # one rank's call differs, or only one rank's is refused: every rank raises, none waits in a collective
         "one rank's path": _raises(lambda: kd.attention(q_s, k_s, v_s, spec, block_idx=lists,
                                                         path="sparse" if last else "dense")),
@@ -174,7 +196,10 @@ def _bad_inputs(world: int, rank: int) -> dict:
 
 EXPECTED_MESSAGES = {"shapes": "differs across ranks", "chunks": "not a multiple of spec.kv_block",
                      "lists": "block_idx.shape", "layout": "layout='striped'", "path": "path='ring'",
-                     "qk lengths": "same length", "index selector": "cannot select across shards",
+                     "qk lengths": "same length", "index selector": "selects across shards from index=",
+                     "one rank's k_idx": "k_idx shard shape differs across ranks",
+                     "index of a pooled selector": "index= is the input of the 'index' selector",
+                     "short k_idx": "index: k_idx.shape = (1, 1, 32, 32)",
                      "one rank's path": "path differs across ranks", "one rank's spec": "spec differs across ranks",
                      "one rank's lists": "block_idx.shape", "one rank's list dtype": "block_idx.dtype must be",
                      "one rank's grad": "requires grad differs across ranks",

@@ -17,13 +17,13 @@ import torch.distributed as dist
 
 from ..dispatch import SparseAttention, get_kernel, once_differentiable
 from ..errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
-from ..inputs import check_qkv, check_return_lse, check_scale
+from ..inputs import Shapes, check_index, check_qkv, check_return_lse, check_scale
 from ..spec import Spec
 from .comm import Group, group_of
 from .fetch import fetch, local_backward, local_forward, local_prepared, requests_of, return_gradients
 from .layout import LAYOUTS, Layout
 from .ring import ring_backward, ring_forward
-from .select import check_selects_across_shards, select_rows
+from .select import check_selects_across_shards, select_index_rows, select_rows
 
 __all__ = ["attention", "select_blocks", "shard", "unshard", "traffic", "Traffic", "PATHS"]
 
@@ -122,7 +122,8 @@ def _agree(group: Group, device, fields: list[tuple], refusal: Exception | None)
                     f" (rank {first} and rank {s})"
                 raise KernelgenValueError(
                     f"{name} differs across ranks{what}; every rank must make the same call (spec, layout, path, "
-                    "scale, block_idx given or not, inputs requiring grad or not) on shards of one shape and dtype")
+                    "scale, block_idx or index given or not, inputs requiring grad or not) on shards of one shape "
+                    "and dtype")
         start = stop
     if refusal is not None:
         raise refusal
@@ -156,7 +157,7 @@ def _crc(value) -> int:
 
 
 def _check_same_everywhere(q, k, spec: Spec, layout: str, given: bool, path: str, backward: bool, scale,
-                           refusal: Exception | None, group: Group) -> None:
+                           refusal: Exception | None, group: Group, index=None) -> None:
     """The shards' shapes and dtype and the call's options must agree across the ranks, and no rank may have
     refused its call (one all_gather; a ValueError on every rank otherwise)."""
     fields = [
@@ -164,6 +165,9 @@ def _check_same_everywhere(q, k, spec: Spec, layout: str, given: bool, path: str
         ("dtype", [_DTYPE_CODES.get(getattr(q, "dtype", None), -1)], lambda v: str(list(_DTYPE_CODES)[v[0]])),
         ("layout", [LAYOUTS.index(layout) if layout in LAYOUTS else -1], lambda v: repr(LAYOUTS[v[0]])),
         ("block_idx given", [int(given)], None),
+        ("index given", [int(index is not None)], None),
+        ("k_idx shard shape", _shape_field(index[1] if isinstance(index, (tuple, list)) and len(index) == 3 else None,
+                                           4)[1:], list),
         ("path", [PATHS.index(path) if path in PATHS else -1], lambda v: repr(PATHS[v[0]])),
         ("whether an input requires grad", [int(backward)], None),
         ("spec", [_crc(spec.to_json()) if isinstance(spec, Spec) else -1], None),
@@ -214,15 +218,16 @@ def _check_call(q, k, v, spec, layout: str, path: str) -> None:
 
 
 def _prepare_call(q, k, v, spec: Spec, group, layout: str, block_idx, scale, path: str = "auto",
-                  backward: bool = False, return_lse: bool = False) -> tuple[_Call | None, torch.Tensor | None]:
-    """(call, this rank's rows of the given lists or None); call None when the group has one rank (the call runs
-    as on one GPU). Every rank checks its own call, then all agree (`_check_same_everywhere`): a call refused on
-    one rank raises on every rank, never leaves the others waiting in a collective."""
+                  backward: bool = False, return_lse: bool = False, index=None):
+    """(call, this rank's rows of the given lists or None, the checked index shards or None); call None when the
+    group has one rank (the call runs as on one GPU). Every rank checks its own call, then all agree
+    (`_check_same_everywhere`): a call refused on one rank raises on every rank, never leaves the others waiting in
+    a collective."""
     g = group_of(group)
     if g.world == 1:
         check_return_lse(return_lse)
         _check_call(q, k, v, spec, layout, path)
-        return None, None
+        return None, None, index
     refusal, lay, rows, checked = None, None, None, _UNCHECKED
     try:
         check_return_lse(return_lse)
@@ -232,12 +237,19 @@ def _prepare_call(q, k, v, spec: Spec, group, layout: str, block_idx, scale, pat
         lay.check(spec)
         if block_idx is not None:
             rows = _rows(block_idx, spec, lay, k.shape[0], k.shape[1], q.device)
+            if index is not None:
+                raise KernelgenValueError("pass block_idx= or index=, not both: index= chooses the lists "
+                                          "block_idx= gives")
         else:
-            check_selects_across_shards(spec)
+            check_selects_across_shards(spec, index)
+            if index is not None:
+                b, hkv, n = k.shape[0], k.shape[1], q.shape[2]
+                shapes = Shapes(b, q.shape[1], hkv, n, n, spec.n_q_tiles(n), spec.n_kv_blocks(n))
+                index = check_index(index, spec, shapes, q.device)
     except Exception as error:  # not only kernelgen's: any error raised here alone would leave the others waiting
         refusal = error
-    _check_same_everywhere(q, k, spec, layout, block_idx is not None, path, backward, checked, refusal, g)
-    return _Call.of(spec, lay, g, q.device, checked), rows
+    _check_same_everywhere(q, k, spec, layout, block_idx is not None, path, backward, checked, refusal, g, index)
+    return _Call.of(spec, lay, g, q.device, checked), rows, index
 
 
 def _choose(rows, call: _Call, k, path: str, backward: bool):
@@ -293,39 +305,49 @@ class _ContextParallel(torch.autograd.Function):
 
 
 def attention(q_shard: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Tensor, spec: Spec, *, group=None,
-              block_idx: torch.Tensor | None = None, layout: str = "zigzag", path: str = "auto", scale=None,
-              return_lse: bool = False):
+              block_idx: torch.Tensor | None = None, index=None, layout: str = "zigzag", path: str = "auto",
+              scale=None, return_lse: bool = False):
     """Sparse attention of a sequence sharded along N over the ranks of `group` (default: the default process
     group; without an initialized one, or in a group of one rank, it runs as `get_kernel(spec)` on one GPU).
 
     q_shard [B, Hq, N/P, D], k_shard, v_shard [B, Hkv, N/P, D]: this rank's shard in `layout` ("zigzag":
     chunks r and 2P-1-r of 2P; "contiguous": chunk r of P; `shard` cuts a full tensor). block_idx: global
     block ids, the lists one GPU would use ([B, Hkv, n_q_tiles(N), top_k]) or this rank's rows of them; None:
-    the spec's selector, run across shards. path: "dense" (ring), "sparse" (fetch the listed remote blocks)
+    the spec's selector, run across shards (the index selector's from `index` = this rank's shards of (q_idx,
+    k_idx, w), in q's layout). path: "dense" (ring), "sparse" (fetch the listed remote blocks)
     or "auto" (the one that moves fewer bytes). Returns this rank's o (and lse) shard; o backpropagates.
     """
     backward = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                for x in (q_shard, k_shard, v_shard))
-    call, rows = _prepare_call(q_shard, k_shard, v_shard, spec, group, layout, block_idx, scale, path, backward,
-                               return_lse)
+    call, rows, index = _prepare_call(q_shard, k_shard, v_shard, spec, group, layout, block_idx, scale, path,
+                                      backward, return_lse, index)
     if call is None:
-        o, lse = get_kernel(spec)(q_shard, k_shard, v_shard, block_idx=block_idx, scale=scale, return_lse=True)
+        o, lse = get_kernel(spec)(q_shard, k_shard, v_shard, block_idx=block_idx, index=index, scale=scale,
+                                  return_lse=True)
         return (o, lse) if return_lse else o
     if rows is None:
-        rows = select_rows(q_shard, k_shard, spec, call.layout, call.group)
+        rows = _select(q_shard, k_shard, spec, call, index)
     chosen, requests = _choose(rows, call, k_shard, path, backward)
     o, lse = _ContextParallel.apply(q_shard, k_shard, v_shard, call, rows, chosen, requests)
     return (o, lse) if return_lse else o
 
 
-def select_blocks(q_shard: torch.Tensor, k_shard: torch.Tensor, spec: Spec, *, group=None,
+def select_blocks(q_shard: torch.Tensor, k_shard: torch.Tensor, spec: Spec, *, group=None, index=None,
                   layout: str = "zigzag") -> torch.Tensor:
     """This rank's rows of the lists one GPU's selector would choose: int32 [B, Hkv, shard's Q tiles, top_k],
-    global block ids, tiles in shard order (pass them as block_idx)."""
-    call, _ = _prepare_call(q_shard, k_shard, k_shard, spec, group, layout, None, None)
+    global block ids, tiles in shard order (pass them as block_idx). `index`: the index selector's, as
+    `attention`'s."""
+    call, _, index = _prepare_call(q_shard, k_shard, k_shard, spec, group, layout, None, None, index=index)
     if call is None:
-        return get_kernel(spec).select(q_shard, k_shard)
-    return select_rows(q_shard, k_shard, spec, call.layout, call.group)
+        return get_kernel(spec).select(q_shard, k_shard, index=index)
+    return _select(q_shard, k_shard, spec, call, index)
+
+
+def _select(q, k, spec: Spec, call: _Call, index) -> torch.Tensor:
+    """This rank's rows of the lists the spec's selector chooses across the shards."""
+    if index is not None:
+        return select_index_rows(q, index, spec, call.layout, call.group)
+    return select_rows(q, k, spec, call.layout, call.group)
 
 
 def shard(x: torch.Tensor, layout: str = "zigzag", group=None) -> torch.Tensor:
