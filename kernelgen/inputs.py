@@ -665,7 +665,8 @@ def check_index(index, spec: Spec, shapes: Shapes, device,
         if not isinstance(t, torch.Tensor):
             raise KernelgenTypeError(f"index: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != dims:
-            raise KernelgenValueError(f"index: {name} must be {dims}-D, got shape {tuple(t.shape)}; {INDEX_LAYOUT}")
+            layout = PAGED_INDEX_LAYOUT if pool is not None and name == "k_idx" else INDEX_LAYOUT
+            raise KernelgenValueError(f"index: {name} must be {dims}-D, got shape {tuple(t.shape)}; {layout}")
         if t.device != device:
             raise KernelgenValueError(f"index: {name} is on {t.device} but q is on {device}")
         if t.stride(-1) != 1 and t.shape[-1] > 1:  # one query's w [B, H, 1] is contiguous whatever its stride

@@ -254,6 +254,8 @@ def test_a_paged_index_is_checked_against_the_pool(device):
                     block_table=table, cache_seqlens=lens)
     with pytest.raises(KernelgenValueError, match=r"expected \[B, Hkv or 1, Nk, Di\]"):  # pages without a table
         attn(q, k, v, index=paged_index, cache_seqlens=lens)
+    with pytest.raises(KernelgenValueError, match=r"k_idx must be 4-D.*k_idx is a pool of pages"):
+        attn(q, k_pages, v_pages, index=(paged_index[0], paged_index[1][0], paged_index[2]), block_table=table)
     with pytest.raises(KernelgenValueError, match="needs index="):
         attn(q, k_pages, v_pages, block_table=table)
     with pytest.raises(KernelgenValueError, match="cache_leftpad= cannot go with block_table="):
