@@ -697,21 +697,25 @@ def check_index(index, spec: Spec, shapes: Shapes, device,
     di = q_idx.shape[3]
     if di not in INDEX_DIMS:
         raise KernelgenValueError(f"index: q_idx.shape[-1] = {di} (Di) is not supported; expected one of {INDEX_DIMS}")
-    heads_k = hkv if hkv == 1 else f"{hkv} or 1"
     if pool is not None:
         n_pages, page_size = pool
         if k_idx.shape[0] != n_pages or k_idx.shape[1] not in (hkv, 1) or k_idx.shape[2] != page_size or \
                 k_idx.shape[3] != di:
             raise KernelgenValueError(f"index: k_idx.shape = {tuple(k_idx.shape)}, expected pages [n_pages, Hkv or 1, "
-                                      f"page_size, Di] = [{n_pages}, {heads_k}, {page_size}, {di}] with block_table= "
-                                      f"(k's pool and pages); {PAGED_INDEX_LAYOUT}")
+                                      f"page_size, Di] = [{n_pages}, {_heads_k(hkv)}, {page_size}, {di}] with "
+                                      f"block_table= (k's pool and pages); {PAGED_INDEX_LAYOUT}")
     elif k_idx.shape[0] != b or k_idx.shape[1] not in (hkv, 1) or k_idx.shape[2] != nk or k_idx.shape[3] != di:
         raise KernelgenValueError(f"index: k_idx.shape = {tuple(k_idx.shape)}, expected [B, Hkv or 1, Nk, Di] = "
-                                  f"[{b}, {heads_k}, {nk}, {di}]; {INDEX_LAYOUT}")
+                                  f"[{b}, {_heads_k(hkv)}, {nk}, {di}]; {INDEX_LAYOUT}")
     if tuple(w.shape) != (b, heads, nq):
         raise KernelgenValueError(f"index: w.shape = {tuple(w.shape)}, expected [B, Hkv*Hi, Nq] = {(b, heads, nq)}; "
                                   f"{INDEX_LAYOUT}")
     return q_idx, k_idx, w
+
+
+def _heads_k(hkv: int) -> str:
+    """k_idx's head counts an error message names: Hkv or 1."""
+    return str(hkv) if hkv == 1 else f"{hkv} or 1"
 
 
 def _check_index_fp8(device) -> None:
