@@ -31,9 +31,9 @@ import torch
 from . import dispatch
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
-from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity, check_reps_length,
-                     check_scale, describe_index, lists_type_error, refuse_forward_ad,
-                     refuse_function_transforms, refuse_grad_with_seqlens)
+from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_new_keys, check_reps_fit_capacity,
+                     check_reps_length, check_scale, describe_index, lists_type_error, refuse_cast_cache,
+                     refuse_forward_ad, refuse_function_transforms, refuse_grad_with_seqlens)
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -88,6 +88,26 @@ def _(q, k, v, block_idx, spec_json, scale, q_idx=None, k_idx=None, w=None, cach
       reps_seqlens=None, reps_n_k=0, cache_leftpad=None, reps_leftpad=None, seqlens=None, block_table=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32),
             _lists_like(q, k, _spec_of(spec_json)))
+
+
+@torch.library.custom_op("kernelgen::append_kv", mutates_args=("k", "v", "k_idx"))
+def _append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               spec_json: str, cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor | None = None,
+               block_table: torch.Tensor | None = None, q_idx: torch.Tensor | None = None,
+               k_idx: torch.Tensor | None = None, w: torch.Tensor | None = None,
+               k_idx_new: torch.Tensor | None = None) -> torch.Tensor:
+    """A call's new keys written into its cache in place (k, v; k_idx): the rows' lengths after the write."""
+    attn = get_kernel(_spec_of(spec_json))
+    shapes = attn._start_call(q, k, v, block_table)
+    index = _index(q_idx, k_idx, w)
+    rows = attn._rows(shapes, q.device, cache_seqlens, cache_leftpad, None, None, index, block_table)
+    return attn._append(k, v, shapes, (k_new, v_new, k_idx_new), index, rows, (k, v), cache_seqlens).seqlens
+
+
+@_append_op.register_fake
+def _(q, k, v, k_new, v_new, spec_json, cache_seqlens, cache_leftpad=None, block_table=None, q_idx=None, k_idx=None,
+      w=None, k_idx_new=None):
+    return torch.empty_like(cache_seqlens)
 
 
 @torch.library.custom_op("kernelgen::sparse_attention_backward", mutates_args=())
@@ -297,12 +317,15 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec | str, index=None
 
 def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, index=None,
                      cache_seqlens=None, key_reps: KeyReps | None = None,
-                     cache_leftpad=None, seqlens=None, block_table=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None,
+                     k_idx_new=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., cache_leftpad=...,
-    key_reps=..., seqlens=..., block_table=..., return_lse=True)` as a custom op; o backpropagates (lse carries no
-    gradient; a call with cache_seqlens or block_table has no backward). `spec` may also be its JSON text
-    (`Spec.to_json`). Prepared lists (`attn.prepare`) go in as their normalised ids: their reverse index and
-    union design stay outside the op, which builds what its calls need."""
+    key_reps=..., seqlens=..., block_table=..., k_new=..., v_new=..., k_idx_new=..., return_lse=True)` as custom
+    ops; o backpropagates (lse carries no gradient; a call with cache_seqlens or block_table has no backward).
+    `spec` may also be its JSON text (`Spec.to_json`). Prepared lists (`attn.prepare`) go in as their normalised
+    ids: their reverse index and union design stay outside the op, which builds what its calls need. New keys
+    (k_new=) are written into the cache by an op of their own, which mutates k and v (and k_idx) in place."""
+    cache = (k, v)
     q, k, v = autocast_qkv(q, k, v)
     refuse_forward_ad(q, k, v)
     if not torch.compiler.is_compiling():  # dynamo runs no torch.func transform over the op
@@ -317,6 +340,9 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
     reps = (None, None, 0, None) if key_reps is None else (key_reps.reps, key_reps.seqlens, key_reps.n_k,
                                                            key_reps.leftpad)
     spec_json = _spec_json(spec)
+    if k_new is not None or v_new is not None or k_idx_new is not None:
+        cache_seqlens = _append_new_keys(q, k, v, spec_json, (k_new, v_new, k_idx_new), cache, cache_seqlens,
+                                         cache_leftpad, block_table, index)
     if key_reps is not None and (cache_seqlens is not None or block_table is not None) and key_reps.seqlens is not None:
         # reps of per-row lengths follow the call, as the eager call's do: grown to its rows first (its op is
         # functional, as autograd needs, so the growth is an op of its own); reps of another capacity are refused
@@ -336,6 +362,19 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
     if seqlens is not None:  # the padding's o and lse, cleared outside the op: no gradient reaches them
         o, lse = clear_padding(o, lse, seqlens)
     return o, lse
+
+
+def _append_new_keys(q, k, v, spec_json: str, new: tuple, cache: tuple, cache_seqlens, cache_leftpad, block_table,
+                     index) -> torch.Tensor:
+    """`sparse_attention`'s write of new keys (k_new, v_new, k_idx_new) into its cache: the rows' lengths after it.
+    What the op could not take (anything but tensors, a call without cache_seqlens) is named as the eager call
+    names it."""
+    _tensors_or_none(k_new=new[0], v_new=new[1], k_idx_new=new[2])
+    if new[0] is None or new[1] is None or cache_seqlens is None:
+        check_new_keys(*new, k, None if index is None else _index_args(index), None, cache_seqlens)  # raises
+    refuse_cast_cache(k, v, cache)
+    return _append_op(q, k, v, *new[:2], spec_json, cache_seqlens, cache_leftpad, block_table, *_index_args(index),
+                      new[2])
 
 
 dispatch.trace_through(sys.modules[__name__])  # get_kernel(spec)'s calls under torch.compile run these

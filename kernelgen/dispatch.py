@@ -3,7 +3,8 @@ launches them.
 
 A call's roles and who runs them: `lists` (caller-given lists to the kernels' form) or `select` (the
 spec's selector), then `attn` (`decode` for a call of at most `roles.DECODE_MAX_QUERIES` queries, decoding
-against a KV cache); with inputs that require grad, its backward runs `bwd_delta`, `bwd_dq` and `bwd_dkdv`
+against a KV cache; `append_kv` first where the call writes new keys into the cache); with inputs that require
+grad, its backward runs `bwd_delta`, `bwd_dq` and `bwd_dkdv`
 over the lists the forward used (`_AttentionFunction`; the KV-centric schedule's: `kv_select` or
 `kv_select_index`, `kv_attn` or, for prepared lists whose neighbours agree, `kv_attn_union`, and `kv_bwd` or
 `kv_bwd_union` in the backward). The spec's backend runs each role it
@@ -30,8 +31,8 @@ from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
-                     CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
-                     check_reps_fit_capacity, check_keys, check_length,
+                     CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps, check_new_keys,
+                     check_reps_fit_capacity, check_keys, check_length, refuse_cast_cache,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
                      lists_type_error, refuse_forward_ad, refuse_function_transforms,
                      refuse_grad_with_seqlens, refuse_nsa_layout)
@@ -616,22 +617,27 @@ class SparseAttention:
     def __call__(self, q, k, v, *, block_idx=None, index=None, scale=None, return_lse: bool = False,
                  key_reps: KeyReps | None = None, cache_seqlens: torch.Tensor | None = None,
                  cache_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None):
+                 block_table: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                 v_new: torch.Tensor | None = None, k_idx_new: torch.Tensor | None = None):
         check_return_lse(return_lse)
         if torch.compiler.is_compiling() and self._outside_graph(scale):
             return _eagerly(self, q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse,
                             key_reps=key_reps, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
-                            seqlens=seqlens, block_table=block_table)
+                            seqlens=seqlens, block_table=block_table, k_new=k_new, v_new=v_new, k_idx_new=k_idx_new)
         if torch.compiler.is_compiling():  # dynamo cannot trace this dispatcher (its caches, its host reads)
             o, lse = self._traced().sparse_attention(
                 q, k, v, self._spec_text, block_idx=block_idx, scale=scale, index=index, cache_seqlens=cache_seqlens,
-                key_reps=key_reps, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table)
+                key_reps=key_reps, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table,
+                k_new=k_new, v_new=v_new, k_idx_new=k_idx_new)
             return (o, lse) if return_lse else o
         refuse_function_transforms(q, k, v)
+        cache = (k, v)
         q, k, v = autocast_qkv(q, k, v)
         refuse_forward_ad(q, k, v)
         shapes = self._start_call(q, k, v, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
+        if k_new is not None or v_new is not None or k_idx_new is not None:
+            rows = self._append(k, v, shapes, (k_new, v_new, k_idx_new), index, rows, cache, cache_seqlens)
         if isinstance(rows, CacheRows):
             refuse_grad_with_seqlens(rows.seqlens, q, k, v, rows.block_table)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
@@ -643,6 +649,29 @@ class SparseAttention:
         if isinstance(rows, TokenRows):
             o, lse = clear_padding(o, lse, rows.seqlens)
         return (o, lse) if return_lse else o
+
+    def _append(self, k, v, shapes: Shapes, new: tuple, index, rows: CacheRows | TokenRows | None, cache: tuple,
+                cache_seqlens) -> CacheRows:
+        """Write a call's new keys (k_new, v_new; the index selector's k_idx_new) into its cache at each row's end,
+        in one launch (two with k_idx), and return its checked rows grown by them: the call then attends as one
+        over the longer rows would. `cache`: k and v as the caller passed them, which the write must reach.
+        Positions past the capacity (or in a page outside the pool) are not written, and the lengths stay clamped
+        to the capacity (no host sync to check them). A call refused after the write leaves the new keys past
+        the rows' lengths (the caller's cache_seqlens is not changed), where nothing reads them."""
+        if isinstance(rows, TokenRows):
+            raise KernelgenValueError("k_new= writes into a KV cache (cache_seqlens=): a padded batch's call "
+                                      "(seqlens=) has none")
+        if index is not None:  # checked before anything is written: a refused index writes nothing
+            check_index(index, self.spec, shapes, k.device,
+                        None if rows is None or rows.block_table is None else (k.shape[0], k.shape[2]))
+        new = check_new_keys(*new, k, index, shapes, cache_seqlens)
+        refuse_cast_cache(k, v, cache)
+        served = self._served("append_kv", seq_bucket(shapes.n_k), k.dtype, k.device)
+        options = self._varlen(served, rows)
+        after = self._launch(served, k, shapes, k, new.k, v, new.v, **options)
+        if new.k_idx is not None:
+            self._launch(served, k, shapes, new.k_idx, new.k_idx_new, **options)
+        return rows._replace(seqlens=after)
 
     def varlen(self, q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None,
                return_lse: bool = False):

@@ -18,7 +18,8 @@ assembled from kernelgen's own sources, so that nothing is written twice:
   launcher   SPEC, CONFIGS, `kernel` (kernelgen's own SparseAttention with every role's config pinned, so
              that nothing is tuned or looked up), attn(q, k, v, *, block_idx=None, index=None, scale=None,
              return_lse=False, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None,
-             block_table=None) (its output backpropagates, as kernelgen's does), select(q, k, *, ...),
+             block_table=None, k_new=None, v_new=None, k_idx_new=None) (its output backpropagates, as
+             kernelgen's does), select(q, k, *, ...),
              key_reps(k, *, previous=None, ...) and prepare(block_idx, seq_q, seq_k): the keyword arguments
              of kernelgen's SparseAttention
 
@@ -86,7 +87,8 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
               "default" when the default was baked, else "given").
 
     The module has `attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None,
-    cache_seqlens=None, cache_leftpad=None, seqlens=None, block_table=None)`, `varlen(q, k, v, cu_seqlens,
+    cache_seqlens=None, cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None,
+    k_idx_new=None)`, `varlen(q, k, v, cu_seqlens,
     max_seqlen=None, *, block_idx=None, index=None, scale=None, return_lse=False)` (packed sequences, as
     SparseAttention.varlen), `select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None,
     seqlens=None, block_table=None)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as
@@ -636,7 +638,7 @@ kernel = _embedded("dispatch").SparseAttention(
 
 
 def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None, cache_seqlens=None,
-         cache_leftpad=None, seqlens=None, block_table=None):
+         cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None, k_idx_new=None):
     """o [B, Hq, Nq, D] (and lse float32 [B, Hq, Nq] with return_lse) over the spec's selection, or over
     block_idx int32/int64 [B, Hkv, n_q_tiles, top_k] when given (-1 empty; out-of-range ids are empty).
     index: (q_idx, k_idx, w) of the index selector; key_reps: k's kept representatives (key_reps(k));
@@ -644,9 +646,12 @@ def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, k
     holds keys [cache_leftpad[b], cache_seqlens[b]) (cache_leftpad None: from 0); seqlens: int32 [B], a right-padded
     batch whose row b holds its first seqlens[b] tokens, each row attended as if alone; block_table: int32
     [B, pages a row], k and v pools of pages [n_pages, Hkv, page_size, D] (row b's key p in page
-    block_table[b, p // page_size])."""
+    block_table[b, p // page_size]); k_new, v_new: [B, Hkv, n_new, D], written into the cache at each row's end
+    (cache_seqlens[b]) before the call attends over cache_seqlens + n_new keys (k_idx_new: the index keys of the
+    same tokens, written into index's k_idx)."""
     return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps,
-                  cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table)
+                  cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table,
+                  k_new=k_new, v_new=v_new, k_idx_new=k_idx_new)
 
 
 def varlen(q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None, return_lse=False):

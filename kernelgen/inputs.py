@@ -21,7 +21,8 @@ from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
 __all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_reps_length",
-           "check_reps_fit_capacity", "CacheRows", "check_cache_rows", "check_paged_kv",
+           "check_reps_fit_capacity", "CacheRows", "check_cache_rows", "NewKeys", "check_new_keys", "refuse_cast_cache",
+           "NEW_KEYS_LAYOUT", "check_paged_kv",
            "check_pages",
            "refuse_grad_with_seqlens", "check_keys", "check_qkv",
            "check_block_idx", "check_block_lists", "refuse_nsa_layout", "lists_type_error", "describe_index",
@@ -274,6 +275,70 @@ def check_cache_rows(cache_seqlens, cache_leftpad, shapes: Shapes, device,
     return CacheRows(_check_row_ints("cache_seqlens", cache_seqlens, shapes, device),
                      None if cache_leftpad is None else _check_row_ints("cache_leftpad", cache_leftpad, shapes,
                                                                         device))
+
+
+NEW_KEYS_LAYOUT = ("k_new and v_new [B, Hkv, n_new, D] (k's batch rows, heads and head_dim; a paged cache's rows are "
+                   "its block_table's), k_idx_new [B, k_idx's heads, n_new, Di]")
+
+
+class NewKeys(NamedTuple):
+    """A call's new keys, checked (`check_new_keys`): written into its cache at each row's end before it attends
+    (`k_idx`, `k_idx_new`: the index selector's index keys, or None)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_idx: torch.Tensor | None
+    k_idx_new: torch.Tensor | None
+
+
+def check_new_keys(k_new, v_new, k_idx_new, k, index, shapes: Shapes, cache_seqlens) -> NewKeys | None:
+    """A call's `k_new=`, `v_new=` and `k_idx_new=` (None: a call that writes nothing), against its cache k (its
+    checked `shapes`; a pool of pages when it has a block_table) and `index` (the index selector's, checked by
+    `check_index`): each [B, H, n_new, width] of the cache's dtype, device, batch rows and heads, on a call that
+    passes `cache_seqlens` (where each row's new keys go). The write is not differentiated: new keys that require
+    grad are refused, as a cache's call is."""
+    if k_new is None and v_new is None and k_idx_new is None:
+        return None
+    if k_new is None or v_new is None:
+        raise KernelgenValueError("k_new= and v_new= go together (the new tokens' keys and values, written into "
+                                  f"the cache at each row's end); {NEW_KEYS_LAYOUT}")
+    if cache_seqlens is None:
+        raise KernelgenValueError("k_new= needs cache_seqlens= (each row's length before the write: its new keys go "
+                                  "there, as flash_attn_with_kvcache's k= and v=)")
+    k_idx = None if index is None else index[1]
+    if (k_idx_new is None) != (k_idx is None):
+        raise KernelgenValueError("k_idx_new= goes with index= (the new tokens' index keys, written into k_idx as "
+                                  "k_new into k); a call of the index selector that writes k_new needs it"
+                                  if k_idx is not None else "k_idx_new= is the index selector's (its new index "
+                                  "keys, written into index=(q_idx, k_idx, w)'s k_idx): this call passes no index=")
+    n_new = None
+    for name, new, cache, heads in (("k_new", k_new, k, shapes.heads_kv), ("v_new", v_new, k, shapes.heads_kv),
+                                    ("k_idx_new", k_idx_new, k_idx, None if k_idx is None else k_idx.shape[1])):
+        if new is None:
+            continue
+        if not isinstance(new, torch.Tensor):
+            raise KernelgenTypeError(f"{name} must be a torch.Tensor, got {type(new).__name__}")
+        if new.dtype != cache.dtype:
+            raise KernelgenTypeError(f"{name}.dtype = {new.dtype} differs from the cache's ({cache.dtype})")
+        if new.device != cache.device:
+            raise KernelgenValueError(f"{name} is on {new.device} but the cache is on {cache.device}")
+        if new.dim() != 4 or new.shape[0] != shapes.batch or new.shape[1] != heads or new.shape[3] != cache.shape[3]:
+            raise KernelgenValueError(f"{name}.shape = {tuple(new.shape)}, expected [B, H, n_new, width] = "
+                                      f"[{shapes.batch}, {heads}, n_new, {cache.shape[3]}]; {NEW_KEYS_LAYOUT}")
+        if n_new is not None and new.shape[2] != n_new:
+            raise KernelgenValueError(f"{name} has {new.shape[2]} new tokens (dim 2) but k_new has {n_new}")
+        n_new = new.shape[2]
+        if new.requires_grad and torch.is_grad_enabled():
+            raise KernelgenValueError(f"{name} requires grad, but the write into the cache has no backward: call "
+                                      "under torch.no_grad(), or pass it detached")
+    return NewKeys(k_new, v_new, k_idx, k_idx_new)
+
+
+def refuse_cast_cache(k, v, cache: tuple) -> None:
+    """New keys are written into the caller's k and v (`cache`): refuse a call whose autocast cast them to a copy
+    (k, v), which the write would reach instead."""
+    if k is not cache[0] or v is not cache[1]:
+        raise KernelgenValueError(f"k_new= writes into k and v themselves, but torch.autocast casts this "
+                                  f"{cache[0].dtype} cache to {k.dtype}, a copy: keep the cache in {k.dtype}")
 
 
 class TokenRows(NamedTuple):

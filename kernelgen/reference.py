@@ -25,6 +25,7 @@ __all__ = [
     "sparse_attention_grads",
     "gather_pages",
     "scatter_pages",
+    "appended",
 ]
 
 
@@ -253,6 +254,9 @@ def sparse_attention(
     cache_leftpad: torch.Tensor | None = None,
     seqlens: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    k_idx_new: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Select (unless block_idx is given; `index` = (q_idx, k_idx, w) for the "index" selector) and attend.
     Returns (o, lse, block_idx), float64. Queries are processed in chunks so that long sequences fit in memory.
@@ -264,8 +268,17 @@ def sparse_attention(
     queries and keys alone (clamped to [0, N]); o = 0 and lse = -inf past them, and its lists (given: its
     own) padded with -1 past its tiles. `block_table` ([B, pages a row] ints): k and v are pools of pages
     [n_pages, Hkv, page_size, D], the call over `gather_pages` of them (each row's capacity without
-    cache_seqlens), and so is the index selector's k_idx ([n_pages, Hkv or 1, page_size, Di]). Given lists with a batch or KV-head dimension of 1 hold every row's or head's list."""
+    cache_seqlens), and so is the index selector's k_idx ([n_pages, Hkv or 1, page_size, Di]). Given lists with a
+    batch or KV-head dimension of 1 hold every row's or head's list. `k_new`, `v_new` (and `k_idx_new`, with
+    `index`): new keys written at each row's end first (`appended`, on copies: the caller's k and v are left as they
+    are), the call then over the rows' new lengths."""
     _check_heads(q, k, spec)
+    if k_new is not None:
+        k, lengths = appended(k, k_new, cache_seqlens, block_table)
+        v = appended(v, v_new, cache_seqlens, block_table)[0]
+        if k_idx_new is not None:
+            index = (index[0], appended(index[1], k_idx_new, cache_seqlens, block_table)[0], index[2])
+        return sparse_attention(q, k, v, spec, block_idx, scale, index, lengths, cache_leftpad, seqlens, block_table)
     if seqlens is not None and (q.shape[2] != k.shape[2] or cache_seqlens is not None or block_table is not None):
         raise KernelgenValueError(f"seqlens is a padded batch of self-attention: Nq == Nk (got {q.shape[2]} and "
                                   f"{k.shape[2]}), without cache_seqlens or block_table")
@@ -314,6 +327,31 @@ def gather_pages(pages: torch.Tensor, block_table: torch.Tensor,
                                           f"page of [0, {n_pages})")
             out[row, :, j * page_size:(j + 1) * page_size] = pages[page]
     return out
+
+
+def appended(cache: torch.Tensor, new: torch.Tensor, cache_seqlens: torch.Tensor,
+             block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a copy of `cache` with `new` [B, H, n_new, D] written at each row's end, the rows' lengths after it): row b's
+    new row j goes to position n + j, n = cache_seqlens[b] clamped to [0, capacity], unless that position is at or
+    past the capacity (k's length, or pages a row x page_size with `block_table`: `cache` is then a pool of pages,
+    written through the table; a page id outside the pool is no place to write). Lengths: min(n + n_new,
+    capacity), int32."""
+    out = cache.clone()
+    if block_table is None:
+        capacity, page_size, table = cache.shape[2], 0, None
+    else:
+        page_size, table = cache.shape[2], block_table.long().cpu()
+        capacity = table.shape[1] * page_size
+    starts = cache_seqlens.long().clamp(0, capacity).tolist()
+    for b, start in enumerate(starts):
+        for j in range(min(new.shape[2], capacity - start)):
+            p = start + j
+            if table is None:
+                out[b, :, p] = new[b, :, j]
+            elif 0 <= int(table[b, p // page_size]) < cache.shape[0]:
+                out[int(table[b, p // page_size]), :, p % page_size] = new[b, :, j]
+    lengths = torch.tensor([min(n + new.shape[2], capacity) for n in starts], dtype=torch.int32)
+    return out, lengths.to(cache_seqlens.device)
 
 
 def scatter_pages(x: torch.Tensor, page_size: int, order: torch.Tensor, spare: int = 0) -> torch.Tensor:

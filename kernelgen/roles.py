@@ -11,6 +11,9 @@ Launch signatures, after (kernel, spec, config, shapes):
             passed only by a call given kept reps: k's representatives from `key_reps`
   key_reps  (k)                          the pooling selectors' representatives of k's blocks: float32
             [B, Hkv, ceil(n / kv_block), r, D] (k: a view of the cache starting at a block boundary)
+  append_kv (cache, new[, cache_b, new_b])   new rows [B, H, n_new, D] written into a KV cache at each row's end
+            (`seqlens=`; a paged cache's through `block_table=`), a second cache of the same rows in the same
+            launch; returns the rows' lengths after the write, int32 [B]
   select_index (q_idx, k_idx, w)         the same, chosen by the index selector from checked index tensors
   attn      (q, k, v, block_idx, scale)  (o, lse) over lists in the kernels' form
   bwd_delta (o, do)                      delta = rowsum(do * o), float32 [B, Hq, Nq]
@@ -65,7 +68,7 @@ import torch
 from . import reference
 from .errors import KernelgenValueError
 from .reverse_index import build_query_reverse_index, build_reverse_index
-from .spec import Spec
+from .spec import DEFAULT_Q_TILE, Spec
 from .workloads import agreeing_query_lists, useful_flops
 
 __all__ = ["Role", "ROLES", "BACKWARD_ROLES", "KV_BACKWARD_ROLES", "forward_roles", "backward_roles",
@@ -320,6 +323,11 @@ register_role(Role("lists", "caller-given block lists to the kernels' form (ids 
 register_role(Role("select", "block lists chosen by the spec's selector", workload=select_workload))
 register_role(Role("key_reps", "the pooling selectors' representatives of K's blocks, kept with a KV cache so that "
                    "selection reads them instead of pooling K each call"))
+# the write reads no field of the spec (its rows' width comes with the tensors): one module serves every spec
+register_role(Role("append_kv", "new keys and values written into a KV cache at each row's end (a paged cache "
+                   "through its table), before a call attends over it",
+                   canonical=dict(_KERNEL_READS_LISTS, head_dim=64, kv_block=64, q_tile=DEFAULT_Q_TILE, top_k=1,
+                                  causal=False, gqa_group=1, schedule="q_centric")))
 # the index selector reads index tensors, not q and k: head_dim is no field of its kernels
 register_role(Role("select_index", "block lists chosen by the index selector (token scores from index vectors, a "
                    "block's score the max over its visible tokens)", canonical={"head_dim": 64},
@@ -552,8 +560,8 @@ def tuned_roles(spec: Spec) -> tuple[str, ...]:
     lists), decode's and the backward's; a tune of the spec tunes these."""
     _, selection, attn = forward_roles(spec)
     decode_selection = forward_roles(spec, 1)[1]
-    paged = [] if spec.selector == "index" else [forward_roles(spec, paged=True)[2]]  # (no paged index selector)
-    names = [selection, attn, *(["kv_attn_union", "kv_attn_rows"] if spec.per_query else ["attn_rows"]), *paged,
+    paged = forward_roles(spec, paged=True)[2]
+    names = [selection, attn, *(["kv_attn_union", "kv_attn_rows"] if spec.per_query else ["attn_rows"]), paged,
              *([decode_selection] if decode_selection != selection else []), "decode", *backward_roles(spec),
              *(["kv_bwd_union"] if spec.per_query else [])]
     return tuple(n for n in names if n is not None and ROLES[n].tuned)
@@ -564,7 +572,8 @@ def call_roles(spec: Spec) -> tuple[str, ...]:
     `mean` and `multi:r` selectors `key_reps` too, and `decode_select` or `decode_select_index` for a Q-centric
     decode call),
     `attn`, `decode` (a call of a few queries), `attn_rows` and `attn_paged` (a prefill over a cache of per-row
-    lengths, contiguous or paged; `kv_attn_rows` and `kv_attn_paged` for per-query lists), and its backward's,
+    lengths, contiguous or paged; `kv_attn_rows` and `kv_attn_paged` for per-query lists), `append_kv` (a call's
+    new keys written into its cache), and its backward's,
     under the schedule's role names (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the
     gathered design only: their kv_attn config is pinned, and a pinned kv_attn keeps prepared lists off the union
     design."""
@@ -574,7 +583,7 @@ def call_roles(spec: Spec) -> tuple[str, ...]:
     _, decode_selection, decode = forward_roles(spec, 1)
     decoding = (decode_selection,) if decode_selection not in (None, selection) else ()
     rows = (forward_roles(spec, cache_rows=True)[2], forward_roles(spec, cache_rows=True, paged=True)[2])
-    return (lists, *((selection,) if selection else ()), *kept, attn, *decoding, decode, *rows) + backward
+    return (lists, *((selection,) if selection else ()), *kept, attn, *decoding, decode, *rows, "append_kv") + backward
 
 
 def pinnable_roles(spec: Spec) -> tuple[str, ...]:

@@ -55,6 +55,10 @@ def run_calls(attn, select, prepare, varlen, x):
         table = torch.arange(k_pages.shape[0] - 1, -1, -1, dtype=torch.int32).view(q.shape[0], -1)
         lens = torch.tensor([n, n // 2][:q.shape[0]], dtype=torch.int32)
         out["o_paged"] = attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens)
+        k_pages, v_pages = k_pages.clone(), v_pages.clone()  # three new tokens a row, written at each row's end
+        out["o_appended"] = attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens // 2,
+                                 k_new=k[:, :, :3].clone(), v_new=v[:, :, :3].clone())
+        out["k_appended"], out["v_appended"] = k_pages, v_pages
     else:
         out["o"], out["lse"] = attn(q, k, v, block_idx=idx, return_lse=True)  # int64: converted exactly
         out["o_int32_scaled"] = attn(q, k, v, block_idx=idx.clamp(-1, 2**31 - 1).int(), scale=0.3)
@@ -219,7 +223,8 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
     cases["given"] = dict(path=str(path), spec=GIVEN.to_dict(), q=q, k=k, v=v,
                           idx=_given_lists(GIVEN, 1, 2, 100, 140, 3), configs=_configs_dict(GIVEN, {}))
     # no selector, no select config
-    assert set(cases["given"]["configs"]) == {"lists", "attn", "decode", "attn_rows", "attn_paged", *BACKWARD_ROLES}
+    assert set(cases["given"]["configs"]) == {"lists", "attn", "decode", "attn_rows", "attn_paged", "append_kv",
+                                              *BACKWARD_ROLES}
     torch.save(cases, tmp_path / "inputs.pt")
     exported = _run_child(tmp_path, CHILD, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt"))
     # without KERNELGEN_CACHE_DIR the rendered kernels went to <temp dir>/kernelgen-export-<uid>/kernels
@@ -282,16 +287,17 @@ def test_header_sources_and_imports(tmp_path):
     assert "export" not in sources and "codegen.render" in sources and "import jinja2" not in sources["codegen.render"]
     # every kernel a call builds, verbatim: lists (kernel spec: selector given, no forced blocks), select, the kept
     # key reps', attn, decode_select and decode (a call of a few queries), attn_rows and attn_paged (a prefill over
-    # a cache of per-row lengths, contiguous or paged) and the backward's (MEAN is Q-centric)
+    # a cache of per-row lengths, contiguous or paged), append_kv (new keys written into a cache) and the backward's
+    # (MEAN is Q-centric)
     for role, cfg in (("lists", None), ("select", _default_config(MEAN, "select")), ("key_reps", None),
-                      ("attn", MEAN_CONFIGS["attn"]),
+                      ("attn", MEAN_CONFIGS["attn"]), ("append_kv", None),
                       *((role, _default_config(MEAN, role))
                         for role in ("decode_select", "decode", "attn_rows", "attn_paged", *BACKWARD_ROLES))):
         kernel_spec = get_role(role).kernel_spec(MEAN, "triton")
         template = str(backends.get("triton").role(role).template)
         source = rendered[(template, kernel_spec.to_json(), None if cfg is None else cfg.to_json(), ())]
         assert source == render(template, kernel_spec, cfg)
-    assert len(rendered) == 8 + len(BACKWARD_ROLES)
+    assert len(rendered) == 9 + len(BACKWARD_ROLES)
 
     # nothing beyond the standard library, torch and triton at module level, and relative imports only of
     # embedded modules: in the file's own code, in each embedded module and in each rendered kernel

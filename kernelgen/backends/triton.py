@@ -1154,6 +1154,32 @@ def _paged_key_reps(mod, spec: Spec, k: torch.Tensor, seqlens: torch.Tensor, blo
     return reps
 
 
+def launch_append_kv(mod, spec: Spec, cfg, shapes: Shapes, cache: torch.Tensor, new: torch.Tensor,
+                     cache_b: torch.Tensor | None = None, new_b: torch.Tensor | None = None, *,
+                     seqlens: torch.Tensor, leftpad: torch.Tensor | None = None,
+                     block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """new [B, H, n_new, D] written into cache (and new_b into cache_b, of the same rows and heads) at each row's
+    end, seqlens[b] clamped to [0, capacity]: positions past the capacity, or in a page outside the pool
+    (`block_table`: the caches are pools of pages [n_pages, H, page_size, D]), are not written. Returns the rows'
+    lengths after the write, int32 [B] (min(start + n_new, capacity)). leftpad: a row's first key, which the
+    write does not move."""
+    batch, heads, n_new, dim = new.shape
+    pairs = 1 if cache_b is None else 2
+    cache_b, new_b = (cache, new) if cache_b is None else (cache_b, new_b)
+    if block_table is None:
+        capacity, n_pages, page_size, table, stride_tb = cache.shape[2], 0, 0, seqlens, 0
+    else:
+        n_pages, page_size = cache.shape[0], cache.shape[2]
+        capacity, table, stride_tb = block_table.shape[1] * page_size, block_table, block_table.stride(0)
+    after = empty(batch, device=new.device, dtype=torch.int32)
+    rows = min(16, next_pow2(max(n_new, 1)))
+    mod.append_rows[(max(cdiv(n_new, rows), 1), batch * heads)](
+        cache, new, cache_b, new_b, seqlens, after, table, *cache.stride(), *new.stride(), *cache_b.stride(),
+        *new_b.stride(), stride_tb, n_new, capacity, heads, n_pages, dim, new_b.shape[3],
+        PAIRS=pairs, ROWS=rows, BLOCK_D=next_pow2(max(dim, new_b.shape[3])), PAGE_SIZE=page_size, num_warps=4)
+    return after
+
+
 def pool_reps(mod, spec: Spec, x: torch.Tensor, unit: int) -> torch.Tensor:
     """The selector's representatives of a [B, H, N, D] tensor cut into tiles of `unit` rows (q_tile for
     queries, kv_block for keys): float32 [B, H, ceil(N / unit), r, D], r = spec.groups (the `select` role's
@@ -1792,6 +1818,7 @@ class TritonBackend(Backend):
     roles = {
         "lists": RoleImpl(launch=launch_lists, template="triton/lists.py.j2"),
         "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2", varlen=True, paged=True),
+        "append_kv": RoleImpl(launch=launch_append_kv, template="triton/append_kv.py.j2", varlen=True, paged=True),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
                            default=select_default, space=select_space, infeasible=select_infeasible),
         "decode_select": RoleImpl(launch=launch_decode_select, template="triton/decode_select.py.j2",
