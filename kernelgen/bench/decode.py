@@ -8,13 +8,15 @@ For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU
   keys' representatives kept (`attn.key_reps`, as a cache keeps them), and their extension by one key;
 - a whole decode step over a cache of per-row lengths (`cache_seqlens`, every row one key short of the
   capacity): the kept reps grown in place to the lengths, then the call with them, one CUDA graph for both;
-  and the same step with the reps made afresh over every row's keys (a caller that keeps none);
+  the same step writing its token's K and V into the cache first (`k_new=`, `v_new=`); and the same step with
+  the reps made afresh over every row's keys (a caller that keeps none);
 - the same decode, and the same step, over a paged cache (`block_table=`): the cache's pages shuffled over a pool,
   at PAGE_BLOCKS blocks a page; their outputs must equal the contiguous cache's bit for bit;
 - the index selector's decode step over the same cache of per-row lengths, under each schedule (index vectors of
   the shape it is tuned on, `roles.INDEX_HEADS` heads of `roles.INDEX_DIM` per KV head): its selection reads every
-  key's index vector, DSA's decode step; and the same step over a paged cache (k_idx paged through the same
-  table, as an indexer's key cache is kept);
+  key's index vector, DSA's decode step; the same step writing its token first (`k_new=`, `v_new=`,
+  `k_idx_new=`); and the same step over a paged cache (k_idx paged through the same table, as an indexer's key
+  cache is kept);
 - FlexAttention (torch.compile'd) over a BlockMask holding exactly the same lists;
 - dense SDPA (flash, efficient, cuDNN; the KV heads as they are, `enable_gqa`) over the whole cache: every
   query sees every key, the work of a decode step without sparsity;
@@ -197,6 +199,17 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
                    note="key_reps grown in place + select + decode, one graph; kv_MB as kept reps'",
                    rel_diff_vs_one_key_less=f"{diff:.1e}")
 
+            before = lens - 1  # the same step writing its token (the key already there) into the cache first
+            k_new, v_new = k[:, :, -2:-1].clone(), v[:, :, -2:-1].clone()
+
+            def writing_step():
+                return selecting(q, k, v, cache_seqlens=before, key_reps=reps, k_new=k_new, v_new=v_new)
+
+            assert torch.equal(writing_step(), step())
+            record(name, "kernelgen mean, cache_seqlens step, k_new=", writing_step,
+                   _bench_graph(writing_step, log=log), kv_bytes + reps.reps.numel() * reps.reps.element_size(),
+                   note="the cache_seqlens step that writes its token's K and V first (append_kv), one graph")
+
             def fresh_step():  # what a caller that keeps no reps runs: every row's keys pooled again
                 return selecting(q, k, v, cache_seqlens=lens, key_reps=selecting.key_reps(k, cache_seqlens=lens))
 
@@ -253,6 +266,13 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
             record(name, f"kernelgen index {schedule}, cache_seqlens step", step, _bench_graph(step, log=log),
                    kv_bytes + index_bytes, note="select + decode, one graph; kv_MB: the listed blocks' K and V plus "
                                                 "every key's index vector", **extra)
+            token = [x[:, :, -2:-1].clone() for x in (k, v, index[1])]  # the step writing its token first
+            writing = functools.partial(kernel, q, k, v, index=index, cache_seqlens=lens - 1, k_new=token[0],
+                                        v_new=token[1], k_idx_new=token[2])
+            assert torch.equal(writing(), step())
+            record(name, f"kernelgen index {schedule}, cache_seqlens step, k_new=", writing,
+                   _bench_graph(writing, log=log), kv_bytes + index_bytes,
+                   note="the step that writes its token's K, V and index key first (append_kv), one graph", **extra)
             page_size = PAGE_BLOCKS[0] * given.kv_block  # the most scattered pages; k_idx through the same table
             order = torch.randperm(shape.batch * shape.n_k // page_size, device=q.device,
                                    generator=torch.Generator(q.device).manual_seed(page_size))
