@@ -10,8 +10,9 @@ as a device tensor (`cache_seqlens=`), so one captured step serves every later o
 
     reps = attn.key_reps(k_cache, cache_seqlens=lens)              # the selector's block means, once
     with torch.cuda.graph(graph):                                   # one step
-        k_cache[rows, :, lens] = k_new; v_cache[rows, :, lens] = v_new; lens += 1
-        o = attn(q, k_cache, v_cache, cache_seqlens=lens, key_reps=reps)  # reps grown in place to lens first
+        o = attn(q, k_cache, v_cache, cache_seqlens=lens, key_reps=reps,  # writes k_new, v_new at lens[b], then
+                 k_new=k_new, v_new=v_new)                          # grows reps and attends over lens + 1 keys
+        lens += 1
 
 Each step's output is checked against the float64 reference (`kernelgen.reference`, each row over its own keys).
 On a GPU the step is timed replayed from the graph and called eagerly, next to dense SDPA over the same cache
@@ -48,10 +49,9 @@ class DecodeStep:
         self.attn = kernelgen.get_kernel(spec)
         self.k_cache, self.v_cache, self.lens = k_cache, v_cache, lens
         batch, heads_kv, _, head_dim = k_cache.shape
-        self.rows = torch.arange(batch, device=k_cache.device)
         self.q = torch.empty(batch, heads_q, 1, head_dim, device=k_cache.device, dtype=k_cache.dtype)
-        self.k_new, self.v_new = (torch.empty(batch, heads_kv, head_dim, device=k_cache.device, dtype=k_cache.dtype)
-                                  for _ in range(2))
+        self.k_new, self.v_new = (torch.empty(batch, heads_kv, 1, head_dim, device=k_cache.device,
+                                              dtype=k_cache.dtype) for _ in range(2))
         self.reps = self.attn.key_reps(k_cache, cache_seqlens=lens)
 
     def fill(self, gen: torch.Generator) -> None:
@@ -60,11 +60,10 @@ class DecodeStep:
             x.copy_(torch.randn(x.shape, generator=gen))
 
     def __call__(self) -> torch.Tensor:
-        at = self.lens.long()
-        self.k_cache[self.rows, :, at] = self.k_new
-        self.v_cache[self.rows, :, at] = self.v_new
+        o = self.attn(self.q, self.k_cache, self.v_cache, cache_seqlens=self.lens, key_reps=self.reps,
+                      k_new=self.k_new, v_new=self.v_new)  # the call writes them at each row's length first
         self.lens += 1
-        return self.attn(self.q, self.k_cache, self.v_cache, cache_seqlens=self.lens, key_reps=self.reps)
+        return o
 
 
 def check(step: DecodeStep, o: torch.Tensor, spec: Spec, heads_kv_checked: int = 1) -> float:
