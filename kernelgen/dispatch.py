@@ -46,7 +46,8 @@ from .tile_union import TileUnion, build_tile_union, union_max_inflation
 from .tuning.buckets import seq_bucket
 from .tuning import autotune
 from .tuning.lookup import fastest_backend, recheck, served_config, tuned_row
-from .varlen import batch_lists, check_packed, packed_attention
+from .varlen import (VARLEN_CACHE_LAYOUT, QueryGroup, batch_lists, check_packed, check_packed_over_cache,
+                     group_queries, packed_attention, packed_cache_attention, query_groups)
 
 __all__ = ["get_kernel", "SparseAttention", "Served"]
 
@@ -674,15 +675,31 @@ class SparseAttention:
         return rows._replace(seqlens=after)
 
     def varlen(self, q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None,
-               return_lse: bool = False):
+               return_lse: bool = False, cache_seqlens=None, block_table=None, cache_leftpad=None, key_reps=None):
         """Causal self-attention over packed sequences of different lengths, in FlashAttention's varlen layout
         (`varlen.VARLEN_LAYOUT`): each sequence selects and attends as the call over it alone would, bit for bit,
         forward and backward. o is [total, Hq, D]; lse (return_lse) float32 [Hq, total], as FlashAttention's.
         block_idx: a padded batch's given lists, [n, Hkv, rows, top_k], row d sequence d's. index: the index
         selector's (q_idx, k_idx, w), packed as q is (`varlen.VARLEN_INDEX_LAYOUT`; per-query lists). Eagerly the
         bounds are read from the device once per cu_seqlens tensor; under torch.compile pass max_seqlen (an int: one
-        batch, padded to the power of two at or above it)."""
+        batch, padded to the power of two at or above it).
+
+        With `cache_seqlens=` or `block_table=`, k and v are a KV cache of B rows and q holds each row's new
+        queries, packed (`varlen.VARLEN_CACHE_LAYOUT`; cu_seqlens int32 [B + 1]): a serving step mixing decode
+        rows and prefill chunks of any lengths in one call. Row b is the call over its cache row with its
+        cu_seqlens[b + 1] - cu_seqlens[b] queries (`_varlen_over_cache`)."""
         check_return_lse(return_lse)
+        if cache_seqlens is not None or block_table is not None:
+            if torch.compiler.is_compiling():
+                return _varlen_eagerly(self, q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, index=index,
+                                       scale=scale, return_lse=return_lse, cache_seqlens=cache_seqlens,
+                                       block_table=block_table, cache_leftpad=cache_leftpad, key_reps=key_reps)
+            o, lse = self._varlen_over_cache(q, k, v, cu_seqlens, block_idx, index, scale, cache_seqlens,
+                                             block_table, cache_leftpad, key_reps)
+            return (o, lse.t().contiguous()) if return_lse else o
+        if cache_leftpad is not None or key_reps is not None:
+            raise KernelgenValueError(f"varlen takes {'cache_leftpad' if key_reps is None else 'key_reps'}= over a KV "
+                                      "cache only (with cache_seqlens= or block_table=)")
         total, max_seqlen = check_packed(q, k, v, cu_seqlens, max_seqlen, self.spec, index)
         n = cu_seqlens.shape[0] - 1
 
@@ -694,6 +711,54 @@ class SparseAttention:
                                   (lambda batch: batch_lists(block_idx, batch, self.spec, n, k.shape[1], max_seqlen)),
                                   index)
         return (o, lse.t().contiguous()) if return_lse else o  # FlashAttention's varlen lse: [Hq, total]
+
+    def _varlen_over_cache(self, q, k, v, cu_seqlens, block_idx, index, scale, cache_seqlens, block_table,
+                           cache_leftpad, key_reps) -> tuple[torch.Tensor, torch.Tensor]:
+        """`varlen` over a KV cache: (o [total, Hq, D], lse [total, Hq]). The rows are grouped by their query count
+        (bounds read once per cu_seqlens tensor) and each group runs as one call of that many queries over its
+        rows of the cache: the call each row would make alone, its lists bit for bit. A group of some rows of a
+        contiguous cache reads them as pages of one row each (its table the rows' ids: no copy), so its prefill
+        chunks run the paged kernels (o to rounding); kept reps are grown to the call's rows once, in place, and
+        each group takes its rows' copy."""
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}; {name} is "
+                                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        rows = check_pages(k, block_table, self.spec)[0] if block_table is not None else k.shape[0]
+        total = check_packed_over_cache(q, cu_seqlens, rows, index)
+        if cache_seqlens is None and block_table is None:
+            raise KernelgenValueError("varlen over a KV cache needs cache_seqlens= or block_table=")
+        groups = query_groups(cu_seqlens, total)
+        if key_reps is not None and isinstance(key_reps, KeyReps) and key_reps.seqlens is not None:
+            key_reps = self.key_reps(k, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, previous=key_reps,
+                                     block_table=block_table)
+        k_idx = None if index is None else index[1]
+
+        def call(group: QueryGroup):
+            options = dict(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, block_table=block_table,
+                           key_reps=key_reps, block_idx=_group_lists(block_idx, group, self.spec, rows))
+            if not group.every_row:
+                picked = group.rows
+                options.update(cache_seqlens=None if cache_seqlens is None else cache_seqlens.index_select(0, picked),
+                               key_reps=key_reps if not isinstance(key_reps, KeyReps) else key_reps.index_batch(picked))
+                if block_table is not None:
+                    options["block_table"] = block_table.index_select(0, picked)
+                else:  # the contiguous cache's rows as a pool of one-row pages
+                    if cache_leftpad is not None:
+                        raise KernelgenValueError("varlen over a contiguous KV cache with cache_leftpad= takes rows of "
+                                                  "one query count (a paged row starts at its first page): pass the "
+                                                  "rows of each count in a call of their own")
+                    if k.shape[2] % self.spec.kv_block:
+                        raise KernelgenValueError(f"varlen over a contiguous KV cache reads the rows of each query "
+                                                  f"count as pages of one row: the capacity k.shape[2] = {k.shape[2]} "
+                                                  f"must be a multiple of spec.kv_block = {self.spec.kv_block}")
+                    options["block_table"] = picked.to(torch.int32).view(-1, 1)
+            if index is not None:
+                options["index"] = (group_queries(index[0], group), k_idx,
+                                    group_queries(index[2], group).contiguous())
+            return self(group_queries(q, group), k, v, **options, scale=scale, return_lse=True)
+
+        return packed_cache_attention(call, q, groups)
 
     def _outside_graph(self, scale=None) -> bool:
         """Whether a call being compiled runs eagerly, outside the graph (`_eagerly`): the ops serve the spec's
@@ -826,6 +891,28 @@ def _eagerly(method, *args, **kwargs):
     """A compiled call that the custom ops cannot take (`SparseAttention._outside_graph`), run eagerly: a graph
     break (under fullgraph=True, dynamo's error giving the reason above)."""
     return method(*args, **kwargs)
+
+
+@torch.compiler.disable(reason="kernelgen: varlen over a KV cache reads its bounds on the host (one group of rows "
+                               "per query count), which a graph cannot hold: it runs eagerly")
+def _varlen_eagerly(attn, *args, **kwargs):
+    return attn.varlen(*args, **kwargs)
+
+
+def _group_lists(block_idx, group: QueryGroup, spec: Spec, rows: int):
+    """A group's rows of a varlen-over-cache call's given lists, [B, Hkv or 1, at least the longest row's lists,
+    top_k] (row b's first n_q_tiles of its count: its call's lists), or None."""
+    if block_idx is None:
+        return None
+    if not isinstance(block_idx, torch.Tensor):
+        raise lists_type_error(block_idx)
+    needed = spec.n_q_tiles(group.count)
+    if block_idx.dim() != 4 or block_idx.shape[0] not in (1, rows) or block_idx.shape[2] < needed:
+        raise KernelgenValueError(f"varlen over a KV cache takes block_idx [B, Hkv, lists of the row with the most "
+                                  f"queries, top_k] (row b's first lists its own), B = {rows} or 1; rows of "
+                                  f"{group.count} queries need {needed} lists, got {tuple(block_idx.shape)}")
+    picked = block_idx if group.every_row or block_idx.shape[0] == 1 else block_idx.index_select(0, group.rows)
+    return picked[:, :, :needed]
 
 
 def once_differentiable(backward):

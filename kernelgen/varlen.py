@@ -16,14 +16,18 @@ from .errors import KernelgenTypeError, KernelgenValueError
 from .inputs import BlockLists, ReadOnce, check_length
 from .spec import Spec
 
-__all__ = ["VARLEN_LAYOUT", "VARLEN_INDEX_LAYOUT", "PackedBatch", "check_packed", "check_cu_seqlens",
-           "check_max_seqlen", "sequence_lengths", "packed_attention", "packed_batches", "batch_call", "batch_outputs",
-           "batch_lists"]
+__all__ = ["VARLEN_LAYOUT", "VARLEN_INDEX_LAYOUT", "VARLEN_CACHE_LAYOUT", "PackedBatch", "QueryGroup", "check_packed",
+           "check_cu_seqlens", "check_max_seqlen", "sequence_lengths", "packed_attention", "packed_batches",
+           "batch_call", "batch_outputs", "batch_lists", "check_packed_over_cache", "query_groups",
+           "packed_cache_attention", "group_queries", "group_outputs"]
 
 VARLEN_LAYOUT = ("q [total, Hq, D], k and v [total, Hkv, D] (FlashAttention's varlen layout: the sequences one "
                  "after another), cu_seqlens int32 [n + 1] (0, then each sequence's end)")
 VARLEN_INDEX_LAYOUT = ("index=(q_idx, k_idx, w) packed as q is: q_idx [total, Hkv*Hi, Di], k_idx [total, Hkv or 1, "
                        "Di], w [total, Hkv*Hi]")
+VARLEN_CACHE_LAYOUT = ("q [total, Hq, D] (each cache row's new queries one after another, cu_seqlens int32 [B + 1] "
+                       "their bounds), k and v the cache ([B, Hkv, capacity, D], or pools of pages with "
+                       "block_table=), index=(q_idx [total, Hkv*Hi, Di], k_idx as k, w [total, Hkv*Hi])")
 # A sequence shares a batch padded to at most this factor of its length: a batch more is a few launches more, a
 # padded token a copy and memory (never attention).
 PADDING_SLACK = 2
@@ -297,3 +301,91 @@ def batch_lists(block_idx, batch: PackedBatch, spec: Spec, n: int, heads_kv: int
     if batch.sequences.shape[0] == n and block_idx.shape[2] == rows:  # every sequence, in order
         return block_idx
     return block_idx.index_select(0, batch.sequences)[:, :, :rows]
+
+
+# ---- packed queries over a KV cache (`attn.varlen(q, k_cache, v_cache, cu_seqlens, cache_seqlens=...)`) --------
+
+class QueryGroup(NamedTuple):
+    """The rows of a varlen call over a KV cache that hold `count` new queries each: `rows` (int64 [m], ascending,
+    on the device), their queries' packed positions row after row (`tokens`, int64 [m * count]); `every_row`: all of
+    the cache's rows, in order, so that the packed queries are `[B, count]` as they lie."""
+
+    rows: torch.Tensor
+    count: int
+    tokens: torch.Tensor
+    every_row: bool
+
+
+def check_packed_over_cache(q, cu_seqlens, rows: int, index=None) -> int:
+    """The packed queries of a varlen call over a KV cache of `rows` batch rows (`VARLEN_CACHE_LAYOUT`): q 3-D,
+    cu_seqlens int32 [rows + 1] on q's device, the index selector's packed q_idx and w; the cache, and everything
+    else of the calls each group runs, those calls check. Returns the packed query count."""
+    if not isinstance(q, torch.Tensor):
+        raise KernelgenTypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 3:
+        raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}; q has shape {tuple(q.shape)}")
+    check_cu_seqlens(cu_seqlens, q.device)
+    if cu_seqlens.shape[0] != rows + 1:
+        raise KernelgenValueError(f"cu_seqlens must have one bound more than the cache's {rows} rows, [B + 1] = "
+                                  f"[{rows + 1}], got {tuple(cu_seqlens.shape)} ({VARLEN_CACHE_LAYOUT})")
+    total = q.shape[0]
+    if index is not None:
+        if not isinstance(index, (tuple, list)) or len(index) != 3:
+            raise KernelgenTypeError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}, got index as "
+                                     f"{type(index).__name__}")
+        for name, x, rank in (("q_idx", index[0], 3), ("w", index[2], 2)):
+            if not isinstance(x, torch.Tensor):
+                raise KernelgenTypeError(f"index: {name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != rank or x.shape[0] != total:
+                raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT} with total = {total}; "
+                                          f"{name} has shape {tuple(x.shape)}")
+    return total
+
+
+def query_groups(cu_seqlens: torch.Tensor, total: int) -> list[QueryGroup]:
+    """The groups of rows a varlen call over a cache runs, one per query count (rows of none are left out), from
+    the bounds read once per cu_seqlens tensor (one device sync; the layers of a step share it) and checked."""
+    return _read_groups.get((cu_seqlens,), total,
+                            lambda: _groups_of(cu_seqlens.tolist(), total, cu_seqlens.device))
+
+
+_read_groups = ReadOnce()
+
+
+def _groups_of(bounds: list[int], total: int, device) -> list[QueryGroup]:
+    lengths = sequence_lengths(bounds, total)
+    by_count: dict[int, list[int]] = {}
+    for row, count in enumerate(lengths):
+        if count:
+            by_count.setdefault(count, []).append(row)
+    groups = []
+    for count, rows in sorted(by_count.items()):
+        starts = torch.tensor([bounds[row] for row in rows])
+        tokens = (starts[:, None] + torch.arange(count)).flatten()
+        groups.append(QueryGroup(torch.tensor(rows, device=device), count, tokens.to(device),
+                                 len(rows) == len(lengths)))
+    return groups
+
+
+def group_queries(x: torch.Tensor, group: QueryGroup) -> torch.Tensor:
+    """A packed [total, H, ...] tensor's queries of `group` as a call's [m, H, count, ...] (a view where the group
+    is every row: the packed tensor is then [B, count] rows as it lies)."""
+    m = group.rows.shape[0]
+    picked = x if group.every_row else x.index_select(0, group.tokens)
+    return picked.view(m, group.count, *x.shape[1:]).transpose(1, 2)
+
+
+def group_outputs(o: torch.Tensor, lse: torch.Tensor, group: QueryGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's call's o [m, Hq, count, D] and lse [m, Hq, count] as its tokens' [m * count, Hq, D], [.., Hq]."""
+    return o.transpose(1, 2).flatten(0, 1), lse.transpose(1, 2).flatten(0, 1)
+
+
+def packed_cache_attention(call, q: torch.Tensor, groups: list[QueryGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [total, Hq, D] and lse [total, Hq] of packed queries over a KV cache, each group of rows attended by
+    `call(group) -> (o, lse)` (its rows' call over the cache, [m, Hq, count, ...]); each token's written once."""
+    if len(groups) == 1 and groups[0].every_row:
+        return group_outputs(*call(groups[0]), groups[0])
+    o, lse = q.new_zeros(q.shape), q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
+    for group in groups:
+        o[group.tokens], lse[group.tokens] = group_outputs(*call(group), group)
+    return o, lse

@@ -59,6 +59,10 @@ def run_calls(attn, select, prepare, varlen, x):
         out["o_appended"] = attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens // 2,
                                  k_new=k[:, :, :3].clone(), v_new=v[:, :, :3].clone())
         out["k_appended"], out["v_appended"] = k_pages, v_pages
+        counts = torch.tensor([0, 3, 1, 2][:q.shape[0] + 1], dtype=torch.int32)  # packed new queries over the pages
+        packed = torch.cat([q[b, :, :int(counts[b + 1])].transpose(0, 1) for b in range(q.shape[0])])
+        out["o_varlen_cache"] = varlen(packed, k_pages, v_pages, counts.cumsum(0, dtype=torch.int32),
+                                       block_table=table, cache_seqlens=lens)
     else:
         out["o"], out["lse"] = attn(q, k, v, block_idx=idx, return_lse=True)  # int64: converted exactly
         out["o_int32_scaled"] = attn(q, k, v, block_idx=idx.clamp(-1, 2**31 - 1).int(), scale=0.3)

@@ -1,0 +1,159 @@
+"""Packed queries over a KV cache (`attn.varlen(q, k_cache, v_cache, cu_seqlens, cache_seqlens=, block_table=)`): a
+serving step that mixes decode rows and prefill chunks of different lengths in one call. Row b's
+cu_seqlens[b + 1] - cu_seqlens[b] queries are the last positions of its cache row; each row is the call it would
+make alone (its lists bit for bit; o bit for bit for decode rows, to rounding for prefill chunks that run the paged
+kernels)."""
+import pytest
+import torch
+
+from kernelgen import Spec, get_kernel, reference
+from kernelgen.errors import KernelgenTypeError, KernelgenValueError
+
+from checks import assert_close_to_reference
+from test_cache_seqlens import _cache, _index, _spec
+from test_decode import random_lists
+from test_paged_kv import paged
+
+LENGTHS = (96, 37, 0, 48, 94)
+COUNTS = (1, 20, 0, 1, 3)  # decode rows, a prefill chunk, a row with no new query, a speculative row of 3
+
+
+def _packed(x, counts):
+    """Row b's first counts[b] positions of x [B, H, N, ...], packed [total, H, ...], and the bounds."""
+    packed = torch.cat([x[b, :, :n].transpose(0, 1) for b, n in enumerate(counts)])
+    bounds = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=x.device)
+    return packed, bounds
+
+
+def _row(x, bounds, b):
+    """Row b's part of a packed [total, H, ...] output, as its own call's [1, H, count, ...]."""
+    return x[int(bounds[b]):int(bounds[b + 1])].transpose(0, 1)[None]
+
+
+@pytest.mark.parametrize("schedule, selector, layout, dtype", [
+    ("q_centric", "mean", "contiguous", torch.float32),
+    ("q_centric", "multi:2", "paged", torch.float16),
+    ("q_centric", "given", "contiguous", torch.float16),
+    ("kv_centric", "mean", "paged", torch.float32),
+    ("kv_centric", "index", "contiguous", torch.float32),
+    ("q_centric", "index", "paged", torch.float16)])
+def test_each_row_is_its_own_call(schedule, selector, layout, dtype, device):
+    """Each row's o and lse equal its own call over its cache row with its own queries (bit for bit where it
+    decodes; a prefill chunk of some rows of a contiguous cache runs the paged kernels, to rounding), match the
+    float64 reference, and a row with no new query takes no token."""
+    spec = _spec(selector, schedule)
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(max(COUNTS), dtype, device, capacity=96, lengths=LENGTHS)
+    index = _index(q, 96, shared_key=layout == "paged") if selector == "index" else None
+    table = None
+    if layout == "paged":
+        k, table = paged(k, 32)
+        v, _ = paged(v, 32, table=table.cpu())
+        if index is not None:
+            index = (index[0], paged(index[1], 32, table=table.cpu())[0], index[2])
+    block_idx = random_lists(spec, 5, 2, max(COUNTS), 96, seed=4).to(device) if selector == "given" else None
+    packed, bounds = _packed(q, COUNTS)
+    packed_index = None if index is None else (_packed(index[0], COUNTS)[0], index[1], _packed(index[2][..., None],
+                                                                                              COUNTS)[0][..., 0])
+    o, lse = attn.varlen(packed, k, v, bounds, cache_seqlens=lens, block_table=table, block_idx=block_idx,
+                         index=packed_index, return_lse=True)
+    assert o.shape == packed.shape and lse.shape == (packed.shape[1], packed.shape[0])
+    for b, count in enumerate(COUNTS):
+        if not count:
+            continue
+        rows = dict(cache_seqlens=lens[b:b + 1])
+        if table is None:
+            cache = (k[b:b + 1], v[b:b + 1])
+        else:
+            cache, rows["block_table"] = (k, v), table[b:b + 1]
+        own_index = None if index is None else (index[0][b:b + 1, :, :count], index[1] if table is not None else
+                                                index[1][b:b + 1], index[2][b:b + 1, :, :count].contiguous())
+        own_lists = None if block_idx is None else block_idx[b:b + 1, :, :spec.n_q_tiles(count)]
+        o_own, lse_own = attn(q[b:b + 1, :, :count], *cache, block_idx=own_lists, index=own_index, return_lse=True,
+                              **rows)
+        got_o, got_lse = _row(o, bounds, b), _row(lse.t(), bounds, b)
+        if count <= 16 or layout == "paged":
+            assert torch.equal(got_o, o_own) and torch.equal(got_lse, lse_own), b
+        ref_o, ref_lse, _ = reference.sparse_attention(
+            q[b:b + 1, :, :count], *cache, spec if block_idx is None else spec.replace(selector="given"), own_lists,
+            index=own_index, **rows)
+        assert_close_to_reference(got_o, got_lse, ref_o, ref_lse, dtype)
+
+
+def test_rows_of_one_count_are_the_plain_call(device):
+    """Every row with the same query count: one call over the whole cache, its packed queries read as they lie,
+    bit for bit the batched call's; kept reps are grown to the rows once, in place."""
+    spec = _spec("mean", "kv_centric")
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(2, torch.float16, device, capacity=96, lengths=LENGTHS)
+    reps = attn.key_reps(k, cache_seqlens=lens - 2)
+    packed, bounds = _packed(q, (2,) * 5)
+    o = attn.varlen(packed, k, v, bounds, cache_seqlens=lens, key_reps=reps)
+    assert torch.equal(reps.seqlens[:, 0], lens)
+    assert torch.equal(o.view(5, 2, *o.shape[1:]).transpose(1, 2), attn(q, k, v, cache_seqlens=lens))
+
+
+def test_a_compiled_caller_runs_it_eagerly(device):
+    """Under torch.compile the call reads its bounds on the host: a graph break, the eager result."""
+    spec = _spec("mean", "q_centric")
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(20, torch.float32, device, capacity=96, lengths=LENGTHS)
+    packed, bounds = _packed(q, COUNTS)
+
+    @torch.compile(backend="aot_eager")
+    def step(packed, k, v, bounds, lens):
+        return attn.varlen(packed, k, v, bounds, cache_seqlens=lens) * 2
+
+    assert torch.equal(step(packed, k, v, bounds, lens), attn.varlen(packed, k, v, bounds, cache_seqlens=lens) * 2)
+
+
+def test_bad_inputs_are_named(device):
+    spec = _spec("mean", "q_centric")
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(20, torch.float32, device, capacity=96, lengths=LENGTHS)
+    packed, bounds = _packed(q, COUNTS)
+    pads = torch.zeros(5, dtype=torch.int32, device=device)
+    cases = [
+        (KernelgenValueError, "one bound more than the cache's 5 rows", dict(cu_seqlens=bounds[:-1])),
+        (KernelgenTypeError, "cu_seqlens must be int32", dict(cu_seqlens=bounds.long())),
+        (KernelgenValueError, "q has shape", dict(q=q)),
+        (KernelgenValueError, "k is", dict(k=k[0])),
+        (KernelgenValueError, "must rise from 0", dict(cu_seqlens=bounds.flip(0).contiguous())),
+        (KernelgenValueError, "cache_leftpad= takes rows of one query count", dict(cache_leftpad=pads)),
+        (KernelgenValueError, "block_idx", dict(block_idx=random_lists(spec, 5, 2, 16, 96, seed=1).to(device))),
+        (KernelgenValueError, "over a KV cache only", dict(cache_seqlens=None, cache_leftpad=pads)),
+    ]
+    for error, match, changed in cases:
+        args = {"q": packed, "k": k, "v": v, "cu_seqlens": bounds, "cache_seqlens": lens, **changed}
+        with pytest.raises(error, match=match):
+            get_kernel(spec.replace(selector="given") if "block_idx" in changed else spec).varlen(
+                args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cu_seqlens"), **args)
+    narrow = _cache(20, torch.float32, device, capacity=88, lengths=(80, 37, 0, 48, 87))
+    with pytest.raises(KernelgenValueError, match="multiple of spec.kv_block"):
+        attn.varlen(_packed(narrow[0], COUNTS)[0], narrow[1], narrow[2], bounds, cache_seqlens=narrow[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_a_mixed_serving_step_on_gpu(schedule):
+    """A bf16 serving step over a 32k paged cache: a 2048-query prefill chunk, a 300-query one, a speculative row
+    of 4 and five decode rows (one of an empty cache), in one call: each row its own call's o and lse, bit for
+    bit, and the float64 reference's."""
+    spec = Spec(head_dim=128, kv_block=64, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=1, sink=1,
+                **({} if schedule == "kv_centric" else {"q_tile": 64}))
+    attn = get_kernel(spec)
+    lengths = (32768, 20000, 4096, 31000, 1, 0, 8000, 12345)
+    counts = (2048, 1, 4, 1, 1, 1, 300, 1)
+    q, k, v, lens = _cache(2048, torch.bfloat16, "cuda", 32768, lengths, heads_kv=2, group=4, head_dim=128)
+    k, table = paged(k, 512)
+    v, _ = paged(v, 512, table=table.cpu())
+    packed, bounds = _packed(q, counts)
+    o, lse = attn.varlen(packed, k, v, bounds, cache_seqlens=lens, block_table=table, return_lse=True)
+    for b, count in enumerate(counts):
+        o_own, lse_own = attn(q[b:b + 1, :, :count], k, v, cache_seqlens=lens[b:b + 1], block_table=table[b:b + 1],
+                              return_lse=True)
+        assert torch.equal(_row(o, bounds, b), o_own) and torch.equal(_row(lse.t(), bounds, b), lse_own), b
+        if b in (0, 2, 5, 6):
+            ref_o, ref_lse, _ = reference.sparse_attention(q[b:b + 1, :, :count], k, v, spec,
+                                                           cache_seqlens=lens[b:b + 1], block_table=table[b:b + 1])
+            assert_close_to_reference(o_own, lse_own, ref_o, ref_lse, torch.bfloat16)
