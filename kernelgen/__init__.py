@@ -45,7 +45,7 @@ from . import custom_ops  # noqa: E402,F401  (registers the ops that calls under
 from .errors import (KernelgenError, KernelgenNotImplementedError, KernelgenRuntimeError, KernelgenTypeError,  # noqa: E402
                      KernelgenValueError)
 from .inputs import BlockLists, KeyReps  # noqa: E402
-from .interop import from_block_mask, from_fla_lists, to_block_mask  # noqa: E402
+from .interop import from_block_mask, from_fla_lists, from_flashinfer_pages, to_block_mask  # noqa: E402
 from .reverse_index import ReverseIndex, build_reverse_index  # noqa: E402
 from .spec import Spec  # noqa: E402
 
@@ -56,7 +56,7 @@ __all__ = ["Spec", "get_kernel", "SparseAttention", "BlockLists", "KeyReps", "Re
            "TileLangAttnConfig", "TileLangBwdDkdvConfig", "GluonAttnConfig",
            "KernelgenError", "KernelgenValueError", "KernelgenTypeError",
            "KernelgenRuntimeError", "KernelgenNotImplementedError", "backends", "reference", "from_block_mask",
-           "from_fla_lists", "to_block_mask"]
+           "from_fla_lists", "from_flashinfer_pages", "to_block_mask"]
 __version__ = "0.1.0"
 
 # Submodules that cost an import of their own (custom_ops registers torch ops, about a second) load on first

@@ -1,9 +1,11 @@
-"""Interop: kernelgen's block lists to and from torch's FlexAttention `BlockMask`, and from fla-core's NSA lists.
+"""Interop: kernelgen's block lists to and from torch's FlexAttention `BlockMask`, from fla-core's NSA lists, and
+FlashInfer's paged-cache indices as a block table.
 
     lists = kernelgen.from_block_mask(block_mask, spec)        # int32 [B, Hkv, n_q_tiles, top_k], -1 padded
     block_mask = kernelgen.to_block_mask(lists, spec, seq_q, seq_k)
     o = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=spec.gqa_group > 1)
     lists = kernelgen.from_fla_lists(block_indices, block_counts)  # NSA's [B, T, Hkv, S] as [B, Hkv, T, S]
+    table, lens = kernelgen.from_flashinfer_pages(kv_indptr, kv_indices, kv_last_page_len, page_size)
 
 The two structures say the same thing at different grain. A `BlockMask`
 (`torch.nn.attention.flex_attention`) lists, per (batch, query head, Q block), the KV blocks to visit: the
@@ -21,7 +23,8 @@ from .inputs import BlockLists, check_length, lists_layout
 from .spec import Spec
 from .varlen import sequence_lengths
 
-__all__ = ["to_block_mask", "from_block_mask", "from_fla_lists", "block_membership", "block_mask_blocks"]
+__all__ = ["to_block_mask", "from_block_mask", "from_fla_lists", "from_flashinfer_pages", "block_membership",
+           "block_mask_blocks"]
 
 
 def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | None = None,
@@ -252,6 +255,55 @@ def from_fla_lists(block_indices: torch.Tensor, block_counts=None, *, cu_seqlens
     out = torch.full((starts.shape[0], max_seqlen + 1, heads_kv, slots), -1, dtype=torch.int32, device=lists.device)
     out[sequence, position] = lists[0]
     return out[:, :max_seqlen].transpose(1, 2).contiguous()
+
+
+def from_flashinfer_pages(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+                          page_size: int, *, max_pages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_table, cache_seqlens) of a paged KV cache that FlashInfer describes in its CSR form, for kernelgen's
+    calls over pages (`attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens)`).
+
+    kv_indptr         int32 `[B + 1]`: row b's pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]], in order.
+    kv_indices        int32 `[nnz]`: page ids in the pool.
+    kv_last_page_len  int32 `[B]`: the keys in a row's last page (1 .. page_size; a row of no pages has none).
+    page_size         the pool's keys a page (a multiple of the spec's kv_block for kernelgen's calls).
+    max_pages         the most pages a row holds, the table's width: read from the device where not given (one
+                      sync); given, nothing is read on the host, so the conversion runs inside a CUDA graph or
+                      torch.compile (a row of more pages is cut to max_pages, its length with it).
+
+    Returns int32 `[B, max_pages]` (-1 past a row's pages: a page of no keys, never read) and int32 `[B]`, each
+    row's keys: (pages - 1) * page_size + its last page's, 0 for a row of no pages. FlashInfer's pool
+    `[n_pages, 2, page_size, H, D]` (its "NHD" layout) goes in as `k_pages = cache[:, 0].transpose(1, 2)` and
+    `v_pages = cache[:, 1].transpose(1, 2)`; its "HND" layout `[n_pages, 2, H, page_size, D]` as `cache[:, 0]`."""
+    for name, x, rank in (("kv_indptr", kv_indptr, 1), ("kv_indices", kv_indices, 1),
+                          ("kv_last_page_len", kv_last_page_len, 1)):
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
+            raise KernelgenTypeError(f"{name} must be an int32 or int64 torch.Tensor, got "
+                                     f"{getattr(x, 'dtype', type(x).__name__)}")
+        if x.dim() != rank or x.device != kv_indptr.device:
+            raise KernelgenValueError(f"{name} must be 1-D on kv_indptr's device ({kv_indptr.device}), got shape "
+                                      f"{tuple(x.shape)} on {x.device}")
+    rows = kv_indptr.shape[0] - 1
+    if rows < 1 or kv_last_page_len.shape[0] != rows:
+        raise KernelgenValueError(f"kv_indptr must be [B + 1] for B >= 1 rows and kv_last_page_len [B], got "
+                                  f"{tuple(kv_indptr.shape)} and {tuple(kv_last_page_len.shape)}")
+    page_size = check_length("page_size", page_size)
+    bounds = kv_indptr.long()
+    pages = bounds[1:] - bounds[:-1]
+    if max_pages is None:
+        max_pages = int(pages.max()) if rows else 0
+        if int(pages.min()) < 0 or int(bounds[0]) != 0 or int(bounds[-1]) != kv_indices.shape[0]:
+            raise KernelgenValueError(f"kv_indptr must rise from 0 to kv_indices' {kv_indices.shape[0]} pages")
+    elif isinstance(max_pages, bool) or not isinstance(max_pages, int) or max_pages < 0:
+        raise KernelgenTypeError(f"max_pages must be an int >= 0 (the most pages a row holds), got {max_pages!r}")
+    entry = torch.arange(kv_indices.shape[0], device=bounds.device)
+    row = torch.searchsorted(bounds[1:], entry, right=True).clamp(max=rows - 1)
+    column = (entry - bounds[row]).clamp(max=max_pages)  # past max_pages: a spare column, cut off after
+    table = torch.full((rows, max_pages + 1), -1, dtype=torch.int32, device=bounds.device)
+    table[row, column] = kv_indices.to(torch.int32)
+    held = pages.clamp(max=max_pages)
+    last = torch.where(pages > max_pages, page_size, kv_last_page_len.long().clamp(1, page_size))
+    lengths = torch.where(held > 0, (held - 1) * page_size + last, 0).to(torch.int32)
+    return table[:, :max_pages].contiguous(), lengths
 
 
 def _used_slots(block_counts, block_indices: torch.Tensor) -> torch.Tensor:

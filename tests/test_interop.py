@@ -365,3 +365,49 @@ def test_fla_lists_bad_inputs_name_the_argument():
         kernelgen.from_fla_lists(ids, cu_seqlens=torch.tensor([0, 6, 5, 8], dtype=torch.int32))
     with pytest.raises(TypeError, match="max_seqlen must be an int"):
         kernelgen.from_fla_lists(ids, cu_seqlens=bounds, max_seqlen=5.0)
+
+
+def _flashinfer_csr(table: torch.Tensor, lengths: list[int], page_size: int):
+    """FlashInfer's CSR description of the pages a table's rows hold: (kv_indptr, kv_indices, kv_last_page_len)."""
+    pages = [-(-n // page_size) for n in lengths]
+    indices = torch.cat([table[b, :p] for b, p in enumerate(pages)])
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size if p else 1 for n, p in zip(lengths, pages)], dtype=torch.int32)
+    return indptr, indices.to(torch.int32), last
+
+
+def test_flashinfer_pages_are_a_block_table_and_lengths():
+    """A paged cache described FlashInfer's way (its NHD pool, CSR page indices, last page lengths) becomes the
+    block table and lengths of kernelgen's call over the same pages: the same o as over the contiguous cache; with
+    max_pages given (no host read) the same table, and a row of more pages cut to them."""
+    from test_paged_kv import paged
+
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=3, causal=True, gqa_group=2, local=1, sink=1)
+    lengths = [96, 37, 0, 48, 1]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 4, 1, 64, generator=gen)
+    k, v = (torch.randn(5, 2, 96, 64, generator=gen) for _ in range(2))
+    k_pages, table = paged(k, 32)
+    v_pages, _ = paged(v, 32, table=table)
+    pool = torch.stack([k_pages, v_pages], 1).transpose(2, 3).contiguous()  # FlashInfer's [n_pages, 2, page, H, D]
+    indptr, indices, last = _flashinfer_csr(table, lengths, 32)
+    got_table, got_lens = kernelgen.from_flashinfer_pages(indptr, indices, last, 32)
+    assert got_lens.tolist() == lengths and got_table.shape == (5, 3)
+    for b, n in enumerate(lengths):
+        pages = -(-n // 32)
+        assert torch.equal(got_table[b, :pages], table[b, :pages]) and (got_table[b, pages:] == -1).all()
+    attn = kernelgen.get_kernel(spec)
+    o = attn(q, pool[:, 0].transpose(1, 2), pool[:, 1].transpose(1, 2), block_table=got_table, cache_seqlens=got_lens)
+    assert torch.equal(o, attn(q, k, v, cache_seqlens=got_lens))
+    fixed_table, fixed_lens = kernelgen.from_flashinfer_pages(indptr, indices, last, 32, max_pages=3)
+    assert torch.equal(fixed_table, got_table) and torch.equal(fixed_lens, got_lens)
+    cut_table, cut_lens = kernelgen.from_flashinfer_pages(indptr, indices, last, 32, max_pages=2)
+    assert torch.equal(cut_table, got_table[:, :2]) and cut_lens.tolist() == [64, 37, 0, 48, 1]
+    with pytest.raises(kernelgen.KernelgenTypeError, match="kv_indices must be an int32 or int64"):
+        kernelgen.from_flashinfer_pages(indptr, indices.float(), last, 32)
+    with pytest.raises(kernelgen.KernelgenValueError, match=r"kv_indptr must be \[B \+ 1\]"):
+        kernelgen.from_flashinfer_pages(indptr, indices, last[:-1], 32)
+    with pytest.raises(kernelgen.KernelgenValueError, match="must rise from 0"):
+        kernelgen.from_flashinfer_pages(indptr.flip(0).contiguous(), indices, last, 32)
+    with pytest.raises(kernelgen.KernelgenTypeError, match="max_pages must be an int"):
+        kernelgen.from_flashinfer_pages(indptr, indices, last, 32, max_pages=2.0)
