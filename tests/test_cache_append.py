@@ -155,6 +155,25 @@ def test_a_compiled_step_writes_and_attends_as_the_eager_one(device):
     assert torch.equal(o_op * 2, o_eager) and torch.equal(k_op, k_eager)
 
 
+def test_inductor_writes_into_the_cache_itself(device):
+    """Inductor (the default torch.compile backend) hands the caller's caches to the write op itself: no copy of
+    a cache per step, which at a serving cache's size would cost more than the step."""
+    from torch._inductor.utils import run_and_get_code
+
+    spec = _spec("mean", "q_centric")
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(1, torch.float32, device, capacity=CAPACITY, lengths=LENGTHS)
+    k_new, v_new = _new_tokens(q, 1), _new_tokens(q, 1, seed=8)
+    k_eager, v_eager = k.clone(), v.clone()
+    o_eager = attn(q, k_eager, v_eager, cache_seqlens=lens, k_new=k_new, v_new=v_new)
+    step = torch.compile(lambda q, k, v, k_new, v_new, lens: attn(q, k, v, cache_seqlens=lens, k_new=k_new,
+                                                                   v_new=v_new), fullgraph=True)
+    o, codes = run_and_get_code(step, q, k, v, k_new, v_new, lens)
+    assert torch.equal(o, o_eager) and torch.equal(k, k_eager) and torch.equal(v, v_eager)
+    code = "\n".join(codes)
+    assert "kernelgen.append_kv.default(arg" in code and "clone" not in code, code
+
+
 def test_bad_new_keys_are_named_and_nothing_is_written(device):
     spec = _spec("mean", "q_centric")
     attn = get_kernel(spec)
