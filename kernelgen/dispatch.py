@@ -675,7 +675,8 @@ class SparseAttention:
         return rows._replace(seqlens=after)
 
     def varlen(self, q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None,
-               return_lse: bool = False, cache_seqlens=None, block_table=None, cache_leftpad=None, key_reps=None):
+               return_lse: bool = False, cache_seqlens=None, block_table=None, cache_leftpad=None, key_reps=None,
+               k_new=None, v_new=None, k_idx_new=None):
         """Causal self-attention over packed sequences of different lengths, in FlashAttention's varlen layout
         (`varlen.VARLEN_LAYOUT`): each sequence selects and attends as the call over it alone would, bit for bit,
         forward and backward. o is [total, Hq, D]; lse (return_lse) float32 [Hq, total], as FlashAttention's.
@@ -687,19 +688,25 @@ class SparseAttention:
         With `cache_seqlens=` or `block_table=`, k and v are a KV cache of B rows and q holds each row's new
         queries, packed (`varlen.VARLEN_CACHE_LAYOUT`; cu_seqlens int32 [B + 1]): a serving step mixing decode
         rows and prefill chunks of any lengths in one call. Row b is the call over its cache row with its
-        cu_seqlens[b + 1] - cu_seqlens[b] queries (`_varlen_over_cache`)."""
+        cu_seqlens[b + 1] - cu_seqlens[b] queries (`_varlen_over_cache`); k_new, v_new [total, Hkv, D] (and
+        k_idx_new [total, k_idx's heads, Di]), packed as q, are its new tokens' keys, written at each row's end
+        first as the call's k_new= writes them."""
         check_return_lse(return_lse)
         if cache_seqlens is not None or block_table is not None:
+            new = (k_new, v_new, k_idx_new)
             if torch.compiler.is_compiling():
                 return _varlen_eagerly(self, q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, index=index,
                                        scale=scale, return_lse=return_lse, cache_seqlens=cache_seqlens,
-                                       block_table=block_table, cache_leftpad=cache_leftpad, key_reps=key_reps)
+                                       block_table=block_table, cache_leftpad=cache_leftpad, key_reps=key_reps,
+                                       k_new=k_new, v_new=v_new, k_idx_new=k_idx_new)
             o, lse = self._varlen_over_cache(q, k, v, cu_seqlens, block_idx, index, scale, cache_seqlens,
-                                             block_table, cache_leftpad, key_reps)
+                                             block_table, cache_leftpad, key_reps, new)
             return (o, lse.t().contiguous()) if return_lse else o
-        if cache_leftpad is not None or key_reps is not None:
-            raise KernelgenValueError(f"varlen takes {'cache_leftpad' if key_reps is None else 'key_reps'}= over a KV "
-                                      "cache only (with cache_seqlens= or block_table=)")
+        for name, value in (("cache_leftpad", cache_leftpad), ("key_reps", key_reps), ("k_new", k_new),
+                            ("v_new", v_new), ("k_idx_new", k_idx_new)):
+            if value is not None:
+                raise KernelgenValueError(f"varlen takes {name}= over a KV cache only (with cache_seqlens= or "
+                                          "block_table=)")
         total, max_seqlen = check_packed(q, k, v, cu_seqlens, max_seqlen, self.spec, index)
         n = cu_seqlens.shape[0] - 1
 
@@ -713,19 +720,20 @@ class SparseAttention:
         return (o, lse.t().contiguous()) if return_lse else o  # FlashAttention's varlen lse: [Hq, total]
 
     def _varlen_over_cache(self, q, k, v, cu_seqlens, block_idx, index, scale, cache_seqlens, block_table,
-                           cache_leftpad, key_reps) -> tuple[torch.Tensor, torch.Tensor]:
+                           cache_leftpad, key_reps, new=(None, None, None)) -> tuple[torch.Tensor, torch.Tensor]:
         """`varlen` over a KV cache: (o [total, Hq, D], lse [total, Hq]). The rows are grouped by their query count
         (bounds read once per cu_seqlens tensor) and each group runs as one call of that many queries over its
         rows of the cache: the call each row would make alone, its lists bit for bit. A group of some rows of a
         contiguous cache reads them as pages of one row each (its table the rows' ids: no copy), so its prefill
         chunks run the paged kernels (o to rounding); kept reps are grown to the call's rows once, in place, and
-        each group takes its rows' copy."""
+        each group takes its rows' copy. `new`: the packed new keys (k_new, v_new, k_idx_new), each group's
+        written by its call."""
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
                 raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}; {name} is "
                                           f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         rows = check_pages(k, block_table, self.spec)[0] if block_table is not None else k.shape[0]
-        total = check_packed_over_cache(q, cu_seqlens, rows, index)
+        total = check_packed_over_cache(q, cu_seqlens, rows, index, new)
         if cache_seqlens is None and block_table is None:
             raise KernelgenValueError("varlen over a KV cache needs cache_seqlens= or block_table=")
         groups = query_groups(cu_seqlens, total)
@@ -756,6 +764,8 @@ class SparseAttention:
             if index is not None:
                 options["index"] = (group_queries(index[0], group), k_idx,
                                     group_queries(index[2], group).contiguous())
+            options.update((name, None if x is None else group_queries(x, group))
+                           for name, x in zip(("k_new", "v_new", "k_idx_new"), new))
             return self(group_queries(q, group), k, v, **options, scale=scale, return_lse=True)
 
         return packed_cache_attention(call, q, groups)

@@ -90,8 +90,8 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
     cache_seqlens=None, cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None,
     k_idx_new=None)`, `varlen(q, k, v, cu_seqlens,
     max_seqlen=None, *, block_idx=None, index=None, scale=None, return_lse=False, cache_seqlens=None,
-    block_table=None, cache_leftpad=None, key_reps=None)` (packed sequences, or packed queries over a KV cache, as
-    SparseAttention.varlen), `select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None,
+    block_table=None, cache_leftpad=None, key_reps=None, k_new=None, v_new=None, k_idx_new=None)` (packed
+    sequences, or packed queries over a KV cache, as SparseAttention.varlen), `select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None,
     seqlens=None, block_table=None)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as
     SparseAttention.prepare), `key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None,
     block_table=None)` (the pooling selectors' kept representatives, as SparseAttention.key_reps), `SPEC` (the
@@ -656,16 +656,19 @@ def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, k
 
 
 def varlen(q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None, return_lse=False,
-           cache_seqlens=None, block_table=None, cache_leftpad=None, key_reps=None):
+           cache_seqlens=None, block_table=None, cache_leftpad=None, key_reps=None, k_new=None, v_new=None,
+           k_idx_new=None):
     """Causal self-attention over packed sequences, FlashAttention's varlen layout: q [total, Hq, D], k and v
     [total, Hkv, D], cu_seqlens int32 [n + 1]; each sequence as attn over it alone. o [total, Hq, D] (and lse
     float32 [Hq, total]); block_idx: given lists, [n, Hkv, rows, top_k], row d sequence d's; index: the index
     selector's (q_idx, k_idx, w) packed as q is (per-query lists). With cache_seqlens or block_table, k and v
     are a KV cache of B rows (as attn's) and q each row's new queries, packed (cu_seqlens [B + 1]): row b as
-    attn over its cache row with its own queries."""
+    attn over its cache row with its own queries (k_new, v_new, k_idx_new: their tokens' keys, packed as q,
+    written at each row's end first)."""
     return kernel.varlen(q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, index=index, scale=scale,
                          return_lse=return_lse, cache_seqlens=cache_seqlens, block_table=block_table,
-                         cache_leftpad=cache_leftpad, key_reps=key_reps)
+                         cache_leftpad=cache_leftpad, key_reps=key_reps, k_new=k_new, v_new=v_new,
+                         k_idx_new=k_idx_new)
 
 
 def select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None,

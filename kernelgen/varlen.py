@@ -27,7 +27,8 @@ VARLEN_INDEX_LAYOUT = ("index=(q_idx, k_idx, w) packed as q is: q_idx [total, Hk
                        "Di], w [total, Hkv*Hi]")
 VARLEN_CACHE_LAYOUT = ("q [total, Hq, D] (each cache row's new queries one after another, cu_seqlens int32 [B + 1] "
                        "their bounds), k and v the cache ([B, Hkv, capacity, D], or pools of pages with "
-                       "block_table=), index=(q_idx [total, Hkv*Hi, Di], k_idx as k, w [total, Hkv*Hi])")
+                       "block_table=), index=(q_idx [total, Hkv*Hi, Di], k_idx as k, w [total, Hkv*Hi]), new keys "
+                       "k_new and v_new [total, Hkv, D] (k_idx_new [total, k_idx's heads, Di])")
 # A sequence shares a batch padded to at most this factor of its length: a batch more is a few launches more, a
 # padded token a copy and memory (never attention).
 PADDING_SLACK = 2
@@ -316,10 +317,11 @@ class QueryGroup(NamedTuple):
     every_row: bool
 
 
-def check_packed_over_cache(q, cu_seqlens, rows: int, index=None) -> int:
+def check_packed_over_cache(q, cu_seqlens, rows: int, index=None, new=(None, None, None)) -> int:
     """The packed queries of a varlen call over a KV cache of `rows` batch rows (`VARLEN_CACHE_LAYOUT`): q 3-D,
-    cu_seqlens int32 [rows + 1] on q's device, the index selector's packed q_idx and w; the cache, and everything
-    else of the calls each group runs, those calls check. Returns the packed query count."""
+    cu_seqlens int32 [rows + 1] on q's device, the index selector's packed q_idx and w, and the packed new keys
+    (`new`: k_new, v_new, k_idx_new, 3-D, a row a query); the cache, and everything else of the calls each group
+    runs, those calls check. Returns the packed query count."""
     if not isinstance(q, torch.Tensor):
         raise KernelgenTypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 3:
@@ -329,6 +331,11 @@ def check_packed_over_cache(q, cu_seqlens, rows: int, index=None) -> int:
         raise KernelgenValueError(f"cu_seqlens must have one bound more than the cache's {rows} rows, [B + 1] = "
                                   f"[{rows + 1}], got {tuple(cu_seqlens.shape)} ({VARLEN_CACHE_LAYOUT})")
     total = q.shape[0]
+    for name, x in zip(("k_new", "v_new", "k_idx_new"), new):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != total):
+            raise KernelgenValueError(f"varlen over a KV cache takes {name} packed as q, [total = {total}, heads, "
+                                      f"width] (a row's new tokens, a key a query), got "
+                                      f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     if index is not None:
         if not isinstance(index, (tuple, list)) or len(index) != 3:
             raise KernelgenTypeError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}, got index as "

@@ -80,6 +80,54 @@ def test_each_row_is_its_own_call(schedule, selector, layout, dtype, device):
         assert_close_to_reference(got_o, got_lse, ref_o, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("schedule, selector, layout", [("q_centric", "mean", "paged"),
+                                                        ("kv_centric", "index", "contiguous")])
+def test_new_tokens_are_written_then_attended(schedule, selector, layout, device):
+    """k_new and v_new packed as q (and k_idx_new): each row's tokens written at its length, then the row attends
+    over them, as its own call with k_new= does: the same caches and o, bit for bit where it decodes."""
+    spec = _spec(selector, schedule)
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(max(COUNTS), torch.float32, device, capacity=96, lengths=(60, 37, 0, 48, 94))
+    gen = torch.Generator().manual_seed(11)
+    k_new, v_new = (torch.randn(k.shape[0], 2, max(COUNTS), 64, generator=gen).to(device) for _ in range(2))
+    index = _index(q, 96) if selector == "index" else None
+    k_idx_new = None if index is None else torch.randn(5, 2, max(COUNTS), 32, generator=gen).to(device)
+    table = None
+    if layout == "paged":
+        k, table = paged(k, 32)
+        v, _ = paged(v, 32, table=table.cpu())
+    packed, bounds = _packed(q, COUNTS)
+    packed_index = None if index is None else (_packed(index[0], COUNTS)[0], index[1].clone(),
+                                                _packed(index[2][..., None], COUNTS)[0][..., 0])
+    new = [_packed(x, COUNTS)[0] if x is not None else None for x in (k_new, v_new, k_idx_new)]
+    k_call, v_call = k.clone(), v.clone()
+    o = attn.varlen(packed, k_call, v_call, bounds, cache_seqlens=lens, block_table=table, index=packed_index,
+                    k_new=new[0], v_new=new[1], k_idx_new=new[2])
+    k_own, v_own = k.clone(), v.clone()
+    k_idx_own = None if index is None else index[1].clone()
+    for b, count in enumerate(COUNTS):
+        if not count:
+            continue
+        rows = dict(cache_seqlens=lens[b:b + 1])
+        if table is None:
+            cache = (k_own[b:b + 1], v_own[b:b + 1])
+        else:
+            cache, rows["block_table"] = (k_own, v_own), table[b:b + 1]
+        own_index = None if index is None else (index[0][b:b + 1, :, :count], k_idx_own[b:b + 1],
+                                                index[2][b:b + 1, :, :count].contiguous())
+        o_own = attn(q[b:b + 1, :, :count], *cache, index=own_index, k_new=k_new[b:b + 1, :, :count],
+                     v_new=v_new[b:b + 1, :, :count], **rows,
+                     k_idx_new=None if index is None else k_idx_new[b:b + 1, :, :count])
+        if count <= 16 or layout == "paged":
+            assert torch.equal(_row(o, bounds, b), o_own), b
+        else:
+            assert (_row(o, bounds, b) - o_own).abs().max() < 1e-5, b
+    assert torch.equal(k_call.nan_to_num(7), k_own.nan_to_num(7)) and torch.equal(v_call.nan_to_num(7),
+                                                                                   v_own.nan_to_num(7))
+    if index is not None:
+        assert torch.equal(packed_index[1], k_idx_own)
+
+
 def test_rows_of_one_count_are_the_plain_call(device):
     """Every row with the same query count: one call over the whole cache, its packed queries read as they lie,
     bit for bit the batched call's; kept reps are grown to the rows once, in place."""
@@ -122,6 +170,8 @@ def test_bad_inputs_are_named(device):
         (KernelgenValueError, "cache_leftpad= takes rows of one query count", dict(cache_leftpad=pads)),
         (KernelgenValueError, "block_idx", dict(block_idx=random_lists(spec, 5, 2, 16, 96, seed=1).to(device))),
         (KernelgenValueError, "over a KV cache only", dict(cache_seqlens=None, cache_leftpad=pads)),
+        (KernelgenValueError, "k_new packed as q", dict(k_new=k[:, :, :1])),
+        (KernelgenValueError, "k_new= and v_new= go together", dict(k_new=packed[:, :2].contiguous())),
     ]
     for error, match, changed in cases:
         args = {"q": packed, "k": k, "v": v, "cu_seqlens": bounds, "cache_seqlens": lens, **changed}
