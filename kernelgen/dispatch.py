@@ -725,9 +725,9 @@ class SparseAttention:
         (bounds read once per cu_seqlens tensor) and each group runs as one call of that many queries over its
         rows of the cache: the call each row would make alone, its lists bit for bit. A group of some rows of a
         contiguous cache reads them as pages of one row each (its table the rows' ids: no copy), so its prefill
-        chunks run the paged kernels (o to rounding); kept reps are grown to the call's rows once, in place, and
-        each group takes its rows' copy. `new`: the packed new keys (k_new, v_new, k_idx_new), each group's
-        written by its call."""
+        chunks run the paged kernels (o to rounding); each group takes its rows' copy of kept reps (grown by its
+        call), and the reps are grown in place to the rows' lengths after the call once, at its end. `new`: the
+        packed new keys (k_new, v_new, k_idx_new), each group's written by its call."""
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
                 raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}; {name} is "
@@ -737,9 +737,6 @@ class SparseAttention:
         if cache_seqlens is None and block_table is None:
             raise KernelgenValueError("varlen over a KV cache needs cache_seqlens= or block_table=")
         groups = query_groups(cu_seqlens, total)
-        if key_reps is not None and isinstance(key_reps, KeyReps) and key_reps.seqlens is not None:
-            key_reps = self.key_reps(k, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, previous=key_reps,
-                                     block_table=block_table)
         k_idx = None if index is None else index[1]
 
         def call(group: QueryGroup):
@@ -768,7 +765,15 @@ class SparseAttention:
                            for name, x in zip(("k_new", "v_new", "k_idx_new"), new))
             return self(group_queries(q, group), k, v, **options, scale=scale, return_lse=True)
 
-        return packed_cache_attention(call, q, groups)
+        out = packed_cache_attention(call, q, groups)
+        if isinstance(key_reps, KeyReps) and key_reps.seqlens is not None and cache_seqlens is not None:
+            after = cache_seqlens
+            if new[0] is not None:  # the rows grew by their new tokens (clamped at the capacity, as the write)
+                capacity = k.shape[2] * (1 if block_table is None else block_table.shape[1])
+                after = (cache_seqlens.clamp(0, capacity) + (cu_seqlens[1:] - cu_seqlens[:-1])).clamp(max=capacity)
+            self.key_reps(k, cache_seqlens=after.to(torch.int32), cache_leftpad=cache_leftpad, previous=key_reps,
+                          block_table=block_table)
+        return out
 
     def _outside_graph(self, scale=None) -> bool:
         """Whether a call being compiled runs eagerly, outside the graph (`_eagerly`): the ops serve the spec's

@@ -101,8 +101,13 @@ def test_new_tokens_are_written_then_attended(schedule, selector, layout, device
                                                 _packed(index[2][..., None], COUNTS)[0][..., 0])
     new = [_packed(x, COUNTS)[0] if x is not None else None for x in (k_new, v_new, k_idx_new)]
     k_call, v_call = k.clone(), v.clone()
+    reps = None if index is not None else attn.key_reps(k_call, cache_seqlens=lens, block_table=table)
     o = attn.varlen(packed, k_call, v_call, bounds, cache_seqlens=lens, block_table=table, index=packed_index,
-                    k_new=new[0], v_new=new[1], k_idx_new=new[2])
+                    k_new=new[0], v_new=new[1], k_idx_new=new[2], key_reps=reps)
+    if reps is not None:  # grown to the rows' lengths after their new tokens, in place
+        after = (lens + torch.tensor(COUNTS, dtype=torch.int32, device=device)).clamp(max=96)
+        assert torch.equal(reps.seqlens[:, 0], after)
+        assert torch.equal(reps.reps, attn.key_reps(k_call, cache_seqlens=after, block_table=table).reps)
     k_own, v_own = k.clone(), v.clone()
     k_idx_own = None if index is None else index[1].clone()
     for b, count in enumerate(COUNTS):

@@ -14,6 +14,11 @@ one sink and two local blocks; a cache of capacity N whose rows hold N down to a
   (`to_block_mask(..., cache_seqlens=)`);
 - SDPA with the rows' mask (causal from each row's own diagonal AND its keys: SDPA's memory-efficient kernel)
   over the whole capacity.
+Shape mixed_32k is a serving step instead: rows of a 32k cache in shuffled pages of 512 keys with different
+query counts (MIXED_COUNTS: two prefill chunks, decode rows, a speculative row of 4), the `mean` selector with kept
+reps: `attn.varlen` over the cache (one call, the rows grouped by query count) and the same with the rows' new
+tokens written first (`k_new=`), a call per row, and dense FlashAttention varlen (`aten._flash_attention_forward`,
+each row's keys packed, causal from each row's end) over the same rows.
 Forward only (a call over per-row lengths has no backward), do_bench medians; graph_ms: the same call replayed
 from a CUDA graph (one-call rows). Useful TFLOP/s count 4 * D * the visible pairs inside each row's listed
 blocks. The one call's output is compared with the calls per row (`max_abs_vs_rows`: 0 when they agree bit for
@@ -35,7 +40,10 @@ from .measure import _bench_graph, _dump_rows, row_attempts
 
 __all__ = ["run_chunked", "CHUNKED_SHAPES"]
 
-CHUNKED_SHAPES = {"chunk512_32k": (512, 32768), "chunk2048_32k": (2048, 32768)}  # (queries a row, capacity)
+MIXED_COUNTS = (2048, 512, 1, 1, 1, 1, 1, 4)  # a serving step's rows: two prefill chunks, decode rows, speculation
+# (queries a row, or each row's, capacity)
+CHUNKED_SHAPES = {"chunk512_32k": (512, 32768), "chunk2048_32k": (2048, 32768), "mixed_32k": (MIXED_COUNTS, 32768)}
+MIXED_PAGE = 512
 BATCH, HEADS_KV, GROUP, HEAD_DIM = 8, 8, 4, 128
 SPEC = Spec(head_dim=HEAD_DIM, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=GROUP, sink=1, local=2)
 PAGE_BLOCKS = (1, 4)  # KV blocks a page of the paged cache
@@ -57,6 +65,9 @@ def run_chunked(shape_names=None, out_dir=None, log=print) -> list[dict]:
     flex = torch.compile(flex_attention, dynamic=False)
     for name in shape_names or CHUNKED_SHAPES:
         n_q, n = CHUNKED_SHAPES[name]
+        if isinstance(n_q, tuple):
+            _mixed_rows(name, n_q, n, selecting, rows, attempt, log, out_dir)
+            continue
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(BATCH, h, m, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for h, m in ((HEADS_KV * GROUP, n_q), (HEADS_KV, n), (HEADS_KV, n)))
@@ -135,3 +146,72 @@ def run_chunked(shape_names=None, out_dir=None, log=print) -> list[dict]:
 
             attempt(name, impl, timed)
     return rows
+
+
+def _mixed_rows(name, counts, n, selecting, rows, attempt, log, out_dir) -> None:
+    """A serving step's rows (module docstring): rows of `counts` queries over a paged cache of capacity n."""
+    import triton.testing
+
+    batch = len(counts)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k, v = (torch.randn(batch, HEADS_KV, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    lens = cache_rows_lengths(batch, n, "cuda")
+    lengths = lens.tolist()
+    q_rows = [torch.randn(1, HEADS_KV * GROUP, c, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+              for c in counts]
+    packed = torch.cat([x[0].transpose(0, 1) for x in q_rows])
+    bounds = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    order = torch.randperm(batch * n // MIXED_PAGE, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    table = order.view(batch, -1).to(torch.int32)
+    k_pages, v_pages = (scatter_pages(x, MIXED_PAGE, order) for x in (k, v))
+    before = lens - torch.tensor(counts, dtype=torch.int32, device="cuda")  # the writing step's rows before it
+    new = [torch.cat([x[b, :, m - c:m].transpose(0, 1) for b, (c, m) in enumerate(zip(counts, lengths))])
+           for x in (k, v)]  # the keys already there: the writing step rewrites them
+    with torch.no_grad():
+        reps = selecting.key_reps(k_pages, cache_seqlens=lens, block_table=table)
+        row_reps = [reps.index_batch(slice(b, b + 1)) for b in range(batch)]
+        lists = [selecting.select(q_rows[b], k_pages, cache_seqlens=lens[b:b + 1], block_table=table[b:b + 1],
+                                  key_reps=row_reps[b]) for b in range(batch)]
+    flops = sum(useful_flops(lists[b], SPEC, c, m) for b, (c, m) in enumerate(zip(counts, lengths)))
+    k_packed, v_packed = (torch.cat([x[b, :, :m].transpose(0, 1) for b, m in enumerate(lengths)]) for x in (k, v))
+    bounds_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+    def one_call():
+        return selecting.varlen(packed, k_pages, v_pages, bounds, cache_seqlens=lens, block_table=table,
+                                key_reps=reps)
+
+    def writing_call():
+        return selecting.varlen(packed, k_pages, v_pages, bounds, cache_seqlens=before, block_table=table,
+                                key_reps=reps, k_new=new[0], v_new=new[1])
+
+    def per_row():
+        return [selecting(q_rows[b], k_pages, v_pages, cache_seqlens=lens[b:b + 1], block_table=table[b:b + 1],
+                          key_reps=row_reps[b]) for b in range(batch)]
+
+    def flash_varlen():
+        return torch.ops.aten._flash_attention_forward(packed, k_packed, v_packed, bounds, bounds_k, max(counts),
+                                                       max(lengths), 0.0, True, False)[0]
+
+    with torch.no_grad():
+        ours = one_call()
+        mine = torch.cat([o[0].transpose(0, 1) for o in per_row()])
+        compare = {"max_abs_vs_rows": (ours - mine).abs().max().item()}
+    impls = [("kernelgen mean, varlen over the paged cache (one call)", one_call, flops, compare),
+             ("kernelgen mean, varlen writing the rows' tokens (k_new=)", writing_call, flops, {}),
+             ("kernelgen mean, a call per row", per_row, flops, {}),
+             ("flash varlen (dense, rows' keys packed)", flash_varlen, None, {})]
+    for impl, fn, useful, extra in impls:
+        def timed(impl=impl, fn=fn, useful=useful, extra=extra):
+            with torch.no_grad():
+                if impl.startswith("flash"):
+                    extra = {"max_abs_vs_kernelgen": (fn() - ours).abs().max().item()}
+                ms = triton.testing.do_bench(fn, return_mode="median")
+            tflops = None if useful is None else round(useful / ms / 1e9, 1)
+            rows.append(dict(shape=name, impl=impl, n_q=list(counts), n_k=n, lengths=lengths, fwd_ms=round(ms, 4),
+                             graph_ms=None, tflops=tflops, **extra))
+            log(f"{name:14s} {impl:58s} fwd {ms:8.3f} ms  {tflops or '':>6} TFLOP/s "
+                + " ".join(f"{key}={value:.3g}" for key, value in extra.items()))
+            _dump_rows(rows, out_dir, "chunked.json")
+
+        attempt(name, impl, timed)
