@@ -736,6 +736,11 @@ class SparseAttention:
         total = check_packed_over_cache(q, cu_seqlens, rows, index, new)
         if cache_seqlens is None and block_table is None:
             raise KernelgenValueError("varlen over a KV cache needs cache_seqlens= or block_table=")
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a graph would hold the groups of the bounds read before it, and replay them whatever the bounds hold
+            raise KernelgenValueError("varlen over a KV cache groups its rows by the query counts it reads on the "
+                                      "host: it cannot be captured in a CUDA graph (a replay would keep the groups "
+                                      "of the capture); capture a batch of one query count with attn(q, ...)")
         groups = query_groups(cu_seqlens, total)
         k_idx = None if index is None else index[1]
 

@@ -214,3 +214,7 @@ def test_a_mixed_serving_step_on_gpu(schedule):
             ref_o, ref_lse, _ = reference.sparse_attention(q[b:b + 1, :, :count], k, v, spec.replace(selector="given"),
                                                            lists, **rows)
             assert_close_to_reference(o_own, lse_own, ref_o, ref_lse, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()  # a capture would keep the groups of the bounds it saw: refused
+    with pytest.raises(KernelgenValueError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(graph):
+            attn.varlen(packed, k, v, bounds, cache_seqlens=lens, block_table=table)
