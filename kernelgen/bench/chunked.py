@@ -207,7 +207,7 @@ def _mixed_rows(name, counts, n, selecting, rows, attempt, log, out_dir) -> None
         def timed(impl=impl, fn=fn, useful=useful, extra=extra):
             with torch.no_grad():
                 ms = triton.testing.do_bench(fn, return_mode="median")
-                graph_ms = None if "varlen" in impl else _bench_graph(fn, log=log)  # varlen: no graph
+                graph_ms = None if impl.startswith("kernelgen mean, varlen") else _bench_graph(fn, log=log)
                 enqueue_ms = host_ms(fn)
             tflops = None if useful is None else round(useful / (graph_ms or ms) / 1e9, 1)
             rows.append(dict(shape=name, impl=impl, n_q=list(counts), n_k=n, lengths=lengths, fwd_ms=round(ms, 4),
