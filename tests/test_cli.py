@@ -146,7 +146,8 @@ def test_tune_plans_the_roles_the_spec_s_calls_run():
     result = invoke(*base, "--schedule", "kv_centric", "--selector", "index")
     assert result.exit_code == 0, result.output
     assert _planned_roles(result.output) == ["kv_select_index", "kv_attn", "kv_attn_union", "kv_attn_rows",
-                                             "kv_decode_select_index", "decode", "kv_bwd", "kv_bwd_union"]
+                                             "kv_attn_paged", "kv_decode_select_index", "decode", "kv_bwd",
+                                             "kv_bwd_union"]
     result = invoke(*base, "--selector", "given", "--role", "bwd_dq")
     assert result.exit_code == 0 and _planned_roles(result.output) == ["bwd_dq"]
     result = invoke(*base, "--role", "attn", "--role", "select", "--role", "attn")  # one study per role
