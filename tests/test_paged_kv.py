@@ -497,3 +497,19 @@ def test_a_paged_prefill_of_256_key_blocks(device):
     o, lse = get_kernel(spec)(q, k_pages, v_pages, block_table=table, cache_seqlens=lens, return_lse=True)
     ref_o, ref_lse, _ = reference.sparse_attention(q, k_pages, v_pages, spec, cache_seqlens=lens, block_table=table)
     assert_close_to_reference(o, lse, ref_o, ref_lse, torch.float32)
+
+
+def test_flash_attention_s_cache_batch_idx_is_a_table_of_one_row_pages(device):
+    """FlashAttention's cache_batch_idx (batch row b reads slot slot_ids[b] of a contiguous cache): the cache as
+    a pool of one-row pages and a table of one page a row, with the slots' kept reps picked by index_batch, is
+    the call over the picked rows, bit for bit."""
+    spec = _spec("mean", "q_centric")
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(1, torch.float32, device, capacity=96)
+    slot_ids = torch.tensor([4, 0, 3], device=device)
+    reps = attn.key_reps(k, cache_seqlens=lens)
+    picked = attn(q[:3], k[slot_ids], v[slot_ids], cache_seqlens=lens[slot_ids])
+    table = slot_ids.view(-1, 1).to(torch.int32)
+    assert torch.equal(attn(q[:3], k, v, block_table=table, cache_seqlens=lens[slot_ids]), picked)
+    assert torch.equal(attn(q[:3], k, v, block_table=table, cache_seqlens=lens[slot_ids],
+                            key_reps=reps.index_batch(slot_ids)), picked)
