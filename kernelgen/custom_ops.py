@@ -341,6 +341,15 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
                                                            key_reps.leftpad)
     spec_json = _spec_json(spec)
     if k_new is not None or v_new is not None or k_idx_new is not None:
+        if seqlens is not None:
+            raise KernelgenValueError("k_new= writes into a KV cache (cache_seqlens=): a padded batch's call "
+                                      "(seqlens=) has none")
+        if not torch.compiler.is_compiling():  # the forward's host checks, before anything is written
+            attn = get_kernel(_spec_of(spec_json))
+            shapes = attn._check_shapes(q, k, v, block_table)
+            attn._check_before_writing(shapes, q.device, block_idx, index, key_reps, scale,
+                                       attn._rows(shapes, q.device, cache_seqlens, cache_leftpad, None, key_reps,
+                                                  index, block_table))
         cache_seqlens = _append_new_keys(q, k, v, spec_json, (k_new, v_new, k_idx_new), cache, cache_seqlens,
                                          cache_leftpad, block_table, index)
     if key_reps is not None and (cache_seqlens is not None or block_table is not None) and key_reps.seqlens is not None:

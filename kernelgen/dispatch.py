@@ -32,7 +32,7 @@ from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
                      CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps, check_new_keys,
-                     check_reps_fit_capacity, check_keys, check_length, refuse_cast_cache,
+                     check_reps_fit_capacity, check_keys, check_length, check_row_ints, check_scale, refuse_cast_cache,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
                      lists_type_error, refuse_forward_ad, refuse_function_transforms,
                      refuse_grad_with_seqlens, refuse_nsa_layout)
@@ -637,10 +637,11 @@ class SparseAttention:
         refuse_forward_ad(q, k, v)
         shapes = self._start_call(q, k, v, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
-        if k_new is not None or v_new is not None or k_idx_new is not None:
-            rows = self._append(k, v, shapes, (k_new, v_new, k_idx_new), index, rows, cache, cache_seqlens)
         if isinstance(rows, CacheRows):
             refuse_grad_with_seqlens(rows.seqlens, q, k, v, rows.block_table)
+        if k_new is not None or v_new is not None or k_idx_new is not None:
+            self._check_before_writing(shapes, q.device, block_idx, index, key_reps, scale, rows)
+            rows = self._append(k, v, shapes, (k_new, v_new, k_idx_new), index, rows, cache, cache_seqlens)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps, rows)
         else:
@@ -650,6 +651,23 @@ class SparseAttention:
         if isinstance(rows, TokenRows):
             o, lse = clear_padding(o, lse, rows.seqlens)
         return (o, lse) if return_lse else o
+
+    def _check_before_writing(self, shapes: Shapes, device, block_idx, index, key_reps, scale, rows) -> None:
+        """What a call that writes new keys checks before it writes: the host checks its forward makes after the
+        write (its lists or their source, kept reps, scale), so that a call refused for them writes nothing."""
+        if block_idx is not None and (index is not None or key_reps is not None):
+            raise KernelgenValueError(f"pass block_idx= or {'index' if index is not None else 'key_reps'}=, not "
+                                      "both: the one chooses the lists the other gives")
+        if scale is not None:
+            check_scale(scale)
+        if block_idx is None and self.spec.selector == "given":
+            raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
+        if isinstance(block_idx, BlockLists):
+            check_block_lists(block_idx, self.spec, shapes, device)
+        elif block_idx is not None:
+            check_block_idx(block_idx, self.spec, shapes, device)
+        if key_reps is not None:
+            check_key_reps(key_reps, self.spec, shapes, device, isinstance(rows, CacheRows))
 
     def _append(self, k, v, shapes: Shapes, new: tuple, index, rows: CacheRows | TokenRows | None, cache: tuple,
                 cache_seqlens) -> CacheRows:
@@ -700,7 +718,7 @@ class SparseAttention:
                                        block_table=block_table, cache_leftpad=cache_leftpad, key_reps=key_reps,
                                        k_new=k_new, v_new=v_new, k_idx_new=k_idx_new)
             o, lse = self._varlen_over_cache(q, k, v, cu_seqlens, block_idx, index, scale, cache_seqlens,
-                                             block_table, cache_leftpad, key_reps, new)
+                                             block_table, cache_leftpad, key_reps, new, max_seqlen)
             return (o, lse.t().contiguous()) if return_lse else o
         for name, value in (("cache_leftpad", cache_leftpad), ("key_reps", key_reps), ("k_new", k_new),
                             ("v_new", v_new), ("k_idx_new", k_idx_new)):
@@ -720,7 +738,8 @@ class SparseAttention:
         return (o, lse.t().contiguous()) if return_lse else o  # FlashAttention's varlen lse: [Hq, total]
 
     def _varlen_over_cache(self, q, k, v, cu_seqlens, block_idx, index, scale, cache_seqlens, block_table,
-                           cache_leftpad, key_reps, new=(None, None, None)) -> tuple[torch.Tensor, torch.Tensor]:
+                           cache_leftpad, key_reps, new=(None, None, None),
+                           max_seqlen=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`varlen` over a KV cache: (o [total, Hq, D], lse [total, Hq]). The rows are grouped by their query count
         (bounds read once per cu_seqlens tensor) and each group runs as one call of that many queries over its
         rows of the cache: the call each row would make alone, its lists bit for bit. A group of some rows of a
@@ -733,20 +752,25 @@ class SparseAttention:
                 raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}; {name} is "
                                           f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         rows = check_pages(k, block_table, self.spec)[0] if block_table is not None else k.shape[0]
-        total = check_packed_over_cache(q, cu_seqlens, rows, index, new)
-        if cache_seqlens is None and block_table is None:
-            raise KernelgenValueError("varlen over a KV cache needs cache_seqlens= or block_table=")
+        total = check_packed_over_cache(q, k, cu_seqlens, rows, index, new, block_table is not None)
+        check_row_ints("cache_seqlens", cache_seqlens, rows, q.device)
+        check_row_ints("cache_leftpad", cache_leftpad, rows, q.device)
+        refuse_grad_with_seqlens(cache_seqlens, q, k, v, block_table)
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             # a graph would hold the groups of the bounds read before it, and replay them whatever the bounds hold
             raise KernelgenValueError("varlen over a KV cache groups its rows by the query counts it reads on the "
                                       "host: it cannot be captured in a CUDA graph (a replay would keep the groups "
                                       "of the capture); capture a batch of one query count with attn(q, ...)")
         groups = query_groups(cu_seqlens, total)
+        if groups and max_seqlen is not None and groups[-1].count > check_length("max_seqlen", max_seqlen):
+            raise KernelgenValueError(f"a row of {groups[-1].count} new queries is longer than max_seqlen={max_seqlen}")
+        if groups:  # every group's lists checked before any group writes its new keys
+            _group_lists(block_idx, groups[-1], self.spec, rows, k.shape[1])
         k_idx = None if index is None else index[1]
 
         def call(group: QueryGroup):
             options = dict(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, block_table=block_table,
-                           key_reps=key_reps, block_idx=_group_lists(block_idx, group, self.spec, rows))
+                           key_reps=key_reps, block_idx=_group_lists(block_idx, group, self.spec, rows, k.shape[1]))
             if not group.every_row:
                 picked = group.rows
                 options.update(cache_seqlens=None if cache_seqlens is None else cache_seqlens.index_select(0, picked),
@@ -919,7 +943,7 @@ def _varlen_eagerly(attn, *args, **kwargs):
     return attn.varlen(*args, **kwargs)
 
 
-def _group_lists(block_idx, group: QueryGroup, spec: Spec, rows: int):
+def _group_lists(block_idx, group: QueryGroup, spec: Spec, rows: int, heads_kv: int):
     """A group's rows of a varlen-over-cache call's given lists, [B, Hkv or 1, at least the longest row's lists,
     top_k] (row b's first n_q_tiles of its count: its call's lists), or None."""
     if block_idx is None:
@@ -927,10 +951,12 @@ def _group_lists(block_idx, group: QueryGroup, spec: Spec, rows: int):
     if not isinstance(block_idx, torch.Tensor):
         raise lists_type_error(block_idx)
     needed = spec.n_q_tiles(group.count)
-    if block_idx.dim() != 4 or block_idx.shape[0] not in (1, rows) or block_idx.shape[2] < needed:
-        raise KernelgenValueError(f"varlen over a KV cache takes block_idx [B, Hkv, lists of the row with the most "
-                                  f"queries, top_k] (row b's first lists its own), B = {rows} or 1; rows of "
-                                  f"{group.count} queries need {needed} lists, got {tuple(block_idx.shape)}")
+    if block_idx.dim() != 4 or block_idx.shape[0] not in (1, rows) or block_idx.shape[1] not in (1, heads_kv) or \
+            block_idx.shape[2] < needed or block_idx.shape[3] != spec.top_k:
+        raise KernelgenValueError(f"varlen over a KV cache takes block_idx [B or 1, Hkv or 1, lists of the row with "
+                                  f"the most queries, top_k] (row b's first lists its own), B = {rows}, Hkv = "
+                                  f"{heads_kv}, top_k = {spec.top_k}; rows of {group.count} queries need {needed} "
+                                  f"lists, got {tuple(block_idx.shape)}")
     picked = block_idx if group.every_row or block_idx.shape[0] == 1 else block_idx.index_select(0, group.rows)
     return picked[:, :, :needed]
 

@@ -21,8 +21,8 @@ from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
 
 __all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_reps_length",
-           "check_reps_fit_capacity", "CacheRows", "check_cache_rows", "NewKeys", "check_new_keys", "refuse_cast_cache",
-           "NEW_KEYS_LAYOUT", "check_paged_kv",
+           "check_reps_fit_capacity", "CacheRows", "check_cache_rows", "NewKeys", "check_new_keys",
+           "refuse_cast_cache", "check_row_ints", "NEW_KEYS_LAYOUT", "check_paged_kv",
            "check_pages",
            "refuse_grad_with_seqlens", "check_keys", "check_qkv",
            "check_block_idx", "check_block_lists", "refuse_nsa_layout", "lists_type_error", "describe_index",
@@ -370,6 +370,12 @@ def check_token_rows(seqlens, spec: Spec, shapes: Shapes, device, *, cache_seqle
     return TokenRows(_check_row_ints("seqlens", seqlens, shapes, device))
 
 
+def check_row_ints(name: str, value, rows: int, device) -> torch.Tensor:
+    """A cache's per-row ints (`cache_seqlens`, `cache_leftpad`) of `rows` batch rows, checked as a call checks
+    them (None passes)."""
+    return value if value is None else _check_row_ints(name, value, Shapes(rows, 0, 0, 0, 0, 0, 0), device)
+
+
 def _check_row_ints(name: str, value, shapes: Shapes, device) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise KernelgenTypeError(f"{name} must be a torch.Tensor (int32 [B]), got {type(value).__name__}")
@@ -451,7 +457,10 @@ def check_key_reps(key_reps, spec: Spec, shapes: Shapes, device, varlen: bool = 
         raise KernelgenValueError(f"key_reps= is the input of the pooling selectors (mean, multi:r); spec.selector="
                                   f"{spec.selector!r} takes none")
     if not isinstance(key_reps, KeyReps):
-        raise KernelgenTypeError(f"key_reps must be the KeyReps of attn.key_reps(k), got {type(key_reps).__name__}")
+        other = (" of another copy of kernelgen (an exported module's calls take the KeyReps of its own key_reps())"
+                 if type(key_reps).__name__ == "KeyReps" else "")
+        raise KernelgenTypeError(f"key_reps must be the KeyReps of attn.key_reps(k), got {type(key_reps).__name__}"
+                                 f"{other}")
     made = (key_reps.kv_block, key_reps.groups)
     if made != (spec.kv_block, spec.groups):
         raise KernelgenValueError(f"key_reps were made for kv_block, groups = {made}; this spec has "

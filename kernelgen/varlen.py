@@ -317,11 +317,13 @@ class QueryGroup(NamedTuple):
     every_row: bool
 
 
-def check_packed_over_cache(q, cu_seqlens, rows: int, index=None, new=(None, None, None)) -> int:
-    """The packed queries of a varlen call over a KV cache of `rows` batch rows (`VARLEN_CACHE_LAYOUT`): q 3-D,
-    cu_seqlens int32 [rows + 1] on q's device, the index selector's packed q_idx and w, and the packed new keys
-    (`new`: k_new, v_new, k_idx_new, 3-D, a row a query); the cache, and everything else of the calls each group
-    runs, those calls check. Returns the packed query count."""
+def check_packed_over_cache(q, k, cu_seqlens, rows: int, index=None, new=(None, None, None),
+                            paged: bool = False) -> int:
+    """The packed queries of a varlen call over a KV cache `k` of `rows` batch rows (`VARLEN_CACHE_LAYOUT`; `paged`:
+    k is a pool of pages): q 3-D, cu_seqlens int32 [rows + 1] on q's device, the index selector's packed q_idx and
+    w and its k_idx (the cache's index keys, laid out as k), and the packed new keys (`new`: k_new, v_new,
+    k_idx_new, [total, heads, width] of the cache's heads and width, a key a query); dtypes, devices and the rest
+    the calls each group runs check, before any writes. Returns the packed query count."""
     if not isinstance(q, torch.Tensor):
         raise KernelgenTypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 3:
@@ -331,15 +333,33 @@ def check_packed_over_cache(q, cu_seqlens, rows: int, index=None, new=(None, Non
         raise KernelgenValueError(f"cu_seqlens must have one bound more than the cache's {rows} rows, [B + 1] = "
                                   f"[{rows + 1}], got {tuple(cu_seqlens.shape)} ({VARLEN_CACHE_LAYOUT})")
     total = q.shape[0]
-    for name, x in zip(("k_new", "v_new", "k_idx_new"), new):
-        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != total):
-            raise KernelgenValueError(f"varlen over a KV cache takes {name} packed as q, [total = {total}, heads, "
-                                      f"width] (a row's new tokens, a key a query), got "
-                                      f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    k_idx = None
     if index is not None:
         if not isinstance(index, (tuple, list)) or len(index) != 3:
             raise KernelgenTypeError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}, got index as "
                                      f"{type(index).__name__}")
+        k_idx = index[1]
+        if not isinstance(k_idx, torch.Tensor):
+            raise KernelgenTypeError(f"index: k_idx must be a torch.Tensor, got {type(k_idx).__name__}")
+        if k_idx.dim() != 4 or k_idx.shape[0] != k.shape[0] or k_idx.shape[1] not in (k.shape[1], 1) or \
+                k_idx.shape[2] != k.shape[2]:
+            layout = "a pool of k's pages [n_pages, Hkv or 1, page_size, Di]" if paged else \
+                "[B, Hkv or 1, capacity, Di], as k"
+            raise KernelgenValueError(f"index: k_idx is the cache's index keys, {layout} = [{k.shape[0]}, "
+                                      f"{k.shape[1]} or 1, {k.shape[2]}, Di], got {tuple(k_idx.shape)}")
+    widths = (("k_new", (k.shape[1], k.shape[3])), ("v_new", (k.shape[1], k.shape[3])),
+              ("k_idx_new", None if k_idx is None else (k_idx.shape[1], k_idx.shape[3])))
+    for (name, expected), x in zip(widths, new):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise KernelgenTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[0] != total or (expected is not None and tuple(x.shape[1:]) != expected):
+            heads, width = ("heads", "width") if expected is None else expected
+            raise KernelgenValueError(f"varlen over a KV cache takes {name} packed as q, [total, heads, width] = "
+                                      f"[{total}, {heads}, {width}] (a row's new tokens, a key a query), got "
+                                      f"{tuple(x.shape)}")
+    if index is not None:
         for name, x, rank in (("q_idx", index[0], 3), ("w", index[2], 2)):
             if not isinstance(x, torch.Tensor):
                 raise KernelgenTypeError(f"index: {name} must be a torch.Tensor, got {type(x).__name__}")

@@ -191,11 +191,29 @@ def test_bad_new_keys_are_named_and_nothing_is_written(device):
                                                                           k_idx_new=k_new)),
         (KernelgenValueError, "requires grad", dict(k_new=k_new.clone().requires_grad_(), v_new=v_new)),
         (KernelgenValueError, "padded batch", dict(k_new=k_new, v_new=v_new, cache_seqlens=None, seqlens=lens)),
+        # what the forward checks after the write is checked before it too: a refused call writes nothing
+        (KernelgenTypeError, "scale must be a finite real", dict(k_new=k_new, v_new=v_new, scale="0.1")),
+        (KernelgenValueError, "key_reps were made for kv_block", dict(
+            k_new=k_new, v_new=v_new, key_reps=get_kernel(spec.replace(kv_block=32)).key_reps(k, cache_seqlens=lens))),
+        (KernelgenValueError, "pass block_idx= or key_reps=", dict(
+            k_new=k_new, v_new=v_new, key_reps=attn.key_reps(k, cache_seqlens=lens),
+            block_idx=random_lists(spec, 5, 2, 1, CAPACITY, seed=2).to(device))),
     ]
     for error, match, kwargs in cases:
         with pytest.raises(error, match=match):
             attn(q, k, v, **{"cache_seqlens": lens, **kwargs})
         assert torch.equal(k, k_before), match
+    with pytest.raises(KernelgenValueError, match="have no backward"):  # refused before the write
+        attn(q, k.clone().requires_grad_(), v, cache_seqlens=lens, k_new=k_new, v_new=v_new)
+    given = get_kernel(spec.replace(selector="given"))
+    with pytest.raises(KernelgenValueError, match="block_idx"):
+        given(q, k, v, cache_seqlens=lens, k_new=k_new, v_new=v_new, block_idx=torch.zeros(5, 2, 1, 2,
+                                                                                            dtype=torch.int32))
+    with pytest.raises(KernelgenValueError, match="padded batch"):
+        custom_ops.sparse_attention(q, k, v, spec, cache_seqlens=lens, seqlens=lens, k_new=k_new, v_new=v_new)
+    with pytest.raises(KernelgenTypeError, match="scale must be a finite real"):
+        custom_ops.sparse_attention(q, k, v, spec, cache_seqlens=lens, k_new=k_new, v_new=v_new, scale="0.1")
+    assert torch.equal(k, k_before)
     index_spec = _spec("index", "kv_centric")
     q_idx, k_idx, w = _index(q, CAPACITY)
     with pytest.raises(KernelgenValueError, match="needs it"):  # the new tokens' index keys left out

@@ -178,11 +178,32 @@ def test_bad_inputs_are_named(device):
         (KernelgenValueError, "k_new packed as q", dict(k_new=k[:, :, :1])),
         (KernelgenValueError, "k_new= and v_new= go together", dict(k_new=packed[:, :2].contiguous())),
     ]
+    new = dict(k_new=packed[:, :2].contiguous(), v_new=packed[:, :2].contiguous())  # 2 KV heads of 64
+    cases += [
+        (KernelgenValueError, r"cache_seqlens must have shape \[B\] = \(5,\)", dict(cache_seqlens=lens[:3])),
+        (KernelgenValueError, "cache_seqlens must be contiguous", dict(
+            cache_seqlens=torch.stack([lens, lens], 1).flatten()[::2])),
+        (KernelgenTypeError, "cache_seqlens must be a torch.Tensor", dict(cache_seqlens=lens.tolist())),
+        (KernelgenValueError, "longer than max_seqlen=8", dict(max_seqlen=8)),
+        (KernelgenValueError, r"cache_seqlens= calls .* have no backward", dict(q=packed.clone().requires_grad_())),
+        (KernelgenValueError, r"k_new packed as q, \[total, heads, width\] = \[25, 2, 64\]",
+         dict(k_new=packed[:, :1].contiguous(), v_new=packed[:, :1].contiguous())),
+        (KernelgenTypeError, "k_new must be a torch.Tensor", dict(k_new=[1], v_new=new["v_new"])),
+        (KernelgenValueError, "block_idx .* rows of 20 queries need 2 lists", dict(
+            block_idx=random_lists(spec, 5, 2, 16, 96, seed=1).to(device), **new)),  # checked before any write
+    ]
+    k_before = k.clone()
     for error, match, changed in cases:
         args = {"q": packed, "k": k, "v": v, "cu_seqlens": bounds, "cache_seqlens": lens, **changed}
         with pytest.raises(error, match=match):
             get_kernel(spec.replace(selector="given") if "block_idx" in changed else spec).varlen(
                 args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cu_seqlens"), **args)
+        assert torch.equal(k, k_before), match
+    index_spec = _spec("index", "kv_centric")
+    q_idx, k_idx, w = _index(q, 96)
+    with pytest.raises(KernelgenValueError, match=r"index: k_idx is the cache's index keys, \[B, Hkv or 1"):
+        get_kernel(index_spec).varlen(packed, k, v, bounds, cache_seqlens=lens, index=(
+            _packed(q_idx, COUNTS)[0], k_idx[:2], _packed(w[..., None], COUNTS)[0][..., 0]))
     narrow = _cache(20, torch.float32, device, capacity=88, lengths=(80, 37, 0, 48, 87))
     with pytest.raises(KernelgenValueError, match="multiple of spec.kv_block"):
         attn.varlen(_packed(narrow[0], COUNTS)[0], narrow[1], narrow[2], bounds, cache_seqlens=narrow[3])
