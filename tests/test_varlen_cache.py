@@ -30,6 +30,19 @@ def _row(x, bounds, b):
     return x[int(bounds[b]):int(bounds[b + 1])].transpose(0, 1)[None]
 
 
+def _own_call(b, count, k, v, lens, table, index):
+    """(cache, row options, index) of row b's own call with its `count` queries: its row of a contiguous cache (a
+    view: a write through it reaches the cache), or the pool with its row of the table."""
+    rows = dict(cache_seqlens=lens[b:b + 1])
+    if table is None:
+        cache = (k[b:b + 1], v[b:b + 1])
+    else:
+        cache, rows["block_table"] = (k, v), table[b:b + 1]
+    own_index = None if index is None else (index[0][b:b + 1, :, :count], index[1] if table is not None else
+                                            index[1][b:b + 1], index[2][b:b + 1, :, :count].contiguous())
+    return cache, rows, own_index
+
+
 @pytest.mark.parametrize("schedule, selector, layout, dtype", [
     ("q_centric", "mean", "contiguous", torch.float32),
     ("q_centric", "multi:2", "paged", torch.float16),
@@ -61,13 +74,7 @@ def test_each_row_is_its_own_call(schedule, selector, layout, dtype, device):
     for b, count in enumerate(COUNTS):
         if not count:
             continue
-        rows = dict(cache_seqlens=lens[b:b + 1])
-        if table is None:
-            cache = (k[b:b + 1], v[b:b + 1])
-        else:
-            cache, rows["block_table"] = (k, v), table[b:b + 1]
-        own_index = None if index is None else (index[0][b:b + 1, :, :count], index[1] if table is not None else
-                                                index[1][b:b + 1], index[2][b:b + 1, :, :count].contiguous())
+        cache, rows, own_index = _own_call(b, count, k, v, lens, table, index)
         own_lists = None if block_idx is None else block_idx[b:b + 1, :, :spec.n_q_tiles(count)]
         o_own, lse_own = attn(q[b:b + 1, :, :count], *cache, block_idx=own_lists, index=own_index, return_lse=True,
                               **rows)
@@ -113,13 +120,8 @@ def test_new_tokens_are_written_then_attended(schedule, selector, layout, device
     for b, count in enumerate(COUNTS):
         if not count:
             continue
-        rows = dict(cache_seqlens=lens[b:b + 1])
-        if table is None:
-            cache = (k_own[b:b + 1], v_own[b:b + 1])
-        else:
-            cache, rows["block_table"] = (k_own, v_own), table[b:b + 1]
-        own_index = None if index is None else (index[0][b:b + 1, :, :count], k_idx_own[b:b + 1],
-                                                index[2][b:b + 1, :, :count].contiguous())
+        cache, rows, own_index = _own_call(b, count, k_own, v_own, lens, table,
+                                           None if index is None else (index[0], k_idx_own, index[2]))
         o_own = attn(q[b:b + 1, :, :count], *cache, index=own_index, k_new=k_new[b:b + 1, :, :count],
                      v_new=v_new[b:b + 1, :, :count], **rows,
                      k_idx_new=None if index is None else k_idx_new[b:b + 1, :, :count])
