@@ -226,7 +226,7 @@ def test_bad_new_keys_are_named_and_nothing_is_written(device):
         custom_ops.sparse_attention(q, k, v, spec, cache_seqlens=lens, v_new=v_new)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="autocast of a CUDA call")
+@pytest.mark.gpu
 def test_an_autocast_copy_of_the_cache_is_refused():
     """Under torch.autocast a float32 cache would be cast to a copy, which the write would reach instead."""
     spec = _spec("mean", "q_centric")
