@@ -88,11 +88,11 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
 
     The module has `attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None,
     cache_seqlens=None, cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None,
-    k_idx_new=None)`, `varlen(q, k, v, cu_seqlens,
-    max_seqlen=None, *, block_idx=None, index=None, scale=None, return_lse=False, cache_seqlens=None,
-    block_table=None, cache_leftpad=None, key_reps=None, k_new=None, v_new=None, k_idx_new=None)` (packed
-    sequences, or packed queries over a KV cache, as SparseAttention.varlen), `select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None,
-    seqlens=None, block_table=None)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as
+    k_idx_new=None)`, `varlen(q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None,
+    return_lse=False, cache_seqlens=None, block_table=None, cache_leftpad=None, key_reps=None, k_new=None,
+    v_new=None, k_idx_new=None)` (packed sequences, or packed queries over a KV cache, as SparseAttention.varlen),
+    `select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None,
+    block_table=None)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised once, as
     SparseAttention.prepare), `key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None,
     block_table=None)` (the pooling selectors' kept representatives, as SparseAttention.key_reps), `SPEC` (the
     spec's fields), `CONFIGS` (the configs' fields) and
