@@ -401,6 +401,9 @@ def test_flashinfer_pages_are_a_block_table_and_lengths():
     assert torch.equal(o, attn(q, k, v, cache_seqlens=got_lens))
     fixed_table, fixed_lens = kernelgen.from_flashinfer_pages(indptr, indices, last, 32, max_pages=3)
     assert torch.equal(fixed_table, got_table) and torch.equal(fixed_lens, got_lens)
+    compiled = torch.compile(lambda *csr: kernelgen.from_flashinfer_pages(*csr, 32, max_pages=3), fullgraph=True,
+                             backend="aot_eager")  # no host read with max_pages: it traces whole
+    assert all(torch.equal(a, b) for a, b in zip(compiled(indptr, indices, last), (got_table, got_lens)))
     cut_table, cut_lens = kernelgen.from_flashinfer_pages(indptr, indices, last, 32, max_pages=2)
     assert torch.equal(cut_table, got_table[:, :2]) and cut_lens.tolist() == [64, 37, 0, 48, 1]
     with pytest.raises(kernelgen.KernelgenTypeError, match="kv_indices must be an int32 or int64"):
