@@ -31,9 +31,9 @@ import torch
 from . import dispatch
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
-from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_new_keys, check_reps_fit_capacity,
+from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity,
                      check_reps_length, check_scale, describe_index, lists_type_error, refuse_cast_cache,
-                     refuse_forward_ad, refuse_function_transforms, refuse_grad_with_seqlens)
+                     refuse_forward_ad, refuse_function_transforms, refuse_grad_with_seqlens, refuse_unpaired_new_keys)
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -379,8 +379,7 @@ def _append_new_keys(q, k, v, spec_json: str, new: tuple, cache: tuple, cache_se
     What the op could not take (anything but tensors, a call without cache_seqlens) is named as the eager call
     names it."""
     _tensors_or_none(k_new=new[0], v_new=new[1], k_idx_new=new[2])
-    if new[0] is None or new[1] is None or cache_seqlens is None:
-        check_new_keys(*new, k, None if index is None else _index_args(index), None, cache_seqlens)  # raises
+    refuse_unpaired_new_keys(new[0], new[1], cache_seqlens)  # the op's arguments: tensors, not None
     refuse_cast_cache(k, v, cache)
     return _append_op(q, k, v, *new[:2], spec_json, cache_seqlens, cache_leftpad, block_table, *_index_args(index),
                       new[2])

@@ -22,7 +22,7 @@ from .spec import Spec
 
 __all__ = ["Shapes", "BlockLists", "KeyReps", "check_key_reps", "check_reps_length",
            "check_reps_fit_capacity", "CacheRows", "check_cache_rows", "NewKeys", "check_new_keys",
-           "refuse_cast_cache", "check_row_ints", "NEW_KEYS_LAYOUT", "check_paged_kv",
+           "refuse_unpaired_new_keys", "refuse_cast_cache", "check_row_ints", "NEW_KEYS_LAYOUT", "check_paged_kv",
            "check_pages",
            "refuse_grad_with_seqlens", "check_keys", "check_qkv",
            "check_block_idx", "check_block_lists", "refuse_nsa_layout", "lists_type_error", "describe_index",
@@ -290,6 +290,16 @@ class NewKeys(NamedTuple):
     k_idx_new: torch.Tensor | None
 
 
+def refuse_unpaired_new_keys(k_new, v_new, cache_seqlens) -> None:
+    """New keys come with their values and with the lengths that say where they go."""
+    if k_new is None or v_new is None:
+        raise KernelgenValueError("k_new= and v_new= go together (the new tokens' keys and values, written into "
+                                  f"the cache at each row's end); {NEW_KEYS_LAYOUT}")
+    if cache_seqlens is None:
+        raise KernelgenValueError("k_new= needs cache_seqlens= (each row's length before the write: its new keys go "
+                                  "there, as flash_attn_with_kvcache's k= and v=)")
+
+
 def check_new_keys(k_new, v_new, k_idx_new, k, index, shapes: Shapes, cache_seqlens) -> NewKeys | None:
     """A call's `k_new=`, `v_new=` and `k_idx_new=` (None: a call that writes nothing), against its cache k (its
     checked `shapes`; a pool of pages when it has a block_table) and `index` (the index selector's, checked by
@@ -298,12 +308,7 @@ def check_new_keys(k_new, v_new, k_idx_new, k, index, shapes: Shapes, cache_seql
     grad are refused, as a cache's call is."""
     if k_new is None and v_new is None and k_idx_new is None:
         return None
-    if k_new is None or v_new is None:
-        raise KernelgenValueError("k_new= and v_new= go together (the new tokens' keys and values, written into "
-                                  f"the cache at each row's end); {NEW_KEYS_LAYOUT}")
-    if cache_seqlens is None:
-        raise KernelgenValueError("k_new= needs cache_seqlens= (each row's length before the write: its new keys go "
-                                  "there, as flash_attn_with_kvcache's k= and v=)")
+    refuse_unpaired_new_keys(k_new, v_new, cache_seqlens)
     k_idx = None if index is None else index[1]
     if (k_idx_new is None) != (k_idx is None):
         raise KernelgenValueError("k_idx_new= goes with index= (the new tokens' index keys, written into k_idx as "
