@@ -557,7 +557,7 @@ GLUON_CHILD = BLOCKING + textwrap.dedent('''
     kernel_spec = module._embedded("roles").get_role("attn").kernel_spec(module.kernel.spec, backend.name)
     attn_kernels = backend.build(kernel_spec, "attn", module.kernel._fixed["attn"])  # from the baked render
     out = {"idx": module.select(x["q"], x["k"]), "spec": module.SPEC, "configs": module.CONFIGS,
-           "attn_fwd": type(attn_kernels.attn_fwd).__name__, "backend": module.kernel.backend(x["k"].shape[2])}
+           "attn_fwd": type(attn_kernels.attn_fwd.fn).__name__, "backend": module.kernel.backend(x["k"].shape[2])}
     try:
         module.attn(x["q"], x["k"], x["v"])
         out["cpu_error"] = None

@@ -56,7 +56,7 @@ def test_the_attention_module_is_the_rendered_gluon_kernel():
     assert backend is backends.get("gluon") and kernel_spec.backend == "gluon"
     assert default_config(SPEC, "attn") == GluonAttnConfig(64, 3)
     mod = backend.build(kernel_spec, "attn", GluonAttnConfig(64, 3))
-    assert mod.__name__.startswith("kg_gluon_attn_") and type(mod.attn_fwd).__name__ == "GluonJITFunction"
+    assert mod.__name__.startswith("kg_gluon_attn_") and type(mod.attn_fwd.fn).__name__ == "GluonJITFunction"
     assert '"block_m": 64, "num_stages": 3' in Path(mod.__file__).read_text()  # the config, recorded
     for role, kernel in (("select", "select_topk"), ("lists", "normalize_lists")):
         backend, kernel_spec = served_backend(SPEC, role)

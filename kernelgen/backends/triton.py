@@ -24,6 +24,7 @@ from ..roles import DECODE_MAX_QUERIES, INDEX_HEADS
 from ..spec import Spec
 from ..tile_union import TileUnion, TileUnions, union_for, union_tile_q
 from .base import Backend, Problem, RoleImpl, Shapes
+from .triton_launch import TritonModule
 
 __all__ = ["TritonBackend", "AttnConfig", "SelectConfig", "IndexSelectConfig", "BwdDqConfig", "BwdDkdvConfig",
            "KvSelectConfig", "KvIndexSelectConfig", "KvAttnConfig", "KvUnionConfig", "KvUnionBwdConfig", "KvBwdConfig", "DecodeConfig", "attn_smem_bytes",
@@ -1798,15 +1799,16 @@ def launch_kv_bwd(mod, spec: Spec, cfg: KvBwdConfig, shapes: Shapes, q, k, v, do
 
 @functools.lru_cache(maxsize=256)
 def rendered_module(backend: str, role: str, template: str, spec: Spec, config):
-    """The module rendered from `template` for (spec, config), imported from the content-addressed cache.
-    Rendering (jinja2) is imported here: an exported module embeds this file without it."""
+    """The module rendered from `template` for (spec, config), imported from the content-addressed cache, its
+    kernels launched directly once compiled (`TritonModule`). Rendering (jinja2) is imported here: an exported
+    module embeds this file without it."""
     from ..codegen.cache import load_module
     from ..codegen.render import module_name, render
     from ..device import interpret_triton_language
 
     source = render(template, spec, config)
     interpret_triton_language()  # before the kernel's first call, whatever imported triton first
-    return load_module(module_name(backend, role, source), source)
+    return TritonModule(load_module(module_name(backend, role, source), source))
 
 
 class TritonBackend(Backend):
