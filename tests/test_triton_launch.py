@@ -121,3 +121,29 @@ def test_a_module_hands_out_one_launcher_a_kernel_and_everything_else_as_it_is()
     assert wrapped.LIMIT == 7 and wrapped.helper is print and wrapped.__name__ == "kg_triton_example"
     with pytest.raises(AttributeError):
         wrapped.missing
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_q", [1, 300])  # decode and prefill
+def test_calls_that_alternate_specializations_each_launch_their_own_kernel_on_gpu(n_q):
+    """Lengths that Triton specializes differently (a multiple of 16 or not, one), alternating: each call, the
+    later ones launched directly, matches the float64 reference over its own lists, and the directly launched
+    kernels keep one compiled kernel per specialization."""
+    from checks import assert_close_to_reference
+    from test_triton_fwd import make_inputs
+
+    import kernelgen
+    from kernelgen import Spec, reference
+
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=4, causal=True, gqa_group=2, local=1, backend="triton")
+    attn = kernelgen.get_kernel(spec)
+    for step, n_k in enumerate((1024, 1000, 1024, 1000, 1024, max(n_q, 1))):
+        q, k, v = make_inputs(2, 4, 2, n_q, n_k, 64, torch.float16, "cuda", step)
+        block_idx = attn.select(q, k)
+        o, lse = attn(q, k, v, block_idx=block_idx, return_lse=True)
+        ref_o, ref_lse, _ = reference.sparse_attention(q, k, v, spec.replace(selector="given"), block_idx=block_idx)
+        assert_close_to_reference(o, lse, ref_o, ref_lse, q.dtype)
+    role = "decode" if n_q == 1 else "attn"
+    module = attn.served(role, 1024, torch.float16, q.device).kernel
+    launchers = [value for value in vars(module).values() if isinstance(value, DirectLauncher)]
+    assert launchers and max(len(launcher._compiled) for launcher in launchers) >= 2
