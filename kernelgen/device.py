@@ -9,7 +9,15 @@ import threading
 
 import torch
 
-__all__ = ["interpreting", "interpret_triton_language", "device_arch", "gpu_name", "current_arch", "launching_on"]
+__all__ = ["interpreting", "interpret_triton_language", "device_arch", "gpu_name", "current_arch", "launching_on",
+           "current_gpu", "current_raw_stream", "on_default_stream"]
+
+# What every launch asks (the current GPU, its current stream), straight from torch's C functions: Triton asks for the
+# stream the same way, and torch.cuda.current_device() first checks CUDA is initialised, a few microseconds a launch
+# where a GPU tensor already says it is.
+current_gpu = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+    (lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 def interpreting() -> bool:
@@ -21,9 +29,20 @@ def launching_on(t: torch.Tensor):
     """A context in which `t`'s GPU is the current device. Triton, Gluon and TileLang launch on the current
     device and its current stream, not on their tensors' (a model spread over GPUs calls with tensors on
     another); a no-op where it already is current, and for CPU tensors."""
-    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+    if t.is_cuda and t.get_device() != current_gpu():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+_DEFAULT_RAW_STREAMS: dict = {}
+
+
+def on_default_stream(device: torch.device) -> bool:
+    """Whether launches on CUDA `device` (its index given) now go to its default stream, uncaptured."""
+    default = _DEFAULT_RAW_STREAMS.get(device.index)
+    if default is None:
+        default = _DEFAULT_RAW_STREAMS[device.index] = torch.cuda.default_stream(device).cuda_stream
+    return current_raw_stream(device.index) == default and not torch.cuda.is_current_stream_capturing()
 
 
 _language_interpreted = False

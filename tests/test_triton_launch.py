@@ -50,8 +50,8 @@ def launcher(monkeypatch):
         return Compiled()
 
     fn.run = triton_run  # the instance's: `type(fn).run` is still Triton's
-    monkeypatch.setattr(triton_launch, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
-        get_current_device=lambda: 0, get_current_stream=lambda device: STREAM)))
+    monkeypatch.setattr(triton_launch, "current_gpu", lambda: 0)
+    monkeypatch.setattr(triton_launch, "current_raw_stream", lambda device: STREAM)
     return DirectLauncher(fn)
 
 

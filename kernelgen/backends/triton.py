@@ -16,7 +16,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..archs import arch_facts
-from ..device import device_arch
+from ..device import device_arch, on_default_stream
 from ..errors import KernelgenValueError
 from ..inputs import LOG2E, cdiv, empty, next_pow2, softmax_scale
 from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks
@@ -1460,26 +1460,12 @@ def arrival_counts(n: int, device) -> torch.Tensor:
     (cudagraph trees check, and refuse to run)."""
     key = device if isinstance(device, torch.device) else torch.device(device)
     counts = _ARRIVALS.get(key)
-    if counts is not None and counts.numel() >= n and (not counts.is_cuda or _on_default_stream(counts.device)):
+    if counts is not None and counts.numel() >= n and (not counts.is_cuda or on_default_stream(counts.device)):
         return counts
     counts = torch.zeros(max(n, 256), device=device, dtype=torch.int32)
-    if not counts.is_cuda or _on_default_stream(counts.device):
+    if not counts.is_cuda or on_default_stream(counts.device):
         _ARRIVALS[key] = counts
     return counts
-
-
-_DEFAULT_STREAM_IDS: dict = {}
-
-
-def _on_default_stream(device: torch.device) -> bool:
-    """Whether launches on `device` now go to its default stream, uncaptured (asked on every decode launch: one
-    stream object made, not two)."""
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    default = _DEFAULT_STREAM_IDS.get(device)
-    if default is None:
-        default = _DEFAULT_STREAM_IDS[device] = torch.cuda.default_stream(device).stream_id
-    return torch.cuda.current_stream(device).stream_id == default
 
 
 def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale, *,

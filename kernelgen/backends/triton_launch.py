@@ -18,8 +18,9 @@ from __future__ import annotations
 from types import ModuleType
 
 from triton import knobs
-from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+from ..device import current_gpu, current_raw_stream
 
 __all__ = ["TritonModule", "DirectLauncher"]
 
@@ -51,7 +52,7 @@ class DirectLauncher:
         fn = self.fn
         if type(fn).run is not _TRITON_RUN or callable(grid) or not _no_launch_hooks():
             return fn.run(*args, grid=grid, warmup=False, **options)
-        device = driver.active.get_current_device()
+        device = current_gpu()
         bound, specialization, compile_options = fn.device_caches[device][4](*args, **options)
         key = (device, tuple(specialization), tuple(compile_options.items()), knobs.runtime.debug,
                knobs.compilation.instrumentation_mode)
@@ -62,7 +63,7 @@ class DirectLauncher:
                 self._compiled[key] = kernel
             return kernel
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                   driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+                   current_raw_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
                    *bound.values())
         return kernel
 
