@@ -34,7 +34,7 @@ class _OnGpu:
 
 
 def test_launching_on_makes_the_tensor_s_gpu_current(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kernelgen.device, "current_gpu", lambda: 0)
     guard = launching_on(_OnGpu(1))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
     assert isinstance(launching_on(_OnGpu(0)), contextlib.nullcontext)
