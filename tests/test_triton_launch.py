@@ -147,3 +147,13 @@ def test_calls_that_alternate_specializations_each_launch_their_own_kernel_on_gp
     module = attn.served(role, 1024, torch.float16, q.device).kernel
     launchers = [value for value in vars(module).values() if isinstance(value, DirectLauncher)]
     assert launchers and max(len(launcher._compiled) for launcher in launchers) >= 2
+
+
+def test_the_host_time_tool_says_in_one_line_that_it_needs_a_gpu(capsys, monkeypatch):
+    """tools/host_time.py as docs/PERF.md gives it, on a machine without a GPU: exit status 2, one line."""
+    from checks import tool
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tool("host_time").main([]) == 2 and tool("host_time").main(["--launch"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["tools/host_time.py times calls on a CUDA GPU: none is visible here"] * 2
