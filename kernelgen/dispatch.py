@@ -962,11 +962,12 @@ def _group_lists(block_idx, group: QueryGroup, spec: Spec, rows: int, heads_kv: 
 
 
 def once_differentiable(backward):
-    """A backward whose gradients raise NO_DOUBLE_BACKWARD when differentiated. torch's once_differentiable marks
-    them so only where a grad output (do) requires grad, but dq, dk and dv depend on the saved q, k and v too: a
-    create_graph=True backward of o.sum() (a do that requires no grad) gave gradients that a second backward
-    took silently as constants. Here every gradient of a backward run with grad on (create_graph=True) is
-    marked."""
+    """A backward whose gradients raise NO_DOUBLE_BACKWARD when differentiated. torch's once_differentiable ties
+    them to fresh leaves, so only a backward that walks every node (`.backward()`) meets the error:
+    `torch.autograd.grad(dq.pow(2).sum(), q)` walks only the paths to q and took dq as a constant. Here every
+    gradient of a backward run with grad on (create_graph=True) is tied to the saved tensors and grad outputs that
+    require grad (q, k, v, do: what the gradients depend on), so any path through them raises. A Function whose
+    gradients depend on an input it does not keep in `save_for_backward` must save it too."""
 
     @functools.wraps(backward)
     def wrapper(ctx, *grad_outputs):
@@ -974,8 +975,9 @@ def once_differentiable(backward):
             grads = backward(ctx, *grad_outputs)
         if not torch.is_grad_enabled() or all(grad is None for grad in grads):
             return grads
-        refuse = torch._C._functions.DelayedError(NO_DOUBLE_BACKWARD.encode(), len(grads))
-        return refuse(*[None if grad is None else grad.detach().requires_grad_() for grad in grads])
+        sources = [x for x in (*ctx.saved_tensors, *grad_outputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+        refuse = torch._C._functions.DelayedError(NO_DOUBLE_BACKWARD.encode(), len(grads) + len(sources))
+        return refuse(*grads, *sources)[:len(grads)]
 
     return wrapper
 

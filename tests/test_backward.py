@@ -266,6 +266,21 @@ def test_double_backward_is_an_error_even_where_do_requires_no_grad(op, device):
 
 
 @pytest.mark.parametrize("op", [False, True], ids=["eager", "custom-op"])
+def test_a_second_derivative_taken_with_autograd_grad_raises(op, device):
+    """autograd.grad walks only the paths to the inputs it is asked about: a gradient penalty's
+    grad(dq.pow(2).sum() + q.pow(2).sum(), q) once returned 2 * q, the attention's term silently left out."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, causal=True)
+    q, k, v, _ = leaves(1, 1, 1, 64, 64, 64, torch.float32, device, seed=6)
+    attend = (lambda *qkv: sparse_attention(*qkv, spec)[0]) if op else kernelgen.get_kernel(spec)
+    grads = torch.autograd.grad(attend(q, k, v).sum(), (q, k, v), create_graph=True)
+    for grad, x in zip(grads, (q, k, v)):
+        assert grad.requires_grad
+        for wrt in (q, k, v):
+            with pytest.raises(RuntimeError, match="not differentiable"):
+                torch.autograd.grad(grad.pow(2).sum() + x.pow(2).sum(), wrt, allow_unused=True)
+
+
+@pytest.mark.parametrize("op", [False, True], ids=["eager", "custom-op"])
 def test_forward_mode_ad_is_refused(op, device):
     """The kernels read a dual tensor's primal only: o would carry no tangent (a silently zero jvp)."""
     import torch.autograd.forward_ad as fwAD

@@ -305,21 +305,33 @@ def test_simulated_ranks_take_broadcast_lists(path):
     assert _err(got, want.double()) < TOL
 
 
-def test_no_double_backward_even_where_do_requires_no_grad(monkeypatch):
+@pytest.mark.parametrize("path", ["dense", "sparse"])
+def test_no_double_backward_even_where_do_requires_no_grad(monkeypatch, path):
     """A rank's dq, dk, dv depend on its q, k, v: a create_graph=True backward's gradients raise when
-    differentiated, whether or not do requires grad (o.sum()'s does not)."""
+    differentiated, whether or not do requires grad (o.sum()'s does not), also where autograd.grad walks only
+    the paths to one shard (the sparse path keeps the fetched k and v, and the shards themselves)."""
     import importlib
 
     cp = importlib.import_module("kernelgen.distributed.attention")  # the package's attention is the function
 
     grads = tuple(torch.randn(1, 2, 8, D) for _ in range(3))
     monkeypatch.setattr(cp, "ring_backward", lambda *args: grads)
-    ctx = type("Ctx", (), {"call": None, "path": "dense", "steps": None, "needs_input_grad": (True,) * 7,
-                           "saved_tensors": tuple(torch.randn(1, 2, 8, D) for _ in range(5))})()
+    monkeypatch.setattr(cp, "local_backward", lambda *args: grads)
+    monkeypatch.setattr(cp, "return_gradients", lambda dk, dv, *args: (dk, dv))
+    q, k, v = (torch.randn(1, 2, 8, D, requires_grad=True) for _ in range(3))
+    o, lse = torch.randn(1, 2, 8, D), torch.randn(1, 2, 8)
+    saved = (q, k, v, o, lse) if path == "dense" else (q, k.detach().clone(), v.detach().clone(), o, lse, k, v)
+    call = type("Call", (), {"tables": None, "spec": _spec(), "group": None})()
+    ctx = type("Ctx", (), {"call": call, "path": path, "steps": None, "prepared": None, "fetched": None,
+                           "needs_input_grad": (True,) * 7, "saved_tensors": saved})()
     with torch.enable_grad():  # as autograd runs a backward under create_graph=True
-        dq = cp._ContextParallel.backward(ctx, torch.ones(1, 2, 8, D), None)[0]
+        dq, dk, dv = cp._ContextParallel.backward(ctx, torch.ones(1, 2, 8, D), None)[:3]
     with pytest.raises(RuntimeError, match="not differentiable"):
         dq.sum().backward()
+    for grad in (dq, dk, dv):
+        for shard in (q, k, v):
+            with pytest.raises(RuntimeError, match="not differentiable"):
+                torch.autograd.grad(grad.pow(2).sum(), shard)
 
 
 def test_layout_tables():

@@ -283,7 +283,7 @@ class _ContextParallel(torch.autograd.Function):
             prepared = local_prepared(rows, fetched, call)
             o, lse = local_forward(q, fetched.k, fetched.v, prepared, call)
             ctx.fetched, ctx.prepared = fetched._replace(k=None, v=None), prepared
-            ctx.save_for_backward(q, fetched.k, fetched.v, o, lse)
+            ctx.save_for_backward(q, fetched.k, fetched.v, o, lse, k, v)  # k, v: the shards dk, dv belong to
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -291,7 +291,7 @@ class _ContextParallel(torch.autograd.Function):
     @once_differentiable  # no double backward: create_graph=True gradients raise when differentiated
     def backward(ctx, do, _dlse):
         call = ctx.call
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse = ctx.saved_tensors[:5]
         if do.stride(-1) != 1:
             do = do.contiguous()
         if ctx.path == "dense":
