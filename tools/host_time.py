@@ -4,13 +4,15 @@ an eager call" reports).
 Each call is timed as `kernelgen bench`'s `host_ms` times one: the GPU synchronised before it, not after, the median
 of 300 calls (100 for a32k). The calls: a decode step at dec_c32k's shape over a cache of per-row lengths (the kept
 reps grown, then select and decode), the same call with the reps kept, without them, over given lists and writing its
-token (`k_new=`); a32k's forward over prepared lists and its forward and backward. Where the kernelgen imported has
+token (`k_new=`); a32k's forward over prepared lists and its forward and backward; bench --chunked's mixed_32k serving
+step (`attn.varlen` over a paged cache, rows of four query counts). Where the kernelgen imported has
 `backends/triton_launch.py`, each call is timed twice: launched directly, then through Triton's own launch path.
 
     python tools/host_time.py [--out rows.json]             # this tree's kernelgen
     python tools/host_time.py --base DIR                    # another tree's, e.g. an earlier commit:
         mkdir DIR && git archive COMMIT kernelgen templates tuning_db | tar -x -C DIR
     python tools/host_time.py --launch                      # one Triton kernel of 28 arguments, by piece
+    python tools/host_time.py --profile "serving step"      # cProfile of the calls whose name holds the text
 
 --launch times one launch of a kernel of 8 pointers, 20 ints and 2 constexprs through `kernel[grid](...)`, Triton's
 binder alone, the compiled kernel's launcher called directly, and a specialization key built in Python.
@@ -82,6 +84,8 @@ def calls() -> dict:
     import torch
 
     import kernelgen
+    from kernelgen.bench.chunked import SPEC as MIXED_SPEC
+    from kernelgen.bench.chunked import mixed_step
     from kernelgen.workloads import SHAPES
 
     batch, heads_q, heads_kv, n, head_dim = 8, 32, 8, 32768, 128  # dec_c32k
@@ -100,6 +104,10 @@ def calls() -> dict:
         attn.key_reps(k, cache_seqlens=lens, previous=reps)
         return attn(q, k, v, cache_seqlens=lens, key_reps=reps)
 
+    mixed = mixed_step()
+    serving = kernelgen.get_kernel(MIXED_SPEC.replace(backend="auto"))
+    mixed_reps = serving.key_reps(mixed.k_pages, cache_seqlens=mixed.lens, block_table=mixed.table)
+
     a = SHAPES["a32k"]
     attn_a = kernelgen.get_kernel(a.spec("mean").replace(backend="auto"))
     qa, ka, va = a.inputs()
@@ -116,7 +124,36 @@ def calls() -> dict:
         "decode over given lists": lambda: attn(q, k, v, cache_seqlens=lens, block_idx=lists),
         "a32k forward, prepared lists": lambda: attn_a(qa, ka, va, block_idx=lists_a),
         "a32k forward + backward": lambda: attn_a(*leaves, block_idx=lists_a).backward(grad),
+        "serving step, varlen over a paged cache": lambda: serving.varlen(
+            mixed.packed, mixed.k_pages, mixed.v_pages, mixed.bounds, cache_seqlens=mixed.lens, block_table=mixed.table,
+            key_reps=mixed_reps),
     }
+
+
+def profile(text: str) -> int:
+    import cProfile
+    import pstats
+
+    import torch
+
+    chosen = {name: fn for name, fn in calls().items() if text in name}
+    if not chosen:
+        print(f"no call's name holds {text!r}", file=sys.stderr)
+        return 2
+    for name, fn in chosen.items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(200):
+            fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+        print(f"== {name}: 200 calls")
+        for order in ("tottime", "cumtime"):
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats(order).print_stats(35)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -124,6 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--base", help="a directory holding another tree's kernelgen/, templates/ and tuning_db/")
     parser.add_argument("--launch", action="store_true", help="time one Triton launch by piece instead")
     parser.add_argument("--out", help="also write the rows to this JSON file")
+    parser.add_argument("--profile", metavar="TEXT", help="instead, profile (cProfile, 200 calls) each call whose "
+                        "name holds TEXT and print its top functions by own and by cumulative time")
     args = parser.parse_args(argv)
     import torch
 
@@ -134,6 +173,8 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.path.abspath(args.base))
     if args.launch:
         rows = launch_pieces()
+    elif args.profile:
+        return profile(args.profile)
     else:
         import kernelgen
 

@@ -28,6 +28,8 @@ bit) and FlexAttention's with the one call's (`max_abs_vs_kernelgen`).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..dispatch import get_kernel
@@ -40,7 +42,7 @@ from ..workloads import useful_flops
 from .anchors import flex_kernel_options
 from .measure import _bench_graph, _dump_rows, host_ms, row_attempts
 
-__all__ = ["run_chunked", "CHUNKED_SHAPES"]
+__all__ = ["run_chunked", "CHUNKED_SHAPES", "mixed_step"]
 
 MIXED_COUNTS = (2048, 512, 1, 1, 1, 1, 1, 4)  # a serving step's rows: two prefill chunks, decode rows, speculation
 # (queries a row, or each row's, capacity)
@@ -150,23 +152,44 @@ def run_chunked(shape_names=None, out_dir=None, log=print) -> list[dict]:
     return rows
 
 
-def _mixed_rows(name, counts, n, selecting, rows, attempt, log, out_dir) -> None:
-    """A serving step's rows (module docstring): rows of `counts` queries over a paged cache of capacity n."""
-    import triton.testing
+class MixedStep(NamedTuple):
+    """A serving step's inputs (module docstring): packed queries of rows of `counts` queries over a paged cache."""
+    q_rows: list  # each row's queries [1, Hq, count, D]
+    packed: torch.Tensor  # the same packed, [total, Hq, D]
+    bounds: torch.Tensor  # cu_seqlens of the queries, int32 [B + 1]
+    k: torch.Tensor  # the cache, contiguous [B, Hkv, n, D]
+    v: torch.Tensor
+    k_pages: torch.Tensor  # the same in shuffled pages of MIXED_PAGE keys
+    v_pages: torch.Tensor
+    table: torch.Tensor  # int32 [B, n / MIXED_PAGE]
+    lens: torch.Tensor  # the rows' lengths after the step, int32 [B]
+    lengths: list[int]  # the same on the host
 
+
+def mixed_step(counts=MIXED_COUNTS, n: int = 32768) -> MixedStep:
+    """The bench's mixed_32k step (bf16 on the current GPU), also what tools/host_time.py times."""
     batch = len(counts)
     gen = torch.Generator(device="cuda").manual_seed(0)
     k, v = (torch.randn(batch, HEADS_KV, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
             for _ in range(2))
     lens = cache_rows_lengths(batch, n, "cuda")
-    lengths = lens.tolist()
     q_rows = [torch.randn(1, HEADS_KV * GROUP, c, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
               for c in counts]
     packed = torch.cat([x[0].transpose(0, 1) for x in q_rows])
     bounds = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     order = torch.randperm(batch * n // MIXED_PAGE, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    table = order.view(batch, -1).to(torch.int32)
     k_pages, v_pages = (scatter_pages(x, MIXED_PAGE, order) for x in (k, v))
+    return MixedStep(q_rows, packed, bounds, k, v, k_pages, v_pages, order.view(batch, -1).to(torch.int32), lens,
+                     lens.tolist())
+
+
+def _mixed_rows(name, counts, n, selecting, rows, attempt, log, out_dir) -> None:
+    """A serving step's rows (module docstring): rows of `counts` queries over a paged cache of capacity n."""
+    import triton.testing
+
+    batch = len(counts)
+    step = mixed_step(counts, n)
+    q_rows, packed, bounds, k, v, k_pages, v_pages, table, lens, lengths = step
     before = lens - torch.tensor(counts, dtype=torch.int32, device="cuda")  # the writing step's rows before it
     new = [torch.cat([x[b, :, m - c:m].transpose(0, 1) for b, (c, m) in enumerate(zip(counts, lengths))])
            for x in (k, v)]  # the keys already there: the writing step rewrites them
