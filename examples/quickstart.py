@@ -86,7 +86,8 @@ def main(argv=None) -> int:
     o, lse = attn(q, k, v, return_lse=True)  # select with the spec's selector, then attend
     if on_gpu:
         torch.cuda.synchronize()
-    print(f"attn(q, k, v) ran in {time.perf_counter() - t0:.1f} s (first call: includes compilation)")
+    first = "first call: includes compilation" if on_gpu else "interpreted: no compilation, each call as slow"
+    print(f"attn(q, k, v) ran in {time.perf_counter() - t0:.1f} s ({first})")
     # The lists the call used (selection is deterministic). attn(q, k, v, block_idx=idx) attends over
     # lists of your own: int32 [B, Hkv, n_q_tiles, top_k], block ids, -1 for an empty slot.
     idx = attn.select(q, k)

@@ -25,4 +25,5 @@ class KernelgenRuntimeError(KernelgenError, RuntimeError):
 
 
 class KernelgenNotImplementedError(KernelgenError, NotImplementedError):
-    """A request kernelgen will serve but does not yet (the KV-centric schedule's backward)."""
+    """A request kernelgen will serve but does not yet (none raises it now: kept so that code catching it stays
+    valid)."""

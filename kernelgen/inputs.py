@@ -614,8 +614,8 @@ def _explain_qkv(q, k, v, spec: Spec, first: str = "q") -> None:
             raise KernelgenValueError(f"{first} is on the CPU: kernelgen runs on CUDA, or on the CPU only under "
                                       "TRITON_INTERPRET=1")
         if q.dtype == torch.bfloat16:
-            raise KernelgenTypeError("bfloat16 is not supported by the Triton CPU interpreter (it computes garbage); "
-                            "use float16 or float32 on the CPU")
+            raise KernelgenTypeError(f"{first}.dtype = torch.bfloat16 is not supported by the Triton CPU interpreter (it "
+                                     "computes garbage); use float16 or float32 on the CPU")
     else:
         raise KernelgenValueError(f"{first} is on {q.device}; expected a CUDA device (or the CPU under "
                                   "TRITON_INTERPRET=1)")
@@ -761,8 +761,9 @@ def check_index(index, spec: Spec, shapes: Shapes, device,
     if w.dtype not in _WEIGHT_DTYPES:
         raise KernelgenTypeError(f"index: w.dtype must be float32, float16 or bfloat16, got {w.dtype}")
     if device.type == "cpu" and torch.bfloat16 in (q_idx.dtype, w.dtype):
-        raise KernelgenTypeError("index: bfloat16 is not supported by the Triton CPU interpreter (it computes garbage); "
-                                 "use float16 or float32 on the CPU")
+        name = "q_idx" if q_idx.dtype == torch.bfloat16 else "w"
+        raise KernelgenTypeError(f"index: {name}.dtype = torch.bfloat16 is not supported by the Triton CPU interpreter "
+                                 "(it computes garbage); use float16 or float32 on the CPU")
     b, hkv, nq, nk = shapes.batch, shapes.heads_kv, shapes.n_q, shapes.n_k
     heads = q_idx.shape[1]
     if q_idx.shape[0] != b or q_idx.shape[2] != nq:

@@ -231,7 +231,8 @@ def test_empty_sequence(attn, device, which):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="bf16 is rejected only by the CPU interpreter")
 def test_bf16_on_cpu(attn):
     q, k, v = qkv("cpu", dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"bfloat16 is not supported by the Triton CPU interpreter.*use float16 or float32"):
+    with pytest.raises(TypeError, match=r"^q\.dtype = torch\.bfloat16 is not supported by the Triton CPU interpreter.*"
+                                        r"use float16 or float32"):
         attn(q, k, v)
     with pytest.raises(TypeError, match=r"bfloat16 is not supported"):
         attn.select(q, k)
