@@ -136,11 +136,9 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kernelgen's debug messages (given "
-                                                                     "before the command: kernelgen -v bench)."),
-          version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
-                                       help="Print kernelgen's version and exit.")):
+def _log_to_stderr(verbose: bool) -> None:
+    """Give kernelgen's logger the command line's handler, at DEBUG with -v, else INFO: the one place -v acts,
+    whether it comes before the command's name (the root's callback) or after it (the command's own -v)."""
     # kernelgen's logs go to stderr (stdout holds what a command answers: `db show`'s JSON), one line each where it
     # is no terminal; the handler is kernelgen's logger's own, replaced at each command (tests run many in a process)
     handler = (RichHandler(console=Console(stderr=True, markup=False)) if sys.stderr.isatty()
@@ -153,6 +151,27 @@ def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log kerne
         logger.removeHandler(old)
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def _verbose_given(ctx: typer.Context, value: bool) -> bool:
+    # a command's -v (the root's is _main's); only one given acts: an absent one must not undo `kernelgen -v bench`
+    if value and ctx.parent is not None and not ctx.resilient_parsing:
+        _log_to_stderr(True)
+    return value
+
+
+# The root's and every command's: users write it after the command (`kernelgen bench -v`) as often as before it.
+# The root's callback runs before a command's options are parsed, so a -v after the name still wins.
+VERBOSE = typer.Option(False, "--verbose", "-v", callback=_verbose_given,
+                       help="Log kernelgen's debug messages (before or after the command: kernelgen -v bench, "
+                            "kernelgen bench -v).")
+
+
+@app.callback()
+def _main(verbose: bool = VERBOSE,
+          version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print kernelgen's version and exit.")):
+    _log_to_stderr(verbose)
 
 
 def _spec_from_file(spec_file) -> "Spec":
@@ -319,7 +338,7 @@ def tune(
                                                     "narrows it."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
-    sink: int = SINK, backend: str = BACKEND, schedule: str = SCHEDULE,
+    sink: int = SINK, backend: str = BACKEND, schedule: str = SCHEDULE, verbose: bool = VERBOSE,
 ):
     """Search tile, warp and stage parameters on this GPU and store the winners in the user tuning DB."""
     from . import backends as registry
@@ -356,8 +375,9 @@ def tune(
     if storage is not None:
         try:
             storage = str(parse_storage(storage))
-        except KernelgenError as error:
-            _fail(f"--storage: {error}")
+        except KernelgenError as error:  # "storage 'URL' ...": the library's word for the option, said once as it
+            message, named = re.subn(r"^storage\b", "--storage", str(error))
+            _fail(message if named else f"--storage {storage}: {message}")
     if not dry_run:
         present = current_arch()
         if arch == "cpu":
@@ -387,7 +407,11 @@ def tune(
             with _as_typed(ctx, "seq"):
                 check_seq(seq)
             try:
-                chosen_studies = list(model_studies(read_model_config(model), seq, DEFAULT_TRIALS, arch, names))
+                config = read_model_config(model)
+            except KernelgenError as error:  # its messages start with "--model FILE:" already
+                _fail(error)
+            try:
+                chosen_studies = list(model_studies(config, seq, DEFAULT_TRIALS, arch, names))
             except KernelgenError as error:  # the model's attention, not a flag of this command line
                 _fail(f"--model {model}: {error}")
             source, whose = "--model", "the model's"
@@ -445,13 +469,14 @@ def tune(
 
 def _all_rows(path: Optional[Path], **filters) -> list[dict]:
     """Rows of the user DB and the bundled DB with their source, or of one DB file (`path`)."""
-    from .tuning.db import BUNDLED_DB_PATH, TuningDB, default_user_db_path, read_only_rows, rows_of_file
+    from .tuning.db import (BUNDLED_DB_PATH, TuningDB, UnreadableDatabase, default_user_db_path, read_only_rows,
+                            rows_of_file)
 
     if path is not None:  # named on the command line: a file that is not a tuning DB is an error
         try:
             return [{**r, "source": str(path)} for r in rows_of_file(path, **filters)]
-        except KernelgenError as error:
-            _fail(f"--path {path}: {error}")
+        except UnreadableDatabase as error:  # "tuning database PATH is unreadable (why)": the path named once
+            _fail(f"--path: {error}")
     rows = []
     if default_user_db_path().exists():  # listing makes no user DB (nor its cache dir) where there is none
         with TuningDB() as user:
@@ -463,7 +488,8 @@ def _all_rows(path: Optional[Path], **filters) -> list[dict]:
 @clean_errors
 def db_list(spec_key: Optional[str] = typer.Option(None, help="Only this spec key."),
             path: Optional[Path] = typer.Option(None, help="Only this DB file, opened read-only (default: the user "
-                                                           "DB and the bundled DB).")):
+                                                           "DB and the bundled DB)."),
+            verbose: bool = VERBOSE):
     """List the tuned winners of the user DB and the bundled DB (full spec keys, one row each)."""
     rows = _all_rows(path, **({"spec_key": spec_key} if spec_key else {}))
     table = Table("source", "spec_key", "role", "backend", "arch", "gpu", "bucket", "dtype", "ms", "TFLOP/s",
@@ -485,7 +511,8 @@ def db_show(spec_key: Optional[str] = typer.Argument(None, help="Spec key (see `
                                                                           "(Spec.to_json()); shows the winners of "
                                                                           "every role its calls run, each stored "
                                                                           "under that role's key."),
-            path: Optional[Path] = typer.Option(None, help="Only this DB file (default: the user DB and the bundled DB).")):
+            path: Optional[Path] = typer.Option(None, help="Only this DB file (default: the user DB and the bundled DB)."),
+            verbose: bool = VERBOSE):
     """Every stored field of a spec key's winners, as JSON."""
     from . import backends as registry
     from .roles import get_role, tuned_roles
@@ -509,7 +536,7 @@ def db_show(spec_key: Optional[str] = typer.Argument(None, help="Spec key (see `
 @clean_errors
 def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec key."),
              gpu: Optional[str] = typer.Option(None, help="Only this GPU's rows (its name as `db list` shows it)."),
-             yes: bool = typer.Option(False, "--yes", help="Do not ask.")):
+             yes: bool = typer.Option(False, "--yes", help="Do not ask."), verbose: bool = VERBOSE):
     """Delete winners from the user DB (the bundled DB is read-only)."""
     from .tuning.db import TuningDB, default_user_db_path
 
@@ -536,7 +563,8 @@ def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec k
 @clean_errors
 def db_bundle(files: List[Path] = typer.Argument(..., metavar="FILE", help="DB files whose winners to merge (a GPU machine's "
                                                          "user DB)."),
-              into: Optional[Path] = typer.Option(None, help="The bundled DB file (default: tuning_db/winners.db).")):
+              into: Optional[Path] = typer.Option(None, help="The bundled DB file (default: tuning_db/winners.db)."),
+              verbose: bool = VERBOSE):
     """Merge tuned winners into the bundled DB that ships with kernelgen (maintainers): a merged row replaces
     the bundled row of the same key; every other row is kept. Rows of one key in several FILES merge as the
     user DB keeps them: of one fingerprint the faster, else the later measured."""
@@ -571,6 +599,7 @@ def export(
     gpu: Optional[str] = typer.Option(None, help="With --seq: the GPU's name as CUDA reports it (default: any GPU "
                                                  "of the arch)."),
     dtype: str = typer.Option("bfloat16", help="With --seq: the dtype whose winners are baked (bfloat16, float16)."),
+    verbose: bool = VERBOSE,
 ):
     """Write one standalone module (torch + triton, and the backend's compiler) with the kernels and configs
     baked in: the tuning DBs' winners for --arch and --seq, or the defaults. Says which it baked."""
@@ -680,6 +709,7 @@ def bench(
                                           "timed on one GPU against one GPU's, the bytes each path moves, and the "
                                           "2-GPU time projected at NVLink speed "
                                           "(B1 Hq32 Hkv8 D128 causal, N=256k; GPU only)."),
+    verbose: bool = VERBOSE,
 ):
     """kernelgen next to FlexAttention (same BlockMask) and SDPA flash / cuDNN: ms and useful TFLOP/s."""
     from . import bench as benchmark
@@ -762,6 +792,7 @@ def quality(
     device: Optional[str] = typer.Option(None, help="Where to compute: cpu or cuda (default: cuda when present)."),
     schedule: str = typer.Option("q_centric", help="q_centric (a list per Q tile) or kv_centric (a list per "
                                                    "query; adds the union design's inflation)."),
+    verbose: bool = VERBOSE,
 ):
     """Attention-mass recall and output error of each selector's block lists against dense attention, per
     layer and head, for q/k/v captured from a model; per-query lists also report how closely neighbouring
@@ -864,7 +895,7 @@ def quality(
 
 
 @app.command()
-def info():
+def info(verbose: bool = VERBOSE):
     """Versions, GPU, backends, cache and tuning-DB paths."""
     import importlib.metadata as md
 

@@ -774,7 +774,8 @@ class SparseAttention:
             if not group.every_row:
                 picked = group.rows
                 options.update(cache_seqlens=None if cache_seqlens is None else cache_seqlens.index_select(0, picked),
-                               key_reps=key_reps if not isinstance(key_reps, KeyReps) else key_reps.index_batch(picked))
+                               key_reps=key_reps if not isinstance(key_reps, KeyReps) else
+                               key_reps.index_batch(picked) if key_reps.seqlens is None else key_reps._rows_of(picked))
                 if block_table is not None:
                     options["block_table"] = block_table.index_select(0, picked)
                 else:  # the contiguous cache's rows as a pool of one-row pages

@@ -412,7 +412,11 @@ def packed_cache_attention(call, q: torch.Tensor, groups: list[QueryGroup]) -> t
     `call(group) -> (o, lse)` (its rows' call over the cache, [m, Hq, count, ...]); each token's written once."""
     if len(groups) == 1 and groups[0].every_row:
         return group_outputs(*call(groups[0]), groups[0])
-    o, lse = q.new_zeros(q.shape), q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
+    # every token is in a group (a row of no queries has no tokens): no fill; index_copy_ takes fewer host steps
+    # than o[tokens] = ..., twice a group
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
     for group in groups:
-        o[group.tokens], lse[group.tokens] = group_outputs(*call(group), group)
+        group_o, group_lse = group_outputs(*call(group), group)
+        o.index_copy_(0, group.tokens, group_o)
+        lse.index_copy_(0, group.tokens, group_lse)
     return o, lse
