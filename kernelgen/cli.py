@@ -23,7 +23,13 @@ from rich.logging import RichHandler
 from rich.table import Column, Table
 from rich.text import Text
 
+from .bench import SMOKE_SHAPE
+from .bench.backward import BACKWARD_SHAPES
+from .bench.chunked import CHUNKED_SHAPES
+from .bench.context_parallel import CP_BATCH, CP_HEADS_KV, CP_SEQ, CP_SPEC, CP_WORLD
+from .bench.padded import PACKED_LENGTHS, PADDED_SHAPES
 from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
+from .workloads import BENCH_SHAPES, DECODE_SHAPES, KV_CENTRIC_SHAPES, UNTUNED_SHAPES
 
 
 # The exceptions module of the click that typer runs on (recent typer vendors click as typer._click).
@@ -304,8 +310,12 @@ def _tune_one(spec, role, seq, arch, trials, timeout, shape=None, label=None, wo
 @clean_errors
 def tune(
     ctx: typer.Context,
-    arch: str = typer.Option(..., help="GPU architecture to tune for, e.g. sm_90 (must be the GPU present)."),
-    seq: Optional[int] = typer.Option(None, help="Sequence length; tuned for its power-of-two bucket."),
+    arch: str = typer.Option(..., help="GPU architecture to tune for, e.g. sm_90. A tune runs on a GPU of this "
+                                       "arch (the current GPU must be one); --dry-run plans any arch from sm_80 on, "
+                                       "on any machine. cpu (--dry-run only) plans the Triton interpreter's spaces, "
+                                       "with sm_90's limits."),
+    seq: Optional[int] = typer.Option(None, help="Sequence length; tuned for its power-of-two bucket. Required "
+                                                 "unless --preset is given (its studies have their own lengths)."),
     # the flag named: typer 0.27 registers no --role for a list option given a metavar alone
     role: Optional[List[str]] = typer.Option(None, "--role", metavar="ROLE",
                                              help="A kernel role to tune, repeated for more (--role attn --role "
@@ -315,7 +325,7 @@ def tune(
     timeout: Optional[float] = typer.Option(None, help="Seconds per role's study."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print each study's space (each field's values), its "
                                                           "trials and, for a small space, every config; run "
-                                                          "nothing."),
+                                                          "nothing (no GPU needed)."),
     every_config: bool = typer.Option(False, "--space", help="With --dry-run: list every config of every space."),
     workers: int = typer.Option(1, help="Worker processes measuring one study's trials at once, one per GPU "
                                         "(cuda:0 to cuda:N-1; CUDA_VISIBLE_DEVICES chooses which)."),
@@ -340,7 +350,8 @@ def tune(
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
     sink: int = SINK, backend: str = BACKEND, schedule: str = SCHEDULE, verbose: bool = VERBOSE,
 ):
-    """Search tile, warp and stage parameters on this GPU and store the winners in the user tuning DB."""
+    """Search tile, warp and stage parameters on this GPU and store the winners in the user tuning DB (with
+    --dry-run: print the plan, on any machine)."""
     from . import backends as registry
     from .device import current_arch
     from .roles import ROLES, tuned_roles
@@ -375,9 +386,9 @@ def tune(
     if storage is not None:
         try:
             storage = str(parse_storage(storage))
-        except KernelgenError as error:  # "storage 'URL' ...": the library's word for the option, said once as it
+        except KernelgenError as error:  # "storage 'URL' ..." names it in the library's word: "--storage 'URL' ..."
             message, named = re.subn(r"^storage\b", "--storage", str(error))
-            _fail(message if named else f"--storage {storage}: {message}")
+            _fail(message if named else f"--storage: {message}")
     if not dry_run:
         present = current_arch()
         if arch == "cpu":
@@ -511,7 +522,8 @@ def db_show(spec_key: Optional[str] = typer.Argument(None, help="Spec key (see `
                                                                           "(Spec.to_json()); shows the winners of "
                                                                           "every role its calls run, each stored "
                                                                           "under that role's key."),
-            path: Optional[Path] = typer.Option(None, help="Only this DB file (default: the user DB and the bundled DB)."),
+            path: Optional[Path] = typer.Option(None, help="Only this DB file (default: the user DB and the bundled "
+                                                           "DB)."),
             verbose: bool = VERBOSE):
     """Every stored field of a spec key's winners, as JSON."""
     from . import backends as registry
@@ -561,8 +573,8 @@ def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec k
 
 @db_app.command("bundle")
 @clean_errors
-def db_bundle(files: List[Path] = typer.Argument(..., metavar="FILE", help="DB files whose winners to merge (a GPU machine's "
-                                                         "user DB)."),
+def db_bundle(files: List[Path] = typer.Argument(..., metavar="FILE", help="DB files whose winners to merge (a GPU "
+                                                                           "machine's user DB)."),
               into: Optional[Path] = typer.Option(None, help="The bundled DB file (default: tuning_db/winners.db)."),
               verbose: bool = VERBOSE):
     """Merge tuned winners into the bundled DB that ships with kernelgen (maintainers): a merged row replaces
@@ -586,7 +598,8 @@ def db_bundle(files: List[Path] = typer.Argument(..., metavar="FILE", help="DB f
 @clean_errors
 def export(
     ctx: typer.Context,
-    out: Path = typer.Option(..., "--out", help="The .py file to write."),
+    out: Path = typer.Option(..., "--out", help="The .py file to write (missing parent directories are "
+                                                 "created)."),
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
     sink: int = SINK, backend: str = typer.Option("triton", help="A registered backend, or auto with --seq: its "
@@ -664,51 +677,69 @@ def export(
                       "with --arch for the GPU that will run it")
 
 
+def _listed(names) -> str:
+    return ", ".join(names)
+
+
+# the bench modes' shapes, named in --help from the dicts the benches run (not copied: a shape added shows up);
+# the shapes a bench runs another way are named apart, told as the bench tells them
+_PACKED = [name for name in PADDED_SHAPES if name in PACKED_LENGTHS]  # run_padded: sequences packed in a row
+_MIXED = [name for name, (counts, _) in CHUNKED_SHAPES.items() if isinstance(counts, tuple)]  # run_chunked: a step
+
+
 @app.command()
 @clean_errors
 def bench(
     ctx: typer.Context,
-    shapes: Optional[str] = typer.Option(None, help="Comma-separated shape names (default: all on a GPU; on a CPU "
-                                                    "only the tiny interpreter smoke run)."),
+    shapes: Optional[str] = typer.Option(None, help=f"Comma-separated shape names (default on a GPU: "
+                                                    f"{_listed(BENCH_SHAPES)}; on a CPU only the interpreter "
+                                                    f"smoke run, {SMOKE_SHAPE})."),
     out: Path = typer.Option(Path("bench-out"), help="Directory for bench.csv, bench.json, bench.jsonl (rows as "
-                                                     "they are measured) and bench.png."),
+                                                     "they are measured) and bench.png (created with its parents "
+                                                     "when missing)."),
     overhead: bool = typer.Option(False, "--overhead", help="Also measure dispatch overhead per call."),
     sweep: str = typer.Option("", help="Shapes on which to also time every attention and select config."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="Also time each row replayed from a CUDA graph."),
     stall_timeout: float = typer.Option(600.0, help="Seconds without output after which the bench prints every "
                                                     "thread's stack and exits 1 (a hung kernel); 0: never."),
     backward: bool = typer.Option(False, "--backward", help="Forward+backward and backward alone against FlexAttention "
-                                                            "(same BlockMask) and SDPA cuDNN (default shapes b16k, c, "
-                                                            "a32k; GPU only)."),
-    untuned: bool = typer.Option(False, "--untuned", help="On shapes the bundled DB does not hold (or --shapes): "
+                                                            "(same BlockMask) and SDPA cuDNN (default shapes "
+                                                            f"{_listed(BACKWARD_SHAPES)}; GPU only)."),
+    untuned: bool = typer.Option(False, "--untuned", help="On shapes the bundled DB does not hold ("
+                                                          f"{_listed(UNTUNED_SHAPES)}; or --shapes): "
                                                           "time what is served untuned, tune every backend in a "
                                                           "scratch DB, time it again (GPU only)."),
     kv_centric: bool = typer.Option(False, "--kv-centric", help="Per-query lists (the KV-centric schedule) against "
                                                                 "FlexAttention, SDPA cuDNN and fla-core's NSA kernels "
-                                                                "(shapes kv_b8, kv_nsa32k, kv_d64_64k; GPU only)."),
+                                                                f"(shapes {_listed(KV_CENTRIC_SHAPES)}; GPU only)."),
     decode: bool = typer.Option(False, "--decode", help="A few queries against a long KV cache (the decode role) "
                                                         "against FlexAttention (same BlockMask) and dense SDPA, in "
-                                                        "GB/s beside a device copy's (shapes dec_c32k, dec_c128k, "
-                                                        "dec_b64k, dec_spec4; GPU only)."),
+                                                        "GB/s beside a device copy's (shapes "
+                                                        f"{_listed(DECODE_SHAPES)}; GPU only)."),
     padded: bool = typer.Option(False, "--padded", help="A right-padded batch (B8, rows of N down to N/2) in one "
                                                         "call (seqlens=) under each schedule against a call per "
                                                         "row, SDPA with the padding mask and dense SDPA cuDNN, "
                                                         "forward and "
-                                                        "forward+backward (shapes pad_b8_8k, pad_b8_16k; and "
-                                                        "packed_32k: attn.varlen over sequences packed in one "
-                                                        "row; GPU only)."),
+                                                        "forward+backward (shapes "
+                                                        f"{_listed(n for n in PADDED_SHAPES if n not in _PACKED)}; "
+                                                        f"and {_listed(_PACKED)}: attn.varlen over "
+                                                        "sequences packed in one row; GPU only)."),
     chunked: bool = typer.Option(False, "--chunked", help="A prefill chunk over a KV cache of per-row lengths (B8, "
                                                           "rows of N down to N/2) in one call (cache_seqlens=) "
                                                           "against a call per row, FlexAttention (same lists and "
                                                           "lengths) and SDPA with the rows' mask, and the one "
                                                           "call over the same cache in shuffled pages "
-                                                          "(block_table=) (shapes chunk512_32k, chunk2048_32k; "
+                                                          "(block_table=) (shapes "
+                                                          f"{_listed(n for n in CHUNKED_SHAPES if n not in _MIXED)}; "
+                                                          f"and {_listed(_MIXED)}: a serving step, rows of mixed "
+                                                          "query counts over one paged cache through attn.varlen; "
                                                           "GPU only)."),
-    context_parallel: bool = typer.Option(False, "--context-parallel", help="A 2-rank context-parallel run's "
-                                          "per-rank kernels (dense ring and sparse fetch), forward and backward, "
-                                          "timed on one GPU against one GPU's, the bytes each path moves, and the "
-                                          "2-GPU time projected at NVLink speed "
-                                          "(B1 Hq32 Hkv8 D128 causal, N=256k; GPU only)."),
+    context_parallel: bool = typer.Option(False, "--context-parallel", help=f"A {CP_WORLD}-rank context-parallel "
+                                          "run's per-rank kernels (dense ring and sparse fetch), forward and "
+                                          "backward, timed on one GPU against one GPU's, the bytes each path moves, "
+                                          f"and the {CP_WORLD}-GPU time projected at NVLink speed (B{CP_BATCH} "
+                                          f"Hq{CP_HEADS_KV * CP_SPEC.gqa_group} Hkv{CP_HEADS_KV} D{CP_SPEC.head_dim}"
+                                          f"{' causal' if CP_SPEC.causal else ''}, N={CP_SEQ // 1024}k; GPU only)."),
     verbose: bool = VERBOSE,
 ):
     """kernelgen next to FlexAttention (same BlockMask) and SDPA flash / cuDNN: ms and useful TFLOP/s."""
@@ -788,7 +819,8 @@ def quality(
     kv_block: int = KV_BLOCK, q_tile: int = Q_TILE, local: int = LOCAL, sink: int = SINK,
     causal: Optional[bool] = typer.Option(None, "--causal/--no-causal", help="Bottom-right causal mask (default: as "
                                                                              "the file records, else not)."),
-    out: Path = typer.Option(Path("quality-out"), help="Directory for quality.csv and quality.png."),
+    out: Path = typer.Option(Path("quality-out"), help="Directory for quality.csv and quality.png (created with "
+                                                       "its parents when missing)."),
     device: Optional[str] = typer.Option(None, help="Where to compute: cpu or cuda (default: cuda when present)."),
     schedule: str = typer.Option("q_centric", help="q_centric (a list per Q tile) or kv_centric (a list per "
                                                    "query; adds the union design's inflation)."),

@@ -3,10 +3,12 @@ import contextlib
 import dataclasses
 from pathlib import Path
 import json
+import logging
 import re
 
 import pytest
 import torch
+import typer.main
 from checks import read_only
 from typer.testing import CliRunner
 
@@ -59,6 +61,65 @@ def test_help(command):
     result = invoke(*command, "--help")
     assert result.exit_code == 0, result.output
     assert "Usage" in result.output
+
+
+def _command(*names: str):
+    """The click command of `kernelgen NAMES...`, as typer builds it."""
+    command = typer.main.get_command(app)
+    for name in names:
+        command = command.commands[name]
+    return command
+
+
+def option_help(*names: str) -> str:
+    """The help text of option names[-1] of the command names[:-1], whole (not wrapped at hyphens as --help is)."""
+    *command, option = names
+    return next(param.help for param in _command(*command).params if option in param.opts)
+
+
+def test_tune_help_says_when_the_arch_must_be_the_gpu_present(tmp_path):
+    """--arch must be the GPU present for a tune only: a dry run plans any arch on any machine, and cpu (named in the
+    help, not only in an error) is for dry runs alone; --seq is required unless --preset is given."""
+    arch, seq = option_help("tune", "--arch"), option_help("tune", "--seq")
+    assert "must be the GPU present" not in arch
+    assert "--dry-run plans any arch from sm_80 on, on any machine" in arch and "cpu (--dry-run only)" in arch
+    assert "Required unless --preset is given" in seq
+    path = tmp_path / "spec.json"
+    path.write_text(Spec(head_dim=64).to_json())
+    other = "sm_80" if current_arch() == "sm_89" else "sm_89"  # not this machine's GPU
+    for arch_option in (other, "cpu"):
+        result = invoke("tune", "--arch", arch_option, "--seq", "32768", "--spec", str(path), "--role", "attn",
+                        "--dry-run")
+        assert result.exit_code == 0 and "attn (triton): study" in result.output, result.output
+    one_line_error(invoke("tune", "--arch", "cpu", "--seq", "4096", "--spec", str(path)), "--arch cpu", "--dry-run")
+    one_line_error(invoke("tune", "--arch", other, "--seq", "4096", "--spec", str(path)), "GPU")
+    one_line_error(invoke("tune", "--arch", "sm_90", "--dry-run"), "--seq is required (or --preset)")
+
+
+BENCH_MODE_SHAPES = [("--shapes", "BENCH_SHAPES"), ("--backward", "BACKWARD_SHAPES"), ("--untuned", "UNTUNED_SHAPES"),
+                     ("--kv-centric", "KV_CENTRIC_SHAPES"), ("--decode", "DECODE_SHAPES"),
+                     ("--padded", "PADDED_SHAPES"), ("--chunked", "CHUNKED_SHAPES")]
+
+
+def test_bench_help_names_every_shape_of_each_bench():
+    """Each bench's --help lists the shapes it runs, read from the dicts the benches run (chunked's mixed_32k
+    too), never copied into cli.py's text."""
+    import ast
+
+    import kernelgen.cli
+    from kernelgen.bench import backward, chunked, padded
+    from kernelgen import workloads
+
+    every = set()
+    for option, name in BENCH_MODE_SHAPES:
+        names = next(getattr(where, name) for where in (workloads, backward, chunked, padded) if hasattr(where, name))
+        assert set(names) <= set(re.findall(r"\w+", option_help("bench", option))), (option, name)
+        every |= set(names)
+    assert "mixed_32k" in option_help("bench", "--chunked")
+    source = Path(kernelgen.cli.__file__).read_text()
+    literals = {word for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Constant)
+                and isinstance(node.value, str) for word in re.findall(r"\w+", node.value)}
+    assert not {name for name in every if len(name) > 2} & literals  # ("b" and "c" are words of any text)
 
 
 def test_info(monkeypatch):
@@ -712,6 +773,31 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, args, words):
     assert not (files / "into.db").exists() and not (files / "m.py").exists()
 
 
+@pytest.mark.parametrize("args, flag, name", [
+    (DRY_FILE + ["--model", "{FILES}/missing.json"], "--model", "missing.json"),
+    (DRY_FILE + ["--model", "{FILES}/corrupt.json"], "--model", "corrupt.json"),
+    (DRY_FILE + ["--model", "{FILES}/list.json"], "--model", "list.json"),
+    (DRY_FILE + ["--model", "{FILES}/a_dir"], "--model", "a_dir"),
+    (DRY_FILE + ["--spec", "{FILES}/missing.json"], "--spec", "missing.json"),
+    (DRY_FILE + ["--spec", "{FILES}/corrupt.json"], "--spec", "corrupt.json"),
+    (DRY + ["--storage", "banana://host/db"], "storage", "banana://host/db"),  # not "--storage: storage '...'"
+    (DRY + ["--storage", "{FILES}/a_dir"], "--storage", "a_dir"),
+    (["db", "list", "--path", "{FILES}/missing.db"], "--path", "missing.db"),
+    (["db", "show", "abc", "--path", "{FILES}/text.db"], "--path", "text.db"),
+    (["quality", "--qkv", "{FILES}/missing.pt", "--out", "{FILES}/q"], "--qkv", "missing.pt"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_a_file_s_error_names_its_option_and_the_file_once(tmp_path, args, flag, name):
+    """A file option's error names the option and the file once each, though the library's message may name them
+    too (read_model_config's start with "--model FILE:", rows_of_file's name the file)."""
+    files = tmp_path / "files"
+    files.mkdir()
+    _bad_files(files)
+    result = invoke(*[a.replace("{FILES}", str(files)) for a in args])
+    one_line_error(result, flag, name)
+    line = result.stderr.strip().splitlines()[-1].replace(str(files), "FILES")
+    assert line.count(flag) == 1 and line.count(name) == 1, line
+
+
 @pytest.mark.parametrize("user_db", ["foreign.db", "no_winners.db"])
 def test_a_user_db_of_another_schema_is_never_written(tmp_path, user_db):
     """A user DB that holds another program's table (a winners table of another layout, or other tables and no
@@ -757,6 +843,36 @@ def test_logs_go_to_stderr_and_answers_to_stdout(tmp_path):
     assert json.loads(result.stdout)[0]["spec_key"] == key
     warned = [line for line in result.stderr.splitlines() if "corrupted" in line]
     assert len(warned) == 1 and str(path) in warned[0]
+
+
+def test_verbose_goes_before_or_after_the_command(tmp_path, monkeypatch):
+    """`kernelgen bench -v` logs kernelgen's debug messages as `kernelgen -v bench` does, and every command takes -v;
+    a command without it logs none (a -v before the command is not undone by its absence after it)."""
+    def bench_main(**kwargs):  # a debug line of kernelgen's, whatever this process has already compiled and logged
+        logging.getLogger("kernelgen.bench").debug("a debug line")
+        return 0
+
+    monkeypatch.setattr("kernelgen.bench.main", bench_main)
+    monkeypatch.setattr("kernelgen.bench.plot", lambda out: None)
+    for args, logged in ((["bench", "-v"], True), (["-v", "bench"], True), (["bench", "--verbose"], True),
+                         (["bench"], False)):
+        result = invoke(*args, "--out", str(tmp_path / "b"))
+        assert result.exit_code == 0, (args, result.output)
+        assert ("kernelgen: DEBUG: a debug line" in result.stderr) == logged, (args, result.stderr)
+
+    def leaves(command, path=()):
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from leaves(sub, (*path, name)) if hasattr(sub, "commands") else [((*path, name), sub)]
+
+    for path, command in leaves(_command()):
+        assert any("-v" in param.opts for param in command.params), path
+
+
+def test_export_makes_out_s_missing_directories_and_says_so(tmp_path):
+    assert "missing parent directories are created" in option_help("export", "--out")
+    out = tmp_path / "new" / "dir" / "m.py"
+    result = invoke("export", "--head-dim", "64", "--out", str(out))
+    assert result.exit_code == 0 and out.is_file(), result.output
 
 
 def test_tune_plans_long_lists_and_names_backends_it_leaves_out():
