@@ -12,7 +12,8 @@ step (`attn.varlen` over a paged cache, rows of four query counts). Where the ke
     python tools/host_time.py --base DIR                    # another tree's, e.g. an earlier commit:
         mkdir DIR && git archive COMMIT kernelgen templates tuning_db | tar -x -C DIR
     python tools/host_time.py --launch                      # one Triton kernel of 28 arguments, by piece
-    python tools/host_time.py --profile "serving step"      # cProfile of the calls whose name holds the text
+    python tools/host_time.py --only "serving step"         # the calls whose name holds the text
+    python tools/host_time.py --profile "serving step"      # cProfile of those calls
 
 --launch times one launch of a kernel of 8 pointers, 20 ints and 2 constexprs through `kernel[grid](...)`, Triton's
 binder alone, the compiled kernel's launcher called directly, and a specialization key built in Python.
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
     parser.add_argument("--base", help="a directory holding another tree's kernelgen/, templates/ and tuning_db/")
     parser.add_argument("--launch", action="store_true", help="time one Triton launch by piece instead")
     parser.add_argument("--out", help="also write the rows to this JSON file")
+    parser.add_argument("--only", metavar="TEXT", help="time only the calls whose name holds TEXT")
     parser.add_argument("--profile", metavar="TEXT", help="instead, profile (cProfile, 200 calls) each call whose "
                         "name holds TEXT and print its top functions by own and by cumulative time")
     args = parser.parse_args(argv)
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
             from kernelgen.backends import triton_launch
         except ImportError:  # a tree before kernels launched directly
             triton_launch = None
-        timed = calls()
+        timed = {name: fn for name, fn in calls().items() if args.only is None or args.only in name}
         paths = [("launched directly", None)] if triton_launch else [("", None)]
         if triton_launch:
             paths.append(("Triton's own launch path", object()))  # no run is this: every call takes Triton's
