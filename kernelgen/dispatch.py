@@ -30,7 +30,7 @@ import torch
 from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
-from .inputs import (BlockLists, KeyReps, Shapes, autocast_qkv, check_block_idx, check_block_lists,
+from .inputs import (BlockLists, KeyReps, Shapes, apart_from_cache, autocast_qkv, check_block_idx, check_block_lists,
                      CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps, check_new_keys,
                      check_reps_fit_capacity, check_keys, check_length, check_row_ints, check_scale, refuse_cast_cache,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
@@ -683,7 +683,7 @@ class SparseAttention:
         if index is not None:  # checked before anything is written: a refused index writes nothing
             check_index(index, self.spec, shapes, k.device,
                         None if rows is None or rows.block_table is None else (k.shape[0], k.shape[2]))
-        new = check_new_keys(*new, k, index, shapes, cache_seqlens)
+        new = apart_from_cache(check_new_keys(*new, k, index, shapes, cache_seqlens), k, v)
         refuse_cast_cache(k, v, cache)
         served = self._served("append_kv", seq_bucket(shapes.n_k), k.dtype, k.device)
         options = self._varlen(served, rows)

@@ -346,6 +346,18 @@ def check_new_keys(k_new, v_new, k_idx_new, k, index, shapes: Shapes, cache_seql
     return NewKeys(k_new, v_new, k_idx, k_idx_new)
 
 
+def apart_from_cache(new: NewKeys, k, v) -> NewKeys:
+    """New keys that share memory with a cache they are written into (a view of it: keys moved within it) are
+    copied first, as the reference reads them: the write reads them a chunk at a time while it writes, so an
+    overlap would read keys it had already overwritten."""
+    caches = {x.untyped_storage().data_ptr() for x in (k, v, new.k_idx) if x is not None}
+
+    def apart(x):
+        return x if x is None or x.untyped_storage().data_ptr() not in caches else x.clone()
+
+    return NewKeys(apart(new.k), apart(new.v), new.k_idx, apart(new.k_idx_new))
+
+
 def refuse_cast_cache(k, v, cache: tuple) -> None:
     """New keys are written into the caller's k and v (`cache`): refuse a call whose autocast cast them to a copy
     (k, v), which the write would reach instead."""
@@ -630,8 +642,8 @@ def _explain_qkv(q, k, v, spec: Spec, first: str = "q") -> None:
             raise KernelgenValueError(f"{first} is on the CPU: kernelgen runs on CUDA, or on the CPU only under "
                                       "TRITON_INTERPRET=1")
         if q.dtype == torch.bfloat16:
-            raise KernelgenTypeError(f"{first}.dtype = torch.bfloat16 is not supported by the Triton CPU interpreter (it "
-                                     "computes garbage); use float16 or float32 on the CPU")
+            raise KernelgenTypeError(f"{first}.dtype = torch.bfloat16 is not supported by the Triton CPU interpreter "
+                                     "(it computes garbage); use float16 or float32 on the CPU")
     else:
         raise KernelgenValueError(f"{first} is on {q.device}; expected a CUDA device (or the CPU under "
                                   "TRITON_INTERPRET=1)")
@@ -707,8 +719,13 @@ def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> 
         raise KernelgenValueError(f"block_idx was prepared for kv_block, top_k, n_kv_blocks = {made}; this call has "
                          f"{(spec.kv_block, spec.top_k, shapes.n_kv_blocks)} (prepare them for this spec and seq_k)")
     expected = (shapes.batch, shapes.heads_kv, shapes.n_q_tiles, spec.top_k)
-    if tuple(lists.block_idx.shape) != expected:
-        raise KernelgenValueError(f"block_idx (prepared) has shape {tuple(lists.block_idx.shape)}, expected "
+    got = tuple(lists.block_idx.shape)
+    if got[2] != expected[2]:  # the lists' rows: Q tiles, or queries (per-query lists)
+        rows = "queries" if spec.per_query else "Q tiles"
+        raise KernelgenValueError(f"block_idx was prepared for {got[2]} {rows}; this call has {expected[2]} "
+                                  f"(prepare them with this call's number of queries as seq_q)")
+    if got != expected:
+        raise KernelgenValueError(f"block_idx (prepared) has shape {got}, expected "
                          f"{lists_layout(spec)} = {expected} (prepare lists of the calls' batch and KV heads: "
                          f"a broadcast list as block_idx.expand({expected[0]}, {expected[1]}, -1, -1))")
     if lists.block_idx.device != device:

@@ -8,6 +8,7 @@ import torch
 
 import kernelgen
 from kernelgen import BlockLists, Spec, reference
+from kernelgen.spec import DEFAULT_Q_TILE
 from checks import assert_close_to_reference
 from test_triton_fwd import given_lists, make_inputs
 
@@ -64,6 +65,12 @@ def test_prepared_lists_for_another_problem_are_refused(device):
     with pytest.raises(ValueError, match="kv_block"):  # made for other blocks
         other = kernelgen.get_kernel(SPEC.replace(kv_block=64, top_k=4))
         attn(q, k, v, block_idx=other.prepare(given_lists(SPEC.replace(kv_block=64), 1, 2, 96, 128, 7, device), 96, 128))
+    with pytest.raises(ValueError, match="prepared for 3 Q tiles; this call has 1"):  # made for 96 queries
+        attn(q[:, :, :32], k, v, block_idx=attn.prepare(idx, 96, 128))
+    per_query = kernelgen.get_kernel(SPEC.replace(schedule="kv_centric", q_tile=DEFAULT_Q_TILE))
+    lists = per_query.prepare(torch.zeros(1, 2, 96, SPEC.top_k, dtype=torch.int32, device=device), 96, 128)
+    with pytest.raises(ValueError, match="prepared for 96 queries; this call has 59"):  # not its batch or heads
+        per_query(q[:, :, :59], k, v, block_idx=lists)
     with pytest.raises(ValueError, match="validate_lists|repeated"):
         rep = idx.clone()
         rep[..., 1] = rep[..., 0] = 0

@@ -134,6 +134,25 @@ def test_positions_past_the_capacity_or_in_no_page_are_not_written(device):
     assert not _same(pages_call, pages)  # something was written
 
 
+@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
+def test_new_keys_that_are_a_view_of_the_cache_are_read_before_the_write(schedule, device):
+    """k_new and v_new as views of the cache overlapping the positions they go to (k's keys moved back by two; v_new
+    a view of k): the call reads them as they were, as the reference does. A prefill chunk's write goes a chunk at a
+    time, and once read keys it had already overwritten (o and the cache wrong, silently)."""
+    spec = _spec("given", schedule)
+    attn = get_kernel(spec)
+    q, k, v, _ = _cache(20, torch.float32, device, capacity=96, lengths=(60,))
+    lists = random_lists(spec, 1, 2, 20, 80, seed=3).to(device)
+    lens = torch.tensor([60], dtype=torch.int32, device=device)
+    k_new, v_new = k[:, :, 58:78], k[:, :, 50:70]
+    k0, v0, k_new0, v_new0 = (x.clone() for x in (k, v, k_new, v_new))
+    want_o, want_lse = reference.sparse_attention(q, k0, v0, spec, lists, cache_seqlens=lens, k_new=k_new0,
+                                                  v_new=v_new0)[:2]
+    o, lse = attn(q, k, v, block_idx=lists, cache_seqlens=lens, k_new=k_new, v_new=v_new, return_lse=True)
+    assert _same(k, reference.appended(k0, k_new0, lens)[0]) and _same(v, reference.appended(v0, v_new0, lens)[0])
+    assert_close_to_reference(o, lse, want_o, want_lse, torch.float32)
+
+
 def test_a_compiled_step_writes_and_attends_as_the_eager_one(device):
     """Under torch.compile (fullgraph) the write is an op of its own that mutates the caches: the compiled step's
     caches and o equal the eager step's."""
