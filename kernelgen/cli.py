@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import sqlite3
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -126,7 +127,7 @@ def clean_errors(command):
     def run(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (KernelgenError, ValueError, TypeError, OSError) as error:
+        except (KernelgenError, ValueError, TypeError, OSError, sqlite3.Error) as error:  # sqlite3: a failing disk
             _fail(error)
     return run
 

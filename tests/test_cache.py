@@ -61,6 +61,28 @@ def test_kernels_run_when_the_cache_dir_cannot_be_written(tmp_path, where):
     assert not private.exists()  # removed at exit
 
 
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="no file owners to compare")
+@pytest.mark.parametrize("how", ["writable by others", "parent writable by others", "a symbolic link"])
+def test_kernels_are_never_imported_from_a_directory_others_could_write(tmp_path, how):
+    """A kernels directory that another user could plant modules or bytecode in (a shared temporary directory's
+    predictable name, made first by someone else, as an exported module's default cache is) is not used: the
+    modules go to a private temporary directory, with a warning naming why."""
+    cache = tmp_path / "cache"
+    (cache / "kernels").mkdir(parents=True)
+    if how == "writable by others":
+        (cache / "kernels").chmod(0o777)
+    elif how == "parent writable by others":
+        cache.chmod(0o777)
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        (cache / "kernels").rmdir()
+        (cache / "kernels").symlink_to(tmp_path / "elsewhere")
+    private, stderr = _run(tmp_path, cache)
+    assert private.parent == tmp_path / "tmp" and private.name.startswith("kernelgen-kernels-")
+    assert how.split(" by ")[0].replace("parent ", "") in stderr
+    assert not any((cache / "kernels").iterdir())
+
+
 def test_kernels_go_to_the_cache_dir_when_it_can_be_written(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "cache"))
     assert cache_dir() == tmp_path / "cache" and not cache_dir().exists()  # cache_dir() creates nothing

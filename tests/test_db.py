@@ -5,7 +5,10 @@ import contextlib
 import hashlib
 import logging
 import multiprocessing
+import os
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 from checks import read_only
@@ -15,9 +18,11 @@ from kernelgen.tuning.db import (
     BUNDLED_DB_PATH,
     Fingerprint,
     TuningDB,
+    UnreadableDatabase,
     Winners,
     current_fingerprint,
     default_user_db_path,
+    rows_of_file,
     seq_bucket,
     write_bundled_db,
 )
@@ -418,6 +423,48 @@ def test_a_read_only_wal_db_is_read_without_its_shm_file(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["tuning.db"]  # the last close removed -wal, -shm
     with read_only(path.parent), TuningDB(path) as db:
         assert db.read_only is not None and lookup(db) is not None
+
+
+def test_a_read_only_db_with_a_crashed_writer_s_journal_serves_none_of_its_changes(tmp_path):
+    """A rollback-journal DB whose writer died mid-transaction (a hot -journal), in a directory that cannot be
+    written: SQLite can roll the journal back only where it can write, and reading the main file alone
+    (immutable) would serve rows no writer committed. The file is skipped with a warning, and rows_of_file says
+    why in one line."""
+    path = tmp_path / "ro" / "tuning.db"
+    with TuningDB(path) as tuned:
+        for i in range(300):  # pages enough for the writer below to spill some into the main file
+            upsert(tuned, spec_key=f"s{i:03d}", median_ms=1.0)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA journal_mode=delete")
+    script = (f"import sqlite3, os; c = sqlite3.connect({str(path)!r}, isolation_level=None); "
+              "c.execute('PRAGMA cache_size=1'); c.execute('BEGIN'); "
+              "c.execute(\"UPDATE winners SET config='{\\\"BLOCK_M\\\": 999}', median_ms=0.001\"); "
+              "c.execute('PRAGMA cache_spill=1'); os._exit(9)")
+    subprocess.run([sys.executable, "-c", script], check=False)
+    journal = path.with_name("tuning.db-journal")
+    assert journal.is_file() and journal.stat().st_size > 0
+    with contextlib.closing(sqlite3.connect(f"{path.as_uri()}?mode=ro&immutable=1", uri=True)) as conn:
+        assert conn.execute("SELECT count(*) FROM winners WHERE median_ms < 1").fetchone()[0] > 0  # the hazard
+    with read_only(path.parent):
+        with TuningDB(path) as db:
+            assert db.read_only is not None
+            assert all(row["median_ms"] == 1.0 for row in db.rows())  # none of the uncommitted update
+        with pytest.raises(UnreadableDatabase, match=r"tuning.db-journal holds changes") as error:
+            rows_of_file(path)
+        assert "\n" not in str(error.value)
+    with TuningDB(path) as db:  # writable again: SQLite rolls the journal back
+        assert len(db.rows()) == 300 and all(row["median_ms"] == 1.0 for row in db.rows())
+
+
+def test_a_user_db_that_is_no_regular_file_is_read_as_empty_and_refuses_writes(tmp_path):
+    """A FIFO where the DB should be (SQLite: disk I/O error): lookups miss, bundled winners are served, and a
+    write is one clear error, not an OperationalError's traceback."""
+    path = tmp_path / "tuning.db"
+    os.mkfifo(path)
+    with TuningDB(path) as db:
+        assert db.read_only is not None and db.rows() == [] and lookup(db) is None
+        with pytest.raises(KernelgenRuntimeError, match="cannot be written"):
+            upsert(db)
 
 
 def test_a_user_db_that_cannot_be_created_is_empty(tmp_path, monkeypatch):

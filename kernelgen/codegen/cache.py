@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -60,12 +61,30 @@ def unwritable(directory: Path, create: bool = True) -> str | None:
     return None
 
 
+def untrusted(directory: Path) -> str | None:
+    """Why modules imported from `directory` could hold another user's code, or None: it (or its parent, which
+    could swap it) is a symbolic link, another user's, or writable by others, who could then plant a module
+    or its cached bytecode (a shared temporary directory's predictable name, made first by someone else)."""
+    if not hasattr(os, "getuid"):  # no owners to compare (Windows): its user dirs are the user's own
+        return None
+    for path in (directory, directory.parent):
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            return f"{path} is a symbolic link"
+        if info.st_uid != os.getuid():
+            return f"{path} belongs to another user (uid {info.st_uid})"
+        # a sticky parent (/tmp) lets no one else rename or remove what it holds
+        if info.st_mode & 0o022 and not (path == directory.parent and info.st_mode & stat.S_ISVTX):
+            return f"{path} is writable by others"
+    return None
+
+
 def kernels_dir() -> Path:
     """Where rendered kernel modules are written: the cache dir's kernels/, else, when that cannot be written,
     this process's private temporary directory (made once, with one warning, and removed at exit)."""
     global _private_kernels
     shared = cache_dir() / "kernels"
-    problem = unwritable(shared)
+    problem = unwritable(shared) or untrusted(shared)
     if problem is None:
         return shared
     with _private_lock:

@@ -368,8 +368,10 @@ class TuningDB:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = self._open_healthy()
         except (OSError, sqlite3.OperationalError) as error:
-            if isinstance(error, sqlite3.OperationalError) and not _cannot_write(error):
-                raise
+            if isinstance(error, sqlite3.OperationalError) and _is_locked(error):
+                raise  # the lookups' wait and stand-in handle a lock (_user_db_for_lookups)
+            # read-only, damage aside (recovered inside), or an I/O error (a FIFO, a failing disk): read what can
+            # be read, refuse writes in one line naming why
             self._open_for_reading(_one_line(error))
             return
         self._db = sqlite_utils.Database(self._conn)
@@ -381,7 +383,7 @@ class TuningDB:
         except BaseException as error:
             self._conn.close()
             if not (isinstance(error, _ForeignSchema)
-                    or isinstance(error, sqlite3.OperationalError) and _cannot_write(error)):
+                    or isinstance(error, sqlite3.OperationalError) and not _is_locked(error)):
                 raise
             self._open_for_reading(_one_line(error))
 
@@ -715,8 +717,16 @@ def _connect_read_only(path: Path) -> sqlite_utils.Database:
             if not _cannot_write(error):
                 raise
             # A WAL file in a directory we cannot write: reading needs its -shm file, which SQLite cannot
-            # create. immutable=1 reads the main file alone (results still only in the -wal are not seen).
+            # create. immutable=1 reads the main file alone (results still only in the -wal are not seen),
+            # which is sound only where no -journal or -wal holds changes the main file lacks: a crashed
+            # writer's transaction (to roll back), or a checkpoint cut off midway, which only a writable open
+            # applies. Read otherwise, the main file could give rows no writer ever committed.
             conn.close()
+            sides = (path.with_name(f"{path.name}-journal"), path.with_name(f"{path.name}-wal"))
+            pending = [side.name for side in sides if side.is_file() and side.stat().st_size > 0]
+            if pending:
+                raise sqlite3.DatabaseError(f"{pending[0]} holds changes that only an open that can write applies; "
+                                            f"it cannot be read consistently here") from None
             conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True,
                                    check_same_thread=False)
             _check_integrity(conn)
