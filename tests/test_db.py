@@ -456,6 +456,26 @@ def test_a_read_only_db_with_a_crashed_writer_s_journal_serves_none_of_its_chang
         assert len(db.rows()) == 300 and all(row["median_ms"] == 1.0 for row in db.rows())
 
 
+def test_a_row_left_unreadable_by_hand_is_skipped_and_replaced_by_the_next_winner(tmp_path, caplog):
+    """A row whose config is not JSON, or whose median_ms is text (a hand edit, another program): the other rows
+    are still listed and served, and a new winner for its key replaces it, with a warning naming its key."""
+    path = tmp_path / "tuning.db"
+    with TuningDB(path) as db:
+        for bucket in (1024, 2048, 4096):
+            upsert(db, bucket=bucket)
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("UPDATE winners SET config = '{not json' WHERE bucket = 1024")
+        conn.execute("UPDATE winners SET median_ms = 'fast' WHERE bucket = 4096")
+    with caplog.at_level(logging.WARNING, logger="kernelgen"), TuningDB(path) as db:
+        assert [row["bucket"] for row in db.rows()] == [2048]
+        assert lookup(db, bucket=2048)["bucket"] == 2048
+        assert sum("unreadable" in record.getMessage() for record in caplog.records) >= 2
+        assert "'bucket': 1024" in caplog.text
+        upsert(db, bucket=1024, median_ms=5.0)  # the bad row's key: written, not a JSONDecodeError
+        assert [row["bucket"] for row in db.rows()] == [1024, 2048]
+    assert [row["bucket"] for row in rows_of_file(path)] == [1024, 2048]
+
+
 def test_a_user_db_that_is_no_regular_file_is_read_as_empty_and_refuses_writes(tmp_path):
     """A FIFO where the DB should be (SQLite: disk I/O error): lookups miss, bundled winners are served, and a
     write is one clear error, not an OperationalError's traceback."""
@@ -574,6 +594,16 @@ def test_a_winners_table_keyed_otherwise_is_never_served_nor_written(tmp_path):
     with pytest.raises(UnreadableDatabase, match="primary key"):
         rows_of_file(path)
     assert path.read_bytes() == before
+
+
+def test_a_bundled_db_that_cannot_replace_its_target_leaves_no_partial_file(tmp_path):
+    """The target is a directory (or an immutable file): the write fails with the OS's error, and the half-made
+    file beside it is removed."""
+    target = tmp_path / "winners.db"
+    (target / "inside").mkdir(parents=True)
+    with pytest.raises(OSError):
+        write_bundled_db(target, [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["winners.db"]
 
 
 def test_bundle_merges_conflicting_rows_of_the_given_files_as_upsert_keeps_them(tmp_path):

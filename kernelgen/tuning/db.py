@@ -286,16 +286,28 @@ def _where(filters: dict[str, Any]) -> tuple[str, list[Any]]:
     return clause, list(filters.values())
 
 
-def _decode(row: dict[str, Any]) -> dict[str, Any]:
+def _decode(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The row with its config decoded, or None (with a warning naming its key) where a hand edit or another
+    program left it unreadable: one bad row must not hide the others, nor block a new winner for its key."""
     row = dict(row)
-    row["config"] = json.loads(row["config"])
+    try:
+        row["config"] = json.loads(row["config"])
+        if not isinstance(row["config"], dict):
+            raise ValueError(f"a JSON {type(row['config']).__name__}, not an object")
+        if isinstance(row["median_ms"], bool) or not isinstance(row["median_ms"], (int, float)):
+            raise ValueError(f"median_ms is {row['median_ms']!r}, not a number")
+    except (TypeError, ValueError) as error:
+        logger.warning("tuning DB row %s is unreadable (%s); skipping it",
+                       {name: row.get(name) for name in KEY_COLUMNS}, error)
+        return None
     return row
 
 
 def _select(db: sqlite_utils.Database, filters: dict[str, Any]) -> list[dict[str, Any]]:
     clause, params = _where(filters)
     order = ", ".join(KEY_COLUMNS)
-    return [_decode(row) for row in db.table(TABLE).rows_where(clause, params, order_by=order)]
+    rows = (_decode(row) for row in db.table(TABLE).rows_where(clause, params, order_by=order))
+    return [row for row in rows if row is not None]
 
 
 def nearest_bucket_row(rows: list[dict[str, Any]], bucket: int) -> dict[str, Any] | None:
@@ -861,9 +873,12 @@ def write_bundled_db(path: str | Path, rows: Iterable[dict] = ()) -> Path:
                     record["config"] = json.dumps(record["config"], sort_keys=True)
             db.table(TABLE).insert_all(records, pk=KEY_COLUMNS)
         db.execute("VACUUM")  # compact: this file is committed to the repository
-    finally:
         db.close()
-    os.replace(partial, path)
+        os.replace(partial, path)
+    except BaseException:
+        db.close()
+        partial.unlink(missing_ok=True)  # a failed write leaves no half-made file beside the target
+        raise
     return path
 
 
