@@ -292,13 +292,14 @@ def _decode(row: dict[str, Any]) -> dict[str, Any] | None:
     row = dict(row)
     try:
         row["config"] = json.loads(row["config"])
-        if not isinstance(row["config"], dict):
-            raise ValueError(f"a JSON {type(row['config']).__name__}, not an object")
-        if isinstance(row["median_ms"], bool) or not isinstance(row["median_ms"], (int, float)):
-            raise ValueError(f"median_ms is {row['median_ms']!r}, not a number")
+        problem = None if isinstance(row["config"], dict) else f"config is a JSON {type(row['config']).__name__}"
     except (TypeError, ValueError) as error:
+        problem = f"config: {error}"
+    if problem is None and (isinstance(row["median_ms"], bool) or not isinstance(row["median_ms"], (int, float))):
+        problem = f"median_ms is {row['median_ms']!r}, not a number"
+    if problem is not None:
         logger.warning("tuning DB row %s is unreadable (%s); skipping it",
-                       {name: row.get(name) for name in KEY_COLUMNS}, error)
+                       {name: row.get(name) for name in KEY_COLUMNS}, problem)
         return None
     return row
 
