@@ -11,7 +11,7 @@ import pytest
 from checks import read_only
 
 import kernelgen
-from kernelgen.codegen.cache import cache_dir, kernels_dir, unwritable
+from kernelgen.codegen.cache import cache_dir, kernels_dir, untrusted, unwritable
 
 CHILD = textwrap.dedent('''
     import logging
@@ -81,6 +81,17 @@ def test_kernels_are_never_imported_from_a_directory_others_could_write(tmp_path
     assert private.parent == tmp_path / "tmp" and private.name.startswith("kernelgen-kernels-")
     assert how.split(" by ")[0].replace("parent ", "") in stderr
     assert not any((cache / "kernels").iterdir())
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="no file owners to compare")
+def test_a_directory_its_user_s_own_group_may_write_is_trusted(tmp_path):
+    """A umask of 002 (a user's private group) makes directories group-writable: that group is the user's own."""
+    kernels = tmp_path / "cache" / "kernels"
+    kernels.mkdir(parents=True)
+    kernels.chmod(0o775)
+    assert os.stat(kernels).st_gid == os.getgid() and untrusted(kernels) is None
+    kernels.chmod(0o777)
+    assert untrusted(kernels) == f"{kernels} is writable by others"
 
 
 def test_kernels_go_to_the_cache_dir_when_it_can_be_written(tmp_path, monkeypatch):

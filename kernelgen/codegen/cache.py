@@ -73,8 +73,10 @@ def untrusted(directory: Path) -> str | None:
             return f"{path} is a symbolic link"
         if info.st_uid != os.getuid():
             return f"{path} belongs to another user (uid {info.st_uid})"
-        # a sticky parent (/tmp) lets no one else rename or remove what it holds
-        if info.st_mode & 0o022 and not (path == directory.parent and info.st_mode & stat.S_ISVTX):
+        # writable by its group counts only for a group not the user's own (a umask of 002 gives the user's
+        # private group write); a sticky parent (/tmp) lets no one else rename or remove what it holds
+        others = info.st_mode & stat.S_IWOTH or info.st_mode & stat.S_IWGRP and info.st_gid != os.getgid()
+        if others and not (path == directory.parent and info.st_mode & stat.S_ISVTX):
             return f"{path} is writable by others"
     return None
 
