@@ -386,10 +386,10 @@ def tune(
         check_workers(workers)
     if storage is not None:
         try:
-            storage = str(parse_storage(storage))
-        except KernelgenError as error:  # "storage 'URL' ..." names it in the library's word: "--storage 'URL' ..."
-            message, named = re.subn(r"^storage\b", "--storage", str(error))
-            _fail(message if named else f"--storage: {message}")
+            storage = str(parse_storage(storage, name="--storage"))
+        except KernelgenError as error:  # its messages name the storage: "--storage 'URL' ..."
+            message = str(error)
+            _fail(message if message.startswith("--storage") else f"--storage: {message}")
     if not dry_run:
         present = current_arch()
         if arch == "cpu":

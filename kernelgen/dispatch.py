@@ -30,8 +30,9 @@ import torch
 from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
-from .inputs import (BlockLists, KeyReps, Shapes, apart_from_cache, autocast_qkv, check_block_idx, check_block_lists,
-                     CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps, check_new_keys,
+from .inputs import (BlockLists, KeyReps, Shapes, apart_from_cache, autocast_qkv, check_block_idx,
+                     check_block_lists, CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
+                     check_new_keys,
                      check_reps_fit_capacity, check_keys, check_length, check_row_ints, check_scale, refuse_cast_cache,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
                      lists_type_error, refuse_forward_ad, refuse_function_transforms,
@@ -774,8 +775,7 @@ class SparseAttention:
             if not group.every_row:
                 picked = group.rows
                 options.update(cache_seqlens=None if cache_seqlens is None else cache_seqlens.index_select(0, picked),
-                               key_reps=key_reps if not isinstance(key_reps, KeyReps) else
-                               key_reps.index_batch(picked) if key_reps.seqlens is None else key_reps._rows_of(picked))
+                               key_reps=key_reps._rows_of(picked) if isinstance(key_reps, KeyReps) else key_reps)
                 if block_table is not None:
                     options["block_table"] = block_table.index_select(0, picked)
                 else:  # the contiguous cache's rows as a pool of one-row pages

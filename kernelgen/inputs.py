@@ -220,9 +220,10 @@ class KeyReps:
         return KeyReps._made_by_key_reps(reps, self.n_k, self.kv_block, self.groups, seqlens, leftpad)
 
     def _rows_of(self, rows: torch.Tensor) -> KeyReps:
-        """index_batch of reps of per-row lengths for ids known to be rows of the batch (int64 on the reps'
-        device: a varlen group's): index_select takes fewer host steps than advanced indexing, once a group."""
-        return self._picked(*(x.index_select(0, rows) for x in (self.reps, self.seqlens, self.leftpad)))
+        """index_batch for ids known to be rows of the batch (int64 on the reps' device: a varlen group's):
+        index_select takes fewer host steps than advanced indexing, once a group."""
+        return self._picked(*(None if x is None else x.index_select(0, rows)
+                              for x in (self.reps, self.seqlens, self.leftpad)))
 
     def _with_room(self, n_k: int) -> KeyReps:
         """Reps of per-row lengths for a cache that grew into a new tensor of n_k keys: zeros appended for its
@@ -723,7 +724,7 @@ def check_block_lists(lists: BlockLists, spec: Spec, shapes: Shapes, device) -> 
     if got[2] != expected[2]:  # the lists' rows: Q tiles, or queries (per-query lists)
         rows = "queries" if spec.per_query else "Q tiles"
         raise KernelgenValueError(f"block_idx was prepared for {got[2]} {rows}; this call has {expected[2]} "
-                                  f"(prepare them with this call's number of queries as seq_q)")
+                                  "(prepare them with this call's number of queries as seq_q)")
     if got != expected:
         raise KernelgenValueError(f"block_idx (prepared) has shape {got}, expected "
                          f"{lists_layout(spec)} = {expected} (prepare lists of the calls' batch and KV heads: "

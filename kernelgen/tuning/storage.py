@@ -48,37 +48,38 @@ class StorageURL:
         return self.url
 
 
-def parse_storage(text: str | Path) -> StorageURL:
-    """Check a storage URL (or path) and make it absolute; KernelgenValueError naming what is wrong."""
+def parse_storage(text: str | Path, name: str = "storage") -> StorageURL:
+    """Check a storage URL (or path) and make it absolute; KernelgenValueError naming what is wrong, the storage
+    called `name` (the command line's "--storage")."""
     text = str(text).strip()
     if not text:
-        raise KernelgenValueError(f"storage is empty; {_EXPECTED}")
+        raise KernelgenValueError(f"{name} is empty; {_EXPECTED}")
     if "://" not in text:
         if _SCHEME.match(text) and not text.startswith(("./", "/")):
-            raise KernelgenValueError(f"storage {text!r} is not a URL (no '://'); {_EXPECTED}")
+            raise KernelgenValueError(f"{name} {text!r} is not a URL (no '://'); {_EXPECTED}")
         return StorageURL("rdb", f"sqlite:///{_file(text, 'storage')}")
     scheme = text.split("://", 1)[0].lower()
     if scheme == "journal":
         path = text.split("://", 1)[1]
         if not path:
-            raise KernelgenValueError(f"storage {text!r} names no journal file; expected journal:///PATH")
+            raise KernelgenValueError(f"{name} {text!r} names no journal file; expected journal:///PATH")
         return StorageURL("journal", f"journal://{_file(path, 'journal file')}")
     from sqlalchemy.engine import make_url
 
     try:
         url = make_url(text)
     except Exception as error:  # noqa: BLE001 - SQLAlchemy raises ArgumentError or ValueError (a port, say)
-        raise KernelgenValueError(f"storage {text!r} is not a database URL ({error}); {_EXPECTED}") from None
+        raise KernelgenValueError(f"{name} {text!r} is not a database URL ({error}); {_EXPECTED}") from None
     backend = url.get_backend_name()
     if backend not in RDB_BACKENDS:
-        raise KernelgenValueError(f"storage {text!r}: unknown scheme {scheme!r}; {_EXPECTED}")
+        raise KernelgenValueError(f"{name} {text!r}: unknown scheme {scheme!r}; {_EXPECTED}")
     if backend == "sqlite":
         if not url.database or url.database == ":memory:":
-            raise KernelgenValueError(f"storage {text!r} names no SQLite file (an in-memory database is no "
+            raise KernelgenValueError(f"{name} {text!r} names no SQLite file (an in-memory database is no "
                                       "place to share a study); expected sqlite:///PATH")
         return StorageURL("rdb", f"sqlite:///{_file(url.database, 'SQLite file')}")
     if not url.database:
-        raise KernelgenValueError(f"storage {text!r} names no database; expected {backend}://USER@HOST/DB")
+        raise KernelgenValueError(f"{name} {text!r} names no database; expected {backend}://USER@HOST/DB")
     return StorageURL("rdb", text)
 
 
