@@ -320,6 +320,51 @@ def test_corrupted_file_is_moved_aside_and_recreated(tmp_path, caplog):
     tuning_db.close()
 
 
+def _damage_page(path, page=None, holding: bytes = b"") -> None:
+    """Overwrite the start of SQLite page `page` (1-based), or of the page holding `holding`, with WAL mode off
+    first so the main file holds every row."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA journal_mode=delete")
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    start = (page - 1) * page_size if page else data.index(holding) // page_size * page_size
+    assert start > 0  # the header page holds the schema: damaged there, nothing is readable
+    data[start:start + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damaged", ["table page", "index page"])
+def test_corrupted_file_keeps_the_rows_sqlite_can_still_read(tmp_path, caplog, damaged):
+    """A damaged page moves the file aside; the new file holds every row that still reads, unchanged: all of
+    them where only the key's index is hit, all but the damaged table page's rows where a table page is."""
+    path = tmp_path / "tuning.db"
+    with TuningDB(path) as tuning_db:
+        for i in range(200):  # about five rows a page: the table spans some forty pages
+            upsert(tuning_db, spec_key=f"key-{i:04d}-", config={"BLOCK_M": 64, "note": f"row {i} " + "x" * 600},
+                   median_ms=1.0 + i)
+        before = {row["spec_key"]: row for row in tuning_db.rows()}
+    if damaged == "table page":
+        _damage_page(path, holding=b"row 100 ")
+    else:
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            [index_root] = conn.execute("SELECT rootpage FROM sqlite_master WHERE type = 'index'").fetchone()
+        _damage_page(path, index_root)
+    damaged_bytes = path.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="kernelgen"), TuningDB(path) as tuning_db:
+        after = {row["spec_key"]: row for row in tuning_db.rows()}
+        upsert(tuning_db, spec_key="key-new", median_ms=0.5)  # the new file takes writes
+        assert lookup(tuning_db, spec_key="key-new")["median_ms"] == 0.5
+    [aside] = tmp_path.glob("tuning.db.corrupt-*")
+    assert aside.read_bytes() == damaged_bytes
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "kernelgen" and "corrupted" in r.getMessage()]
+    assert f"the {len(after)} rows it could still read" in warning and "\n" not in warning
+    if damaged == "index page":
+        assert after == before
+    else:
+        assert "key-0100-" not in after and 150 < len(after) < 200
+        assert all(after[key] == before[key] for key in after)
+
+
 # -- user DB over bundled DB ------------------------------------------------------------------------------
 
 def _row(config, **overrides):

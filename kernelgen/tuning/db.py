@@ -110,6 +110,7 @@ SCHEMA: dict[str, type] = {
 
 # what kernelgen reads from a row: a winners table without them is another program's (or is damaged)
 REQUIRED_COLUMNS = (*KEY_COLUMNS, "config", "median_ms", "n_trials", *FINGERPRINT_COLUMNS)
+NOT_NULL_COLUMNS = (*KEY_COLUMNS, "config", "median_ms", "n_trials", "timestamp")
 
 BUSY_TIMEOUT_S = 30.0  # SQLite's own wait for a lock, per statement
 LOCKED_RETRY_DEADLINE_S = 120.0  # our retries on top of it, for a whole transaction
@@ -264,6 +265,52 @@ def _check_integrity(conn: sqlite3.Connection) -> None:
         raise _CorruptDatabase(f"integrity check failed: {result}")
 
 
+@contextlib.contextmanager
+def _write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    # BEGIN IMMEDIATE takes the write lock before the first read, so a read-compare-write cannot
+    # interleave with another writer's (a deferred BEGIN would fail with SQLITE_BUSY_SNAPSHOT).
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    try:
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def _readable_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows SQLite can still read from the damaged tuning DB at `path`, each whole and decodable: the table
+    walked in rowid order from either end up to the first page that fails, so a damaged page loses its own rows
+    and not those around it. [] where nothing can be read (a damaged header or schema)."""
+    rows: dict[int, dict[str, Any]] = {}
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return []
+    with contextlib.closing(conn):
+        conn.row_factory = sqlite3.Row
+        for order in ("ASC", "DESC"):
+            try:
+                for row in conn.execute(f"SELECT rowid AS [rowid], * FROM [{TABLE}] ORDER BY rowid {order}"):
+                    rows.setdefault(row["rowid"], dict(row))
+            except sqlite3.Error:
+                continue  # the walk ends at the damage; the other direction reads past it
+    readable = []
+    for row in rows.values():
+        row = {name: row.get(name) for name in SCHEMA}
+        if any(row[name] is None for name in NOT_NULL_COLUMNS):
+            continue
+        if _decode(row) is not None:  # warns of an undecodable one; that row stays in the file moved aside only
+            readable.append(row)
+    return readable
+
+
 def _where(filters: dict[str, Any]) -> tuple[str, list[Any]]:
     """A WHERE clause of equality filters over known columns; None matches NULL, as `IS` does.
     `fingerprint=` matches every fingerprint column, `servable_under=` only the hard ones."""
@@ -338,7 +385,7 @@ def _create_schema(db: sqlite_utils.Database) -> None:
     db.table(TABLE).create(
         SCHEMA,
         pk=KEY_COLUMNS,
-        not_null=(*KEY_COLUMNS, "config", "median_ms", "n_trials", "timestamp"),
+        not_null=NOT_NULL_COLUMNS,
         if_not_exists=True,
     )
 
@@ -356,8 +403,8 @@ class TuningDB:
 
     Writers serialise on SQLite's write lock (WAL mode, so readers never wait); `upsert` compares and
     writes inside one `BEGIN IMMEDIATE` transaction, so concurrent tuners cannot lose a faster row.
-    A corrupted file is moved aside to `<name>.corrupt-<timestamp>` (kept for inspection) and an
-    empty DB takes its place. One instance may be shared between threads.
+    A corrupted file is moved aside to `<name>.corrupt-<timestamp>` (kept whole) and a new DB takes its place,
+    holding the rows SQLite could still read from it. One instance may be shared between threads.
 
     Where the file or its directory cannot be written (a read-only cache), the DB is opened read-only, or is
     empty when the file does not exist or holds another program's table: lookups and `rows` work (or miss),
@@ -595,23 +642,8 @@ class TuningDB:
         with self._write_transaction():
             _create_schema(self._db)
 
-    @contextlib.contextmanager
-    def _write_transaction(self) -> Iterator[None]:
-        # BEGIN IMMEDIATE takes the write lock before the first read, so a read-compare-write cannot
-        # interleave with another writer's (a deferred BEGIN would fail with SQLITE_BUSY_SNAPSHOT).
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
-            raise
-        try:
-            self._conn.execute("COMMIT")
-        except BaseException:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
-            raise
+    def _write_transaction(self) -> contextlib.AbstractContextManager[None]:
+        return _write_transaction(self._conn)
 
     @contextlib.contextmanager
     def _locked_is_an_error(self) -> Iterator[None]:
@@ -627,7 +659,7 @@ class TuningDB:
 
     def _run(self, operation: Callable[[], _T]) -> _T:
         """Run one DB operation: retried while locked; on a file corrupted since we opened it,
-        recovered once and run again on the empty DB."""
+        recovered once and run again on the new DB."""
         with self._lock, self._locked_is_an_error():
             try:
                 return _retry_while_locked(operation)
@@ -643,8 +675,8 @@ class TuningDB:
                 return _retry_while_locked(operation)
 
     def _recover(self, error: sqlite3.DatabaseError) -> None:
-        """Move the corrupted file aside (never delete it: it may hold hours of tuning) and let the
-        caller start an empty one."""
+        """Move the corrupted file aside (never delete it: it may hold hours of tuning) and start a new one holding
+        the rows SQLite can still read from it; the caller then connects to the new file."""
         with self._recovery_lock():
             # Another process may have recovered while we waited: check again before moving anything,
             # or we would move its fresh DB aside.
@@ -663,8 +695,23 @@ class TuningDB:
                 sidecar = self.path.with_name(self.path.name + suffix)
                 if sidecar.exists():
                     os.replace(sidecar, aside.with_name(aside.name + suffix))
-            logger.warning("tuning database %s is corrupted (%s); moved it aside to %s and started "
-                           "an empty one", self.path, error, aside)
+            rows = _readable_rows(aside)
+            if rows:
+                self._write_salvaged(rows)
+            logger.warning("tuning database %s is corrupted (%s); moved it aside to %s and started a new one holding "
+                           "the %d rows it could still read", self.path, _one_line(error), aside, len(rows))
+
+    def _write_salvaged(self, rows: list[dict[str, Any]]) -> None:
+        with contextlib.closing(self._connect()) as conn:
+            db = sqlite_utils.Database(conn)
+
+            def write() -> None:
+                with _write_transaction(conn):
+                    _create_schema(db)
+                    # OR IGNORE: a process that opened the new file meanwhile may have written a fresher row
+                    db.table(TABLE).insert_all(rows, pk=KEY_COLUMNS, ignore=True)
+
+            _retry_while_locked(write)
 
     @contextlib.contextmanager
     def _recovery_lock(self) -> Iterator[None]:
