@@ -48,7 +48,7 @@ from .tuning.buckets import seq_bucket
 from .tuning import autotune
 from .tuning.lookup import fastest_backend, recheck, served_config, tuned_row
 from .varlen import (VARLEN_CACHE_LAYOUT, QueryGroup, batch_lists, check_packed, check_packed_over_cache,
-                     group_queries, packed_attention, packed_cache_attention, query_groups)
+                     group_queries, group_rows, packed_attention, packed_cache_attention, query_groups)
 
 __all__ = ["get_kernel", "SparseAttention", "Served"]
 
@@ -743,11 +743,12 @@ class SparseAttention:
                            max_seqlen=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`varlen` over a KV cache: (o [total, Hq, D], lse [total, Hq]). The rows are grouped by their query count
         (bounds read once per cu_seqlens tensor) and each group runs as one call of that many queries over its
-        rows of the cache: the call each row would make alone, its lists bit for bit. A group of some rows of a
-        contiguous cache reads them as pages of one row each (its table the rows' ids: no copy), so its prefill
-        chunks run the paged kernels (o to rounding); each group takes its rows' copy of kept reps (grown by its
-        call), and the reps are grown in place to the rows' lengths after the call once, at its end. `new`: the
-        packed new keys (k_new, v_new, k_idx_new), each group's written by its call."""
+        rows of the cache: the call each row would make alone, its lists bit for bit. A group's consecutive rows are
+        slices of the cache's tensors; a group of rows of a contiguous cache that are not consecutive reads them as
+        pages of one row each (its table the rows' ids: no copy), so its prefill chunks run the paged kernels (o to
+        rounding); each group takes its rows' copy of kept reps (grown by its call), and the reps are grown in place
+        to the rows' lengths after the call once, at its end. `new`: the packed new keys (k_new, v_new, k_idx_new),
+        each group's written by its call."""
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
                 raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}; {name} is "
@@ -772,28 +773,33 @@ class SparseAttention:
         def call(group: QueryGroup):
             options = dict(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, block_table=block_table,
                            key_reps=key_reps, block_idx=_group_lists(block_idx, group, self.spec, rows, k.shape[1]))
+            cache, group_k_idx = (k, v), k_idx
             if not group.every_row:
-                picked = group.rows
-                options.update(cache_seqlens=None if cache_seqlens is None else cache_seqlens.index_select(0, picked),
-                               key_reps=key_reps._rows_of(picked) if isinstance(key_reps, KeyReps) else key_reps)
-                if block_table is not None:
-                    options["block_table"] = block_table.index_select(0, picked)
-                else:  # the contiguous cache's rows as a pool of one-row pages
+                options.update((name, None if x is None else group_rows(x, group)) for name, x in
+                               (("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad),
+                                ("block_table", block_table)))
+                if isinstance(key_reps, KeyReps):  # a copy, which the group's call grows (the rows' own, at the end)
+                    options["key_reps"] = key_reps._rows_of(group.rows)
+                if block_table is None and group.first is not None:  # a contiguous cache's consecutive rows: a slice
+                    cache = tuple(group_rows(x, group) for x in cache)
+                    group_k_idx = None if k_idx is None else group_rows(k_idx, group)
+                elif block_table is None:  # a contiguous cache's other rows as a pool of one-row pages
                     if cache_leftpad is not None:
-                        raise KernelgenValueError("varlen over a contiguous KV cache with cache_leftpad= takes rows of "
-                                                  "one query count (a paged row starts at its first page): pass the "
-                                                  "rows of each count in a call of their own")
+                        raise KernelgenValueError("varlen over a contiguous KV cache with cache_leftpad= takes the rows "
+                                                  "of each query count one after another (a paged row starts at its "
+                                                  "first page): pass the rows of each count in a call of their own")
                     if k.shape[2] % self.spec.kv_block:
-                        raise KernelgenValueError(f"varlen over a contiguous KV cache reads the rows of each query "
-                                                  f"count as pages of one row: the capacity k.shape[2] = {k.shape[2]} "
-                                                  f"must be a multiple of spec.kv_block = {self.spec.kv_block}")
-                    options["block_table"] = picked.to(torch.int32).view(-1, 1)
+                        raise KernelgenValueError(f"varlen over a contiguous KV cache reads the rows of a query count "
+                                                  f"that are not one after another as pages of one row: the capacity "
+                                                  f"k.shape[2] = {k.shape[2]} must be a multiple of spec.kv_block = "
+                                                  f"{self.spec.kv_block}")
+                    options["block_table"] = group.rows.to(torch.int32).view(-1, 1)
             if index is not None:
-                options["index"] = (group_queries(index[0], group), k_idx,
+                options["index"] = (group_queries(index[0], group), group_k_idx,
                                     group_queries(index[2], group).contiguous())
             options.update((name, None if x is None else group_queries(x, group))
                            for name, x in zip(("k_new", "v_new", "k_idx_new"), new))
-            return self(group_queries(q, group), k, v, **options, scale=scale, return_lse=True)
+            return self(group_queries(q, group), *cache, **options, scale=scale, return_lse=True)
 
         out = packed_cache_attention(call, q, groups)
         if isinstance(key_reps, KeyReps) and key_reps.seqlens is not None and cache_seqlens is not None:
@@ -958,7 +964,7 @@ def _group_lists(block_idx, group: QueryGroup, spec: Spec, rows: int, heads_kv: 
                                   f"the most queries, top_k] (row b's first lists its own), B = {rows}, Hkv = "
                                   f"{heads_kv}, top_k = {spec.top_k}; rows of {group.count} queries need {needed} "
                                   f"lists, got {tuple(block_idx.shape)}")
-    picked = block_idx if group.every_row or block_idx.shape[0] == 1 else block_idx.index_select(0, group.rows)
+    picked = block_idx if group.every_row or block_idx.shape[0] == 1 else group_rows(block_idx, group)
     return picked[:, :, :needed]
 
 

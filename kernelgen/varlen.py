@@ -18,7 +18,7 @@ from .spec import Spec
 
 __all__ = ["VARLEN_LAYOUT", "VARLEN_INDEX_LAYOUT", "VARLEN_CACHE_LAYOUT", "PackedBatch", "QueryGroup", "check_packed",
            "check_cu_seqlens", "check_max_seqlen", "sequence_lengths", "packed_attention", "packed_batches",
-           "batch_call", "batch_outputs", "batch_lists", "check_packed_over_cache", "query_groups",
+           "batch_call", "batch_outputs", "batch_lists", "check_packed_over_cache", "query_groups", "group_rows",
            "packed_cache_attention", "group_queries", "group_outputs"]
 
 VARLEN_LAYOUT = ("q [total, Hq, D], k and v [total, Hkv, D] (FlashAttention's varlen layout: the sequences one "
@@ -309,12 +309,14 @@ def batch_lists(block_idx, batch: PackedBatch, spec: Spec, n: int, heads_kv: int
 class QueryGroup(NamedTuple):
     """The rows of a varlen call over a KV cache that hold `count` new queries each: `rows` (int64 [m], ascending,
     on the device), their queries' packed positions row after row (`tokens`, int64 [m * count]); `every_row`: all of
-    the cache's rows, in order, so that the packed queries are `[B, count]` as they lie."""
+    the cache's rows, in order, so that the packed queries are `[B, count]` as they lie; `first`: (first row, first
+    token) where the rows are consecutive (so are their tokens), their tensors then slices, else None."""
 
     rows: torch.Tensor
     count: int
     tokens: torch.Tensor
     every_row: bool
+    first: tuple[int, int] | None
 
 
 def check_packed_over_cache(q, k, cu_seqlens, rows: int, index=None, new=(None, None, None),
@@ -389,16 +391,28 @@ def _groups_of(bounds: list[int], total: int, device) -> list[QueryGroup]:
     for count, rows in sorted(by_count.items()):
         starts = torch.tensor([bounds[row] for row in rows])
         tokens = (starts[:, None] + torch.arange(count)).flatten()
+        consecutive = rows[-1] - rows[0] == len(rows) - 1
         groups.append(QueryGroup(torch.tensor(rows, device=device), count, tokens.to(device),
-                                 len(rows) == len(lengths)))
+                                 len(rows) == len(lengths), (rows[0], bounds[rows[0]]) if consecutive else None))
     return groups
 
 
+def group_rows(x: torch.Tensor, group: QueryGroup) -> torch.Tensor:
+    """The group's rows of a tensor of the cache's rows (dim 0): a slice where they are consecutive (no copy: a
+    step's rows of one query count usually are), else a copy."""
+    if group.first is None:
+        return x.index_select(0, group.rows)
+    return x.narrow(0, group.first[0], group.rows.shape[0])
+
+
 def group_queries(x: torch.Tensor, group: QueryGroup) -> torch.Tensor:
-    """A packed [total, H, ...] tensor's queries of `group` as a call's [m, H, count, ...] (a view where the group
-    is every row: the packed tensor is then [B, count] rows as it lies)."""
+    """A packed [total, H, ...] tensor's queries of `group` as a call's [m, H, count, ...] (a view where the rows are
+    consecutive: their queries then lie as [m, count] rows)."""
     m = group.rows.shape[0]
-    picked = x if group.every_row else x.index_select(0, group.tokens)
+    if group.first is None:
+        picked = x.index_select(0, group.tokens)
+    else:
+        picked = x.narrow(0, group.first[1], m * group.count)
     return picked.view(m, group.count, *x.shape[1:]).transpose(1, 2)
 
 

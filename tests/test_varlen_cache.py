@@ -1,8 +1,8 @@
 """Packed queries over a KV cache (`attn.varlen(q, k_cache, v_cache, cu_seqlens, cache_seqlens=, block_table=)`): a
 serving step that mixes decode rows and prefill chunks of different lengths in one call. Row b's
 cu_seqlens[b + 1] - cu_seqlens[b] queries are the last positions of its cache row; each row is the call it would
-make alone (its lists bit for bit; o bit for bit for decode rows, to rounding for prefill chunks that run the paged
-kernels)."""
+make alone (its lists bit for bit; o bit for bit for decode rows and rows of consecutive groups, to rounding for
+prefill chunks that run the paged kernels)."""
 import pytest
 import torch
 
@@ -16,6 +16,14 @@ from test_paged_kv import paged
 
 LENGTHS = (96, 37, 0, 48, 94)
 COUNTS = (1, 20, 0, 1, 3)  # decode rows, a prefill chunk, a row with no new query, a speculative row of 3
+APART = (20, 1, 0, 20, 3)  # prefill chunks of one count in rows that are not consecutive
+
+
+def _exact(counts, b, layout) -> bool:
+    """Whether row b's o is its own call's bit for bit: all but a contiguous cache's prefill rows of a count whose
+    rows are not consecutive (read as one-row pages: the paged kernels, to rounding)."""
+    rows = [row for row, count in enumerate(counts) if count == counts[b]]
+    return counts[b] <= 16 or layout == "paged" or rows[-1] - rows[0] == len(rows) - 1
 
 
 def _packed(x, counts):
@@ -43,20 +51,23 @@ def _own_call(b, count, k, v, lens, table, index):
     return cache, rows, own_index
 
 
-@pytest.mark.parametrize("schedule, selector, layout, dtype", [
-    ("q_centric", "mean", "contiguous", torch.float32),
-    ("q_centric", "multi:2", "paged", torch.float16),
-    ("q_centric", "given", "contiguous", torch.float16),
-    ("kv_centric", "mean", "paged", torch.float32),
-    ("kv_centric", "index", "contiguous", torch.float32),
-    ("q_centric", "index", "paged", torch.float16)])
-def test_each_row_is_its_own_call(schedule, selector, layout, dtype, device):
+@pytest.mark.parametrize("schedule, selector, layout, dtype, counts", [
+    ("q_centric", "mean", "contiguous", torch.float32, COUNTS),
+    ("q_centric", "mean", "contiguous", torch.float32, APART),
+    ("q_centric", "multi:2", "paged", torch.float16, COUNTS),
+    ("q_centric", "given", "contiguous", torch.float16, APART),
+    ("kv_centric", "mean", "paged", torch.float32, APART),
+    ("kv_centric", "index", "contiguous", torch.float32, COUNTS),
+    ("kv_centric", "index", "contiguous", torch.float32, APART),
+    ("q_centric", "index", "paged", torch.float16, COUNTS)])
+def test_each_row_is_its_own_call(schedule, selector, layout, dtype, counts, device):
     """Each row's o and lse equal its own call over its cache row with its own queries (bit for bit where it
-    decodes; a prefill chunk of some rows of a contiguous cache runs the paged kernels, to rounding), match the
-    float64 reference, and a row with no new query takes no token."""
+    decodes or the rows of its count are consecutive; prefill chunks of a count in rows apart over a contiguous
+    cache run the paged kernels, to rounding), match the float64 reference, and a row with no new query takes no
+    token."""
     spec = _spec(selector, schedule)
     attn = get_kernel(spec)
-    q, k, v, lens = _cache(max(COUNTS), dtype, device, capacity=96, lengths=LENGTHS)
+    q, k, v, lens = _cache(max(counts), dtype, device, capacity=96, lengths=LENGTHS)
     index = _index(q, 96, shared_key=layout == "paged") if selector == "index" else None
     table = None
     if layout == "paged":
@@ -64,14 +75,14 @@ def test_each_row_is_its_own_call(schedule, selector, layout, dtype, device):
         v, _ = paged(v, 32, table=table.cpu())
         if index is not None:
             index = (index[0], paged(index[1], 32, table=table.cpu())[0], index[2])
-    block_idx = random_lists(spec, 5, 2, max(COUNTS), 96, seed=4).to(device) if selector == "given" else None
-    packed, bounds = _packed(q, COUNTS)
-    packed_index = None if index is None else (_packed(index[0], COUNTS)[0], index[1], _packed(index[2][..., None],
-                                                                                              COUNTS)[0][..., 0])
+    block_idx = random_lists(spec, 5, 2, max(counts), 96, seed=4).to(device) if selector == "given" else None
+    packed, bounds = _packed(q, counts)
+    packed_index = None if index is None else (_packed(index[0], counts)[0], index[1], _packed(index[2][..., None],
+                                                                                              counts)[0][..., 0])
     o, lse = attn.varlen(packed, k, v, bounds, cache_seqlens=lens, block_table=table, block_idx=block_idx,
                          index=packed_index, return_lse=True)
     assert o.shape == packed.shape and lse.shape == (packed.shape[1], packed.shape[0])
-    for b, count in enumerate(COUNTS):
+    for b, count in enumerate(counts):
         if not count:
             continue
         cache, rows, own_index = _own_call(b, count, k, v, lens, table, index)
@@ -79,7 +90,7 @@ def test_each_row_is_its_own_call(schedule, selector, layout, dtype, device):
         o_own, lse_own = attn(q[b:b + 1, :, :count], *cache, block_idx=own_lists, index=own_index, return_lse=True,
                               **rows)
         got_o, got_lse = _row(o, bounds, b), _row(lse.t(), bounds, b)
-        if count <= 16 or layout == "paged":
+        if _exact(counts, b, layout):
             assert torch.equal(got_o, o_own) and torch.equal(got_lse, lse_own), b
         ref_o, ref_lse, _ = reference.sparse_attention(
             q[b:b + 1, :, :count], *cache, spec if block_idx is None else spec.replace(selector="given"), own_lists,
@@ -125,7 +136,7 @@ def test_new_tokens_are_written_then_attended(schedule, selector, layout, device
         o_own = attn(q[b:b + 1, :, :count], *cache, index=own_index, k_new=k_new[b:b + 1, :, :count],
                      v_new=v_new[b:b + 1, :, :count], **rows,
                      k_idx_new=None if index is None else k_idx_new[b:b + 1, :, :count])
-        if count <= 16 or layout == "paged":
+        if _exact(COUNTS, b, layout):
             assert torch.equal(_row(o, bounds, b), o_own), b
         else:
             assert (_row(o, bounds, b) - o_own).abs().max() < 1e-5, b
@@ -146,6 +157,23 @@ def test_rows_of_one_count_are_the_plain_call(device):
     o = attn.varlen(packed, k, v, bounds, cache_seqlens=lens, key_reps=reps)
     assert torch.equal(reps.seqlens[:, 0], lens)
     assert torch.equal(o.view(5, 2, *o.shape[1:]).transpose(1, 2), attn(q, k, v, cache_seqlens=lens))
+
+
+def test_left_padded_rows_of_a_contiguous_cache(device):
+    """cache_leftpad= over a contiguous cache whose rows of each query count are consecutive: each row is its own
+    call over its keys from its first, bit for bit."""
+    spec = _spec("mean", "q_centric")
+    attn = get_kernel(spec)
+    counts = (1, 1, 20, 0, 3)
+    q, k, v, lens = _cache(max(counts), torch.float32, device, capacity=96, lengths=LENGTHS)
+    pads = torch.tensor([5, 0, 3, 0, 40], dtype=torch.int32, device=device)
+    packed, bounds = _packed(q, counts)
+    o = attn.varlen(packed, k, v, bounds, cache_seqlens=lens, cache_leftpad=pads)
+    for b, count in enumerate(counts):
+        if count:
+            own = attn(q[b:b + 1, :, :count], k[b:b + 1], v[b:b + 1], cache_seqlens=lens[b:b + 1],
+                       cache_leftpad=pads[b:b + 1])
+            assert torch.equal(_row(o, bounds, b), own), b
 
 
 def test_a_compiled_caller_runs_it_eagerly(device):
@@ -174,7 +202,8 @@ def test_bad_inputs_are_named(device):
         (KernelgenValueError, "q has shape", dict(q=q)),
         (KernelgenValueError, "k is", dict(k=k[0])),
         (KernelgenValueError, "must rise from 0", dict(cu_seqlens=bounds.flip(0).contiguous())),
-        (KernelgenValueError, "cache_leftpad= takes rows of one query count", dict(cache_leftpad=pads)),
+        (KernelgenValueError, "cache_leftpad= takes the rows of each query count one after another",
+         dict(cache_leftpad=pads)),
         (KernelgenValueError, "block_idx", dict(block_idx=random_lists(spec, 5, 2, 16, 96, seed=1).to(device))),
         (KernelgenValueError, "over a KV cache only", dict(cache_seqlens=None, cache_leftpad=pads)),
         (KernelgenValueError, "k_new packed as q", dict(k_new=k[:, :, :1])),
@@ -212,30 +241,32 @@ def test_bad_inputs_are_named(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["q_centric", "kv_centric"])
-def test_a_mixed_serving_step_on_gpu(schedule):
-    """A bf16 serving step over a 32k paged cache: a 2048-query prefill chunk, a 300-query one, a speculative row
-    of 4 and five decode rows (one of an empty cache), in one call: each row its own call's o and lse, bit for
-    bit, and the float64 reference's."""
+@pytest.mark.parametrize("schedule, layout", [("q_centric", "paged"), ("kv_centric", "paged"),
+                                              ("q_centric", "contiguous")])
+def test_a_mixed_serving_step_on_gpu(schedule, layout):
+    """A bf16 serving step over a 32k cache (paged, or contiguous: a group's consecutive rows its slices): a
+    2048-query prefill chunk, a 300-query one, a speculative row of 4 and five decode rows (one of an empty cache),
+    in one call: each row its own call's o and lse, bit for bit, and the float64 reference's."""
     spec = Spec(head_dim=128, kv_block=64, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=1, sink=1,
                 **({} if schedule == "kv_centric" else {"q_tile": 64}))
     attn = get_kernel(spec)
     lengths = (32768, 20000, 4096, 31000, 1, 0, 8000, 12345)
     counts = (2048, 1, 4, 1, 1, 1, 300, 1)
     q, k, v, lens = _cache(2048, torch.bfloat16, "cuda", 32768, lengths, heads_kv=2, group=4, head_dim=128)
-    k, table = paged(k, 512)
-    v, _ = paged(v, 512, table=table.cpu())
+    table = None
+    if layout == "paged":
+        k, table = paged(k, 512)
+        v, _ = paged(v, 512, table=table.cpu())
     packed, bounds = _packed(q, counts)
     o, lse = attn.varlen(packed, k, v, bounds, cache_seqlens=lens, block_table=table, return_lse=True)
     for b, count in enumerate(counts):
-        o_own, lse_own = attn(q[b:b + 1, :, :count], k, v, cache_seqlens=lens[b:b + 1], block_table=table[b:b + 1],
-                              return_lse=True)
+        cache, rows, _ = _own_call(b, count, k, v, lens, table, None)
+        o_own, lse_own = attn(q[b:b + 1, :, :count], *cache, **rows, return_lse=True)
         assert torch.equal(_row(o, bounds, b), o_own) and torch.equal(_row(lse.t(), bounds, b), lse_own), b
         if b in (0, 2, 5, 6):  # over the lists the row selects (bf16 near-ties may choose other blocks in float64)
-            rows = dict(cache_seqlens=lens[b:b + 1], block_table=table[b:b + 1])
-            lists = attn.select(q[b:b + 1, :, :count], k, **rows)
-            ref_o, ref_lse, _ = reference.sparse_attention(q[b:b + 1, :, :count], k, v, spec.replace(selector="given"),
-                                                           lists, **rows)
+            lists = attn.select(q[b:b + 1, :, :count], cache[0], **rows)
+            ref_o, ref_lse, _ = reference.sparse_attention(q[b:b + 1, :, :count], *cache,
+                                                           spec.replace(selector="given"), lists, **rows)
             assert_close_to_reference(o_own, lse_own, ref_o, ref_lse, torch.bfloat16)
     graph = torch.cuda.CUDAGraph()  # a capture would keep the groups of the bounds it saw: refused
     with pytest.raises(KernelgenValueError, match="cannot be captured in a CUDA graph"):
