@@ -72,8 +72,8 @@ def main(argv=None) -> int:
     print(f"spec: {spec}")
     print(f"q [{b}, {hq}, {n}, {spec.head_dim}], k/v [{b}, {hkv}, {n}, {spec.head_dim}], {dtype}, {device}")
     budget = spec.top_k * spec.kv_block
-    print(f"each query attends to at most top_k * kv_block = {budget} keys "
-          f"({spec.n_kv_blocks(n)} KV blocks of {spec.kv_block}; {min(1.0, budget / n):.1%} of N)")
+    print(f"each query attends to at most {min(budget, n)} keys (top_k * kv_block = {budget}, N = {n}: "
+          f"{spec.n_kv_blocks(n)} KV blocks of {spec.kv_block}; {min(1.0, budget / n):.1%} of N)")
 
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(b, hq, n, spec.head_dim, device=device, dtype=dtype, generator=gen)

@@ -13,26 +13,13 @@ import torch as _torch
 if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
     _os.environ["TRITON_INTERPRET"] = "1"
 
-
-def _warn_interpreter_numpy() -> None:
-    """numpy 2.4 breaks Triton 3.6's interpreter with an error that names neither ("only 0-dimensional arrays
-    can be converted to Python scalars"): say so before a kernel runs into it."""
-    import importlib.metadata
-    import warnings
-
-    try:
-        numpy, triton = (tuple(int(x) for x in importlib.metadata.version(name).split(".")[:2])
-                         for name in ("numpy", "triton"))
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        return
-    if numpy >= (2, 4) and triton <= (3, 6):
-        warnings.warn(f"numpy {'.'.join(map(str, numpy))} breaks Triton {'.'.join(map(str, triton))}'s CPU "
-                      "interpreter, which kernelgen's kernels run in without a GPU: pip install 'numpy<2.4'",
-                      stacklevel=2)
-
-
 if _os.environ.get("TRITON_INTERPRET") == "1":
-    _warn_interpreter_numpy()
+    from .device import interpreter_numpy_problem as _interpreter_numpy_problem
+
+    if _interpreter_numpy_problem():  # said before a kernel runs into it; a launch that does raises it
+        import warnings as _warnings
+
+        _warnings.warn(_interpreter_numpy_problem(), stacklevel=2)
 
 from . import backends, reference  # noqa: E402
 from .backends.gluon import GluonAttnConfig  # noqa: E402

@@ -635,14 +635,16 @@ def export(
     from .device import current_arch
     from .tuning.plan import check_seq
 
+    given_arch = arch is not None
     with _as_typed(ctx, "arch", "seq"):
-        arch = check_arch(arch) if arch is not None else current_arch() or "cpu"
+        arch = check_arch(arch) if given_arch else current_arch() or "cpu"
         if seq is not None:
             check_seq(seq)
     if spec.backend == registry.AUTO and seq is None:
         _fail("--backend auto bakes in the backend the tuning DBs serve fastest: give --seq (and --arch) too")
     if seq is not None and arch == "cpu":
-        _fail("--seq bakes in a GPU's tuned winners: give --arch too (e.g. sm_90); the CPU runs the defaults")
+        _fail(f"--seq bakes in a GPU's tuned winners: {'--arch cpu has none' if given_arch else 'give --arch too'} "
+              f"(e.g. --arch sm_90); the CPU runs the defaults")
     if dtype not in ("bfloat16", "float16"):
         _fail(f"--dtype must be bfloat16 or float16, got {dtype!r}")
     unsupported = arch == "cpu" and spec.backend != registry.AUTO and registry.get(spec.backend).device_unsupported(

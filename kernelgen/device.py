@@ -9,7 +9,9 @@ import threading
 
 import torch
 
-__all__ = ["interpreting", "interpret_triton_language", "device_arch", "gpu_name", "current_arch", "launching_on",
+from .errors import KernelgenRuntimeError
+
+__all__ = ["interpreting", "interpreter_numpy_problem", "interpret_triton_language", "device_arch", "gpu_name", "current_arch", "launching_on",
            "current_gpu", "current_raw_stream", "on_default_stream"]
 
 # What every launch asks (the current GPU, its current stream), straight from torch's C functions: Triton asks for the
@@ -18,6 +20,23 @@ __all__ = ["interpreting", "interpret_triton_language", "device_arch", "gpu_name
 current_gpu = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
     (lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def interpreter_numpy_problem() -> str | None:
+    """Why Triton's CPU interpreter cannot run here, where numpy and Triton's versions say so (numpy 2.4 breaks
+    Triton 3.6's interpreter with an error that names neither: "only 0-dimensional arrays can be converted to Python
+    scalars"), else None."""
+    import importlib.metadata
+
+    try:
+        numpy, triton = (tuple(int(x) for x in importlib.metadata.version(name).split(".")[:2])
+                         for name in ("numpy", "triton"))
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+    if numpy >= (2, 4) and triton <= (3, 6):
+        return (f"numpy {'.'.join(map(str, numpy))} breaks Triton {'.'.join(map(str, triton))}'s CPU interpreter, "
+                f"which kernelgen's kernels run in without a GPU: pip install 'numpy<2.4'")
+    return None
 
 
 def interpreting() -> bool:
@@ -156,6 +175,11 @@ def _patch_language_once_a_launch() -> None:
         outer, state.patched = getattr(state, "patched", None), set()
         try:
             return launch_call(self, *args, **kwargs)
+        except Exception as error:
+            problem = interpreter_numpy_problem()
+            if problem and "0-dimensional arrays" in str(error):
+                raise KernelgenRuntimeError(problem) from None
+            raise
         finally:
             state.patched = outer
 

@@ -187,7 +187,7 @@ class SparseAttention:
                                           f"{list(runs)}")
             backend = self._pinned_backend(role, cfg)
             # no device yet: what no arch runs fails here, what this one cannot when served
-            backend.check_config(get_role(role).kernel_spec(spec, backend.name), role, cfg, ANY_ARCH)
+            backend.check_config(get_role(role).kernel_spec(spec, backend.name), role, cfg, ANY_ARCH, spec)
 
     def _pinned_backend(self, role: str, cfg) -> Backend:
         if self.spec.backend == backends.AUTO:  # any backend's config: it says which backend serves
@@ -251,7 +251,7 @@ class SparseAttention:
         spec = get_role(role).kernel_spec(self.spec, backend.name)
         if role in self._fixed:
             config, source = self._fixed[role], "pinned"
-            backend.check_config(spec, role, config, device_arch(device))
+            backend.check_config(spec, role, config, device_arch(device), self.spec)
         else:
             config, source = self._tuned(backend, spec, role, bucket, dtype, device)
         log.debug("kernelgen serves %s of %s (bucket %d, %s, %s): backend %s, config %s (%s)", role, self.spec,

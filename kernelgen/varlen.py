@@ -204,7 +204,7 @@ def sequence_lengths(bounds: list[int], total: int) -> list[int]:
     lengths = [end - start for start, end in zip(bounds, bounds[1:])]
     if bounds[0] != 0 or bounds[-1] != total or min(lengths) < 0:
         raise KernelgenValueError(f"cu_seqlens must rise from 0 to the {total} packed tokens (each sequence's end "
-                                  f"after its start), got {_shown(bounds)}")
+                                  f"at or after its start), got {_shown(bounds)}")
     return lengths
 
 

@@ -1,6 +1,8 @@
 """Shared test setup. Without CUDA, kernels run in the Triton interpreter (set before triton loads)."""
+import atexit
 import collections
 import os
+import shutil
 import tempfile
 
 import torch
@@ -9,7 +11,9 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ["KERNELGEN_POISON"] = "1"  # outputs start as NaN: an unwritten element fails its check
-os.environ.setdefault("KERNELGEN_CACHE_DIR", tempfile.mkdtemp(prefix="kernelgen-test-cache-"))
+if "KERNELGEN_CACHE_DIR" not in os.environ:  # one per run: xdist's workers and the tests' processes inherit it
+    os.environ["KERNELGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernelgen-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["KERNELGEN_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

@@ -604,6 +604,8 @@ def test_export_arch_option(tmp_path):
     one_line_error(invoke("export", *options, "--arch", "sm_75", "--out", str(tmp_path / "old.py")),
                    "--arch 'sm_75' is older than kernelgen's kernels run on")
     assert not (tmp_path / "old.py").exists()
+    one_line_error(invoke("export", *options, "--arch", "cpu", "--seq", "4096", "--out", str(out)),
+                   "--arch cpu has none (e.g. --arch sm_90)")
 
 
 def test_bench_cpu_smoke(tmp_path):
@@ -720,7 +722,8 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
     (["export", "--out", "{FILES}/m.py", "--dtype", "float16"], ["--dtype needs --seq"]),
     (["export", "--out", "{FILES}/m.py", "--gpu", "NVIDIA L4"], ["--gpu needs --seq"]),
     (["export", "--out", "{FILES}/m.py", "--backend", "auto"], ["--backend auto", "give --seq"]),
-    (["export", "--out", "{FILES}/m.py", "--arch", "cpu", "--seq", "1024"], ["--seq", "give --arch"]),
+    (["export", "--out", "{FILES}/m.py", "--arch", "cpu", "--seq", "1024"], ["--seq", "--arch cpu has none"]),
+    (["export", "--out", "{FILES}/m.py", "--seq", "1024"], ["--seq", "give --arch too"]),  # on a machine without a GPU
     (["export", "--out", "{FILES}/m.py", "--spec", "{FILES}/fields.json", "--backend", "tilelang"],
      ["--spec cannot be combined with --backend"]),
     (["tune", "--arch", "sm_90", "--preset", "bench", "--backends", "banana", "--dry-run"],

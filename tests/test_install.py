@@ -7,15 +7,16 @@ The venv is created with --system-site-packages so torch and triton come from th
 """
 import importlib.util
 import os
+import re
 import site
 import subprocess
 import sys
 import sysconfig
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("venv")
 
@@ -119,17 +120,32 @@ def test_import_kernelgen_reaches_its_submodules():
     assert "no attribute 'no_such_thing'" in result.stdout
 
 
-def test_numpy_that_breaks_the_interpreter_is_named(monkeypatch):
+def _names_no_numpy():
+    raise TypeError("only 0-dimensional arrays can be converted to Python scalars")  # numpy 2.4's, in Triton 3.6
+
+
+def test_numpy_that_breaks_the_interpreter_is_named(monkeypatch, device):
+    """numpy 2.4 with Triton 3.6: the interpreter's problem is said at import, and a launch that meets it is a
+    one-line KernelgenRuntimeError saying what to install; with a numpy that works, nothing is said."""
     import importlib.metadata
 
-    import kernelgen
+    import triton
+
+    from kernelgen import KernelgenRuntimeError
+    from kernelgen.device import interpret_triton_language, interpreter_numpy_problem
 
     versions = {"numpy": "2.4.0", "triton": "3.6.0"}
     monkeypatch.setattr(importlib.metadata, "version", versions.__getitem__)
-    with pytest.warns(UserWarning, match=r"numpy 2.4 breaks Triton 3.6's CPU interpreter.*numpy<2.4"):
-        kernelgen._warn_interpreter_numpy()
+    assert re.search(r"numpy 2.4 breaks Triton 3.6's CPU interpreter.*numpy<2.4", interpreter_numpy_problem())
+    if device == "cpu":
+        interpret_triton_language()  # as kernelgen's kernel modules do when they load (the launch's error named)
+
+        @triton.jit
+        def kernel(x):
+            _names_no_numpy()
+
+        with pytest.raises(KernelgenRuntimeError, match=r"^numpy 2.4 breaks .* pip install 'numpy<2.4'$"):
+            kernel[(1,)](torch.zeros(1))
     versions["numpy"] = "2.3.5"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        kernelgen._warn_interpreter_numpy()  # a numpy that works: nothing said
+    assert interpreter_numpy_problem() is None
 

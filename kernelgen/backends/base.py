@@ -180,9 +180,10 @@ class Backend:
         arch = check_arch(arch)
         return [c for c in impl.space(spec, arch) if c is None or impl.infeasible(spec, c, arch) is None]
 
-    def check_config(self, spec: Spec, role: str, config, arch: str | None) -> None:
+    def check_config(self, spec: Spec, role: str, config, arch: str | None, caller_spec: Spec | None = None) -> None:
         """A config a caller pins: of the role's type, and feasible on `arch` (ANY_ARCH: on some arch this
-        backend runs on; an infeasible point could leave rows unwritten). Raises naming the role."""
+        backend runs on; an infeasible point could leave rows unwritten). Raises naming the role, and the caller's
+        spec where given (the role's kernel spec may differ: the attention's has selector "given")."""
         impl = self.role(role)
         if impl.config_type is not None and type(config) is not impl.config_type:
             raise KernelgenTypeError(f"configs[{role!r}] must be an instance of {impl.config_type.__name__} for "
@@ -192,8 +193,8 @@ class Backend:
         reason = self.infeasible(spec, role, config, arch)
         if reason:
             where = "any arch" if arch is ANY_ARCH else arch
-            raise KernelgenValueError(f"configs[{role!r}] = {config} is not feasible for {spec} on {where}: {reason} "
-                                      "(Backend.config_space lists the feasible points)")
+            raise KernelgenValueError(f"configs[{role!r}] = {config} is not feasible for {caller_spec or spec} on "
+                                      f"{where}: {reason} (Backend.config_space lists the feasible points)")
 
     def config_from_dict(self, role: str, data: dict | None):
         impl = self.role(role)
