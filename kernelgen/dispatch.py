@@ -746,8 +746,9 @@ class SparseAttention:
         rows of the cache: the call each row would make alone, its lists bit for bit. A group's consecutive rows are
         slices of the cache's tensors; a group of rows of a contiguous cache that are not consecutive reads them as
         pages of one row each (its table the rows' ids: no copy), so its prefill chunks run the paged kernels (o to
-        rounding); each group takes its rows' copy of kept reps (grown by its call), and the reps are grown in place
-        to the rows' lengths after the call once, at its end. `new`: the packed new keys (k_new, v_new, k_idx_new),
+        rounding); each group takes its rows of kept reps, which its call grows (in place where the rows are
+        consecutive, else a copy), and the reps are grown in place to the rows' lengths after the call once, at its
+        end (rows grown by their group's call then have nothing left to pool). `new`: the packed new keys (k_new, v_new, k_idx_new),
         each group's written by its call."""
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
@@ -778,8 +779,8 @@ class SparseAttention:
                 options.update((name, None if x is None else group_rows(x, group)) for name, x in
                                (("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad),
                                 ("block_table", block_table)))
-                if isinstance(key_reps, KeyReps):  # a copy, which the group's call grows (the rows' own, at the end)
-                    options["key_reps"] = key_reps._rows_of(group.rows)
+                if isinstance(key_reps, KeyReps):  # the rows' reps, which the group's call grows
+                    options["key_reps"] = key_reps._rows_of(functools.partial(group_rows, group=group))
                 if block_table is None and group.first is not None:  # a contiguous cache's consecutive rows: a slice
                     cache = tuple(group_rows(x, group) for x in cache)
                     group_k_idx = None if k_idx is None else group_rows(k_idx, group)

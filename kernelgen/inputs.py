@@ -11,7 +11,7 @@ import numbers
 import operator
 import os
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -219,11 +219,11 @@ class KeyReps:
     def _picked(self, reps, seqlens, leftpad) -> KeyReps:
         return KeyReps._made_by_key_reps(reps, self.n_k, self.kv_block, self.groups, seqlens, leftpad)
 
-    def _rows_of(self, rows: torch.Tensor) -> KeyReps:
-        """index_batch for ids known to be rows of the batch (int64 on the reps' device: a varlen group's):
-        index_select takes fewer host steps than advanced indexing, once a group."""
-        return self._picked(*(None if x is None else x.index_select(0, rows)
-                              for x in (self.reps, self.seqlens, self.leftpad)))
+    def _rows_of(self, pick: Callable[[torch.Tensor], torch.Tensor]) -> KeyReps:
+        """index_batch for a varlen group's rows, `pick` taking each [B, ...] tensor's (`varlen.group_rows`: slices
+        where the rows are consecutive, which a call then grows in place as it grows these reps; else copies):
+        fewer host steps than advanced indexing, once a group."""
+        return self._picked(*(None if x is None else pick(x) for x in (self.reps, self.seqlens, self.leftpad)))
 
     def _with_room(self, n_k: int) -> KeyReps:
         """Reps of per-row lengths for a cache that grew into a new tensor of n_k keys: zeros appended for its

@@ -98,37 +98,39 @@ def test_each_row_is_its_own_call(schedule, selector, layout, dtype, counts, dev
         assert_close_to_reference(got_o, got_lse, ref_o, ref_lse, dtype)
 
 
-@pytest.mark.parametrize("schedule, selector, layout", [("q_centric", "mean", "paged"),
-                                                        ("kv_centric", "index", "contiguous")])
-def test_new_tokens_are_written_then_attended(schedule, selector, layout, device):
+@pytest.mark.parametrize("schedule, selector, layout, counts", [("q_centric", "mean", "paged", COUNTS),
+                                                                ("kv_centric", "index", "contiguous", COUNTS),
+                                                                ("q_centric", "multi:2", "contiguous", APART)])
+def test_new_tokens_are_written_then_attended(schedule, selector, layout, counts, device):
     """k_new and v_new packed as q (and k_idx_new): each row's tokens written at its length, then the row attends
-    over them, as its own call with k_new= does: the same caches and o, bit for bit where it decodes."""
+    over them, as its own call with k_new= does: the same caches and o, bit for bit where it decodes; kept reps
+    (grown in place by the groups of consecutive rows, from a copy by the others) end as reps made afresh."""
     spec = _spec(selector, schedule)
     attn = get_kernel(spec)
-    q, k, v, lens = _cache(max(COUNTS), torch.float32, device, capacity=96, lengths=(60, 37, 0, 48, 94))
+    q, k, v, lens = _cache(max(counts), torch.float32, device, capacity=96, lengths=(60, 37, 0, 48, 94))
     gen = torch.Generator().manual_seed(11)
-    k_new, v_new = (torch.randn(k.shape[0], 2, max(COUNTS), 64, generator=gen).to(device) for _ in range(2))
+    k_new, v_new = (torch.randn(k.shape[0], 2, max(counts), 64, generator=gen).to(device) for _ in range(2))
     index = _index(q, 96) if selector == "index" else None
-    k_idx_new = None if index is None else torch.randn(5, 2, max(COUNTS), 32, generator=gen).to(device)
+    k_idx_new = None if index is None else torch.randn(5, 2, max(counts), 32, generator=gen).to(device)
     table = None
     if layout == "paged":
         k, table = paged(k, 32)
         v, _ = paged(v, 32, table=table.cpu())
-    packed, bounds = _packed(q, COUNTS)
-    packed_index = None if index is None else (_packed(index[0], COUNTS)[0], index[1].clone(),
-                                                _packed(index[2][..., None], COUNTS)[0][..., 0])
-    new = [_packed(x, COUNTS)[0] if x is not None else None for x in (k_new, v_new, k_idx_new)]
+    packed, bounds = _packed(q, counts)
+    packed_index = None if index is None else (_packed(index[0], counts)[0], index[1].clone(),
+                                                _packed(index[2][..., None], counts)[0][..., 0])
+    new = [_packed(x, counts)[0] if x is not None else None for x in (k_new, v_new, k_idx_new)]
     k_call, v_call = k.clone(), v.clone()
     reps = None if index is not None else attn.key_reps(k_call, cache_seqlens=lens, block_table=table)
     o = attn.varlen(packed, k_call, v_call, bounds, cache_seqlens=lens, block_table=table, index=packed_index,
                     k_new=new[0], v_new=new[1], k_idx_new=new[2], key_reps=reps)
     if reps is not None:  # grown to the rows' lengths after their new tokens, in place
-        after = (lens + torch.tensor(COUNTS, dtype=torch.int32, device=device)).clamp(max=96)
+        after = (lens + torch.tensor(counts, dtype=torch.int32, device=device)).clamp(max=96)
         assert torch.equal(reps.seqlens[:, 0], after)
         assert torch.equal(reps.reps, attn.key_reps(k_call, cache_seqlens=after, block_table=table).reps)
     k_own, v_own = k.clone(), v.clone()
     k_idx_own = None if index is None else index[1].clone()
-    for b, count in enumerate(COUNTS):
+    for b, count in enumerate(counts):
         if not count:
             continue
         cache, rows, own_index = _own_call(b, count, k_own, v_own, lens, table,
@@ -136,7 +138,7 @@ def test_new_tokens_are_written_then_attended(schedule, selector, layout, device
         o_own = attn(q[b:b + 1, :, :count], *cache, index=own_index, k_new=k_new[b:b + 1, :, :count],
                      v_new=v_new[b:b + 1, :, :count], **rows,
                      k_idx_new=None if index is None else k_idx_new[b:b + 1, :, :count])
-        if _exact(COUNTS, b, layout):
+        if _exact(counts, b, layout):
             assert torch.equal(_row(o, bounds, b), o_own), b
         else:
             assert (_row(o, bounds, b) - o_own).abs().max() < 1e-5, b
