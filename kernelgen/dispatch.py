@@ -478,10 +478,8 @@ class SparseAttention:
                                       f"{self.spec.selector!r} keeps none (the index selector's k_idx is its cache)")
         k = autocast_qkv(k, k, k)[0]
         spec = self.spec
-        b, hkv, n_k = check_keys(k, spec)
-        if block_table is not None:  # k is a pool of pages: the rows are the table's
-            b, hkv, n_k = check_pages(k, block_table, spec)
-        shapes = Shapes(b, hkv * spec.gqa_group, hkv, 1, n_k, 1, spec.n_kv_blocks(n_k))
+        shapes = self._cache_shapes(k, block_table)
+        n_k = shapes.n_k
         if previous is not None and not isinstance(previous, KeyReps):
             raise KernelgenTypeError(f"previous must be the KeyReps of attn.key_reps, got {type(previous).__name__}")
         rows = check_cache_rows(cache_seqlens, cache_leftpad, shapes, k.device, block_table)
@@ -505,6 +503,14 @@ class SparseAttention:
         if start:
             reps = torch.cat([previous.reps[:, :, :start], reps], dim=2)
         return KeyReps._made_by_key_reps(reps, n_k, spec.kv_block, spec.groups)
+
+    def _cache_shapes(self, k: torch.Tensor, block_table: torch.Tensor | None) -> Shapes:
+        """The checked sizes of the cache k (a pool of pages where block_table is given: its rows the table's) as
+        key reps see them: one query a row."""
+        b, hkv, n_k = check_keys(k, self.spec)
+        if block_table is not None:
+            b, hkv, n_k = check_pages(k, block_table, self.spec)
+        return Shapes(b, hkv * self.spec.gqa_group, hkv, 1, n_k, 1, self.spec.n_kv_blocks(n_k))
 
     def _key_reps_varlen(self, k: torch.Tensor, shapes: Shapes, previous: KeyReps | None, rows: CacheRows) -> KeyReps:
         """`key_reps` of a checked cache k of per-row keys: made afresh (every block of the capacity pooled,
@@ -767,8 +773,20 @@ class SparseAttention:
         groups = query_groups(cu_seqlens, total)
         if groups and max_seqlen is not None and groups[-1].count > check_length("max_seqlen", max_seqlen):
             raise KernelgenValueError(f"a row of {groups[-1].count} new queries is longer than max_seqlen={max_seqlen}")
-        if groups:  # every group's lists checked before any group writes its new keys
+        # what a group's call cannot see whole, checked before any group writes its new keys or grows its reps
+        if groups:
             _group_lists(block_idx, groups[-1], self.spec, rows, k.shape[1])
+        if key_reps is not None:  # a group's call checks only its rows' slice of them
+            check_key_reps(key_reps, self.spec, self._cache_shapes(k, block_table), q.device, varlen=True)
+        if block_table is None and any(group.first is None for group in groups):
+            if cache_leftpad is not None:
+                raise KernelgenValueError("varlen over a contiguous KV cache with cache_leftpad= takes the rows of "
+                                          "each query count one after another (a paged row starts at its first "
+                                          "page): pass the rows of each count in a call of their own")
+            if k.shape[2] % self.spec.kv_block:
+                raise KernelgenValueError(f"varlen over a contiguous KV cache reads the rows of a query count that "
+                                          f"are not one after another as pages of one row: the capacity k.shape[2] = "
+                                          f"{k.shape[2]} must be a multiple of spec.kv_block = {self.spec.kv_block}")
         k_idx = None if index is None else index[1]
 
         def call(group: QueryGroup):
@@ -784,16 +802,7 @@ class SparseAttention:
                 if block_table is None and group.first is not None:  # a contiguous cache's consecutive rows: a slice
                     cache = tuple(group_rows(x, group) for x in cache)
                     group_k_idx = None if k_idx is None else group_rows(k_idx, group)
-                elif block_table is None:  # a contiguous cache's other rows as a pool of one-row pages
-                    if cache_leftpad is not None:
-                        raise KernelgenValueError("varlen over a contiguous KV cache with cache_leftpad= takes the rows "
-                                                  "of each query count one after another (a paged row starts at its "
-                                                  "first page): pass the rows of each count in a call of their own")
-                    if k.shape[2] % self.spec.kv_block:
-                        raise KernelgenValueError(f"varlen over a contiguous KV cache reads the rows of a query count "
-                                                  f"that are not one after another as pages of one row: the capacity "
-                                                  f"k.shape[2] = {k.shape[2]} must be a multiple of spec.kv_block = "
-                                                  f"{self.spec.kv_block}")
+                elif block_table is None:  # a contiguous cache's other rows as a pool of one-row pages (checked)
                     options["block_table"] = group.rows.to(torch.int32).view(-1, 1)
             if index is not None:
                 options["index"] = (group_queries(index[0], group), group_k_idx,

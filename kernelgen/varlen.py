@@ -332,8 +332,9 @@ def check_packed_over_cache(q, k, cu_seqlens, rows: int, index=None, new=(None, 
         raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}; q has shape {tuple(q.shape)}")
     check_cu_seqlens(cu_seqlens, q.device)
     if cu_seqlens.shape[0] != rows + 1:
-        raise KernelgenValueError(f"cu_seqlens must have one bound more than the cache's {rows} rows, [B + 1] = "
-                                  f"[{rows + 1}], got {tuple(cu_seqlens.shape)} ({VARLEN_CACHE_LAYOUT})")
+        source = "block_table's rows" if paged else "k.shape[0]"
+        raise KernelgenValueError(f"cu_seqlens must have one bound more than the cache's {rows} rows ({source}), "
+                                  f"[B + 1] = [{rows + 1}], got {tuple(cu_seqlens.shape)} ({VARLEN_CACHE_LAYOUT})")
     total = q.shape[0]
     k_idx = None
     if index is not None:

@@ -242,6 +242,33 @@ def test_bad_inputs_are_named(device):
         attn.varlen(_packed(narrow[0], COUNTS)[0], narrow[1], narrow[2], bounds, cache_seqlens=narrow[3])
 
 
+def test_a_refused_call_writes_nothing_whichever_group_is_refused(device):
+    """Refusals that only some groups meet (rows of a count apart over a contiguous cache with cache_leftpad or a
+    capacity that is not a multiple of kv_block) and key_reps of another batch, which a group's call sees only a
+    slice of: checked before the first group (consecutive rows, here) writes its new keys or grows its reps."""
+    spec = _spec("mean", "q_centric")
+    attn = get_kernel(spec)
+    counts = (1, 1, 3, 0, 3)  # the first group's rows are consecutive, the second's apart
+    pads = torch.tensor([1, 2, 3, 0, 4], dtype=torch.int32, device=device)
+    cases = [("cache_leftpad= takes the rows of each query count one after another", 96, dict(cache_leftpad=pads)),
+             (r"capacity k.shape\[2\] = 88 must be a multiple of spec.kv_block", 88, {}),
+             (r"key_reps hold shape \(2, ", 96, dict(reps_rows=2))]
+    for match, capacity, options in cases:
+        q, k, v, lens = _cache(3, torch.float32, device, capacity=capacity, lengths=(10, 20, 30, 0, 40))
+        reps_rows = options.pop("reps_rows", 5)
+        reps = attn.key_reps(k[:reps_rows], cache_seqlens=lens[:reps_rows], **{
+            name: x[:reps_rows] for name, x in options.items()})
+        packed, bounds = _packed(q, counts)
+        before = [x.clone() for x in (k, v, reps.reps, reps.seqlens)]
+        with pytest.raises(KernelgenValueError, match=match):
+            attn.varlen(packed, k, v, bounds, cache_seqlens=lens, key_reps=reps, k_new=packed[:, :2].contiguous(),
+                        v_new=packed[:, :2].contiguous(), **options)
+        assert all(torch.equal(x, y) for x, y in zip(before, (k, v, reps.reps, reps.seqlens))), match
+    k_pages, table = paged(k, 32)  # a table of fewer rows than the bounds: the rows' count says where it comes from
+    with pytest.raises(KernelgenValueError, match=r"the cache's 4 rows \(block_table's rows\)"):
+        attn.varlen(packed, k_pages, k_pages, bounds, cache_seqlens=lens, block_table=table[:4])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule, layout", [("q_centric", "paged"), ("kv_centric", "paged"),
                                               ("q_centric", "contiguous")])
