@@ -11,8 +11,8 @@ import torch
 
 from .errors import KernelgenRuntimeError
 
-__all__ = ["interpreting", "interpreter_numpy_problem", "interpret_triton_language", "device_arch", "gpu_name", "current_arch", "launching_on",
-           "current_gpu", "current_raw_stream", "on_default_stream"]
+__all__ = ["interpreting", "interpreter_numpy_problem", "interpret_triton_language", "device_arch", "gpu_name",
+           "current_arch", "launching_on", "current_gpu", "current_raw_stream", "on_default_stream"]
 
 # What every launch asks (the current GPU, its current stream), straight from torch's C functions: Triton asks for the
 # stream the same way, and torch.cuda.current_device() first checks CUDA is initialised, a few microseconds a launch

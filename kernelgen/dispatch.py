@@ -754,8 +754,8 @@ class SparseAttention:
         pages of one row each (its table the rows' ids: no copy), so its prefill chunks run the paged kernels (o to
         rounding); each group takes its rows of kept reps, which its call grows (in place where the rows are
         consecutive, else a copy), and the reps are grown in place to the rows' lengths after the call once, at its
-        end (rows grown by their group's call then have nothing left to pool). `new`: the packed new keys (k_new, v_new, k_idx_new),
-        each group's written by its call."""
+        end (rows grown by their group's call then have nothing left to pool). `new`: the packed new keys (k_new,
+        v_new, k_idx_new), each group's written by its call."""
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
                 raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}; {name} is "
