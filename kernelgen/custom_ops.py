@@ -101,7 +101,8 @@ def _append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.T
     shapes = attn._start_call(q, k, v, block_table)
     index = _index(q_idx, k_idx, w)
     rows = attn._rows(shapes, q.device, cache_seqlens, cache_leftpad, None, None, index, block_table)
-    return attn._append(k, v, shapes, (k_new, v_new, k_idx_new), index, rows, (k, v), cache_seqlens).seqlens
+    new = attn._new_keys(k, v, shapes, (k_new, v_new, k_idx_new), index, rows, (k, v), cache_seqlens)
+    return attn._append(k, v, shapes, new, rows).seqlens
 
 
 @_append_op.register_fake

@@ -32,7 +32,7 @@ from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, apart_from_cache, autocast_qkv, check_block_idx,
                      check_block_lists, CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
-                     check_new_keys,
+                     check_new_keys, NewKeys,
                      check_reps_fit_capacity, check_keys, check_length, check_row_ints, check_scale, refuse_cast_cache,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
                      lists_type_error, refuse_forward_ad, refuse_function_transforms,
@@ -638,17 +638,12 @@ class SparseAttention:
                 key_reps=key_reps, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table,
                 k_new=k_new, v_new=v_new, k_idx_new=k_idx_new)
             return (o, lse) if return_lse else o
-        refuse_function_transforms(q, k, v)
-        cache = (k, v)
-        q, k, v = autocast_qkv(q, k, v)
-        refuse_forward_ad(q, k, v)
-        shapes = self._start_call(q, k, v, block_table)
-        rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
-        if isinstance(rows, CacheRows):
-            refuse_grad_with_seqlens(rows.seqlens, q, k, v, rows.block_table)
-        if k_new is not None or v_new is not None or k_idx_new is not None:
-            self._check_before_writing(shapes, q.device, block_idx, index, key_reps, scale, rows)
-            rows = self._append(k, v, shapes, (k_new, v_new, k_idx_new), index, rows, cache, cache_seqlens)
+        q, k, v, shapes, rows, new = self._checked_call(
+            q, k, v, block_idx=block_idx, index=index, scale=scale, key_reps=key_reps, cache_seqlens=cache_seqlens,
+            cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
+            k_idx_new=k_idx_new)
+        if new is not None:
+            rows = self._append(k, v, shapes, new, rows)
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps, rows)
         else:
@@ -658,6 +653,37 @@ class SparseAttention:
         if isinstance(rows, TokenRows):
             o, lse = clear_padding(o, lse, rows.seqlens)
         return (o, lse) if return_lse else o
+
+    def _checked_call(self, q, k, v, *, block_idx=None, index=None, scale=None, key_reps=None, cache_seqlens=None,
+                      cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None, k_idx_new=None):
+        """What a call checks before it writes or launches anything: (q, k, v as autocast leaves them, shapes,
+        rows, the checked new keys it writes first or None)."""
+        new = (k_new, v_new, k_idx_new)
+        refuse_function_transforms(q, k, v)
+        cache = (k, v)
+        q, k, v = autocast_qkv(q, k, v)
+        refuse_forward_ad(q, k, v)
+        shapes = self._start_call(q, k, v, block_table)
+        rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
+        if isinstance(rows, CacheRows):
+            refuse_grad_with_seqlens(rows.seqlens, q, k, v, rows.block_table)
+        if all(x is None for x in new):
+            return q, k, v, shapes, rows, None
+        self._check_before_writing(shapes, q.device, block_idx, index, key_reps, scale, rows)
+        return q, k, v, shapes, rows, self._new_keys(k, v, shapes, new, index, rows, cache, cache_seqlens)
+
+    def _new_keys(self, k, v, shapes: Shapes, new: tuple, index, rows, cache: tuple, cache_seqlens) -> NewKeys:
+        """A call's new keys (k_new, v_new, k_idx_new), checked for `_append`. `cache`: k and v as the caller
+        passed them, which the write must reach."""
+        if isinstance(rows, TokenRows):
+            raise KernelgenValueError("k_new= writes into a KV cache (cache_seqlens=): a padded batch's call "
+                                      "(seqlens=) has none")
+        if index is not None:  # checked before anything is written: a refused index writes nothing
+            check_index(index, self.spec, shapes, k.device,
+                        None if rows is None or rows.block_table is None else (k.shape[0], k.shape[2]))
+        new = apart_from_cache(check_new_keys(*new, k, index, shapes, cache_seqlens), k, v)
+        refuse_cast_cache(k, v, cache)
+        return new
 
     def _check_before_writing(self, shapes: Shapes, device, block_idx, index, key_reps, scale, rows) -> None:
         """What a call that writes new keys checks before it writes: the host checks its forward makes after the
@@ -676,24 +702,15 @@ class SparseAttention:
         if key_reps is not None:
             check_key_reps(key_reps, self.spec, shapes, device, isinstance(rows, CacheRows))
 
-    def _append(self, k, v, shapes: Shapes, new: tuple, index, rows: CacheRows | TokenRows | None, cache: tuple,
-                cache_seqlens) -> CacheRows:
-        """Write a call's new keys (k_new, v_new; the index selector's k_idx_new) into its cache at each row's end,
-        in one launch (two with k_idx), and return its checked rows grown by them: the call then attends as one
-        over the longer rows would. `cache`: k and v as the caller passed them, which the write must reach.
-        Positions past the capacity (or in a page outside the pool) are not written, and the lengths stay clamped
-        to the capacity (no host sync to check them). A call refused after the write leaves the new keys past
-        the rows' lengths (the caller's cache_seqlens is not changed), where nothing reads them."""
-        if isinstance(rows, TokenRows):
-            raise KernelgenValueError("k_new= writes into a KV cache (cache_seqlens=): a padded batch's call "
-                                      "(seqlens=) has none")
-        if index is not None:  # checked before anything is written: a refused index writes nothing
-            check_index(index, self.spec, shapes, k.device,
-                        None if rows is None or rows.block_table is None else (k.shape[0], k.shape[2]))
-        new = apart_from_cache(check_new_keys(*new, k, index, shapes, cache_seqlens), k, v)
-        refuse_cast_cache(k, v, cache)
+    def _append(self, k, v, shapes: Shapes, new: NewKeys, rows: CacheRows, **packed) -> CacheRows:
+        """Write a call's checked new keys (k_new, v_new; the index selector's k_idx_new) into its cache at each
+        row's end, in one launch (two with k_idx), and return its rows grown by them: the call then attends as one
+        over the longer rows would. Positions past the capacity (or in a page outside the pool) are not written,
+        and the lengths stay clamped to the capacity (no host sync to check them). A call refused after the write
+        leaves the new keys past the rows' lengths (the caller's cache_seqlens is not changed), where nothing
+        reads them. `packed`: cu_seqlens and most_new, for new keys packed as a varlen call's queries."""
         served = self._served("append_kv", seq_bucket(shapes.n_k), k.dtype, k.device)
-        options = self._varlen(served, rows)
+        options = self._varlen(served, rows) | packed
         after = self._launch(served, k, shapes, k, new.k, v, new.v, **options)
         if new.k_idx is not None:
             self._launch(served, k, shapes, new.k_idx, new.k_idx_new, **options)
@@ -755,7 +772,8 @@ class SparseAttention:
         rounding); each group takes its rows of kept reps, which its call grows (in place where the rows are
         consecutive, else a copy), and the reps are grown in place to the rows' lengths after the call once, at its
         end (rows grown by their group's call then have nothing left to pool). `new`: the packed new keys (k_new,
-        v_new, k_idx_new), each group's written by its call."""
+        v_new, k_idx_new), written by one launch for every row (after each group's call has been checked as its
+        own writing call would be: a refused call writes nothing), before the groups attend."""
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
                 raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}; {name} is "
@@ -789,13 +807,14 @@ class SparseAttention:
                                           f"{k.shape[2]} must be a multiple of spec.kv_block = {self.spec.kv_block}")
         k_idx = None if index is None else index[1]
 
-        def call(group: QueryGroup):
-            options = dict(cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, block_table=block_table,
+        def group_call(group: QueryGroup, lengths, new_keys) -> tuple[tuple, dict]:
+            """The group's call over the cache, its rows' `lengths`, writing `new_keys` (packed, or Nones)."""
+            options = dict(cache_seqlens=lengths, cache_leftpad=cache_leftpad, block_table=block_table,
                            key_reps=key_reps, block_idx=_group_lists(block_idx, group, self.spec, rows, k.shape[1]))
             cache, group_k_idx = (k, v), k_idx
             if not group.every_row:
                 options.update((name, None if x is None else group_rows(x, group)) for name, x in
-                               (("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad),
+                               (("cache_seqlens", lengths), ("cache_leftpad", cache_leftpad),
                                 ("block_table", block_table)))
                 if isinstance(key_reps, KeyReps):  # the rows' reps, which the group's call grows
                     options["key_reps"] = key_reps._rows_of(functools.partial(group_rows, group=group))
@@ -808,16 +827,28 @@ class SparseAttention:
                 options["index"] = (group_queries(index[0], group), group_k_idx,
                                     group_queries(index[2], group).contiguous())
             options.update((name, None if x is None else group_queries(x, group))
-                           for name, x in zip(("k_new", "v_new", "k_idx_new"), new))
-            return self(group_queries(q, group), *cache, **options, scale=scale, return_lse=True)
+                           for name, x in zip(("k_new", "v_new", "k_idx_new"), new_keys))
+            return (group_queries(q, group), *cache), options
+
+        after = cache_seqlens
+        if groups and any(x is not None for x in new):
+            # each group's call checked as if it wrote its rows' new keys, then one launch writes every row's
+            for group in groups:
+                args, options = group_call(group, cache_seqlens, new)
+                self._checked_call(*args, **options, scale=scale)
+            written = apart_from_cache(NewKeys(new[0], new[1], k_idx, new[2]), k, v)
+            after = self._append(k, v, self._cache_shapes(k, block_table), written,
+                                 CacheRows(cache_seqlens, cache_leftpad, block_table), cu_seqlens=cu_seqlens,
+                                 most_new=groups[-1].count).seqlens
+
+        def call(group: QueryGroup):
+            args, options = group_call(group, after, (None, None, None))
+            return self(*args, **options, scale=scale, return_lse=True)
 
         out = packed_cache_attention(call, q, groups)
-        if isinstance(key_reps, KeyReps) and key_reps.seqlens is not None and cache_seqlens is not None:
-            after = cache_seqlens
-            if new[0] is not None:  # the rows grew by their new tokens (clamped at the capacity, as the write)
-                capacity = k.shape[2] * (1 if block_table is None else block_table.shape[1])
-                after = (cache_seqlens.clamp(0, capacity) + (cu_seqlens[1:] - cu_seqlens[:-1])).clamp(max=capacity)
-            self.key_reps(k, cache_seqlens=after.to(torch.int32), cache_leftpad=cache_leftpad, previous=key_reps,
+        if isinstance(key_reps, KeyReps) and key_reps.seqlens is not None and after is not None:
+            # the rows' reps grown to their lengths after the call (the groups' calls grew theirs already)
+            self.key_reps(k, cache_seqlens=after, cache_leftpad=cache_leftpad, previous=key_reps,
                           block_table=block_table)
         return out
 

@@ -252,21 +252,52 @@ def test_a_refused_call_writes_nothing_whichever_group_is_refused(device):
     pads = torch.tensor([1, 2, 3, 0, 4], dtype=torch.int32, device=device)
     cases = [("cache_leftpad= takes the rows of each query count one after another", 96, dict(cache_leftpad=pads)),
              (r"capacity k.shape\[2\] = 88 must be a multiple of spec.kv_block", 88, {}),
-             (r"key_reps hold shape \(2, ", 96, dict(reps_rows=2))]
+             (r"key_reps hold shape \(2, ", 96, dict(reps_rows=2)),
+             # what a group's own writing call refuses: every group's is checked before the one write
+             ("v_new requires grad", 96, dict(grad=True))]
     for match, capacity, options in cases:
         q, k, v, lens = _cache(3, torch.float32, device, capacity=capacity, lengths=(10, 20, 30, 0, 40))
         reps_rows = options.pop("reps_rows", 5)
+        grad = options.pop("grad", False)
         reps = attn.key_reps(k[:reps_rows], cache_seqlens=lens[:reps_rows], **{
             name: x[:reps_rows] for name, x in options.items()})
         packed, bounds = _packed(q, counts)
         before = [x.clone() for x in (k, v, reps.reps, reps.seqlens)]
         with pytest.raises(KernelgenValueError, match=match):
             attn.varlen(packed, k, v, bounds, cache_seqlens=lens, key_reps=reps, k_new=packed[:, :2].contiguous(),
-                        v_new=packed[:, :2].contiguous(), **options)
+                        v_new=packed[:, :2].contiguous().requires_grad_(grad), **options)
         assert all(torch.equal(x, y) for x, y in zip(before, (k, v, reps.reps, reps.seqlens))), match
     k_pages, table = paged(k, 32)  # a table of fewer rows than the bounds: the rows' count says where it comes from
     with pytest.raises(KernelgenValueError, match=r"the cache's 4 rows \(block_table's rows\)"):
         attn.varlen(packed, k_pages, k_pages, bounds, cache_seqlens=lens, block_table=table[:4])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_every_row_s_new_keys_are_written_by_one_launch(layout, device, monkeypatch):
+    """A call of several groups (APART: rows of one count apart) writes all its rows' new keys, and the index keys,
+    with one append launch each, before its groups attend over the longer rows."""
+    attn = get_kernel(_spec("index", "q_centric"))
+    q, k, v, lens = _cache(20, torch.float32, device, capacity=96, lengths=(60, 37, 0, 48, 94))
+    index = _index(q, 96)
+    table = None
+    if layout == "paged":
+        k, table = paged(k, 32)
+        v, _ = paged(v, 32, table=table.cpu())
+        index = (index[0], paged(index[1], 32, table=table.cpu())[0], index[2])
+    packed, bounds = _packed(q, APART)
+    packed_index = (_packed(index[0], APART)[0], index[1], _packed(index[2][..., None], APART)[0][..., 0])
+    launches, append = [], type(attn)._append
+
+    def counted(self, *args, **options):
+        launches.append(options)
+        return append(self, *args, **options)
+
+    monkeypatch.setattr(type(attn), "_append", counted)
+    before = k.clone()
+    attn.varlen(packed, k, v, bounds, cache_seqlens=lens, block_table=table, index=packed_index,
+                k_new=packed[:, :2].contiguous(), v_new=packed[:, 2:].contiguous(),
+                k_idx_new=packed[:, :2, 32:].contiguous())
+    assert len(launches) == 1 and not torch.equal(k, before)
 
 
 @pytest.mark.gpu

@@ -1158,13 +1158,20 @@ def _paged_key_reps(mod, spec: Spec, k: torch.Tensor, seqlens: torch.Tensor, blo
 def launch_append_kv(mod, spec: Spec, cfg, shapes: Shapes, cache: torch.Tensor, new: torch.Tensor,
                      cache_b: torch.Tensor | None = None, new_b: torch.Tensor | None = None, *,
                      seqlens: torch.Tensor, leftpad: torch.Tensor | None = None,
-                     block_table: torch.Tensor | None = None) -> torch.Tensor:
+                     block_table: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                     most_new: int = 0) -> torch.Tensor:
     """new [B, H, n_new, D] written into cache (and new_b into cache_b, of the same rows and heads) at each row's
     end, seqlens[b] clamped to [0, capacity]: positions past the capacity, or in a page outside the pool
     (`block_table`: the caches are pools of pages [n_pages, H, page_size, D]), are not written. Returns the rows'
     lengths after the write, int32 [B] (min(start + n_new, capacity)). leftpad: a row's first key, which the
-    write does not move."""
-    batch, heads, n_new, dim = new.shape
+    write does not move. cu_seqlens (int32 [B + 1]): new and new_b are packed [total, H, D] as a varlen call's
+    queries, row b's new rows [cu_seqlens[b], cu_seqlens[b + 1]), none more than `most_new` (one launch for
+    every row)."""
+    packed = cu_seqlens is not None
+    if packed:
+        (batch, n_new), (heads, dim) = (cu_seqlens.shape[0] - 1, most_new), new.shape[1:]
+    else:
+        batch, heads, n_new, dim = new.shape
     pairs = 1 if cache_b is None else 2
     cache_b, new_b = (cache, new) if cache_b is None else (cache_b, new_b)
     if block_table is None:
@@ -1174,10 +1181,14 @@ def launch_append_kv(mod, spec: Spec, cfg, shapes: Shapes, cache: torch.Tensor, 
         capacity, table, stride_tb = block_table.shape[1] * page_size, block_table, block_table.stride(0)
     after = empty(batch, device=new.device, dtype=torch.int32)
     rows = min(16, next_pow2(max(n_new, 1)))
+    # packed [total, H, D]: a row's rows start at cu_seqlens[b] (no batch stride), token after token
+    new_strides, new_b_strides = ((0, *x.stride()[1:2], x.stride(0), x.stride(2)) if packed else x.stride()
+                                  for x in (new, new_b))
     mod.append_rows[(max(cdiv(n_new, rows), 1), batch * heads)](
-        cache, new, cache_b, new_b, seqlens, after, table, *cache.stride(), *new.stride(), *cache_b.stride(),
-        *new_b.stride(), stride_tb, n_new, capacity, heads, n_pages, dim, new_b.shape[3],
-        PAIRS=pairs, ROWS=rows, BLOCK_D=next_pow2(max(dim, new_b.shape[3])), PAGE_SIZE=page_size, num_warps=4)
+        cache, new, cache_b, new_b, seqlens, after, table, cu_seqlens if packed else seqlens, *cache.stride(),
+        *new_strides, *cache_b.stride(), *new_b_strides, stride_tb, n_new, capacity, heads, n_pages, dim,
+        new_b.shape[-1], PAIRS=pairs, ROWS=rows, BLOCK_D=next_pow2(max(dim, new_b.shape[-1])), PAGE_SIZE=page_size,
+        PACKED=packed, num_warps=4)
     return after
 
 
