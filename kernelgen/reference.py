@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from .errors import KernelgenValueError
+from .errors import KernelgenTypeError, KernelgenValueError
+from .inputs import check_scale
 from .spec import Spec
 
 __all__ = [
@@ -226,6 +227,28 @@ def _broadcast_lists(block_idx, q: torch.Tensor, k: torch.Tensor):
                             k.shape[1] if block_idx.shape[1] == 1 else -1, -1, -1)
 
 
+def _check_call(q, k, v, spec, block_idx=None, scale=None) -> None:
+    """The reference holds its inputs to the kernels' rules where its answer would otherwise be no call's: a Spec,
+    q, k and v 4-D and not empty, of the spec's head_dim, a scale the kernels take, integer lists."""
+    if not isinstance(spec, Spec):
+        raise KernelgenTypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise KernelgenTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4 or x.shape[-1] != spec.head_dim:
+            raise KernelgenValueError(f"{name} must be 4-D [B, H, N, D] with D = spec.head_dim = {spec.head_dim}, "
+                                      f"got shape {tuple(x.shape)}")
+        if min(x.shape) < 1:
+            raise KernelgenValueError(f"empty input: {name} {tuple(x.shape)}")
+    _check_heads(q, k, spec)
+    if block_idx is not None and (not isinstance(block_idx, torch.Tensor) or block_idx.is_floating_point() or
+                                  block_idx.is_complex() or block_idx.dtype == torch.bool):
+        raise KernelgenTypeError(f"block_idx must be an integer tensor of block ids, got "
+                                 f"{getattr(block_idx, 'dtype', type(block_idx).__name__)}")
+    if scale is not None:
+        check_scale(scale)
+
+
 def _check_heads(q: torch.Tensor, k: torch.Tensor, spec: Spec) -> None:
     """q's heads are the spec's groups of k's heads, or some of one group with that KV head alone (a check of a slice
     of the query heads: q[:, h*G + a : h*G + c] with k[:, h:h+1]). More than gqa_group * Hkv is no call of the spec
@@ -272,7 +295,7 @@ def sparse_attention(
     batch or KV-head dimension of 1 hold every row's or head's list. `k_new`, `v_new` (and `k_idx_new`, with
     `index`): new keys written at each row's end first (`appended`, on copies: the caller's k and v are left as they
     are), the call then over the rows' new lengths."""
-    _check_heads(q, k, spec)
+    _check_call(q, k, v, spec, block_idx, scale)
     if k_new is not None:
         k, lengths = appended(k, k_new, cache_seqlens, block_table)
         v = appended(v, v_new, cache_seqlens, block_table)[0]
@@ -435,7 +458,7 @@ def sparse_attention_grads(
     if stored_o is not None and stored_o.shape != q.shape:
         raise KernelgenValueError(f"stored_o.shape = {tuple(stored_o.shape)}; expected q's, {tuple(q.shape)} (the "
                                   "forward's o)")
-    _check_heads(q, k, spec)
+    _check_call(q, k, v, spec, block_idx, scale)
     block_idx = _broadcast_lists(block_idx, q, k)
     nq, nk = q.shape[2], k.shape[2]
     kd = k.detach().double().requires_grad_()

@@ -125,9 +125,11 @@ class Spec:
                 f"Spec.selector={self.selector!r}: r={r} must divide q_tile={self.q_tile} and kv_block={self.kv_block}"
             )
         if self.top_k < self.n_forced:
+            diagonal = "; a causal spec forces its diagonal block: local counts at least 1" \
+                if self.n_local > self.local else ""
             raise KernelgenValueError(
                 f"Spec.top_k={self.top_k} cannot hold its forced blocks: sink={self.sink} + local={self.n_local} "
-                f"= {self.n_forced} (top_k is the whole budget, forced blocks included)"
+                f"= {self.n_forced} (top_k is the whole budget, forced blocks included{diagonal})"
             )
 
     def _parse_selector(self) -> int:

@@ -201,7 +201,8 @@ def test_tilelang_pinned_config_outside_the_kernel_s_range_is_refused(change):
     # overlap with two warpgroups: allowed
     TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, pingpong=True), "sm_90")
     non_bool = any(type(v) is not bool for k, v in change.items() if k in ("overlap", "pingpong"))
-    error, match = (KernelgenTypeError, "must be bool") if non_bool else (KernelgenValueError, "not feasible")
+    error, match = (KernelgenTypeError, "must be bool") if non_bool else (KernelgenValueError,
+                                                                          "not feasible|must be at least 1")
     with pytest.raises(error, match=match):
         TILELANG.check_config(spec, "attn", dataclasses.replace(cfg, **change), "sm_90")
 
@@ -471,6 +472,12 @@ def test_pinned_config_fields_have_their_declared_types():
         SparseAttention(spec, {"kv_select_index": KvIndexSelectConfig(hold=3)})
     with pytest.raises(KernelgenTypeError, match=r"configs\['kv_select_index'\]\.queries must be int, got 64\.0"):
         SparseAttention(spec, {"kv_select_index": KvIndexSelectConfig(queries=64.0)})
+    given = Spec(head_dim=128, kv_block=64, top_k=16, selector="given")
+    for config, match in ((AttnConfig(num_warps=0), r"configs\['attn'\]\.num_warps must be at least 1, got 0"),
+                          (AttnConfig(num_warps=3), r"\.num_warps must be a power of two up to 32.*got 3"),
+                          (AttnConfig(num_stages=-1), r"\.num_stages must be at least 1, got -1")):
+        with pytest.raises(KernelgenValueError, match=match):  # counts: never a division by zero or a launch
+            SparseAttention(given, {"attn": config})
     with pytest.raises(KernelgenTypeError, match=r"configs\['attn'\]\.block_m must be int, got '64'"):
         SparseAttention(Spec(head_dim=128, kv_block=64, top_k=16, selector="given"), {"attn": AttnConfig(block_m="64")})
     tilelang = Spec(head_dim=128, kv_block=128, q_tile=128, top_k=16, gqa_group=4, backend="tilelang")

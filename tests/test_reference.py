@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import kernelgen
 from kernelgen import Spec, reference
+from kernelgen.errors import KernelgenTypeError, KernelgenValueError
 
 
 def rand(*shape):
@@ -239,3 +240,22 @@ def test_seqlens_outside_self_attention_are_refused_not_answered():
         reference.sparse_attention(k, k, k, spec, seqlens=lens, cache_seqlens=lens)
     o, lse, _ = reference.sparse_attention(k, k, k, spec, seqlens=lens)
     assert (o[0, 0, 40:] == 0).all() and torch.isneginf(lse[0, 0, 40:]).all()
+
+
+def test_the_reference_refuses_what_no_kernel_call_takes():
+    """A scale, spec, shape or list dtype the kernels refuse is refused here too, never answered."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=2, causal=True)
+    q = torch.randn(1, 1, 32, 64)
+    cases = [(KernelgenValueError, "scale must be > 0", dict(scale=0)),
+             (KernelgenTypeError, "scale must be a finite real", dict(scale=float("inf"))),
+             (KernelgenTypeError, "scale must be a finite real", dict(scale=torch.tensor(0.5))),
+             (KernelgenTypeError, "block_idx must be an integer tensor", dict(block_idx=torch.zeros(1, 1, 2, 2))),
+             (KernelgenTypeError, "spec must be a kernelgen.Spec", dict(spec={"head_dim": 64})),
+             (KernelgenValueError, r"empty input: q \(1, 1, 0, 64\)", dict(q=q[:, :, :0])),
+             (KernelgenValueError, "D = spec.head_dim = 64", dict(q=q[..., :32], k=q[..., :32], v=q[..., :32]))]
+    for error, match, options in cases:
+        args = {"q": q, "k": q, "v": q, "spec": spec} | options
+        with pytest.raises(error, match=match):
+            reference.sparse_attention(**args)
+    with pytest.raises(KernelgenValueError, match="scale must be > 0"):
+        reference.sparse_attention_grads(q, q, q, q, spec, torch.zeros(1, 1, 2, 2, dtype=torch.int32), scale=-1.0)

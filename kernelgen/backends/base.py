@@ -236,10 +236,16 @@ def _field_types(config_type) -> dict[str, type]:
 
 
 def _check_field_types(role: str, config) -> None:
-    """Every tunable of a pinned config has its declared type (int or bool; a bool is not an int here), so a
-    wrong one is named, not compared, rendered or launched."""
+    """Every tunable of a pinned config has its declared type (int or bool; a bool is not an int here), and an int
+    one is a count (>= 1; warps a power of two, as Triton takes them), so a wrong one is named, not compared,
+    rendered or launched."""
     for name, kind in _field_types(type(config)).items():
         value = getattr(config, name)
         if type(value) is not kind:
             raise KernelgenTypeError(f"configs[{role!r}].{name} must be {kind.__name__}, got {value!r} "
                                      f"({type(value).__name__})")
+        if kind is int and value < 1:
+            raise KernelgenValueError(f"configs[{role!r}].{name} must be at least 1, got {value}")
+        if kind is int and name.endswith("warps") and (value & (value - 1) or value > 32):
+            raise KernelgenValueError(f"configs[{role!r}].{name} must be a power of two up to 32 (warps a "
+                                      f"program), got {value}")
