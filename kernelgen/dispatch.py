@@ -807,8 +807,9 @@ class SparseAttention:
                                           f"{k.shape[2]} must be a multiple of spec.kv_block = {self.spec.kv_block}")
         k_idx = None if index is None else index[1]
 
-        def group_call(group: QueryGroup, lengths, new_keys) -> tuple[tuple, dict]:
-            """The group's call over the cache, its rows' `lengths`, writing `new_keys` (packed, or Nones)."""
+        def group_call(group: QueryGroup, lengths, new_keys, queries=q, packed_index=index) -> tuple[tuple, dict]:
+            """The group's call over the cache, its rows' `lengths`, writing `new_keys` (packed, or Nones), of the
+            packed `queries` and index selector's inputs."""
             options = dict(cache_seqlens=lengths, cache_leftpad=cache_leftpad, block_table=block_table,
                            key_reps=key_reps, block_idx=_group_lists(block_idx, group, self.spec, rows, k.shape[1]))
             cache, group_k_idx = (k, v), k_idx
@@ -823,13 +824,23 @@ class SparseAttention:
                     group_k_idx = None if k_idx is None else group_rows(k_idx, group)
                 elif block_table is None:  # a contiguous cache's other rows as a pool of one-row pages (checked)
                     options["block_table"] = group.rows.to(torch.int32).view(-1, 1)
-            if index is not None:
-                options["index"] = (group_queries(index[0], group), group_k_idx,
-                                    group_queries(index[2], group).contiguous())
+            if packed_index is not None:
+                options["index"] = (group_queries(packed_index[0], group), group_k_idx,
+                                    group_queries(packed_index[2], group).contiguous())
             options.update((name, None if x is None else group_queries(x, group))
                            for name, x in zip(("k_new", "v_new", "k_idx_new"), new_keys))
-            return (group_queries(q, group), *cache), options
+            return (group_queries(queries, group), *cache), options
 
+        if not groups:  # no row has a query: nothing runs, but what a call of one query a row refuses is refused
+            every_row = torch.arange(rows, device=q.device)
+
+            def one_a_row(x):
+                return None if x is None else x.new_zeros((rows, *x.shape[1:])).requires_grad_(x.requires_grad)
+
+            args, options = group_call(QueryGroup(every_row, 1, every_row, True, (0, 0)), cache_seqlens,
+                                       [one_a_row(x) for x in new], one_a_row(q),
+                                       None if index is None else (one_a_row(index[0]), k_idx, one_a_row(index[2])))
+            self._checked_call(*args, **options, scale=scale)
         after = cache_seqlens
         if groups and any(x is not None for x in new):
             # each group's call checked as if it wrote its rows' new keys, then one launch writes every row's
@@ -846,8 +857,12 @@ class SparseAttention:
             return self(*args, **options, scale=scale, return_lse=True)
 
         out = packed_cache_attention(call, q, groups)
-        if isinstance(key_reps, KeyReps) and key_reps.seqlens is not None and after is not None:
-            # the rows' reps grown to their lengths after the call (the groups' calls grew theirs already)
+        if isinstance(key_reps, KeyReps) and key_reps.seqlens is not None:
+            # every row's reps grown to its length after the call (the groups' calls grew theirs already); without
+            # cache_seqlens a row holds the whole capacity
+            if after is None:
+                capacity = k.shape[2] * (1 if block_table is None else block_table.shape[1])
+                after = torch.full((rows,), capacity, dtype=torch.int32, device=k.device)
             self.key_reps(k, cache_seqlens=after, cache_leftpad=cache_leftpad, previous=key_reps,
                           block_table=block_table)
         return out

@@ -300,6 +300,57 @@ def test_every_row_s_new_keys_are_written_by_one_launch(layout, device, monkeypa
     assert len(launches) == 1 and not torch.equal(k, before)
 
 
+def test_kept_reps_end_at_every_row_s_length_without_cache_seqlens(device):
+    """A paged cache called without cache_seqlens: every row holds its table's keys, and the kept reps end grown
+    to them, rows of no query and rows apart included (the groups' calls grow only some)."""
+    attn = get_kernel(_spec("mean", "q_centric"))
+    q, k, v, lens = _cache(20, torch.float32, device, capacity=96, lengths=(10, 20, 30, 40, 50))
+    k, table = paged(k, 32)
+    v, _ = paged(v, 32, table=table.cpu())
+    reps = attn.key_reps(k, cache_seqlens=lens, block_table=table)
+    attn.varlen(_packed(q, APART)[0], k, v, _packed(q, APART)[1], block_table=table, key_reps=reps)
+    full = torch.full((5,), 96, dtype=torch.int32, device=device)
+    assert torch.equal(reps.seqlens[:, 0], full)
+    assert torch.equal(reps.reps, attn.key_reps(k, cache_seqlens=full, block_table=table).reps)
+
+
+def test_new_keys_that_are_a_view_of_the_cache_are_read_before_any_write(device):
+    """New keys that alias the cache they go into are read as they were before the call, whichever row's write
+    reaches them first (the plain call's rule, `reference.sparse_attention(..., k_new=)`)."""
+    attn = get_kernel(_spec("mean", "q_centric"))
+    q, k, v, lens = _cache(3, torch.float32, device, capacity=96, lengths=(1, 40))
+    counts = (1, 2)
+    k_new, v_new = (x[0].transpose(0, 1)[:3] for x in (k, v))  # row 0's first 3 keys; row 0 overwrites the 2nd
+    want = []
+    for x in (k, v):
+        want.append(x.clone())
+        want[-1][0, :, 1], want[-1][1, :, 40:42] = x[0, :, 0], x[0, :, 1:3]  # the keys as they were
+    packed, bounds = _packed(q, counts)
+    attn.varlen(packed, k, v, bounds, cache_seqlens=lens, k_new=k_new, v_new=v_new)
+    assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+
+
+def test_a_call_without_queries_checks_its_inputs_and_writes_nothing(device):
+    """Rows of no new query run nothing, but what their calls of one query would refuse is refused all the same."""
+    spec = _spec("given", "q_centric")
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(1, torch.float32, device, capacity=96, lengths=(10, 20))
+    none = q[:, :, :0].transpose(1, 2).flatten(0, 1)  # [0, Hq, D]
+    bounds = torch.zeros(3, dtype=torch.int32, device=device)
+    lists = torch.zeros(2, 2, 1, spec.top_k, dtype=torch.int32, device=device)
+    before = k.clone()
+    o = attn.varlen(none, k, v, bounds, cache_seqlens=lens, block_idx=lists, k_new=none[:, :2], v_new=none[:, :2])
+    assert o.shape == none.shape and torch.equal(k, before)
+    cases = [(KernelgenValueError, "q has 3 heads", dict(q=none[:, :3])),
+             (KernelgenTypeError, r"k_new.dtype = torch.float16 differs", dict(k_new=none[:, :2].half())),
+             (KernelgenValueError, "needs block_idx", dict(block_idx=None)),
+             (KernelgenValueError, "scale must be > 0", dict(scale=-1.0))]
+    for error, match, options in cases:
+        call = dict(q=none, block_idx=lists, k_new=none[:, :2], v_new=none[:, :2]) | options
+        with pytest.raises(error, match=match):
+            attn.varlen(call.pop("q"), k, v, bounds, cache_seqlens=lens, **call)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule, layout", [("q_centric", "paged"), ("kv_centric", "paged"),
                                               ("q_centric", "contiguous")])
