@@ -966,8 +966,8 @@ def info(verbose: bool = VERBOSE):
         table.add_row("cache dir", str(cache))
         table.add_row("kernel modules", str(cache / "kernels"))
     else:
-        table.add_row("cache dir", f"{cache} (read-only: {read_only})")
-        table.add_row("kernel modules", "a private temporary directory per process (the cache dir is read-only)")
+        table.add_row("cache dir", f"{cache} (cannot be written: {read_only})")
+        table.add_row("kernel modules", "a private temporary directory per process (the cache dir cannot be written)")
     user = default_user_db_path()
     if user.is_file():
         writable = read_only is None and os.access(user, os.W_OK)
@@ -979,7 +979,7 @@ def info(verbose: bool = VERBOSE):
     elif read_only is None:
         table.add_row("user tuning DB", f"{user} (none yet)")
     else:
-        table.add_row("user tuning DB", f"{user} (none, and the read-only cache dir cannot hold one)")
+        table.add_row("user tuning DB", f"{user} (none, and the cache dir cannot hold one: {read_only})")
     table.add_row("bundled tuning DB", f"{BUNDLED_DB_PATH} ({len(read_only_rows(BUNDLED_DB_PATH))} rows)")
     console.print(table)
 

@@ -435,7 +435,7 @@ def test_a_read_only_cache_dir(tmp_path):
         result = invoke("info")
         assert result.exit_code == 0, result.output
         info = "".join(flat(result.output).split())  # rich folds long paths anywhere
-        assert f"{tmp_path / 'cache'}(read-only:" in info and "kernelmodulesaprivatetemporarydirectory" in info
+        assert f"{tmp_path / 'cache'}(cannotbewritten:" in info and "kernelmodulesaprivatetemporarydirectory" in info
         assert f"{tmp_path / 'cache' / 'tuning.db'}(1rows,read-only)" in info
         result = invoke("db", "list")
         assert result.exit_code == 0 and "abc" in result.output, result.output
@@ -449,7 +449,7 @@ def test_a_cache_dir_that_cannot_be_created(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "file" / "cache"))
     result = invoke("info")
     assert result.exit_code == 0, result.output
-    assert "(none,andtheread-onlycachedircannotholdone)" in "".join(flat(result.output).split())
+    assert "(none,andthecachedircannotholdone:" in "".join(flat(result.output).split())
     result = invoke("db", "list")
     assert result.exit_code == 0 and f"{len(read_only_rows(BUNDLED_DB_PATH))} rows" in result.output, result.output
     result = invoke("db", "clear", "--yes")  # no user DB: nothing to delete, and nothing made
@@ -468,7 +468,7 @@ def test_reading_commands_make_no_cache_dir(tmp_path):
         env.setenv("KERNELGEN_CACHE_DIR", str(tmp_path / "parent" / "cache"))
         result = invoke("info")
         assert result.exit_code == 0, result.output
-        assert f"{tmp_path / 'parent' / 'cache'}(read-only:" in "".join(flat(result.output).split())
+        assert f"{tmp_path / 'parent' / 'cache'}(cannotbewritten:" in "".join(flat(result.output).split())
     assert not (tmp_path / "parent" / "cache").exists()
 
 

@@ -333,10 +333,11 @@ def _damage_page(path, page=None, holding: bytes = b"") -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damaged", ["table page", "index page"])
+@pytest.mark.parametrize("damaged", ["table page", "index page", "truncated"])
 def test_corrupted_file_keeps_the_rows_sqlite_can_still_read(tmp_path, caplog, damaged):
     """A damaged page moves the file aside; the new file holds every row that still reads, unchanged: all of
-    them where only the key's index is hit, all but the damaged table page's rows where a table page is."""
+    them where only the key's index is hit, all but the damaged table page's rows where a table page is, the
+    rows of the pages left where the file was cut short (a copy stopped halfway)."""
     path = tmp_path / "tuning.db"
     with TuningDB(path) as tuning_db:
         for i in range(200):  # about five rows a page: the table spans some forty pages
@@ -345,6 +346,10 @@ def test_corrupted_file_keeps_the_rows_sqlite_can_still_read(tmp_path, caplog, d
         before = {row["spec_key"]: row for row in tuning_db.rows()}
     if damaged == "table page":
         _damage_page(path, holding=b"row 100 ")
+    elif damaged == "truncated":
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            conn.execute("PRAGMA journal_mode=delete")  # every row in the main file
+        path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     else:
         with contextlib.closing(sqlite3.connect(path)) as conn:
             [index_root] = conn.execute("SELECT rootpage FROM sqlite_master WHERE type = 'index'").fetchone()
@@ -360,6 +365,8 @@ def test_corrupted_file_keeps_the_rows_sqlite_can_still_read(tmp_path, caplog, d
     assert f"the {len(after)} rows it could still read" in warning and "\n" not in warning
     if damaged == "index page":
         assert after == before
+    elif damaged == "truncated":
+        assert 40 < len(after) < 200 and all(after[key] == before[key] for key in after)
     else:
         assert "key-0100-" not in after and 150 < len(after) < 200
         assert all(after[key] == before[key] for key in after)
@@ -553,6 +560,17 @@ def test_a_read_only_db_file_in_a_writable_dir_refuses_writes_clearly(tmp_path):
         assert db.read_only is not None and lookup(db) is not None
         with pytest.raises(KernelgenRuntimeError, match="cannot be written"):
             upsert(db, median_ms=0.1)
+
+
+def test_a_cache_dir_that_is_a_file_says_so(tmp_path):
+    """KERNELGEN_CACHE_DIR naming a regular file (or a folder under one): lookups miss, and writes are refused
+    saying which path is a file, not "File exists"."""
+    (tmp_path / "file").write_text("")
+    for path in (tmp_path / "file" / "tuning.db", tmp_path / "file" / "sub" / "tuning.db"):
+        with TuningDB(path) as db:
+            assert lookup(db) is None
+            with pytest.raises(KernelgenRuntimeError, match=f"{tmp_path / 'file'} is a file, not a directory"):
+                upsert(db)
 
 
 def test_a_db_with_only_the_columns_kernelgen_reads_takes_new_rows(tmp_path):

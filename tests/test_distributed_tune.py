@@ -284,3 +284,32 @@ def test_a_journal_cut_off_mid_append_keeps_its_studies(tmp_path):
     text.write_text("not a journal")
     open_storage(parse_storage(f"journal://{text}"))
     assert text.read_text() == "not a journal"
+
+
+def test_a_new_sqlite_storage_opened_by_processes_at_once(tmp_path, monkeypatch):
+    """Processes that create a new storage's tables at once: those that lose the race (the version row already
+    written: an IntegrityError; a table already made) open it again, and a tune goes on."""
+    import optuna
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    made, raced = optuna.storages.RDBStorage, iter([
+        IntegrityError("INSERT INTO alembic_version", {}, Exception("UNIQUE constraint failed")),
+        OperationalError("CREATE TABLE studies", {}, Exception("table studies already exists"))])
+
+    def racing(*args, **kwargs):
+        error = next(raced, None)
+        if error is not None:
+            made(*args, **kwargs)  # the winner's tables
+            raise error
+        return made(*args, **kwargs)
+
+    def unreachable(*args, **kwargs):
+        raise OperationalError("connect", {}, Exception("unable to open database file"))
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", racing)
+    storage = open_storage(parse_storage(f"sqlite:///{tmp_path / 'optuna.db'}"))
+    monkeypatch.setattr(optuna.storages, "RDBStorage", unreachable)
+    with pytest.raises(KernelgenRuntimeError, match="cannot be opened: .*unable to open database file"):
+        open_storage(parse_storage(f"sqlite:///{tmp_path / 'other.db'}"))  # no race: said at once
+    monkeypatch.setattr(optuna.storages, "RDBStorage", made)
+    assert optuna.create_study(study_name="s", storage=storage).study_name == "s"

@@ -99,13 +99,17 @@ def kernels_dir() -> Path:
 
 
 def _write_once(path: Path, text: str) -> None:
-    if path.exists() and path.read_text() == text:
-        return
+    data = text.encode()
+    try:
+        if path.read_bytes() == data:
+            return
+    except OSError:  # absent, or unreadable: written anew (the directory's permissions decide, not the file's)
+        pass
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)  # atomic: concurrent writers of the same name write the same text
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)  # atomic: concurrent writers of the same name write the same bytes
 
 
 def load_module(name: str, source: str, directory: Path | None = None) -> ModuleType:
@@ -119,7 +123,9 @@ def load_module(name: str, source: str, directory: Path | None = None) -> Module
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    # compiled from the source in hand, never from cached bytecode, which a damaged __pycache__ file would break;
+    # the file stays the module's, for the compilers that read their kernels' source from it
+    exec(compile(source, str(path), "exec"), mod.__dict__)  # noqa: S102 - kernelgen's own rendered module
     log.debug("loaded kernel module %s from %s", name, path)
     _modules[name] = mod
     return mod

@@ -284,6 +284,12 @@ def _write_transaction(conn: sqlite3.Connection) -> Iterator[None]:
         raise
 
 
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _readable_rows(path: Path) -> list[dict[str, Any]]:
     """The rows SQLite can still read from the damaged tuning DB at `path`, each whole and decodable: the table
     walked in rowid order from either end up to the first page that fails, so a damaged page loses its own rows
@@ -295,6 +301,10 @@ def _readable_rows(path: Path) -> list[dict[str, Any]]:
         return []
     with contextlib.closing(conn):
         conn.row_factory = sqlite3.Row
+        with contextlib.suppress(sqlite3.Error):
+            # a file shorter than its header's page count (a copy cut short) is refused as corrupt unless SQLite
+            # may take its schema as it stands; the read-only connection still writes nothing
+            conn.execute("PRAGMA writable_schema=ON")
         for order in ("ASC", "DESC"):
             try:
                 for row in conn.execute(f"SELECT rowid AS [rowid], * FROM [{TABLE}] ORDER BY rowid {order}"):
@@ -427,6 +437,9 @@ class TuningDB:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = self._open_healthy()
+        except (FileExistsError, NotADirectoryError):  # a file where the cache dir (or a folder above it) should be
+            self._open_for_reading(f"{_nearest_existing(self.path.parent)} is a file, not a directory")
+            return
         except (OSError, sqlite3.OperationalError) as error:
             if isinstance(error, sqlite3.OperationalError) and _is_locked(error):
                 raise  # the lookups' wait and stand-in handle a lock (_user_db_for_lookups)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from ..errors import KernelgenRuntimeError, KernelgenValueError
 
 __all__ = ["StorageURL", "parse_storage", "open_storage", "default_storage", "HEARTBEAT_S", "GRACE_S"]
 
+SCHEMA_ATTEMPTS = 6  # opening a new RDB storage while other processes create its tables: tries, 0.1 s apart, doubling
 HEARTBEAT_S, GRACE_S = 30, 120  # RDB storages: a RUNNING trial whose tuner stopped beating for GRACE_S is stale
 log = logging.getLogger("kernelgen")
 RDB_BACKENDS = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")
@@ -144,7 +146,7 @@ def open_storage(storage: StorageURL):
     """The Optuna storage object of a checked URL (its file's directory made when missing)."""
     import optuna
     from optuna.storages.journal import JournalFileBackend
-    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
     sqlite = storage.url.startswith("sqlite:")
     try:
@@ -160,11 +162,20 @@ def open_storage(storage: StorageURL):
         raise KernelgenValueError(f"storage {storage.url} is not an Optuna journal file ({error}); name a journal "
                                   "that kernelgen tune wrote, or a new file") from None
     try:
-        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(storage.url,
-                                              engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else None,
-                                              heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+        for attempt in range(SCHEMA_ATTEMPTS):
+            try:
+                with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    return optuna.storages.RDBStorage(
+                        storage.url, engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else None,
+                        heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+            except (IntegrityError, OperationalError) as error:
+                # processes that open a new storage at once each create its tables and version row: the ones that
+                # lose the race find them made, and open it again
+                if attempt + 1 == SCHEMA_ATTEMPTS or not isinstance(error, IntegrityError) and \
+                        "already exists" not in str(error):
+                    raise
+                time.sleep(0.1 * 2 ** attempt)
     except ImportError as error:  # the database's driver (psycopg2, say) is not installed
         raise KernelgenValueError(f"storage {storage.url}: {error}; install the database's Python driver") from None
     except (SQLAlchemyError, RuntimeError) as error:  # no server there, refused credentials, ...; RuntimeError:
