@@ -63,8 +63,9 @@ def unwritable(directory: Path, create: bool = True) -> str | None:
 
 def untrusted(directory: Path) -> str | None:
     """Why modules imported from `directory` could hold another user's code, or None: it (or its parent, which
-    could swap it) is a symbolic link, another user's, or writable by others, who could then plant a module
-    or its cached bytecode (a shared temporary directory's predictable name, made first by someone else)."""
+    could swap it) is a symbolic link, another user's, or writable by others, who could then plant a module, whose
+    file the compilers read their kernels' source from (a shared temporary directory's predictable name, made first
+    by someone else)."""
     if not hasattr(os, "getuid"):  # no owners to compare (Windows): its user dirs are the user's own
         return None
     for path in (directory, directory.parent):
