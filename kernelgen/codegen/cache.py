@@ -125,8 +125,9 @@ def load_module(name: str, source: str, directory: Path | None = None) -> Module
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     # compiled from the source in hand, never from cached bytecode, which a damaged __pycache__ file would break;
-    # the file stays the module's, for the compilers that read their kernels' source from it
-    exec(compile(source, str(path), "exec"), mod.__dict__)  # noqa: S102 - kernelgen's own rendered module
+    # the file stays the module's, for the compilers that read their kernels' source from it. dont_inherit: not
+    # this file's `from __future__ import annotations` (TileLang evaluates its kernels' annotations)
+    exec(compile(source, str(path), "exec", dont_inherit=True), mod.__dict__)  # noqa: S102 - kernelgen's own module
     log.debug("loaded kernel module %s from %s", name, path)
     _modules[name] = mod
     return mod
