@@ -9,7 +9,7 @@ import math
 import torch
 
 from .errors import KernelgenTypeError, KernelgenValueError
-from .inputs import check_scale
+from .inputs import check_scale, lists_type_error
 from .spec import Spec
 
 __all__ = [
@@ -241,10 +241,11 @@ def _check_call(q, k, v, spec, block_idx=None, scale=None) -> None:
         if min(x.shape) < 1:
             raise KernelgenValueError(f"empty input: {name} {tuple(x.shape)}")
     _check_heads(q, k, spec)
-    if block_idx is not None and (not isinstance(block_idx, torch.Tensor) or block_idx.is_floating_point() or
-                                  block_idx.is_complex() or block_idx.dtype == torch.bool):
-        raise KernelgenTypeError(f"block_idx must be an integer tensor of block ids, got "
-                                 f"{getattr(block_idx, 'dtype', type(block_idx).__name__)}")
+    if block_idx is not None and not isinstance(block_idx, torch.Tensor):
+        raise lists_type_error(block_idx, "an integer tensor of block ids")  # a BlockMask is told how to convert
+    if block_idx is not None and (block_idx.is_floating_point() or block_idx.is_complex() or
+                                  block_idx.dtype == torch.bool):
+        raise KernelgenTypeError(f"block_idx must be an integer tensor of block ids, got {block_idx.dtype}")
     if scale is not None:
         check_scale(scale)
 
