@@ -644,6 +644,13 @@ class SparseAttention:
             k_idx_new=k_idx_new)
         if new is not None:
             rows = self._append(k, v, shapes, new, rows)
+        o, lse = self._checked_attention(q, k, v, shapes, rows, block_idx, scale, index, key_reps)
+        return (o, lse) if return_lse else o
+
+    def _checked_attention(self, q, k, v, shapes: Shapes, rows, block_idx, scale, index,
+                           key_reps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o, lse) of a call that `_checked_call` has checked (and whose new keys are written: `rows`' lengths
+        include them), through autograd where the inputs require grad."""
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps, rows)
         else:
@@ -652,7 +659,7 @@ class SparseAttention:
             o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, rows)[:3]
         if isinstance(rows, TokenRows):
             o, lse = clear_padding(o, lse, rows.seqlens)
-        return (o, lse) if return_lse else o
+        return o, lse
 
     def _checked_call(self, q, k, v, *, block_idx=None, index=None, scale=None, key_reps=None, cache_seqlens=None,
                       cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None, k_idx_new=None):
@@ -841,18 +848,25 @@ class SparseAttention:
                                        [one_a_row(x) for x in new], one_a_row(q),
                                        None if index is None else (one_a_row(index[0]), k_idx, one_a_row(index[2])))
             self._checked_call(*args, **options, scale=scale)
-        after = cache_seqlens
+        after, checked = cache_seqlens, {}
         if groups and any(x is not None for x in new):
-            # each group's call checked as if it wrote its rows' new keys, then one launch writes every row's
+            # each group's call checked as if it wrote its rows' new keys, then one launch writes every row's; the
+            # groups then attend as checked, over their rows' new lengths
             for group in groups:
                 args, options = group_call(group, cache_seqlens, new)
-                self._checked_call(*args, **options, scale=scale)
+                checked[id(group)] = self._checked_call(*args, **options, scale=scale)[:5], options
             written = apart_from_cache(NewKeys(new[0], new[1], k_idx, new[2]), k, v)
             after = self._append(k, v, self._cache_shapes(k, block_table), written,
                                  CacheRows(cache_seqlens, cache_leftpad, block_table), cu_seqlens=cu_seqlens,
                                  most_new=groups[-1].count).seqlens
 
         def call(group: QueryGroup):
+            if id(group) in checked:
+                (group_q, group_k, group_v, shapes, group_cache), options = checked[id(group)]
+                lengths = after if group.every_row else group_rows(after, group)
+                return self._checked_attention(group_q, group_k, group_v, shapes,
+                                               group_cache._replace(seqlens=lengths), options["block_idx"], scale,
+                                               options.get("index"), options["key_reps"])
             args, options = group_call(group, after, (None, None, None))
             return self(*args, **options, scale=scale, return_lse=True)
 

@@ -8,6 +8,7 @@ import torch
 
 from kernelgen import Spec, get_kernel, reference
 from kernelgen.errors import KernelgenTypeError, KernelgenValueError
+from kernelgen.varlen import query_groups
 
 from checks import assert_close_to_reference
 from test_cache_seqlens import _cache, _index, _spec
@@ -275,7 +276,8 @@ def test_a_refused_call_writes_nothing_whichever_group_is_refused(device):
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_every_row_s_new_keys_are_written_by_one_launch(layout, device, monkeypatch):
     """A call of several groups (APART: rows of one count apart) writes all its rows' new keys, and the index keys,
-    with one append launch each, before its groups attend over the longer rows."""
+    with one append launch each, before its groups attend over the longer rows; each group's call is checked once
+    (before the write), not again when it attends."""
     attn = get_kernel(_spec("index", "q_centric"))
     q, k, v, lens = _cache(20, torch.float32, device, capacity=96, lengths=(60, 37, 0, 48, 94))
     index = _index(q, 96)
@@ -293,11 +295,19 @@ def test_every_row_s_new_keys_are_written_by_one_launch(layout, device, monkeypa
         return append(self, *args, **options)
 
     monkeypatch.setattr(type(attn), "_append", counted)
+    checks, checked_call = [], type(attn)._checked_call
+
+    def counted_checks(self, *args, **options):
+        checks.append(options)
+        return checked_call(self, *args, **options)
+
+    monkeypatch.setattr(type(attn), "_checked_call", counted_checks)
     before = k.clone()
     attn.varlen(packed, k, v, bounds, cache_seqlens=lens, block_table=table, index=packed_index,
                 k_new=packed[:, :2].contiguous(), v_new=packed[:, 2:].contiguous(),
                 k_idx_new=packed[:, :2, 32:].contiguous())
     assert len(launches) == 1 and not torch.equal(k, before)
+    assert len(checks) == len(query_groups(bounds, packed.shape[0])) > 1
 
 
 def test_kept_reps_end_at_every_row_s_length_without_cache_seqlens(device):
