@@ -186,14 +186,15 @@ def _spec_from_file(spec_file) -> "Spec":
 
     try:
         data = json.loads(Path(spec_file).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:  # recursion: deep nesting
         _fail(f"--spec {spec_file}: {getattr(error, 'strerror', None) or error}: expected a Spec's JSON "
               "(Spec.to_json())")
     if not isinstance(data, dict):
         _fail(f"--spec {spec_file}: expected a JSON object of Spec fields (Spec.to_json()), got {type(data).__name__}")
     try:
         return Spec.from_dict(data)
-    except (KernelgenError, TypeError, ValueError) as error:  # a field missing or unknown: Spec's own TypeError
+    except (KernelgenError, TypeError, ValueError) as error:  # an unknown field or a bad value: Spec's own error
+        # (a field left out takes Spec's default, as Spec(...) gives it)
         _fail(f"--spec {spec_file}: {error}")
 
 
@@ -553,9 +554,12 @@ def db_clear(spec_key: Optional[str] = typer.Option(None, help="Only this spec k
     """Delete winners from the user DB (the bundled DB is read-only)."""
     from .tuning.db import TuningDB, default_user_db_path
 
-    if not default_user_db_path().is_file():  # nothing to delete, and no DB (nor cache dir) made to say so
-        console.print(f"deleted 0 rows (there is no user DB at {default_user_db_path()})")
+    user = default_user_db_path()
+    if not user.exists():  # nothing to delete, and no DB (nor cache dir) made to say so
+        console.print(f"deleted 0 rows (there is no user DB at {user})")
         return
+    if user.is_dir():
+        _fail(f"the user tuning DB {user} is a directory, not a database file: nothing to delete")
     with TuningDB() as db:
         db.check_writable()
         if not yes:
@@ -812,9 +816,9 @@ def bench(
 @clean_errors
 def quality(
     ctx: typer.Context,
-    qkv: Path = typer.Option(..., "--qkv", help="A .pt file of captured tensors: {'layers': {name: {'q', 'k', 'v'[, "
+    qkv: Path = typer.Option(..., "--qkv", help="A .pt file of captured tensors: {'layers': {name: {'q', 'k'[, 'v'][, "
                                                  "'q_idx', 'k_idx', 'w']}}} (kernelgen.quality.capture_qkv) or one "
-                                                 "layer's {'q', 'k', 'v'}."),
+                                                 "layer's {'q', 'k'[, 'v']}; without v the output error is nan."),
     selectors: Optional[str] = typer.Option(None, help="Comma-separated selectors: mean, multi:r, index (default: "
                                                        "mean and multi:4, and index when the file holds index "
                                                        "vectors)."),
@@ -976,6 +980,8 @@ def info(verbose: bool = VERBOSE):
         except UnreadableDatabase as error:  # says which file and why
             state = str(error)
         table.add_row("user tuning DB", state)
+    elif user.is_dir():
+        table.add_row("user tuning DB", f"{user} (cannot be used: a directory, not a database file)")
     elif read_only is None:
         table.add_row("user tuning DB", f"{user} (none yet)")
     else:

@@ -215,7 +215,7 @@ class Spec:
     def from_json(cls, text: str) -> "Spec":
         try:
             data = json.loads(text)
-        except (TypeError, json.JSONDecodeError) as error:
+        except (TypeError, json.JSONDecodeError, RecursionError) as error:
             raise KernelgenValueError(f"Spec.from_json: not a JSON object of Spec fields ({error})") from None
         if not isinstance(data, dict):
             raise KernelgenValueError(f"Spec.from_json: expected a JSON object of Spec fields, got "

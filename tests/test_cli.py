@@ -456,6 +456,18 @@ def test_a_cache_dir_that_cannot_be_created(tmp_path, monkeypatch):
     assert result.exit_code == 0 and "deleted 0 rows (there is no user DB at" in flat(result.output), result.output
 
 
+def test_a_user_db_path_that_is_a_directory(tmp_path):
+    """A directory where the user DB's file should be is said so: info names it, db list warns and lists the
+    bundled rows, db clear is one line."""
+    (tmp_path / "cache" / "tuning.db").mkdir(parents=True)
+    result = invoke("info")
+    assert result.exit_code == 0 and "(cannotbeused:adirectory" in "".join(flat(result.output).split()), result.output
+    result = invoke("db", "list")
+    assert result.exit_code == 0 and "is a directory, not a database file" in flat(result.output), result.output
+    assert f"{len(read_only_rows(BUNDLED_DB_PATH))} rows" in result.output
+    one_line_error(invoke("db", "clear", "--yes"), "is a directory, not a database file", "nothing to delete")
+
+
 def test_reading_commands_make_no_cache_dir(tmp_path):
     """info, db list and db show only read: a missing cache dir stays missing (no directory, no empty user DB),
     and one that could not be made (its parent read-only) is said to be read-only."""
@@ -628,6 +640,7 @@ def _bad_files(root: Path) -> None:
     (root / "fields.json").write_text('{"head_dim": 64, "banana": 1}')
     (root / "banana_backend.json").write_text('{"head_dim": 64, "backend": "banana"}')
     (root / "empty.json").write_text('{}')
+    (root / "deep.json").write_text("[" * 100_000)  # deeper than json's parser recurses
     (root / "a_dir").mkdir()
     torch.save({x: torch.zeros(1, 2, 128, 64) for x in "qkv"}, root / "qkv.pt")
     for name, table in (("foreign.db", "winners (role TEXT, backend TEXT)"), ("no_winners.db", "other (x)")):
@@ -736,6 +749,8 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
     (DRY_FILE + ["--spec", "{FILES}/missing.json"], ["--spec", "missing.json", "No such file"]),
     (DRY_FILE + ["--spec", "{FILES}/a_dir"], ["--spec", "a_dir", "Is a directory"]),
     (DRY_FILE + ["--spec", "{FILES}/corrupt.json"], ["--spec", "corrupt.json", "Expecting"]),
+    (DRY_FILE + ["--spec", "{FILES}/deep.json"], ["--spec", "deep.json", "recursion"]),
+    (DRY_FILE + ["--model", "{FILES}/deep.json"], ["--model", "deep.json", "not JSON"]),
     (DRY_FILE + ["--spec", "{FILES}/list.json"], ["--spec", "list.json", "JSON object", "got list"]),
     (DRY_FILE + ["--spec", "{FILES}/fields.json"], ["--spec", "fields.json", "unknown fields ['banana']"]),
     (["export", "--out", "{FILES}/m.py", "--spec", "{FILES}/text.db"], ["--spec", "text.db"]),

@@ -431,6 +431,11 @@ class TuningDB:
             self._open()
 
     def _open(self) -> None:
+        if self.path.is_dir():  # not a read-only cache but a misplaced folder: said at once, not at the first write
+            logger.warning("user tuning database %s is a directory, not a database file: it holds no winners, and "
+                           "tunes cannot store theirs", self.path)
+            self._open_for_reading(f"{self.path} is a directory, not a database file", read_file=False)
+            return
         if self.path.exists() and not os.access(self.path, os.W_OK):  # root too, on a read-only mount or inode
             self._open_for_reading("the file is not writable")
             return

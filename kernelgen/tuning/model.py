@@ -36,7 +36,7 @@ def read_model_config(path: str | Path) -> dict:
     """The model config (JSON object) at `path`."""
     try:
         config = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, RecursionError) as error:  # recursion: nesting deeper than the parser goes
         raise KernelgenValueError(f"--model {path}: not JSON ({error})") from None
     except (OSError, UnicodeDecodeError) as error:
         raise KernelgenValueError(f"--model {path}: {getattr(error, 'strerror', None) or error}") from None
