@@ -347,10 +347,8 @@ class SparseAttention:
         if torch.compiler.is_compiling():
             rows = dict(key_reps=key_reps, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens,
                         block_table=block_table)
-            if any(value is not None for value in rows.values()):
-                raise KernelgenValueError(f"under torch.compile, select() takes q, k and index= (the op "
-                                          f"kernelgen::select_blocks); {[n for n, x in rows.items() if x is not None]} "
-                                          f"too only eagerly: a call with them selects and attends in one op")
+            if any(value is not None for value in rows.values()):  # the op kernelgen::select_blocks takes none
+                return _select_rows_eagerly(self.select, q, k, index=index, **rows)
             if self._outside_graph():
                 return _eagerly(self.select, q, k, index=index)
             return self._traced().select_blocks(q, k, self._spec_text, index=index)
@@ -548,10 +546,8 @@ class SparseAttention:
         ids count once (an error with validate_lists=True), as in a call given the raw lists. Per-query
         lists also get their reverse index, and the design their calls run: the union one where neighbouring
         queries' lists agree closely enough (`BlockLists.union`; measuring that is one host sync)."""
-        if torch.compiler.is_compiling():  # its checks and reverse index read the lists on the host
-            raise KernelgenRuntimeError("attn.prepare cannot run inside torch.compile: prepare the lists before the "
-                                        "compiled region and pass them in, or pass the raw lists as block_idx (a "
-                                        "compiled call prepares what it needs itself)")
+        if torch.compiler.is_compiling():
+            return _prepare_eagerly(self.prepare, block_idx, seq_q, seq_k)
         seq_q, seq_k = check_length("seq_q", seq_q), check_length("seq_k", seq_k)
         if not isinstance(block_idx, torch.Tensor):
             raise lists_type_error(block_idx)
@@ -1014,6 +1010,21 @@ def _eagerly(method, *args, **kwargs):
     return method(*args, **kwargs)
 
 
+@torch.compiler.disable(reason="kernelgen: attn.prepare reads the lists on the host (its checks, its reverse "
+                               "index): it runs eagerly, outside the graph; prepare the lists before the compiled "
+                               "region and pass them in, or pass the raw lists as block_idx")
+def _prepare_eagerly(prepare, *args):
+    return prepare(*args)
+
+
+@torch.compiler.disable(reason="kernelgen: select() over a cache's or a padded batch's rows (key_reps, "
+                               "cache_seqlens, cache_leftpad, seqlens, block_table) runs eagerly, outside the graph: "
+                               "the op kernelgen::select_blocks takes q, k and index= only (a call with those "
+                               "arguments selects and attends in one op)")
+def _select_rows_eagerly(select, *args, **kwargs):
+    return select(*args, **kwargs)
+
+
 @torch.compiler.disable(reason="kernelgen: varlen over a KV cache reads its bounds on the host (one group of rows "
                                "per query count), which a graph cannot hold: it runs eagerly")
 def _varlen_eagerly(attn, *args, **kwargs):
@@ -1112,17 +1123,33 @@ def clear_padding(o: torch.Tensor, lse: torch.Tensor, seqlens: torch.Tensor):
     return torch.where(real[:, None, :, None], o, 0.0), torch.where(real[:, None, :], lse, float("-inf"))
 
 
-@functools.lru_cache(maxsize=256)
-def _cached(spec: Spec, validate_lists: bool) -> SparseAttention:
-    return SparseAttention(spec, validate_lists=validate_lists)
+# get_kernel's callables, by (spec, validate_lists): a plain dict, which dynamo reads inside a compiled region (it
+# would trace through an lru_cache and build the callable again), oldest dropped past KERNELS_KEPT
+_kernels: dict[tuple[Spec, bool], SparseAttention] = {}
+KERNELS_KEPT = 256
 
 
 def get_kernel(spec: Spec, *, configs: dict | None = None, validate_lists: bool = False) -> SparseAttention:
     """The callable for `spec` (cached per spec). `configs` ({role: config}, e.g. {"attn": AttnConfig(...),
     "select": SelectConfig(...)}; the config type says the backend) pins tunables instead of the tuning DB's
-    winners or the defaults; a role no call of `spec` runs (`roles.pinnable_roles`) is refused."""
+    winners or the defaults; a role no call of `spec` runs (`roles.pinnable_roles`) is refused. Inside
+    torch.compile a spec's cached callable is read as the graph's constant; one not built yet is built outside the
+    graph (a graph break, refused by fullgraph=True: call get_kernel(spec) once before compiling)."""
     if not isinstance(spec, Spec):
         raise KernelgenTypeError(f"spec must be a kernelgen.Spec, got {type(spec).__name__}")
     if configs:
-        return SparseAttention(spec, configs, validate_lists)
-    return _cached(spec, validate_lists)
+        return _built(spec, configs, validate_lists)
+    attn = _kernels.get((spec, validate_lists))
+    return attn if attn is not None else _built(spec, None, validate_lists)
+
+
+@torch.compiler.disable(reason="kernelgen: get_kernel(spec) builds a spec's callable outside the graph, once per "
+                               "spec: call get_kernel(spec) before compiling (where the model is built), and inside "
+                               "the compiled region it is read from get_kernel's cache")
+def _built(spec: Spec, configs: dict | None, validate_lists: bool) -> SparseAttention:
+    attn = SparseAttention(spec, configs, validate_lists)
+    if not configs:
+        while len(_kernels) >= KERNELS_KEPT:
+            del _kernels[next(iter(_kernels))]
+        _kernels[spec, validate_lists] = attn
+    return attn

@@ -68,7 +68,7 @@ def reference_backend(tmp_path, monkeypatch):
 
     def forget():  # what earlier tests served from other DBs
         lookup._winners.cache_clear()
-        kernelgen.dispatch._cached.cache_clear()
+        kernelgen.dispatch._kernels.clear()
 
     forget()
     backend = backends.register(ReferenceBackend())

@@ -121,20 +121,60 @@ def test_one_compiled_function_over_kernels_of_several_specs(device):
         assert torch.equal(reps, attn.key_reps(k).reps), fields
 
 
-def test_prepare_inside_compile_is_refused_and_prepared_lists_pass_in(device):
-    """attn.prepare reads the lists on the host: inside torch.compile it is refused by name (dynamo's own error was
-    about json's encoder); lists prepared outside pass into the compiled call, which equals the eager one."""
+def test_prepare_inside_compile_runs_outside_the_graph_and_prepared_lists_pass_in(device):
+    """attn.prepare reads the lists on the host: inside torch.compile it runs eagerly, a graph break that
+    fullgraph=True refuses naming it (dynamo's own error was about json's encoder, and without fullgraph the
+    interpreter's kernels were traced with fake tensors); lists prepared outside pass into the compiled call, which
+    equals the eager one. select() over a padded batch's rows breaks the graph the same way."""
     spec = SPEC.replace(selector="given")
     attn = kernelgen.get_kernel(spec)
     q, k, v = inputs(device)
     idx = torch.randint(-1, spec.n_kv_blocks(k.shape[2]), (q.shape[0], k.shape[1], spec.n_q_tiles(q.shape[2]),
                                                           spec.top_k), dtype=torch.int32, device=device)
-    with pytest.raises(Exception, match="attn.prepare cannot run inside torch.compile"):
-        torch.compile(lambda q, k, v: attn(q, k, v, block_idx=attn.prepare(idx, q.shape[2], k.shape[2])),
-                      fullgraph=True, backend="eager")(q, k, v)
     lists = attn.prepare(idx, q.shape[2], k.shape[2])
+    expected = attn(q, k, v, block_idx=lists)
+
+    def prepared_inside(q, k, v):
+        return attn(q, k, v, block_idx=attn.prepare(idx, q.shape[2], k.shape[2]))
+
+    with pytest.raises(Exception, match="attn.prepare reads the lists on the host"):
+        torch.compile(prepared_inside, fullgraph=True, backend="eager")(q, k, v)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(prepared_inside, backend="aot_eager")(q, k, v), expected)
     compiled = torch.compile(lambda q, k, v: attn(q, k, v, block_idx=lists), fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(q, k, v), attn(q, k, v, block_idx=lists))
+    assert torch.equal(compiled(q, k, v), expected)
+
+    selecting, k = kernelgen.get_kernel(SPEC), k[:, :, :q.shape[2]]  # a padded batch's self-attention
+    lens = torch.tensor([q.shape[2] - 5] * q.shape[0], dtype=torch.int32, device=device)
+    with pytest.raises(Exception, match=r"select\(\) over a cache's or a padded batch's rows .* runs eagerly"):
+        torch.compile(lambda q, k: selecting.select(q, k, seqlens=lens), fullgraph=True, backend="eager")(q, k)
+    torch._dynamo.reset()
+    selected = torch.compile(lambda q, k: selecting.select(q, k, seqlens=lens), backend="aot_eager")(q, k)
+    assert torch.equal(selected, selecting.select(q, k, seqlens=lens))
+
+
+def test_get_kernel_inside_a_compiled_region(device):
+    """get_kernel(spec) written inside a fullgraph region reads the spec's cached callable (no graph break, even
+    for a Spec made there); a spec not built before compiling is built outside the graph: a graph break that
+    fullgraph=True refuses naming what to do, and without fullgraph it runs."""
+    q, k, v = inputs(device)
+    expected = kernelgen.get_kernel(SPEC)(q, k, v)
+
+    def layer(q, k, v):
+        return kernelgen.get_kernel(Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2,
+                                         local=1))(q, k, v)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, fullgraph=True, backend="aot_eager")(q, k, v), expected)
+    unbuilt = SPEC.replace(top_k=SPEC.top_k + 1)
+    kernelgen.dispatch._kernels.pop((unbuilt, False), None)
+    with pytest.raises(Exception, match=r"call get_kernel\(spec\) before compiling"):
+        torch.compile(lambda q, k, v: kernelgen.get_kernel(unbuilt)(q, k, v), fullgraph=True,
+                      backend="eager")(q, k, v)
+    torch._dynamo.reset()
+    kernelgen.dispatch._kernels.pop((unbuilt, False), None)
+    o = torch.compile(lambda q, k, v: kernelgen.get_kernel(unbuilt)(q, k, v), backend="aot_eager")(q, k, v)
+    assert torch.equal(o, kernelgen.get_kernel(unbuilt)(q, k, v))
 
 
 def test_compiles_with_dynamic_lengths_and_backpropagates(device):

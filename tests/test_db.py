@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import multiprocessing
 import os
@@ -689,6 +690,30 @@ def test_bundle_merges_conflicting_rows_of_the_given_files_as_upsert_keeps_them(
             merge_into_bundled([files[name] for name in order], target)
             rows = {row["bucket"]: row["config"]["from"] for row in read_only_rows(target)}
             assert rows == {2048: kept, 4096: "bundled"}, order
+
+
+def test_bundle_takes_dbs_with_only_the_columns_kernelgen_reads(tmp_path):
+    """Tables made by another tool, with no timestamp column, one key in both under two fingerprints: a row of no
+    time counts as older than one with a time, and the bundled file holds the kept rows (a KeyError or a NOT NULL
+    failure before)."""
+    import sqlite_utils
+
+    from kernelgen.tuning.db import KEY_COLUMNS, REQUIRED_COLUMNS, SCHEMA, merge_into_bundled, read_only_rows
+
+    stale = Fingerprint(**{**FP.as_columns(), "torch_version": "2.0.0"})
+    paths = []
+    for name, fingerprint in (("a", FP), ("b", stale)):
+        paths.append(tmp_path / f"{name}.db")
+        with contextlib.closing(sqlite_utils.Database(paths[-1])) as made:
+            made["winners"].create({column: SCHEMA[column] for column in REQUIRED_COLUMNS}, pk=KEY_COLUMNS)
+            row = {column: value for column, value in _row({"from": name}, **fingerprint.as_columns()).items()
+                   if column in REQUIRED_COLUMNS}
+            made["winners"].insert({**row, "config": json.dumps(row["config"])})
+    merge_into_bundled(paths, tmp_path / "winners.db")
+    assert [row["config"] for row in read_only_rows(tmp_path / "winners.db")] == [{"from": "a"}]
+    dated = write_bundled_db(tmp_path / "dated.db", [_row({"from": "dated"}, timestamp="2026-01-01T00:00:00+00:00")])
+    merge_into_bundled([dated, *paths], tmp_path / "with-dated.db")
+    assert [row["config"] for row in read_only_rows(tmp_path / "with-dated.db")] == [{"from": "dated"}]
 
 
 def test_a_user_db_locked_when_dispatch_opens_it_still_serves_the_bundled_winners(isolated_cache_dir, monkeypatch,

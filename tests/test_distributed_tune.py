@@ -244,6 +244,10 @@ def test_a_storage_that_cannot_be_opened_is_named(tmp_path):
     other.write_text("not a journal\nat all\n")
     with pytest.raises(KernelgenValueError, match=f"storage journal://{other} is not an Optuna journal file"):
         open_storage(parse_storage(f"journal://{other}"))
+    for lines in ('{"level": "info", "msg": "a server log"}\n', '{"op_code": 99}\n'):  # JSON, no Optuna operations
+        other.write_text(lines)
+        with pytest.raises(KernelgenValueError, match=f"storage journal://{other} is not an Optuna journal file"):
+            open_storage(parse_storage(f"journal://{other}"))
     (tmp_path / "file").write_text("")
     for url in (f"journal://{tmp_path / 'file' / 'study.log'}", f"sqlite:///{tmp_path / 'file' / 'optuna.db'}"):
         with pytest.raises(KernelgenRuntimeError, match=f"storage {url} cannot be opened"):
@@ -267,7 +271,7 @@ def test_a_storage_of_another_optuna_schema_is_named(tmp_path):
 def test_a_journal_cut_off_mid_append_keeps_its_studies(tmp_path):
     """A tuner killed while appending leaves a last line without its newline. The next tune's first append would
     join it and make the journal unreadable (every study in it); instead the torn line is cut off when the
-    storage opens, and the complete trials stay."""
+    storage opens and before each append (a tuner that opened it earlier), and the complete trials stay."""
     path = tmp_path / "study.log"
     url = parse_storage(f"journal://{path}")
     optuna.create_study(study_name="s", storage=open_storage(url)).optimize(
@@ -280,6 +284,12 @@ def test_a_journal_cut_off_mid_append_keeps_its_studies(tmp_path):
     assert path.read_bytes().startswith(whole)
     study = optuna.load_study(study_name="s", storage=open_storage(url))
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 5
+    live = optuna.load_study(study_name="s", storage=open_storage(url))  # opened before the next tear
+    with open(path, "ab") as journal:
+        journal.write(b'{"op_code":5,"worker_id":"gone","trial_id":5,"sta')
+    live.optimize(lambda trial: trial.suggest_int("x", 0, 9), n_trials=2)  # its appends cut the torn line first
+    study = optuna.load_study(study_name="s", storage=open_storage(url))
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 7
     text = tmp_path / "notes.txt"  # not a journal: left as it is, whatever its last line
     text.write_text("not a journal")
     open_storage(parse_storage(f"journal://{text}"))

@@ -147,6 +147,37 @@ def test_a_broken_db_is_a_miss_never_a_crash(user_db, monkeypatch, caplog):
     assert SparseAttention(GIVEN).served("attn", 32768, device=CUDA).source == "default"
 
 
+def test_a_hand_edited_row_is_skipped_naming_its_key_and_hides_no_other_row(user_db, caplog):
+    """Rows a hand edit left unusable (a bucket that is no length, a number that is text or negative, a config of
+    wrong fields or types) are skipped, each with a warning naming its key: the key's good row is still served
+    from the nearest bucket, and the nearest tuned spec's too (one bad row used to make the whole lookup fail)."""
+    import contextlib
+    import json
+    import sqlite3
+
+    _add(user_db, GIVEN)
+    good = user_db.rows()[0]
+    bad_rows = [{"bucket": 0}, {"bucket": "big"}, {"bucket": 65536, "median_ms": -1.0},
+                {"bucket": 16384, "tflops": "fast"},
+                {"bucket": 131072, "config": json.dumps({**dataclasses.asdict(WINNER), "block_m": "64"})},
+                {"bucket": 262144, "config": json.dumps({"BLOCK_M": 64})}]
+    with contextlib.closing(sqlite3.connect(user_db.path)) as conn, conn:
+        for edit in bad_rows:
+            row = {**good, "config": json.dumps(good["config"]), **edit}
+            conn.execute(f"INSERT OR REPLACE INTO winners ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                         list(row.values()))
+    with caplog.at_level("WARNING", logger="kernelgen"):
+        assert len(user_db.rows()) == 3  # the good row and the two of bad configs, which only a backend can read
+        for bucket in (1024, 16384, 32768, 65536, 131072, 262144):
+            assert lookup.tuned_config(TRITON, GIVEN, "attn", bucket, torch.bfloat16, CUDA) == (WINNER, "user DB")
+        served = SparseAttention(GIVEN.replace(top_k=8)).served("attn", 32768, device=CUDA)
+        assert (served.config, served.source) == (WINNER, "user DB, nearest tuned spec")
+    for said in ("'bucket': 0,", "'bucket': 'big'", "median_ms is -1.0", "tflops is 'fast'", "'bucket': 131072",
+                 "'bucket': 262144"):
+        assert said in caplog.text, said
+    assert "lookup failed" not in caplog.text
+
+
 # ---- backend="auto": the faster tuned backend per bucket ---------------------------------------------
 
 AUTO = GIVEN.replace(backend="auto")

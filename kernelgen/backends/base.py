@@ -197,8 +197,14 @@ class Backend:
                                       f"{where}: {reason} (Backend.config_space lists the feasible points)")
 
     def config_from_dict(self, role: str, data: dict | None):
+        """The role's config of these fields (a DB row's, a study's), each of its declared type (TypeError or
+        ValueError naming a wrong one)."""
         impl = self.role(role)
-        return None if impl.config_type is None else impl.config_type(**(data or {}))
+        if impl.config_type is None:
+            return None
+        config = impl.config_type(**(data or {}))
+        _check_field_types(role, config)
+        return config
 
     @staticmethod
     def config_to_dict(config) -> dict | None:

@@ -352,13 +352,27 @@ def _decode(row: dict[str, Any]) -> dict[str, Any] | None:
         problem = None if isinstance(row["config"], dict) else f"config is a JSON {type(row['config']).__name__}"
     except (TypeError, ValueError) as error:
         problem = f"config: {error}"
-    if problem is None and (isinstance(row["median_ms"], bool) or not isinstance(row["median_ms"], (int, float))):
-        problem = f"median_ms is {row['median_ms']!r}, not a number"
+    if problem is None:
+        problem = _bad_number(row, "bucket", int, 1) or _bad_number(row, "median_ms", float, 0) or \
+            _bad_number(row, "tflops", float, 0, missing=True)
     if problem is not None:
         logger.warning("tuning DB row %s is unreadable (%s); skipping it",
                        {name: row.get(name) for name in KEY_COLUMNS}, problem)
         return None
     return row
+
+
+def _bad_number(row: dict[str, Any], name: str, kind: type, least: float, missing: bool = False) -> str | None:
+    """What is wrong with the row's number `name` (an int, or any finite number for float, above `least`; for an
+    int at least `least`), or None; `missing`: it may be absent or NULL."""
+    value = row.get(name)
+    if missing and value is None:
+        return None
+    number = not isinstance(value, bool) and isinstance(value, int if kind is int else (int, float))
+    if not number or not math.isfinite(value) or value < least or (kind is float and value == least):
+        return f"{name} is {value!r}, not {'an int' if kind is int else 'a number'} " \
+               f"{'at least' if kind is int else 'above'} {least}"
+    return None
 
 
 def _select(db: sqlite_utils.Database, filters: dict[str, Any]) -> list[dict[str, Any]]:
@@ -383,12 +397,14 @@ def _servable(db: sqlite_utils.Database, fingerprint: Fingerprint, **key: Any) -
             for row in _select(db, {**key, "servable_under": fingerprint})]
 
 
-def _lookup(db: sqlite_utils.Database, *, bucket: int, fingerprint: Fingerprint, **key: Any) -> dict | None:
+def _lookup(db: sqlite_utils.Database, *, bucket: int, fingerprint: Fingerprint,
+            usable: Callable[[dict], bool] | None = None, **key: Any) -> dict | None:
     if bucket <= 0:
         raise KernelgenValueError(f"bucket must be a positive sequence bucket (see seq_bucket), got {bucket}")
     # Filtering on the fingerprint first means a stale exact-bucket row never shadows a fresh
-    # neighbouring bucket.
-    return nearest_bucket_row(_servable(db, fingerprint, **key), bucket)
+    # neighbouring bucket; and on `usable`, that a row the caller cannot use never shadows one it can.
+    rows = _servable(db, fingerprint, **key)
+    return nearest_bucket_row(rows if usable is None else [row for row in rows if usable(row)], bucket)
 
 
 def _create_schema(db: sqlite_utils.Database) -> None:
@@ -553,14 +569,16 @@ class TuningDB:
         dtype: str,
         bucket: int,
         fingerprint: Fingerprint,
+        usable: Callable[[dict], bool] | None = None,
     ) -> dict | None:
         """The winner for this key: the exact bucket, else the nearest tuned one; None on a miss.
 
-        Rows of another fingerprint are ignored. The returned row has `config` decoded from JSON.
+        Rows of another fingerprint, and those `usable` (given a row) refuses, are ignored. The returned row has
+        `config` decoded from JSON.
         """
         return self._run(lambda: _lookup(
             self._db, spec_key=spec_key, role=role, backend=backend, arch=arch, gpu_name=gpu_name,
-            dtype=dtype, bucket=bucket, fingerprint=fingerprint))
+            dtype=dtype, bucket=bucket, fingerprint=fingerprint, usable=usable))
 
     def servable(self, fingerprint: Fingerprint, **key: Any) -> list[dict]:
         """Rows equal to `key` (columns, any subset) that `fingerprint` may serve, each with its
@@ -884,10 +902,11 @@ class Winners:
         dtype: str,
         bucket: int,
         fingerprint: Fingerprint,
+        usable: Callable[[dict], bool] | None = None,
     ) -> dict | None:
         """As `TuningDB.lookup`, with `source` ("user" or "bundled") added to the row."""
         key = dict(spec_key=spec_key, role=role, backend=backend, arch=arch, gpu_name=gpu_name,
-                   dtype=dtype, bucket=bucket, fingerprint=fingerprint)
+                   dtype=dtype, bucket=bucket, fingerprint=fingerprint, usable=usable)
         user = self.user
         row = user.lookup(**key) if user is not None else None
         if row is not None:
@@ -937,6 +956,8 @@ def write_bundled_db(path: str | Path, rows: Iterable[dict] = ()) -> Path:
             for record in records:
                 if not isinstance(record["config"], str):
                     record["config"] = json.dumps(record["config"], sort_keys=True)
+                if record["timestamp"] is None:  # a row of a table made elsewhere, without the column: time unknown
+                    record["timestamp"] = ""
             db.table(TABLE).insert_all(records, pk=KEY_COLUMNS)
         db.execute("VACUUM")  # compact: this file is committed to the repository
         db.close()
@@ -953,7 +974,8 @@ def _kept(old: dict, new: dict) -> dict:
     one fingerprint the faster, of two the later measured (an earlier one's stack is gone)."""
     if Fingerprint.from_row(old) == Fingerprint.from_row(new):
         return new if new["median_ms"] < old["median_ms"] else old
-    return new if new["timestamp"] > old["timestamp"] else old
+    # a table made elsewhere with only the columns kernelgen reads has no timestamps: such a row counts as older
+    return new if (new.get("timestamp") or "") > (old.get("timestamp") or "") else old
 
 
 def _is_wal_file(path: Path) -> bool:

@@ -98,6 +98,20 @@ def _feasible(backend, spec: Spec, role: str, row: dict, arch: str, what: str) -
     return reason is None
 
 
+def _readable(backend, role: str, row: dict) -> bool:
+    """Whether `backend` reads the row's config as one of `role`'s (its fields, of their types); a hand-edited
+    one is skipped with a warning naming its key, and never hides the other rows of its key."""
+    from .db import KEY_COLUMNS
+
+    try:
+        backend.config_from_dict(role, row["config"])
+        return True
+    except (TypeError, ValueError) as error:
+        log.warning("tuning DB row %s holds no %s %s config (%s); skipping it",
+                    {name: row.get(name) for name in KEY_COLUMNS}, backend.name, role, error)
+        return False
+
+
 def tuned_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, device: torch.device) -> dict | None:
     """The DB row of `backend`'s winner for `role` of `spec` (its kernel spec or any spec with the same
     key) on this GPU in the nearest tuned bucket, or None. Carries `source` and `soft_mismatch`."""
@@ -106,12 +120,14 @@ def tuned_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, device:
         key = dict(spec_key=get_role(role).key(spec, backend.name), role=role, backend=backend.name,
                    arch=target.arch, dtype=_dtype_name(dtype))
         fingerprint = _fingerprint(backend.name, role)
+        readable = functools.partial(_readable, backend, role)
         if target.gpu_name is None:  # any GPU of the arch
             from .db import nearest_bucket_row
 
-            row = nearest_bucket_row(_winners().servable(fingerprint, **key), bucket)
+            row = nearest_bucket_row(list(filter(readable, _winners().servable(fingerprint, **key))), bucket)
         else:
-            row = _winners().lookup(**key, gpu_name=target.gpu_name, bucket=bucket, fingerprint=fingerprint)
+            row = _winners().lookup(**key, gpu_name=target.gpu_name, bucket=bucket, fingerprint=fingerprint,
+                                    usable=readable)
         return row if row is not None and _feasible(backend, spec, role, row, target.arch, "own") else None
     except Exception as error:  # dispatch must keep working whatever the DB holds
         log.warning("tuning DB lookup failed (%s: %s); using default configs", type(error).__name__, error)
@@ -159,7 +175,7 @@ def nearest_spec_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, 
         same = _SAME_FIELDS_SELECT if role in SELECTION_ROLES else _SAME_FIELDS
         this_gpu = target.gpu_name or ""
         candidates = []
-        for row in rows:
+        for row in filter(functools.partial(_readable, backend, role), rows):
             try:
                 other = Spec(**json.loads(row["spec_json"]))
             except Exception:  # a row without its spec (or of a spec this kernelgen refuses): not a candidate

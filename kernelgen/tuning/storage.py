@@ -8,7 +8,8 @@
     /path/optuna.db                       a plain path: an SQLite file
 
 `parse_storage` checks a URL without opening anything (the CLI validates `--storage` with it);
-`open_storage` opens it (a journal's last line cut off mid-append by a killed tuner is cut off first).
+`open_storage` opens it (a journal's last line cut off mid-append by a killed tuner is cut off on opening
+and before each append).
 Without a storage, a single-worker tune keeps its studies in `cache_dir()/optuna.db` and a tune of several
 workers in the journal `cache_dir()/optuna-journal.log`.
 """
@@ -105,15 +106,16 @@ def default_storage(workers: int) -> StorageURL:
     return parse_storage(f"journal://{path}" if workers > 1 else path)
 
 
-def _cut_torn_tail(path: Path) -> None:
+def _cut_torn_tail(path: Path, lock=None) -> None:
     """Cut off a journal's last line when it lacks its newline: an append cut short (a tuner killed while
     writing, a full disk). Optuna skips such a line, but its next append would join it and make that line, and
-    so every later one, unreadable. Under Optuna's own append lock no append is in flight, so the line is torn."""
+    so every later one, unreadable. Under Optuna's own append lock (`lock`, the file's default one where not
+    given) no append is in flight, so the line is torn."""
     from optuna.storages.journal import JournalFileSymlinkLock  # JournalFileBackend's default lock
 
     if not path.is_file() or path.stat().st_size == 0:
         return
-    lock = JournalFileSymlinkLock(str(path))
+    lock = lock or JournalFileSymlinkLock(str(path))
     lock.acquire()
     try:
         with open(path, "rb+") as journal:
@@ -142,10 +144,22 @@ def _cut_torn_tail(path: Path) -> None:
                 "cut it off", path, size - keep)
 
 
+def _journal_file(path: Path):
+    """Optuna's journal file backend, whose every append first cuts off a torn last line (`_cut_torn_tail`): a
+    tuner that opened the journal before another was killed mid-append still appends lines of their own."""
+    from optuna.storages.journal import JournalFileBackend
+
+    class MendingJournalFile(JournalFileBackend):
+        def append_logs(self, logs) -> None:
+            _cut_torn_tail(path, self._lock)
+            super().append_logs(logs)
+
+    return MendingJournalFile(str(path))
+
+
 def open_storage(storage: StorageURL):
     """The Optuna storage object of a checked URL (its file's directory made when missing)."""
     import optuna
-    from optuna.storages.journal import JournalFileBackend
     from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
     sqlite = storage.url.startswith("sqlite:")
@@ -153,14 +167,16 @@ def open_storage(storage: StorageURL):
         if storage.kind == "journal":
             storage.journal_path.parent.mkdir(parents=True, exist_ok=True)
             _cut_torn_tail(storage.journal_path)
-            return optuna.storages.JournalStorage(JournalFileBackend(str(storage.journal_path)))
+            return optuna.storages.JournalStorage(_journal_file(storage.journal_path))
         if sqlite:
             Path(storage.url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a directory that cannot be made, a file that cannot be read or locked
         raise KernelgenRuntimeError(f"storage {storage.url} cannot be opened: {error}") from None
-    except ValueError as error:  # the journal's lines are not JSON: another file
-        raise KernelgenValueError(f"storage {storage.url} is not an Optuna journal file ({error}); name a journal "
-                                  "that kernelgen tune wrote, or a new file") from None
+    except (ValueError, KeyError, AssertionError) as error:
+        # lines that are not JSON (ValueError), or JSON without Optuna's operations (KeyError: no op_code;
+        # AssertionError: one it does not know) as Optuna replays them: another program's file
+        raise KernelgenValueError(f"storage {storage.url} is not an Optuna journal file ({type(error).__name__}: "
+                                  f"{error}); name a journal that kernelgen tune wrote, or a new file") from None
     try:
         for attempt in range(SCHEMA_ATTEMPTS):
             try:
