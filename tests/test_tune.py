@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import socket
@@ -393,6 +394,19 @@ def test_tune_refuses_bad_arguments_before_any_work(tmp_path, db, kwargs, error)
 
 
 # -- real worker processes (interpreter) --------------------------------------------------------------
+
+
+def test_a_script_that_tunes_without_its_main_guard_is_told_at_once(tmp_path):
+    """A script calling tune() at its top level: the spawned measurement process imports it again, and there
+    tune() refuses naming the main guard (before, the parent waited out the 300 s start-up timeout, no hint)."""
+    script = tmp_path / "tune_script.py"
+    script.write_text("from kernelgen import Spec\nfrom kernelgen.tuning import tune\n"
+                      f"print(tune(Spec.from_json({SPEC.to_json()!r}), seq={SEQ}, trials=1, device='cpu'))\n")
+    env = {**os.environ, "KERNELGEN_CACHE_DIR": str(tmp_path / "cache"), "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240)
+    said = run.stdout + run.stderr
+    assert "tune worker failed to start: worker process died starting" in said, said[-2000:]
+    assert "must do so under `if __name__ == '__main__':`" in said and "timed out" not in said
 
 
 def test_tune_cpu_writes_one_winner(tmp_path, db):

@@ -61,7 +61,7 @@ from ..spec import Spec
 from . import db as tuning_db
 from .plan import check_budget, check_workers, config_key, plan, seeds, tuned_backend
 from .storage import StorageURL, default_storage, open_storage, parse_storage
-from .worker import STARTUP_TIMEOUT_S, Worker, precompile_points
+from .worker import MAIN_GUARD, STARTUP_TIMEOUT_S, Worker, precompile_points
 
 __all__ = ["TuneResult", "tune", "TRIAL_TIMEOUT_S"]
 
@@ -434,9 +434,7 @@ def _search_in_processes(job: _SearchJob, devices: list[str], study: optuna.Stud
             try:
                 status, why = receive.recv()
             except EOFError:  # it died without a word: often a script that spawn re-ran without its main guard
-                status, why = "error", (f"exit code {proc.exitcode}, without a reply (its stderr says why; a script "
-                                        "that tunes with workers must do so under `if __name__ == '__main__':`, as "
-                                        "each worker process imports the script again)")
+                status, why = "error", f"exit code {proc.exitcode}, without a reply (its stderr says why; {MAIN_GUARD})"
             if status != "done":
                 errors.append(f"{proc.name} on {device}: {why}")
         return errors
@@ -490,6 +488,11 @@ def tune(
     workers        worker processes measuring at once, one per GPU: cuda:0 to cuda:workers-1, which must
                    be GPUs of one kind (with device="cpu": interpreter processes, tests only).
     """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # a spawned process importing the caller's script (each tune process does, as multiprocessing's own
+        # bootstrapping check knows): a script that tunes at its top level would tune again there, and its parent
+        # wait out the start-up timeout for a worker that never gets ready
+        raise KernelgenRuntimeError(MAIN_GUARD)
     backend, kernel_spec = tuned_backend(spec, role)
     check_budget(trials, timeout)
     check_workers(workers)

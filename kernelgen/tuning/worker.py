@@ -237,6 +237,10 @@ def _interpreter_env(enabled: bool):
                 os.environ["TRITON_INTERPRET"] = old
 
 
+MAIN_GUARD = ("a script that tunes must do so under `if __name__ == '__main__':`, as each tune process imports the "
+              "script again")
+
+
 class Worker:
     """One spawned measurement process, started on first use and after any failure."""
 
@@ -259,7 +263,8 @@ class Worker:
         status, payload = self._receive(self.startup_timeout, "starting")
         if status != "ready":
             self.close(graceful=False)
-            raise KernelgenRuntimeError(f"tune worker failed to start: {payload}")
+            hint = f" (its stderr says why; {MAIN_GUARD})" if payload.startswith("worker process died") else ""
+            raise KernelgenRuntimeError(f"tune worker failed to start: {payload}{hint}")
         log.debug("tune worker %s ready on %s", payload, self.device)
 
     def _receive(self, timeout: float, doing: str) -> tuple[str, Any]:
