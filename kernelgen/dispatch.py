@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -1126,6 +1127,7 @@ def clear_padding(o: torch.Tensor, lse: torch.Tensor, seqlens: torch.Tensor):
 # get_kernel's callables, by (spec, validate_lists): a plain dict, which dynamo reads inside a compiled region (it
 # would trace through an lru_cache and build the callable again), oldest dropped past KERNELS_KEPT
 _kernels: dict[tuple[Spec, bool], SparseAttention] = {}
+_kernels_lock = threading.Lock()
 KERNELS_KEPT = 256
 
 
@@ -1148,8 +1150,10 @@ def get_kernel(spec: Spec, *, configs: dict | None = None, validate_lists: bool 
                                "the compiled region it is read from get_kernel's cache")
 def _built(spec: Spec, configs: dict | None, validate_lists: bool) -> SparseAttention:
     attn = SparseAttention(spec, configs, validate_lists)
-    if not configs:
-        while len(_kernels) >= KERNELS_KEPT:
+    if configs:
+        return attn
+    with _kernels_lock:  # threads building at once: each key kept once, the oldest dropped once
+        attn = _kernels.setdefault((spec, validate_lists), attn)
+        while len(_kernels) > KERNELS_KEPT:
             del _kernels[next(iter(_kernels))]
-        _kernels[spec, validate_lists] = attn
     return attn
