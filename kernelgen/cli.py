@@ -838,8 +838,8 @@ def quality(
     queries' lists agree (the KV-centric union design's inflation)."""
     import torch
 
-    from .quality import (QUALITY_SELECTORS, full_coverage_note, load_qkv, plot_recall, selection_quality, summarize,
-                          write_csv)
+    from .quality import (QUALITY_SELECTORS, full_coverage_note, load_qkv, plot_recall, recorded_causal,
+                          selection_quality, summarize, write_csv)
     from .spec import HEAD_DIMS, Spec
     from .tile_union import union_max_inflation
 
@@ -860,6 +860,9 @@ def quality(
         if not isinstance(first.get(key), torch.Tensor) or first[key].dim() != 4:
             _fail(f"--qkv {qkv}: layer {next(iter(layers))!r} needs a 4-D tensor {key!r} [B, H, N, D]")
     q, k = first["q"], first["k"]
+    if 0 in q.shape or 0 in k.shape:
+        _fail(f"--qkv {qkv}: layer {next(iter(layers))!r} has q {list(q.shape)}, k {list(k.shape)}: B, H, N and D "
+              "must be at least 1")
     has_index = all(all(x in layer for x in ("q_idx", "k_idx", "w")) for layer in layers.values())
     if selectors is None:
         r = 4 if kv_block % 4 == 0 and q_tile % 4 == 0 else 2
@@ -872,7 +875,10 @@ def quality(
         if "index" in chosen and not has_index:
             _fail(f"--selectors index: {qkv} holds no index vectors (q_idx, k_idx, w) in every layer")
     if causal is None:
-        recorded = {name: bool(layer.get("causal", False)) for name, layer in layers.items()}
+        try:
+            recorded = {name: recorded_causal(name, layer) for name, layer in layers.items()}
+        except KernelgenError as error:
+            _fail(f"--qkv {qkv}: {error}")
         if len(set(recorded.values())) > 1:  # one spec measures every layer: a mixed file would mismeasure some
             causal_ones = [name for name, was in recorded.items() if was]
             _fail(f"--qkv {qkv}: {len(causal_ones)} of {len(recorded)} layers record causal (e.g. "
@@ -914,23 +920,30 @@ def quality(
         table.add_row(row["selector"], str(row["top_k"]), f"{row['recall_mean']:.4f}", f"{row['recall_min']:.4f}",
                       f"{row['rel_error_mean']:.2e}", f"{row['rel_error_max']:.2e}", row["worst"] or "-",
                       *([f"{row['inflation_mean']:.2f}"] if spec.per_query else []))
-    n_q, n_k = q.shape[2], k.shape[2]
-    console.print(f"{len(layers)} layers, {q.shape[1]} query heads, Nq={n_q}, Nk={n_k}, "
+    # layers may differ in length: each is measured at its own, and the header gives the range
+    n_qs, n_ks = ({layer[x].shape[2] for layer in layers.values()} for x in "qk")
+    n_blocks = sorted({spec.n_kv_blocks(n) for n in n_ks})
+    console.print(f"{len(layers)} layers, {q.shape[1]} query heads, Nq={_span(n_qs)}, Nk={_span(n_ks)}, "
                   f"{'causal' if causal else 'not causal'}, kv_block={kv_block}, "
                   f"{'per-query lists' if spec.per_query else f'q_tile={q_tile}'}, local={local}, "
-                  f"sink={sink} ({spec.n_kv_blocks(n_k)} KV blocks)")
+                  f"sink={sink} ({_span(n_blocks)} KV blocks)")
     if spec.per_query:
         console.print("inflation: the pairs the KV-centric union design computes over those the lists hold; "
                       f"prepare() serves it at most {union_max_inflation(kv_block):.2f}, or where this spec's tuned "
                       "winners of both designs on the GPU put their crossover")
     console.print(table)
-    note = full_coverage_note(budgets, spec.n_kv_blocks(n_k))
+    note = full_coverage_note(budgets, n_blocks[-1])  # budgets that list every block of every layer
     if note:
         console.print(note)
     console.print(f"per layer and head: {write_csv(rows, out / 'quality.csv')}")
     png = plot_recall(rows, out / "quality.png")
     if png:
         console.print(f"plot: {png}")
+
+
+def _span(values) -> str:
+    """A set of ints as its one value, or as "least–most"."""
+    return str(min(values)) if len(set(values)) == 1 else f"{min(values)}–{max(values)}"
 
 
 @app.command()

@@ -38,7 +38,7 @@ from .inputs import Shapes, check_index, check_scale
 from .interop import block_membership
 from .spec import Spec
 
-__all__ = ["capture_qkv", "load_qkv", "selection_quality", "summarize", "full_coverage_note", "write_csv",
+__all__ = ["capture_qkv", "load_qkv", "recorded_causal", "selection_quality", "summarize", "full_coverage_note", "write_csv",
            "plot_recall", "QUALITY_SELECTORS", "FIELDS", "ROOT"]
 
 QUALITY_SELECTORS = ("mean", "multi:r", "index")
@@ -64,7 +64,8 @@ def capture_qkv(model: torch.nn.Module, layers: Iterable[str] | None = None, *, 
 
     k and v repeated per query head before the call (Hugging Face's `repeat_kv`) are stored once per KV head.
     `causal` is True for `is_causal=True` or a mask that is exactly the bottom-right causal one, else False
-    (`is_causal=True` with Nq != Nk, which SDPA aligns top-left, warns: kernelgen's causal mask is bottom-right);
+    (`is_causal=True` with Nq != Nk, which SDPA aligns top-left, warns: kernelgen's causal mask is bottom-right;
+    so does another mask, which is not kept);
     `scale` is the call's (None: 1/sqrt(D)). Tensors are detached and moved to `device` (None: left where they
     are)."""
     functional = torch.nn.functional
@@ -112,6 +113,11 @@ def _record(captured, name, query, key, value, attn_mask, is_causal, scale, devi
     k, v = _undo_repeat_kv(k, v)
     n_q, n_k = q.shape[-2], k.shape[-2]
     causal = bool(is_causal) or (attn_mask is not None and _is_causal_mask(attn_mask, n_q, n_k))
+    if attn_mask is not None and not causal:
+        warnings.warn(f"capture_qkv: {name} called scaled_dot_product_attention with an attn_mask that is not the "
+                      "causal one (padding, a window, a bias): kernelgen records causal=False and keeps no mask, so "
+                      "its quality is measured against attention without that mask, another than the model's",
+                      stacklevel=3)
     if is_causal and n_q != n_k:
         warnings.warn(f"capture_qkv: {name} called scaled_dot_product_attention(is_causal=True) with Nq={n_q} != "
                       f"Nk={n_k}: SDPA aligns that mask top-left, kernelgen's causal mask (recorded causal=True) "
@@ -170,7 +176,23 @@ def load_qkv(path) -> dict[str, dict]:
     if not isinstance(data, Mapping) or not data or not all(isinstance(x, Mapping) for x in data.values()):
         raise KernelgenValueError(f"{path}: expected {{'layers': {{name: {{'q': ..., 'k': ..., 'v': ...}}}}}} or one "
                                   "layer's {'q': ..., 'k': ..., 'v': ...}")
+    names = [str(name) for name in data]
+    if len(set(names)) < len(names):  # a report names its layers by their text: two of one text would merge
+        same = next(name for name in names if names.count(name) > 1)
+        raise KernelgenValueError(f"{path}: two layers are named {same!r} (keys {[k for k in data if str(k) == same]}); "
+                                  "name each layer differently")
     return {str(name): dict(layer) for name, layer in data.items()}
+
+
+def recorded_causal(name: str, layer: Mapping) -> bool:
+    """A layer's recorded "causal" (False where it records none): a bool, or a one-element bool tensor."""
+    causal = layer.get("causal", False)
+    if isinstance(causal, torch.Tensor) and causal.numel() == 1 and causal.dtype == torch.bool:
+        causal = bool(causal.item())
+    if not isinstance(causal, bool):
+        raise KernelgenTypeError(f"layer {name!r}: recorded causal must be a bool, got {type(causal).__name__} "
+                                 f"{causal!r}")
+    return causal
 
 
 def _load_error(error: Exception) -> str:
@@ -180,7 +202,11 @@ def _load_error(error: Exception) -> str:
         return f"not a pickle: unknown opcode {error}"
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
     reason = re.search(r"WeightsUnpickler error:\s*(.+)", text)
-    line = reason.group(1) if reason else next((x.strip() for x in text.splitlines() if x.strip()), "")
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    if reason is None and len(lines) > 1 and lines[0].startswith("Weights only load failed"):
+        # torch's paragraph of advice first, then its reason (an unsupported GLOBAL, say), then a pointer to docs
+        reason = re.match(r"(.+)", next((x for x in lines[1:] if not x.startswith("Check the documentation")), ""))
+    line = reason.group(1) if reason else next(iter(lines), "")
     line = re.split(r"(?<=\.) ", line)[0]  # its first sentence: the rest is advice
     return f"{type(error).__name__}: {line[:200]}" if line else type(error).__name__
 
@@ -280,6 +306,9 @@ def _layer_tensors(name: str, layer, spec: Spec, device, uses_index: bool = Fals
             raise KernelgenValueError(f"layer {name!r} has no {key!r} tensor")
         if t is not None and not isinstance(t, torch.Tensor):
             raise KernelgenTypeError(f"layer {name!r}: {key} must be a torch.Tensor, got {type(t).__name__}")
+        if t is not None and (t.layout != torch.strided or t.device.type not in ("cpu", "cuda")):
+            raise KernelgenValueError(f"layer {name!r}: {key} is a {t.layout} tensor on {t.device}; expected a dense "
+                                      "(strided) tensor on the CPU or a CUDA GPU")
         tensors[key] = None if t is None else t.to(device if device is not None else layer["q"].device)
     q, k, v = tensors["q"], tensors["k"], tensors["v"]
     if q.device.type not in ("cpu", "cuda"):
@@ -295,6 +324,10 @@ def _layer_tensors(name: str, layer, spec: Spec, device, uses_index: bool = Fals
     if 0 in q.shape or 0 in k.shape:
         raise KernelgenValueError(f"layer {name!r}: q {tuple(q.shape)}, k {tuple(k.shape)}: B, H, N and D must be at "
                                   "least 1 (an empty input has no attention to measure)")
+    for key, t in tensors.items():
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise KernelgenValueError(f"layer {name!r}: {key} holds NaN or infinite values; quality is measured on "
+                                      "finite inputs")
     if q.shape[1] % k.shape[1]:
         raise KernelgenValueError(f"layer {name!r}: q has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}")
     if q.shape[-1] != spec.head_dim:
@@ -337,7 +370,8 @@ def _layer_quality(name, layer, base: Spec, specs: dict, scale, use_kernels, dev
     b, hq, n_q, _ = q.shape
     g, n_k = base.gqa_group, k.shape[2]
     n_blocks, kv_block, per_list = base.n_kv_blocks(n_k), base.kv_block, base.list_queries
-    lists = {key: _select(q, k, spec, index if spec.selector == "index" else None, use_kernels)
+    # a budget past the blocks there are lists them all: its lists are selected at that many slots
+    lists = {key: _select(q, k, _capped(spec, n_blocks), index if spec.selector == "index" else None, use_kernels)
              for key, spec in specs.items()}
     member = {key: block_membership(idx, n_blocks) for key, idx in lists.items()}  # [B, Hkv, n_lists, n_blocks]
     # per KV head, over the batch: how much the union design would compute beyond the lists (per-query lists)
@@ -358,10 +392,11 @@ def _layer_quality(name, layer, base: Spec, specs: dict, scale, use_kernels, dev
         if base.causal:
             s = s.masked_fill(torch.arange(n_k, device=q.device) > rows[:, None] + (n_k - n_q), -torch.inf)
         lse = torch.logsumexp(s, -1, keepdim=True)
+        if bool((torch.isnan(lse) | (lse == torch.inf)).any()):
+            raise KernelgenValueError(f"layer {name!r}: the scores q·k overflow {work} (inputs too large)")
         seen = torch.isfinite(lse)  # rows with a visible key; the others have no dense attention to keep
-        p = torch.exp(s - torch.where(seen, lse, 0.0))
-        p = torch.nn.functional.pad(p, (0, pad)).view(b, hq, len(rows), n_blocks, kv_block)
-        del s
+        s = torch.nn.functional.pad(s, (0, pad), value=-torch.inf).view(b, hq, len(rows), n_blocks, kv_block)
+        p = torch.exp(s - torch.where(seen, lse, 0.0)[..., None])
         o_dense = None if vd is None else p.flatten(-2)[..., :n_k] @ vd
         counted += seen.sum((0, 2, 3)).double()
         if o_dense is not None:
@@ -372,8 +407,10 @@ def _layer_quality(name, layer, base: Spec, specs: dict, scale, use_kernels, dev
             held = member[key][:, :, lists].repeat_interleave(g, 1)  # [B, Hq, R, n_blocks]
             kept = (block_mass * held).sum(-1, keepdim=True)  # the mass inside the listed blocks
             recall[key] += (kept * seen).sum((0, 2, 3)).double()
-            if o_dense is not None:
-                o_sparse = ((p * held[..., None]).flatten(-2)[..., :n_k] @ vd) / kept.clamp_min(1e-30)
+            if o_dense is not None:  # the softmax over the listed keys alone, from the scores: never the dense
+                # probabilities renormalised, which underflow to 0 where the listed keys lie far below the others
+                o_sparse = torch.softmax(s.masked_fill(~held[..., None], -torch.inf).flatten(-2), -1)
+                o_sparse = o_sparse.nan_to_num(0.0)[..., :n_k] @ vd  # a list of no visible key: o = 0
                 err_sq[key] += ((o_sparse - o_dense).square() * seen).sum((0, 2, 3)).double()
     out = []
     for (sel, top_k) in specs:
@@ -383,6 +420,11 @@ def _layer_quality(name, layer, base: Spec, specs: dict, scale, use_kernels, dev
                             recall=float(recall[sel, top_k][h] / counted[h]) if counted[h] else math.nan,
                             rel_error=rel, inflation=float(inflation[sel, top_k][h // g])))
     return out
+
+
+def _capped(spec: Spec, n_blocks: int) -> Spec:
+    """`spec` with its top_k at most the `n_blocks` there are (and at least its forced blocks): the same lists."""
+    return spec.replace(top_k=max(min(spec.top_k, n_blocks), spec.n_forced))
 
 
 def _layer_scale(name: str, layer, scale, head_dim: int) -> float:

@@ -150,7 +150,7 @@ def test_bad_inputs_name_what_is_wrong():
     for device in ("banana", "meta"):  # neither a CPU nor a CUDA GPU
         with pytest.raises(ValueError, match=f"device must be cpu or cuda .*{device}"):
             selection_quality(layers, spec, ["mean"], [2], device=device)
-    with pytest.raises(ValueError, match="layer 'l': q is on meta"):
+    with pytest.raises(ValueError, match="layer 'l': q is a torch.strided tensor on meta"):
         selection_quality({"l": {k: t.to("meta") for k, t in layers["l"].items()}}, spec, ["mean"], [2])
     with pytest.raises(TypeError, match="use_kernels must be None, True or False"):  # "no" was taken as True
         selection_quality(layers, spec, ["mean"], [2], use_kernels="no")
@@ -163,6 +163,42 @@ def test_bad_inputs_name_what_is_wrong():
                   {"q": layers["l"]["q"][:0], "k": layers["l"]["k"][:0]}):  # Nq, Nk, Hkv, B of 0: no NaN rows
         with pytest.raises(ValueError, match="must be at least 1"):
             selection_quality({"l": {"q": layers["l"]["q"], "k": layers["l"]["k"], **empty}}, spec, ["mean"], [2])
+
+
+def test_inputs_that_are_not_finite_or_dense_are_refused_and_huge_budgets_list_every_block():
+    """A NaN or inf in q, k or v (a head's recall NaN, which the summary then left out), scores that overflow,
+    and a sparse tensor are refused naming the layer; a budget far past the blocks there are lists them all, with
+    no list of that many slots (10**8 of them took gigabytes)."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, gqa_group=2)
+    layer = _layer()
+    for key, bad in (("q", math.nan), ("k", math.inf), ("v", -math.inf)):
+        broken = layer[key].clone()
+        broken[0, 0, 3, 5] = bad
+        with pytest.raises(ValueError, match=f"layer 'l': {key} holds NaN or infinite values"):
+            selection_quality({"l": {**layer, key: broken}}, spec, ["mean"], [2])
+    with pytest.raises(ValueError, match="layer 'l': the scores q·k overflow"):
+        selection_quality({"l": {**layer, "q": layer["q"].double() * 1e200, "k": layer["k"].double() * 1e200}}, spec,
+                          ["mean"], [2])
+    with pytest.raises(ValueError, match="layer 'l': q is a torch.sparse_coo tensor"):
+        selection_quality({"l": {**layer, "q": layer["q"].to_sparse()}}, spec, ["mean"], [2])
+    rows = selection_quality({"l": layer}, spec, ["mean"], [10 ** 8])
+    assert all(abs(row["recall"] - 1) < 1e-12 and row["rel_error"] < 1e-12 for row in rows)
+
+
+def test_rel_error_is_the_listed_keys_own_softmax_where_their_dense_weights_underflow():
+    """The sparse output is the softmax over the listed keys, from the scores: listed keys 750 nats below the
+    others have dense weights of 0 in float64, and renormalising those gave o_sparse = 0 (rel_error exactly 1)."""
+    d, n = 64, 64
+    q, k, v = torch.zeros(1, 1, n, d), torch.zeros(1, 1, n, d), torch.randn(1, 1, n, d, dtype=torch.float64)
+    q[..., 0], k[:, :, 48:, 0] = 1.0, 6000.0  # block 3 scores 6000/8 = 750 above the others
+    spec = Spec(head_dim=d, kv_block=16, q_tile=16, sink=1, top_k=1)  # every list: the sink block 0
+    row = selection_quality({"l": {"q": q, "k": k, "v": v}}, spec, ["mean"], [1])[0]
+    given = spec.replace(selector="given")
+    o_sparse = reference.sparse_attention(q, k, v, given, block_idx=torch.zeros(1, 1, 4, 1, dtype=torch.int32))[0]
+    every = torch.arange(4, dtype=torch.int32).view(1, 1, 1, 4).expand(1, 1, 4, 4)
+    o_dense = reference.sparse_attention(q, k, v, given.replace(top_k=4), block_idx=every)[0]
+    assert row["rel_error"] == pytest.approx(float((o_sparse - o_dense).norm() / o_dense.norm()), rel=1e-9)
+    assert row["rel_error"] > 1.2
 
 
 def test_index_vectors_are_checked_as_a_call_checks_them(tmp_path):
@@ -251,6 +287,26 @@ def test_capture_warns_of_is_causal_with_fewer_queries_than_keys():
         warnings.simplefilter("error")
         with capture_qkv(model):
             model(q, k[:, :, :4], v[:, :, :4])  # Nq == Nk: both alignments agree
+
+
+def test_capture_warns_of_a_mask_it_does_not_keep():
+    """A padding or window mask is not the causal one: recorded causal=False and no mask, so the capture says its
+    quality is measured against another attention than the model's (it was silent)."""
+    class Call(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64)
+    model, padded = Call(), torch.ones(8, 8, dtype=torch.bool).tril()
+    padded[:, :2] = False  # two left-padding positions
+    with pytest.warns(UserWarning, match="attn_mask that is not the causal one"), capture_qkv(model) as layers:
+        model(q, k, v, padded)
+    assert not layers[ROOT]["causal"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with capture_qkv(model) as layers:
+            model(q, k, v, torch.ones(8, 8, dtype=torch.bool).tril())  # the causal mask: recorded as causal
+    assert layers[ROOT]["causal"]
 
 
 def test_capture_names_the_model_s_own_attention_call_root():
@@ -360,6 +416,40 @@ def test_cli_bad_input_is_one_line(tmp_path):
     one_line_error(invoke("quality", "--qkv", str(tmp_path / "int.pt")), "--qkv", "int.pt", "4-D float tensor")
     torch.save({"something": 1}, tmp_path / "other.pt")
     one_line_error(invoke("quality", "--qkv", str(tmp_path / "other.pt")), "layers")
+    files = {"no_kv_heads": {"l": {"q": torch.randn(1, 2, 8, 64), "k": torch.randn(1, 0, 8, 64)}},
+             "causal_text": {"l": {**_layer(n_q=64, n_k=64), "causal": "False"}},
+             "causal_pair": {"l": {**_layer(n_q=64, n_k=64), "causal": torch.tensor([True, False])}},
+             "sparse_q": {"l": {**_layer(n_q=64, n_k=64), "q": _layer(n_q=64, n_k=64)["q"].to_sparse()}},
+             "meta": {"l": {key: t.to("meta") for key, t in _layer(n_q=64, n_k=64).items()}},
+             "one_name_twice": {1: _layer(n_q=64, n_k=64), "1": _layer(n_q=64, n_k=64)}}
+    said = {"no_kv_heads": "must be at least 1", "causal_text": "recorded causal must be a bool",
+            "causal_pair": "recorded causal must be a bool", "sparse_q": "sparse_coo", "meta": "on meta",
+            "one_name_twice": "two layers are named '1'"}
+    for name, layers in files.items():  # tracebacks (or a string 'False' read as causal, two layers as one) before
+        torch.save({"layers": layers}, tmp_path / f"{name}.pt")
+        one_line_error(invoke("quality", "--qkv", str(tmp_path / f"{name}.pt"), "--kv-block", "16", "--q-tile", "16"),
+                       f"{name}.pt", said[name])
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    torch.save({"x": Payload()}, tmp_path / "payload.pt")  # refused by the weights-only unpickler, saying why
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "payload.pt")), "payload.pt",
+                   "Unsupported global: GLOBAL print")
+
+
+def test_cli_header_spans_layers_of_different_lengths(tmp_path):
+    """Each layer is measured at its own length; the header gives the span, and the full-coverage note names only
+    budgets that list every block of every layer (it was the first layer's)."""
+    path = tmp_path / "lengths.pt"
+    torch.save({"layers": {"short": _layer(n_q=64, n_k=64), "long": _layer(n_q=128, n_k=128, seed=1)}}, path)
+    result = invoke("quality", "--qkv", str(path), "--kv-block", "16", "--q-tile", "16", "--top-k", "4,8",
+                    "--selectors", "mean", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "Nq=64–128, Nk=64–128" in text and "(4–8 KV blocks)" in text
+    assert "top_k 8: at least the 8 KV blocks" in text and "top_k 4" not in text
 
 
 def test_cli_refuses_layers_that_record_causal_differently(tmp_path):
