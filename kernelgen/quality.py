@@ -38,8 +38,8 @@ from .inputs import Shapes, check_index, check_scale
 from .interop import block_membership
 from .spec import Spec
 
-__all__ = ["capture_qkv", "load_qkv", "recorded_causal", "selection_quality", "summarize", "full_coverage_note", "write_csv",
-           "plot_recall", "QUALITY_SELECTORS", "FIELDS", "ROOT"]
+__all__ = ["capture_qkv", "load_qkv", "recorded_causal", "selection_quality", "summarize", "full_coverage_note",
+           "write_csv", "plot_recall", "QUALITY_SELECTORS", "FIELDS", "ROOT"]
 
 QUALITY_SELECTORS = ("mean", "multi:r", "index")
 FIELDS = ("layer", "head", "selector", "top_k", "recall", "rel_error", "inflation")
@@ -179,8 +179,8 @@ def load_qkv(path) -> dict[str, dict]:
     names = [str(name) for name in data]
     if len(set(names)) < len(names):  # a report names its layers by their text: two of one text would merge
         same = next(name for name in names if names.count(name) > 1)
-        raise KernelgenValueError(f"{path}: two layers are named {same!r} (keys {[k for k in data if str(k) == same]}); "
-                                  "name each layer differently")
+        keys = [key for key in data if str(key) == same]
+        raise KernelgenValueError(f"{path}: two layers are named {same!r} (keys {keys}); name each layer differently")
     return {str(name): dict(layer) for name, layer in data.items()}
 
 
