@@ -18,7 +18,7 @@ anything.
 
 `kernelgen::sparse_attention` backpropagates (`torch.library.register_autograd`): it also returns the lists
 it attended over (in the kernels' form; given or selected), which its backward, the op
-`kernelgen::sparse_attention_backward`, reads instead of selecting again. lse carries no gradient.
+`kernelgen::sparse_attention_backward`, reads instead of selecting again. lse backpropagates too.
 """
 from __future__ import annotations
 
@@ -114,16 +114,18 @@ def _(q, k, v, k_new, v_new, spec_json, cache_seqlens, cache_leftpad=None, block
 @torch.library.custom_op("kernelgen::sparse_attention_backward", mutates_args=())
 def _attn_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, lists: torch.Tensor, spec_json: str, scale: float | None,
-                      needs: list[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      needs: list[bool] | None = None,
+                      dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv); a gradient that `needs` (three bools) leaves out is not computed (the eager backward skips the
-    dQ or the dK/dV kernels alike), and comes back as an empty tensor: an op returns tensors, not None."""
+    dQ or the dK/dV kernels alike), and comes back as an empty tensor: an op returns tensors, not None. `dlse`:
+    lse's gradient, or None."""
     needs = (True, True, True) if needs is None else tuple(needs)
-    grads = get_kernel(_spec_of(spec_json))._gradients(do, q, k, v, o, lse, lists, scale, needs=needs)
+    grads = get_kernel(_spec_of(spec_json))._gradients(do, q, k, v, o, lse, lists, scale, needs=needs, dlse=dlse)
     return tuple(x.new_empty(0) if grad is None else grad for grad, x in zip(grads, (q, k, v)))
 
 
 @_attn_backward_op.register_fake
-def _(do, q, k, v, o, lse, lists, spec_json, scale, needs=None):
+def _(do, q, k, v, o, lse, lists, spec_json, scale, needs=None, dlse=None):
     needs = (True, True, True) if needs is None else needs
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) if need else x.new_empty(0)
                  for x, need in zip((q, k, v), needs))
@@ -134,13 +136,15 @@ def _setup_context(ctx, inputs, output):
     o, lse, lists = output
     ctx.save_for_backward(q, k, v, o, lse, lists)
     ctx.spec_json, ctx.scale = spec_json, scale
-    ctx.mark_non_differentiable(lse, lists)
+    ctx.mark_non_differentiable(lists)
 
 
-def _backward(ctx, do, _dlse, _dlists):
+def _backward(ctx, do, dlse, _dlists):
     q, k, v, o, lse, lists = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:3])  # a frozen q, or frozen k and v: their kernels are not launched
-    grads = _attn_backward_op(do, q, k, v, o, lse, lists, ctx.spec_json, ctx.scale, needs)
+    if do is None:  # autograd materialises unused outputs' gradients as zeros; None where it does not
+        do = torch.zeros_like(o)
+    grads = _attn_backward_op(do, q, k, v, o, lse, lists, ctx.spec_json, ctx.scale, needs, dlse)
     grads = tuple(grad if need else None for grad, need in zip(grads, needs))
     return grads + (None,) * 14  # nothing for block_idx, spec, scale, index, rows, key reps, pages
 
@@ -322,7 +326,7 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
                      k_idx_new=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., cache_leftpad=...,
     key_reps=..., seqlens=..., block_table=..., k_new=..., v_new=..., k_idx_new=..., return_lse=True)` as custom
-    ops; o backpropagates (lse carries no gradient; a call with cache_seqlens or block_table has no backward).
+    ops; o and lse backpropagate (a call with cache_seqlens or block_table has no backward).
     `spec` may also be its JSON text (`Spec.to_json`). Prepared lists (`attn.prepare`) go in as their normalised
     ids: their reverse index and union design stay outside the op, which builds what its calls need. New keys
     (k_new=) are written into the cache by an op of their own, which mutates k and v (and k_idx) in place."""

@@ -43,6 +43,7 @@ from .device import device_arch, interpreting, launching_on
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, build_reverse_index
 from .roles import (DECODE_MAX_QUERIES, backward_roles, forward_roles, get_role, pinnable_roles,
                     union_workload_inflation)
+from .sinks import check_sinks, with_sinks
 from .spec import Spec
 from .tile_union import TileUnion, build_tile_union, union_max_inflation
 from .tuning.buckets import seq_bucket
@@ -134,7 +135,7 @@ class SparseAttention:
     attn(q, k, v, block_idx=idx)          attend over caller-given lists (int32 [B, Hkv, n_q_tiles, top_k], -1 empty)
     lists = attn.prepare(idx, seq_q, seq_k)   the same lists checked and normalised once (`BlockLists`);
     attn(q, k, v, block_idx=lists)        calls with them skip that step (one launch fewer per call)
-    attn(q, k, v, return_lse=True)        also return lse (float32 [B, Hq, Nq]; it carries no gradient)
+    attn(q, k, v, return_lse=True)        also return lse (float32 [B, Hq, Nq]; a loss may read it)
     attn.select(q, k)                     the lists the selector would use
     reps = attn.key_reps(k)               the `mean`/`multi:r` selector's representatives of k's blocks, kept with a
                                           KV cache (`KeyReps`); attn(q, k, v, key_reps=reps) selects from them, not
@@ -151,6 +152,8 @@ class SparseAttention:
                                           same table (`inputs.PAGED_INDEX_LAYOUT`)
     attn(q, k, v, seqlens=n)              a right-padded batch; attn.varlen(q, k, v, cu_seqlens) packed sequences
                                           (`varlen.VARLEN_LAYOUT`), each as the call over it alone
+    attn(q, k, v, sinks=s)                attention sinks: a logit per query head [Hq] in each row's softmax,
+                                          with no value (`kernelgen.sinks`); any call, varlen too
 
     q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = spec.gqa_group * Hkv; fp16/bf16 (fp32 in the interpreter).
     With inputs that require grad (and grad enabled), o backpropagates: dq, dk, dv for the lists the forward
@@ -623,17 +626,25 @@ class SparseAttention:
                  key_reps: KeyReps | None = None, cache_seqlens: torch.Tensor | None = None,
                  cache_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
-                 v_new: torch.Tensor | None = None, k_idx_new: torch.Tensor | None = None):
+                 v_new: torch.Tensor | None = None, k_idx_new: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None):
         check_return_lse(return_lse)
         if torch.compiler.is_compiling() and self._outside_graph(scale):
             return _eagerly(self, q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse,
                             key_reps=key_reps, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
-                            seqlens=seqlens, block_table=block_table, k_new=k_new, v_new=v_new, k_idx_new=k_idx_new)
+                            seqlens=seqlens, block_table=block_table, k_new=k_new, v_new=v_new, k_idx_new=k_idx_new,
+                            sinks=sinks)
+        if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 4:  # else q's own check names q
+            check_sinks(sinks, q.shape[1], q.device)
         if torch.compiler.is_compiling():  # dynamo cannot trace this dispatcher (its caches, its host reads)
             o, lse = self._traced().sparse_attention(
                 q, k, v, self._spec_text, block_idx=block_idx, scale=scale, index=index, cache_seqlens=cache_seqlens,
                 key_reps=key_reps, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table,
                 k_new=k_new, v_new=v_new, k_idx_new=k_idx_new)
+            if sinks is not None:
+                o, lse = with_sinks(o, lse, sinks)
+                if seqlens is not None:  # the padding stays o = 0, lse = -inf
+                    o, lse = clear_padding(o, lse, seqlens)
             return (o, lse) if return_lse else o
         q, k, v, shapes, rows, new = self._checked_call(
             q, k, v, block_idx=block_idx, index=index, scale=scale, key_reps=key_reps, cache_seqlens=cache_seqlens,
@@ -641,19 +652,21 @@ class SparseAttention:
             k_idx_new=k_idx_new)
         if new is not None:
             rows = self._append(k, v, shapes, new, rows)
-        o, lse = self._checked_attention(q, k, v, shapes, rows, block_idx, scale, index, key_reps)
+        o, lse = self._checked_attention(q, k, v, shapes, rows, block_idx, scale, index, key_reps, sinks)
         return (o, lse) if return_lse else o
 
     def _checked_attention(self, q, k, v, shapes: Shapes, rows, block_idx, scale, index,
-                           key_reps) -> tuple[torch.Tensor, torch.Tensor]:
+                           key_reps, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(o, lse) of a call that `_checked_call` has checked (and whose new keys are written: `rows`' lengths
-        include them), through autograd where the inputs require grad."""
+        include them), through autograd where the inputs require grad, with `sinks` (checked) joined."""
         if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
             o, lse = _AttentionFunction.apply(q, k, v, self, shapes, block_idx, scale, index, key_reps, rows)
         else:
             if block_idx is None:
                 self._reps_to_rows(k, shapes, key_reps, rows)
             o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, rows)[:3]
+        if sinks is not None:
+            o, lse = with_sinks(o, lse, sinks)
         if isinstance(rows, TokenRows):
             o, lse = clear_padding(o, lse, rows.seqlens)
         return o, lse
@@ -722,7 +735,7 @@ class SparseAttention:
 
     def varlen(self, q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None,
                return_lse: bool = False, cache_seqlens=None, block_table=None, cache_leftpad=None, key_reps=None,
-               k_new=None, v_new=None, k_idx_new=None):
+               k_new=None, v_new=None, k_idx_new=None, sinks=None):
         """Causal self-attention over packed sequences of different lengths, in FlashAttention's varlen layout
         (`varlen.VARLEN_LAYOUT`): each sequence selects and attends as the call over it alone would, bit for bit,
         forward and backward. o is [total, Hq, D]; lse (return_lse) float32 [Hq, total], as FlashAttention's.
@@ -736,17 +749,21 @@ class SparseAttention:
         rows and prefill chunks of any lengths in one call. Row b is the call over its cache row with its
         cu_seqlens[b + 1] - cu_seqlens[b] queries (`_varlen_over_cache`); k_new, v_new [total, Hkv, D] (and
         k_idx_new [total, k_idx's heads, Di]), packed as q, are its new tokens' keys, written at each row's end
-        first as the call's k_new= writes them."""
+        first as the call's k_new= writes them. `sinks`: as the call's."""
         check_return_lse(return_lse)
+        if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # else q's own check names q
+            check_sinks(sinks, q.shape[1], q.device)
         if cache_seqlens is not None or block_table is not None:
             new = (k_new, v_new, k_idx_new)
             if torch.compiler.is_compiling():
                 return _varlen_eagerly(self, q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, index=index,
                                        scale=scale, return_lse=return_lse, cache_seqlens=cache_seqlens,
                                        block_table=block_table, cache_leftpad=cache_leftpad, key_reps=key_reps,
-                                       k_new=k_new, v_new=v_new, k_idx_new=k_idx_new)
+                                       k_new=k_new, v_new=v_new, k_idx_new=k_idx_new, sinks=sinks)
             o, lse = self._varlen_over_cache(q, k, v, cu_seqlens, block_idx, index, scale, cache_seqlens,
                                              block_table, cache_leftpad, key_reps, new, max_seqlen)
+            if sinks is not None:
+                o, lse = with_sinks(o, lse, sinks)
             return (o, lse.t().contiguous()) if return_lse else o
         for name, value in (("cache_leftpad", cache_leftpad), ("key_reps", key_reps), ("k_new", k_new),
                             ("v_new", v_new), ("k_idx_new", k_idx_new)):
@@ -763,6 +780,8 @@ class SparseAttention:
                                   None if block_idx is None else
                                   (lambda batch: batch_lists(block_idx, batch, self.spec, n, k.shape[1], max_seqlen)),
                                   index)
+        if sinks is not None:
+            o, lse = with_sinks(o, lse, sinks)
         return (o, lse.t().contiguous()) if return_lse else o  # FlashAttention's varlen lse: [Hq, total]
 
     def _varlen_over_cache(self, q, k, v, cu_seqlens, block_idx, index, scale, cache_seqlens, block_table,
@@ -964,18 +983,24 @@ class SparseAttention:
     def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale,
                    reverse: ReverseIndex | QueryReverseIndex | None = None,
                    needs=(True, True, True), shapes: Shapes | None = None,
-                   union: TileUnion | None = None) -> tuple[torch.Tensor | None, ...]:
+                   union: TileUnion | None = None,
+                   dlse: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
         """(dq, dk, dv) of o = attn(q, k, v, block_idx=..., scale=scale) given do, its forward's o and lse,
         and the lists it attended over, in the kernels' form (`block_idx`; `reverse`, their reverse index,
         is built when None: a QueryReverseIndex for per-query lists; `union`: prepared per-query lists' tile
         union, whose backward runs instead). A gradient that `needs` leaves out is None, and not computed.
-        `shapes`: the forward's checked shapes of these q, k, v (checked again when None)."""
+        `shapes`: the forward's checked shapes of these q, k, v (checked again when None). `dlse`: lse's
+        gradient, where the loss reads lse too (None: it does not)."""
         if shapes is None:
             shapes = check_qkv(q, k, v, self.spec)
+        if do is None:  # only lse reached the loss
+            do = torch.zeros_like(o)
         if do.stride(-1) != 1:  # the kernels read rows with unit stride (an expanded do of o.sum() has 0)
             do = do.contiguous()
         delta_role, *grad_roles = self._backward_plan(seq_bucket(shapes.n_k), q.dtype, q.device)
         delta = self._launch(delta_role, q, shapes, o, do)
+        if dlse is not None:
+            delta = with_lse_gradient(delta, dlse, lse)
         if union is not None:  # the union design's: dq per tile, dk and dv per block over the unions
             served = self._served("kv_bwd_union", seq_bucket(shapes.n_k), q.dtype, q.device)
             grads = self._launch(served, q, shapes, q, k, v, do, lse, delta, block_idx, union, scale)
@@ -1074,23 +1099,22 @@ def once_differentiable(backward):
 class _AttentionFunction(torch.autograd.Function):
     """attn(q, k, v) with a backward: the forward runs as without grad and keeps the lists it attended over
     (given or selected: never selected again, and selection is not differentiated, as in NSA and DSA);
-    lse is returned without gradient (as FlashAttention's). A BlockLists' reverse index is built once and
+    lse backpropagates too (as FlexAttention's). A BlockLists' reverse index is built once and
     kept with it; raw or selected lists get theirs in each backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn: SparseAttention, shapes: Shapes, block_idx, scale, index, key_reps, rows):
         o, lse, used, ctx.built_union = attn._forward(q, k, v, shapes, block_idx, scale, index, key_reps, rows)
         ctx.attn, ctx.scale, ctx.shapes = attn, scale, shapes
-        ctx.set_materialize_grads(False)  # lse has no gradient: no zero tensor made and filled for it per backward
+        ctx.set_materialize_grads(False)  # an output the loss does not read: None, not a zero tensor filled per step
         ctx.prepared = used if isinstance(used, BlockLists) else None
         ctx.save_for_backward(q, k, v, o, lse, used.block_idx if ctx.prepared is not None else used)
-        ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     @once_differentiable  # no double backward: the gradients are not differentiated
-    def backward(ctx, do, _dlse):
-        if do is None:  # o did not reach the loss (only lse, which has no gradient)
+    def backward(ctx, do, dlse):
+        if do is None and dlse is None:
             return (None,) * 10
         q, k, v, o, lse, block_idx = ctx.saved_tensors
         attn = ctx.attn
@@ -1105,8 +1129,15 @@ class _AttentionFunction(torch.autograd.Function):
                                                          ctx.shapes.n_kv_blocks)
         reverse = ctx.prepared.reverse_index() if ctx.prepared is not None and union is None else None
         dq, dk, dv = attn._gradients(do, q, k, v, o, lse, block_idx, ctx.scale, reverse, ctx.needs_input_grad[:3],
-                                     ctx.shapes, union)
+                                     ctx.shapes, union, dlse)
         return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def with_lse_gradient(delta: torch.Tensor, dlse: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The backward's delta where the loss reads lse too: d lse_i / d s_ij = P_ij, so dS_ij = P_ij (dP_ij -
+    delta_i + dlse_i), which the kernels compute as they are, given delta_i - dlse_i. A row without a visible key
+    (lse = -inf) has a constant lse: its dlse is dropped (it could be NaN, as logsumexp's over -inf is)."""
+    return (delta - dlse.masked_fill(lse == float("-inf"), 0.0)).contiguous()
 
 
 def _padding_lists_emptied(lists: torch.Tensor, seqlens: torch.Tensor, list_queries: int) -> torch.Tensor:

@@ -281,6 +281,7 @@ def sparse_attention(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     k_idx_new: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Select (unless block_idx is given; `index` = (q_idx, k_idx, w) for the "index" selector) and attend.
     Returns (o, lse, block_idx), float64. Queries are processed in chunks so that long sequences fit in memory.
@@ -295,8 +296,20 @@ def sparse_attention(
     cache_seqlens), and so is the index selector's k_idx ([n_pages, Hkv or 1, page_size, Di]). Given lists with a
     batch or KV-head dimension of 1 hold every row's or head's list. `k_new`, `v_new` (and `k_idx_new`, with
     `index`): new keys written at each row's end first (`appended`, on copies: the caller's k and v are left as they
-    are), the call then over the rows' new lengths."""
+    are), the call then over the rows' new lengths. `sinks` ([Hq]): each head's sink logit joins its rows'
+    softmax (a row then also weighs exp(sink) against its keys, which no value goes with); the padding of
+    `seqlens` stays o = 0, lse = -inf."""
     _check_call(q, k, v, spec, block_idx, scale)
+    if sinks is not None:
+        o, lse, block_idx = sparse_attention(q, k, v, spec, block_idx, scale, index, cache_seqlens, cache_leftpad,
+                                             seqlens, block_table, k_new, v_new, k_idx_new)
+        sink = sinks.double()[None, :, None].expand(lse.shape)
+        with_sink = torch.logsumexp(torch.stack([lse, sink]), dim=0)
+        o = o * torch.exp(lse - with_sink)[..., None]
+        if seqlens is not None:
+            real = torch.arange(q.shape[2], device=q.device) < seqlens.to(q.device)[:, None]
+            with_sink = torch.where(real[:, None, :], with_sink, -torch.inf)
+        return o, with_sink, block_idx
     if k_new is not None:
         k, lengths = appended(k, k_new, cache_seqlens, block_table)
         v = appended(v, v_new, cache_seqlens, block_table)[0]
@@ -445,11 +458,12 @@ def sparse_attention_grads(
     block_idx: torch.Tensor,
     scale: float | None = None,
     stored_o: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), float64: the gradients of sum(o * do) for o = sparse_attention(q, k, v, spec,
-    block_idx, scale)[0], by torch.autograd through `attention`, for the fixed lists `block_idx` (selection
-    is not differentiated). One chunk of queries at a time: each chunk's rows give their own dq, and
-    their dk and dv add up.
+    """(dq, dk, dv), float64: the gradients of sum(o * do) (+ sum(lse * dlse) with `dlse` [B, Hq, Nq]) for o, lse
+    = sparse_attention(q, k, v, spec, block_idx, scale), by torch.autograd through `attention`, for the fixed
+    lists `block_idx` (selection is not differentiated). One chunk of queries at a time: each chunk's rows give
+    their own dq, and their dk and dv add up.
 
     `stored_o`: the forward's output as a kernel stored it (rounded to its dtype). The backward takes
     delta = rowsum(do * o) from it, as FlashAttention's does; with it given, the gradients are that
@@ -473,10 +487,12 @@ def sparse_attention_grads(
         with torch.enable_grad():
             o, lse = attention(qd, kd, vd, token_mask(block_idx, spec, nq, nk, rows), scale)
             outputs, grad_outputs = [o], [do_rows]
+            grad_lse = torch.zeros_like(lse) if dlse is None else dlse[:, :, rows.start : rows.stop].double()
             if stored_o is not None:
-                err = ((stored_o[:, :, rows.start : rows.stop].double() - o.detach()) * do_rows).sum(-1)
+                grad_lse = grad_lse - ((stored_o[:, :, rows.start : rows.stop].double() - o.detach()) * do_rows).sum(-1)
+            if stored_o is not None or dlse is not None:
                 outputs.append(lse)
-                grad_outputs.append(torch.where(torch.isinf(lse.detach()), 0.0, -err))
+                grad_outputs.append(torch.where(torch.isinf(lse.detach()), 0.0, grad_lse))
             dq_rows, dk_rows, dv_rows = torch.autograd.grad(outputs, (qd, kd, vd), grad_outputs)
         dqs.append(dq_rows)
         dk += dk_rows

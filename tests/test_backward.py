@@ -231,12 +231,12 @@ def test_prepared_lists_backpropagate_and_keep_their_reverse_index(device):
         assert torch.equal(a, b)
 
 
-def test_return_lse_carries_no_gradient_and_only_some_inputs_require_grad(device):
+def test_return_lse_and_only_some_inputs_require_grad(device):
     spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=3, causal=True, gqa_group=2)
     q, k, v, do = leaves(1, 1, 2, 100, 100, 64, torch.float32, device, seed=17)
     attn = kernelgen.get_kernel(spec)
     o, lse = attn(q, k, v, return_lse=True)
-    assert o.requires_grad and not lse.requires_grad and lse.grad_fn is None
+    assert o.requires_grad and lse.requires_grad  # lse backpropagates too (tests/test_lse_gradient.py)
     with torch.no_grad():
         assert not attn(q, k, v).requires_grad
     k_only = k.detach().requires_grad_()
@@ -312,8 +312,8 @@ def test_function_transforms_are_refused_naming_them(op, device):
 
 
 def test_the_backward_gets_no_zero_tensor_for_lse_s_gradient(device, monkeypatch):
-    """lse has no gradient, so autograd hands the backward None for it rather than a zero tensor it would
-    allocate and fill on every step."""
+    """A call without return_lse leaves lse out of the loss, and autograd hands the backward None for it rather
+    than a zero tensor it would allocate and fill on every step."""
     from kernelgen.dispatch import _AttentionFunction
 
     spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2)

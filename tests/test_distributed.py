@@ -77,20 +77,32 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (diff.norm() / want.where(finite, 0.0).norm().clamp(min=1e-30)).item()
 
 
+def _reference(q, k, v, do, dlse, spec: Spec, lists, sinks):
+    """o, lse and the gradients of sum(o * do) + sum(lse * dlse) to q, k, v and sinks, by float64 autograd."""
+    leaves = [None if x is None else x.double().requires_grad_() for x in (q, k, v, sinks)]
+    o, lse, _ = reference.sparse_attention(*leaves[:3], spec, block_idx=lists, sinks=leaves[3])
+    loss = (o * do.double()).sum() + (lse.masked_fill(torch.isinf(lse), 0.0) * dlse.double()).sum()
+    loss.backward()
+    return o.detach(), lse.detach(), [None if x is None else x.grad for x in leaves]
+
+
 def _run_case(case, world: int, rank: int) -> dict:
+    """Each case's loss reads lse too; every other case's call has attention sinks."""
     name, spec, layout, path, lists_from = case
     n = SEQ[world]
     q, k, v, do = _inputs(spec, n, seed=len(name))
+    gen = torch.Generator().manual_seed(len(name) + 1)
+    dlse = torch.randn(q.shape[:3], generator=gen)
+    sinks = torch.randn(q.shape[1], generator=gen) if CASES[world].index(case) % 2 == 0 else None
     chooser = spec if spec.selection_role == "select" else spec.replace(selector="mean")
     lists = reference.select_blocks(q, k, chooser).to(torch.int32)
     if lists_from == "broadcast":
         lists = lists[:, :1]
     given = spec.replace(selector="given")
-    o_ref, lse_ref, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)
-    grads_ref = reference.sparse_attention_grads(q, k, v, do, given, lists)
-    q_s, k_s, v_s, do_s = (kd.shard(x, layout) for x in (q, k, v, do))
+    q_s, k_s, v_s, do_s, dlse_s = (kd.shard(x, layout) for x in (q, k, v, do, dlse))
     for x in (q_s, k_s, v_s):
         x.requires_grad_()
+    sinks_s = None if sinks is None else sinks.clone().requires_grad_()
     errors = {}
     if lists_from == "select":
         index = _index(spec, n, len(name)) if spec.selector == "index" else None
@@ -100,16 +112,21 @@ def _run_case(case, world: int, rank: int) -> dict:
         want = single[:, :, kd.Layout.of_shard(layout, world, rank, n // world).global_ids(spec.q_tile)]
         errors["lists"] = 0.0 if torch.equal(rows, want) else float("inf")
         lists = single
-        o_ref, lse_ref, _ = reference.sparse_attention(q, k, v, given, block_idx=lists)
-        grads_ref = reference.sparse_attention_grads(q, k, v, do, given, lists)
-        o_s, lse_s = kd.attention(q_s, k_s, v_s, spec, index=index_s, layout=layout, path=path, return_lse=True)
+        o_s, lse_s = kd.attention(q_s, k_s, v_s, spec, index=index_s, layout=layout, path=path, return_lse=True,
+                                  sinks=sinks_s)
     else:
-        o_s, lse_s = kd.attention(q_s, k_s, v_s, spec, block_idx=lists, layout=layout, path=path, return_lse=True)
-    o_s.backward(do_s)
+        o_s, lse_s = kd.attention(q_s, k_s, v_s, spec, block_idx=lists, layout=layout, path=path, return_lse=True,
+                                  sinks=sinks_s)
+    o_ref, lse_ref, grads_ref = _reference(q, k, v, do, dlse, given, lists, sinks)
+    torch.autograd.backward([o_s, lse_s.masked_fill(torch.isinf(lse_s), 0.0)], [do_s, dlse_s])
     for what, got, want in (("o", o_s, o_ref), ("lse", lse_s[..., None], lse_ref[..., None]),
                             ("dq", q_s.grad, grads_ref[0]), ("dk", k_s.grad, grads_ref[1]),
                             ("dv", v_s.grad, grads_ref[2])):
         errors[what] = _err(got.detach(), kd.shard(want, layout))
+    if sinks is not None:  # each rank's rows' share of the sinks' gradient: summed over the ranks, the whole
+        total = sinks_s.grad.clone()
+        dist.all_reduce(total)
+        errors["dsinks"] = _err(total, grads_ref[3])
     return errors
 
 
@@ -180,6 +197,8 @@ def _bad_inputs(world: int, rank: int) -> dict:
         "one rank's tensor scale": _raises(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, block_idx=lists,
                                                                 path="dense",
                                                                 scale=torch.tensor(0.1) if last else 0.1)),
+        "one rank's sinks": _raises(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, block_idx=lists, path="dense",
+                                                         sinks=torch.zeros(3 if last else q_s.shape[1]))),
         "one rank's tensor scale kind": _kind(lambda: kd.attention(q_s.detach(), k_s, v_s, spec, block_idx=lists,
                                                                    path="dense",
                                                                    scale=torch.tensor(0.1) if last else 0.1)),
@@ -209,7 +228,7 @@ EXPECTED_MESSAGES = {"shapes": "differs across ranks", "chunks": "not a multiple
                      "one rank's unshard layout": "layout differs across ranks",
                      "select of given lists": "selects nothing: its lists are the caller's",
                      "one rank's tensor scale": "scale must be a finite real",
-                     "one rank's tensor scale kind": "TypeError",
+                     "one rank's tensor scale kind": "TypeError", "one rank's sinks": "sinks.shape = (3,)",
                      "one rank's sparse lists": "unsupported for Sparse",
                      "outside the group": "not a member",
                      "equal scales of two types": "ran alike", "after them": "in step"}

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..dispatch import SparseAttention, get_kernel, once_differentiable
 from ..errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from ..inputs import Shapes, check_index, check_qkv, check_return_lse, check_scale
+from ..sinks import check_sinks, with_sinks
 from ..spec import Spec
 from .comm import Group, group_of
 from .fetch import fetch, local_backward, local_forward, local_prepared, requests_of, return_gradients
@@ -218,7 +219,7 @@ def _check_call(q, k, v, spec, layout: str, path: str) -> None:
 
 
 def _prepare_call(q, k, v, spec: Spec, group, layout: str, block_idx, scale, path: str = "auto",
-                  backward: bool = False, return_lse: bool = False, index=None):
+                  backward: bool = False, return_lse: bool = False, index=None, sinks=None):
     """(call, this rank's rows of the given lists or None, the checked index shards or None); call None when the
     group has one rank (the call runs as on one GPU). Every rank checks its own call, then all agree
     (`_check_same_everywhere`): a call refused on one rank raises on every rank, never leaves the others waiting in
@@ -233,6 +234,8 @@ def _prepare_call(q, k, v, spec: Spec, group, layout: str, block_idx, scale, pat
         check_return_lse(return_lse)
         checked = None if scale is None else check_scale(scale)  # a float: ranks compare its value, not its type
         _check_call(q, k, v, spec, layout, path)
+        if sinks is not None:
+            check_sinks(sinks, q.shape[1], q.device)
         lay = Layout.of_shard(layout, g.world, g.rank, q.shape[2])
         lay.check(spec)
         if block_idx is not None:
@@ -284,20 +287,19 @@ class _ContextParallel(torch.autograd.Function):
             o, lse = local_forward(q, fetched.k, fetched.v, prepared, call)
             ctx.fetched, ctx.prepared = fetched._replace(k=None, v=None), prepared
             ctx.save_for_backward(q, fetched.k, fetched.v, o, lse, k, v)  # k, v: the shards dk, dv belong to
-        ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     @once_differentiable  # no double backward: create_graph=True gradients raise when differentiated
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do, dlse):
         call = ctx.call
         q, k, v, o, lse = ctx.saved_tensors[:5]
         if do.stride(-1) != 1:
             do = do.contiguous()
         if ctx.path == "dense":
-            dq, dk, dv = ring_backward(do, q, k, v, o, lse, ctx.steps, call)
+            dq, dk, dv = ring_backward(do, q, k, v, o, lse, ctx.steps, call, dlse)
         else:
-            dq, dk_local, dv_local = local_backward(do, q, k, v, o, lse, ctx.prepared, call)
+            dq, dk_local, dv_local = local_backward(do, q, k, v, o, lse, ctx.prepared, call, dlse)
             dk, dv = return_gradients(dk_local, dv_local, ctx.fetched, call.tables, call.spec.kv_block, call.group)
         needs = ctx.needs_input_grad
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
@@ -306,7 +308,7 @@ class _ContextParallel(torch.autograd.Function):
 
 def attention(q_shard: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Tensor, spec: Spec, *, group=None,
               block_idx: torch.Tensor | None = None, index=None, layout: str = "zigzag", path: str = "auto",
-              scale=None, return_lse: bool = False):
+              scale=None, return_lse: bool = False, sinks=None):
     """Sparse attention of a sequence sharded along N over the ranks of `group` (default: the default process
     group; without an initialized one, or in a group of one rank, it runs as `get_kernel(spec)` on one GPU).
 
@@ -315,20 +317,23 @@ def attention(q_shard: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Tenso
     block ids, the lists one GPU would use ([B, Hkv, n_q_tiles(N), top_k]) or this rank's rows of them; None:
     the spec's selector, run across shards (the index selector's from `index` = this rank's shards of (q_idx,
     k_idx, w), in q's layout). path: "dense" (ring), "sparse" (fetch the listed remote blocks)
-    or "auto" (the one that moves fewer bytes). Returns this rank's o (and lse) shard; o backpropagates.
+    or "auto" (the one that moves fewer bytes). sinks: [Hq] attention sinks, as `get_kernel(spec)`'s call takes
+    them. Returns this rank's o (and lse) shard; both backpropagate.
     """
     backward = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                for x in (q_shard, k_shard, v_shard))
     call, rows, index = _prepare_call(q_shard, k_shard, v_shard, spec, group, layout, block_idx, scale, path,
-                                      backward, return_lse, index)
+                                      backward, return_lse, index, sinks)
     if call is None:
         o, lse = get_kernel(spec)(q_shard, k_shard, v_shard, block_idx=block_idx, index=index, scale=scale,
-                                  return_lse=True)
+                                  return_lse=True, sinks=sinks)
         return (o, lse) if return_lse else o
     if rows is None:
         rows = _select(q_shard, k_shard, spec, call, index)
     chosen, requests = _choose(rows, call, k_shard, path, backward)
     o, lse = _ContextParallel.apply(q_shard, k_shard, v_shard, call, rows, chosen, requests)
+    if sinks is not None:
+        o, lse = with_sinks(o, lse, sinks)
     return (o, lse) if return_lse else o
 
 

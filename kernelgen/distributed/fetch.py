@@ -222,10 +222,11 @@ def local_forward(q, k_local, v_local, prepared: BlockLists, call) -> tuple[torc
     return call.causal_attn(q, k_local, v_local, block_idx=prepared, scale=call.scale, return_lse=True)
 
 
-def local_backward(do, q, k_local, v_local, o, lse, prepared: BlockLists, call) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv) of the local attention; dk, dv over [prefix | own shard]."""
+def local_backward(do, q, k_local, v_local, o, lse, prepared: BlockLists, call,
+                   dlse=None) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of the local attention; dk, dv over [prefix | own shard]. `dlse`: lse's gradient, or None."""
     return call.causal_attn._gradients(do, q, k_local, v_local, o, lse, prepared.block_idx, call.scale,
-                                       prepared.reverse_index())
+                                       prepared.reverse_index(), dlse=dlse)
 
 
 def prefix_gradients(dk: torch.Tensor, dv: torch.Tensor, fetched: Fetched, n_blocks: int,

@@ -60,11 +60,12 @@ def forward_step(q, kv, prepared: BlockLists, src: int, call) -> tuple[torch.Ten
     return call.attn_for(src)(q, kv[0], kv[1], block_idx=prepared, scale=call.scale, return_lse=True)
 
 
-def backward_step(do, q, kv, o, lse, prepared: BlockLists, src: int, call) -> tuple[torch.Tensor, torch.Tensor]:
+def backward_step(do, q, kv, o, lse, prepared: BlockLists, src: int, call,
+                  dlse=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dkv) of one step: this rank's queries' terms over rank `src`'s shard, driven by the *merged* o and
-    lse; dkv = fp32 stack([dk, dv]) of that shard (what travels on round the ring)."""
+    lse (and lse's gradient `dlse`); dkv = fp32 stack([dk, dv]) of that shard (what travels on round the ring)."""
     dq, dk, dv = call.attn_for(src)._gradients(do, q, kv[0], kv[1], o, lse, prepared.block_idx, call.scale,
-                                               prepared.reverse_index())
+                                               prepared.reverse_index(), dlse=dlse)
     return dq, torch.stack([dk, dv]).float()
 
 
@@ -89,7 +90,7 @@ def ring_forward(q, k, v, rows, ctx) -> tuple[torch.Tensor, torch.Tensor, list]:
     return o, lse, steps
 
 
-def ring_backward(do, q, k, v, o, lse, steps, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_backward(do, q, k, v, o, lse, steps, ctx, dlse=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's shards; `steps`: the forward's prepared lists per step."""
     group, world, rank = ctx.group, ctx.group.world, ctx.group.rank
     kv = torch.stack([k, v])
@@ -99,7 +100,7 @@ def ring_backward(do, q, k, v, o, lse, steps, ctx) -> tuple[torch.Tensor, torch.
         src = (rank - t) % world
         sends = ([kv] if t < world - 1 else []) + ([acc] if t > 0 else [])
         recv, works = group.ring_exchange(sends) if sends else ([], [])
-        dq_t, term = backward_step(do, q, kv, o, lse, steps[t], src, ctx)
+        dq_t, term = backward_step(do, q, kv, o, lse, steps[t], src, ctx, dlse)
         dq += dq_t
         for work in works:
             work.wait()
