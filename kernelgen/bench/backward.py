@@ -7,13 +7,17 @@ medians, gradients set to None between calls; the backward alone is forward+back
 The same step replayed from a CUDA graph (`fwd_bwd_graph_ms`, `bwd_graph_ms`) leaves the host's launch
 cost out: on a small shape the eager figure is the host's, not the kernels'; `host_ms` is the host's time
 to enqueue one step. kernelgen's gradients are
-compared with Flex's (relative L2), and two backward runs are compared bit for bit (`deterministic`).
+compared with Flex's (relative L2), and two backward runs are compared bit for bit (`deterministic`). The
+"+ sinks" rows add attention sinks (a learned logit per query head, which gets its gradient too): kernelgen's
+`sinks=`, and Flex's (o, lse) renormalised by the same `kernelgen.sinks.with_sinks`, as transformers' Flex path
+does it.
 """
 from __future__ import annotations
 
 import torch
 
 from ..dispatch import get_kernel
+from ..sinks import with_sinks
 from ..workloads import SHAPES
 from .anchors import flex_block_mask, flex_call, sdpa_dense_anchors
 from .measure import _bench_graph, _dump_rows, _rel_diff, host_ms
@@ -104,11 +108,32 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
                deterministic=deterministic,
                fwd_backend=attn.served("attn", shape.n_k, dtype, device).backend.name,
                dkdv_backend=attn.served("bwd_dkdv", shape.n_k, dtype, device).backend.name)
+        sinks = torch.randn(q.shape[1], device=device).requires_grad_()
+
+        def ours_with_sinks():
+            return attn(q, k, v, block_idx=lists, sinks=sinks)
+
+        sunk = _grads(ours_with_sinks, leaves + [sinks], grad)
+        record(name, "kernelgen (auto) + sinks", _timed(ours_with_sinks, leaves + [sinks], grad, log,
+                                                        f"{name} kernelgen + sinks"),
+               deterministic=all(torch.equal(a, b) for a, b in zip(sunk, _grads(ours_with_sinks, leaves + [sinks],
+                                                                                 grad))))
         try:
-            flex = flex_call(q, k, v, flex_block_mask(idx, spec, shape), spec)
+            block_mask = flex_block_mask(idx, spec, shape)
+            flex = flex_call(q, k, v, block_mask, spec)
             flex_grads = _grads(flex, leaves, grad)
             diff = max(_rel_diff(a, b) for a, b in zip(first, flex_grads))
             record(name, "flex (same BlockMask)", _timed(flex, leaves, grad, log, f"{name} flex"),
+                   grad_rel_diff_vs_kernelgen=f"{diff:.1e}")
+            flex_lse = flex_call(q, k, v, block_mask, spec, return_lse=True)
+
+            def flex_with_sinks():
+                return with_sinks(*flex_lse(), sinks)[0]
+
+            flex_grads = _grads(flex_with_sinks, leaves + [sinks], grad)
+            diff = max(_rel_diff(a, b) for a, b in zip(sunk, flex_grads))
+            record(name, "flex + sinks (through lse)", _timed(flex_with_sinks, leaves + [sinks], grad, log,
+                                                              f"{name} flex + sinks"),
                    grad_rel_diff_vs_kernelgen=f"{diff:.1e}")
         except Exception as error:  # report, never hide (Flex has no backward at 64x64 blocks)
             log(f"{name}: FlexAttention fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
@@ -122,6 +147,6 @@ def run_backward(shape_names=None, out_dir=None, log=print) -> list[dict]:
         except Exception as error:
             log(f"{name}: {anchor.label} fwd+bwd failed: {type(error).__name__}: {str(error)[:200]}")
         del anchor
-        del q, k, v, grad, lists, first, second
+        del q, k, v, grad, lists, first, second, sunk, sinks
         torch.cuda.empty_cache()
     return rows
