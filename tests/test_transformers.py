@@ -141,17 +141,16 @@ def test_what_kernelgen_cannot_compute_runs_sdpa_with_a_warning(models):
         assert torch.equal(got, want)
 
 
-def test_attention_sinks_and_soft_capping_are_refused_in_every_layer():
-    """SDPA, which runs what kernelgen cannot, ignores gpt-oss's sinks and refuses Gemma 2's soft-capping: a model
-    applying either is a ValueError naming it, in kernelgen's layers and the others (sliding ones) alike."""
+def test_soft_capping_is_refused_in_every_layer():
+    """SDPA, which runs what kernelgen cannot, refuses Gemma 2's soft-capping: a model applying it is a ValueError
+    naming it, in kernelgen's layers and the others (sliding ones) alike. (Attention sinks run:
+    test_transformers_sinks.py.)"""
     small = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 64, "num_hidden_layers": 2, "vocab_size": VOCAB, "sliding_window": 16}
-    configs = [(transformers.GptOssConfig(num_local_experts=2, num_experts_per_tok=1, **small, layer_types=layers),
-                "sinks") for layers in (["full_attention"] * 2, ["sliding_attention"] * 2)]
-    configs.append((transformers.Gemma2Config(**small), "soft-capping"))
-    for config, what in configs:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kernelgen").eval()
-        with torch.no_grad(), pytest.raises(ValueError, match=f"{what}.*attn_implementation=\"eager\""):
+    for layers in (["full_attention"] * 2, ["sliding_attention"] * 2):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(**small, layer_types=layers),
+                                                              attn_implementation="kernelgen").eval()
+        with torch.no_grad(), pytest.raises(ValueError, match="soft-capping.*attn_implementation=\"eager\""):
             model(tokens(1, 20))
 
 

@@ -74,8 +74,19 @@ back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong r
 causal over each row's tokens (a custom 4-D mask, an additive bias), dropout > 0, `output_attentions`, sliding
 windows, a position bias, a non-causal module, a head_dim kernelgen has no kernels for (or values of another
 head_dim than the queries'), and dtypes its kernels do not take on the device (float32 on a GPU, bfloat16 in the CPU
-interpreter). A model whose attention applies soft-capping or attention sinks, which SDPA does not compute either,
-is refused (a ValueError) at its first attention call, in every layer.
+interpreter). A model whose attention applies soft-capping, which SDPA does not compute either, is refused (a
+ValueError) at its first attention call, in every layer.
+
+**Attention sinks.** A model whose attention has sinks (transformers' `s_aux=`, a logit per query head: gpt-oss,
+DeepSeek-V4, MiMo-V2-Flash, ...) runs with them. kernelgen's calls join them (`sinks=`; a compiled step's custom op
+returns lse, and `kernelgen.sinks.with_sinks` joins them after it in the graph), their gradient included, and a
+padded prompt within top_k blocks runs kernelgen, not SDPA. Every call that would run SDPA, which ignores sinks,
+runs the model's own eager attention instead (`eager_attention_forward` of the module's modeling file, which applies
+the sinks, and a sliding window through the mask; given the additive mask transformers' "eager" builds): quietly in
+the layers that are not kernelgen's (gpt-oss's sliding-window layers, or `kernelgen_top_k = 0`), with the
+`KernelgenFallbackWarning` in kernelgen's. Like attn_implementation="eager", it holds each call's scores
+([B, H, Nq, Nk]). Sinks other than one logit per query head (per-token sinks) are such a call; a module whose file
+has no `eager_attention_forward` is refused at one (a ValueError).
 """
 from __future__ import annotations
 
@@ -83,6 +94,7 @@ import copy
 import functools
 import json
 import logging
+import sys
 import warnings
 import weakref
 from typing import NamedTuple
@@ -96,6 +108,7 @@ from ..dispatch import get_kernel
 from ..errors import KernelgenValueError
 from ..inputs import KeyReps, ReadOnce
 from ..roles import DECODE_MAX_QUERIES
+from ..sinks import with_sinks
 from ..spec import HEAD_DIMS, Spec
 from ..tuning.model import FULL, MODEL_OPTIONS, layer_type_specs
 from ..varlen import check_cu_seqlens, check_max_seqlen, packed_attention
@@ -107,22 +120,77 @@ log = logging.getLogger("kernelgen")
 
 NAME = "kernelgen"
 class KernelgenFallbackWarning(UserWarning):
-    """An attention call that kernelgen cannot compute ran SDPA instead (warned once per reason)."""
+    """An attention call that kernelgen cannot compute ran SDPA instead, or the model's eager attention where it has
+    attention sinks (warned once per reason)."""
 
 
 _warned: set[str] = set()
 
 
 def _fall_back(reason: str, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
-    """SDPA's attention, after a warning the first time `reason` comes up."""
+    """`_other_attention`, after a warning the first time `reason` comes up (with the attention it runs)."""
+    if _sinks(kwargs) is None:
+        runs = "SDPA"
+    else:
+        _model_eager(module, kwargs)  # or its refusal, before any warning
+        runs = "the model's eager attention (they have attention sinks)"
+    message = f"kernelgen attention: {reason}; such calls run {runs} instead"
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, KernelgenFallbackWarning, stacklevel=3)
+    return _other_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def _sinks(kwargs) -> torch.Tensor | None:
+    """The call's attention sinks: `s_aux=` (gpt-oss, DeepSeek-V4, ...) or `sinks=`, or None."""
+    for name in _SINK_NAMES:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+_SINK_NAMES = ("s_aux", "sinks")
+
+
+def _other_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """The attention of a call kernelgen does not compute: SDPA, or, where the call has attention sinks (which SDPA
+    would ignore), the eager attention of the module's modeling file (`eager_attention_forward`, which applies them;
+    the sliding window too, through the mask), given the additive mask transformers' "eager" builds."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"kernelgen attention: {reason}; such calls run SDPA instead", KernelgenFallbackWarning,
-                      stacklevel=3)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
+    if _sinks(kwargs) is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return _model_eager(module, kwargs)(module, query, key, value,
+                                        _eager_mask(module, query, key, attention_mask, kwargs), scaling=scaling,
+                                        dropout=dropout, **kwargs)
+
+
+def _model_eager(module, kwargs):
+    """The `eager_attention_forward` of the module's modeling file, or a KernelgenValueError where it has none."""
+    where = type(module).__module__
+    eager = getattr(sys.modules.get(where), "eager_attention_forward", None)
+    if not callable(eager):
+        name = next(name for name in _SINK_NAMES if kwargs.get(name) is not None)
+        raise KernelgenValueError(f"kernelgen attention: this call has attention sinks ({name}=), which SDPA does not "
+                                  f"compute, and kernelgen does not compute it here; {where} has no "
+                                  "eager_attention_forward to run instead: load the model with attn_implementation="
+                                  "\"eager\" (or another implementation that applies them)")
+    return eager
+
+
+def _eager_mask(module, query, key, mask, kwargs) -> torch.Tensor | None:
+    """The additive mask (0 or the dtype's minimum, in the queries' dtype) an eager attention function takes for
+    what SDPA reads from `mask`, as transformers' "eager" mask interface builds it: None is causal from the top left
+    (no mask for a single query or a non-causal module), a boolean mask allows its True entries."""
+    if mask is None:
+        causal = kwargs.get("is_causal")
+        if query.shape[2] == 1 or not (getattr(module, "is_causal", True) if causal is None else causal):
+            return None
+        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()[None, None]
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.zeros((), dtype=query.dtype, device=mask.device), torch.finfo(query.dtype).min)
 
 
 def register(name: str = NAME) -> None:
@@ -428,6 +496,11 @@ def _unsupported(module, query, dropout, kwargs) -> str | None:
             return what
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         return "a non-causal attention module"
+    sinks = _sinks(kwargs)
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point()
+                              or tuple(sinks.shape) != (query.shape[1],)):
+        return (f"attention sinks of shape {tuple(getattr(sinks, 'shape', ()))} (kernelgen's take one logit per query "
+                f"head, [{query.shape[1]}])")
     if query.device.type == "cuda":
         if query.dtype not in (torch.float16, torch.bfloat16):
             return f"{query.dtype} on a GPU (kernelgen's kernels take float16 and bfloat16 there)"
@@ -445,11 +518,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention function: query [B, H, Nq, D], key and value [B, Hkv, Nk, D] (the KV cache
     included) -> (attn_output [B, Nq, H, D], None)."""
-    for name, what in (("softcap", "soft-capping"), ("s_aux", "attention sinks"), ("sinks", "attention sinks")):
-        if kwargs.get(name) is not None:  # SDPA, which runs what kernelgen cannot, would ignore or refuse it
-            raise KernelgenValueError(f"kernelgen attention: this model's attention applies {what} ({name}=), which "
-                                      "neither kernelgen nor SDPA computes; load it with attn_implementation="
-                                      "\"eager\" (or another implementation that applies it)")
+    if kwargs.get("softcap") is not None:  # SDPA, which runs what kernelgen cannot, refuses it
+        raise KernelgenValueError("kernelgen attention: this model's attention applies soft-capping (softcap=), which "
+                                  "neither kernelgen nor SDPA computes; load it with attn_implementation=\"eager\" "
+                                  "(or another implementation that applies it)")
     args = (module, query, key, value, attention_mask, scaling, dropout)
     traced = _in_graph(module, query, key, value, attention_mask, dropout, kwargs) if torch.compiler.is_compiling() \
         else None
@@ -467,11 +539,8 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
     if reason:
         return _fall_back(reason, *args, **kwargs)
     spec = _module_spec(module)
-    if spec is None:  # not kernelgen's layer: SDPA, as configured
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+    if spec is None:  # not kernelgen's layer: SDPA, as configured (the model's eager attention, for sinks)
+        return _other_attention(*args, kwargs)
     reason = _unsupported(module, query, dropout, kwargs)
     if reason is None:
         n_keys = _visible_keys(attention_mask, query.shape[2], key.shape[2])
@@ -483,6 +552,9 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         _forget_reps(key)  # this call's keys are written, and its reps will not see them
         return _fall_back(reason, *args, **kwargs)
     attn = get_kernel(spec)
+    sinks = _sinks(kwargs)
+    if sinks is not None:
+        sinks = sinks.to(query.device)  # [Hq], checked by `_unsupported`
     # FlashAttention's varlen kwargs bound the sequences where the mask is causal over every token or packed (a
     # mask with padding, or a custom one, is read instead: FlashAttention's varlen path likewise takes a padding mask
     # first)
@@ -493,24 +565,25 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         if packed is not None and isinstance(n_keys, PackedRows) and not _equal_bounds(n_keys.bounds(
                 query.shape[0]), bounds):  # a compiled step's device check refuses this mask likewise
             raise KernelgenValueError(_MASK_BOUNDS)
-        o = attn.varlen(*_flat(query, key, value), bounds, max_length, scale=scaling)
+        o = attn.varlen(*_flat(query, key, value), bounds, max_length, scale=scaling, sinks=sinks)
         return o.view(query.shape[0], query.shape[2], *o.shape[1:]), None
     if isinstance(n_keys, PaddedRows):
-        return _attention_padded(module, attn, spec, query, key, value, n_keys, scaling, attention_mask, kwargs)
+        return _attention_padded(module, attn, spec, query, key, value, n_keys, scaling, attention_mask, kwargs,
+                                 sinks)
     if n_keys < key.shape[2]:  # a preallocated (static) cache, its first n_keys keys written
         lens = torch.full((key.shape[0],), n_keys, dtype=torch.int32, device=key.device)
         reps = _static_reps(attn, module.__dict__["_kernelgen_traced"][1], query, key, lens)
         if query.shape[2] > DECODE_MAX_QUERIES:  # a prompt: its own selection, over the keys written so far
-            o = attn(query, key[:, :, :n_keys], value[:, :, :n_keys], scale=scaling)
+            o = attn(query, key[:, :, :n_keys], value[:, :, :n_keys], scale=scaling, sinks=sinks)
         else:
-            o = attn(query, key, value, scale=scaling, cache_seqlens=lens, key_reps=reps)
+            o = attn(query, key, value, scale=scaling, cache_seqlens=lens, key_reps=reps, sinks=sinks)
         return o.transpose(1, 2).contiguous(), None
     layer = _reps_layer(key) if spec.selection_role in ("select", "kv_select") else None
     if layer is None:
-        o = attn(query, key, value, scale=scaling)
+        o = attn(query, key, value, scale=scaling, sinks=sinks)
     else:  # selection from the layer's kept reps, extended over the keys appended since the last call
         layer.key_reps = attn.key_reps(key, previous=_extendable(layer.key_reps, spec, key))
-        o = attn(query, key, value, scale=scaling, key_reps=layer.key_reps)
+        o = attn(query, key, value, scale=scaling, key_reps=layer.key_reps, sinks=sinks)
     return o.transpose(1, 2).contiguous(), None
 
 
@@ -558,14 +631,16 @@ def _flat(*tensors: torch.Tensor):
     return (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]) for x in tensors)
 
 
-def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedRows, scaling, mask, kwargs):
+def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedRows, scaling, mask, kwargs,
+                      sinks=None):
     """A padded batch's call: each row over its own tokens, as if it were alone (its blocks counted from its
     first token); a padding query's output is 0, as transformers' FlashAttention integration gives. A decode
     call whose queries are all tokens is one call (`cache_leftpad`); so is a prompt or a training batch
     (`seqlens`, its rows moved to start at position 0), or, where every row's keys fit in top_k blocks (every
-    block listed: dense causal attention over the row's tokens), SDPA over the padded batch. So is a chunk after
-    earlier keys (of a longer prompt) whose queries are all tokens (`cache_seqlens`, `cache_leftpad`: a prefill
-    over the cache's rows); one that holds padding runs a call per row."""
+    block listed: dense causal attention over the row's tokens) and no attention sinks (which SDPA ignores), SDPA
+    over the padded batch. So is a chunk after earlier keys (of a longer prompt) whose queries are all tokens
+    (`cache_seqlens`, `cache_leftpad`: a prefill over the cache's rows); one that holds padding runs a call per row.
+    `sinks`: the call's ([Hq], or None), joined by each kernelgen call."""
     batch, n_q = query.shape[0], query.shape[2]
     pads, lens = (x.expand(batch).contiguous() for x in (rows.pads, rows.lens))  # a mask of one row broadcasts
     static = rows.offset + n_q < key.shape[2]  # a preallocated cache, its first offset + n_q keys written
@@ -577,12 +652,12 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
             kept = _extendable(layer.key_reps, spec, key, padded=True)
             reps = layer.key_reps = (attn.key_reps(key, cache_seqlens=lens, cache_leftpad=pads) if kept is None
                                      else kept._with_room(key.shape[2]))
-        o = attn(query, key, value, scale=scaling, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps)
+        o = attn(query, key, value, scale=scaling, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps, sinks=sinks)
         return o.transpose(1, 2).contiguous(), None
     if layer is not None:
         layer.key_reps = None  # made by the next decode call
     row_keys = (min(end, rows.offset + n_q) - first for first, end in zip(rows.firsts, rows.ends))
-    if all(spec.n_kv_blocks(n) <= spec.top_k for n in row_keys):
+    if sinks is None and all(spec.n_kv_blocks(n) <= spec.top_k for n in row_keys):
         # dense: one SDPA call does in one launch what a call per row would (short prompts' launches, B of them
         # a layer, cost more than their attention)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -590,12 +665,12 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
         return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling, **kwargs)
     if rows.offset == 0:
         return _attention_padded_prompt(attn, query, key, value, rows.pads.expand(batch), rows.tokens, scaling,
-                                        shifted=max(rows.firsts) > 0)
+                                        shifted=max(rows.firsts) > 0, sinks=sinks)
     if whole:
         # a chunk after earlier keys whose queries are all tokens (left padding, all of it before the chunk): one
         # call over the cache's rows. A chunk that still holds padding runs a call per row: a padding query would
         # see no key, but it would join its Q tile's pooled query, and so choose the row's blocks
-        o = attn(query, key, value, scale=scaling, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps)
+        o = attn(query, key, value, scale=scaling, cache_seqlens=lens, cache_leftpad=pads, key_reps=reps, sinks=sinks)
         return o.transpose(1, 2).contiguous(), None
     outputs = []
     for b in range(batch):
@@ -605,7 +680,7 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
         parts = [query.new_zeros(1, query.shape[1], real.start, query.shape[3])] if real.start else []
         if len(real):
             parts.append(attn(query[b:b + 1, :, real.start:real.stop], key[b:b + 1, :, keys], value[b:b + 1, :, keys],
-                              scale=scaling))
+                              scale=scaling, sinks=sinks))
         if n_q > real.stop:
             parts.append(query.new_zeros(1, query.shape[1], n_q - max(real.stop, real.start), query.shape[3]))
         outputs.append(torch.cat(parts, 2))
@@ -613,16 +688,17 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
 
 
 def _attention_padded_prompt(attn, query, key, value, firsts: torch.Tensor, tokens: torch.Tensor, scaling,
-                             shifted: bool = True):
+                             shifted: bool = True, sinks: torch.Tensor | None = None):
     """A padded prompt or training batch (its queries at keys 0 .. n_q - 1) in one call: each row moved to
     start at position 0 (right padding: where `shifted`, rows with left padding move), attended with `seqlens`
     (`tokens`: each row's token count), and moved back; the padding's output is 0. `attn`: a kernelgen callable,
-    or the custom op's call (a compiled step's). `firsts`: each row's first token (int32 [B])."""
+    or the custom op's call (a compiled step's). `firsts`: each row's first token (int32 [B]). `sinks`: the call's
+    attention sinks ([Hq], or None)."""
     batch, n = query.shape[0], query.shape[2]
     key, value = key[:, :, :n], value[:, :, :n]  # a static cache's keys past the prompt are not written
     if shifted:  # left padding: row b's token i to position i (and its padding after its tokens)
         query, key, value = (_RowsMoved.apply(x, firsts) for x in (query, key, value))
-    o = attn(query, key, value, scale=scaling, seqlens=tokens.expand(batch).contiguous())
+    o = attn(query, key, value, scale=scaling, seqlens=tokens.expand(batch).contiguous(), sinks=sinks)
     if shifted:
         o = _RowsMoved.apply(o, -firsts)
     return o.transpose(1, 2).contiguous(), None
@@ -750,6 +826,9 @@ def _attention_in_graph(module, query, key, value, mask, scaling, dropout, trace
     replayable in CUDA graphs), with no host read of any tensor."""
     spec_json, blocks = traced
     n_q, n_k = query.shape[2], key.shape[2]
+    sinks = _sinks(kwargs)
+    if sinks is not None:
+        sinks = sinks.to(query.device)
     packed = _flash_varlen(query, key, kwargs)
     if packed is not None:  # packed sequences (FlashAttention's varlen kwargs), in one padded batch
         cu_seqlens, cu_seqlens_k, max_length = packed
@@ -764,25 +843,33 @@ def _attention_in_graph(module, query, key, value, mask, scaling, dropout, trace
             return custom_ops.sparse_attention(q, k, v, spec_json, scale=scaling, **options)
 
         max_length = check_max_seqlen(max_length, "max_length_q")
-        o, _ = packed_attention(attn, *_flat(query, key, value), cu_seqlens, max_length)
+        o = _sunk(*packed_attention(attn, *_flat(query, key, value), cu_seqlens, max_length), sinks)
         return o.view(query.shape[0], n_q, *o.shape[1:]), None
     if mask is None:
         n_keys = _visible_keys(None, n_q, n_k)  # from shapes alone
-        o, _ = custom_ops.sparse_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], spec_json, scale=scaling)
+        o = _sunk(*custom_ops.sparse_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], spec_json,
+                                                scale=scaling), sinks)
     elif n_q > DECODE_MAX_QUERIES:  # a prompt or a training batch: each row moved to start at 0, as eager calls do
         firsts, ends = _prompt_rows_on_device(mask, n_q)
         batch = query.shape[0]
 
-        def attn(q, k, v, scale, seqlens):
-            return custom_ops.sparse_attention(q, k, v, spec_json, scale=scale, seqlens=seqlens)[0]
+        def attn(q, k, v, scale, seqlens, sinks):
+            return _sunk(*custom_ops.sparse_attention(q, k, v, spec_json, scale=scale, seqlens=seqlens), sinks)
 
-        return _attention_padded_prompt(attn, query, key, value, firsts.expand(batch), ends - firsts, scaling)
+        return _attention_padded_prompt(attn, query, key, value, firsts.expand(batch), ends - firsts, scaling,
+                                        sinks=sinks)
     else:  # a decode step over a static cache: its rows read on the device, its kept reps grown in place
         lens, pads = _rows_on_device(mask, n_q, n_k)
         reps = _static_reps(None, blocks, query, key, lens, pads)
-        o, _ = custom_ops.sparse_attention(query, key, value, spec_json, scale=scaling, cache_seqlens=lens,
-                                           key_reps=reps, cache_leftpad=pads)
+        o = _sunk(*custom_ops.sparse_attention(query, key, value, spec_json, scale=scaling, cache_seqlens=lens,
+                                               key_reps=reps, cache_leftpad=pads), sinks)
     return o.transpose(1, 2).contiguous(), None
+
+
+def _sunk(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """o of the custom op's (o, lse) with attention sinks `sinks` ([Hq], or None) joined, as the eager call's
+    `sinks=` joins them (`kernelgen.sinks.with_sinks`, through lse's gradient)."""
+    return o if sinks is None else with_sinks(o, lse, sinks)[0]
 
 
 def _packed_mask_on_device(mask: torch.Tensor, cu_seqlens: torch.Tensor, batch: int, n: int) -> None:
