@@ -19,8 +19,10 @@ def check_sinks(sinks, heads: int, device: torch.device) -> torch.Tensor:
     """`sinks`, a floating tensor [Hq] (one logit per query head) on the call's device."""
     if not isinstance(sinks, torch.Tensor):
         raise KernelgenTypeError(f"sinks must be a tensor [Hq] of one logit per query head, got {type(sinks).__name__}")
-    if not sinks.is_floating_point():
-        raise KernelgenTypeError(f"sinks must be floating point (float32, float16 or bfloat16), got {sinks.dtype}")
+    if sinks.layout != torch.strided:
+        raise KernelgenTypeError(f"sinks must be a dense (strided) tensor, got layout {sinks.layout}")
+    if sinks.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise KernelgenTypeError(f"sinks must be float32, float16 or bfloat16, got {sinks.dtype}")
     if sinks.shape != (heads,):
         raise KernelgenValueError(f"sinks.shape = {tuple(sinks.shape)}; expected ({heads},): one logit per query "
                                   "head")
@@ -36,6 +38,7 @@ def with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple
     shape = [1] * lse.dim()
     shape[1] = -1
     total = torch.logaddexp(lse, sinks.float().view(shape))
-    # exp(lse - total) is 0 where lse = -inf; total = -inf only for a -inf sink over no key, whose o stays 0
-    weight = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total))
+    # exp(lse - total) is 0 where lse = -inf, and where a sink is +inf; total = -inf only for a -inf sink over no
+    # key, whose o stays 0
+    weight = torch.exp(lse - total.masked_fill(total == float("-inf"), 0.0))
     return o * weight.unsqueeze(-1).to(o.dtype), total

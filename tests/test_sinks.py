@@ -142,17 +142,29 @@ def test_under_compile_fullgraph(device):
 
 
 def test_bad_sinks_are_named(device):
-    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2)
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=2, gqa_group=2)
     q, k, v, _ = (x.detach() for x in leaves(1, 1, 2, 64, 64, 64, torch.float32, device, seed=7))
     attn = kernelgen.get_kernel(spec)
     cases = [([0.0, 0.0], TypeError, "sinks must be a tensor"),
-             (torch.zeros(2, dtype=torch.int32, device=device), TypeError, "sinks must be floating point"),
+             (torch.zeros(2, dtype=torch.int32, device=device), TypeError, "sinks must be float32, float16 or bf"),
              (torch.zeros(3, device=device), ValueError, r"sinks.shape = \(3,\); expected \(2,\)"),
              (torch.zeros(1, 2, device=device), ValueError, r"sinks.shape = \(1, 2\)"),
-             (torch.zeros(2, device="meta"), ValueError, "sinks is on meta")]
+             (torch.zeros(2, device="meta"), ValueError, "sinks is on meta"),
+             (torch.zeros(2, dtype=torch.float64, device=device), TypeError, "float32, float16 or bfloat16"),
+             (torch.zeros(2, device=device).to_sparse(), TypeError, "dense")]
     for sinks, error, message in cases:
         with pytest.raises(error, match=message):
             attn(q, k, v, sinks=sinks)
+    # refused before the cache is written
+    cache_k, cache_v = torch.zeros(1, 1, 64, 64, device=device), torch.zeros(1, 1, 64, 64, device=device)
+    with pytest.raises(TypeError, match="dense"):
+        attn(q[:, :, :1], cache_k, cache_v, cache_seqlens=torch.tensor([10], dtype=torch.int32, device=device),
+             k_new=torch.ones(1, 1, 1, 64, device=device), v_new=torch.ones(1, 1, 1, 64, device=device),
+             sinks=torch.zeros(2, device=device).to_sparse())
+    assert not cache_k.any() and not cache_v.any()
+    # a +inf sink takes all of every row's weight: o = 0
+    o, lse = attn(q, k, v, sinks=torch.tensor([0.0, float("inf")], device=device), return_lse=True)
+    assert torch.equal(o[:, 1], torch.zeros_like(o[:, 1])) and torch.isposinf(lse[:, 1]).all()
     packed = [x[0].transpose(0, 1) for x in (q, k, v)]
     with pytest.raises(ValueError, match="sinks.shape"):
         attn.varlen(*packed, torch.tensor([0, 64], dtype=torch.int32, device=device), sinks=torch.zeros(5))

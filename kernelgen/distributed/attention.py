@@ -318,7 +318,8 @@ def attention(q_shard: torch.Tensor, k_shard: torch.Tensor, v_shard: torch.Tenso
     the spec's selector, run across shards (the index selector's from `index` = this rank's shards of (q_idx,
     k_idx, w), in q's layout). path: "dense" (ring), "sparse" (fetch the listed remote blocks)
     or "auto" (the one that moves fewer bytes). sinks: [Hq] attention sinks, as `get_kernel(spec)`'s call takes
-    them. Returns this rank's o (and lse) shard; both backpropagate.
+    them (their gradient on each rank is its own rows' share: sum it over the ranks, as any parameter replicated
+    across them). Returns this rank's o (and lse) shard; both backpropagate.
     """
     backward = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                for x in (q_shard, k_shard, v_shard))
