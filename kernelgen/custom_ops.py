@@ -34,6 +34,7 @@ from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueErr
 from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity,
                      check_reps_length, check_scale, describe_index, lists_type_error, refuse_cast_cache,
                      refuse_forward_ad, refuse_function_transforms, refuse_grad_with_seqlens, refuse_unpaired_new_keys)
+from .sinks import check_sinks, with_sinks
 from .spec import Spec
 
 __all__ = ["sparse_attention", "select_blocks", "key_reps"]
@@ -323,13 +324,16 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec | str, index=None
 def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, index=None,
                      cache_seqlens=None, key_reps: KeyReps | None = None,
                      cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None,
-                     k_idx_new=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     k_idx_new=None, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., cache_leftpad=...,
-    key_reps=..., seqlens=..., block_table=..., k_new=..., v_new=..., k_idx_new=..., return_lse=True)` as custom
-    ops; o and lse backpropagate (a call with cache_seqlens or block_table has no backward).
+    key_reps=..., seqlens=..., block_table=..., k_new=..., v_new=..., k_idx_new=..., sinks=...,
+    return_lse=True)` as custom ops (attention sinks joined after them, in the graph); o and lse backpropagate (a
+    call with cache_seqlens or block_table has no backward).
     `spec` may also be its JSON text (`Spec.to_json`). Prepared lists (`attn.prepare`) go in as their normalised
     ids: their reverse index and union design stay outside the op, which builds what its calls need. New keys
     (k_new=) are written into the cache by an op of their own, which mutates k and v (and k_idx) in place."""
+    if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 4:  # before the op writes new keys
+        check_sinks(sinks, q.shape[1], q.device)
     cache = (k, v)
     q, k, v = autocast_qkv(q, k, v)
     refuse_forward_ad(q, k, v)
@@ -373,6 +377,8 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
                                  "NumPy scalar is traced as a tensor): pass float(scale)")
     o, lse, _ = _attn_op(q, k, v, block_idx, spec_json, None if scale is None else float(scale),
                          *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3], seqlens, block_table)
+    if sinks is not None:
+        o, lse = with_sinks(o, lse, sinks)
     if seqlens is not None:  # the padding's o and lse, cleared outside the op: no gradient reaches them
         o, lse = clear_padding(o, lse, seqlens)
     return o, lse

@@ -640,11 +640,7 @@ class SparseAttention:
             o, lse = self._traced().sparse_attention(
                 q, k, v, self._spec_text, block_idx=block_idx, scale=scale, index=index, cache_seqlens=cache_seqlens,
                 key_reps=key_reps, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table,
-                k_new=k_new, v_new=v_new, k_idx_new=k_idx_new)
-            if sinks is not None:
-                o, lse = with_sinks(o, lse, sinks)
-                if seqlens is not None:  # the padding stays o = 0, lse = -inf
-                    o, lse = clear_padding(o, lse, seqlens)
+                k_new=k_new, v_new=v_new, k_idx_new=k_idx_new, sinks=sinks)
             return (o, lse) if return_lse else o
         q, k, v, shapes, rows, new = self._checked_call(
             q, k, v, block_idx=block_idx, index=index, scale=scale, key_reps=key_reps, cache_seqlens=cache_seqlens,

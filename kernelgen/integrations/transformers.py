@@ -79,7 +79,7 @@ ValueError) at its first attention call, in every layer.
 
 **Attention sinks.** A model whose attention has sinks (transformers' `s_aux=`, a logit per query head: gpt-oss,
 DeepSeek-V4, MiMo-V2-Flash, ...) runs with them. kernelgen's calls join them (`sinks=`; a compiled step's custom op
-returns lse, and `kernelgen.sinks.with_sinks` joins them after it in the graph), their gradient included, and a
+call joins them after the op, in the graph), their gradient included, and a
 padded prompt within top_k blocks runs kernelgen, not SDPA. Every call that would run SDPA, which ignores sinks,
 runs the model's own eager attention instead (`eager_attention_forward` of the module's modeling file, which applies
 the sinks, and a sliding window through the mask; given the additive mask transformers' "eager" builds): quietly in
@@ -108,7 +108,6 @@ from ..dispatch import get_kernel
 from ..errors import KernelgenValueError
 from ..inputs import KeyReps, ReadOnce
 from ..roles import DECODE_MAX_QUERIES
-from ..sinks import with_sinks
 from ..spec import HEAD_DIMS, Spec
 from ..tuning.model import FULL, MODEL_OPTIONS, layer_type_specs
 from ..varlen import check_cu_seqlens, check_max_seqlen, packed_attention
@@ -840,36 +839,30 @@ def _attention_in_graph(module, query, key, value, mask, scaling, dropout, trace
             _packed_mask_on_device(mask, cu_seqlens, query.shape[0], n_q)
 
         def attn(q, k, v, **options):
-            return custom_ops.sparse_attention(q, k, v, spec_json, scale=scaling, **options)
+            return custom_ops.sparse_attention(q, k, v, spec_json, scale=scaling, sinks=sinks, **options)
 
         max_length = check_max_seqlen(max_length, "max_length_q")
-        o = _sunk(*packed_attention(attn, *_flat(query, key, value), cu_seqlens, max_length), sinks)
+        o, _ = packed_attention(attn, *_flat(query, key, value), cu_seqlens, max_length)
         return o.view(query.shape[0], n_q, *o.shape[1:]), None
     if mask is None:
         n_keys = _visible_keys(None, n_q, n_k)  # from shapes alone
-        o = _sunk(*custom_ops.sparse_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], spec_json,
-                                                scale=scaling), sinks)
+        o, _ = custom_ops.sparse_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], spec_json, scale=scaling,
+                                           sinks=sinks)
     elif n_q > DECODE_MAX_QUERIES:  # a prompt or a training batch: each row moved to start at 0, as eager calls do
         firsts, ends = _prompt_rows_on_device(mask, n_q)
         batch = query.shape[0]
 
         def attn(q, k, v, scale, seqlens, sinks):
-            return _sunk(*custom_ops.sparse_attention(q, k, v, spec_json, scale=scale, seqlens=seqlens), sinks)
+            return custom_ops.sparse_attention(q, k, v, spec_json, scale=scale, seqlens=seqlens, sinks=sinks)[0]
 
         return _attention_padded_prompt(attn, query, key, value, firsts.expand(batch), ends - firsts, scaling,
                                         sinks=sinks)
     else:  # a decode step over a static cache: its rows read on the device, its kept reps grown in place
         lens, pads = _rows_on_device(mask, n_q, n_k)
         reps = _static_reps(None, blocks, query, key, lens, pads)
-        o = _sunk(*custom_ops.sparse_attention(query, key, value, spec_json, scale=scaling, cache_seqlens=lens,
-                                               key_reps=reps, cache_leftpad=pads), sinks)
+        o, _ = custom_ops.sparse_attention(query, key, value, spec_json, scale=scaling, cache_seqlens=lens,
+                                           key_reps=reps, cache_leftpad=pads, sinks=sinks)
     return o.transpose(1, 2).contiguous(), None
-
-
-def _sunk(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """o of the custom op's (o, lse) with attention sinks `sinks` ([Hq], or None) joined, as the eager call's
-    `sinks=` joins them (`kernelgen.sinks.with_sinks`, through lse's gradient)."""
-    return o if sinks is None else with_sinks(o, lse, sinks)[0]
 
 
 def _packed_mask_on_device(mask: torch.Tensor, cu_seqlens: torch.Tensor, batch: int, n: int) -> None:
