@@ -377,6 +377,10 @@ class SparseAttention:
               block_table=None) -> CacheRows | TokenRows | None:
         """A call's checked rows: a KV cache's rows (`cache_seqlens`, `cache_leftpad`; its pages,
         `block_table`), a right-padded batch's tokens (`seqlens`), or None."""
+        given = [name for name, value in (("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad),
+                                          ("seqlens", seqlens), ("block_table", block_table)) if value is not None]
+        if given:
+            self._refuse_window(f"{given[0]}=")
         if block_table is not None:
             if seqlens is not None:
                 raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or block_table= (a paged "
@@ -386,6 +390,11 @@ class SparseAttention:
             return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device)
         return check_token_rows(seqlens, self.spec, shapes, device, key_reps=key_reps, index=index,
                                 cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
+
+    def _refuse_window(self, what: str) -> None:
+        if self.spec.window is not None:
+            raise KernelgenValueError(f"Spec.window={self.spec.window}: {what} is not built with a sliding window; a "
+                                      "window spec runs plain calls (one length for the batch), forward and backward")
 
     def _selection_role(self, shapes: Shapes, rows) -> str | None:
         """The selection role a call runs: a Q-centric padded batch's is the decode selection, whose module has
@@ -747,6 +756,7 @@ class SparseAttention:
         k_idx_new [total, k_idx's heads, Di]), packed as q, are its new tokens' keys, written at each row's end
         first as the call's k_new= writes them. `sinks`: as the call's."""
         check_return_lse(return_lse)
+        self._refuse_window("varlen")
         if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # else q's own check names q
             check_sinks(sinks, q.shape[1], q.device)
         if cache_seqlens is not None or block_table is not None:

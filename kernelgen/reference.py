@@ -174,8 +174,9 @@ def normalize_block_idx(block_idx: torch.Tensor, n_kv_blocks: int) -> torch.Tens
 
 
 def token_mask(block_idx: torch.Tensor, spec: Spec, nq: int, nk: int, rows: range | None = None) -> torch.Tensor:
-    """bool `[B, Hkv, len(rows), Nk]`: query i sees key j iff j's block is in i's list (and causal
-    allows). `rows` (default: all Nq queries) limits the mask to some queries."""
+    """bool `[B, Hkv, len(rows), Nk]`: query i sees key j iff j's block is in i's list (and causal and the
+    sliding window allow: 0 <= i + Nk - Nq - j < window). `rows` (default: all Nq queries) limits the mask to some
+    queries."""
     rows = range(nq) if rows is None else rows
     b, hkv, n_tiles, _ = block_idx.shape
     n_blocks = spec.n_kv_blocks(nk)
@@ -191,6 +192,8 @@ def token_mask(block_idx: torch.Tensor, spec: Spec, nq: int, nk: int, rows: rang
         i = query[:, None]
         j = torch.arange(nk, device=block_idx.device)[None, :]
         mask = mask & (j <= i + (nk - nq))
+        if spec.window is not None:
+            mask = mask & (j > i + (nk - nq) - spec.window)
     return mask
 
 

@@ -319,7 +319,7 @@ def get_role(name: str) -> Role:
 
 
 register_role(Role("lists", "caller-given block lists to the kernels' form (ids ascending, then -1; out-of-range "
-                   "and repeated ids empty)", canonical=_KERNEL_READS_LISTS))
+                   "and repeated ids empty)", canonical=dict(_KERNEL_READS_LISTS, window=None)))
 register_role(Role("select", "block lists chosen by the spec's selector", workload=select_workload))
 register_role(Role("key_reps", "the pooling selectors' representatives of K's blocks, kept with a KV cache so that "
                    "selection reads them instead of pooling K each call"))
@@ -327,7 +327,7 @@ register_role(Role("key_reps", "the pooling selectors' representatives of K's bl
 register_role(Role("append_kv", "new keys and values written into a KV cache at each row's end (a paged cache "
                    "through its table), before a call attends over it",
                    canonical=dict(_KERNEL_READS_LISTS, head_dim=64, kv_block=64, q_tile=DEFAULT_Q_TILE, top_k=1,
-                                  causal=False, gqa_group=1, schedule="q_centric")))
+                                  causal=False, gqa_group=1, schedule="q_centric", window=None)))
 # the index selector reads index tensors, not q and k: head_dim is no field of its kernels
 register_role(Role("select_index", "block lists chosen by the index selector (token scores from index vectors, a "
                    "block's score the max over its visible tokens)", canonical={"head_dim": 64},
@@ -337,7 +337,8 @@ register_role(Role("attn", "attention over block lists: o and lse", canonical=_K
 # The backward of the Q-centric schedule, for the lists the forward used (selection is not differentiated).
 # bwd_delta reads o and do alone: one kernel per head_dim serves every spec.
 register_role(Role("bwd_delta", "backward preprocess: delta = rowsum(do * o) per query and head",
-                   canonical=dict(_KERNEL_READS_LISTS, kv_block=64, q_tile=64, top_k=1, causal=False, gqa_group=1)))
+                   canonical=dict(_KERNEL_READS_LISTS, kv_block=64, q_tile=64, top_k=1, causal=False, gqa_group=1,
+                                  window=None)))
 register_role(Role("bwd_dq", "backward: dq over block lists, P recomputed from lse", canonical=_KERNEL_READS_LISTS,
                    workload=bwd_dq_workload))
 register_role(Role("bwd_dkdv", "backward: dk and dv per KV block, over the Q tiles whose lists hold it (the "
@@ -599,7 +600,7 @@ def forward_roles(spec: Spec, n_q: int | None = None, cache_rows: bool = False,
     over a KV cache of per-row lengths (`cache_rows`, a prefill) selects as a decode call does (those roles
     take per-row lengths) and attends with `attn_rows` (`kv_attn_rows` over per-query lists), or over a paged
     cache (`paged`) with `attn_paged` (`kv_attn_paged`)."""
-    decode = n_q is not None and n_q <= DECODE_MAX_QUERIES
+    decode = n_q is not None and n_q <= DECODE_MAX_QUERIES and spec.window is None  # decode has no window
     if decode or cache_rows or paged:
         selection = DECODE_SELECTION_ROLES.get(spec.selection_role, spec.selection_role)
         rows = ("kv_" if spec.per_query else "") + ("attn_paged" if paged else "attn_rows")

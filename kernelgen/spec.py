@@ -64,6 +64,10 @@ class Spec:
                programs own (KV block, query chunk) tasks, partial outputs merged through lse).
     local      blocks ending at the diagonal block that every list holds (with causal, at least 1).
     sink       leading blocks that every list holds (when visible).
+    window     a sliding window (causal only): query i sees at most the `window` most recent keys, its diagonal
+               key included, 0 <= (i + Nk - Nq) - j < window, as FlashAttention's window_size=(window - 1, 0) and
+               transformers' sliding_window. None: no window. The window's blocks are forced (`n_local`); the
+               Q-centric schedule's Triton kernels compute it (docs/SEMANTICS.md, "Sliding window").
     backend    a registered backend ("triton", "tilelang", "gluon"; `kernelgen.backends.names()`), or "auto"
                (get_kernel serves the fastest tuned one). Whether the backend can compute the spec is
                checked where it is served (get_kernel, tune, export), against the registry.
@@ -80,6 +84,7 @@ class Spec:
     backend: str = "triton"
     local: int = 0
     sink: int = 0
+    window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("head_dim", "kv_block", "q_tile", "top_k", "gqa_group", "local", "sink"):
@@ -117,6 +122,7 @@ class Spec:
             raise KernelgenValueError(
                 f"Spec.q_tile={self.q_tile} with schedule='kv_centric': its lists are per query (block_idx "
                 f"[B, Hkv, Nq, top_k]) and no Q tile is used; leave q_tile at its default ({DEFAULT_Q_TILE})")
+        self._check_window()
         r = self._parse_selector()
         if r > 1 and self.per_query and self.kv_block % r:
             raise KernelgenValueError(f"Spec.selector={self.selector!r}: r={r} must divide kv_block={self.kv_block}")
@@ -131,6 +137,43 @@ class Spec:
                 f"Spec.top_k={self.top_k} cannot hold its forced blocks: sink={self.sink} + local={self.n_local} "
                 f"= {self.n_forced} (top_k is the whole budget, forced blocks included{diagonal})"
             )
+
+    def _check_window(self) -> None:
+        window = self.window
+        if window is None:
+            return
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+            raise KernelgenTypeError(f"Spec.window must be an int (keys) or None, got {type(window).__name__} "
+                                     f"{window!r}")
+        if type(window) is not int:
+            object.__setattr__(self, "window", int(window))
+        if not 1 <= self.window < 2**31:
+            raise KernelgenValueError(f"Spec.window={self.window}: expected keys in [1, 2**31), or None for no window")
+        if not self.causal:
+            raise KernelgenValueError(f"Spec.window={self.window} needs causal=True: the window ends at each query's "
+                                      "diagonal key (FlashAttention's window_size=(window - 1, 0))")
+        if self.per_query:
+            raise KernelgenValueError(f"Spec.window={self.window} is built for schedule='q_centric' only, not "
+                                      "'kv_centric'")
+        if self.selector == "index":
+            raise KernelgenValueError(f"Spec.window={self.window} with selector='index': a window spec's lists are its "
+                                      "window's blocks; use selector='mean' (or 'given' lists, which the window masks)")
+        if self.sink:
+            raise KernelgenValueError(f"Spec.window={self.window} with sink={self.sink}: the window hides sink blocks; "
+                                      "attention sinks of gpt-oss's kind are the call's sinks= logits")
+        if self.selects and self.top_k != self.n_forced:
+            raise KernelgenValueError(
+                f"Spec.window={self.window} with selector={self.selector!r}: the lists are the window's blocks, "
+                f"n_local={self.n_local} for q_tile={self.q_tile} and kv_block={self.kv_block}; set top_k="
+                f"{self.n_forced} (or pass given lists, which the window masks)")
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks that the window of a Q tile's queries can touch: its keys span q_tile + window - 1 positions
+        (0 without a window)."""
+        if self.window is None:
+            return 0
+        return -(-(self.q_tile + self.window - 2) // self.kv_block) + 1
 
     def _parse_selector(self) -> int:
         sel = self.selector  # not a str: unhashable perhaps, refused uncached
@@ -155,8 +198,9 @@ class Spec:
 
     @property
     def n_local(self) -> int:
-        """Local blocks forced into every list; causal forces at least the diagonal block."""
-        return max(self.local, 1) if self.causal else self.local
+        """Local blocks forced into every list; causal forces at least the diagonal block, a window (of a spec
+        that selects) the blocks it can touch."""
+        return max(self.local, 1, self.window_blocks if self.selects else 0) if self.causal else self.local
 
     @property
     def n_forced(self) -> int:
@@ -196,7 +240,10 @@ class Spec:
 
     # ---- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["window"] is None:  # a spec without a window keeps the JSON, keys and tuned winners it had
+            del data["window"]
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

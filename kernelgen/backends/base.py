@@ -96,6 +96,7 @@ class Backend:
     per_shape: ClassVar[bool] = False
     compilers: ClassVar[dict[str, tuple[str, ...]]] = {}
     schedules: ClassVar[tuple[str, ...]] = ("q_centric",)
+    windows: ClassVar[bool] = False  # whether its kernels compute Spec.window (a sliding window)
     roles: dict[str, RoleImpl] = {}
 
     # ---- what it supports ------------------------------------------------------------------------
@@ -108,6 +109,9 @@ class Backend:
         if spec.schedule not in self.schedules:
             return (f"Spec.schedule={spec.schedule!r} is not built for backend={self.name!r}; it computes "
                     f"{', '.join(map(repr, self.schedules))} (use backend='triton')")
+        if spec.window is not None and not self.windows:
+            return (f"Spec.window={spec.window} is not built for backend={self.name!r}: its kernels have no sliding "
+                    "window (use backend='triton', or 'auto')")
         return None
 
     def device_unsupported(self, device: torch.device) -> str | None:

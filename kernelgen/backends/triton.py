@@ -1689,7 +1689,7 @@ def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block
         q, k_arg, v_arg, o, lse, block_idx,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
-        USE_TMA=use_tma, **_attn_constexprs(spec, cfg))
+        USE_TMA=use_tma, WINDOW=spec.window or 0, **_attn_constexprs(spec, cfg))
     return o, lse
 
 
@@ -1742,7 +1742,7 @@ def launch_bwd_dq(mod, spec: Spec, cfg: BwdDqConfig, shapes: Shapes, q, k, v, do
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E, scale,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
-        CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CAUSAL=spec.causal, WINDOW=spec.window or 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq
 
 
@@ -1760,8 +1760,8 @@ def launch_bwd_dkdv(mod, spec: Spec, cfg: BwdDkdvConfig, shapes: Shapes, q, k, v
         *dk.stride()[:3], *dv.stride()[:3], *reverse.offsets.stride()[:2], *reverse.tiles.stride()[:2],
         shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, scale * LOG2E, scale,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
-        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, WINDOW=spec.window or 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dk, dv
 
 
@@ -1814,6 +1814,7 @@ class TritonBackend(Backend):
     devices = ("cuda", "cpu")
     compilers = {"triton_version": ("triton", "pytorch-triton")}
     schedules = ("q_centric", "kv_centric")
+    windows = True  # the Q-centric forward and backward (attn, bwd_dq, bwd_dkdv); calls over caches refuse it
     roles = {
         "lists": RoleImpl(launch=launch_lists, template="triton/lists.py.j2"),
         "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2", varlen=True, paged=True),

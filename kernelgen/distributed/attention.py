@@ -234,6 +234,9 @@ def _prepare_call(q, k, v, spec: Spec, group, layout: str, block_idx, scale, pat
         check_return_lse(return_lse)
         checked = None if scale is None else check_scale(scale)  # a float: ranks compare its value, not its type
         _check_call(q, k, v, spec, layout, path)
+        if spec.window is not None:  # the per-rank kernels over shards take no window
+            raise KernelgenValueError(f"Spec.window={spec.window}: context-parallel attention is not built with a "
+                                      "sliding window; a window spec runs on one GPU (a group of one rank)")
         if sinks is not None:
             check_sinks(sinks, q.shape[1], q.device)
         lay = Layout.of_shard(layout, g.world, g.rank, q.shape[2])

@@ -1,0 +1,212 @@
+"""Sliding windows (`Spec.window`): o, lse and the gradients against float64 autograd through kernelgen.reference,
+the reference against a dense softmax under transformers' sliding-window mask, the kernels' skipped and masked
+segments under pinned configs, and the refusals: specs that cannot hold a window, backends and call forms
+without one."""
+import math
+
+import pytest
+import torch
+
+import kernelgen
+from kernelgen import AttnConfig, BwdDkdvConfig, BwdDqConfig, Spec, reference
+from kernelgen.errors import KernelgenTypeError, KernelgenValueError
+from checks import TEST_ARCH, assert_close_to_reference, compile_offline
+from test_backward import assert_grads_close, leaves
+
+
+def window_spec(window: int, kv_block: int = 32, q_tile: int = 32, gqa_group: int = 2, head_dim: int = 64,
+                **fields) -> Spec:
+    """A selecting window spec: its lists are the window's blocks (top_k = n_forced)."""
+    blocks = Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, causal=True, window=window,
+                  selector="given", top_k=1).window_blocks
+    return Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, causal=True, window=window, gqa_group=gqa_group,
+                top_k=blocks + fields.pop("local_extra", 0), **fields)
+
+
+def test_spec_fields_and_json():
+    spec = window_spec(128, kv_block=64, q_tile=64)
+    assert spec.window_blocks == 4 and spec.n_local == 4 and spec.n_forced == 4  # 64 + 128 - 1 keys: 4 blocks
+    assert Spec.from_json(spec.to_json()) == spec
+    plain = Spec(head_dim=64, causal=True)
+    assert "window" not in plain.to_json()  # specs without a window keep their JSON, keys and tuned winners
+    assert plain.window_blocks == 0 and plain.n_local == 1
+    given = Spec(head_dim=64, causal=True, window=1000, selector="given", top_k=2)  # given lists: any top_k
+    assert given.n_local == 1
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(window=64), "needs causal=True"),
+    (dict(window=0, causal=True, top_k=1), r"expected keys in \[1, 2\*\*31\)"),
+    (dict(window=64, causal=True, schedule="kv_centric", top_k=3), "q_centric"),
+    (dict(window=64, causal=True, selector="index", top_k=3), "selector='index'"),
+    (dict(window=64, causal=True, sink=1, top_k=4), "sinks="),
+    (dict(window=64, causal=True, top_k=16), "set top_k=3"),
+])
+def test_specs_that_cannot_hold_a_window_are_refused(fields, message):
+    with pytest.raises(KernelgenValueError, match=message):
+        Spec(head_dim=64, **fields)
+
+
+@pytest.mark.parametrize("window", [True, 64.0, "64"])
+def test_a_window_of_another_type_is_refused(window):
+    with pytest.raises(KernelgenTypeError, match="Spec.window must be an int"):
+        Spec(head_dim=64, causal=True, window=window, selector="given")
+
+
+def test_reference_is_the_softmax_under_a_sliding_window_mask():
+    """As transformers' sliding-window causal mask (kv_idx > q_idx - sliding_window), bottom-right aligned."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=8, causal=True, window=20, selector="given")
+    q, k, v, _ = leaves(1, 1, 1, 90, 110, 64, torch.float64, "cpu", seed=1)
+    every = torch.arange(8).expand(1, 1, spec.n_q_tiles(90), 8)  # 110 keys: 7 blocks, and one empty slot
+    o, lse, _ = reference.sparse_attention(q, k, v, spec, every)
+    i = torch.arange(90)[:, None] + 20
+    j = torch.arange(110)[None, :]
+    visible = (j <= i) & (j > i - 20)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(64)).masked_fill(~visible, -torch.inf)
+    torch.testing.assert_close(o, torch.softmax(scores, -1) @ v, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
+
+
+def check_call(spec, lengths, dtype, device, block_idx=None, configs=None, hkv=1, seed=0):
+    q, k, v, do = leaves(1, hkv, spec.gqa_group, *lengths, spec.head_dim, dtype, device, seed=seed)
+    attn = kernelgen.get_kernel(spec, configs=configs)
+    o, lse = attn(q, k, v, block_idx=block_idx, return_lse=True)
+    o.backward(do)
+    lists = attn.select(q.detach(), k.detach()) if block_idx is None else block_idx
+    want_o, want_lse, _ = reference.sparse_attention(q.detach(), k.detach(), v.detach(), spec, lists)
+    assert_close_to_reference(o, lse, want_o, want_lse, dtype)
+    want = reference.sparse_attention_grads(q.detach(), k.detach(), v.detach(), do, spec, lists)
+    assert_grads_close((q.grad, k.grad, v.grad), want, dtype)
+    return (q, k, v, do), (o, lse)
+
+
+# window, kv_block, q_tile, G, (Nq, Nk): a window inside one block, across several, not a multiple of a block,
+# of three keys; q_tile != kv_block both ways; Nq < Nk and Nq > Nk (the first rows see no key)
+GRID = [
+    (50, 32, 32, 2, (300, 300)),
+    (128, 64, 64, 1, (260, 330)),
+    (20, 32, 64, 2, (200, 333)),
+    (300, 64, 32, 4, (150, 400)),
+    (70, 32, 32, 2, (200, 130)),
+    (3, 16, 16, 1, (100, 100)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window, kv_block, q_tile, g, lengths", GRID)
+def test_against_reference(window, kv_block, q_tile, g, lengths, dtype, device):
+    spec = window_spec(window, kv_block, q_tile, g)
+    check_call(spec, lengths, dtype, device, seed=window + sum(lengths))
+
+
+def test_a_window_of_one_key_is_the_query_s_own_value(device):
+    """Each row sees only its diagonal key: o is that key's value, and no score has a gradient."""
+    q, k, v, do = leaves(1, 1, 2, 100, 120, 64, torch.float32, device, seed=2)
+    o = kernelgen.get_kernel(window_spec(1, kv_block=16, q_tile=16))(q, k, v)
+    torch.testing.assert_close(o, v[:, :, 20:].repeat_interleave(2, 1), rtol=1e-6, atol=1e-6)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    assert dq.abs().max() < 1e-5 and dk.abs().max() < 1e-5
+    torch.testing.assert_close(dv[:, :, 20:], do.sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
+    assert (dv[:, :, :20] == 0).all()
+
+
+def test_given_lists_are_masked_by_the_window(device):
+    """Given lists hold blocks wholly before the window (they attend to nothing), cut by it, -1, repeats and
+    out-of-range ids; a list wholly outside the window leaves its rows without a key (o = 0, lse = -inf, zero
+    gradient)."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, window=40, gqa_group=2, selector="given")
+    lists = torch.tensor([[[[0, -1, -1, -1], [0, 1, 1, 9], [0, 2, 3, -5], [1, 2, 3, 4], [0, 1, -1, -1],
+                            [3, 4, 5, 2**40]]]])
+    (q, k, v, do), (o, lse) = check_call(spec, (190, 190), torch.float32, device, block_idx=lists, seed=3)
+    assert torch.isneginf(lse[:, :, 128:160]).all() and (o[:, :, 128:160] == 0).all()  # tile 4: blocks 0, 1 only
+    assert (q.grad[:, :, 128:160] == 0).all()
+
+
+CONFIGS = [  # the forward's two-block steps and split tiles, the backward's split tiles and packed heads
+    {"attn": AttnConfig(block_m=16, num_warps=4, num_stages=1, kv_per_iter=2),
+     "bwd_dq": BwdDqConfig(block_m=16, num_warps=4, num_stages=1),
+     "bwd_dkdv": BwdDkdvConfig(block_n=16, block_m=16, num_warps=4, num_stages=1)},
+    {"attn": AttnConfig(block_m=128, num_warps=8, num_stages=2, kv_per_iter=2),
+     "bwd_dq": BwdDqConfig(block_m=128, num_warps=8, num_stages=2),
+     "bwd_dkdv": BwdDkdvConfig(block_n=32, block_m=128, num_warps=8, num_stages=2)},
+]
+
+
+@pytest.mark.parametrize("window", [45, 200])
+@pytest.mark.parametrize("configs", CONFIGS, ids=["split-tiles", "packed-heads"])
+def test_pinned_configs(configs, window, device):
+    spec = window_spec(window, kv_block=32, q_tile=32, gqa_group=4, local_extra=0)
+    check_call(spec, (230, 260), torch.float16, device, configs=configs, seed=window)
+
+
+def test_larger_local_and_a_short_call(device):
+    """local past the window's blocks (they attend to nothing), and a call of few queries, which runs the Q-centric
+    forward, not the decode kernels (they have no window)."""
+    blocks = window_spec(60).window_blocks
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, causal=True, window=60, gqa_group=2, local=blocks + 2,
+                top_k=blocks + 2)
+    check_call(spec, (200, 200), torch.float32, device, seed=1)
+    check_call(spec, (1, 300), torch.float32, device, seed=2)
+
+
+def test_backward_is_deterministic(device):
+    spec = window_spec(100, gqa_group=4)
+    q, k, v, do = leaves(1, 2, 4, 260, 260, 64, torch.float16, device, seed=9)
+    attn = kernelgen.get_kernel(spec)
+    first = torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+    second = torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_compiled_forward_and_backward(device):
+    spec = window_spec(50)
+    q, k, v, do = leaves(1, 1, 2, 150, 150, 64, torch.float32, device, seed=4)
+    attn = kernelgen.get_kernel(spec)
+    want_o = attn(q, k, v)
+    want = torch.autograd.grad(want_o, (q, k, v), do)
+    o = torch.compile(lambda q, k, v: attn(q, k, v), fullgraph=True)(q, k, v)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    assert torch.equal(o, want_o) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("backend", ["tilelang", "gluon"])
+def test_backends_without_windows_refuse_them(backend):
+    with pytest.raises(KernelgenValueError, match=f"Spec.window=50 is not built for backend='{backend}'"):
+        kernelgen.get_kernel(window_spec(50).replace(backend=backend))
+
+
+def test_auto_serves_a_window_spec(device):
+    spec = window_spec(50).replace(backend="auto")
+    check_call(spec, (100, 100), torch.float32, device)
+
+
+@pytest.mark.parametrize("call", ["cache_seqlens", "seqlens", "varlen"])
+def test_call_forms_without_a_window_refuse_it(call, device):
+    attn = kernelgen.get_kernel(window_spec(50))
+    q, k, v, _ = leaves(2, 1, 2, 64, 64, 64, torch.float32, device, seed=0)
+    lengths = torch.tensor([64, 40], dtype=torch.int32, device=device)
+    with pytest.raises(KernelgenValueError, match=f"Spec.window=50: {call}=? is not built with a sliding window"):
+        if call == "varlen":
+            packed = [x.detach()[0].transpose(0, 1).contiguous() for x in (q, k, v)]
+            attn.varlen(*packed, torch.tensor([0, 30, 64], dtype=torch.int32, device=device), 34)
+        else:
+            attn(q, k, v, **{call: lengths})
+
+
+def test_window_kernels_compile_for_sm90():
+    """The interpreter does not compile: the window's branches of attn, bwd_dq and bwd_dkdv build for sm_90."""
+    cases = [{"spec": window_spec(100, kv_block=64, q_tile=64, gqa_group=2).to_dict(), "n": 4096, "backward": True},
+             {"spec": window_spec(128, kv_block=64, q_tile=64, gqa_group=1).to_dict(), "n": 4096,
+              "attn": {"block_m": 64, "num_warps": 4, "num_stages": 2, "kv_per_iter": 2, "use_tma": False}}]
+    for result in compile_offline(cases, "sm_90", processes=2):
+        assert "error" not in result, result.get("error")
+        assert "attn_fwd" in {name for name, _ in result["kernels"]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window, n", [(128, 4096), (4096, 8192)])
+def test_gpu_against_reference(window, n, dtype, device):
+    spec = window_spec(window, kv_block=64, q_tile=64, gqa_group=4, head_dim=128)
+    check_call(spec, (n, n), dtype, device, hkv=2, seed=n)
+    test_backward_is_deterministic(device)
