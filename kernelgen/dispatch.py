@@ -584,6 +584,21 @@ class SparseAttention:
         return BlockLists._made_by_prepare(lists, spec.kv_block, spec.top_k, shapes.n_kv_blocks, True, reverse,
                                            self._union_for(lists, shapes))
 
+    @functools.lru_cache(maxsize=16)
+    def _window_lists(self, n_q: int, n_k: int, device) -> torch.Tensor:
+        """A selecting window spec's lists, int32 [1, 1, n_q_tiles, top_k] in the kernels' form: the window's
+        blocks (its forced local blocks fill top_k, so there is nothing to score), the selector's lists bit for
+        bit, the same for every row and KV head. Built once per length: the calls skip the selector."""
+        spec = self.spec
+        tiles = torch.arange(spec.n_q_tiles(n_q), device=device)
+        last_key = torch.clamp((tiles + 1) * spec.q_tile, max=n_q) - 1 + (n_k - n_q)  # the tile's, under causal
+        diagonal = torch.clamp(last_key, 0, n_k - 1) // spec.kv_block
+        ids = diagonal[:, None] - spec.n_local + 1 + torch.arange(spec.n_local, device=device)
+        visible = (ids >= 0) & (ids * spec.kv_block <= last_key[:, None])
+        ids = torch.where(visible, ids, -1)
+        order = torch.sort((~visible).to(torch.int8), dim=1, stable=True).indices  # valid ids first, ascending
+        return torch.gather(ids, 1, order).to(torch.int32)[None, None]
+
     def _union_for(self, lists: torch.Tensor, shapes: Shapes) -> TileUnion | None:
         """The tile union of prepared per-query lists when the union design computes few enough products
         beyond the pairs they hold to be the faster design (`_union_limit`; one host sync, at prepare time),
@@ -958,7 +973,11 @@ class SparseAttention:
                 if key_reps is not None:
                     check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: no selector to feed
                 raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
-            used = normalised = self._select(q, k, shapes, index, select, key_reps, rows)
+            if self.spec.window is not None and key_reps is None:
+                used = normalised = self._window_lists(shapes.n_q, shapes.n_k, q.device).expand(
+                    shapes.batch, shapes.heads_kv, -1, -1)
+            else:
+                used = normalised = self._select(q, k, shapes, index, select, key_reps, rows)
         elif isinstance(block_idx, BlockLists):
             used, normalised = block_idx, check_block_lists(block_idx, self.spec, shapes, q.device)
         else:

@@ -15,7 +15,7 @@ from .errors import KernelgenValueError
 
 from .spec import DEFAULT_Q_TILE, Spec
 
-__all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "KV_CENTRIC_SHAPES", "DECODE_SHAPES", "random_query_lists",
+__all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "KV_CENTRIC_SHAPES", "DECODE_SHAPES", "WINDOW_SHAPES", "random_query_lists",
            "agreeing_query_lists",
            "visible_pairs", "useful_flops", "dense_flops"]
 
@@ -34,6 +34,7 @@ class BenchShape:
     top_k: int
     causal: bool
     schedule: str = "q_centric"  # "kv_centric": per-query lists (q_tile unused, at Spec's default)
+    window: int | None = None  # a sliding window (`kernelgen bench --window`); top_k is then its block count
 
     def inputs(self, device="cuda", dtype=torch.bfloat16, seed=0):
         """q, k, v of this shape: randn from one generator seeded `seed` on `device`, in that order."""
@@ -44,7 +45,7 @@ class BenchShape:
     def spec(self, selector="mean"):
         return Spec(head_dim=self.head_dim, kv_block=self.kv_block, q_tile=self.q_tile, top_k=self.top_k,
                     causal=self.causal, gqa_group=self.heads_q // self.heads_kv, selector=selector,
-                    schedule=self.schedule)
+                    schedule=self.schedule, window=self.window)
 
     def query_lists(self, device="cuda", seed=0) -> torch.Tensor:
         """Random per-query lists of this (KV-centric) shape: `random_query_lists` of its given spec."""
@@ -99,6 +100,16 @@ DECODE_SHAPES = {
         BenchShape("dec_b64k", 8, 16, 1, 1, 65536, 128, 128, DEFAULT_Q_TILE, 16, True),
         # 4 speculative tokens at once
         BenchShape("dec_spec4", 8, 32, 8, 4, 32768, 128, 128, DEFAULT_Q_TILE, 16, True),
+    ]
+}
+# `kernelgen bench --window`: sliding-window layers at 32k, against FlexAttention's sliding-window BlockMask
+WINDOW_SHAPES = {
+    s.name: s
+    for s in [
+        # gpt-oss's sliding layers: Hq64 Hkv8 D64, a window of 128 keys (4 blocks of 64 reach it)
+        BenchShape("swa128", 1, 64, 8, 32768, 32768, 64, 64, 64, 4, True, window=128),
+        # shape (c)'s heads with a window of 4096 keys (Mistral's): 34 blocks of 128
+        BenchShape("swa4k", 1, 32, 8, 32768, 32768, 128, 128, 128, 34, True, window=4096),
     ]
 }
 UNTUNED_SHAPES = ("dense16k_d128", "dense16k_d64", "c_g8", "c_g1", "a64k_top32", "b_q8k")

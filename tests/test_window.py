@@ -210,3 +210,25 @@ def test_gpu_against_reference(window, n, dtype, device):
     spec = window_spec(window, kv_block=64, q_tile=64, gqa_group=4, head_dim=128)
     check_call(spec, (n, n), dtype, device, hkv=2, seed=n)
     test_backward_is_deterministic(device)
+
+
+@pytest.mark.parametrize("window, lengths", [(50, (300, 300)), (70, (200, 130)), (300, (150, 400)), (20, (37, 37))])
+def test_calls_attend_over_the_selector_s_lists_without_selecting(window, lengths, device, monkeypatch):
+    """A selecting window spec's lists are its window's blocks: the calls build them once per length, equal to the
+    selector's lists bit for bit, and never run the selector."""
+    spec = window_spec(window, gqa_group=2, local_extra=0)
+    q, k, v, _ = leaves(2, 2, 2, *lengths, 64, torch.float32, device, seed=window)
+    attn = kernelgen.get_kernel(spec)
+    want = attn.select(q.detach(), k.detach())
+    torch.testing.assert_close(want, reference.select_blocks(q.detach(), k.detach(), spec), rtol=0, atol=0)
+    lists = attn._window_lists(lengths[0], lengths[1], q.device)
+    assert torch.equal(lists.expand_as(want), want)
+
+    def no_selection(*args, **kwargs):
+        raise AssertionError("a window spec's call ran the selector")
+
+    monkeypatch.setattr(attn, "_select", no_selection)
+    o = attn(q, k, v)
+    assert attn._window_lists(lengths[0], lengths[1], q.device) is lists  # built once per length
+    want_o, _, _ = reference.sparse_attention(q.detach(), k.detach(), v.detach(), spec, want)
+    assert ((o.double() - want_o).norm() / want_o.norm()) < 1e-5
