@@ -243,7 +243,7 @@ def _tool(name: str, *args, stdin: str = ""):
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
 
 
-@pytest.mark.parametrize("name", ["offline_compile", "kv_union_sweep", "kv_attn_sweep"])
+@pytest.mark.parametrize("name", ["offline_compile", "kv_union_sweep", "kv_attn_sweep", "carry_winners"])
 def test_maintainer_tools_answer_help_without_a_gpu(name):
     result = _tool(name, "--help")
     assert result.returncode == 0, result.stderr[-2000:]

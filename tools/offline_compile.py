@@ -25,13 +25,18 @@ spec's union design too (kv_attn_union after the forward, kv_bwd_union after the
 "dtype": "float16" or "bfloat16"} gives the index selector its tensors. "resources": true adds, per kernel,
 {"name", "registers", "spill_stores", "wgmma", "loop"} under "resources" (`ptxas -v` of its PTX, Triton's own
 ptxas; wgmma: the warp-group products in its TTGIR; loop: its longest loop's instructions per iteration and
-warp, by kind, from its SASS): what decides how many programs share an SM, and what a step issues.
+warp, by kind, from its SASS): what decides how many programs share an SM, and what a step issues. "ptx": true
+adds, per kernel, {"role", "name", "sha256"} under "ptx": the role whose launch compiled it and the sha256 of
+its PTX normalised (`ptx_digest`: no .loc/.file lines, // comments, debug labels or debug sections), so that two
+trees' kernels compare equal where only line numbers or file names differ (tools/carry_winners.py; with
+TRITON_DISABLE_LINE_INFO=1 Triton emits no line info in the first place).
 
 `compile_offline` runs this script in subprocesses from another process (the tests, whose process runs the
 interpreter, and tools/kv_bwd_sweep.py).
 """
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -52,7 +57,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 def compile_offline(cases: list[dict], arch: str, processes: int = 1, timeout: float = 1200) -> list[dict]:
     """Run this script for `arch` on `cases` (its JSON case format) in up to `processes` parallel processes;
-    its result per case, in order: {"kernels": [[name, shared_bytes], ...]} (and "resources" where asked) or
+    its result per case, in order: {"kernels": [[name, shared_bytes], ...]} (and "resources", "ptx" where asked) or
     {"error": "..."}."""
     import kernelgen
 
@@ -168,6 +173,23 @@ def _resources(name: str, kernel, capability: int) -> dict:
                 wgmma=kernel.asm.get("ttgir", "").count("warp_group_dot "), loop=_loop_mix(kernel.asm["sass"]))
 
 
+# what PTX holds that is no instruction: line info and file names (`.loc`, `.file`, the debug labels it anchors to)
+_PTX_DEBUG_LINE = re.compile(r"\s*\.(loc|file)\b|\s*\$L__(tmp|func_begin|func_end)\d+:\s*$")
+
+
+def ptx_digest(ptx: str) -> str:
+    """sha256 of a kernel's PTX without its line info, file names, comments and debug sections: equal for the
+    same code compiled from a file whose lines moved or whose name changed."""
+    kept = []
+    for line in ptx.splitlines():
+        if re.match(r"\s*\.section\s+\.debug", line):  # LLVM puts the debug sections after the code
+            break
+        line = line.split("//", 1)[0].rstrip()
+        if line.strip() and not _PTX_DEBUG_LINE.match(line):
+            kept.append(line)
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()
+
+
 def _launch_args(role: str, t: dict, shapes) -> tuple:
     """The arguments of `role`'s launch after (kernel, spec, config, shapes) (kernelgen.roles' launch
     signatures), from the case's tensors `t` and what the roles before it returned."""
@@ -263,6 +285,7 @@ def compile_cases(cases: list[dict], arch: str) -> None:
     capability = int(arch.removeprefix("sm_"))
     driver.set_active(OfflineDriver(capability))
     JITFunction.run = _compile_only
+    owners: list[str] = []  # the role of each kernel in `compiled`, in order
 
     def run(spec, role, config, shapes, *args):
         """Build and launch `role` as dispatch does on `arch`: the backend that runs it, its kernel spec, a
@@ -273,10 +296,14 @@ def compile_cases(cases: list[dict], arch: str) -> None:
             config = backend.default_config(kernel_spec, role, arch)
         backend.check_config(kernel_spec, role, config, arch)
         kernel = backend.build(kernel_spec, role, config)
-        return backend.role(role).launch(kernel, kernel_spec, config, shapes, *args)
+        first = len(compiled)
+        out = backend.role(role).launch(kernel, kernel_spec, config, shapes, *args)
+        owners.extend([role] * (len(compiled) - first))  # the kernels this launch compiled are the role's
+        return out
 
     for i, case in enumerate(cases):
         compiled.clear()
+        owners.clear()
         try:
             spec = Spec(**case["spec"])
             n, g = case["n"], spec.gqa_group
@@ -339,6 +366,9 @@ def compile_cases(cases: list[dict], arch: str) -> None:
             result = {"case": i, "kernels": [[name, kernel.metadata.shared] for name, kernel in compiled]}
             if case.get("resources"):
                 result["resources"] = [_resources(name, kernel, capability) for name, kernel in compiled]
+            if case.get("ptx"):
+                result["ptx"] = [dict(role=role, name=name, sha256=ptx_digest(kernel.asm["ptx"]))
+                                 for role, (name, kernel) in zip(owners, compiled)]
             print(json.dumps(result), flush=True)
         except Exception as error:  # report per case; the test names it
             print(json.dumps({"case": i, "error": "".join(traceback.format_exception_only(error))[-2000:]}),
