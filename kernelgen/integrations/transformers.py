@@ -24,6 +24,18 @@ under `"layer_types"`); an attribute wins over the object:
     schedule   "q_centric" or "kv_centric" ("q_centric")
     backend    a kernelgen backend or "auto" ("triton")
 
+**Sliding-window layers** (transformers' `sliding_window`: gpt-oss's, Gemma's and Qwen2's "sliding_attention"
+layers, every layer of a Mistral, Mixtral, Phi-3 or Starcoder2 whose config sets it) are kernelgen's too, with a
+window spec (`Spec.window`, `tuning.model.window_spec`): their lists are the window's blocks, dense attention within
+the window, so of their options only kv_block, q_tile and backend apply (a backend without windows gives "triton"),
+and top_k = 0 (for the layer type, or for the model) still makes them not kernelgen's. kernelgen computes their
+prompts and training steps of one length per batch, no padding, no keys cached before them (a fresh cache hands a
+sliding layer the whole prompt's keys): its plain call, forward and backward, the sinks joined, where the mask is
+transformers' sliding-window causal mask over those keys (or none, where the window cuts nothing; inside
+torch.compile only that one, its shapes read: a masked call breaks the graph into the eager call). Every other call
+of theirs (decode steps and chunks over the cache, padded or packed batches, custom masks, and what kernelgen cannot
+compute) runs as before, quietly: SDPA, or the model's eager attention where it has attention sinks.
+
 **Decoding with kept key representatives.** The `mean` and `multi:r` selectors score blocks by their keys'
 means. A plain cache makes every call pool the whole cache again to choose a few blocks of it, which at long
 context costs more than the decode itself. `KeyRepsCache`, a `DynamicCache` whose layers also keep those means
@@ -69,10 +81,11 @@ compiled calls break the graph into that eager call (attn.varlen); a module comp
 the mask's device-side check (on a GPU that ends the CUDA context), whose message says what to do.
 
 Layers whose type (`config.layer_types`) is neither "full_attention" nor named under the object's `"layer_types"`
-run SDPA (a sliding-window layer, say), as do layers with `kernelgen_top_k = 0`. What kernelgen cannot compute falls
-back to SDPA with a `KernelgenFallbackWarning`, once per reason, never a wrong result: an attention mask that is not
-causal over each row's tokens (a custom 4-D mask, an additive bias), dropout > 0, `output_attentions`, sliding
-windows, a position bias, a non-causal module, a head_dim kernelgen has no kernels for (or values of another
+nor a sliding window's run SDPA (Llama 4's "chunked_attention", say), as do layers with `kernelgen_top_k = 0`. What
+kernelgen cannot compute falls back to SDPA with a `KernelgenFallbackWarning` (quietly in sliding-window layers),
+once per reason, never a wrong result: an attention mask that is not causal over each row's tokens (a custom 4-D
+mask, an additive bias), dropout > 0, `output_attentions`, a sliding window in a layer whose spec has none (or
+another one), a position bias, a non-causal module, a head_dim kernelgen has no kernels for (or values of another
 head_dim than the queries'), and dtypes its kernels do not take on the device (float32 on a GPU, bfloat16 in the CPU
 interpreter). A model whose attention applies soft-capping, which SDPA does not compute either, is refused (a
 ValueError) at its first attention call, in every layer.
@@ -83,10 +96,12 @@ call joins them after the op, in the graph), their gradient included, and a
 padded prompt within top_k blocks runs kernelgen, not SDPA. Every call that would run SDPA, which ignores sinks,
 runs the model's own eager attention instead (`eager_attention_forward` of the module's modeling file, which applies
 the sinks, and a sliding window through the mask; given the additive mask transformers' "eager" builds): quietly in
-the layers that are not kernelgen's (gpt-oss's sliding-window layers, or `kernelgen_top_k = 0`), with the
-`KernelgenFallbackWarning` in kernelgen's. Like attn_implementation="eager", it holds each call's scores
-([B, H, Nq, Nk]). Sinks other than one logit per query head (per-token sinks) are such a call; a module whose file
-has no `eager_attention_forward` is refused at one (a ValueError).
+the layers that are not kernelgen's (`kernelgen_top_k = 0`) and in sliding-window layers, with the
+`KernelgenFallbackWarning` in kernelgen's others. Like attn_implementation="eager", it holds each call's scores
+([B, H, Nq, Nk]): gpt-oss's sliding layers run their prompts and training steps through kernelgen (with the sinks),
+so no long prompt materialises them, but their decode steps (a window's keys) and padded batches do. Sinks other
+than one logit per query head (per-token sinks) are such a call; a module whose file has no `eager_attention_forward`
+is refused at one (a ValueError).
 """
 from __future__ import annotations
 
@@ -207,9 +222,9 @@ def register(name: str = NAME) -> None:
 def layer_spec(config, layer_type: str | None = None) -> Spec | None:
     """The spec kernelgen computes the attention of `config`'s layers of `layer_type` with (None: the
     config's only type, "full_attention"), or None where such layers are not kernelgen's (a layer type
-    without sparse options, or top_k = 0): `tuning.model.layer_type_specs`, which `kernelgen tune --model` reads
-    config.json with. Options no Spec takes, or a head_dim kernelgen has no kernels for, are a
-    KernelgenValueError."""
+    without sparse options and no sliding window, or top_k = 0): `tuning.model.layer_type_specs`, which `kernelgen
+    tune --model` reads config.json with. A sliding-window layer's is a window spec (`tuning.model.window_spec`).
+    Options no Spec takes, or a head_dim kernelgen has no kernels for, are a KernelgenValueError."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     values = {name: getattr(text, name, None) for name in _READ}
     values.update((name, value) for name, value in vars(text).items() if name.startswith("kernelgen_"))  # typos
@@ -230,7 +245,8 @@ _SELECTOR_INPUTS = {"index": "index vectors (index=(q_idx, k_idx, w))", "given":
 # what a module's spec is read from: the sparse options and the model's shape, as the config holds them
 _READ = tuple(f"kernelgen_{name}" for name in MODEL_OPTIONS) + ("kernelgen", "num_attention_heads",
                                                                 "num_key_value_heads", "head_dim", "hidden_size",
-                                                                "layer_types")
+                                                                "layer_types", "sliding_window",
+                                                                "use_sliding_window")
 
 
 @functools.lru_cache(maxsize=64)
@@ -257,10 +273,15 @@ def _module_spec(module) -> Spec | None:
     # (and how many attributes the config has: one added, a misspelt option say, reads it again)
     module.__dict__["_kernelgen_spec"] = (config, text, (*(copy.deepcopy(state.get(name)) for name in _READ),
                                                          len(state)), spec)
-    # what a compiled step reads instead (plain constants: it cannot run this function): the spec's JSON text and
-    # the blocks of the reps its selector keeps; a compiled model keeps what its last eager call saw
-    module.__dict__["_kernelgen_traced"] = ("", None) if spec is None else (spec.to_json(), _reps_blocks(spec))
+    # what a compiled step reads instead (plain constants: it cannot run this function): the spec's JSON text, the
+    # blocks of the reps its selector keeps and its window; a compiled model keeps what its last eager call saw
+    module.__dict__["_kernelgen_traced"] = _traced_of(spec)
     return spec
+
+
+def _traced_of(spec: Spec | None) -> tuple[str, tuple | None, int | None]:
+    """(JSON text or "", reps blocks, window) of a module's spec, what its compiled steps read."""
+    return ("", None, None) if spec is None else (spec.to_json(), _reps_blocks(spec), spec.window)
 
 
 # ---- masks ---------------------------------------------------------------------------------------------
@@ -484,15 +505,18 @@ def _head_dims_unsupported(query, value) -> str | None:
     return None
 
 
-def _unsupported(module, query, dropout, kwargs) -> str | None:
-    """Why kernelgen cannot compute this call (beyond its mask), or None."""
+def _unsupported(module, query, dropout, kwargs, window: int | None = None) -> str | None:
+    """Why kernelgen cannot compute this call (beyond its mask) with a spec of this `window` (Spec.window), or
+    None."""
     if dropout and dropout > 0:
         return "dropout > 0"
     if kwargs.get("output_attentions"):
         return "output_attentions=True (kernelgen returns no attention weights)"
-    for name, what in (("sliding_window", "a sliding window"), ("position_bias", "a position bias")):
-        if kwargs.get(name) is not None:
-            return what
+    sliding = kwargs.get("sliding_window")
+    if sliding is not None and sliding != window:  # the module's window, which its mask applies too
+        return "a sliding window" if window is None else f"a sliding window of {sliding} keys, not the spec's {window}"
+    if kwargs.get("position_bias") is not None:
+        return "a position bias"
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         return "a non-causal attention module"
     sinks = _sinks(kwargs)
@@ -540,6 +564,8 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
     spec = _module_spec(module)
     if spec is None:  # not kernelgen's layer: SDPA, as configured (the model's eager attention, for sinks)
         return _other_attention(*args, kwargs)
+    if spec.window is not None:
+        return _attention_window(spec, *args, kwargs)
     reason = _unsupported(module, query, dropout, kwargs)
     if reason is None:
         n_keys = _visible_keys(attention_mask, query.shape[2], key.shape[2])
@@ -584,6 +610,55 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
         layer.key_reps = attn.key_reps(key, previous=_extendable(layer.key_reps, spec, key))
         o = attn(query, key, value, scale=scaling, key_reps=layer.key_reps, sinks=sinks)
     return o.transpose(1, 2).contiguous(), None
+
+
+def _attention_window(spec: Spec, module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """A sliding-window layer's call (its spec has a window): kernelgen's plain call (the sinks joined) where that
+    is exactly the layer's attention (`_window_refused`); every other call (a decode step or a chunk over a cache,
+    a padded or packed batch, a custom mask, what kernelgen cannot compute) runs what such layers ran before
+    kernelgen computed windows, quietly: SDPA, or the model's eager attention where it has attention sinks."""
+    if (_unsupported(module, query, dropout, kwargs, spec.window)
+            or _window_refused(spec.window, query, key, attention_mask, kwargs)):
+        return _other_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+    sinks = _sinks(kwargs)
+    if sinks is not None:
+        sinks = sinks.to(query.device)  # [Hq], checked by `_unsupported`
+    o = get_kernel(spec)(query, key, value, scale=scaling, sinks=sinks)
+    return o.transpose(1, 2).contiguous(), None
+
+
+def _window_refused(window: int, query, key, mask, kwargs) -> bool:
+    """Whether a window spec's plain call is not this call's attention: it is where the keys are the queries' own
+    tokens (as many, no earlier keys: a prompt or a training batch over no cache, or a fresh one, which hands a
+    sliding layer the whole prompt's keys) and the mask is transformers' sliding-window causal mask over them (SDPA's
+    None where the window cuts nothing: no more tokens than `window`) with no padding; no packed sequences
+    (FlashAttention's varlen kwargs)."""
+    n_q, n_k = query.shape[2], key.shape[2]
+    if n_q != n_k or any(kwargs.get(name) is not None for name in _FLASH_VARLEN):
+        return True
+    if mask is None:  # SDPA's causal reading, which transformers gives only where the window cuts nothing
+        return n_q > window
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (n_q, n_k):
+        return True
+    return not _read_window_masks.get((mask,), window, lambda: _is_window_mask(mask, window))
+
+
+_read_window_masks = ReadOnce()  # the last window mask's verdict: the sliding layers of a step share one mask
+
+
+def _is_window_mask(mask: torch.Tensor, window: int) -> bool:
+    """Whether a 4-D mask [B or 1, H or 1, N, N] (boolean, or additive of 0 and at most half its dtype's minimum) is
+    the sliding-window causal mask for every row and head: query i sees keys j with 0 <= i - j < window. Read some
+    queries at a time (2**26 positions), one wait on the device."""
+    n = mask.shape[-1]
+    chunk = max(1, (1 << 26) // (mask.shape[0] * mask.shape[1] * n))
+    keys = torch.arange(n, device=mask.device)
+    ok = torch.ones((), dtype=torch.bool, device=mask.device)
+    for start in range(0, n, chunk):
+        allowed, plain = _allowed(mask[:, :, start:start + chunk])
+        queries = keys[start:start + chunk, None]
+        ok = ok & plain & (allowed == ((keys <= queries) & (keys > queries - window))).all()
+    return bool(ok)
 
 
 # FlashAttention's varlen kwargs: a padding-free batch's sequences among its rows' tokens one after another, which
@@ -740,8 +815,11 @@ def _forget_reps(key: torch.Tensor) -> None:
 
 
 def _reps_blocks(spec: Spec) -> tuple[int, int] | None:
-    """(kv_block, groups) of the reps a spec's selector keeps, or None where it keeps none."""
-    return (spec.kv_block, spec.groups) if spec.selection_role in ("select", "kv_select") else None
+    """(kv_block, groups) of the reps a spec's selector keeps, or None where it keeps none (a window spec's lists
+    are its window's blocks, and its calls run over no cache)."""
+    if spec.window is not None or spec.selection_role not in ("select", "kv_select"):
+        return None
+    return spec.kv_block, spec.groups
 
 
 def _static_reps(attn, blocks: tuple[int, int] | None, query, key, lens,
@@ -773,7 +851,7 @@ def _static_reps(attn, blocks: tuple[int, int] | None, query, key, lens,
 
 # ---- inside torch.compile ----------------------------------------------------------------------------------
 
-def _traced_spec(module) -> tuple[str, tuple | None]:
+def _traced_spec(module) -> tuple[str, tuple | None, int | None]:
     """The module's `_kernelgen_traced` for a module whose first call is traced, read from its config as the eager
     call reads it: the compiler reads the config's values (guarding them, so that a changed option recompiles),
     and `_traced_spec_of` makes them the spec while it traces (it cannot trace the spec's JSON and caches)."""
@@ -785,26 +863,29 @@ def _traced_spec(module) -> tuple[str, tuple | None]:
 
 
 @torch._dynamo.assume_constant_result
-def _traced_spec_of(values: tuple, layer_type: str | None) -> tuple[str, tuple | None]:
-    """(spec JSON text or "", reps blocks) of the config values `_READ` names: run once while the compiler traces,
-    its result a constant. Its arguments are plain values, which every torch's compiler passes (torch 2.11's
+def _traced_spec_of(values: tuple, layer_type: str | None) -> tuple[str, tuple | None, int | None]:
+    """(spec JSON text or "", reps blocks, window) of the config values `_READ` names: run once while the compiler
+    traces, its result a constant. Its arguments are plain values, which every torch's compiler passes (torch 2.11's
     takes no module)."""
-    spec = _checked_spec(_spec(json.dumps(dict(zip(_READ, values)), sort_keys=True, default=str), layer_type or FULL))
-    return ("", None) if spec is None else (spec.to_json(), _reps_blocks(spec))
+    return _traced_of(_checked_spec(_spec(json.dumps(dict(zip(_READ, values)), sort_keys=True, default=str),
+                                          layer_type or FULL)))
 
 
-def _in_graph(module, query, key, value, mask, dropout, kwargs) -> tuple[str, tuple | None] | None:
-    """What a call being traced by torch.compile runs inside the graph with (the spec's JSON text and the reps'
-    blocks), where it can: a layer of kernelgen's, a call it computes, and a mask it can read on the device. Every
-    other call (None) runs `_attention_eager` (a graph break: correct, slower; or SDPA, as the eager call would)."""
+def _in_graph(module, query, key, value, mask, dropout, kwargs) -> tuple[str, tuple | None, int | None] | None:
+    """What a call being traced by torch.compile runs inside the graph with (the spec's JSON text, the reps' blocks
+    and its window), where it can: a layer of kernelgen's, a call it computes, and a mask it can read on the device
+    (a window layer's: no mask, which its shapes read). Every other call (None) runs `_attention_eager` (a graph
+    break: correct, slower; or SDPA, as the eager call would)."""
     # a compiled model keeps what its last eager call saw; a model compiled before any reads its config now
     if _head_dims_unsupported(query, value):
         return None
     traced = getattr(module, "_kernelgen_traced", None)
     if traced is None:
         traced = _traced_spec(module)
-    if not traced[0] or _unsupported(module, query, dropout, kwargs):
+    if not traced[0] or _unsupported(module, query, dropout, kwargs, traced[2]):
         return None
+    if traced[2] is not None:  # a window layer: what the eager call reads of its mask, known from the shapes
+        return None if mask is not None or _window_refused(traced[2], query, key, None, kwargs) else traced
     packed = _flash_varlen(query, key, kwargs)
     if packed is not None:  # packed sequences, their bounds on the device; a tensor max_length is read on the host
         return traced if isinstance(packed[2], int) else None
@@ -823,7 +904,7 @@ def _in_graph(module, query, key, value, mask, dropout, kwargs) -> tuple[str, tu
 def _attention_in_graph(module, query, key, value, mask, scaling, dropout, traced, kwargs):
     """The call as torch.compile traces it: the ops `kernelgen::sparse_attention` (opaque to the compiler,
     replayable in CUDA graphs), with no host read of any tensor."""
-    spec_json, blocks = traced
+    spec_json, blocks = traced[:2]
     n_q, n_k = query.shape[2], key.shape[2]
     sinks = _sinks(kwargs)
     if sinks is not None:

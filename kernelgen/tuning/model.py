@@ -6,11 +6,19 @@ The heads, KV heads and head_dim come from the model's config (a multimodal mode
 options (MODEL_OPTIONS) from its defaults, then a `"kernelgen"` object in the same file, then `kernelgen_<option>`
 keys (attributes of the loaded config). The attention is causal (a causal LM's). A model whose layers differ
 (`layer_types`, e.g. "sliding_attention" and "full_attention") gets one spec per layer type that has sparse options:
-`"kernelgen": {"top_k": 16, "layer_types": {"sliding_attention": {"top_k": 4, "local": 4}}}`; the options of
-"full_attention" are the top-level ones, and a layer type without options, or with top_k 0, is not kernelgen's.
+`"kernelgen": {"top_k": 16, "layer_types": {"chunked_attention": {"top_k": 4, "local": 4}}}`; the options of
+"full_attention" are the top-level ones, and a layer type without options (other than a sliding window's, below),
+or with top_k 0, is not kernelgen's.
 
     {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "num_hidden_layers": 32,
      "kernelgen": {"kv_block": 128, "q_tile": 128, "top_k": 16}}
+
+Sliding-window layers are kernelgen's by default, with a window spec (`Spec.window`: the config's `sliding_window`):
+the "sliding_attention" layers (gpt-oss, Gemma, Qwen2, ...), or every layer of a model without `layer_types` whose
+config sets `sliding_window` (Mistral, Mixtral, Phi-3, Starcoder2; not where `use_sliding_window` is false). Their
+lists are the window's blocks (dense attention within the window, `selector="mean"`, top_k = `Spec.window_blocks`):
+of their options only kv_block, q_tile and backend apply (a backend without sliding windows gives "triton"), and
+top_k 0 still means not kernelgen's.
 """
 from __future__ import annotations
 
@@ -24,12 +32,14 @@ from ..errors import KernelgenValueError
 from ..spec import Spec
 from .presets import GRID_MAX, Study
 
-__all__ = ["read_model_config", "model_specs", "layer_type_specs", "model_studies", "MODEL_OPTIONS"]
+__all__ = ["read_model_config", "model_specs", "layer_type_specs", "window_spec", "model_studies", "MODEL_OPTIONS",
+           "FULL", "SLIDING"]
 
 # the sparse options of a model's attention, and their defaults
 MODEL_OPTIONS = {"top_k": 16, "kv_block": 64, "q_tile": 64, "selector": "mean", "local": 1, "sink": 0,
                  "schedule": "q_centric", "backend": "triton"}
 FULL = "full_attention"
+SLIDING = "sliding_attention"
 
 
 def read_model_config(path: str | Path) -> dict:
@@ -104,13 +114,43 @@ def layer_type_specs(config: dict) -> dict[str, Spec | None]:
                                   f"types {list(dict.fromkeys(layer_types))} do not hold")
     specs: dict[str, Spec | None] = {}
     for layer_type in dict.fromkeys(layer_types):
-        if layer_type != FULL and layer_type not in per_type:
-            specs[layer_type] = None  # no sparse options for it: not kernelgen's layer
+        window = _window(text, layer_type)
+        if layer_type != FULL and layer_type not in per_type and window is None:
+            specs[layer_type] = None  # no sparse options for it, no window: not kernelgen's layer
             continue
         options = {**top, **_sparse_options(per_type.get(layer_type, {}), f"kernelgen.layer_types.{layer_type}")}
-        specs[layer_type] = (None if options["top_k"] == 0 else
-                             Spec(head_dim=head_dim, gqa_group=heads // heads_kv, causal=True, **options))
+        if options["top_k"] == 0:
+            specs[layer_type] = None
+        elif window is not None:
+            specs[layer_type] = window_spec(head_dim, heads // heads_kv, window, options)
+        else:
+            specs[layer_type] = Spec(head_dim=head_dim, gqa_group=heads // heads_kv, causal=True, **options)
     return specs
+
+
+def _window(text: dict, layer_type: str) -> int | None:
+    """The sliding window (keys) of a model's layers of `layer_type`, as transformers' modeling files apply it: the
+    config's `sliding_window` for its "sliding_attention" layers, or for every layer of a model without
+    `layer_types` (Mistral, Mixtral, Phi-3, Starcoder2, ...; unless `use_sliding_window` is false, as Qwen2's
+    config.json has it); else None."""
+    window = text.get("sliding_window")
+    if window is None or text.get("use_sliding_window") is False:
+        return None
+    if layer_type != SLIDING and text.get("layer_types"):
+        return None
+    return _positive_int(text, "sliding_window")
+
+
+def window_spec(head_dim: int, gqa_group: int, window: int, options: dict) -> Spec:
+    """The spec of a sliding-window layer: causal, `window`, its lists the window's blocks (dense attention within
+    the window; selector "mean", top_k = `Spec.window_blocks`), kv_block, q_tile and backend from `options` (a
+    backend without sliding windows gives "triton")."""
+    backend = options["backend"]
+    if isinstance(backend, str) and backend in backends.names() and not backends.get(backend).windows:
+        backend = backends.FALLBACK  # Triton, which computes every spec
+    fields = dict(head_dim=head_dim, gqa_group=gqa_group, causal=True, window=window, kv_block=options["kv_block"],
+                  q_tile=options["q_tile"], backend=backend)
+    return Spec(**fields, selector="mean", top_k=Spec(**fields, selector="given", top_k=1).window_blocks)
 
 
 def model_specs(config: dict) -> list[tuple[str, Spec]]:

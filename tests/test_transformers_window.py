@@ -1,0 +1,283 @@
+"""kernelgen as a transformers attention implementation in sliding-window layers (`Spec.window`): tiny models built in
+code (no downloads), fp32 in the CPU interpreter. A gpt-oss (attention sinks; a full and a sliding layer, a window of
+24 keys under 100+ token sequences) against the same weights under attn_implementation="eager"; a Mistral (every
+layer windowed, no layer_types) and a Qwen2 ("sliding_attention" layers, no sinks) against SDPA. The sliding layers'
+prompts and training steps run kernelgen's window spec (a spy on get_kernel proves it); their other calls run what
+they ran before, quietly."""
+import contextlib
+import copy
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kernelgen import Spec  # noqa: E402
+from kernelgen.integrations import transformers as kg_hf  # noqa: E402
+from kernelgen.tuning.model import model_specs  # noqa: E402
+from test_transformers import VOCAB, assert_close, compiled, left_padded, small_select_tiles, tokens  # noqa: E402,F401
+
+WINDOW = 24
+LAYERS = ("full_attention", "sliding_attention")
+SMALL = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 64, "num_hidden_layers": 2, "vocab_size": VOCAB, "initializer_range": 0.2, "pad_token_id": 0,
+         "sliding_window": WINDOW, "kernelgen_kv_block": 16, "kernelgen_q_tile": 16}
+
+
+def window_spec(window=WINDOW, **fields):
+    """The spec a sliding layer of these models is served: its lists the window's blocks (4 of 16 keys for 24)."""
+    fields = {"head_dim": 64, "kv_block": 16, "q_tile": 16, "gqa_group": 2, "causal": True, "window": window,
+              **fields}
+    return Spec(**fields, top_k=Spec(**fields, selector="given", top_k=1).window_blocks)
+
+
+def gpt_oss_config(**options):
+    return transformers.GptOssConfig(**{**SMALL, "layer_types": list(LAYERS), "num_local_experts": 2,
+                                        "num_experts_per_tok": 1, "kernelgen_top_k": 8, **options})
+
+
+def pair(config, reference="eager"):
+    """(kernelgen model, reference model) with the same weights; gpt-oss's sinks logits from -1 to 3 (its init gives
+    them about 0.2: too little to tell a model that drops them)."""
+    torch.manual_seed(0)  # a config each: from_config sets the implementation on the config it is given
+    want = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference)
+    with torch.no_grad():
+        for i, layer in enumerate(want.model.layers):
+            if hasattr(layer.self_attn, "sinks"):
+                layer.self_attn.sinks.copy_(torch.tensor([2.5, -1.0, 1.0, 3.0]).roll(i))
+    ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="kernelgen")
+    ours.load_state_dict(want.state_dict())
+    return ours.eval(), want.eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return pair(gpt_oss_config())
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """The specs the integration's eager calls get kernels for, in call order (get_kernel, spied on)."""
+    seen = []
+
+    def spy(spec, **kwargs):
+        seen.append(spec)
+        return small_select_tiles(spec, **kwargs)
+
+    monkeypatch.setattr(kg_hf, "get_kernel", spy)
+    return seen
+
+
+@contextlib.contextmanager
+def quiet():
+    """A context in which a KernelgenFallbackWarning is an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
+        yield
+
+
+def test_a_sliding_layers_spec_is_its_window():
+    """A sliding layer's spec: its window, kv_block, q_tile and backend from the options (a backend without windows
+    gives Triton), its lists the window's blocks; top_k 0 (its type's or the model's) leaves it to SDPA. A model
+    without layer_types that sets sliding_window (Mistral) has every layer windowed, unless use_sliding_window is
+    false; `kernelgen tune --model` tunes the same specs."""
+    config = gpt_oss_config(kernelgen_backend="tilelang")
+    assert kg_hf.layer_spec(config, "sliding_attention") == window_spec(backend="triton")
+    assert kg_hf.layer_spec(config, "full_attention").window is None
+    assert kg_hf.layer_spec(config, "full_attention").backend == "tilelang"
+    assert window_spec().top_k == 4 and window_spec().selector == "mean"
+    assert model_specs(gpt_oss_config().to_dict()) == [("full_attention", kg_hf.layer_spec(gpt_oss_config())),
+                                                       ("sliding_attention", window_spec())]
+    off = gpt_oss_config(kernelgen={"layer_types": {"sliding_attention": {"top_k": 0}}})
+    assert kg_hf.layer_spec(off, "sliding_attention") is None and kg_hf.layer_spec(off).top_k == 8
+    assert kg_hf.layer_spec(gpt_oss_config(kernelgen_top_k=0), "sliding_attention") is None
+    mistral = transformers.MistralConfig(**SMALL)
+    assert kg_hf.layer_spec(mistral) == window_spec()
+    assert kg_hf.layer_spec(transformers.MistralConfig(**{**SMALL, "sliding_window": None})).window is None
+    raw = {**mistral.to_dict(), "use_sliding_window": False}  # Qwen2's config.json: a window it does not use
+    assert model_specs(raw)[0][1].window is None
+
+
+def test_a_prompt_matches_eager(models, served):
+    """gpt-oss's prompt (2 rows of 110 tokens, a window of 24): the sliding layer runs kernelgen's window spec with
+    the sinks, and the logits are eager's; no warning."""
+    ours, eager = models
+    ids = tokens(2, 110, seed=3)
+    with torch.no_grad(), quiet():
+        got = ours(ids).logits
+        want = eager(ids).logits
+    assert served == [kg_hf.layer_spec(ours.config), window_spec()]
+    assert_close(got, want)
+
+
+def test_training_gradients_match_eager(models, served, roles):
+    """A training step: the sliding layer's forward and backward are kernelgen's; the loss and the gradients (both
+    layers' sinks, the sliding layer's projections) are eager's."""
+    ours, eager = models
+    ids = tokens(1, 100, seed=4)
+    results = []
+    for model in (ours, eager):
+        model.train()
+        model.zero_grad()
+        try:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        finally:
+            model.eval()
+        attn = model.model.layers[1].self_attn
+        results.append([loss.detach(), *(layer.self_attn.sinks.grad.clone() for layer in model.model.layers),
+                        attn.q_proj.weight.grad.clone(), attn.k_proj.weight.grad.clone()])
+        model.zero_grad()
+    assert window_spec() in served
+    assert ours.config._attn_implementation == "kernelgen" and eager.config._attn_implementation == "eager"
+    assert roles["bwd_dq"] == 2 and roles["bwd_dkdv"] == 2  # both layers' backward
+    for got, want in zip(*results):
+        assert want.abs().max() > 0
+        assert_close(got, want, tol=1e-3)
+
+
+@pytest.mark.parametrize("cache, padded", [("dynamic", False), ("static", False), ("dynamic", True)],
+                         ids=["dynamic", "static", "left_padded"])
+def test_generate_matches_eager(models, served, cache, padded):
+    """generate(): the tokens and each step's logits are eager's. The sliding layer's prompt over a fresh cache (which
+    hands it the whole prompt's keys) is kernelgen's; its decode steps over the window's keys, and a left-padded
+    prompt, run the model's eager attention, quietly."""
+    ours, eager = models
+    lengths = (100, 70) if padded else (100,)
+    ids, mask = left_padded([tokens(1, n, seed=20 + i) for i, n in enumerate(lengths)])
+    with torch.no_grad(), quiet():
+        out = [model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, cache_implementation=cache) for model in (ours, eager)]
+    assert served.count(window_spec()) == (0 if padded else 1)  # the prompt's call alone
+    assert torch.equal(out[0].sequences, out[1].sequences)
+    assert_close(torch.stack(out[0].logits), torch.stack(out[1].logits))
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_a_model_without_sinks_matches_sdpa(family, served):
+    """A Mistral (no layer_types: every layer windowed) and a Qwen2 (a "sliding_attention" layer): each sliding
+    layer's prompt is kernelgen's window spec; the logits are SDPA's and eager's."""
+    if family == "mistral":
+        config = transformers.MistralConfig(**SMALL)
+    else:
+        config = transformers.Qwen2Config(**SMALL, use_sliding_window=True, max_window_layers=1)
+        assert config.layer_types == list(LAYERS)
+    ours, sdpa = pair(config, "sdpa")
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    eager.load_state_dict(sdpa.state_dict())
+    ids = tokens(2, 100, seed=5)
+    with torch.no_grad(), quiet():
+        got = ours(ids).logits
+        want = sdpa(ids).logits
+        assert_close(eager(ids).logits, want)
+    assert served.count(window_spec()) == (2 if family == "mistral" else 1)
+    assert_close(got, want)
+
+
+def sliding_mask(n, window=WINDOW, n_k=None):
+    """transformers' sliding-window causal mask [1, 1, n, n_k] (bottom-right aligned), boolean."""
+    n_k = n if n_k is None else n_k
+    i = torch.arange(n)[:, None] + n_k - n
+    j = torch.arange(n_k)[None, :]
+    return ((j <= i) & (j > i - window))[None, None]
+
+
+def reference(attn, q, k, v, allowed):
+    """gpt-oss's eager attention [B, N, H, D] over the keys `allowed` (bool) sees."""
+    mask = torch.where(allowed, 0.0, torch.finfo(q.dtype).min)
+    return sys.modules[type(attn).__module__].eager_attention_forward(attn, q, k, v, mask, scaling=0.125)[0]
+
+
+def call_forms():
+    """(name, n_q, n_k, mask, kwargs, allowed, runs): calls of a sliding layer, with what each query sees, and
+    whether kernelgen's window spec computes them."""
+    n = 40
+    window = sliding_mask(n)
+    padded = window & (torch.arange(n) >= torch.tensor([0, 5])[:, None])[:, None, None, :]
+    holed = window.clone()
+    holed[..., 30, 25] = False
+    bounds = torch.tensor([0, 17, 40, 57, 80], dtype=torch.int32)
+    sequence = torch.searchsorted(bounds, torch.arange(2 * n, dtype=torch.int32), right=True).view(2, n)
+    packed = window & (sequence[:, :, None] == sequence[:, None, :])[:, None]
+    causal = sliding_mask(n, window=n)
+    return [
+        ("window", n, n, window, {}, window, True),
+        ("window_additive", n, n, torch.where(window, 0.0, torch.finfo(torch.float32).min), {}, window, True),
+        ("window_per_row", n, n, window.expand(2, 1, n, n), {}, window, True),
+        ("short_no_mask", WINDOW, WINDOW, None, {}, sliding_mask(WINDOW), True),
+        ("long_no_mask", n, n, None, {}, causal, False),  # SDPA's causal reading: not the window's
+        ("padded", n, n, padded, {}, padded, False),
+        ("custom", n, n, holed, {}, holed, False),
+        ("another_window", n, n, sliding_mask(n, window=20), {}, sliding_mask(n, window=20), False),
+        ("after_cached_keys", 8, n, sliding_mask(8, n_k=n), {}, sliding_mask(8, n_k=n), False),
+        ("decode", 1, WINDOW, None, {}, torch.ones(1, 1, 1, WINDOW, dtype=torch.bool), False),
+        ("packed", n, n, packed, {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": 23,
+                                  "max_length_k": 23}, packed, False),
+        ("no_window_kwarg", n, n, window, {"sliding_window": None}, window, True),
+        ("another_window_kwarg", n, n, window, {"sliding_window": 20}, window, False),
+    ]
+
+
+@pytest.mark.parametrize("form", [f[0] for f in call_forms()])
+def test_each_call_form_runs_kernelgen_or_what_it_ran_before(models, served, form):
+    """attention_forward on gpt-oss's sliding layer: kernelgen's window spec where the keys are the queries' own and
+    the mask is the sliding-window causal one (boolean or additive, broadcast or per row; none where the window cuts
+    nothing), else the model's eager attention, quietly. Each real query's output is the eager attention's under
+    the call's mask."""
+    _, q_len, k_len, mask, kwargs, allowed, runs = next(f for f in call_forms() if f[0] == form)
+    attn = models[0].model.layers[1].self_attn
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, q_len, 64, generator=g)
+    k, v = torch.randn(2, 2, k_len, 64, generator=g), torch.randn(2, 2, k_len, 64, generator=g)
+    kwargs = {"sliding_window": WINDOW, **kwargs}
+    with torch.no_grad(), quiet():
+        got = kg_hf.attention_forward(attn, q, k, v, mask, scaling=0.125, s_aux=attn.sinks, **kwargs)[0]
+    assert served == ([window_spec()] if runs else [])
+    assert_close(got, reference(attn, q, k, v, allowed))
+
+
+def test_a_compiled_call_runs_the_window_spec_in_the_graph(models, compiled, roles):
+    """Inside torch.compile(fullgraph=True), a sliding layer's call with no mask (no more tokens than the window) runs
+    the custom op with the window spec, the sinks joined after it: eager's output and gradients."""
+    attn = models[0].model.layers[1].self_attn
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 4, WINDOW, 64, generator=g, requires_grad=True)
+    k, v = torch.randn(1, 2, WINDOW, 64, generator=g), torch.randn(1, 2, WINDOW, 64, generator=g)
+
+    def call(q, k, v):
+        return kg_hf.attention_forward(attn, q, k, v, None, scaling=0.125, sliding_window=WINDOW, s_aux=attn.sinks)[0]
+
+    with quiet():
+        got = compiled(call)(q, k, v)
+    assert roles["attn"] == 1
+    want = reference(attn, q, k, v, sliding_mask(WINDOW))
+    assert_close(got, want)
+    grads = [torch.autograd.grad(o.square().sum(), (q, attn.sinks)) for o in (got, want)]
+    for got_grad, want_grad in zip(*grads):
+        assert_close(got_grad, want_grad, tol=1e-3)
+
+
+def test_a_compiled_training_step_matches_eager(models, compiled, served):
+    """torch.compile of a gpt-oss training step: the sliding layer's call, given the 4-D mask transformers builds
+    while compiling, breaks the graph into the eager call, which runs the window spec (its full layer runs in the
+    graph); the loss and the sinks' gradients are eager's."""
+    ours, eager = models
+    ids = tokens(1, 100, seed=6)
+    results = []
+    for model, run in ((ours, compiled(lambda ids: ours(ids, labels=ids).loss, fullgraph=False)),
+                       (eager, lambda ids: eager(ids, labels=ids).loss)):
+        model.train()
+        model.zero_grad()
+        try:
+            loss = run(ids)
+            loss.backward()
+        finally:
+            model.eval()
+        results.append((loss.detach(), *(layer.self_attn.sinks.grad.clone() for layer in model.model.layers)))
+        model.zero_grad()
+    assert window_spec() in served
+    for got, want in zip(*results):
+        assert want.abs().max() > 0
+        assert_close(got, want, tol=1e-3)
