@@ -514,7 +514,7 @@ _HEADER = '''\
     import this_module as m
     o = m.attn(q, k, v)                               # select blocks with the spec's selector, then attend
     o, lse = m.attn(q, k, v, block_idx=idx, return_lse=True)   # caller-given lists
-    o.backward(do)                                    # inputs that require grad get dq, dk, dv (lse has none)
+    o.backward(do)                                    # inputs that require grad get dq, dk, dv (lse backpropagates too)
     idx = m.select(q, k)                              # the lists the selector would use
     lists = m.prepare(idx, seq_q, seq_k)              # lists for many calls, normalised once:
     o = m.attn(q, k, v, block_idx=lists)              # these calls skip that launch

@@ -558,7 +558,10 @@ def backward_roles(spec: Spec) -> tuple[str, ...]:
 
 def tuned_roles(spec: Spec) -> tuple[str, ...]:
     """The tuned roles that calls of `spec` can run: its selector's, the forward's (both designs of per-query
-    lists), decode's and the backward's; a tune of the spec tunes these."""
+    lists), decode's and the backward's; a tune of the spec tunes these. A window spec's calls attend over lists
+    they build (no selector) with no cache: its forward's and backward's."""
+    if spec.window is not None:
+        return tuple(n for n in ("attn", *backward_roles(spec)) if ROLES[n].tuned)
     _, selection, attn = forward_roles(spec)
     decode_selection = forward_roles(spec, 1)[1]
     paged = forward_roles(spec, paged=True)[2]

@@ -232,3 +232,12 @@ def test_calls_attend_over_the_selector_s_lists_without_selecting(window, length
     assert attn._window_lists(lengths[0], lengths[1], q.device) is lists  # built once per length
     want_o, _, _ = reference.sparse_attention(q.detach(), k.detach(), v.detach(), spec, want)
     assert ((o.double() - want_o).norm() / want_o.norm()) < 1e-5
+
+
+def test_tune_plans_the_roles_a_window_spec_runs():
+    """Its calls build their lists (no selector) over no cache: the forward and the backward are what a tune of it
+    times."""
+    from kernelgen.roles import tuned_roles
+
+    assert tuned_roles(window_spec(128, kv_block=64, q_tile=64)) == ("attn", "bwd_dq", "bwd_dkdv")
+    assert "select" in tuned_roles(Spec(head_dim=64, causal=True))
