@@ -117,9 +117,10 @@ def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False, approx
       `spec.causal`, a block no query of the tile can see is left out (kernelgen would mask it whole): it
       would only take a slot of `top_k`.
     - **Token-level mask.** Only the block structure is carried. Inside the listed blocks kernelgen applies
-      its own mask: causal (key <= query + Nk - Nq, bottom-right aligned) with `spec.causal`, else none.
+      its own mask: causal (key <= query + Nk - Nq, bottom-right aligned) with `spec.causal`, and the sliding
+      window with `spec.window` (key > query + Nk - Nq - window), else none.
       kernelgen's attention therefore equals FlexAttention's when the mask's `mask_mod` is, inside its blocks,
-      that causal predicate or always true. `sink` and `local` are not added: given lists are attended as they
+      that causal predicate (with the window: FlexAttention's sliding-window mask) or always true. `sink` and `local` are not added: given lists are attended as they
       are. What the mask's structure shows to differ is a ValueError naming the first such block, unless
       `approximate=True` (the block structure alone, the result then FlexAttention's only approximately):
       a full block (`full_kv_*`, every pair kept) of which kernelgen's causal mask hides part (a non-causal
@@ -339,6 +340,9 @@ def _check_token_mask(block_mask, partial: torch.Tensor, full: torch.Tensor, spe
     last_key = (first_key + mask_kv).clamp(max=seq_k) - 1
     edge = (first_query + mask_q > seq_q)[:, None] | (first_key + mask_kv > seq_k)[None, :]
     whole = last_key[None, :] <= first_query[:, None] + (seq_k - seq_q)  # kernelgen sees every pair of the block
+    if spec.window is not None:  # and the window of the block's last query holds its first key
+        last_query = (first_query + mask_q).clamp(max=seq_q) - 1
+        whole = whole & (first_key[None, :] > last_query[:, None] + (seq_k - seq_q) - spec.window)
     if not spec.causal:
         whole = torch.ones_like(whole)
     masked_by_us = (full & ~whole).nonzero()

@@ -218,6 +218,21 @@ def test_masks_kernelgen_reproduces_pass_the_token_level_check():
                                                  seq_lengths=(16, 32), mask_mod=lambda b, h, q, kv: kv >= 0), spec)
 
 
+@pytest.mark.parametrize("window, n", [(40, 128), (70, 150), (33, 96)])
+def test_a_sliding_window_mask_converts_exactly_for_a_window_spec(window, n):
+    """FlexAttention's sliding-window mask is a window spec's: its lists convert with no refusal, and kernelgen over
+    them computes what FlexAttention does; a spec of another window is refused."""
+    spec = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, window=window, selector="given")
+    mask = create_block_mask(_window(window), None, None, n, n, device="cpu", BLOCK_SIZE=32)
+    lists = from_block_mask(mask, spec)
+    assert torch.equal(flex_token_mask(mask), reference.token_mask(lists, spec, n, n))
+    q, k, v = _inputs(1, 1, 1, n, n)
+    torch.testing.assert_close(kernelgen.get_kernel(spec)(q, k, v, block_idx=lists), _flex(q, k, v, mask, spec),
+                               atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="masks part of KV block"):
+        from_block_mask(mask, spec.replace(window=window + 32))
+
+
 def test_heads_of_a_group_must_agree_unless_union():
     spec = Spec(head_dim=64, kv_block=16, q_tile=16, top_k=4, gqa_group=2)
     kv_num = torch.tensor([[[1], [1]]], dtype=torch.int32)  # 1 batch, 2 query heads, 1 Q block
