@@ -377,8 +377,8 @@ class SparseAttention:
               block_table=None) -> CacheRows | TokenRows | None:
         """A call's checked rows: a KV cache's rows (`cache_seqlens`, `cache_leftpad`; its pages,
         `block_table`), a right-padded batch's tokens (`seqlens`), or None."""
-        given = [name for name, value in (("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad),
-                                          ("seqlens", seqlens), ("block_table", block_table)) if value is not None]
+        given = [name for name, value in (("block_table", block_table), ("cache_seqlens", cache_seqlens),
+                                          ("cache_leftpad", cache_leftpad)) if value is not None]
         if given:
             self._refuse_window(f"{given[0]}=")
         if block_table is not None:
@@ -394,7 +394,8 @@ class SparseAttention:
     def _refuse_window(self, what: str) -> None:
         if self.spec.window is not None:
             raise KernelgenValueError(f"Spec.window={self.spec.window}: {what} is not built with a sliding window; a "
-                                      "window spec runs plain calls (one length for the batch), forward and backward")
+                                      "window spec runs plain calls, padded batches (seqlens=) and packed sequences "
+                                      "(varlen), forward and backward, over no KV cache")
 
     def _selection_role(self, shapes: Shapes, rows) -> str | None:
         """The selection role a call runs: a Q-centric padded batch's is the decode selection, whose module has
@@ -771,10 +772,10 @@ class SparseAttention:
         k_idx_new [total, k_idx's heads, Di]), packed as q, are its new tokens' keys, written at each row's end
         first as the call's k_new= writes them. `sinks`: as the call's."""
         check_return_lse(return_lse)
-        self._refuse_window("varlen")
         if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # else q's own check names q
             check_sinks(sinks, q.shape[1], q.device)
         if cache_seqlens is not None or block_table is not None:
+            self._refuse_window("varlen over a KV cache")
             new = (k_new, v_new, k_idx_new)
             if torch.compiler.is_compiling():
                 return _varlen_eagerly(self, q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, index=index,

@@ -180,17 +180,53 @@ def test_auto_serves_a_window_spec(device):
     check_call(spec, (100, 100), torch.float32, device)
 
 
-@pytest.mark.parametrize("call", ["cache_seqlens", "seqlens", "varlen"])
-def test_call_forms_without_a_window_refuse_it(call, device):
+@pytest.mark.parametrize("call", ["cache_seqlens", "cache_leftpad", "block_table", "varlen"])
+def test_calls_over_a_kv_cache_refuse_it(call, device):
     attn = kernelgen.get_kernel(window_spec(50))
     q, k, v, _ = leaves(2, 1, 2, 64, 64, 64, torch.float32, device, seed=0)
     lengths = torch.tensor([64, 40], dtype=torch.int32, device=device)
-    with pytest.raises(KernelgenValueError, match=f"Spec.window=50: {call}=? is not built with a sliding window"):
+    what = {"cache_leftpad": "cache_seqlens", "varlen": "varlen over a KV cache"}.get(call, call)
+    with pytest.raises(KernelgenValueError, match=f"Spec.window=50: {what}=? is not built with a sliding window"):
         if call == "varlen":
             packed = [x.detach()[0].transpose(0, 1).contiguous() for x in (q, k, v)]
-            attn.varlen(*packed, torch.tensor([0, 30, 64], dtype=torch.int32, device=device), 34)
+            attn.varlen(packed[0], k.detach(), v.detach(), torch.tensor([0, 30, 64], dtype=torch.int32,
+                                                                       device=device), cache_seqlens=lengths)
+        elif call == "block_table":
+            attn(q, k, v, block_table=torch.zeros(2, 1, dtype=torch.int32, device=device), cache_seqlens=lengths)
+        elif call == "cache_leftpad":
+            attn(q, k, v, cache_seqlens=lengths, cache_leftpad=torch.zeros_like(lengths))
         else:
-            attn(q, k, v, **{call: lengths})
+            attn(q, k, v, cache_seqlens=lengths)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_padded_batch_is_each_row_alone(dtype, device):
+    """seqlens=: each row is the window call over its own tokens (its padding o = 0, lse = -inf), gradients too."""
+    spec = window_spec(45, gqa_group=2)
+    q, k, v, do = leaves(3, 1, 2, 200, 200, 64, dtype, device, seed=6)
+    seqlens = torch.tensor([200, 131, 17], dtype=torch.int32, device=device)
+    o, lse = kernelgen.get_kernel(spec)(q, k, v, seqlens=seqlens, return_lse=True)
+    o.backward(do)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want_o, want_lse, _ = reference.sparse_attention(*exact, spec, seqlens=seqlens)
+    assert_close_to_reference(o, lse, want_o.detach(), want_lse, dtype)
+    (want_o * do.double()).sum().backward()
+    assert_grads_close((q.grad, k.grad, v.grad), [x.grad for x in exact], dtype)
+    assert (o[2, :, 17:] == 0).all() and torch.isneginf(lse[2, :, 17:]).all()
+
+
+def test_packed_sequences_are_each_sequence_alone(device):
+    """varlen: each packed sequence attends as the window call over it alone would."""
+    spec = window_spec(30, gqa_group=2)
+    bounds = [0, 70, 75, 180]
+    q, k, v = (torch.randn(180, h, 64, generator=torch.Generator().manual_seed(h)).to(device)
+               for h in (4, 2, 2))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    attn = kernelgen.get_kernel(spec)
+    o = attn.varlen(q, k, v, cu, max(b - a for a, b in zip(bounds, bounds[1:])))
+    for a, b in zip(bounds, bounds[1:]):
+        alone = attn(*(x[a:b].transpose(0, 1)[None] for x in (q, k, v)))[0].transpose(0, 1)
+        torch.testing.assert_close(o[a:b], alone, rtol=1e-6, atol=1e-6)
 
 
 def test_window_kernels_compile_for_sm90():
