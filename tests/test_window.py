@@ -277,3 +277,25 @@ def test_tune_plans_the_roles_a_window_spec_runs():
 
     assert tuned_roles(window_spec(128, kv_block=64, q_tile=64)) == ("attn", "bwd_dq", "bwd_dkdv")
     assert "select" in tuned_roles(Spec(head_dim=64, causal=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_padded_batch_and_packed_sequences(dtype, device):
+    spec = window_spec(256, kv_block=64, q_tile=64, gqa_group=4, head_dim=128)
+    q, k, v, do = leaves(3, 2, 4, 3000, 3000, 128, dtype, device, seed=1)
+    seqlens = torch.tensor([3000, 2111, 70], dtype=torch.int32, device=device)
+    attn = kernelgen.get_kernel(spec)
+    o, lse = attn(q, k, v, seqlens=seqlens, return_lse=True)
+    o.backward(do)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want_o, want_lse, _ = reference.sparse_attention(*exact, spec, seqlens=seqlens)
+    assert_close_to_reference(o, lse, want_o.detach(), want_lse, dtype)
+    (want_o * do.double()).sum().backward()
+    assert_grads_close((q.grad, k.grad, v.grad), [x.grad for x in exact], dtype)
+    packed = [x.detach()[0].transpose(0, 1).contiguous() for x in (q, k, v)]
+    bounds = [0, 1000, 1001, 3000]
+    got = attn.varlen(*packed, torch.tensor(bounds, dtype=torch.int32, device=device), 1999)
+    for a, b in zip(bounds, bounds[1:]):
+        alone = attn(*(x[a:b].transpose(0, 1)[None] for x in packed))[0].transpose(0, 1)
+        torch.testing.assert_close(got[a:b], alone, rtol=1e-2, atol=1e-2)
