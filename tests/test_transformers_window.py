@@ -2,8 +2,8 @@
 code (no downloads), fp32 in the CPU interpreter. A gpt-oss (attention sinks; a full and a sliding layer, a window of
 24 keys under 100+ token sequences) against the same weights under attn_implementation="eager"; a Mistral (every
 layer windowed, no layer_types) and a Qwen2 ("sliding_attention" layers, no sinks) against SDPA. The sliding layers'
-prompts and training steps run kernelgen's window spec (a spy on get_kernel proves it); their other calls run what
-they ran before, quietly."""
+prompts and training steps, padded (`seqlens`) or packed (`varlen`) too, run kernelgen's window spec (a spy on
+get_kernel and the kernels' calls proves it); their other calls run what they ran before, quietly."""
 import contextlib
 import copy
 import sys
@@ -57,14 +57,42 @@ def models():
     return pair(gpt_oss_config())
 
 
+class Served(list):
+    """The specs the integration's eager calls get kernels for, in call order; `calls`: (spec, "call" or "varlen",
+    the names of the options given, other than None) of each call of those kernels."""
+
+    def window_calls(self):
+        """(form, options) of each call of the sliding layer's spec."""
+        return [(form, options) for spec, form, options in self.calls if spec == window_spec()]
+
+
+class Recorded:
+    """A kernel that records its calls in `served.calls`."""
+
+    def __init__(self, served, spec, attn):
+        self._served, self._spec, self._attn = served, spec, attn
+
+    def __call__(self, *args, **options):
+        self._served.calls.append((self._spec, "call", {k for k, v in options.items() if v is not None}))
+        return self._attn(*args, **options)
+
+    def varlen(self, *args, **options):
+        self._served.calls.append((self._spec, "varlen", {k for k, v in options.items() if v is not None}))
+        return self._attn.varlen(*args, **options)
+
+    def __getattr__(self, name):
+        return getattr(self._attn, name)
+
+
 @pytest.fixture
 def served(monkeypatch):
-    """The specs the integration's eager calls get kernels for, in call order (get_kernel, spied on)."""
-    seen = []
+    """The specs the integration's eager calls get kernels for, and their calls (get_kernel, spied on)."""
+    seen = Served()
+    seen.calls = []
 
     def spy(spec, **kwargs):
         seen.append(spec)
-        return small_select_tiles(spec, **kwargs)
+        return Recorded(seen, spec, small_select_tiles(spec, **kwargs))
 
     monkeypatch.setattr(kg_hf, "get_kernel", spy)
     return seen
@@ -138,19 +166,94 @@ def test_training_gradients_match_eager(models, served, roles):
         assert_close(got, want, tol=1e-3)
 
 
+def test_a_left_padded_prompt_matches_eager(models, served):
+    """A left-padded prompt batch (100 and 70 tokens, as generate() pads it): the sliding layer runs kernelgen's
+    window spec once with `seqlens` (its rows moved to start at 0), the sinks joined; every token's logits are
+    eager's."""
+    ours, eager = models
+    ids, mask = left_padded([tokens(1, 100, seed=30), tokens(1, 70, seed=31)])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), quiet():
+        got, want = (model(ids, attention_mask=mask, position_ids=positions).logits for model in (ours, eager))
+    assert [(how, "seqlens" in options) for how, options in served.window_calls()] == [("call", True)]
+    real = mask.bool()
+    assert_close(got[real], want[real])
+
+
+def test_a_right_padded_training_batch_matches_eager(models, served, roles):
+    """A right-padded training batch (100 and 60 tokens, the padding's labels -100): the sliding layer's forward
+    (`seqlens`) and backward are kernelgen's; the loss and the gradients (both layers' sinks, the sliding layer's
+    projections) are eager's."""
+    ours, eager = models
+    ids = tokens(2, 100, seed=32)
+    mask = (torch.arange(100) < torch.tensor([100, 60])[:, None]).long()
+    ids = ids * mask
+    labels = ids.masked_fill(mask == 0, -100)
+    results = []
+    for model in (ours, eager):
+        model.train()
+        model.zero_grad()
+        try:
+            loss = model(ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+        finally:
+            model.eval()
+        attn = model.model.layers[1].self_attn
+        results.append([loss.detach(), *(layer.self_attn.sinks.grad.clone() for layer in model.model.layers),
+                        attn.q_proj.weight.grad.clone(), attn.k_proj.weight.grad.clone()])
+        model.zero_grad()
+    assert [(how, "seqlens" in options) for how, options in served.window_calls()] == [("call", True)]
+    assert roles["bwd_dq"] == 2 and roles["bwd_dkdv"] == 2  # both layers' backward
+    for got, want in zip(*results):
+        assert want.abs().max() > 0
+        assert_close(got, want, tol=1e-3)
+
+
+@pytest.mark.parametrize("family, flash_kwargs", [("gpt_oss", True), ("mistral", False), ("mistral", True)],
+                         ids=["gpt_oss_flash_kwargs", "mistral_position_ids", "mistral_flash_kwargs"])
+def test_packed_sequences_match_each_sequence_alone(models, served, family, flash_kwargs):
+    """A padding-free batch (3 sequences of 45, 30 and 25 tokens in one row, position_ids restarting, as
+    DataCollatorWithFlattening gives it): each sliding layer runs kernelgen's window spec once with `attn.varlen`,
+    its sequences read from the block-diagonal mask transformers builds from the position_ids (Mistral's; no cache),
+    or bounded by FlashAttention's varlen kwargs (over that mask, or where the model made a cache, whose mask drops
+    the restarts; gpt-oss's masks never read position_ids); the logits are each sequence's run alone."""
+    if family == "gpt_oss":
+        ours, alone_model = models
+    else:
+        ours, alone_model = pair(transformers.MistralConfig(**SMALL), "sdpa")
+    lengths = (45, 30, 25)
+    sequences = [tokens(1, n, seed=40 + i) for i, n in enumerate(lengths)]
+    ids = torch.cat(sequences, 1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    kwargs = {"position_ids": positions, "use_cache": family == "gpt_oss"}
+    if flash_kwargs:
+        bounds = torch.tensor([0, 45, 75, 100], dtype=torch.int32)
+        kwargs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=45, max_length_k=45)
+    with torch.no_grad(), quiet():
+        got = ours(ids, **kwargs).logits
+        alone = torch.cat([alone_model(sequence).logits for sequence in sequences], 1)
+        if family == "mistral" and not flash_kwargs:  # SDPA's packed mask: the same
+            assert_close(alone_model(ids, **kwargs).logits, alone)
+    layers = sum(spec == window_spec() for spec in served)
+    assert layers == (1 if family == "gpt_oss" else 2)
+    assert [how for how, _ in served.window_calls()] == ["varlen"] * layers
+    assert_close(got, alone)
+
+
 @pytest.mark.parametrize("cache, padded", [("dynamic", False), ("static", False), ("dynamic", True)],
                          ids=["dynamic", "static", "left_padded"])
 def test_generate_matches_eager(models, served, cache, padded):
     """generate(): the tokens and each step's logits are eager's. The sliding layer's prompt over a fresh cache (which
-    hands it the whole prompt's keys) is kernelgen's; its decode steps over the window's keys, and a left-padded
-    prompt, run the model's eager attention, quietly."""
+    hands it the whole prompt's keys) is kernelgen's, a left-padded one too (`seqlens`); its decode steps over the
+    window's keys run the model's eager attention, quietly."""
     ours, eager = models
     lengths = (100, 70) if padded else (100,)
     ids, mask = left_padded([tokens(1, n, seed=20 + i) for i, n in enumerate(lengths)])
     with torch.no_grad(), quiet():
         out = [model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
                               return_dict_in_generate=True, cache_implementation=cache) for model in (ours, eager)]
-    assert served.count(window_spec()) == (0 if padded else 1)  # the prompt's call alone
+    assert served.count(window_spec()) == 1  # the prompt's call alone
+    assert [options >= {"seqlens"} for _, options in served.window_calls()] == [padded]
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert_close(torch.stack(out[0].logits), torch.stack(out[1].logits))
 
@@ -191,32 +294,49 @@ def reference(attn, q, k, v, allowed):
 
 
 def call_forms():
-    """(name, n_q, n_k, mask, kwargs, allowed, runs): calls of a sliding layer, with what each query sees, and
-    whether kernelgen's window spec computes them."""
+    """(name, n_q, n_k, mask, kwargs, allowed, runs): calls of a sliding layer, with what each query sees, and how
+    kernelgen's window spec computes them ("call", "seqlens", "varlen"; None: it does not)."""
     n = 40
     window = sliding_mask(n)
-    padded = window & (torch.arange(n) >= torch.tensor([0, 5])[:, None])[:, None, None, :]
+    keys = torch.arange(n)
+    padded = window & (keys >= torch.tensor([0, 5])[:, None])[:, None, None, :]  # row 1: 5 tokens of left padding
+    right_padded = window & (keys < torch.tensor([n, 30])[:, None])[:, None, None, :]  # row 1: 10 after its tokens
     holed = window.clone()
     holed[..., 30, 25] = False
+    padded_holed = padded.clone()
+    padded_holed[1, :, 30, 25] = False
+    right_unseen = right_padded & (keys < 30)[:, None]  # its padding queries see nothing: not transformers' mask
     bounds = torch.tensor([0, 17, 40, 57, 80], dtype=torch.int32)
     sequence = torch.searchsorted(bounds, torch.arange(2 * n, dtype=torch.int32), right=True).view(2, n)
     packed = window & (sequence[:, :, None] == sequence[:, None, :])[:, None]
+    flash = {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": 23, "max_length_k": 23}
+    other = torch.tensor([0, 20, 40, 57, 80], dtype=torch.int32)
+    flash_other = {"cu_seq_lens_q": other, "cu_seq_lens_k": other, "max_length_q": 23, "max_length_k": 23}
     causal = sliding_mask(n, window=n)
     return [
-        ("window", n, n, window, {}, window, True),
-        ("window_additive", n, n, torch.where(window, 0.0, torch.finfo(torch.float32).min), {}, window, True),
-        ("window_per_row", n, n, window.expand(2, 1, n, n), {}, window, True),
-        ("short_no_mask", WINDOW, WINDOW, None, {}, sliding_mask(WINDOW), True),
-        ("long_no_mask", n, n, None, {}, causal, False),  # SDPA's causal reading: not the window's
-        ("padded", n, n, padded, {}, padded, False),
-        ("custom", n, n, holed, {}, holed, False),
-        ("another_window", n, n, sliding_mask(n, window=20), {}, sliding_mask(n, window=20), False),
-        ("after_cached_keys", 8, n, sliding_mask(8, n_k=n), {}, sliding_mask(8, n_k=n), False),
-        ("decode", 1, WINDOW, None, {}, torch.ones(1, 1, 1, WINDOW, dtype=torch.bool), False),
-        ("packed", n, n, packed, {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": 23,
-                                  "max_length_k": 23}, packed, False),
-        ("no_window_kwarg", n, n, window, {"sliding_window": None}, window, True),
-        ("another_window_kwarg", n, n, window, {"sliding_window": 20}, window, False),
+        ("window", n, n, window, {}, window, "call"),
+        ("window_additive", n, n, torch.where(window, 0.0, torch.finfo(torch.float32).min), {}, window, "call"),
+        ("window_per_row", n, n, window.expand(2, 1, n, n), {}, window, "call"),
+        ("short_no_mask", WINDOW, WINDOW, None, {}, sliding_mask(WINDOW), "call"),
+        ("long_no_mask", n, n, None, {}, causal, None),  # SDPA's causal reading: not the window's
+        ("padded", n, n, padded, {}, padded, "seqlens"),
+        ("padded_additive", n, n, torch.where(padded, 0.0, torch.finfo(torch.float32).min), {}, padded, "seqlens"),
+        ("right_padded", n, n, right_padded, {}, right_padded, "seqlens"),
+        ("padded_flash_kwargs", n, n, padded, flash, padded, "seqlens"),  # the mask is read, as in full layers
+        ("padded_custom", n, n, padded_holed, {}, padded_holed, None),
+        ("right_padded_unseen", n, n, right_unseen, {}, right_unseen, None),
+        ("custom", n, n, holed, {}, holed, None),
+        ("another_window", n, n, sliding_mask(n, window=20), {}, sliding_mask(n, window=20), None),
+        ("after_cached_keys", 8, n, sliding_mask(8, n_k=n), {}, sliding_mask(8, n_k=n), None),
+        ("decode", 1, WINDOW, None, {}, torch.ones(1, 1, 1, WINDOW, dtype=torch.bool), None),
+        ("packed", n, n, packed, flash, packed, "varlen"),
+        ("packed_mask", n, n, packed, {}, packed, "varlen"),
+        ("packed_additive", n, n, torch.where(packed, 0.0, torch.finfo(torch.float32).min), {}, packed, "varlen"),
+        ("flash_kwargs_over_every_token", n, n, window, flash, packed, "varlen"),  # the model made a cache
+        ("packed_other_bounds", n, n, packed, flash_other, packed, None),
+        ("flash_kwargs_some", n, n, packed, {"cu_seq_lens_q": bounds}, packed, None),
+        ("no_window_kwarg", n, n, window, {"sliding_window": None}, window, "call"),
+        ("another_window_kwarg", n, n, window, {"sliding_window": 20}, window, None),
     ]
 
 
@@ -224,8 +344,9 @@ def call_forms():
 def test_each_call_form_runs_kernelgen_or_what_it_ran_before(models, served, form):
     """attention_forward on gpt-oss's sliding layer: kernelgen's window spec where the keys are the queries' own and
     the mask is the sliding-window causal one (boolean or additive, broadcast or per row; none where the window cuts
-    nothing), else the model's eager attention, quietly. Each real query's output is the eager attention's under
-    the call's mask."""
+    nothing), over each row's tokens (`seqlens`) or each packed sequence's (`varlen`: FlashAttention's varlen kwargs
+    bound them where they agree with the mask), else the model's eager attention, quietly. Each real query's output
+    (a token's: one that sees itself) is the eager attention's under what it sees."""
     _, q_len, k_len, mask, kwargs, allowed, runs = next(f for f in call_forms() if f[0] == form)
     attn = models[0].model.layers[1].self_attn
     g = torch.Generator().manual_seed(7)
@@ -235,7 +356,13 @@ def test_each_call_form_runs_kernelgen_or_what_it_ran_before(models, served, for
     with torch.no_grad(), quiet():
         got = kg_hf.attention_forward(attn, q, k, v, mask, scaling=0.125, s_aux=attn.sinks, **kwargs)[0]
     assert served == ([window_spec()] if runs else [])
-    assert_close(got, reference(attn, q, k, v, allowed))
+    if runs:
+        [(how, options)] = served.window_calls()
+        assert how == ("varlen" if runs == "varlen" else "call") and ("seqlens" in options) == (runs == "seqlens")
+    want = reference(attn, q, k, v, allowed)
+    real = allowed.expand(2, 1, q_len, k_len)[:, 0].diagonal(k_len - q_len, 1, 2)  # [B, Nq]: a query sees itself
+    assert real.sum() >= q_len  # the forms' rows hold tokens
+    assert_close(got[real], want[real])
 
 
 def test_a_compiled_call_runs_the_window_spec_in_the_graph(models, compiled, roles):

@@ -29,11 +29,18 @@ layers, every layer of a Mistral, Mixtral, Phi-3 or Starcoder2 whose config sets
 window spec (`Spec.window`, `tuning.model.window_spec`): their lists are the window's blocks, dense attention within
 the window, so of their options only kv_block, q_tile and backend apply (a backend without windows gives "triton"),
 and top_k = 0 (for the layer type, or for the model) still makes them not kernelgen's. kernelgen computes their
-prompts and training steps of one length per batch, no padding, no keys cached before them (a fresh cache hands a
-sliding layer the whole prompt's keys): its plain call, forward and backward, the sinks joined, where the mask is
-transformers' sliding-window causal mask over those keys (or none, where the window cuts nothing; inside
-torch.compile only that one, its shapes read: a masked call breaks the graph into the eager call). Every other call
-of theirs (decode steps and chunks over the cache, padded or packed batches, custom masks, and what kernelgen cannot
+prompts and training steps over no keys cached before them (a fresh cache hands a sliding layer the whole prompt's
+keys), forward and backward, the sinks joined, where the mask is exactly the sliding-window causal mask over each
+row's tokens, read on the host: its plain call where that is transformers' sliding-window causal mask over every
+token (or none, where the window cuts nothing); a padded batch (left- or right-padded, as transformers masks it: no
+token sees padding) in one call, `seqlens`, its left-padded rows moved to start at 0, a padding position's output 0,
+as in full layers; packed sequences (the block-diagonal mask
+transformers builds from position_ids that restart, where the model passes them to its masks: Mistral's and Qwen2's
+do, gpt-oss's do not) as `attn.varlen`, each sequence alone; FlashAttention's varlen kwargs bound the sequences where
+the mask is over every token (or none, where the window cuts nothing) or packed with the same bounds (a padded mask
+is read instead, as in full layers). Inside torch.compile only a call with no mask runs in the graph (its shapes
+read); a masked call breaks the graph into the eager call. Every other call of theirs (decode steps and chunks over
+the cache, custom masks, a packed mask whose sequences the kwargs bound otherwise, and what kernelgen cannot
 compute) runs as before, quietly: SDPA, or the model's eager attention where it has attention sinks.
 
 **Decoding with kept key representatives.** The `mean` and `multi:r` selectors score blocks by their keys'
@@ -99,9 +106,9 @@ the sinks, and a sliding window through the mask; given the additive mask transf
 the layers that are not kernelgen's (`kernelgen_top_k = 0`) and in sliding-window layers, with the
 `KernelgenFallbackWarning` in kernelgen's others. Like attn_implementation="eager", it holds each call's scores
 ([B, H, Nq, Nk]): gpt-oss's sliding layers run their prompts and training steps through kernelgen (with the sinks),
-so no long prompt materialises them, but their decode steps (a window's keys) and padded batches do. Sinks other
-than one logit per query head (per-token sinks) are such a call; a module whose file has no `eager_attention_forward`
-is refused at one (a ValueError).
+so no long prompt materialises them (nor a padded or packed batch), but their decode steps (a window's keys) do.
+Sinks other than one logit per query head (per-token sinks) are such a call; a module whose file has no
+`eager_attention_forward` is refused at one (a ValueError).
 """
 from __future__ import annotations
 
@@ -120,7 +127,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from .. import custom_ops
 from ..device import interpreting
 from ..dispatch import get_kernel
-from ..errors import KernelgenValueError
+from ..errors import KernelgenError, KernelgenValueError
 from ..inputs import KeyReps, ReadOnce
 from ..roles import DECODE_MAX_QUERIES
 from ..spec import HEAD_DIMS, Spec
@@ -613,52 +620,132 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
 
 
 def _attention_window(spec: Spec, module, query, key, value, attention_mask, scaling, dropout, kwargs):
-    """A sliding-window layer's call (its spec has a window): kernelgen's plain call (the sinks joined) where that
-    is exactly the layer's attention (`_window_refused`); every other call (a decode step or a chunk over a cache,
-    a padded or packed batch, a custom mask, what kernelgen cannot compute) runs what such layers ran before
-    kernelgen computed windows, quietly: SDPA, or the model's eager attention where it has attention sinks."""
-    if (_unsupported(module, query, dropout, kwargs, spec.window)
-            or _window_refused(spec.window, query, key, attention_mask, kwargs)):
+    """A sliding-window layer's call (its spec has a window), where its keys are its queries' own tokens (a prompt
+    or a training batch over no cache, or a fresh one, which hands a sliding layer the whole prompt's keys) and its
+    mask is exactly the sliding-window causal mask over each row's tokens, or over each packed sequence's
+    (`_window_rows`): kernelgen's plain call, a padded batch's (`seqlens`, left-padded rows moved to start at 0) or
+    packed sequences' (`attn.varlen`), the sinks joined. Every other call (a decode step or a chunk over a cache, a
+    custom mask, what kernelgen cannot compute) runs what such layers ran before kernelgen computed windows,
+    quietly: SDPA, or the model's eager attention where it has attention sinks."""
+    rows = None if _unsupported(module, query, dropout, kwargs, spec.window) else _window_rows(
+        spec.window, query, key, attention_mask, kwargs)
+    if rows is None:
         return _other_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     sinks = _sinks(kwargs)
     if sinks is not None:
         sinks = sinks.to(query.device)  # [Hq], checked by `_unsupported`
-    o = get_kernel(spec)(query, key, value, scale=scaling, sinks=sinks)
+    attn = get_kernel(spec)
+    if isinstance(rows, _Sequences):  # each sequence alone, as its own call
+        o = attn.varlen(*_flat(query, key, value), rows.cu_seqlens, rows.max_length, scale=scaling, sinks=sinks)
+        return o.view(query.shape[0], query.shape[2], *o.shape[1:]), None
+    if isinstance(rows, PaddedRows):  # each row alone, over its own tokens; a padding query's output is 0
+        return _attention_padded_prompt(attn, query, key, value, rows.pads.expand(query.shape[0]), rows.tokens,
+                                        scaling, shifted=max(rows.firsts) > 0, sinks=sinks)
+    o = attn(query, key, value, scale=scaling, sinks=sinks)
     return o.transpose(1, 2).contiguous(), None
 
 
-def _window_refused(window: int, query, key, mask, kwargs) -> bool:
-    """Whether a window spec's plain call is not this call's attention: it is where the keys are the queries' own
-    tokens (as many, no earlier keys: a prompt or a training batch over no cache, or a fresh one, which hands a
-    sliding layer the whole prompt's keys) and the mask is transformers' sliding-window causal mask over them (SDPA's
-    None where the window cuts nothing: no more tokens than `window`) with no padding; no packed sequences
-    (FlashAttention's varlen kwargs)."""
+class _Sequences(NamedTuple):
+    """A window layer's packed sequences: `attn.varlen`'s bounds (int32 [n + 1]) and longest sequence (or None)."""
+    cu_seqlens: torch.Tensor
+    max_length: int | None
+
+
+def _window_refused(window: int, query, key, kwargs) -> bool:
+    """Whether a window spec's plain call is not the attention of this call without a mask: it is where the keys are
+    the queries' own tokens (as many, no earlier keys) and no more than `window` of them (SDPA's causal reading of no
+    mask, which transformers gives a sliding layer only where the window cuts nothing), and no packed sequences
+    (FlashAttention's varlen kwargs; a compiled step breaks the graph into the eager call for them)."""
     n_q, n_k = query.shape[2], key.shape[2]
-    if n_q != n_k or any(kwargs.get(name) is not None for name in _FLASH_VARLEN):
-        return True
+    return n_q != n_k or n_q > window or any(kwargs.get(name) is not None for name in _FLASH_VARLEN)
+
+
+def _window_rows(window: int, query, key, mask, kwargs) -> bool | PaddedRows | _Sequences | None:
+    """What a window spec computes this call as, where that is exactly the layer's attention: True (its plain call:
+    the mask is the sliding-window causal mask over every token, or none where the window cuts nothing), the rows
+    of a padded batch (each row's tokens contiguous, the mask the sliding-window causal one over them, none seen by
+    or seeing padding), or packed sequences (the mask block-diagonal, the sliding-window causal mask over each
+    sequence; or FlashAttention's varlen kwargs, which bound them where the mask is over every token or packed
+    likewise, as for full layers: a padded mask is read instead); else None. The keys must be the queries' own
+    tokens (no earlier keys)."""
+    n_q, n_k, batch = query.shape[2], key.shape[2], query.shape[0]
+    if n_q != n_k:
+        return None
+    flash = None
+    if any(kwargs.get(name) is not None for name in _FLASH_VARLEN):
+        try:
+            flash = _flash_varlen(query, key, kwargs)
+            if flash is None:  # some of the four only
+                return None
+            flash = _Sequences(*_read_bounds(*flash))
+        except KernelgenError:  # bounds kernelgen does not take: what the layer ran before
+            return None
     if mask is None:  # SDPA's causal reading, which transformers gives only where the window cuts nothing
-        return n_q > window
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (n_q, n_k):
-        return True
-    return not _read_window_masks.get((mask,), window, lambda: _is_window_mask(mask, window))
+        return None if n_q > window else (flash or True)
+    if (not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (n_q, n_k)
+            or mask.shape[0] not in (1, batch)):
+        return None
+    rows = _read_window_masks.get((mask,), window, lambda: _window_verdict(mask, window))
+    if isinstance(rows, PackedRows):
+        bounds = rows.bounds(batch)
+        if flash is not None and not _equal_bounds(bounds, flash.cu_seqlens):
+            return None
+        return _Sequences(bounds, None) if flash is None else flash
+    if rows is True and flash is not None:
+        return flash
+    return rows
 
 
 _read_window_masks = ReadOnce()  # the last window mask's verdict: the sliding layers of a step share one mask
 
 
-def _is_window_mask(mask: torch.Tensor, window: int) -> bool:
-    """Whether a 4-D mask [B or 1, H or 1, N, N] (boolean, or additive of 0 and at most half its dtype's minimum) is
-    the sliding-window causal mask for every row and head: query i sees keys j with 0 <= i - j < window. Read some
-    queries at a time (2**26 positions), one wait on the device."""
-    n = mask.shape[-1]
-    chunk = max(1, (1 << 26) // (mask.shape[0] * mask.shape[1] * n))
+def _window_verdict(mask: torch.Tensor, window: int) -> bool | PaddedRows | PackedRows | None:
+    """A 4-D mask [B or 1, H or 1, N, N] (boolean, or additive of 0 and at most half its dtype's minimum), the same
+    for every head, read as a window spec's call: True where it is the sliding-window causal mask for every row
+    (query i sees keys j with 0 <= i - j < window); PaddedRows where each row's tokens (the keys some query sees)
+    are contiguous, [first, end), and query i sees exactly keys [max(first, i - window + 1), min(i, end - 1)] (none
+    for left padding; transformers' mask lets a right-padding query see the row's last tokens); PackedRows where
+    every query sees itself and query i sees exactly keys [max(start, i - window + 1), i] of the sequence it is in
+    (which starts at the query that sees itself alone); else None. Each query's keys are read as their first, last
+    and count, some queries at a time (2**26 positions), one wait on the device for each reading."""
+    batch, heads, n = mask.shape[0], mask.shape[1], mask.shape[-1]
+    chunk = max(1, (1 << 26) // (batch * heads * n))
     keys = torch.arange(n, device=mask.device)
     ok = torch.ones((), dtype=torch.bool, device=mask.device)
+    seen = torch.zeros(batch, n, dtype=torch.bool, device=mask.device)
+    firsts, lasts, counts = [], [], []
     for start in range(0, n, chunk):
         allowed, plain = _allowed(mask[:, :, start:start + chunk])
-        queries = keys[start:start + chunk, None]
-        ok = ok & plain & (allowed == ((keys <= queries) & (keys > queries - window))).all()
-    return bool(ok)
+        ok = ok & plain & (allowed == allowed[:, :1]).all()
+        rows = allowed[:, 0]  # [B, chunk, N]
+        seen |= rows.any(1)
+        firsts.append(torch.where(rows, keys, n).amin(-1))
+        lasts.append(torch.where(rows, keys, -1).amax(-1))
+        counts.append(rows.sum(-1))
+    firsts, lasts, counts = (torch.cat(x, 1) for x in (firsts, lasts, counts))  # [B, N] each, query i at i
+    # each row's tokens, and what each query sees of them
+    first = torch.where(seen, keys, n).amin(-1, keepdim=True)
+    end = torch.where(seen, keys + 1, 0).amax(-1, keepdim=True)
+    low, high = torch.maximum(first, keys - window + 1), torch.minimum(keys, end - 1)
+    expected = (high - low + 1).clamp(min=0)
+    padded = (ok & (seen.sum(-1, keepdim=True) == end - first).all() & (end > first).all() & (counts == expected).all()
+              & ((expected == 0) | ((firsts == low) & (lasts == high))).all())
+    if bool(padded):
+        first, end = first[:, 0], end[:, 0]
+        first_list, end_list = first.tolist(), end.tolist()
+        if max(first_list) == 0 and min(end_list) == n:
+            return True
+        pads = first.to(torch.int32)
+        return PaddedRows(0, tuple(first_list), tuple(end_list), pads, torch.full_like(pads, n),
+                          (end - first).to(torch.int32))
+    starts = firsts == keys  # a query that sees itself alone starts a sequence
+    sequence_start = torch.where(starts, keys, 0).cummax(-1).values
+    packed = ok & ((lasts == keys) & (counts == keys - firsts + 1)
+                   & (firsts == torch.maximum(sequence_start, keys - window + 1))).all()
+    if not bool(packed):
+        return None
+    bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([batch * n], device=mask.device)])
+    return PackedRows(bounds.to(torch.int32), batch, n, {})
 
 
 # FlashAttention's varlen kwargs: a padding-free batch's sequences among its rows' tokens one after another, which
@@ -885,7 +972,7 @@ def _in_graph(module, query, key, value, mask, dropout, kwargs) -> tuple[str, tu
     if not traced[0] or _unsupported(module, query, dropout, kwargs, traced[2]):
         return None
     if traced[2] is not None:  # a window layer: what the eager call reads of its mask, known from the shapes
-        return None if mask is not None or _window_refused(traced[2], query, key, None, kwargs) else traced
+        return None if mask is not None or _window_refused(traced[2], query, key, kwargs) else traced
     packed = _flash_varlen(query, key, kwargs)
     if packed is not None:  # packed sequences, their bounds on the device; a tensor max_length is read on the host
         return traced if isinstance(packed[2], int) else None
