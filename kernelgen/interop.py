@@ -120,9 +120,10 @@ def from_block_mask(block_mask, spec: Spec, *, union_heads: bool = False, approx
       its own mask: causal (key <= query + Nk - Nq, bottom-right aligned) with `spec.causal`, and the sliding
       window with `spec.window` (key > query + Nk - Nq - window), else none.
       kernelgen's attention therefore equals FlexAttention's when the mask's `mask_mod` is, inside its blocks,
-      that causal predicate (with the window: FlexAttention's sliding-window mask) or always true. `sink` and `local` are not added: given lists are attended as they
-      are. What the mask's structure shows to differ is a ValueError naming the first such block, unless
-      `approximate=True` (the block structure alone, the result then FlexAttention's only approximately):
+      that causal predicate (with the window: FlexAttention's sliding-window mask) or always true. `sink` and
+      `local` are not added: given lists are attended as they are. What the mask's structure shows to differ is
+      a ValueError naming the first such block, unless `approximate=True` (the block structure alone, the result
+      then FlexAttention's only approximately):
       a full block (`full_kv_*`, every pair kept) of which kernelgen's causal mask hides part (a non-causal
       mask for a causal spec, a prefix kept whole), and a partial block (`kv_*`: the mask_mod drops some pair)
       that kernelgen attends whole and that does not cross `Nq` or `Nk` (a sliding window, document boundaries,

@@ -15,9 +15,9 @@ from .errors import KernelgenValueError
 
 from .spec import DEFAULT_Q_TILE, Spec
 
-__all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "KV_CENTRIC_SHAPES", "DECODE_SHAPES", "WINDOW_SHAPES", "random_query_lists",
-           "agreeing_query_lists",
-           "visible_pairs", "useful_flops", "dense_flops"]
+__all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "KV_CENTRIC_SHAPES", "DECODE_SHAPES",
+           "WINDOW_SHAPES", "random_query_lists", "agreeing_query_lists", "visible_pairs", "useful_flops",
+           "dense_flops"]
 
 
 @dataclass(frozen=True)
