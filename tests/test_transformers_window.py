@@ -140,24 +140,28 @@ def test_a_prompt_matches_eager(models, served):
     assert_close(got, want)
 
 
+def training_step(model, ids, **batch) -> list:
+    """A training step's loss and gradients: both layers' sinks, the sliding layer's q and k projections."""
+    model.train()
+    model.zero_grad()
+    try:
+        loss = model(ids, **batch).loss
+        loss.backward()
+    finally:
+        model.eval()
+    attn = model.model.layers[1].self_attn
+    results = [loss.detach(), *(layer.self_attn.sinks.grad.clone() for layer in model.model.layers),
+               attn.q_proj.weight.grad.clone(), attn.k_proj.weight.grad.clone()]
+    model.zero_grad()
+    return results
+
+
 def test_training_gradients_match_eager(models, served, roles):
     """A training step: the sliding layer's forward and backward are kernelgen's; the loss and the gradients (both
     layers' sinks, the sliding layer's projections) are eager's."""
     ours, eager = models
     ids = tokens(1, 100, seed=4)
-    results = []
-    for model in (ours, eager):
-        model.train()
-        model.zero_grad()
-        try:
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-        finally:
-            model.eval()
-        attn = model.model.layers[1].self_attn
-        results.append([loss.detach(), *(layer.self_attn.sinks.grad.clone() for layer in model.model.layers),
-                        attn.q_proj.weight.grad.clone(), attn.k_proj.weight.grad.clone()])
-        model.zero_grad()
+    results = [training_step(model, ids, labels=ids) for model in (ours, eager)]
     assert window_spec() in served
     assert ours.config._attn_implementation == "kernelgen" and eager.config._attn_implementation == "eager"
     assert roles["bwd_dq"] == 2 and roles["bwd_dkdv"] == 2  # both layers' backward
@@ -189,19 +193,7 @@ def test_a_right_padded_training_batch_matches_eager(models, served, roles):
     mask = (torch.arange(100) < torch.tensor([100, 60])[:, None]).long()
     ids = ids * mask
     labels = ids.masked_fill(mask == 0, -100)
-    results = []
-    for model in (ours, eager):
-        model.train()
-        model.zero_grad()
-        try:
-            loss = model(ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-        finally:
-            model.eval()
-        attn = model.model.layers[1].self_attn
-        results.append([loss.detach(), *(layer.self_attn.sinks.grad.clone() for layer in model.model.layers),
-                        attn.q_proj.weight.grad.clone(), attn.k_proj.weight.grad.clone()])
-        model.zero_grad()
+    results = [training_step(model, ids, attention_mask=mask, labels=labels) for model in (ours, eager)]
     assert [(how, "seqlens" in options) for how, options in served.window_calls()] == [("call", True)]
     assert roles["bwd_dq"] == 2 and roles["bwd_dkdv"] == 2  # both layers' backward
     for got, want in zip(*results):

@@ -202,17 +202,22 @@ def test_calls_over_a_kv_cache_refuse_it(call, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_padded_batch_is_each_row_alone(dtype, device):
     """seqlens=: each row is the window call over its own tokens (its padding o = 0, lse = -inf), gradients too."""
-    spec = window_spec(45, gqa_group=2)
     q, k, v, do = leaves(3, 1, 2, 200, 200, 64, dtype, device, seed=6)
     seqlens = torch.tensor([200, 131, 17], dtype=torch.int32, device=device)
+    o, lse = check_padded(window_spec(45, gqa_group=2), q, k, v, do, seqlens)
+    assert (o[2, :, 17:] == 0).all() and torch.isneginf(lse[2, :, 17:]).all()
+
+
+def check_padded(spec, q, k, v, do, seqlens):
+    """o, lse of a padded call (seqlens=), its o, lse and gradients checked against float64 autograd."""
     o, lse = kernelgen.get_kernel(spec)(q, k, v, seqlens=seqlens, return_lse=True)
     o.backward(do)
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
     want_o, want_lse, _ = reference.sparse_attention(*exact, spec, seqlens=seqlens)
-    assert_close_to_reference(o, lse, want_o.detach(), want_lse, dtype)
+    assert_close_to_reference(o, lse, want_o.detach(), want_lse, q.dtype)
     (want_o * do.double()).sum().backward()
-    assert_grads_close((q.grad, k.grad, v.grad), [x.grad for x in exact], dtype)
-    assert (o[2, :, 17:] == 0).all() and torch.isneginf(lse[2, :, 17:]).all()
+    assert_grads_close((q.grad, k.grad, v.grad), [x.grad for x in exact], q.dtype)
+    return o, lse
 
 
 def test_packed_sequences_are_each_sequence_alone(device):
@@ -284,15 +289,8 @@ def test_tune_plans_the_roles_a_window_spec_runs():
 def test_gpu_padded_batch_and_packed_sequences(dtype, device):
     spec = window_spec(256, kv_block=64, q_tile=64, gqa_group=4, head_dim=128)
     q, k, v, do = leaves(3, 2, 4, 3000, 3000, 128, dtype, device, seed=1)
-    seqlens = torch.tensor([3000, 2111, 70], dtype=torch.int32, device=device)
+    check_padded(spec, q, k, v, do, torch.tensor([3000, 2111, 70], dtype=torch.int32, device=device))
     attn = kernelgen.get_kernel(spec)
-    o, lse = attn(q, k, v, seqlens=seqlens, return_lse=True)
-    o.backward(do)
-    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want_o, want_lse, _ = reference.sparse_attention(*exact, spec, seqlens=seqlens)
-    assert_close_to_reference(o, lse, want_o.detach(), want_lse, dtype)
-    (want_o * do.double()).sum().backward()
-    assert_grads_close((q.grad, k.grad, v.grad), [x.grad for x in exact], dtype)
     packed = [x.detach()[0].transpose(0, 1).contiguous() for x in (q, k, v)]
     bounds = [0, 1000, 1001, 3000]
     got = attn.varlen(*packed, torch.tensor(bounds, dtype=torch.int32, device=device), 1999)
