@@ -359,10 +359,14 @@ class SparseAttention:
         q, k, _ = autocast_qkv(q, k, k)
         shapes = self._check_shapes(q, k, k, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
-        role = self._selection_role(shapes, rows)  # the selection a call of these queries runs
-        served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
-        self._reps_to_rows(k, shapes, key_reps, rows)
-        lists = self._select(q, k, shapes, index, served, key_reps, rows)
+        if self.spec.window is not None and key_reps is None:  # the calls' own lists (a copy: the cached ones stay)
+            lists = self._window_lists(shapes.n_q, shapes.n_k, q.device).expand(
+                shapes.batch, shapes.heads_kv, -1, -1).contiguous()
+        else:
+            role = self._selection_role(shapes, rows)  # the selection a call of these queries runs
+            served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
+            self._reps_to_rows(k, shapes, key_reps, rows)
+            lists = self._select(q, k, shapes, index, served, key_reps, rows)
         if isinstance(rows, TokenRows):
             lists = _padding_lists_emptied(lists, rows.seqlens, self.spec.list_queries)
         return lists

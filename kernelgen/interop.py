@@ -34,7 +34,7 @@ def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | N
     lists      int32 or int64 `[B, Hkv, n_q_tiles, top_k]` (per-query lists of `schedule="kv_centric"`:
                `[B, Hkv, Nq, top_k]`), or the `BlockLists` of `attn.prepare`. `-1`, out-of-range and repeated
                ids are dropped: a list is a set of blocks (docs/SEMANTICS.md, "Block lists").
-    spec       the kernelgen spec the lists are for: kv_block, q_tile, causal and gqa_group are read.
+    spec       the kernelgen spec the lists are for: kv_block, q_tile, causal, window and gqa_group are read.
                Forced blocks (sink, local, the causal diagonal) are part of the lists a selector emits, and
                given lists are attended as they are, so the mask holds the lists' blocks and no other.
     seq_q, seq_k   the query and key lengths (the mask's `seq_lengths`).
@@ -95,6 +95,9 @@ def to_block_mask(lists, spec: Spec, seq_q: int, seq_k: int, *, q_block: int | N
     if spec.causal:  # the block's last key is visible to the Q block's first query
         first_query = torch.arange(n_q_blocks, device=idx.device)[:, None] * q_block
         whole = whole & (block_end - 1 <= first_query + (row_keys - seq_q))
+    if spec.window is not None:  # and its first key inside the window of the Q block's last query
+        last_query = torch.clamp(torch.arange(1, n_q_blocks + 1, device=idx.device) * q_block, max=seq_q)[:, None] - 1
+        whole = whole & (block_end - spec.kv_block > last_query + (row_keys - seq_q) - spec.window)
     union = union & (block_end - spec.kv_block < row_keys)[:, None]  # blocks past a row's keys: empty slots
     full = held_by_all & whole[:, None]
     kv_num, kv_ids = _kv_blocks(union & ~full)
@@ -351,15 +354,18 @@ def _check_token_mask(block_mask, partial: torch.Tensor, full: torch.Tensor, spe
     for found, what in ((masked_by_us, "keeps every pair of"), (masked_by_flex, "masks part of")):
         if len(found):
             b, h, qb, kb = (int(x) for x in found[0])
-            ours = ("kernelgen's causal mask (bottom-right aligned: key <= query + Nk - Nq) hides part of it"
+            window = ("" if spec.window is None else
+                      f" and the sliding window of spec.window={spec.window} keys (key > query + Nk - Nq - window)")
+            ours = (f"kernelgen's causal mask (bottom-right aligned: key <= query + Nk - Nq){window} hides part of it"
                     if what.startswith("keeps") else
-                    "kernelgen attends it whole (its only mask is the causal one, bottom-right aligned: key <= "
-                    "query + Nk - Nq; FlexAttention's q_idx >= kv_idx is top-left aligned where Nq != Nk)"
+                    f"kernelgen attends it whole (its masks are the causal one, bottom-right aligned: key <= "
+                    f"query + Nk - Nq{window}; FlexAttention's q_idx >= kv_idx is top-left aligned where Nq != Nk)"
                     if spec.causal else "kernelgen attends it whole (spec.causal=False: it masks nothing)")
+            other = "a sliding window of another width" if spec.window is not None else "a sliding window"
             raise KernelgenValueError(
                 f"block_mask {what} KV block {kb} (keys from {kb * mask_kv}) for Q block {qb} (queries from "
-                f"{qb * mask_q}), batch {b}, head {h}, where {ours}: block lists carry no token-level mask (a sliding "
-                "window, document boundaries, a prefix, another causal alignment). Pass approximate=True to take "
+                f"{qb * mask_q}), batch {b}, head {h}, where {ours}: block lists carry no other token-level mask "
+                f"({other}, document boundaries, a prefix, another causal alignment). Pass approximate=True to take "
                 "the mask's block structure alone (kernelgen's result then differs from FlexAttention's)")
 
 
@@ -417,9 +423,9 @@ def _row_lengths(cache_seqlens, batch: int, seq_k: int, device) -> torch.Tensor:
 
 def _lists_mask_mod(member: torch.Tensor, spec: Spec, seq_q: int, seq_k: int, lengths: torch.Tensor | None = None):
     """mask_mod: the key's block is in the query's list, the key is inside seq_k (its row's keys: `lengths`),
-    and causal allows."""
+    and causal (and the spec's sliding window) allows."""
     batch, heads_kv, n_lists, n_blocks = member.shape
-    g, per_list, kv_block, causal = spec.gqa_group, spec.list_queries, spec.kv_block, spec.causal
+    g, per_list, kv_block, causal, window = spec.gqa_group, spec.list_queries, spec.kv_block, spec.causal, spec.window
     keys = _keys_of_row(seq_k, lengths)
 
     def in_lists(b, h, q_idx, kv_idx):
@@ -429,19 +435,26 @@ def _lists_mask_mod(member: torch.Tensor, spec: Spec, seq_q: int, seq_k: int, le
                       (kv_idx // kv_block).clamp(max=n_blocks - 1)]
         n = keys(b)
         keep = keep & (kv_idx < n)
-        return keep & (kv_idx <= q_idx + n - seq_q) if causal else keep
+        if not causal:
+            return keep
+        keep = keep & (kv_idx <= q_idx + n - seq_q)
+        return keep if window is None else keep & (kv_idx > q_idx + n - seq_q - window)
 
     return in_lists
 
 
 def _causal_mask_mod(spec: Spec, seq_q: int, seq_k: int, lengths: torch.Tensor | None = None):
-    """mask_mod: causal (bottom-right aligned) or, without causal, the key inside seq_k (its row's keys:
-    `lengths`, each row's diagonal its own)."""
+    """mask_mod: causal (bottom-right aligned; with the spec's sliding window) or, without causal, the key inside
+    seq_k (its row's keys: `lengths`, each row's diagonal its own)."""
     keys = _keys_of_row(seq_k, lengths)
+    window = spec.window
 
     def causal_mask(b, h, q_idx, kv_idx):
         n = keys(b)
-        return (kv_idx <= q_idx + n - seq_q) & (kv_idx < n) if lengths is not None else kv_idx <= q_idx + n - seq_q
+        keep = kv_idx <= q_idx + n - seq_q
+        if window is not None:
+            keep = keep & (kv_idx > q_idx + n - seq_q - window)
+        return keep & (kv_idx < n) if lengths is not None else keep
 
     def in_range(b, h, q_idx, kv_idx):
         return kv_idx < keys(b)

@@ -229,8 +229,16 @@ def test_a_sliding_window_mask_converts_exactly_for_a_window_spec(window, n):
     q, k, v = _inputs(1, 1, 1, n, n)
     torch.testing.assert_close(kernelgen.get_kernel(spec)(q, k, v, block_idx=lists), _flex(q, k, v, mask, spec),
                                atol=2e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="masks part of KV block"):
+    with pytest.raises(ValueError, match="masks part of KV block .*spec.window=.* keys"):
         from_block_mask(mask, spec.replace(window=window + 32))
+    # and back: a window spec's lists to a BlockMask whose mask_mod has the window (exact or not)
+    for exact in (True, False):
+        back = to_block_mask(lists, spec, n, n, exact_mask_mod=exact)
+        assert torch.equal(flex_token_mask(back), reference.token_mask(lists, spec, n, n))
+    selected = kernelgen.get_kernel(spec.replace(selector="mean", top_k=spec.replace(top_k=1).window_blocks))
+    lists = selected.select(q, k)
+    assert torch.equal(flex_token_mask(to_block_mask(lists, selected.spec, n, n)),
+                       reference.token_mask(lists, selected.spec, n, n))
 
 
 def test_heads_of_a_group_must_agree_unless_union():

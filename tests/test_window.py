@@ -256,14 +256,19 @@ def test_gpu_against_reference(window, n, dtype, device):
 @pytest.mark.parametrize("window, lengths", [(50, (300, 300)), (70, (200, 130)), (300, (150, 400)), (20, (37, 37))])
 def test_calls_attend_over_the_selector_s_lists_without_selecting(window, lengths, device, monkeypatch):
     """A selecting window spec's lists are its window's blocks: the calls build them once per length, equal to the
-    selector's lists bit for bit, and never run the selector."""
+    selector kernel's lists bit for bit (it runs with key_reps=), and never run the selector; `select` returns them
+    (a copy: writing into it leaves the calls' lists as they are)."""
     spec = window_spec(window, gqa_group=2, local_extra=0)
     q, k, v, _ = leaves(2, 2, 2, *lengths, 64, torch.float32, device, seed=window)
     attn = kernelgen.get_kernel(spec)
-    want = attn.select(q.detach(), k.detach())
+    want = attn.select(q.detach(), k.detach(), key_reps=attn.key_reps(k.detach()))  # the selector's kernel
     torch.testing.assert_close(want, reference.select_blocks(q.detach(), k.detach(), spec), rtol=0, atol=0)
     lists = attn._window_lists(lengths[0], lengths[1], q.device)
     assert torch.equal(lists.expand_as(want), want)
+    selected = attn.select(q.detach(), k.detach())
+    assert torch.equal(selected, want)
+    selected.fill_(-1)
+    assert torch.equal(attn._window_lists(lengths[0], lengths[1], q.device).expand_as(want), want)
 
     def no_selection(*args, **kwargs):
         raise AssertionError("a window spec's call ran the selector")
@@ -297,3 +302,13 @@ def test_gpu_padded_batch_and_packed_sequences(dtype, device):
     for a, b in zip(bounds, bounds[1:]):
         alone = attn(*(x[a:b].transpose(0, 1)[None] for x in packed))[0].transpose(0, 1)
         torch.testing.assert_close(got[a:b], alone, rtol=1e-2, atol=1e-2)
+
+
+def test_select_over_a_padded_batch_empties_the_padding_s_lists(device):
+    spec = window_spec(50, gqa_group=2)
+    q, k, _, _ = leaves(2, 1, 2, 200, 200, 64, torch.float32, device, seed=0)
+    seqlens = torch.tensor([200, 70], dtype=torch.int32, device=device)
+    lists = kernelgen.get_kernel(spec).select(q.detach(), k.detach(), seqlens=seqlens)
+    whole = kernelgen.get_kernel(spec).select(q.detach(), k.detach())
+    assert torch.equal(lists[0], whole[0]) and torch.equal(lists[1, :, :3], whole[1, :, :3])
+    assert (lists[1, :, 3:] == -1).all()  # tiles from query 96 on: row 1's padding
