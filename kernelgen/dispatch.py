@@ -360,8 +360,7 @@ class SparseAttention:
         shapes = self._check_shapes(q, k, k, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
         if self.spec.window is not None and key_reps is None:  # the calls' own lists (a copy: the cached ones stay)
-            lists = self._window_lists(shapes.n_q, shapes.n_k, q.device).expand(
-                shapes.batch, shapes.heads_kv, -1, -1).contiguous()
+            lists = self._window_lists(shapes, q.device).contiguous()
         else:
             role = self._selection_role(shapes, rows)  # the selection a call of these queries runs
             served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
@@ -381,10 +380,11 @@ class SparseAttention:
               block_table=None) -> CacheRows | TokenRows | None:
         """A call's checked rows: a KV cache's rows (`cache_seqlens`, `cache_leftpad`; its pages,
         `block_table`), a right-padded batch's tokens (`seqlens`), or None."""
-        given = [name for name, value in (("block_table", block_table), ("cache_seqlens", cache_seqlens),
-                                          ("cache_leftpad", cache_leftpad)) if value is not None]
-        if given:
-            self._refuse_window(f"{given[0]}=")
+        if self.spec.window is not None:  # no Python work on other specs' calls
+            given = [name for name, value in (("block_table", block_table), ("cache_seqlens", cache_seqlens),
+                                              ("cache_leftpad", cache_leftpad)) if value is not None]
+            if given:
+                self._refuse_window(f"{given[0]}=")
         if block_table is not None:
             if seqlens is not None:
                 raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or block_table= (a paged "
@@ -589,8 +589,13 @@ class SparseAttention:
         return BlockLists._made_by_prepare(lists, spec.kv_block, spec.top_k, shapes.n_kv_blocks, True, reverse,
                                            self._union_for(lists, shapes))
 
+    def _window_lists(self, shapes: Shapes, device) -> torch.Tensor:
+        """A selecting window spec's lists for a call, int32 [B, Hkv, n_q_tiles, top_k] in the kernels' form (a view
+        of `_window_tile_lists`, the same for every row and KV head)."""
+        return self._window_tile_lists(shapes.n_q, shapes.n_k, device).expand(shapes.batch, shapes.heads_kv, -1, -1)
+
     @functools.lru_cache(maxsize=16)
-    def _window_lists(self, n_q: int, n_k: int, device) -> torch.Tensor:
+    def _window_tile_lists(self, n_q: int, n_k: int, device) -> torch.Tensor:
         """A selecting window spec's lists, int32 [1, 1, n_q_tiles, top_k] in the kernels' form: the window's
         blocks (its forced local blocks fill top_k, so there is nothing to score), the selector's lists bit for
         bit, the same for every row and KV head. Built once per length: the calls skip the selector."""
@@ -979,8 +984,7 @@ class SparseAttention:
                     check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: no selector to feed
                 raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
             if self.spec.window is not None and key_reps is None:
-                used = normalised = self._window_lists(shapes.n_q, shapes.n_k, q.device).expand(
-                    shapes.batch, shapes.heads_kv, -1, -1)
+                used = normalised = self._window_lists(shapes, q.device)
             else:
                 used = normalised = self._select(q, k, shapes, index, select, key_reps, rows)
         elif isinstance(block_idx, BlockLists):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .errors import KernelgenTypeError, KernelgenValueError
 
-__all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES"]
+__all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES", "window_blocks"]
 
 HEAD_DIMS = (64, 128, 256)
 TILE_SIZES = (16, 32, 64, 128, 256)
@@ -39,6 +39,12 @@ def _selector_groups(sel) -> int:
         raise KernelgenValueError(f"Spec.selector={sel!r}: r must be a power of two >= 2, e.g. 'multi:4'")
     raise KernelgenValueError(f"Spec.selector={sel!r} is unknown; expected 'mean', 'multi:r' (e.g. 'multi:4'), "
                              "'index' or 'given'")
+
+
+def window_blocks(q_tile: int, kv_block: int, window: int) -> int:
+    """KV blocks that the sliding window of a Q tile's queries can touch: its keys span q_tile + window - 1
+    positions (`Spec.window_blocks`; a selecting window spec's top_k)."""
+    return -(-(q_tile + window - 2) // kv_block) + 1
 
 
 def _is_pow2(x: int) -> bool:
@@ -169,11 +175,8 @@ class Spec:
 
     @property
     def window_blocks(self) -> int:
-        """Blocks that the window of a Q tile's queries can touch: its keys span q_tile + window - 1 positions
-        (0 without a window)."""
-        if self.window is None:
-            return 0
-        return -(-(self.q_tile + self.window - 2) // self.kv_block) + 1
+        """Blocks that the window of a Q tile's queries can touch (`window_blocks`; 0 without a window)."""
+        return 0 if self.window is None else window_blocks(self.q_tile, self.kv_block, self.window)
 
     def _parse_selector(self) -> int:
         sel = self.selector  # not a str: unhashable perhaps, refused uncached

@@ -10,6 +10,7 @@ import torch
 import kernelgen
 from kernelgen import AttnConfig, BwdDkdvConfig, BwdDqConfig, Spec, reference
 from kernelgen.errors import KernelgenTypeError, KernelgenValueError
+from kernelgen.spec import window_blocks
 from checks import TEST_ARCH, assert_close_to_reference, compile_offline
 from test_backward import assert_grads_close, leaves
 
@@ -17,8 +18,7 @@ from test_backward import assert_grads_close, leaves
 def window_spec(window: int, kv_block: int = 32, q_tile: int = 32, gqa_group: int = 2, head_dim: int = 64,
                 **fields) -> Spec:
     """A selecting window spec: its lists are the window's blocks (top_k = n_forced)."""
-    blocks = Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, causal=True, window=window,
-                  selector="given", top_k=1).window_blocks
+    blocks = window_blocks(q_tile, kv_block, window)
     return Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, causal=True, window=window, gqa_group=gqa_group,
                 top_k=blocks + fields.pop("local_extra", 0), **fields)
 
@@ -263,19 +263,19 @@ def test_calls_attend_over_the_selector_s_lists_without_selecting(window, length
     attn = kernelgen.get_kernel(spec)
     want = attn.select(q.detach(), k.detach(), key_reps=attn.key_reps(k.detach()))  # the selector's kernel
     torch.testing.assert_close(want, reference.select_blocks(q.detach(), k.detach(), spec), rtol=0, atol=0)
-    lists = attn._window_lists(lengths[0], lengths[1], q.device)
+    lists = attn._window_tile_lists(lengths[0], lengths[1], q.device)
     assert torch.equal(lists.expand_as(want), want)
     selected = attn.select(q.detach(), k.detach())
     assert torch.equal(selected, want)
     selected.fill_(-1)
-    assert torch.equal(attn._window_lists(lengths[0], lengths[1], q.device).expand_as(want), want)
+    assert torch.equal(attn._window_tile_lists(lengths[0], lengths[1], q.device).expand_as(want), want)
 
     def no_selection(*args, **kwargs):
         raise AssertionError("a window spec's call ran the selector")
 
     monkeypatch.setattr(attn, "_select", no_selection)
     o = attn(q, k, v)
-    assert attn._window_lists(lengths[0], lengths[1], q.device) is lists  # built once per length
+    assert attn._window_tile_lists(lengths[0], lengths[1], q.device) is lists  # built once per length
     want_o, _, _ = reference.sparse_attention(q.detach(), k.detach(), v.detach(), spec, want)
     assert ((o.double() - want_o).norm() / want_o.norm()) < 1e-5
 

@@ -117,9 +117,10 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
             and backend in ("triton", "auto") and case["ragged"] is None):
         window = r.choice([1, 7, 40, 64, 100, 300])
         spec.update(window=window, sink=0)
-        window_blocks = -(-(q_tile + window - 2) // kv_block) + 1  # Spec.window_blocks
-        if selector != "given":
-            spec["top_k"] = max(spec["local"], 1, window_blocks)  # Spec.n_local: the lists hold nothing else
+        from kernelgen.spec import window_blocks
+
+        if selector != "given":  # Spec.n_local: the lists hold nothing else
+            spec["top_k"] = max(spec["local"], 1, window_blocks(q_tile, kv_block, window))
         else:
             spec["top_k"] = max(spec["top_k"], spec["local"], 1)  # given lists keep the forced-blocks check
     return case

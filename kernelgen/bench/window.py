@@ -14,6 +14,7 @@ import torch
 
 from ..dispatch import get_kernel
 from ..workloads import WINDOW_SHAPES
+from .anchors import sdpa_dense_anchors
 from .backward import _grads, _timed
 from .measure import _dump_rows, _rel_diff
 
@@ -42,21 +43,21 @@ def run_window(shape_names=None, out_dir=None, log=print) -> list[dict]:
         leaves, grad = [q, k, v], torch.randn_like(q)
         flops = 4 * shape.head_dim * window_pairs(shape.n_q, window) * shape.batch * shape.heads_q
 
-        def record(impl, fn, **extra):
+        def record(impl, fn, timed_leaves=leaves, windowed=True, **extra):
+            """A row of `fn`'s times; `windowed`: it computes the window, and its TFLOP/s count the window's pairs."""
             fwd = triton.testing.do_bench(fn, return_mode="median")
-            row = dict(shape=name, impl=impl, fwd_ms=fwd, fwd_tflops=flops / fwd / 1e9,
-                       **_timed(fn, leaves, grad, log, f"{name} {impl}"), **extra)
+            row = dict(shape=name, impl=impl, fwd_ms=fwd, **(dict(fwd_tflops=flops / fwd / 1e9) if windowed else {}),
+                       **_timed(fn, timed_leaves, grad, log, f"{name} {impl}"), **extra)
             rows.append(row)
-            log(f"{name:7s} {impl:34s} fwd {fwd:8.3f} ms ({row['fwd_tflops']:6.1f} TFLOP/s)  fwd+bwd "
+            tflops = f" ({row['fwd_tflops']:6.1f} TFLOP/s)" if windowed else ""
+            log(f"{name:7s} {impl:34s} fwd {fwd:8.3f} ms{tflops}  fwd+bwd "
                 f"{row['fwd_bwd_ms']:8.3f} ms (graph {row['fwd_bwd_graph_ms'] or float('nan'):8.3f})  "
                 + " ".join(f"{key}={value}" for key, value in extra.items()))
             _dump_rows(rows, out_dir, "window.json")
 
-        attn = get_kernel(spec)
+        attn, given = get_kernel(spec), get_kernel(spec.replace(selector="given"))
         with torch.no_grad():
-            lists = get_kernel(spec.replace(selector="given", backend="auto")).prepare(
-                attn.select(q, k), shape.n_q, shape.n_k)
-        given = get_kernel(spec.replace(selector="given"))
+            lists = given.prepare(attn.select(q, k), shape.n_q, shape.n_k)
 
         def ours():
             return attn(q, k, v)
@@ -86,22 +87,12 @@ def run_window(shape_names=None, out_dir=None, log=print) -> list[dict]:
                    grad_rel_diff_vs_kernelgen=f"{grad_diff:.1e}")
         except Exception as error:  # report, never hide
             log(f"{name}: FlexAttention failed: {type(error).__name__}: {str(error)[:200]}")
-        kd, vd = (x.detach().repeat_interleave(spec.gqa_group, 1).requires_grad_() for x in (k, v))
-
-        def dense():
-            return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, is_causal=True)
-
-        from torch.nn.attention import SDPBackend
+        anchor = sdpa_dense_anchors(q, k, v, spec)[0]  # cuDNN, dense causal (no window)
         try:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                fwd = triton.testing.do_bench(dense, return_mode="median")
-                times = _timed(dense, [q, kd, vd], grad, log, f"{name} sdpa cudnn")
-            rows.append(dict(shape=name, impl="sdpa cudnn (dense causal, no window)", fwd_ms=fwd, **times))
-            log(f"{name:7s} {'sdpa cudnn (dense causal, no window)':34s} fwd {fwd:8.3f} ms  fwd+bwd "
-                f"{times['fwd_bwd_ms']:8.3f} ms")
-            _dump_rows(rows, out_dir, "window.json")
+            with sdpa_kernel(anchor.backend):
+                record("sdpa cudnn (dense causal, no window)", anchor.fn, list(anchor.leaves), windowed=False)
         except Exception as error:
-            log(f"{name}: SDPA cuDNN failed: {type(error).__name__}: {str(error)[:200]}")
-        del q, k, v, kd, vd, grad, lists, first, second
+            log(f"{name}: {anchor.label} failed: {type(error).__name__}: {str(error)[:200]}")
+        del q, k, v, anchor, grad, lists, first, second
         torch.cuda.empty_cache()
     return rows
