@@ -360,7 +360,7 @@ class SparseAttention:
         shapes = self._check_shapes(q, k, k, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
         if self.spec.window is not None and key_reps is None:  # the calls' own lists (a copy: the cached ones stay)
-            lists = self._window_lists(shapes, q.device).contiguous()
+            lists = self._window_lists(shapes, q.device, rows).contiguous()
         else:
             role = self._selection_role(shapes, rows)  # the selection a call of these queries runs
             served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
@@ -380,11 +380,6 @@ class SparseAttention:
               block_table=None) -> CacheRows | TokenRows | None:
         """A call's checked rows: a KV cache's rows (`cache_seqlens`, `cache_leftpad`; its pages,
         `block_table`), a right-padded batch's tokens (`seqlens`), or None."""
-        if self.spec.window is not None:  # no Python work on other specs' calls
-            given = [name for name, value in (("block_table", block_table), ("cache_seqlens", cache_seqlens),
-                                              ("cache_leftpad", cache_leftpad)) if value is not None]
-            if given:
-                self._refuse_window(f"{given[0]}=")
         if block_table is not None:
             if seqlens is not None:
                 raise KernelgenValueError("pass seqlens= (a right-padded batch's tokens) or block_table= (a paged "
@@ -394,12 +389,6 @@ class SparseAttention:
             return check_cache_rows(cache_seqlens, cache_leftpad, shapes, device)
         return check_token_rows(seqlens, self.spec, shapes, device, key_reps=key_reps, index=index,
                                 cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
-
-    def _refuse_window(self, what: str) -> None:
-        if self.spec.window is not None:
-            raise KernelgenValueError(f"Spec.window={self.spec.window}: {what} is not built with a sliding window; a "
-                                      "window spec runs plain calls, padded batches (seqlens=) and packed sequences "
-                                      "(varlen), forward and backward, over no KV cache")
 
     def _selection_role(self, shapes: Shapes, rows) -> str | None:
         """The selection role a call runs: a Q-centric padded batch's is the decode selection, whose module has
@@ -589,25 +578,26 @@ class SparseAttention:
         return BlockLists._made_by_prepare(lists, spec.kv_block, spec.top_k, shapes.n_kv_blocks, True, reverse,
                                            self._union_for(lists, shapes))
 
-    def _window_lists(self, shapes: Shapes, device) -> torch.Tensor:
-        """A selecting window spec's lists for a call, int32 [B, Hkv, n_q_tiles, top_k] in the kernels' form (a view
-        of `_window_tile_lists`, the same for every row and KV head)."""
-        return self._window_tile_lists(shapes.n_q, shapes.n_k, device).expand(shapes.batch, shapes.heads_kv, -1, -1)
+    def _window_lists(self, shapes: Shapes, device, rows=None) -> torch.Tensor:
+        """A selecting window spec's lists for a call, int32 [B, Hkv, n_q_tiles, top_k] in the kernels' form, the
+        selector's bit for bit (the window's blocks: its forced local blocks fill top_k, so there is nothing to
+        score), the same for every KV head: over a cache's rows (`rows`, CacheRows) each row's own, made per call
+        (`window_lists`, one launch); else a view of `_window_tile_lists`, made once per length."""
+        if isinstance(rows, CacheRows):
+            served = self._served("window_lists", seq_bucket(shapes.n_k), torch.bfloat16, device)
+            like = torch.empty(0, dtype=torch.bfloat16, device=device)
+            lists = self._launch(served, like, shapes, device, **self._varlen(served, rows))
+        else:
+            lists = self._window_tile_lists(shapes.n_q, shapes.n_k, device)
+        return lists.expand(shapes.batch, shapes.heads_kv, -1, -1)
 
     @functools.lru_cache(maxsize=16)
     def _window_tile_lists(self, n_q: int, n_k: int, device) -> torch.Tensor:
-        """A selecting window spec's lists, int32 [1, 1, n_q_tiles, top_k] in the kernels' form: the window's
-        blocks (its forced local blocks fill top_k, so there is nothing to score), the selector's lists bit for
-        bit, the same for every row and KV head. Built once per length: the calls skip the selector."""
-        spec = self.spec
-        tiles = torch.arange(spec.n_q_tiles(n_q), device=device)
-        last_key = torch.clamp((tiles + 1) * spec.q_tile, max=n_q) - 1 + (n_k - n_q)  # the tile's, under causal
-        diagonal = torch.clamp(last_key, 0, n_k - 1) // spec.kv_block
-        ids = diagonal[:, None] - spec.n_local + 1 + torch.arange(spec.n_local, device=device)
-        visible = (ids >= 0) & (ids * spec.kv_block <= last_key[:, None])
-        ids = torch.where(visible, ids, -1)
-        order = torch.sort((~visible).to(torch.int8), dim=1, stable=True).indices  # valid ids first, ascending
-        return torch.gather(ids, 1, order).to(torch.int32)[None, None]
+        """A selecting window spec's lists for calls of n_q queries over n_k keys, int32 [1, 1, n_q_tiles, top_k]
+        (one row for the batch): made once per length, so that the calls skip selection."""
+        shapes = Shapes(1, 1, 1, n_q, n_k, self.spec.n_q_tiles(n_q), self.spec.n_kv_blocks(n_k))
+        served = self._served("window_lists", seq_bucket(n_k), torch.bfloat16, device)
+        return self._launch(served, torch.empty(0, dtype=torch.bfloat16, device=device), shapes, device)
 
     def _union_for(self, lists: torch.Tensor, shapes: Shapes) -> TileUnion | None:
         """The tile union of prepared per-query lists when the union design computes few enough products
@@ -784,7 +774,6 @@ class SparseAttention:
         if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # else q's own check names q
             check_sinks(sinks, q.shape[1], q.device)
         if cache_seqlens is not None or block_table is not None:
-            self._refuse_window("varlen over a KV cache")
             new = (k_new, v_new, k_idx_new)
             if torch.compiler.is_compiling():
                 return _varlen_eagerly(self, q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, index=index,
@@ -984,7 +973,7 @@ class SparseAttention:
                     check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: no selector to feed
                 raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
             if self.spec.window is not None and key_reps is None:
-                used = normalised = self._window_lists(shapes, q.device)
+                used = normalised = self._window_lists(shapes, q.device, rows)
             else:
                 used = normalised = self._select(q, k, shapes, index, select, key_reps, rows)
         elif isinstance(block_idx, BlockLists):

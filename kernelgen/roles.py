@@ -7,6 +7,8 @@ plus one `RoleImpl` per backend that runs it.
 
 Launch signatures, after (kernel, spec, config, shapes):
   lists     (block_idx, validate)        caller-given lists -> int32 lists in the kernels' form
+  window_lists (device)                  a selecting window spec's lists (its window's blocks), int32 [B or 1, 1,
+            n_q_tiles, top_k]: one row for calls of one length, a row per batch row with `seqlens=`
   select    (q, k[, k_rep])              lists chosen by spec.selector: int32 [B, Hkv, n_q_tiles, top_k]; k_rep,
             passed only by a call given kept reps: k's representatives from `key_reps`
   key_reps  (k)                          the pooling selectors' representatives of k's blocks: float32
@@ -320,6 +322,10 @@ def get_role(name: str) -> Role:
 
 register_role(Role("lists", "caller-given block lists to the kernels' form (ids ascending, then -1; out-of-range "
                    "and repeated ids empty)", canonical=dict(_KERNEL_READS_LISTS, window=None)))
+# a window spec's lists are its window's blocks: made from the lengths alone (kv_block, q_tile and top_k), no scores
+register_role(Role("window_lists", "a selecting sliding-window spec's lists: each Q tile's window blocks, from its "
+                   "last visible key (per row over a KV cache of per-row lengths)",
+                   canonical={"head_dim": 64, "gqa_group": 1}))
 register_role(Role("select", "block lists chosen by the spec's selector", workload=select_workload))
 register_role(Role("key_reps", "the pooling selectors' representatives of K's blocks, kept with a KV cache so that "
                    "selection reads them instead of pooling K each call"))
@@ -559,9 +565,9 @@ def backward_roles(spec: Spec) -> tuple[str, ...]:
 def tuned_roles(spec: Spec) -> tuple[str, ...]:
     """The tuned roles that calls of `spec` can run: its selector's, the forward's (both designs of per-query
     lists), decode's and the backward's; a tune of the spec tunes these. A window spec's calls attend over lists
-    they build (no selector) with no cache: its forward's and backward's."""
+    they build (no selector): its forward's, over a cache's rows too, and its backward's."""
     if spec.window is not None:
-        return tuple(n for n in ("attn", *backward_roles(spec)) if ROLES[n].tuned)
+        return tuple(n for n in ("attn", "attn_rows", "attn_paged", "decode", *backward_roles(spec)) if ROLES[n].tuned)
     _, selection, attn = forward_roles(spec)
     decode_selection = forward_roles(spec, 1)[1]
     paged = forward_roles(spec, paged=True)[2]
@@ -572,10 +578,9 @@ def tuned_roles(spec: Spec) -> tuple[str, ...]:
 
 
 def call_roles(spec: Spec) -> tuple[str, ...]:
-    """The roles a call of `spec` runs: `lists` (caller-given lists), `select` (a spec with a selector; with the
-    `mean` and `multi:r` selectors `key_reps` too, and `decode_select` or `decode_select_index` for a Q-centric
-    decode call),
-    `attn`, `decode` (a call of a few queries), `attn_rows` and `attn_paged` (a prefill over a cache of per-row
+    """The roles a call of `spec` runs: `lists` (caller-given lists), `window_lists` (a selecting window spec's),
+    `select` (a spec with a selector; with the `mean` and `multi:r` selectors `key_reps` too, and `decode_select`
+    or `decode_select_index` for a Q-centric decode call), `attn`, `decode` (a call of a few queries), `attn_rows` and `attn_paged` (a prefill over a cache of per-row
     lengths, contiguous or paged; `kv_attn_rows` and `kv_attn_paged` for per-query lists), `append_kv` (a call's
     new keys written into its cache), and its backward's,
     under the schedule's role names (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the
@@ -587,7 +592,9 @@ def call_roles(spec: Spec) -> tuple[str, ...]:
     _, decode_selection, decode = forward_roles(spec, 1)
     decoding = (decode_selection,) if decode_selection not in (None, selection) else ()
     rows = (forward_roles(spec, cache_rows=True)[2], forward_roles(spec, cache_rows=True, paged=True)[2])
-    return (lists, *((selection,) if selection else ()), *kept, attn, *decoding, decode, *rows, "append_kv") + backward
+    window = ("window_lists",) if spec.window is not None and selection else ()  # a window spec's own lists
+    return (lists, *((selection,) if selection else ()), *window, *kept, attn, *decoding, decode, *rows,
+            "append_kv") + backward
 
 
 def pinnable_roles(spec: Spec) -> tuple[str, ...]:
@@ -603,7 +610,7 @@ def forward_roles(spec: Spec, n_q: int | None = None, cache_rows: bool = False,
     over a KV cache of per-row lengths (`cache_rows`, a prefill) selects as a decode call does (those roles
     take per-row lengths) and attends with `attn_rows` (`kv_attn_rows` over per-query lists), or over a paged
     cache (`paged`) with `attn_paged` (`kv_attn_paged`)."""
-    decode = n_q is not None and n_q <= DECODE_MAX_QUERIES and spec.window is None  # decode has no window
+    decode = n_q is not None and n_q <= DECODE_MAX_QUERIES
     if decode or cache_rows or paged:
         selection = DECODE_SELECTION_ROLES.get(spec.selection_role, spec.selection_role)
         rows = ("kv_" if spec.per_query else "") + ("attn_paged" if paged else "attn_rows")

@@ -28,6 +28,8 @@ from kernelgen.roles import BACKWARD_ROLES, get_role
 MEAN = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=5, causal=True, gqa_group=2, local=2, sink=1)
 MEAN_CONFIGS = {"attn": AttnConfig(block_m=32, num_warps=4, num_stages=1),
                 "select": SelectConfig(tiles=8, chunk=16, num_warps=4, num_stages=1)}
+# a sliding window: its lists are made (window_lists), over the calls' caches too
+WINDOW = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, gqa_group=2, window=50)
 # caller-given lists, exported with the default configs
 GIVEN = Spec(head_dim=64, kv_block=32, q_tile=32, top_k=4, causal=True, gqa_group=2, selector="given")
 
@@ -229,6 +231,9 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
     # no selector, no select config
     assert set(cases["given"]["configs"]) == {"lists", "attn", "decode", "attn_rows", "attn_paged", "append_kv",
                                               *BACKWARD_ROLES}
+    q, k, v = _inputs(2, 1, 2, 120, 200, 64, torch.float32, 4)
+    path = export_module(WINDOW, tmp_path / "kg_window.py")
+    cases["window"] = dict(path=str(path), spec=WINDOW.to_dict(), q=q, k=k, v=v, configs=_configs_dict(WINDOW, {}))
     torch.save(cases, tmp_path / "inputs.pt")
     exported = _run_child(tmp_path, CHILD, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt"))
     # without KERNELGEN_CACHE_DIR the rendered kernels went to <temp dir>/kernelgen-export-<uid>/kernels
@@ -236,10 +241,11 @@ def test_exported_modules_match_get_kernel_without_kernelgen(tmp_path, device):
     assert any(n.startswith("kg_triton_attn_") for n in written), written
     assert any(n.startswith("kg_triton_select_") for n in written), written
     assert any(n.startswith("kg_triton_lists_") for n in written), written
+    assert any(n.startswith("kg_triton_window_lists_") for n in written), written
     for role in BACKWARD_ROLES:  # the module backpropagates with kernels it embeds
         assert any(n.startswith(f"kg_triton_{role}_") for n in written), written
 
-    for name, spec, configs in (("mean", MEAN, MEAN_CONFIGS), ("given", GIVEN, None)):
+    for name, spec, configs in (("mean", MEAN, MEAN_CONFIGS), ("given", GIVEN, None), ("window", WINDOW, None)):
         attn = kernelgen.get_kernel(spec, configs=configs)
         expect_out, expect_errors = run_calls(attn, attn.select, attn.prepare, attn.varlen, cases[name])
         out, errors = exported[name]

@@ -140,8 +140,7 @@ def test_pinned_configs(configs, window, device):
 
 
 def test_larger_local_and_a_short_call(device):
-    """local past the window's blocks (they attend to nothing), and a call of few queries, which runs the Q-centric
-    forward, not the decode kernels (they have no window)."""
+    """local past the window's blocks (they attend to nothing), and a call of one query (the decode kernel)."""
     blocks = window_spec(60).window_blocks
     spec = Spec(head_dim=64, kv_block=32, q_tile=32, causal=True, window=60, gqa_group=2, local=blocks + 2,
                 top_k=blocks + 2)
@@ -180,23 +179,103 @@ def test_auto_serves_a_window_spec(device):
     check_call(spec, (100, 100), torch.float32, device)
 
 
-@pytest.mark.parametrize("call", ["cache_seqlens", "cache_leftpad", "block_table", "varlen"])
-def test_calls_over_a_kv_cache_refuse_it(call, device):
-    attn = kernelgen.get_kernel(window_spec(50))
-    q, k, v, _ = leaves(2, 1, 2, 64, 64, 64, torch.float32, device, seed=0)
-    lengths = torch.tensor([64, 40], dtype=torch.int32, device=device)
-    what = {"cache_leftpad": "cache_seqlens", "varlen": "varlen over a KV cache"}.get(call, call)
-    with pytest.raises(KernelgenValueError, match=f"Spec.window=50: {what}=? is not built with a sliding window"):
-        if call == "varlen":
-            packed = [x.detach()[0].transpose(0, 1).contiguous() for x in (q, k, v)]
-            attn.varlen(packed[0], k.detach(), v.detach(), torch.tensor([0, 30, 64], dtype=torch.int32,
-                                                                       device=device), cache_seqlens=lengths)
-        elif call == "block_table":
-            attn(q, k, v, block_table=torch.zeros(2, 1, dtype=torch.int32, device=device), cache_seqlens=lengths)
-        elif call == "cache_leftpad":
-            attn(q, k, v, cache_seqlens=lengths, cache_leftpad=torch.zeros_like(lengths))
-        else:
-            attn(q, k, v, cache_seqlens=lengths)
+def cache_call(spec, n_q, dtype, device, seed, leftpad=True, batch=3, hkv=2):
+    """q, k, v of a call over a cache of 300 keys a row, and its rows' lengths and first keys (a row shorter than
+    the window, one whose left padding leaves it one key, one of the whole capacity)."""
+    q, k, v, _ = leaves(batch, hkv, spec.gqa_group, n_q, 300, spec.head_dim, dtype, device, seed=seed)
+    lengths = torch.tensor([300, 77, 190][:batch], dtype=torch.int32, device=device)
+    firsts = torch.tensor([0, 40, 189][:batch], dtype=torch.int32, device=device) if leftpad else None
+    return q.detach(), k.detach(), v.detach(), lengths, firsts
+
+
+# queries: one (decode), four (decode, speculative), 40 (a prefill chunk: attn_rows)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_q", [1, 4, 40])
+@pytest.mark.parametrize("window, kv_block, q_tile, leftpad", [(50, 32, 32, True), (70, 16, 32, False),
+                                                               (3, 16, 16, True), (200, 64, 32, True)])
+def test_a_call_over_a_cache_is_each_row_alone(window, kv_block, q_tile, leftpad, n_q, dtype, device):
+    """cache_seqlens= (and cache_leftpad=): row b is the window call over its own keys, its queries their last;
+    its lists are the window's blocks over those keys, made on the device (the selector's, bit for bit)."""
+    spec = window_spec(window, kv_block, q_tile, gqa_group=2)
+    q, k, v, lengths, firsts = cache_call(spec, n_q, dtype, device, seed=window + n_q, leftpad=leftpad)
+    attn = kernelgen.get_kernel(spec)
+    o, lse = attn(q, k, v, cache_seqlens=lengths, cache_leftpad=firsts, return_lse=True)
+    want_o, want_lse, want_lists = reference.sparse_attention(q, k, v, spec, cache_seqlens=lengths,
+                                                              cache_leftpad=firsts)
+    assert_close_to_reference(o, lse, want_o, want_lse, dtype)
+    lists = attn.select(q, k, cache_seqlens=lengths, cache_leftpad=firsts)
+    assert torch.equal(lists.cpu(), want_lists.to(torch.int32))
+
+
+@pytest.mark.parametrize("n_q", [1, 40])
+@pytest.mark.parametrize("page_blocks", [1, 2])
+def test_a_paged_cache_is_the_contiguous_one(n_q, page_blocks, device):
+    """block_table=: the rows' pages shuffled over a pool give the contiguous cache's o and lse."""
+    spec = window_spec(45, kv_block=16, q_tile=32, gqa_group=2)
+    q, k, v, lengths, _ = cache_call(spec, n_q, torch.float32, device, seed=n_q, leftpad=False)
+    page_size = page_blocks * spec.kv_block
+    room = (0, 0, 0, -k.shape[2] % page_size)
+    k, v = (torch.nn.functional.pad(x, room) for x in (k, v))
+    order = torch.randperm(k.shape[0] * k.shape[2] // page_size, generator=torch.Generator().manual_seed(1))
+    table = order.view(k.shape[0], -1).to(device=device, dtype=torch.int32)
+    pages = [reference.scatter_pages(x, page_size, order.to(device)) for x in (k, v)]
+    attn = kernelgen.get_kernel(spec)
+    o, lse = attn(q, *pages, block_table=table, cache_seqlens=lengths, return_lse=True)
+    want_o, want_lse, _ = reference.sparse_attention(q, k, v, spec, cache_seqlens=lengths)
+    assert_close_to_reference(o, lse, want_o, want_lse, torch.float32)
+    contiguous_o = attn(q, k, v, cache_seqlens=lengths)
+    torch.testing.assert_close(o, contiguous_o, rtol=1e-6, atol=1e-6)
+
+
+DECODE_CONFIGS = [  # splits of a decode's list, and the prefill's two-block steps and split tiles
+    {"decode": kernelgen.DecodeConfig(splits=4, num_warps=4, num_stages=1),
+     "attn_rows": AttnConfig(block_m=16, num_warps=4, num_stages=1, kv_per_iter=2),
+     "attn_paged": AttnConfig(block_m=16, num_warps=4, num_stages=1, kv_per_iter=2)},
+    {"decode": kernelgen.DecodeConfig(splits=1, num_warps=4, num_stages=1),
+     "attn_rows": AttnConfig(block_m=64, num_warps=4, num_stages=1, kv_per_iter=1),
+     "attn_paged": AttnConfig(block_m=64, num_warps=4, num_stages=1, kv_per_iter=1)},
+]
+
+
+@pytest.mark.parametrize("configs", DECODE_CONFIGS, ids=["splits", "one-split"])
+@pytest.mark.parametrize("n_q", [2, 40])
+def test_given_lists_over_a_cache_are_masked_by_the_window(n_q, configs, device):
+    """Given lists over a cache's rows: every block of the row (those wholly before the window are skipped, those
+    it cuts masked), -1, repeats and ids past a row's blocks, under pinned configs, contiguous and paged."""
+    spec = Spec(head_dim=64, kv_block=16, q_tile=32, top_k=24, causal=True, window=37, gqa_group=2,
+                selector="given")
+    q, k, v, lengths, firsts = cache_call(spec, n_q, torch.float16, device, seed=n_q)
+    lists = torch.arange(24, device=device).repeat(3, 2, spec.n_q_tiles(n_q), 1)
+    lists[1, :, :, 3:6] = torch.tensor([-1, 2, 300])  # a row of 37 keys: 3 blocks, then empty slots
+    attn = kernelgen.get_kernel(spec, configs=configs)
+    o, lse = attn(q, k, v, block_idx=lists, cache_seqlens=lengths, cache_leftpad=firsts, return_lse=True)
+    want_o, want_lse, _ = reference.sparse_attention(q, k, v, spec, lists, cache_seqlens=lengths,
+                                                     cache_leftpad=firsts)
+    assert_close_to_reference(o, lse, want_o, want_lse, torch.float16)
+    padded = [torch.nn.functional.pad(x, (0, 0, 0, 4)) for x in (k, v)]  # 19 blocks of 16 keys a row
+    table = torch.arange(3 * 19, device=device, dtype=torch.int32).view(3, -1)  # one block a page, in order
+    pages = [x.reshape(3, 2, 19, 16, 64).transpose(1, 2).reshape(-1, 2, 16, 64) for x in padded]
+    paged = attn(q, *pages, block_idx=lists, block_table=table, cache_seqlens=lengths, return_lse=True)
+    want_paged = reference.sparse_attention(q, k, v, spec, lists, cache_seqlens=lengths)[:2]
+    assert_close_to_reference(*paged, *want_paged, torch.float16)
+
+
+def test_new_keys_and_a_serving_step_of_mixed_query_counts(device):
+    """k_new= writes each row's new keys first; varlen over the cache runs each row as its own call."""
+    spec = window_spec(60, kv_block=16, q_tile=16, gqa_group=2)
+    q, k, v, lengths, _ = cache_call(spec, 1, torch.float32, device, seed=5, leftpad=False)
+    k_new, v_new = (torch.randn(3, 2, 1, 64, generator=torch.Generator().manual_seed(h)).to(device) for h in (1, 2))
+    want = reference.sparse_attention(q, k, v, spec, cache_seqlens=lengths, k_new=k_new, v_new=v_new)[:2]
+    attn = kernelgen.get_kernel(spec)
+    got = attn(q, k.clone(), v.clone(), cache_seqlens=lengths, k_new=k_new, v_new=v_new, return_lse=True)
+    assert_close_to_reference(*got, *want, torch.float32)
+    counts = [1, 20, 3]  # a decode row, a prefill chunk, a speculative step
+    cu = torch.tensor([0, 1, 21, 24], dtype=torch.int32, device=device)
+    packed = torch.randn(24, 4, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    got = attn.varlen(packed, k, v, cu, cache_seqlens=lengths)
+    for b, (a, n) in enumerate(zip(cu.tolist(), counts)):
+        alone = attn(packed[a:a + n].transpose(0, 1)[None], k[b:b + 1], v[b:b + 1], cache_seqlens=lengths[b:b + 1])
+        torch.testing.assert_close(got[a:a + n], alone[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -235,13 +314,18 @@ def test_packed_sequences_are_each_sequence_alone(device):
 
 
 def test_window_kernels_compile_for_sm90():
-    """The interpreter does not compile: the window's branches of attn, bwd_dq and bwd_dkdv build for sm_90."""
+    """The interpreter does not compile: the window's branches of attn, bwd_dq, bwd_dkdv, decode, attn_rows and
+    attn_paged build for sm_90."""
     cases = [{"spec": window_spec(100, kv_block=64, q_tile=64, gqa_group=2).to_dict(), "n": 4096, "backward": True},
              {"spec": window_spec(128, kv_block=64, q_tile=64, gqa_group=1).to_dict(), "n": 4096,
-              "attn": {"block_m": 64, "num_warps": 4, "num_stages": 2, "kv_per_iter": 2, "use_tma": False}}]
-    for result in compile_offline(cases, "sm_90", processes=2):
+              "attn": {"block_m": 64, "num_warps": 4, "num_stages": 2, "kv_per_iter": 2, "use_tma": False}},
+             {"spec": window_spec(256, kv_block=64, q_tile=64, gqa_group=4).replace(selector="given").to_dict(),
+              "n": 4096, "decode": {"splits": 4, "num_warps": 4, "num_stages": 2}, "rows": True}]
+    results = compile_offline(cases, "sm_90", processes=2)
+    for result in results:
         assert "error" not in result, result.get("error")
         assert "attn_fwd" in {name for name, _ in result["kernels"]}
+    assert {"decode_partial", "attn_rows_fwd", "attn_paged_fwd"} <= {name for name, _ in results[2]["kernels"]}
 
 
 @pytest.mark.gpu
@@ -251,6 +335,30 @@ def test_gpu_against_reference(window, n, dtype, device):
     spec = window_spec(window, kv_block=64, q_tile=64, gqa_group=4, head_dim=128)
     check_call(spec, (n, n), dtype, device, hkv=2, seed=n)
     test_backward_is_deterministic(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window, n", [(128, 4096), (4096, 32768)])
+def test_gpu_calls_over_a_cache(window, n, dtype, device):
+    """Decode steps (1 and 4 queries) and a prefill chunk over a cache of per-row lengths, contiguous with left
+    padding, and paged (a block a page, shuffled) against the contiguous call."""
+    spec = window_spec(window, kv_block=64, q_tile=64, gqa_group=4, head_dim=128)
+    attn = kernelgen.get_kernel(spec)
+    _, k, v, _ = leaves(3, 2, 4, 1, n, 128, dtype, device, seed=n)
+    k, v = k.detach(), v.detach()
+    lengths = torch.tensor([n, n // 2 + 5, 300], dtype=torch.int32, device=device)
+    firsts = torch.tensor([0, 7, 0], dtype=torch.int32, device=device)
+    order = torch.randperm(3 * n // 64, generator=torch.Generator().manual_seed(0))
+    table = order.view(3, -1).to(device=device, dtype=torch.int32)
+    pages = [reference.scatter_pages(x, 64, order.to(device)) for x in (k, v)]
+    for n_q in (1, 4, 1000):
+        q = torch.randn(3, 8, n_q, 128, generator=torch.Generator().manual_seed(n_q)).to(device, dtype)
+        o, lse = attn(q, k, v, cache_seqlens=lengths, cache_leftpad=firsts, return_lse=True)
+        want = reference.sparse_attention(q, k, v, spec, cache_seqlens=lengths, cache_leftpad=firsts)[:2]
+        assert_close_to_reference(o, lse, *want, dtype)
+        paged = attn(q, *pages, block_table=table, cache_seqlens=lengths)
+        torch.testing.assert_close(paged, attn(q, k, v, cache_seqlens=lengths), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("window, lengths", [(50, (300, 300)), (70, (200, 130)), (300, (150, 400)), (20, (37, 37))])
@@ -281,11 +389,12 @@ def test_calls_attend_over_the_selector_s_lists_without_selecting(window, length
 
 
 def test_tune_plans_the_roles_a_window_spec_runs():
-    """Its calls build their lists (no selector) over no cache: the forward and the backward are what a tune of it
-    times."""
+    """Its calls build their lists (no selector): the forward (over a cache's rows too: decode, attn_rows,
+    attn_paged) and the backward are what a tune of it times."""
     from kernelgen.roles import tuned_roles
 
-    assert tuned_roles(window_spec(128, kv_block=64, q_tile=64)) == ("attn", "bwd_dq", "bwd_dkdv")
+    assert tuned_roles(window_spec(128, kv_block=64, q_tile=64)) == ("attn", "attn_rows", "attn_paged", "decode",
+                                                                     "bwd_dq", "bwd_dkdv")
     assert "select" in tuned_roles(Spec(head_dim=64, causal=True))
 
 

@@ -1043,6 +1043,24 @@ def launch_lists(mod, spec: Spec, config, shapes: Shapes, block_idx: torch.Tenso
     return out
 
 
+def launch_window_lists(mod, spec: Spec, config, shapes: Shapes, device, *, seqlens: torch.Tensor | None = None,
+                        leftpad: torch.Tensor | None = None,
+                        block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """A selecting window spec's lists in the kernels' form, int32 [B, 1, n_q_tiles, top_k] (expand it over the KV
+    heads): each tile's window blocks. Without `seqlens` every row holds n_k keys and one row is made, [1, 1, ...];
+    with it (int32 [B]; `leftpad`: as `launch_decode`'s), row b's over its own keys. `block_table` is not read: a
+    paged row's keys are its first seqlens[b] positions."""
+    rows = 1 if seqlens is None else shapes.batch
+    out = empty(rows, 1, shapes.n_q_tiles, spec.top_k, device=device, dtype=torch.int32)
+    tiles = min(64, next_pow2(shapes.n_q_tiles))
+    mod.window_lists[(cdiv(shapes.n_q_tiles, tiles), rows)](
+        out, *((out, out) if seqlens is None else _row_keys(seqlens, leftpad)), out.stride(0), out.stride(2),
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, TOP_K=spec.top_k,
+        TOP_K_PAD=next_pow2(spec.top_k), TILES=tiles, VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None,
+        num_warps=1)
+    return out
+
+
 def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seqlens: torch.Tensor | None = None,
           leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """pool's representatives of x's tiles; `seqlens`, `leftpad` (int32 [B]): batch row b holds rows
@@ -1518,7 +1536,7 @@ def _decode_constexprs(spec: Spec, cfg: DecodeConfig) -> dict:
     return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
                 ROWS=decode_rows(spec), QUERIES=decode_queries(spec), LIST_QUERIES=spec.list_queries,
                 TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                WINDOW=spec.window or 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_attn_paged(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale,
@@ -1689,16 +1707,17 @@ def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block
         q, k_arg, v_arg, o, lse, block_idx,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
-        USE_TMA=use_tma, WINDOW=spec.window or 0, **_attn_constexprs(spec, cfg))
+        USE_TMA=use_tma, **_attn_constexprs(spec, cfg))
     return o, lse
 
 
 @functools.lru_cache(maxsize=None)  # read on every forward launch: a spec's and config's, made once
 def _attn_constexprs(spec: Spec, cfg: AttnConfig) -> dict:
-    """The Q-centric forward's constexprs and launch options but USE_TMA (attn_fwd's and attn_rows_fwd's)."""
+    """The Q-centric forward's constexprs and launch options but USE_TMA (attn_fwd's, attn_rows_fwd's and
+    attn_paged_fwd's)."""
     return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
                 TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, KV_PER_ITER=cfg.kv_per_iter,
-                CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                CAUSAL=spec.causal, WINDOW=spec.window or 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_attn_rows(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale,
@@ -1814,9 +1833,11 @@ class TritonBackend(Backend):
     devices = ("cuda", "cpu")
     compilers = {"triton_version": ("triton", "pytorch-triton")}
     schedules = ("q_centric", "kv_centric")
-    windows = True  # the Q-centric forward and backward (attn, bwd_dq, bwd_dkdv); calls over caches refuse it
+    windows = True  # the Q-centric forward, its calls over caches (decode, attn_rows, attn_paged) and backward
     roles = {
         "lists": RoleImpl(launch=launch_lists, template="triton/lists.py.j2"),
+        "window_lists": RoleImpl(launch=launch_window_lists, template="triton/window_lists.py.j2", varlen=True,
+                                 paged=True),
         "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2", varlen=True, paged=True),
         "append_kv": RoleImpl(launch=launch_append_kv, template="triton/append_kv.py.j2", varlen=True, paged=True),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,

@@ -7,6 +7,14 @@ sliding-window mask_mod, at Flex's own 128x128 blocks; dense causal SDPA on cuDN
 a model pays without one). Forward, and forward+backward (`bench.backward`'s timing: do_bench medians, eager and
 replayed from a CUDA graph). kernelgen's o and gradients are compared with Flex's (relative L2), and two
 backward runs bit for bit. TFLOP/s count the window's visible (query, key) pairs, 4 * D FLOP each forward.
+
+Then a decode step of the same heads: DECODE_BATCH rows of a cache of n_k keys (`cache_seqlens`, every row full),
+one query a row at its end, as a serving engine runs it: kernelgen's call (the rows' window lists made on the
+device, then the decode kernel), and the same over a paged cache (one block a page, the pages shuffled over the
+pool); FlexAttention (torch.compile'd) over the cache with the sliding-window BlockMask of one query; dense SDPA
+(flash, cuDNN) over exactly the window's keys, sliced out beforehand and repeated to the query heads (what a
+ring-buffer cache of W keys hands a dense kernel, at no cost to the anchor). Times are do_bench medians, CUDA-graph
+replays and the host's enqueue time (`bench.decode`'s), and kernelgen's o is compared with each anchor's.
 """
 from __future__ import annotations
 
@@ -16,9 +24,11 @@ from ..dispatch import get_kernel
 from ..workloads import WINDOW_SHAPES
 from .anchors import sdpa_dense_anchors
 from .backward import _grads, _timed
-from .measure import _dump_rows, _rel_diff
+from .measure import _bench, _bench_graph, _dump_rows, _rel_diff, host_ms, row_attempts
 
-__all__ = ["run_window"]
+__all__ = ["run_window", "DECODE_BATCH"]
+
+DECODE_BATCH = 8  # rows of the decode step's cache
 
 
 def window_pairs(n: int, window: int) -> int:
@@ -95,4 +105,62 @@ def run_window(shape_names=None, out_dir=None, log=print) -> list[dict]:
             log(f"{name}: {anchor.label} failed: {type(error).__name__}: {str(error)[:200]}")
         del q, k, v, anchor, grad, lists, first, second
         torch.cuda.empty_cache()
+        _decode_step_rows(name, shape, spec, rows, out_dir, log)
+        torch.cuda.empty_cache()
     return rows
+
+
+def _decode_step_rows(name, shape, spec, rows, out_dir, log) -> None:
+    """The decode step's rows (module docstring), appended to `rows`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from ..reference import scatter_pages
+
+    device, dtype, n, window = torch.device("cuda"), torch.bfloat16, shape.n_k, shape.window
+    gen = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(DECODE_BATCH, shape.heads_q, 1, shape.head_dim, generator=gen, device=device, dtype=dtype)
+    k, v = (torch.randn(DECODE_BATCH, shape.heads_kv, n, shape.head_dim, generator=gen, device=device, dtype=dtype)
+            for _ in range(2))
+    lens = torch.full((DECODE_BATCH,), n, dtype=torch.int32, device=device)
+    attn = get_kernel(spec)
+    order = torch.randperm(DECODE_BATCH * n // spec.kv_block, generator=torch.Generator().manual_seed(0))
+    table = order.view(DECODE_BATCH, -1).to(device=device, dtype=torch.int32)
+    k_pages, v_pages = (scatter_pages(x, spec.kv_block, order.to(device)) for x in (k, v))
+    with torch.no_grad():
+        ours = attn(q, k, v, cache_seqlens=lens)
+    attempt = row_attempts(log)
+
+    def record(impl, call, **extra):
+        with torch.no_grad():
+            ms, graph_ms, host = _bench(call), _bench_graph(call, log=log), host_ms(call)
+            diff = _rel_diff(call(), ours)
+        rows.append(dict(shape=name, impl=f"decode: {impl}", ms=ms, graph_ms=graph_ms, host_ms=host,
+                         rel_diff_vs_kernelgen=f"{diff:.1e}", **extra))
+        log(f"{name:7s} decode {impl:40s} {ms * 1e3:8.1f} us (graph {(graph_ms or float('nan')) * 1e3:8.1f} us, "
+            f"host {host * 1e3:6.1f} us) diff {diff:.1e}")
+        _dump_rows(rows, out_dir, "window.json")
+
+    attempt(name, "kernelgen", lambda: record("kernelgen (cache_seqlens)", lambda: attn(q, k, v, cache_seqlens=lens),
+                                              decode_backend=attn.served("decode", n, dtype, device).backend.name))
+    attempt(name, "kernelgen paged", lambda: record("kernelgen (block_table, a block a page)", lambda: attn(
+        q, k_pages, v_pages, block_table=table, cache_seqlens=lens)))
+
+    def flex_row():
+        def sliding(b, h, q_idx, kv_idx):
+            last = q_idx + n - 1  # the query's own position: the cache's last key
+            return (kv_idx <= last) & (kv_idx > last - window)
+
+        block_mask = create_block_mask(sliding, None, None, 1, n, device=device)
+        flex = torch.compile(flex_attention, dynamic=False)  # its decoding kernel, at its own options
+        record("flex (sliding-window BlockMask)", lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True))
+
+    attempt(name, "flex", flex_row)
+    kw, vw = (x[:, :, n - window:].repeat_interleave(spec.gqa_group, 1).contiguous() for x in (k, v))
+    for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def sdpa(backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, kw, vw)
+
+        attempt(name, f"sdpa {label}", lambda label=label, sdpa=sdpa: record(
+            f"sdpa {label} (the window's keys, sliced)", sdpa))
