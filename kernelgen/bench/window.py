@@ -12,8 +12,8 @@ Then a decode step of the same heads: DECODE_BATCH rows of a cache of n_k keys (
 one query a row at its end, as a serving engine runs it: kernelgen's call (the rows' window lists made on the
 device, then the decode kernel), and the same over a paged cache (one block a page, the pages shuffled over the
 pool); FlexAttention (torch.compile'd) over the cache with the sliding-window BlockMask of one query; dense SDPA
-(flash, cuDNN) over exactly the window's keys, sliced out beforehand and repeated to the query heads (what a
-ring-buffer cache of W keys hands a dense kernel, at no cost to the anchor). Times are do_bench medians, CUDA-graph
+(flash, cuDNN; `enable_gqa`) over exactly the window's keys, sliced out beforehand (what a ring-buffer cache of W
+keys hands a dense kernel, at no cost to the anchor). Times are do_bench medians, CUDA-graph
 replays and the host's enqueue time (`bench.decode`'s), and kernelgen's o is compared with each anchor's.
 """
 from __future__ import annotations
@@ -156,11 +156,11 @@ def _decode_step_rows(name, shape, spec, rows, out_dir, log) -> None:
         record("flex (sliding-window BlockMask)", lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True))
 
     attempt(name, "flex", flex_row)
-    kw, vw = (x[:, :, n - window:].repeat_interleave(spec.gqa_group, 1).contiguous() for x in (k, v))
+    kw, vw = (x[:, :, n - window:].contiguous() for x in (k, v))
     for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         def sdpa(backend=backend):
             with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q, kw, vw)
+                return torch.nn.functional.scaled_dot_product_attention(q, kw, vw, enable_gqa=True)
 
         attempt(name, f"sdpa {label}", lambda label=label, sdpa=sdpa: record(
             f"sdpa {label} (the window's keys, sliced)", sdpa))
