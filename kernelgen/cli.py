@@ -199,7 +199,7 @@ def _spec_from_file(spec_file) -> "Spec":
 
 
 def _spec_from_options(ctx, spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local, sink,
-                       backend, schedule="q_centric", window=None):
+                       backend, schedule="q_centric", window=None, softcap=None):
     from . import backends
     from .spec import Spec
 
@@ -213,7 +213,7 @@ def _spec_from_options(ctx, spec_file, head_dim, kv_block, q_tile, top_k, causal
     with _as_typed(ctx, *SPEC_OPTIONS):
         spec = Spec(head_dim=head_dim, kv_block=kv_block, q_tile=q_tile, top_k=top_k, causal=causal,
                     gqa_group=gqa_group, selector=selector, local=local, sink=sink, backend=backend, schedule=schedule,
-                    window=window)
+                    window=window, softcap=softcap)
         backends.check_spec(spec)
     return spec
 
@@ -224,7 +224,7 @@ SPEC_FILE = typer.Option(None, "--spec", help="Spec JSON file (Spec.to_json()), 
 MAIN_BENCH_OPTIONS = ("overhead", "sweep", "graph")  # the main bench's own: timings on a GPU
 MAIN_BENCH_ONLY = (*MAIN_BENCH_OPTIONS, "stall_timeout")  # what the benches of their own leave unread
 SPEC_OPTIONS = ("head_dim", "kv_block", "q_tile", "top_k", "causal", "gqa_group", "selector", "local", "sink",
-                "backend", "schedule", "window")
+                "backend", "schedule", "window", "softcap")
 HEAD_DIM = typer.Option(128, help="Head dimension D.")
 KV_BLOCK = typer.Option(64, help="Keys per KV block.")
 Q_TILE = typer.Option(64, help="Queries per Q tile.")
@@ -239,6 +239,7 @@ BACKEND = typer.Option("triton", help="A registered backend (see `kernelgen info
 SCHEDULE = typer.Option("q_centric", help="q_centric (a list per Q tile) or kv_centric (a list per query).")
 WINDOW = typer.Option(None, help="A sliding window of this many keys (with --causal; the lists are then its blocks, "
                                  "and top_k must equal them).")
+SOFTCAP = typer.Option(None, help="Logit soft-capping: scores become softcap * tanh(score / softcap) (Gemma 2: 50).")
 
 
 def _check_out_dir(directory: Path) -> None:
@@ -354,6 +355,7 @@ def tune(
     spec_file: Optional[Path] = SPEC_FILE, head_dim: int = HEAD_DIM, kv_block: int = KV_BLOCK, q_tile: int = Q_TILE,
     top_k: int = TOP_K, causal: bool = CAUSAL, gqa_group: int = GQA, selector: str = SELECTOR, local: int = LOCAL,
     sink: int = SINK, backend: str = BACKEND, schedule: str = SCHEDULE, window: Optional[int] = WINDOW,
+    softcap: Optional[float] = SOFTCAP,
     verbose: bool = VERBOSE,
 ):
     """Search tile, warp and stage parameters on this GPU and store the winners in the user tuning DB (with
@@ -461,7 +463,7 @@ def tune(
         with _as_typed(ctx, "seq"):
             check_seq(seq)
         spec = _spec_from_options(ctx, spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector,
-                                  local, sink, backend, schedule, window)
+                                  local, sink, backend, schedule, window, softcap)
         own = tuned_roles(spec)
         for name in role or ():
             if name not in ROLES or not ROLES[name].tuned:
@@ -614,6 +616,7 @@ def export(
     sink: int = SINK, backend: str = typer.Option("triton", help="A registered backend, or auto with --seq: its "
                                                    "kernels are baked in."), schedule: str = SCHEDULE,
     window: Optional[int] = WINDOW,
+    softcap: Optional[float] = SOFTCAP,
     arch: Optional[str] = typer.Option(None, help="GPU architecture the module is for, e.g. sm_89: its default "
                                                   "configs, or with --seq its tuned winners, are baked in (default: "
                                                   "the GPU present's, else cpu)."),
@@ -639,7 +642,7 @@ def export(
         for name in ("gpu", "dtype"):
             _needs(ctx, name, "--seq", "it chooses the tuned winners of that sequence length to bake in")
     spec = _spec_from_options(ctx, spec_file, head_dim, kv_block, q_tile, top_k, causal, gqa_group, selector, local,
-                              sink, backend, schedule, window)
+                              sink, backend, schedule, window, softcap)
     from .archs import check_arch
     from .device import current_arch
     from .tuning.plan import check_seq

@@ -198,10 +198,12 @@ def token_mask(block_idx: torch.Tensor, spec: Spec, nq: int, nk: int, rows: rang
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked softmax attention in float64. `mask` `[B, Hkv or Hq, Nq, Nk]` (bool). Rows with no
-    visible key give o = 0 and lse = -inf. Returns (o float64 `[B, Hq, Nq, D]`, lse float64 `[B, Hq, Nq]`)."""
+    visible key give o = 0 and lse = -inf. `softcap`: each score s becomes softcap * tanh(s / softcap).
+    Returns (o float64 `[B, Hq, Nq, D]`, lse float64 `[B, Hq, Nq]`)."""
     hq, hkv = q.shape[1], k.shape[1]
     g = hq // hkv
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -210,6 +212,8 @@ def attention(
     if mask.shape[1] != hq:
         mask = mask.repeat_interleave(g, dim=1)
     s = (q.double() @ kd.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~mask, -torch.inf)
     seen = mask.any(-1).expand(s.shape[:-1])
     # a row that sees no key takes its logsumexp over zeros: lse's gradient there is 0, not NaN
@@ -339,7 +343,7 @@ def sparse_attention(
     outs, lses = [], []
     for rows in _query_chunks(q, nk, spec):
         mask = token_mask(block_idx, spec, nq, nk, rows)
-        o, lse = attention(q[:, :, rows.start : rows.stop], k, v, mask, scale)
+        o, lse = attention(q[:, :, rows.start : rows.stop], k, v, mask, scale, spec.softcap)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2), block_idx
@@ -488,7 +492,7 @@ def sparse_attention_grads(
         qd = q[:, :, rows.start : rows.stop].detach().double().requires_grad_()
         do_rows = do[:, :, rows.start : rows.stop].double()
         with torch.enable_grad():
-            o, lse = attention(qd, kd, vd, token_mask(block_idx, spec, nq, nk, rows), scale)
+            o, lse = attention(qd, kd, vd, token_mask(block_idx, spec, nq, nk, rows), scale, spec.softcap)
             outputs, grad_outputs = [o], [do_rows]
             grad_lse = torch.zeros_like(lse) if dlse is None else dlse[:, :, rows.start : rows.stop].double()
             if stored_o is not None:

@@ -321,22 +321,24 @@ def get_role(name: str) -> Role:
 
 
 register_role(Role("lists", "caller-given block lists to the kernels' form (ids ascending, then -1; out-of-range "
-                   "and repeated ids empty)", canonical=dict(_KERNEL_READS_LISTS, window=None)))
+                   "and repeated ids empty)", canonical=dict(_KERNEL_READS_LISTS, window=None, softcap=None)))
 # a window spec's lists are its window's blocks: made from the lengths alone (kv_block, q_tile and top_k), no scores
 register_role(Role("window_lists", "a selecting sliding-window spec's lists: each Q tile's window blocks, from its "
                    "last visible key (per row over a KV cache of per-row lengths)",
-                   canonical={"head_dim": 64, "gqa_group": 1}))
-register_role(Role("select", "block lists chosen by the spec's selector", workload=select_workload))
+                   canonical={"head_dim": 64, "gqa_group": 1, "softcap": None}))
+# the selectors score q . k unscaled and uncapped (a cap is increasing: it keeps the order of the scores)
+register_role(Role("select", "block lists chosen by the spec's selector", workload=select_workload,
+                   canonical={"softcap": None}))
 register_role(Role("key_reps", "the pooling selectors' representatives of K's blocks, kept with a KV cache so that "
-                   "selection reads them instead of pooling K each call"))
+                   "selection reads them instead of pooling K each call", canonical={"softcap": None}))
 # the write reads no field of the spec (its rows' width comes with the tensors): one module serves every spec
 register_role(Role("append_kv", "new keys and values written into a KV cache at each row's end (a paged cache "
                    "through its table), before a call attends over it",
                    canonical=dict(_KERNEL_READS_LISTS, head_dim=64, kv_block=64, q_tile=DEFAULT_Q_TILE, top_k=1,
-                                  causal=False, gqa_group=1, schedule="q_centric", window=None)))
+                                  causal=False, gqa_group=1, schedule="q_centric", window=None, softcap=None)))
 # the index selector reads index tensors, not q and k: head_dim is no field of its kernels
 register_role(Role("select_index", "block lists chosen by the index selector (token scores from index vectors, a "
-                   "block's score the max over its visible tokens)", canonical={"head_dim": 64},
+                   "block's score the max over its visible tokens)", canonical={"head_dim": 64, "softcap": None},
                    workload=select_index_workload))
 register_role(Role("attn", "attention over block lists: o and lse", canonical=_KERNEL_READS_LISTS,
                    workload=attention_workload))
@@ -344,7 +346,7 @@ register_role(Role("attn", "attention over block lists: o and lse", canonical=_K
 # bwd_delta reads o and do alone: one kernel per head_dim serves every spec.
 register_role(Role("bwd_delta", "backward preprocess: delta = rowsum(do * o) per query and head",
                    canonical=dict(_KERNEL_READS_LISTS, kv_block=64, q_tile=64, top_k=1, causal=False, gqa_group=1,
-                                  window=None)))
+                                  window=None, softcap=None)))
 register_role(Role("bwd_dq", "backward: dq over block lists, P recomputed from lse", canonical=_KERNEL_READS_LISTS,
                    workload=bwd_dq_workload))
 register_role(Role("bwd_dkdv", "backward: dk and dv per KV block, over the Q tiles whose lists hold it (the "
@@ -540,14 +542,15 @@ def decode_select_index_workload(spec: Spec, shape: WorkloadShape, device, dtype
 
 register_role(Role("decode_select_index", "the index selector's lists for a call of a few queries (decoding) or over a "
                    "KV cache of per-row lengths: the select_index kernel with its blocks split over many programs",
-                   canonical={"head_dim": 64}, workload=decode_select_index_workload, timed_queries=_one_query))
+                   canonical={"head_dim": 64, "softcap": None}, workload=decode_select_index_workload,
+                   timed_queries=_one_query))
 register_role(Role("kv_decode_select_index", "the index selector's per-query lists for a call of a few queries "
                    "(decoding) or over a KV cache of per-row lengths: the kv_select_index kernels, configured for "
                    "one query a row", canonical={"head_dim": 64}, workload=decode_select_index_workload,
                    timed_queries=_one_query))
 register_role(Role("decode_select", "the pooling selectors' lists for a call of a few queries (decoding): the select "
                    "kernel with its blocks split over many programs", workload=decode_select_workload,
-                   timed_queries=_one_query))
+                   timed_queries=_one_query, canonical={"softcap": None}))
 register_role(Role("kv_decode_select", "the pooling selectors' per-query lists for a call of a few queries (decoding): "
                    "the kv_select kernel with its blocks split over many programs", workload=decode_select_workload,
                    timed_queries=_one_query))

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -74,6 +75,10 @@ class Spec:
                key included, 0 <= (i + Nk - Nq) - j < window, as FlashAttention's window_size=(window - 1, 0) and
                transformers' sliding_window. None: no window. The window's blocks are forced (`n_local`); the
                Q-centric schedule's Triton kernels compute it (docs/SEMANTICS.md, "Sliding window").
+    softcap    logit soft-capping: a score s = scale * q.k becomes softcap * tanh(s / softcap) before the softmax, as
+               FlashAttention's softcap and Gemma 2's attn_logit_softcapping. None: none. Selection is unchanged
+               (tanh is increasing); the Q-centric schedule's Triton kernels compute it (docs/SEMANTICS.md,
+               "Soft-capping").
     backend    a registered backend ("triton", "tilelang", "gluon"; `kernelgen.backends.names()`), or "auto"
                (get_kernel serves the fastest tuned one). Whether the backend can compute the spec is
                checked where it is served (get_kernel, tune, export), against the registry.
@@ -91,6 +96,7 @@ class Spec:
     local: int = 0
     sink: int = 0
     window: int | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("head_dim", "kv_block", "q_tile", "top_k", "gqa_group", "local", "sink"):
@@ -129,6 +135,7 @@ class Spec:
                 f"Spec.q_tile={self.q_tile} with schedule='kv_centric': its lists are per query (block_idx "
                 f"[B, Hkv, Nq, top_k]) and no Q tile is used; leave q_tile at its default ({DEFAULT_Q_TILE})")
         self._check_window()
+        self._check_softcap()
         r = self._parse_selector()
         if r > 1 and self.per_query and self.kv_block % r:
             raise KernelgenValueError(f"Spec.selector={self.selector!r}: r={r} must divide kv_block={self.kv_block}")
@@ -172,6 +179,20 @@ class Spec:
                 f"Spec.window={self.window} with selector={self.selector!r}: the lists are the window's blocks, "
                 f"n_local={self.n_local} for q_tile={self.q_tile} and kv_block={self.kv_block}; set top_k="
                 f"{self.n_forced} (or pass given lists, which the window masks)")
+
+    def _check_softcap(self) -> None:
+        softcap = self.softcap
+        if softcap is None:
+            return
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise KernelgenTypeError(f"Spec.softcap must be a float or None, got {type(softcap).__name__} {softcap!r}")
+        object.__setattr__(self, "softcap", float(softcap))  # 50 and 50.0 are one spec (hashes, JSON, keys)
+        if not 0 < self.softcap < math.inf:
+            raise KernelgenValueError(f"Spec.softcap={self.softcap}: expected a cap > 0 (Gemma 2's is 50.0), or None "
+                                      "for none")
+        if self.per_query:
+            raise KernelgenValueError(f"Spec.softcap={self.softcap} is built for schedule='q_centric' only, not "
+                                      "'kv_centric'")
 
     @property
     def window_blocks(self) -> int:
@@ -244,8 +265,9 @@ class Spec:
     # ---- serialisation ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
-        if data["window"] is None:  # a spec without a window keeps the JSON, keys and tuned winners it had
-            del data["window"]
+        for name in ("window", "softcap"):  # a spec without them keeps the JSON, keys and tuned winners it had
+            if data[name] is None:
+                del data[name]
         return data
 
     def to_json(self) -> str:

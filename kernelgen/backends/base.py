@@ -97,6 +97,7 @@ class Backend:
     compilers: ClassVar[dict[str, tuple[str, ...]]] = {}
     schedules: ClassVar[tuple[str, ...]] = ("q_centric",)
     windows: ClassVar[bool] = False  # whether its kernels compute Spec.window (a sliding window)
+    softcaps: ClassVar[bool] = False  # whether its kernels compute Spec.softcap (logit soft-capping)
     roles: dict[str, RoleImpl] = {}
 
     # ---- what it supports ------------------------------------------------------------------------
@@ -112,6 +113,9 @@ class Backend:
         if spec.window is not None and not self.windows:
             return (f"Spec.window={spec.window} is not built for backend={self.name!r}: its kernels have no sliding "
                     "window (use backend='triton', or 'auto')")
+        if spec.softcap is not None and not self.softcaps:
+            return (f"Spec.softcap={spec.softcap} is not built for backend={self.name!r}: its kernels do not cap "
+                    "scores (use backend='triton', or 'auto')")
         return None
 
     def device_unsupported(self, device: torch.device) -> str | None:

@@ -1525,10 +1525,16 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
         *lse_part.stride()[:3], *block_idx.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         block_table.stride(0) if paged else 0, k.shape[0] if paged else 0,
-        shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E, **_decode_constexprs(spec, cfg),
+        shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, qk_scale(spec, scale), **_decode_constexprs(spec, cfg),
         VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None, PAGED=paged,
         PAGE_SIZE=k.shape[2] if paged else spec.kv_block)
     return o, lse
+
+
+def qk_scale(spec: Spec, scale: float) -> float:
+    """The Q-centric kernels' qk_scale: scale * log2(e), their scores in the log2 domain; with Spec.softcap,
+    scale / softcap, tanh's argument (the kernels scale the capped score themselves: softcap.py.j2)."""
+    return scale * LOG2E if spec.softcap is None else scale / spec.softcap
 
 
 @functools.lru_cache(maxsize=None)  # read on every decode launch: a spec's and config's, made once
@@ -1536,7 +1542,8 @@ def _decode_constexprs(spec: Spec, cfg: DecodeConfig) -> dict:
     return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
                 ROWS=decode_rows(spec), QUERIES=decode_queries(spec), LIST_QUERIES=spec.list_queries,
                 TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal,
-                WINDOW=spec.window or 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                WINDOW=spec.window or 0, SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
 
 
 def launch_attn_paged(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale,
@@ -1561,7 +1568,7 @@ def launch_attn_paged(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v,
     mod.attn_paged_fwd[(shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)](
         q, k, v, o, lse, row_idx, pool_idx, seqlens, block_table,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *row_idx.stride()[:3],
-        block_table.stride(0), shapes.n_q, shapes.n_k, n_pages, shapes.heads_kv, n_pages * ratio, scale * LOG2E,
+        block_table.stride(0), shapes.n_q, shapes.n_k, n_pages, shapes.heads_kv, n_pages * ratio, qk_scale(spec, scale),
         BLOCKS_A_PAGE=page_size // spec.kv_block, **constexprs)
     return o, lse
 
@@ -1706,7 +1713,7 @@ def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block
     mod.attn_fwd[grid](
         q, k_arg, v_arg, o, lse, block_idx,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
-        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E,
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, qk_scale(spec, scale),
         USE_TMA=use_tma, **_attn_constexprs(spec, cfg))
     return o, lse
 
@@ -1717,7 +1724,8 @@ def _attn_constexprs(spec: Spec, cfg: AttnConfig) -> dict:
     attn_paged_fwd's)."""
     return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
                 TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, KV_PER_ITER=cfg.kv_per_iter,
-                CAUSAL=spec.causal, WINDOW=spec.window or 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
 
 
 def launch_attn_rows(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale,
@@ -1733,7 +1741,7 @@ def launch_attn_rows(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, 
     mod.attn_rows_fwd[(shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)](
         q, k, v, o, lse, block_idx, *_row_keys(seqlens, leftpad),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
-        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.heads_kv, scale * LOG2E,
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.heads_kv, qk_scale(spec, scale),
         HAS_LEFTPAD=leftpad is not None, **_attn_constexprs(spec, cfg))
     return o, lse
 
@@ -1758,10 +1766,11 @@ def launch_bwd_dq(mod, spec: Spec, cfg: BwdDqConfig, shapes: Shapes, q, k, v, do
         q, k_arg, v_arg, do, lse, delta, dq, block_idx,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
         *dq.stride()[:3], *block_idx.stride()[:3],
-        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, scale * LOG2E, scale,
+        shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, qk_scale(spec, scale), scale,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
-        CAUSAL=spec.causal, WINDOW=spec.window or 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return dq
 
 
@@ -1777,10 +1786,10 @@ def launch_bwd_dkdv(mod, spec: Spec, cfg: BwdDkdvConfig, shapes: Shapes, q, k, v
         q, k, v, do, lse, delta, dk, dv, reverse.offsets, reverse.tiles, reverse.order,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3], *reverse.offsets.stride()[:2], *reverse.tiles.stride()[:2],
-        shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, scale * LOG2E, scale,
+        shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, qk_scale(spec, scale), scale,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, WINDOW=spec.window or 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dk, dv
 
 
@@ -1834,6 +1843,7 @@ class TritonBackend(Backend):
     compilers = {"triton_version": ("triton", "pytorch-triton")}
     schedules = ("q_centric", "kv_centric")
     windows = True  # the Q-centric forward, its calls over caches (decode, attn_rows, attn_paged) and backward
+    softcaps = True  # the same kernels
     roles = {
         "lists": RoleImpl(launch=launch_lists, template="triton/lists.py.j2"),
         "window_lists": RoleImpl(launch=launch_window_lists, template="triton/window_lists.py.j2", varlen=True,
