@@ -30,7 +30,7 @@ from .bench.chunked import CHUNKED_SHAPES
 from .bench.context_parallel import CP_BATCH, CP_HEADS_KV, CP_SEQ, CP_SPEC, CP_WORLD
 from .bench.padded import PACKED_LENGTHS, PADDED_SHAPES
 from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
-from .workloads import BENCH_SHAPES, DECODE_SHAPES, KV_CENTRIC_SHAPES, UNTUNED_SHAPES, WINDOW_SHAPES
+from .workloads import BENCH_SHAPES, DECODE_SHAPES, KV_CENTRIC_SHAPES, SOFTCAP_SHAPES, UNTUNED_SHAPES, WINDOW_SHAPES
 
 
 # The exceptions module of the click that typer runs on (recent typer vendors click as typer._click).
@@ -753,6 +753,10 @@ def bench(
                                                         "FlexAttention's sliding-window BlockMask and dense causal "
                                                         f"SDPA cuDNN, forward and forward+backward (shapes "
                                                         f"{_listed(WINDOW_SHAPES)}; GPU only)."),
+    softcap: bool = typer.Option(False, "--softcap", help="Logit soft-capping (Spec.softcap) against FlexAttention "
+                                                          "with a tanh score_mod on the same BlockMask, forward and "
+                                                          f"forward+backward (shapes {_listed(SOFTCAP_SHAPES)}; GPU "
+                                                          "only)."),
     context_parallel: bool = typer.Option(False, "--context-parallel", help=f"A {CP_WORLD}-rank context-parallel "
                                           "run's per-rank kernels (dense ring and sparse fetch), forward and "
                                           "backward, timed on one GPU against one GPU's, the bytes each path moves, "
@@ -769,7 +773,7 @@ def bench(
 
         from .bench.context_parallel import run_context_parallel
 
-        if backward or untuned or kv_centric or decode or padded or chunked or window or shapes:
+        if backward or untuned or kv_centric or decode or padded or chunked or window or softcap or shapes:
             _fail("--context-parallel is a bench of its own (one shape): give it alone")
         _refuse_with(ctx, "--context-parallel", "a bench of its own (one shape)", *MAIN_BENCH_ONLY)
         if not torch.cuda.is_available():
@@ -777,7 +781,7 @@ def bench(
         _check_out_dir(out)
         run_context_parallel(out_dir=str(out))
         return
-    if backward or untuned or kv_centric or decode or padded or chunked or window:  # GPU-only benches of their own
+    if backward or untuned or kv_centric or decode or padded or chunked or window or softcap:  # GPU-only, of their own
         import torch
 
         from .bench.backward import run_backward
@@ -786,6 +790,7 @@ def bench(
         from .bench.kv_centric import run_kv_centric
         from .bench.padded import PADDED_SHAPES, run_padded
         from .bench.untuned import run_untuned
+        from .bench.softcap import run_softcap
         from .bench.window import run_window
         from .workloads import SHAPES
 
@@ -793,7 +798,8 @@ def bench(
             ("--backward", backward, run_backward, SHAPES), ("--untuned", untuned, run_untuned, SHAPES),
             ("--kv-centric", kv_centric, run_kv_centric, KV_CENTRIC_SHAPES),
             ("--decode", decode, run_decode, DECODE_SHAPES), ("--padded", padded, run_padded, PADDED_SHAPES),
-            ("--chunked", chunked, run_chunked, CHUNKED_SHAPES), ("--window", window, run_window, WINDOW_SHAPES))
+            ("--chunked", chunked, run_chunked, CHUNKED_SHAPES), ("--window", window, run_window, WINDOW_SHAPES),
+            ("--softcap", softcap, run_softcap, SOFTCAP_SHAPES))
             if on]
         if len(chosen) > 1:
             _fail(f"{' and '.join(flag for flag, _, _ in chosen)} are separate benches: give one")

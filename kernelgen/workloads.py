@@ -16,8 +16,8 @@ from .errors import KernelgenValueError
 from .spec import DEFAULT_Q_TILE, Spec
 
 __all__ = ["BenchShape", "SHAPES", "BENCH_SHAPES", "UNTUNED_SHAPES", "KV_CENTRIC_SHAPES", "DECODE_SHAPES",
-           "WINDOW_SHAPES", "random_query_lists", "agreeing_query_lists", "visible_pairs", "useful_flops",
-           "dense_flops"]
+           "WINDOW_SHAPES", "SOFTCAP_SHAPES", "random_query_lists", "agreeing_query_lists", "visible_pairs",
+           "useful_flops", "dense_flops"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class BenchShape:
     causal: bool
     schedule: str = "q_centric"  # "kv_centric": per-query lists (q_tile unused, at Spec's default)
     window: int | None = None  # a sliding window (`kernelgen bench --window`); top_k is then its block count
+    softcap: float | None = None  # logit soft-capping (`kernelgen bench --softcap`)
 
     def inputs(self, device="cuda", dtype=torch.bfloat16, seed=0):
         """q, k, v of this shape: randn from one generator seeded `seed` on `device`, in that order."""
@@ -45,7 +46,7 @@ class BenchShape:
     def spec(self, selector="mean"):
         return Spec(head_dim=self.head_dim, kv_block=self.kv_block, q_tile=self.q_tile, top_k=self.top_k,
                     causal=self.causal, gqa_group=self.heads_q // self.heads_kv, selector=selector,
-                    schedule=self.schedule, window=self.window)
+                    schedule=self.schedule, window=self.window, softcap=self.softcap)
 
     def query_lists(self, device="cuda", seed=0) -> torch.Tensor:
         """Random per-query lists of this (KV-centric) shape: `random_query_lists` of its given spec."""
@@ -110,6 +111,16 @@ WINDOW_SHAPES = {
         BenchShape("swa128", 1, 64, 8, 32768, 32768, 64, 64, 64, 4, True, window=128),
         # shape (c)'s heads with a window of 4096 keys (Mistral's): 34 blocks of 128
         BenchShape("swa4k", 1, 32, 8, 32768, 32768, 128, 128, 128, 34, True, window=4096),
+    ]
+}
+# `kernelgen bench --softcap`: Gemma 2's cap (50) on shape (c)'s sparse lists and on a Gemma 2 sliding layer, against
+# FlexAttention with a tanh score_mod over the same BlockMask
+SOFTCAP_SHAPES = {
+    s.name: s
+    for s in [
+        BenchShape("c_cap50", 1, 32, 8, 32768, 32768, 128, 128, 128, 16, True, softcap=50.0),
+        # Gemma 2 9B's sliding layers: Hq16 Hkv8 D256, a window of 4096 keys, at its 8k context
+        BenchShape("gemma2_swa", 1, 16, 8, 8192, 8192, 256, 64, 64, 66, True, window=4096, softcap=50.0),
     ]
 }
 UNTUNED_SHAPES = ("dense16k_d128", "dense16k_d64", "c_g8", "c_g1", "a64k_top32", "b_q8k")

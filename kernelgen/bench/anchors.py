@@ -52,15 +52,17 @@ def flex_kernel_options(spec: Spec) -> dict | None:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn}
 
 
-def flex_call(q, k, v, block_mask, spec: Spec, return_lse: bool = False) -> Callable[[], torch.Tensor]:
+def flex_call(q, k, v, block_mask, spec: Spec, return_lse: bool = False,
+              score_mod=None) -> Callable[[], torch.Tensor]:
     """FlexAttention over `block_mask` as a no-argument callable: torch.compile'd (the fused kernel, which
-    reads the block lists), with `flex_kernel_options`; it returns (o, lse) with `return_lse`."""
+    reads the block lists), with `flex_kernel_options`; it returns (o, lse) with `return_lse`, and applies
+    `score_mod` (FlexAttention's) where given."""
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
     options = flex_kernel_options(spec)
     gqa = spec.gqa_group > 1
-    return lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=gqa, kernel_options=options,
+    return lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa, kernel_options=options,
                         return_lse=return_lse)
 
 
