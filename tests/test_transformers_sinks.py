@@ -95,7 +95,7 @@ def test_generate_matches_eager(models, roles, cache, padded):
     """generate() over a cache, from a batch of whole prompts or left-padded ones: the tokens and each step's logits
     are eager's. The full layer's prompt is one kernelgen call (a padded one too: with sinks, which SDPA would ignore,
     no dense SDPA call in its place), each decode step one; the sliding layer's prompt is one (its window spec, a
-    padded one with `seqlens`), its decode steps the model's eager attention."""
+    padded one with `seqlens`), and so is each of its decode steps (its window over the cached keys)."""
     ours, eager = models
     ours.config.kernelgen_top_k = 3  # every block of the 48 keys
     ids, mask = left_padded([tokens(1, n, seed=20 + i) for i, n in enumerate((45, 30 if padded else 45))])
@@ -103,7 +103,7 @@ def test_generate_matches_eager(models, roles, cache, padded):
         warnings.simplefilter("error", kg_hf.KernelgenFallbackWarning)
         out = [model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
                               return_dict_in_generate=True, cache_implementation=cache) for model in (ours, eager)]
-    assert roles["attn"] == 2 and roles["decode"] == 2  # the prompt, then two single-token steps
+    assert roles["attn"] == 2 and roles["decode"] == 4  # the prompt, then two single-token steps of both layers
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert_close(torch.stack(out[0].logits), torch.stack(out[1].logits))
 

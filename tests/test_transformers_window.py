@@ -1,9 +1,11 @@
 """kernelgen as a transformers attention implementation in sliding-window layers (`Spec.window`): tiny models built in
 code (no downloads), fp32 in the CPU interpreter. A gpt-oss (attention sinks; a full and a sliding layer, a window of
-24 keys under 100+ token sequences) against the same weights under attn_implementation="eager"; a Mistral (every
-layer windowed, no layer_types) and a Qwen2 ("sliding_attention" layers, no sinks) against SDPA. The sliding layers'
-prompts and training steps, padded (`seqlens`) or packed (`varlen`) too, run kernelgen's window spec (a spy on
-get_kernel and the kernels' calls proves it); their other calls run what they ran before, quietly."""
+24 keys under longer sequences) against the same weights under attn_implementation="eager"; a Mistral (every layer
+windowed, no layer_types) and a Qwen2 ("sliding_attention" layers, no sinks) against SDPA and eager. The sliding
+layers' prompts and training steps, padded (`seqlens`) or packed (`varlen`) too, and their decode steps and chunks
+after cached keys, left-padded (`cache_leftpad`) too, run kernelgen's window spec (a spy on get_kernel and the
+kernels' calls proves it, another on the fallback that none ran); their other calls run SDPA or the model's eager
+attention, quietly."""
 import contextlib
 import copy
 import sys
@@ -96,6 +98,21 @@ def served(monkeypatch):
 
     monkeypatch.setattr(kg_hf, "get_kernel", spy)
     return seen
+
+
+@pytest.fixture
+def fell_back(monkeypatch):
+    """(layer_idx, n_q, n_k) of each attention call that ran SDPA or the model's eager attention instead of kernelgen
+    (`_other_attention`, spied on): sliding layers fall back quietly, so a warning would not tell."""
+    calls = []
+    other = kg_hf._other_attention
+
+    def spy(module, query, key, *args):
+        calls.append((module.layer_idx, query.shape[2], key.shape[2]))
+        return other(module, query, key, *args)
+
+    monkeypatch.setattr(kg_hf, "_other_attention", spy)
+    return calls
 
 
 @contextlib.contextmanager
@@ -232,33 +249,83 @@ def test_packed_sequences_match_each_sequence_alone(models, served, family, flas
     assert_close(got, alone)
 
 
-@pytest.mark.parametrize("cache, padded", [("dynamic", False), ("static", False), ("dynamic", True)],
-                         ids=["dynamic", "static", "left_padded"])
-def test_generate_matches_eager(models, served, cache, padded):
-    """generate(): the tokens and each step's logits are eager's. The sliding layer's prompt over a fresh cache (which
-    hands it the whole prompt's keys) is kernelgen's, a left-padded one too (`seqlens`); its decode steps over the
-    window's keys run the model's eager attention, quietly."""
-    ours, eager = models
-    lengths = (100, 70) if padded else (100,)
+GENERATED = 12  # new tokens: the window (24) moves past the left padding of a 14-token prompt beside a 20-token one
+CACHE_OPTIONS = {"seqlens", "cache_seqlens", "cache_leftpad"}
+LEFTPAD = {"cache_seqlens", "cache_leftpad"}
+# the CACHE_OPTIONS of each way a window spec computes a call (call_forms' `runs`)
+RUN_OPTIONS = {"call": set(), "varlen": set(), "seqlens": {"seqlens"}, "cache_leftpad": LEFTPAD}
+
+
+def step_options(lengths, generated=GENERATED):
+    """The options (of CACHE_OPTIONS) of a sliding layer's calls in generate() of left-padded prompts of `lengths`:
+    the prompt's (`seqlens` where padded), then each decode step's (`cache_leftpad` while a row's padding is within
+    its query's window: a padding key after the query's position p less WINDOW)."""
+    n, padding = max(lengths), max(lengths) - min(lengths)
+    steps = [LEFTPAD if padding > max(0, n + step - WINDOW + 1) else set() for step in range(generated - 1)]
+    return [{"seqlens"} if padding else set(), *steps]
+
+
+def generated(model, lengths, cache="dynamic"):
+    """generate()'s greedy tokens and each step's logits [steps, B, V] from left-padded prompts of `lengths`."""
     ids, mask = left_padded([tokens(1, n, seed=20 + i) for i, n in enumerate(lengths)])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=GENERATED, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, cache_implementation=cache)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("cache, lengths", [("dynamic", (20,)), ("static", (100,)), ("dynamic", (20, 14))],
+                         ids=["dynamic", "static", "left_padded"])
+def test_generate_matches_eager(models, served, fell_back, cache, lengths):
+    """generate() past the window: the tokens and each step's logits are eager's. The sliding layer's prompt over a
+    fresh cache (which hands it the whole prompt's keys) and its decode steps over the window's keys are kernelgen's,
+    the sinks joined: the maskless ones (transformers gives none until the window cuts keys) too, a left-padded
+    batch's prompt with `seqlens`, its steps with `cache_leftpad` while a row's padding is within the window; no call
+    falls back."""
+    ours, eager = models
     with torch.no_grad(), quiet():
-        out = [model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True, cache_implementation=cache) for model in (ours, eager)]
-    assert served.count(window_spec()) == 1  # the prompt's call alone
-    assert [options >= {"seqlens"} for _, options in served.window_calls()] == [padded]
-    assert torch.equal(out[0].sequences, out[1].sequences)
-    assert_close(torch.stack(out[0].logits), torch.stack(out[1].logits))
+        (got_ids, got), (want_ids, want) = (generated(model, lengths, cache) for model in (ours, eager))
+    assert fell_back == []
+    assert [options & CACHE_OPTIONS for _, options in served.window_calls()] == step_options(lengths)
+    assert torch.equal(got_ids, want_ids)
+    assert_close(got, want)
+
+
+def test_a_chunk_after_cached_keys_matches_eager(models, served, fell_back):
+    """A left-padded prompt batch (40 and 30 tokens) in two chunks over a cache, as a chunked prefill runs it: the
+    sliding layer's second chunk (10 queries after the window's cached keys, row 1's padding within its first
+    queries' windows) is kernelgen's with `cache_leftpad`; every token's logits are eager's."""
+    ours, eager = models
+    ids, mask = left_padded([tokens(1, 40, seed=50), tokens(1, 30, seed=51)])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def chunked(model):
+        cache = transformers.DynamicCache(config=model.config)
+        return torch.cat([model(ids[:, chunk], attention_mask=mask[:, :chunk.stop], position_ids=positions[:, chunk],
+                                cache=cache, use_cache=True).logits
+                          for chunk in (slice(0, 30), slice(30, 40))], 1)
+
+    with torch.no_grad(), quiet():
+        got, want = chunked(ours), chunked(eager)
+    assert fell_back == []
+    assert [options & CACHE_OPTIONS for _, options in served.window_calls()] == [{"seqlens"}, LEFTPAD]
+    real = mask.bool()
+    assert_close(got[real], want[real])
+
+
+def sinkless_config(family):
+    """A Mistral's (no layer_types: every layer windowed) or a Qwen2's (a "sliding_attention" layer)."""
+    if family == "mistral":
+        return transformers.MistralConfig(**SMALL)
+    config = transformers.Qwen2Config(**SMALL, use_sliding_window=True, max_window_layers=1)
+    assert config.layer_types == list(LAYERS)
+    return config
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_a_model_without_sinks_matches_sdpa(family, served):
     """A Mistral (no layer_types: every layer windowed) and a Qwen2 (a "sliding_attention" layer): each sliding
     layer's prompt is kernelgen's window spec; the logits are SDPA's and eager's."""
-    if family == "mistral":
-        config = transformers.MistralConfig(**SMALL)
-    else:
-        config = transformers.Qwen2Config(**SMALL, use_sliding_window=True, max_window_layers=1)
-        assert config.layer_types == list(LAYERS)
+    config = sinkless_config(family)
     ours, sdpa = pair(config, "sdpa")
     eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
     eager.load_state_dict(sdpa.state_dict())
@@ -268,6 +335,23 @@ def test_a_model_without_sinks_matches_sdpa(family, served):
         want = sdpa(ids).logits
         assert_close(eager(ids).logits, want)
     assert served.count(window_spec()) == (2 if family == "mistral" else 1)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_generate_of_a_model_without_sinks_matches_eager(family, served, fell_back):
+    """generate() of a Mistral and a Qwen2 from a left-padded batch (20 and 14 tokens) past the window: each sliding
+    layer's prompt (`seqlens`) and decode steps (`cache_leftpad` while the padding is within the window) are
+    kernelgen's, none falls back; the tokens and each step's logits are eager's."""
+    ours, eager = pair(sinkless_config(family), "eager")
+    lengths = (20, 14)
+    with torch.no_grad(), quiet():
+        (got_ids, got), (want_ids, want) = (generated(model, lengths) for model in (ours, eager))
+    layers = 2 if family == "mistral" else 1
+    assert fell_back == []
+    options = [options & CACHE_OPTIONS for _, options in served.window_calls()]
+    assert options == [step for step in step_options(lengths) for _ in range(layers)]
+    assert torch.equal(got_ids, want_ids)
     assert_close(got, want)
 
 
@@ -287,7 +371,7 @@ def reference(attn, q, k, v, allowed):
 
 def call_forms():
     """(name, n_q, n_k, mask, kwargs, allowed, runs): calls of a sliding layer, with what each query sees, and how
-    kernelgen's window spec computes them ("call", "seqlens", "varlen"; None: it does not)."""
+    kernelgen's window spec computes them ("call", "seqlens", "varlen", "cache_leftpad"; None: it does not)."""
     n = 40
     window = sliding_mask(n)
     keys = torch.arange(n)
@@ -319,8 +403,6 @@ def call_forms():
         ("right_padded_unseen", n, n, right_unseen, {}, right_unseen, None),
         ("custom", n, n, holed, {}, holed, None),
         ("another_window", n, n, sliding_mask(n, window=20), {}, sliding_mask(n, window=20), None),
-        ("after_cached_keys", 8, n, sliding_mask(8, n_k=n), {}, sliding_mask(8, n_k=n), None),
-        ("decode", 1, WINDOW, None, {}, torch.ones(1, 1, 1, WINDOW, dtype=torch.bool), None),
         ("packed", n, n, packed, flash, packed, "varlen"),
         ("packed_mask", n, n, packed, {}, packed, "varlen"),
         ("packed_additive", n, n, torch.where(packed, 0.0, torch.finfo(torch.float32).min), {}, packed, "varlen"),
@@ -329,16 +411,74 @@ def call_forms():
         ("flash_kwargs_some", n, n, packed, {"cu_seq_lens_q": bounds}, packed, None),
         ("no_window_kwarg", n, n, window, {"sliding_window": None}, window, "call"),
         ("another_window_kwarg", n, n, window, {"sliding_window": 20}, window, None),
+    ] + cached_call_forms()
+
+
+def hf_sliding_mask(n_q, n_k, pads=(0, 0), ends=None, window=WINDOW):
+    """transformers' sliding-window causal mask [2, 1, n_q, n_k] (`sdpa_mask`, as a call after cached keys gets it:
+    the queries the last n_q keys), row b's tokens keys [pads[b], ends[b]) (default: to the last key), boolean."""
+    keys = torch.arange(n_k)
+    tokens = (keys >= torch.tensor(pads)[:, None]) & (keys < torch.tensor(ends or (n_k, n_k))[:, None])
+    return transformers.masking_utils.sdpa_mask(
+        batch_size=2, q_length=n_q, kv_length=n_k, q_offset=torch.tensor(n_k - n_q), attention_mask=tokens,
+        mask_function=transformers.masking_utils.sliding_window_causal_mask_function(window),
+        allow_is_causal_skip=False)
+
+
+def additive(mask):
+    return torch.where(mask, 0.0, torch.finfo(torch.float32).min)
+
+
+def cached_call_forms():
+    """call_forms' calls after cached keys (decode steps, and chunks of 3 or 8 queries): the plain call where no row's
+    padding is within a query's window (or no mask: one query over no more keys than the window), `cache_leftpad`
+    where it is; right padding, a custom mask, a chunk under another window and one without a mask (SDPA's causal
+    reading is from the top left) are not the window's."""
+    n = 40
+    decode, left_padded = hf_sliding_mask(1, WINDOW), hf_sliding_mask(1, WINDOW, pads=(0, 5))
+    chunk_padded, chunk_of_padding = hf_sliding_mask(3, 20, pads=(0, 5)), hf_sliding_mask(3, 20, pads=(0, 18))
+    padding_sees_all = chunk_of_padding.clone()
+    padding_sees_all[1, :, 0] = True  # row 1's first query (position 17) is padding: whatever it sees is unread
+    custom = hf_sliding_mask(3, n)
+    custom[0, :, 1, 30] = False
+    right_padded = hf_sliding_mask(1, WINDOW, ends=(WINDOW, 20))
+    chunk_right_padded = hf_sliding_mask(3, 20, ends=(20, 19))
+    top_left = torch.ones(3, 20, dtype=torch.bool).tril()[None, None]
+    narrower, chunk_narrower = hf_sliding_mask(1, n, window=20), hf_sliding_mask(3, n, window=20)
+    return [
+        ("decode", 1, WINDOW, None, {}, decode, "call"),
+        ("decode_fewer_keys", 1, 10, None, {}, hf_sliding_mask(1, 10), "call"),
+        ("decode_no_mask_past_the_window", 1, n, None, {}, torch.ones(1, 1, 1, n, dtype=torch.bool), None),
+        ("decode_mask", 1, WINDOW, decode, {}, decode, "call"),
+        ("decode_past_the_window", 1, n, hf_sliding_mask(1, n), {}, hf_sliding_mask(1, n), "call"),  # a full cache
+        ("decode_left_padded", 1, WINDOW, left_padded, {}, left_padded, "cache_leftpad"),
+        ("decode_left_padded_additive", 1, WINDOW, additive(left_padded), {}, left_padded, "cache_leftpad"),
+        ("decode_padding_past_the_window", 1, n, hf_sliding_mask(1, n, pads=(0, 5)), {},
+         hf_sliding_mask(1, n, pads=(0, 5)), "call"),
+        ("chunk", 3, n, hf_sliding_mask(3, n), {}, hf_sliding_mask(3, n), "call"),
+        ("after_cached_keys", 8, n, sliding_mask(8, n_k=n), {}, sliding_mask(8, n_k=n), "call"),
+        ("chunk_left_padded", 3, 20, chunk_padded, {}, chunk_padded, "cache_leftpad"),
+        ("chunk_left_padded_additive", 3, 20, additive(chunk_padded), {}, chunk_padded, "cache_leftpad"),
+        ("chunk_of_padding", 3, 20, chunk_of_padding, {}, chunk_of_padding, "cache_leftpad"),
+        ("chunk_padding_sees_all", 3, 20, padding_sees_all, {}, chunk_of_padding, "cache_leftpad"),
+        ("chunk_no_mask", 3, 20, None, {}, top_left, None),
+        ("decode_right_padded", 1, WINDOW, right_padded, {}, right_padded, None),
+        ("chunk_right_padded", 3, 20, chunk_right_padded, {}, chunk_right_padded, None),
+        ("chunk_custom", 3, n, custom, {}, custom, None),
+        # one query's smaller window is its keys' left padding: the same attention; more queries tell them apart
+        ("decode_another_window", 1, n, narrower, {}, narrower, "cache_leftpad"),
+        ("chunk_another_window", 3, n, chunk_narrower, {}, chunk_narrower, None),
     ]
 
 
 @pytest.mark.parametrize("form", [f[0] for f in call_forms()])
 def test_each_call_form_runs_kernelgen_or_what_it_ran_before(models, served, form):
-    """attention_forward on gpt-oss's sliding layer: kernelgen's window spec where the keys are the queries' own and
-    the mask is the sliding-window causal one (boolean or additive, broadcast or per row; none where the window cuts
-    nothing), over each row's tokens (`seqlens`) or each packed sequence's (`varlen`: FlashAttention's varlen kwargs
-    bound them where they agree with the mask), else the model's eager attention, quietly. Each real query's output
-    (a token's: one that sees itself) is the eager attention's under what it sees."""
+    """attention_forward on gpt-oss's sliding layer: kernelgen's window spec where the mask is the sliding-window causal
+    one (boolean or additive, broadcast or per row; none where the window cuts nothing) over each row's tokens: the
+    keys the queries' own (`seqlens` for padding; `varlen` for packed sequences, FlashAttention's varlen kwargs bounding
+    them where they agree with the mask), or the queries the last of the keys (`cache_leftpad` for left padding within
+    a window); else the model's eager attention, quietly. Each real query's output (a token's: one that sees itself)
+    is the eager attention's under what it sees (a fallback's every query's); none is NaN."""
     _, q_len, k_len, mask, kwargs, allowed, runs = next(f for f in call_forms() if f[0] == form)
     attn = models[0].model.layers[1].self_attn
     g = torch.Generator().manual_seed(7)
@@ -350,10 +490,13 @@ def test_each_call_form_runs_kernelgen_or_what_it_ran_before(models, served, for
     assert served == ([window_spec()] if runs else [])
     if runs:
         [(how, options)] = served.window_calls()
-        assert how == ("varlen" if runs == "varlen" else "call") and ("seqlens" in options) == (runs == "seqlens")
+        assert how == ("varlen" if runs == "varlen" else "call") and options & CACHE_OPTIONS == RUN_OPTIONS[runs]
     want = reference(attn, q, k, v, allowed)
     real = allowed.expand(2, 1, q_len, k_len)[:, 0].diagonal(k_len - q_len, 1, 2)  # [B, Nq]: a query sees itself
+    if runs is None:  # the same attention as the reference's
+        real = torch.ones_like(real)
     assert real.sum() >= q_len  # the forms' rows hold tokens
+    assert not got.isnan().any()
     assert_close(got[real], want[real])
 
 
@@ -376,6 +519,41 @@ def test_a_compiled_call_runs_the_window_spec_in_the_graph(models, compiled, rol
     grads = [torch.autograd.grad(o.square().sum(), (q, attn.sinks)) for o in (got, want)]
     for got_grad, want_grad in zip(*grads):
         assert_close(got_grad, want_grad, tol=1e-3)
+
+
+def test_a_compiled_decode_step_runs_the_window_spec_in_the_graph(models, compiled, roles):
+    """Inside torch.compile(fullgraph=True), a sliding layer's decode step with no mask (a window's keys) runs the
+    custom op with the window spec, the sinks joined after it: eager's output."""
+    attn = models[0].model.layers[1].self_attn
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 4, 1, 64, generator=g)
+    k, v = torch.randn(2, 2, WINDOW, 64, generator=g), torch.randn(2, 2, WINDOW, 64, generator=g)
+
+    def call(q, k, v):
+        return kg_hf.attention_forward(attn, q, k, v, None, scaling=0.125, sliding_window=WINDOW, s_aux=attn.sinks)[0]
+
+    with torch.no_grad(), quiet():
+        got = compiled(call)(q, k, v)
+    assert roles["decode"] == 1
+    assert_close(got, reference(attn, q, k, v, hf_sliding_mask(1, WINDOW)))
+
+
+def test_a_compiled_masked_decode_step_runs_the_eager_call(models, compiled, served):
+    """Inside torch.compile, a sliding layer's decode step given a mask (left padding within the window) breaks the
+    graph into the eager call, which reads the mask: `cache_leftpad`; eager's output."""
+    attn = models[0].model.layers[1].self_attn
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(2, 4, 1, 64, generator=g)
+    k, v = torch.randn(2, 2, WINDOW, 64, generator=g), torch.randn(2, 2, WINDOW, 64, generator=g)
+    mask = hf_sliding_mask(1, WINDOW, pads=(0, 5))
+
+    def call(q, k, v, mask):
+        return kg_hf.attention_forward(attn, q, k, v, mask, scaling=0.125, sliding_window=WINDOW, s_aux=attn.sinks)[0]
+
+    with torch.no_grad(), quiet():
+        got = compiled(call, fullgraph=False)(q, k, v, mask)
+    assert [options & CACHE_OPTIONS for _, options in served.window_calls()] == [LEFTPAD]
+    assert_close(got, reference(attn, q, k, v, mask))
 
 
 def test_a_compiled_training_step_matches_eager(models, compiled, served):

@@ -28,20 +28,28 @@ under `"layer_types"`); an attribute wins over the object:
 layers, every layer of a Mistral, Mixtral, Phi-3 or Starcoder2 whose config sets it) are kernelgen's too, with a
 window spec (`Spec.window`, `tuning.model.window_spec`): their lists are the window's blocks, dense attention within
 the window, so of their options only kv_block, q_tile and backend apply (a backend without windows gives "triton"),
-and top_k = 0 (for the layer type, or for the model) still makes them not kernelgen's. kernelgen computes their
-prompts and training steps over no keys cached before them (a fresh cache hands a sliding layer the whole prompt's
-keys), forward and backward, the sinks joined, where the mask is exactly the sliding-window causal mask over each
-row's tokens, read on the host: its plain call where that is transformers' sliding-window causal mask over every
-token (or none, where the window cuts nothing); a padded batch (left- or right-padded, as transformers masks it: no
-token sees padding) in one call, `seqlens`, its left-padded rows moved to start at 0, a padding position's output 0,
-as in full layers; packed sequences (the block-diagonal mask
-transformers builds from position_ids that restart, where the model passes them to its masks: Mistral's and Qwen2's
-do, gpt-oss's do not) as `attn.varlen`, each sequence alone; FlashAttention's varlen kwargs bound the sequences where
-the mask is over every token (or none, where the window cuts nothing) or packed with the same bounds (a padded mask
-is read instead, as in full layers). Inside torch.compile only a call with no mask runs in the graph (its shapes
-read); a masked call breaks the graph into the eager call. Every other call of theirs (decode steps and chunks over
-the cache, custom masks, a packed mask whose sequences the kwargs bound otherwise, and what kernelgen cannot
-compute) runs as before, quietly: SDPA, or the model's eager attention where it has attention sinks.
+and top_k = 0 (for the layer type, or for the model) still makes them not kernelgen's. kernelgen computes their calls,
+the sinks joined, wherever the mask is exactly the sliding-window causal mask over each row's tokens, read on the host
+(once per mask):
+- *Prompts and training steps*, forward and backward (no keys cached before them; a fresh cache hands a sliding
+  layer the whole prompt's keys): the plain call where the mask is over every token (or there is none, where the
+  window cuts nothing); a padded batch (left- or right-padded, as transformers masks it: no token sees padding) in
+  one call, `seqlens`, its left-padded rows moved to start at 0, a padding position's output 0, as in full layers;
+  packed sequences (the block-diagonal mask transformers builds from position_ids that restart, where the model
+  passes them to its masks: Mistral's and Qwen2's do, gpt-oss's do not) as `attn.varlen`, each sequence alone;
+  FlashAttention's varlen kwargs bound the sequences where the mask is over every token (or none) or packed with the
+  same bounds (a padded mask is read instead, as in full layers).
+- *Decode steps and chunks after cached keys* (their queries the last of their keys, as transformers' caches hand
+  them: `DynamicSlidingWindowLayer` the window's last keys, a full layer every key): the plain call where no row's
+  padding is within a query's window (or there is no mask: a single query the window cuts nothing of); left padding
+  as one call, `cache_seqlens` and `cache_leftpad`, each row over its keys from its first token (a padding query's
+  output 0). A static cache's steps before its window fills (keys not yet written after the tokens) are not such
+  calls.
+Inside torch.compile a call with no mask (a prompt or a decode step the window cuts nothing of) runs in the graph
+(its shapes read); a masked call breaks the graph into the eager call. Every other call of theirs (custom masks,
+right padding in the cache, a packed mask whose sequences the kwargs bound otherwise, and what kernelgen cannot
+compute) runs quietly what the layer runs without kernelgen: SDPA, or the model's eager attention where it has
+attention sinks.
 
 **Decoding with kept key representatives.** The `mean` and `multi:r` selectors score blocks by their keys'
 means. A plain cache makes every call pool the whole cache again to choose a few blocks of it, which at long
@@ -105,8 +113,9 @@ runs the model's own eager attention instead (`eager_attention_forward` of the m
 the sinks, and a sliding window through the mask; given the additive mask transformers' "eager" builds): quietly in
 the layers that are not kernelgen's (`kernelgen_top_k = 0`) and in sliding-window layers, with the
 `KernelgenFallbackWarning` in kernelgen's others. Like attn_implementation="eager", it holds each call's scores
-([B, H, Nq, Nk]): gpt-oss's sliding layers run their prompts and training steps through kernelgen (with the sinks),
-so no long prompt materialises them (nor a padded or packed batch), but their decode steps (a window's keys) do.
+([B, H, Nq, Nk]): gpt-oss's sliding layers run their prompts, training steps and decode steps through kernelgen (with
+the sinks), so none of those materialises them (a padded or packed batch neither), but the calls they fall back on
+do.
 Sinks other than one logit per query head (per-token sinks) are such a call; a module whose file has no
 `eager_attention_forward` is refused at one (a ValueError).
 """
@@ -620,13 +629,14 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
 
 
 def _attention_window(spec: Spec, module, query, key, value, attention_mask, scaling, dropout, kwargs):
-    """A sliding-window layer's call (its spec has a window), where its keys are its queries' own tokens (a prompt
-    or a training batch over no cache, or a fresh one, which hands a sliding layer the whole prompt's keys) and its
-    mask is exactly the sliding-window causal mask over each row's tokens, or over each packed sequence's
-    (`_window_rows`): kernelgen's plain call, a padded batch's (`seqlens`, left-padded rows moved to start at 0) or
-    packed sequences' (`attn.varlen`), the sinks joined. Every other call (a decode step or a chunk over a cache, a
-    custom mask, what kernelgen cannot compute) runs what such layers ran before kernelgen computed windows,
-    quietly: SDPA, or the model's eager attention where it has attention sinks."""
+    """A sliding-window layer's call (its spec has a window), where its mask is exactly the sliding-window causal mask
+    over each row's tokens, or over each packed sequence's (`_window_rows`). Its keys the queries' own tokens (a
+    prompt or a training batch over no cache, or a fresh one, which hands a sliding layer the whole prompt's keys):
+    kernelgen's plain call, a padded batch's (`seqlens`, left-padded rows moved to start at 0) or packed sequences'
+    (`attn.varlen`). Its queries the last of its keys (a decode step or a chunk after cached keys): the plain call,
+    or, with left padding, each row over its keys [first, Nk) (`cache_seqlens`, `cache_leftpad`). The sinks joined.
+    Every other call (a custom mask, right padding in the cache, what kernelgen cannot compute) runs quietly what
+    such a layer runs without kernelgen: SDPA, or the model's eager attention where it has attention sinks."""
     rows = None if _unsupported(module, query, dropout, kwargs, spec.window) else _window_rows(
         spec.window, query, key, attention_mask, kwargs)
     if rows is None:
@@ -635,13 +645,18 @@ def _attention_window(spec: Spec, module, query, key, value, attention_mask, sca
     if sinks is not None:
         sinks = sinks.to(query.device)  # [Hq], checked by `_unsupported`
     attn = get_kernel(spec)
+    batch = query.shape[0]
     if isinstance(rows, _Sequences):  # each sequence alone, as its own call
         o = attn.varlen(*_flat(query, key, value), rows.cu_seqlens, rows.max_length, scale=scaling, sinks=sinks)
-        return o.view(query.shape[0], query.shape[2], *o.shape[1:]), None
-    if isinstance(rows, PaddedRows):  # each row alone, over its own tokens; a padding query's output is 0
-        return _attention_padded_prompt(attn, query, key, value, rows.pads.expand(query.shape[0]), rows.tokens,
-                                        scaling, shifted=max(rows.firsts) > 0, sinks=sinks)
-    o = attn(query, key, value, scale=scaling, sinks=sinks)
+        return o.view(batch, query.shape[2], *o.shape[1:]), None
+    if isinstance(rows, PaddedRows) and rows.offset > 0:  # after cached keys: row b over its keys [first, Nk)
+        o = attn(query, key, value, scale=scaling, sinks=sinks, cache_seqlens=rows.lens.expand(batch).contiguous(),
+                 cache_leftpad=rows.pads.expand(batch).contiguous())
+    elif isinstance(rows, PaddedRows):  # each row alone, over its own tokens; a padding query's output is 0
+        return _attention_padded_prompt(attn, query, key, value, rows.pads.expand(batch), rows.tokens, scaling,
+                                        shifted=max(rows.firsts) > 0, sinks=sinks)
+    else:
+        o = attn(query, key, value, scale=scaling, sinks=sinks)
     return o.transpose(1, 2).contiguous(), None
 
 
@@ -652,12 +667,13 @@ class _Sequences(NamedTuple):
 
 
 def _window_refused(window: int, query, key, kwargs) -> bool:
-    """Whether a window spec's plain call is not the attention of this call without a mask: it is where the keys are
-    the queries' own tokens (as many, no earlier keys) and no more than `window` of them (SDPA's causal reading of no
-    mask, which transformers gives a sliding layer only where the window cuts nothing), and no packed sequences
-    (FlashAttention's varlen kwargs; a compiled step breaks the graph into the eager call for them)."""
+    """Whether a window spec's plain call is not the attention of this call without a mask (SDPA's reading: one query
+    sees every key, more are causal from the top left; transformers gives a sliding layer no mask only where the
+    window cuts nothing): it is where the keys are the queries' own tokens (as many) or a single query's (a decode
+    step), no more than `window` of them, and no packed sequences (FlashAttention's varlen kwargs; a compiled step
+    breaks the graph into the eager call for them)."""
     n_q, n_k = query.shape[2], key.shape[2]
-    return n_q != n_k or n_q > window or any(kwargs.get(name) is not None for name in _FLASH_VARLEN)
+    return n_q not in (1, n_k) or n_k > window or any(kwargs.get(name) is not None for name in _FLASH_VARLEN)
 
 
 def _window_rows(window: int, query, key, mask, kwargs) -> bool | PaddedRows | _Sequences | None:
@@ -666,11 +682,11 @@ def _window_rows(window: int, query, key, mask, kwargs) -> bool | PaddedRows | _
     of a padded batch (each row's tokens contiguous, the mask the sliding-window causal one over them, none seen by
     or seeing padding), or packed sequences (the mask block-diagonal, the sliding-window causal mask over each
     sequence; or FlashAttention's varlen kwargs, which bound them where the mask is over every token or packed
-    likewise, as for full layers: a padded mask is read instead); else None. The keys must be the queries' own
-    tokens (no earlier keys)."""
+    likewise, as for full layers: a padded mask is read instead); else None. A call after cached keys:
+    `_window_cached_rows`."""
     n_q, n_k, batch = query.shape[2], key.shape[2], query.shape[0]
     if n_q != n_k:
-        return None
+        return _window_cached_rows(window, query, key, mask, kwargs)
     flash = None
     if any(kwargs.get(name) is not None for name in _FLASH_VARLEN):
         try:
@@ -699,6 +715,74 @@ def _window_rows(window: int, query, key, mask, kwargs) -> bool | PaddedRows | _
 _read_window_masks = ReadOnce()  # the last window mask's verdict: the sliding layers of a step share one mask
 
 
+def _window_cached_rows(window: int, query, key, mask, kwargs) -> bool | PaddedRows | None:
+    """What a window spec computes a call after cached keys as (a decode step or a chunk, its queries the last Nq of
+    its keys, as transformers' caches hand them), where that is exactly the layer's attention: True (its plain call:
+    no mask for a single query the window cuts nothing of, or a mask that is the sliding-window causal one over
+    every key), PaddedRows (the keys' left padding, `cache_leftpad`; `_window_cached_verdict`); else None, as for
+    packed sequences' kwargs."""
+    n_q, n_k, batch = query.shape[2], key.shape[2], query.shape[0]
+    if n_q > n_k or any(kwargs.get(name) is not None for name in _FLASH_VARLEN):
+        return None
+    if mask is None:  # SDPA's reading: one query sees every key; more are causal from the top left (not the window)
+        return True if n_q == 1 and n_k <= window else None
+    if (not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (n_q, n_k)
+            or mask.shape[0] not in (1, batch)):
+        return None
+    return _read_window_masks.get((mask,), window, lambda: _window_cached_verdict(mask, window))
+
+
+def _window_cached_verdict(mask: torch.Tensor, window: int) -> bool | PaddedRows | None:
+    """A 4-D mask [B or 1, H or 1, Nq, Nk] (Nq < Nk, query i at key position p = Nk - Nq + i; boolean, or additive
+    of 0 and at most half its dtype's minimum), the same for every head, read as a window spec's call after cached
+    keys: PaddedRows where each row's tokens are keys [first, Nk) (left padding alone) and each query of them sees
+    exactly keys [max(first, p - window + 1), p] (a padding query, p < first, may see any: its output is 0), True
+    where no row has padding that a query's window reaches; else None. A row's first token is the first key of its
+    real queries: the longest run of queries up to the last that each see a run of keys ending at itself, no longer
+    than the window."""
+    n_q, n_k = mask.shape[-2:]
+    ok, lows, highs, counts, _ = _query_spans(mask)  # [B, Nq] each
+    positions = n_k - n_q + torch.arange(n_q, device=mask.device)
+    spans = (highs == positions) & (counts == highs - lows + 1)  # a run of keys ending at the query
+    looks_real = spans & (lows > positions - window)
+    real_run = looks_real.flip(-1).to(torch.int32).cumprod(-1).flip(-1).bool()  # those up to the last query
+    first = torch.where(real_run, lows, n_k).amin(-1, keepdim=True)  # [B, 1]
+    first = torch.where(first <= positions[0] - window + 1, 0, first)  # padding no query's window reaches
+    seen_exactly = spans & (lows == torch.maximum(first, positions - window + 1))
+    ok = ok & (first < n_k).all() & (seen_exactly | (positions < first)).all()
+    if not bool(ok):
+        return None
+    first = first[:, 0]
+    firsts = first.tolist()
+    if max(firsts) == 0:
+        return True
+    pads = first.to(torch.int32)
+    return PaddedRows(n_k - n_q, tuple(firsts), (n_k,) * len(firsts), pads, torch.full_like(pads, n_k),
+                      (n_k - first).to(torch.int32))
+
+
+def _query_spans(mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(ok, firsts, lasts, counts, seen) of a 4-D mask [B or 1, H or 1, Nq, Nk]: whether it is plain (`_allowed`) and
+    the same for every head (a 0-d tensor); each query's first and last allowed key (Nk and -1 where none) and how
+    many it sees ([B, Nq] each); whether some query sees each key ([B, Nk]). Read some queries at a time (2**26
+    positions): a 32k prompt's whole mask as int64 would take 8 GiB."""
+    batch, heads, n_q, n_k = mask.shape
+    chunk = max(1, (1 << 26) // (batch * heads * n_k))
+    keys = torch.arange(n_k, device=mask.device)
+    ok = torch.ones((), dtype=torch.bool, device=mask.device)
+    seen = torch.zeros(batch, n_k, dtype=torch.bool, device=mask.device)
+    firsts, lasts, counts = [], [], []
+    for start in range(0, n_q, chunk):
+        allowed, plain = _allowed(mask[:, :, start:start + chunk])
+        ok = ok & plain & (allowed == allowed[:, :1]).all()
+        rows = allowed[:, 0]  # [B, chunk, Nk]
+        seen |= rows.any(1)
+        firsts.append(torch.where(rows, keys, n_k).amin(-1))
+        lasts.append(torch.where(rows, keys, -1).amax(-1))
+        counts.append(rows.sum(-1))
+    return (ok, *(torch.cat(x, 1) for x in (firsts, lasts, counts)), seen)
+
+
 def _window_verdict(mask: torch.Tensor, window: int) -> bool | PaddedRows | PackedRows | None:
     """A 4-D mask [B or 1, H or 1, N, N] (boolean, or additive of 0 and at most half its dtype's minimum), the same
     for every head, read as a window spec's call: True where it is the sliding-window causal mask for every row
@@ -707,22 +791,10 @@ def _window_verdict(mask: torch.Tensor, window: int) -> bool | PaddedRows | Pack
     for left padding; transformers' mask lets a right-padding query see the row's last tokens); PackedRows where
     every query sees itself and query i sees exactly keys [max(start, i - window + 1), i] of the sequence it is in
     (which starts at the query that sees itself alone); else None. Each query's keys are read as their first, last
-    and count, some queries at a time (2**26 positions), one wait on the device for each reading."""
-    batch, heads, n = mask.shape[0], mask.shape[1], mask.shape[-1]
-    chunk = max(1, (1 << 26) // (batch * heads * n))
+    and count (`_query_spans`), one wait on the device for each reading."""
+    batch, n = mask.shape[0], mask.shape[-1]
     keys = torch.arange(n, device=mask.device)
-    ok = torch.ones((), dtype=torch.bool, device=mask.device)
-    seen = torch.zeros(batch, n, dtype=torch.bool, device=mask.device)
-    firsts, lasts, counts = [], [], []
-    for start in range(0, n, chunk):
-        allowed, plain = _allowed(mask[:, :, start:start + chunk])
-        ok = ok & plain & (allowed == allowed[:, :1]).all()
-        rows = allowed[:, 0]  # [B, chunk, N]
-        seen |= rows.any(1)
-        firsts.append(torch.where(rows, keys, n).amin(-1))
-        lasts.append(torch.where(rows, keys, -1).amax(-1))
-        counts.append(rows.sum(-1))
-    firsts, lasts, counts = (torch.cat(x, 1) for x in (firsts, lasts, counts))  # [B, N] each, query i at i
+    ok, firsts, lasts, counts, seen = _query_spans(mask)  # [B, N] each, query i at i
     # each row's tokens, and what each query sees of them
     first = torch.where(seen, keys, n).amin(-1, keepdim=True)
     end = torch.where(seen, keys + 1, 0).amax(-1, keepdim=True)
