@@ -141,19 +141,6 @@ def test_what_kernelgen_cannot_compute_runs_sdpa_with_a_warning(models):
         assert torch.equal(got, want)
 
 
-def test_soft_capping_is_refused_in_every_layer():
-    """SDPA, which runs what kernelgen cannot, refuses Gemma 2's soft-capping: a model applying it is a ValueError
-    naming it, in kernelgen's layers and the others (sliding ones) alike. (Attention sinks run:
-    test_transformers_sinks.py.)"""
-    small = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "head_dim": 64, "num_hidden_layers": 2, "vocab_size": VOCAB, "sliding_window": 16}
-    for layers in (["full_attention"] * 2, ["sliding_attention"] * 2):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(**small, layer_types=layers),
-                                                              attn_implementation="kernelgen").eval()
-        with torch.no_grad(), pytest.raises(ValueError, match="soft-capping.*attn_implementation=\"eager\""):
-            model(tokens(1, 20))
-
-
 def test_every_block_listed_matches_sdpa_and_sparsity_changes_it(models, roles):
     ours, sdpa = models
     ids = tokens(2, 70)

@@ -49,7 +49,7 @@ Inside torch.compile a call with no mask (a prompt or a decode step the window c
 (its shapes read); a masked call breaks the graph into the eager call. Every other call of theirs (custom masks,
 right padding in the cache, a packed mask whose sequences the kwargs bound otherwise, and what kernelgen cannot
 compute) runs quietly what the layer runs without kernelgen: SDPA, or the model's eager attention where it has
-attention sinks.
+attention sinks or soft-capping.
 
 **Decoding with kept key representatives.** The `mean` and `multi:r` selectors score blocks by their keys'
 means. A plain cache makes every call pool the whole cache again to choose a few blocks of it, which at long
@@ -100,10 +100,20 @@ nor a sliding window's run SDPA (Llama 4's "chunked_attention", say), as do laye
 kernelgen cannot compute falls back to SDPA with a `KernelgenFallbackWarning` (quietly in sliding-window layers),
 once per reason, never a wrong result: an attention mask that is not causal over each row's tokens (a custom 4-D
 mask, an additive bias), dropout > 0, `output_attentions`, a sliding window in a layer whose spec has none (or
-another one), a position bias, a non-causal module, a head_dim kernelgen has no kernels for (or values of another
-head_dim than the queries'), and dtypes its kernels do not take on the device (float32 on a GPU, bfloat16 in the CPU
-interpreter). A model whose attention applies soft-capping, which SDPA does not compute either, is refused (a
-ValueError) at its first attention call, in every layer.
+another one), soft-capping other than the spec's, a position bias, a non-causal module, a head_dim kernelgen has no
+kernels for (or values of another head_dim than the queries'), and dtypes its kernels do not take on the device
+(float32 on a GPU, bfloat16 in the CPU interpreter). Where the call has attention sinks or soft-capping, which SDPA
+does not compute, the model's eager attention runs in SDPA's place (below).
+
+**Soft-capping.** A model whose config sets `attn_logit_softcapping` (Gemma 2's 50.0; transformers passes it as
+`softcap=`) has it in every kernelgen layer's spec (`Spec.softcap`), full and sliding-window layers alike (a backend
+whose kernels do not cap gives "triton"; the KV-centric schedule is refused): kernelgen's calls cap each score,
+`softcap * tanh(s / softcap)`, on every path above (prompts, padded and packed batches, decode steps with kept
+reps, sliding layers' calls, the backward, compiled steps in the graph), and a padded prompt within top_k blocks
+runs kernelgen, not SDPA. A call whose `softcap` is not its spec's, and every call that would run SDPA, which does
+not cap, runs the model's own eager attention instead (as for sinks, below), which applies the cap: quietly in the
+layers that are not kernelgen's and in sliding-window layers, with the `KernelgenFallbackWarning` in kernelgen's
+others.
 
 **Attention sinks.** A model whose attention has sinks (transformers' `s_aux=`, a logit per query head: gpt-oss,
 DeepSeek-V4, MiMo-V2-Flash, ...) runs with them. kernelgen's calls join them (`sinks=`; a compiled step's custom op
@@ -113,9 +123,9 @@ runs the model's own eager attention instead (`eager_attention_forward` of the m
 the sinks, and a sliding window through the mask; given the additive mask transformers' "eager" builds): quietly in
 the layers that are not kernelgen's (`kernelgen_top_k = 0`) and in sliding-window layers, with the
 `KernelgenFallbackWarning` in kernelgen's others. Like attn_implementation="eager", it holds each call's scores
-([B, H, Nq, Nk]): gpt-oss's sliding layers run their prompts, training steps and decode steps through kernelgen (with
-the sinks), so none of those materialises them (a padded or packed batch neither), but the calls they fall back on
-do.
+([B, H, Nq, Nk]): gpt-oss's and Gemma 2's sliding layers run their prompts, training steps and decode steps through
+kernelgen (with the sinks, or the cap), so none of those materialises them (a padded or packed batch neither), but
+the calls they fall back on do.
 Sinks other than one logit per query head (per-token sinks) are such a call; a module whose file has no
 `eager_attention_forward` is refused at one (a ValueError).
 """
@@ -151,7 +161,7 @@ log = logging.getLogger("kernelgen")
 NAME = "kernelgen"
 class KernelgenFallbackWarning(UserWarning):
     """An attention call that kernelgen cannot compute ran SDPA instead, or the model's eager attention where it has
-    attention sinks (warned once per reason)."""
+    attention sinks or soft-capping (warned once per reason)."""
 
 
 _warned: set[str] = set()
@@ -159,11 +169,12 @@ _warned: set[str] = set()
 
 def _fall_back(reason: str, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
     """`_other_attention`, after a warning the first time `reason` comes up (with the attention it runs)."""
-    if _sinks(kwargs) is None:
+    beyond_sdpa = _beyond_sdpa(kwargs)
+    if beyond_sdpa is None:
         runs = "SDPA"
     else:
         _model_eager(module, kwargs)  # or its refusal, before any warning
-        runs = "the model's eager attention (they have attention sinks)"
+        runs = f"the model's eager attention (they have {beyond_sdpa[0]})"
     message = f"kernelgen attention: {reason}; such calls run {runs} instead"
     if message not in _warned:
         _warned.add(message)
@@ -182,13 +193,25 @@ def _sinks(kwargs) -> torch.Tensor | None:
 _SINK_NAMES = ("s_aux", "sinks")
 
 
+def _beyond_sdpa(kwargs) -> tuple[str, str] | None:
+    """(what, its kwarg) of a call's attention that SDPA does not compute: attention sinks (which it would ignore),
+    or soft-capping (`softcap=`: Gemma 2's attn_logit_softcapping); None where SDPA computes the call."""
+    for name in _SINK_NAMES:
+        if kwargs.get(name) is not None:
+            return "attention sinks", f"{name}="
+    if kwargs.get("softcap") is not None:
+        return "soft-capping", "softcap="
+    return None
+
+
 def _other_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs):
-    """The attention of a call kernelgen does not compute: SDPA, or, where the call has attention sinks (which SDPA
-    would ignore), the eager attention of the module's modeling file (`eager_attention_forward`, which applies them;
-    the sliding window too, through the mask), given the additive mask transformers' "eager" builds."""
+    """The attention of a call kernelgen does not compute: SDPA, or, where the call has attention sinks or
+    soft-capping (which SDPA would ignore), the eager attention of the module's modeling file
+    (`eager_attention_forward`, which applies them; the sliding window too, through the mask), given the additive
+    mask transformers' "eager" builds."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if _sinks(kwargs) is None:
+    if _beyond_sdpa(kwargs) is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     return _model_eager(module, kwargs)(module, query, key, value,
@@ -201,8 +224,8 @@ def _model_eager(module, kwargs):
     where = type(module).__module__
     eager = getattr(sys.modules.get(where), "eager_attention_forward", None)
     if not callable(eager):
-        name = next(name for name in _SINK_NAMES if kwargs.get(name) is not None)
-        raise KernelgenValueError(f"kernelgen attention: this call has attention sinks ({name}=), which SDPA does not "
+        what, name = _beyond_sdpa(kwargs)
+        raise KernelgenValueError(f"kernelgen attention: this call has {what} ({name}), which SDPA does not "
                                   f"compute, and kernelgen does not compute it here; {where} has no "
                                   "eager_attention_forward to run instead: load the model with attn_implementation="
                                   "\"eager\" (or another implementation that applies them)")
@@ -262,7 +285,7 @@ _SELECTOR_INPUTS = {"index": "index vectors (index=(q_idx, k_idx, w))", "given":
 _READ = tuple(f"kernelgen_{name}" for name in MODEL_OPTIONS) + ("kernelgen", "num_attention_heads",
                                                                 "num_key_value_heads", "head_dim", "hidden_size",
                                                                 "layer_types", "sliding_window",
-                                                                "use_sliding_window")
+                                                                "use_sliding_window", "attn_logit_softcapping")
 
 
 @functools.lru_cache(maxsize=64)
@@ -295,9 +318,14 @@ def _module_spec(module) -> Spec | None:
     return spec
 
 
-def _traced_of(spec: Spec | None) -> tuple[str, tuple | None, int | None]:
-    """(JSON text or "", reps blocks, window) of a module's spec, what its compiled steps read."""
-    return ("", None, None) if spec is None else (spec.to_json(), _reps_blocks(spec), spec.window)
+# what a compiled step reads of a module's spec: (JSON text or "", reps blocks, window, softcap)
+_Traced = tuple[str, tuple | None, int | None, float | None]
+
+
+def _traced_of(spec: Spec | None) -> _Traced:
+    """(JSON text or "", reps blocks, window, softcap) of a module's spec, what its compiled steps read."""
+    return ("", None, None, None) if spec is None else (spec.to_json(), _reps_blocks(spec), spec.window,
+                                                        spec.softcap)
 
 
 # ---- masks ---------------------------------------------------------------------------------------------
@@ -521,9 +549,10 @@ def _head_dims_unsupported(query, value) -> str | None:
     return None
 
 
-def _unsupported(module, query, dropout, kwargs, window: int | None = None) -> str | None:
-    """Why kernelgen cannot compute this call (beyond its mask) with a spec of this `window` (Spec.window), or
-    None."""
+def _unsupported(module, query, dropout, kwargs, window: int | None = None,
+                 softcap: float | None = None) -> str | None:
+    """Why kernelgen cannot compute this call (beyond its mask) with a spec of this `window` (Spec.window) and
+    `softcap` (Spec.softcap), or None."""
     if dropout and dropout > 0:
         return "dropout > 0"
     if kwargs.get("output_attentions"):
@@ -531,6 +560,10 @@ def _unsupported(module, query, dropout, kwargs, window: int | None = None) -> s
     sliding = kwargs.get("sliding_window")
     if sliding is not None and sliding != window:  # the module's window, which its mask applies too
         return "a sliding window" if window is None else f"a sliding window of {sliding} keys, not the spec's {window}"
+    capped = kwargs.get("softcap")
+    if capped != softcap:  # the module's soft-capping (attn_logit_softcapping), which the spec must apply
+        return (f"soft-capping at {capped}, not the spec's {softcap}" if capped is not None and softcap is not None
+                else f"soft-capping (softcap={capped}) unlike the spec's (softcap={softcap})")
     if kwargs.get("position_bias") is not None:
         return "a position bias"
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
@@ -557,10 +590,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention function: query [B, H, Nq, D], key and value [B, Hkv, Nk, D] (the KV cache
     included) -> (attn_output [B, Nq, H, D], None)."""
-    if kwargs.get("softcap") is not None:  # SDPA, which runs what kernelgen cannot, refuses it
-        raise KernelgenValueError("kernelgen attention: this model's attention applies soft-capping (softcap=), which "
-                                  "neither kernelgen nor SDPA computes; load it with attn_implementation=\"eager\" "
-                                  "(or another implementation that applies it)")
     args = (module, query, key, value, attention_mask, scaling, dropout)
     traced = _in_graph(module, query, key, value, attention_mask, dropout, kwargs) if torch.compiler.is_compiling() \
         else None
@@ -578,11 +607,11 @@ def _attention_eager(module, query, key, value, attention_mask, scaling, dropout
     if reason:
         return _fall_back(reason, *args, **kwargs)
     spec = _module_spec(module)
-    if spec is None:  # not kernelgen's layer: SDPA, as configured (the model's eager attention, for sinks)
+    if spec is None:  # not kernelgen's layer: SDPA (the model's eager attention, for sinks or soft-capping)
         return _other_attention(*args, kwargs)
     if spec.window is not None:
         return _attention_window(spec, *args, kwargs)
-    reason = _unsupported(module, query, dropout, kwargs)
+    reason = _unsupported(module, query, dropout, kwargs, softcap=spec.softcap)
     if reason is None:
         n_keys = _visible_keys(attention_mask, query.shape[2], key.shape[2])
         reason = n_keys if isinstance(n_keys, str) else None
@@ -636,8 +665,9 @@ def _attention_window(spec: Spec, module, query, key, value, attention_mask, sca
     (`attn.varlen`). Its queries the last of its keys (a decode step or a chunk after cached keys): the plain call,
     or, with left padding, each row over its keys [first, Nk) (`cache_seqlens`, `cache_leftpad`). The sinks joined.
     Every other call (a custom mask, right padding in the cache, what kernelgen cannot compute) runs quietly what
-    such a layer runs without kernelgen: SDPA, or the model's eager attention where it has attention sinks."""
-    rows = None if _unsupported(module, query, dropout, kwargs, spec.window) else _window_rows(
+    such a layer runs without kernelgen: SDPA, or the model's eager attention where it has attention sinks or
+    soft-capping."""
+    rows = None if _unsupported(module, query, dropout, kwargs, spec.window, spec.softcap) else _window_rows(
         spec.window, query, key, attention_mask, kwargs)
     if rows is None:
         return _other_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
@@ -870,9 +900,10 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
     first token); a padding query's output is 0, as transformers' FlashAttention integration gives. A decode
     call whose queries are all tokens is one call (`cache_leftpad`); so is a prompt or a training batch
     (`seqlens`, its rows moved to start at position 0), or, where every row's keys fit in top_k blocks (every
-    block listed: dense causal attention over the row's tokens) and no attention sinks (which SDPA ignores), SDPA
-    over the padded batch. So is a chunk after earlier keys (of a longer prompt) whose queries are all tokens
-    (`cache_seqlens`, `cache_leftpad`: a prefill over the cache's rows); one that holds padding runs a call per row.
+    block listed: dense causal attention over the row's tokens) and neither attention sinks nor soft-capping (which
+    SDPA does not compute), SDPA over the padded batch. So is a chunk after earlier keys (of a longer prompt) whose
+    queries are all tokens (`cache_seqlens`, `cache_leftpad`: a prefill over the cache's rows); one that holds
+    padding runs a call per row.
     `sinks`: the call's ([Hq], or None), joined by each kernelgen call."""
     batch, n_q = query.shape[0], query.shape[2]
     pads, lens = (x.expand(batch).contiguous() for x in (rows.pads, rows.lens))  # a mask of one row broadcasts
@@ -890,7 +921,7 @@ def _attention_padded(module, attn, spec: Spec, query, key, value, rows: PaddedR
     if layer is not None:
         layer.key_reps = None  # made by the next decode call
     row_keys = (min(end, rows.offset + n_q) - first for first, end in zip(rows.firsts, rows.ends))
-    if sinks is None and all(spec.n_kv_blocks(n) <= spec.top_k for n in row_keys):
+    if sinks is None and spec.softcap is None and all(spec.n_kv_blocks(n) <= spec.top_k for n in row_keys):
         # dense: one SDPA call does in one launch what a call per row would (short prompts' launches, B of them
         # a layer, cost more than their attention)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -1010,7 +1041,7 @@ def _static_reps(attn, blocks: tuple[int, int] | None, query, key, lens,
 
 # ---- inside torch.compile ----------------------------------------------------------------------------------
 
-def _traced_spec(module) -> tuple[str, tuple | None, int | None]:
+def _traced_spec(module) -> _Traced:
     """The module's `_kernelgen_traced` for a module whose first call is traced, read from its config as the eager
     call reads it: the compiler reads the config's values (guarding them, so that a changed option recompiles),
     and `_traced_spec_of` makes them the spec while it traces (it cannot trace the spec's JSON and caches)."""
@@ -1022,26 +1053,26 @@ def _traced_spec(module) -> tuple[str, tuple | None, int | None]:
 
 
 @torch._dynamo.assume_constant_result
-def _traced_spec_of(values: tuple, layer_type: str | None) -> tuple[str, tuple | None, int | None]:
-    """(spec JSON text or "", reps blocks, window) of the config values `_READ` names: run once while the compiler
-    traces, its result a constant. Its arguments are plain values, which every torch's compiler passes (torch 2.11's
-    takes no module)."""
+def _traced_spec_of(values: tuple, layer_type: str | None) -> _Traced:
+    """`_traced_of` the spec of the config values `_READ` names: run once while the compiler traces, its result a
+    constant. Its arguments are plain values, which every torch's compiler passes (torch 2.11's takes no module)."""
     return _traced_of(_checked_spec(_spec(json.dumps(dict(zip(_READ, values)), sort_keys=True, default=str),
                                           layer_type or FULL)))
 
 
-def _in_graph(module, query, key, value, mask, dropout, kwargs) -> tuple[str, tuple | None, int | None] | None:
-    """What a call being traced by torch.compile runs inside the graph with (the spec's JSON text, the reps' blocks
-    and its window), where it can: a layer of kernelgen's, a call it computes, and a mask it can read on the device
-    (a window layer's: no mask, which its shapes read). Every other call (None) runs `_attention_eager` (a graph
-    break: correct, slower; or SDPA, as the eager call would)."""
+def _in_graph(module, query, key, value, mask, dropout, kwargs) -> _Traced | None:
+    """What a call being traced by torch.compile runs inside the graph with (`_traced_of` the spec: its JSON text,
+    the reps' blocks, its window and softcap), where it can: a layer of kernelgen's, a call it computes (its
+    softcap the spec's), and a mask it can read on the device (a window layer's: no mask, which its shapes read).
+    Every other call (None) runs `_attention_eager` (a graph break: correct, slower; or what the eager call falls
+    back on)."""
     # a compiled model keeps what its last eager call saw; a model compiled before any reads its config now
     if _head_dims_unsupported(query, value):
         return None
     traced = getattr(module, "_kernelgen_traced", None)
     if traced is None:
         traced = _traced_spec(module)
-    if not traced[0] or _unsupported(module, query, dropout, kwargs, traced[2]):
+    if not traced[0] or _unsupported(module, query, dropout, kwargs, *traced[2:]):
         return None
     if traced[2] is not None:  # a window layer: what the eager call reads of its mask, known from the shapes
         return None if mask is not None or _window_refused(traced[2], query, key, kwargs) else traced

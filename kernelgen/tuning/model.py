@@ -19,6 +19,10 @@ config sets `sliding_window` (Mistral, Mixtral, Phi-3, Starcoder2; not where `us
 lists are the window's blocks (dense attention within the window, `selector="mean"`, top_k = `Spec.window_blocks`):
 of their options only kv_block, q_tile and backend apply (a backend without sliding windows gives "triton"), and
 top_k 0 still means not kernelgen's.
+
+A config that sets `attn_logit_softcapping` (Gemma 2's 50.0) gives every kernelgen layer's spec, full and sliding
+alike, that soft-capping (`Spec.softcap`); a backend whose kernels do not cap gives "triton", and the KV-centric
+schedule, which does not cap either, is refused (a KernelgenValueError).
 """
 from __future__ import annotations
 
@@ -112,6 +116,7 @@ def layer_type_specs(config: dict) -> dict[str, Spec | None]:
     if unknown:
         raise KernelgenValueError(f"model config: kernelgen.layer_types names {unknown}, which the model's layer "
                                   f"types {list(dict.fromkeys(layer_types))} do not hold")
+    softcap = _softcap(text)
     specs: dict[str, Spec | None] = {}
     for layer_type in dict.fromkeys(layer_types):
         window = _window(text, layer_type)
@@ -122,10 +127,41 @@ def layer_type_specs(config: dict) -> dict[str, Spec | None]:
         if options["top_k"] == 0:
             specs[layer_type] = None
         elif window is not None:
-            specs[layer_type] = window_spec(head_dim, heads // heads_kv, window, options)
+            specs[layer_type] = window_spec(head_dim, heads // heads_kv, window, options, softcap)
         else:
-            specs[layer_type] = Spec(head_dim=head_dim, gqa_group=heads // heads_kv, causal=True, **options)
+            specs[layer_type] = _full_spec(head_dim, heads // heads_kv, options, softcap, layer_type)
     return specs
+
+
+def _softcap(text: dict) -> float | None:
+    """The config's logit soft-capping (`attn_logit_softcapping`: Gemma 2's 50.0), or None."""
+    softcap = text.get("attn_logit_softcapping")
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf"):
+        raise KernelgenValueError(f"model config: attn_logit_softcapping must be a positive number or null, got "
+                                  f"{softcap!r}")
+    return float(softcap)
+
+
+def _full_spec(head_dim: int, gqa_group: int, options: dict, softcap: float | None, layer_type: str) -> Spec:
+    """A layer's sparse spec from its `options`, capped at `softcap` (a backend that cannot cap gives "triton")."""
+    if softcap is not None and options["schedule"] == "kv_centric":
+        raise KernelgenValueError(f"model config: attn_logit_softcapping={softcap} with schedule 'kv_centric' (layer "
+                                  f"type {layer_type}): the KV-centric schedule does not cap scores; use 'q_centric'")
+    backend = _backend_for(options["backend"], window=None, softcap=softcap)
+    return Spec(head_dim=head_dim, gqa_group=gqa_group, causal=True, **{**options, "backend": backend},
+                softcap=softcap)
+
+
+def _backend_for(backend, window: int | None, softcap: float | None):
+    """The backend option, or "triton" where it names a backend whose kernels compute no sliding window (and the
+    spec has one) or no soft-capping (and the spec caps)."""
+    if isinstance(backend, str) and backend in backends.names():
+        kernels = backends.get(backend)
+        if (window is not None and not kernels.windows) or (softcap is not None and not kernels.softcaps):
+            return backends.FALLBACK  # Triton, which computes every spec
+    return backend
 
 
 def _window(text: dict, layer_type: str) -> int | None:
@@ -141,15 +177,13 @@ def _window(text: dict, layer_type: str) -> int | None:
     return _positive_int(text, "sliding_window")
 
 
-def window_spec(head_dim: int, gqa_group: int, window: int, options: dict) -> Spec:
-    """The spec of a sliding-window layer: causal, `window`, its lists the window's blocks (dense attention within
-    the window; selector "mean", top_k = `Spec.window_blocks`), kv_block, q_tile and backend from `options` (a
-    backend without sliding windows gives "triton")."""
-    backend = options["backend"]
-    if isinstance(backend, str) and backend in backends.names() and not backends.get(backend).windows:
-        backend = backends.FALLBACK  # Triton, which computes every spec
+def window_spec(head_dim: int, gqa_group: int, window: int, options: dict, softcap: float | None = None) -> Spec:
+    """The spec of a sliding-window layer: causal, `window`, capped at `softcap` (None: not), its lists the window's
+    blocks (dense attention within the window; selector "mean", top_k = `Spec.window_blocks`), kv_block, q_tile and
+    backend from `options` (a backend without sliding windows, or without soft-capping where it caps, gives
+    "triton")."""
     fields = dict(head_dim=head_dim, gqa_group=gqa_group, causal=True, window=window, kv_block=options["kv_block"],
-                  q_tile=options["q_tile"], backend=backend)
+                  q_tile=options["q_tile"], backend=_backend_for(options["backend"], window, softcap), softcap=softcap)
     return Spec(**fields, selector="mean", top_k=Spec(**fields, selector="given", top_k=1).window_blocks)
 
 
