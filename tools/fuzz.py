@@ -1,7 +1,7 @@
 """Randomized differential check of kernelgen against its float64 oracle, `kernelgen.reference`.
 
-Each case is drawn from its seed: a random Spec (every selector, both schedules, sliding windows, and on a GPU
-every backend and "auto"), ragged lengths with Nq != Nk and decode-sized calls (some over a cache of per-row lengths,
+Each case is drawn from its seed: a random Spec (every selector, both schedules, sliding windows, soft-capping, and
+on a GPU every backend and "auto"), ragged lengths with Nq != Nk and decode-sized calls (some over a cache of per-row lengths,
 `cache_seqlens`, NaN past each row's keys, and the same over shuffled pages: `block_table`; longer calls over
 such a cache too, a prefill chunk's), GQA, forced
 blocks, a scale, strided views of [B, N, H, D] buffers, given lists holding -1, negative, out-of-range and
@@ -111,10 +111,10 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
     if nq > 16 and selector != "index" and r.random() < 0.4:
         case["ragged"] = dict(extra=r.choice([0, 1, kv_block, 2 * kv_block + 3]), seed=r.randint(0, 10**6))
         case["paged"] = r.choice([1, 2, 4]) if r.random() < 0.5 else None
-    # a sliding window (Q-centric, causal, no sink, over no cache; a selecting spec's lists are its window's
-    # blocks), drawn last as well
+    # a sliding window (Q-centric, causal, no sink; a selecting spec's lists are its window's blocks), drawn last as
+    # well
     if (r.random() < 0.25 and schedule == "q_centric" and spec["causal"] and selector != "index"
-            and backend in ("triton", "auto") and case["ragged"] is None):
+            and backend in ("triton", "auto")):
         window = r.choice([1, 7, 40, 64, 100, 300])
         spec.update(window=window, sink=0)
         from kernelgen.spec import window_blocks
@@ -123,6 +123,9 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
             spec["top_k"] = max(spec["local"], 1, window_blocks(q_tile, kv_block, window))
         else:
             spec["top_k"] = max(spec["top_k"], spec["local"], 1)  # given lists keep the forced-blocks check
+    # logit soft-capping (Q-centric, Triton): caps from ones that bite unit scores to Gemma 2's
+    if r.random() < 0.2 and schedule == "q_centric" and backend in ("triton", "auto"):
+        spec["softcap"] = r.choice([0.5, 2.0, 5.0, 50.0])
     return case
 
 
