@@ -71,6 +71,26 @@ def assert_close_to_reference(o, lse, ref_o, ref_lse, dtype):
     return rel, max_abs
 
 
+def assert_backward_is_deterministic(attn, q, k, v, do) -> None:
+    """Two backward runs of attn(q, k, v) give bitwise-equal gradients."""
+    import torch
+
+    first = torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+    second = torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def assert_compiled_step_is_eager(attn, q, k, v, do) -> None:
+    """attn(q, k, v) compiled with fullgraph=True gives the eager call's o and gradients bit for bit."""
+    import torch
+
+    want_o = attn(q, k, v)
+    want = torch.autograd.grad(want_o, (q, k, v), do)
+    o = torch.compile(lambda q, k, v: attn(q, k, v), fullgraph=True)(q, k, v)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    assert torch.equal(o, want_o) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def assert_valid_selection(block_idx, q, k, spec, tol=1e-3, index=None):
     """`block_idx` is a correct top-k: canonical form, eligible blocks only, every forced block, as many
     blocks as the budget allows, and no unchosen eligible block scores clearly higher than a chosen one

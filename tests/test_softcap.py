@@ -7,11 +7,13 @@ import pytest
 import torch
 
 import kernelgen
-from kernelgen import AttnConfig, BwdDkdvConfig, BwdDqConfig, DecodeConfig, Spec, reference
+from kernelgen import DecodeConfig, Spec, reference
 from kernelgen.errors import KernelgenTypeError, KernelgenValueError
 from kernelgen.spec import window_blocks
-from checks import assert_close_to_reference, compile_offline
+from checks import (assert_backward_is_deterministic, assert_close_to_reference, assert_compiled_step_is_eager,
+                    compile_offline)
 from test_backward import assert_grads_close, leaves
+from test_window import CONFIGS  # the forward's two-block steps and split tiles, the backward's too and packed heads
 
 
 def capped_spec(softcap=5.0, **fields) -> Spec:
@@ -107,19 +109,9 @@ def test_given_lists(device):
     assert torch.isneginf(lse[:, :, 64:96]).all() and (o[:, :, 64:96] == 0).all() and (q.grad[:, :, 64:96] == 0).all()
 
 
-CONFIGS = [  # the forward's two-block steps and split tiles, the backward's split tiles and packed heads
-    {"attn": AttnConfig(block_m=16, num_warps=4, num_stages=1, kv_per_iter=2),
-     "bwd_dq": BwdDqConfig(block_m=16, num_warps=4, num_stages=1),
-     "bwd_dkdv": BwdDkdvConfig(block_n=16, block_m=16, num_warps=4, num_stages=1)},
-    {"attn": AttnConfig(block_m=64, num_warps=4, num_stages=2, kv_per_iter=1),
-     "bwd_dq": BwdDqConfig(block_m=64, num_warps=4, num_stages=2),
-     "bwd_dkdv": BwdDkdvConfig(block_n=32, block_m=64, num_warps=4, num_stages=2)},
-]
-
-
 @pytest.mark.parametrize("configs", CONFIGS, ids=["split-tiles", "packed-heads"])
 def test_pinned_configs(configs, device):
-    check_call(capped_spec(4.0, top_k=5), (230, 260), torch.float16, device, configs=configs, seed=7)
+    check_call(capped_spec(4.0, top_k=5, gqa_group=4), (230, 260), torch.float16, device, configs=configs, seed=7)
 
 
 def test_selection_is_unchanged(device):
@@ -152,14 +144,8 @@ def test_calls_over_a_cache(n_q, device):
 
 
 def test_compiled_forward_and_backward(device):
-    spec = capped_spec(5.0)
     q, k, v, do = leaves(1, 1, 2, 150, 150, 64, torch.float32, device, seed=4)
-    attn = kernelgen.get_kernel(spec)
-    want_o = attn(q, k, v)
-    want = torch.autograd.grad(want_o, (q, k, v), do)
-    o = torch.compile(lambda q, k, v: attn(q, k, v), fullgraph=True)(q, k, v)
-    got = torch.autograd.grad(o, (q, k, v), do)
-    assert torch.equal(o, want_o) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_compiled_step_is_eager(kernelgen.get_kernel(capped_spec(5.0)), q, k, v, do)
 
 
 def test_capped_kernels_compile_for_sm90():
@@ -182,6 +168,4 @@ def test_gpu_against_reference(n, head_dim, dtype, device):
     spec = capped_spec(50.0, head_dim=head_dim, kv_block=64, q_tile=64, top_k=16, gqa_group=2)
     (q, k, v, do), _ = check_call(spec, (n, n), dtype, device, hkv=2, seed=n, spread=8.0)
     attn = kernelgen.get_kernel(spec)
-    first = torch.autograd.grad(attn(q, k, v), (q, k, v), do)
-    second = torch.autograd.grad(attn(q, k, v), (q, k, v), do)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert_backward_is_deterministic(attn, q, k, v, do)

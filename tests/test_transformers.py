@@ -632,6 +632,22 @@ def compiled(monkeypatch):
     torch._dynamo.reset()
 
 
+def training_steps(ours, eager, compiled, ids, mask, labels, grads) -> list[tuple]:
+    """[(loss, *grads(model))] of one training step over the same batch: `ours` compiled (with the `compiled`
+    fixture's torch.compile), then `eager` as it is."""
+    results = []
+    for model, run in ((ours, compiled(lambda *a: ours(a[0], attention_mask=a[1], labels=a[2]).loss)),
+                       (eager, lambda *a: eager(a[0], attention_mask=a[1], labels=a[2]).loss)):
+        model.train()
+        try:
+            loss = run(ids, mask, labels)
+            loss.backward()
+        finally:
+            model.eval()
+        results.append((loss.detach(), *grads(model)))
+    return results
+
+
 def static_steps(model, step, prompt, steps, mask=None, cache=None):
     """Logits of a prefill of `prompt` (eager, as generate() runs it) into a StaticCache (`cache`, reset, or a
     new one) and of `steps` greedy single-token steps through `step` (model.forward, compiled or not), each

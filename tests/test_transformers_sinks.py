@@ -13,7 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kernelgen.integrations import transformers as kg_hf  # noqa: E402
-from test_transformers import VOCAB, assert_close, compiled, left_padded, small_select_tiles, tokens  # noqa: E402,F401
+from test_transformers import (VOCAB, assert_close, compiled, left_padded, small_select_tiles, tokens,  # noqa: E402,F401
+                               training_steps)
 
 LAYERS = ("full_attention", "sliding_attention")
 SCALE = 0.125
@@ -254,17 +255,8 @@ def test_a_compiled_training_step_runs_in_the_graph(compiled, roles, monkeypatch
     ids, mask = left_padded([tokens(1, n, seed=50 + i) for i, n in enumerate((48, 33))])
     labels = torch.where(mask.bool(), ids, -100)
     mask[0, 40:], labels[0, 40:] = 0, -100  # right padding too
-    results = []
-    for model, run in ((ours, compiled(lambda *a: ours(a[0], attention_mask=a[1], labels=a[2]).loss)),
-                       (eager, lambda *a: eager(a[0], attention_mask=a[1], labels=a[2]).loss)):
-        model.train()
-        try:
-            loss = run(ids, mask, labels)
-            loss.backward()
-        finally:
-            model.eval()
-        results.append((loss.detach(), *(layer.self_attn.sinks.grad.clone() for layer in model.model.layers)))
-        if model is ours:
-            assert roles["attn"] == 2 and roles["bwd_dq"] == 2  # one call a layer, inside the graph
+    results = training_steps(ours, eager, compiled, ids, mask, labels,
+                             lambda model: [layer.self_attn.sinks.grad.clone() for layer in model.model.layers])
+    assert roles["attn"] == 2 and roles["bwd_dq"] == 2  # ours: one call a layer, inside the graph
     for got, want in zip(*results):
         assert_close(got, want, tol=1e-3)

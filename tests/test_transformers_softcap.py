@@ -18,8 +18,9 @@ from kernelgen import Spec  # noqa: E402
 from kernelgen.errors import KernelgenValueError  # noqa: E402
 from kernelgen.integrations import transformers as kg_hf  # noqa: E402
 from kernelgen.tuning.model import layer_type_specs, model_specs, model_studies  # noqa: E402
-from test_transformers import VOCAB, assert_close, compiled, left_padded, small_select_tiles, tokens  # noqa: E402,F401
-from test_transformers_window import fell_back, quiet, served  # noqa: E402,F401
+from test_transformers import (VOCAB, assert_close, compiled, left_padded, small_select_tiles, tokens,  # noqa: E402,F401
+                               training_steps)
+from test_transformers_window import fell_back, pair, quiet, served  # noqa: E402,F401
 
 CAP = 2.0  # small: these scores reach it, so that the cap changes the logits
 WINDOW = 16
@@ -47,11 +48,7 @@ def capped(window=None, **fields):
 
 def gemma2_pair(layer_types=LAYERS):
     """(kernelgen model, eager model) with the same weights."""
-    torch.manual_seed(0)  # a config each: from_config sets the implementation on the config it is given
-    eager = transformers.AutoModelForCausalLM.from_config(gemma2_config(layer_types), attn_implementation="eager")
-    ours = transformers.AutoModelForCausalLM.from_config(gemma2_config(layer_types), attn_implementation="kernelgen")
-    ours.load_state_dict(eager.state_dict())
-    return ours.eval(), eager.eval()
+    return pair(gemma2_config(layer_types))
 
 
 @pytest.fixture(scope="module")
@@ -281,18 +278,9 @@ def test_a_compiled_training_step_runs_in_the_graph(compiled, compiled_specs, ro
     # the labels of tokens after a real one: a padding query's output (0 in kernelgen's) predicts none
     after_token = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], 1).bool()
     labels = torch.where(mask.bool() & after_token, ids, -100)
-    results = []
-    for model, run in ((ours, compiled(lambda *a: ours(a[0], attention_mask=a[1], labels=a[2]).loss)),
-                       (eager, lambda *a: eager(a[0], attention_mask=a[1], labels=a[2]).loss)):
-        model.train()
-        try:
-            loss = run(ids, mask, labels)
-            loss.backward()
-        finally:
-            model.eval()
-        results.append((loss.detach(), *(layer.self_attn.q_proj.weight.grad.clone() for layer in model.model.layers)))
-        if model is ours:
-            assert roles["attn"] == 2 and roles["bwd_dq"] == 2  # one call a layer, inside the graph
+    results = training_steps(ours, eager, compiled, ids, mask, labels,
+                             lambda model: [layer.self_attn.q_proj.weight.grad.clone() for layer in model.model.layers])
+    assert roles["attn"] == 2 and roles["bwd_dq"] == 2  # ours: one call a layer, inside the graph
     assert compiled_specs and set(compiled_specs) == {capped()}
     for got, want in zip(*results):
         assert_close(got, want, tol=1e-3)

@@ -11,7 +11,8 @@ import kernelgen
 from kernelgen import AttnConfig, BwdDkdvConfig, BwdDqConfig, Spec, reference
 from kernelgen.errors import KernelgenTypeError, KernelgenValueError
 from kernelgen.spec import window_blocks
-from checks import TEST_ARCH, assert_close_to_reference, compile_offline
+from checks import (TEST_ARCH, assert_backward_is_deterministic, assert_close_to_reference,
+                    assert_compiled_step_is_eager, compile_offline)
 from test_backward import assert_grads_close, leaves
 
 
@@ -152,20 +153,12 @@ def test_backward_is_deterministic(device):
     spec = window_spec(100, gqa_group=4)
     q, k, v, do = leaves(1, 2, 4, 260, 260, 64, torch.float16, device, seed=9)
     attn = kernelgen.get_kernel(spec)
-    first = torch.autograd.grad(attn(q, k, v), (q, k, v), do)
-    second = torch.autograd.grad(attn(q, k, v), (q, k, v), do)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert_backward_is_deterministic(attn, q, k, v, do)
 
 
 def test_compiled_forward_and_backward(device):
-    spec = window_spec(50)
     q, k, v, do = leaves(1, 1, 2, 150, 150, 64, torch.float32, device, seed=4)
-    attn = kernelgen.get_kernel(spec)
-    want_o = attn(q, k, v)
-    want = torch.autograd.grad(want_o, (q, k, v), do)
-    o = torch.compile(lambda q, k, v: attn(q, k, v), fullgraph=True)(q, k, v)
-    got = torch.autograd.grad(o, (q, k, v), do)
-    assert torch.equal(o, want_o) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_compiled_step_is_eager(kernelgen.get_kernel(window_spec(50)), q, k, v, do)
 
 
 @pytest.mark.parametrize("backend", ["tilelang", "gluon"])
