@@ -360,7 +360,7 @@ class SparseAttention:
         shapes = self._check_shapes(q, k, k, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
         if self.spec.window is not None and key_reps is None:  # the calls' own lists (a copy: the cached ones stay)
-            lists = self._window_lists(shapes, q.device, rows).contiguous()
+            lists = self._window_lists(shapes, q, rows).contiguous()
         else:
             role = self._selection_role(shapes, rows)  # the selection a call of these queries runs
             served = self._served(role, seq_bucket(shapes.n_k), q.dtype, q.device)
@@ -578,17 +578,16 @@ class SparseAttention:
         return BlockLists._made_by_prepare(lists, spec.kv_block, spec.top_k, shapes.n_kv_blocks, True, reverse,
                                            self._union_for(lists, shapes))
 
-    def _window_lists(self, shapes: Shapes, device, rows=None) -> torch.Tensor:
-        """A selecting window spec's lists for a call, int32 [B, Hkv, n_q_tiles, top_k] in the kernels' form, the
-        selector's bit for bit (the window's blocks: its forced local blocks fill top_k, so there is nothing to
-        score), the same for every KV head: over a cache's rows (`rows`, CacheRows) each row's own, made per call
+    def _window_lists(self, shapes: Shapes, q: torch.Tensor, rows=None) -> torch.Tensor:
+        """A selecting window spec's lists for a call of queries `q`, int32 [B, Hkv, n_q_tiles, top_k] in the kernels'
+        form, the selector's bit for bit (the window's blocks: its forced local blocks fill top_k, so there is nothing
+        to score), the same for every KV head: over a cache's rows (`rows`, CacheRows) each row's own, made per call
         (`window_lists`, one launch); else a view of `_window_tile_lists`, made once per length."""
         if isinstance(rows, CacheRows):
-            served = self._served("window_lists", seq_bucket(shapes.n_k), torch.bfloat16, device)
-            like = torch.empty(0, dtype=torch.bfloat16, device=device)
-            lists = self._launch(served, like, shapes, device, **self._varlen(served, rows))
+            served = self._served("window_lists", seq_bucket(shapes.n_k), q.dtype, q.device)
+            lists = self._launch(served, q, shapes, q.device, **self._varlen(served, rows))
         else:
-            lists = self._window_tile_lists(shapes.n_q, shapes.n_k, device)
+            lists = self._window_tile_lists(shapes.n_q, shapes.n_k, q.device)
         return lists.expand(shapes.batch, shapes.heads_kv, -1, -1)
 
     @functools.lru_cache(maxsize=16)
@@ -973,7 +972,7 @@ class SparseAttention:
                     check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: no selector to feed
                 raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
             if self.spec.window is not None and key_reps is None:
-                used = normalised = self._window_lists(shapes, q.device, rows)
+                used = normalised = self._window_lists(shapes, q, rows)
             else:
                 used = normalised = self._select(q, k, shapes, index, select, key_reps, rows)
         elif isinstance(block_idx, BlockLists):
