@@ -583,10 +583,10 @@ def tuned_roles(spec: Spec) -> tuple[str, ...]:
 def call_roles(spec: Spec) -> tuple[str, ...]:
     """The roles a call of `spec` runs: `lists` (caller-given lists), `window_lists` (a selecting window spec's),
     `select` (a spec with a selector; with the `mean` and `multi:r` selectors `key_reps` too, and `decode_select`
-    or `decode_select_index` for a Q-centric decode call), `attn`, `decode` (a call of a few queries), `attn_rows` and `attn_paged` (a prefill over a cache of per-row
-    lengths, contiguous or paged; `kv_attn_rows` and `kv_attn_paged` for per-query lists), `append_kv` (a call's
-    new keys written into its cache), and its backward's,
-    under the schedule's role names (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the
+    or `decode_select_index` for a Q-centric decode call), `attn`, `decode` (a call of a few queries), `attn_rows`
+    and `attn_paged` (a prefill over a cache of per-row lengths, contiguous or paged; `kv_attn_rows` and
+    `kv_attn_paged` for per-query lists), `append_kv` (a call's new keys written into its cache), and its
+    backward's, under the schedule's role names (`roles.forward_roles`, `roles.backward_roles`). Per-query specs run the
     gathered design only: their kv_attn config is pinned, and a pinned kv_attn keeps prepared lists off the union
     design."""
     lists, selection, attn = forward_roles(spec)

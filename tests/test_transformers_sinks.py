@@ -13,8 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kernelgen.integrations import transformers as kg_hf  # noqa: E402
-from test_transformers import (VOCAB, assert_close, compiled, left_padded, small_select_tiles, tokens,  # noqa: E402,F401
-                               training_steps)
+from test_transformers import (  # noqa: E402,F401
+    VOCAB, assert_close, compiled, left_padded, small_select_tiles, tokens, training_steps)
 
 LAYERS = ("full_attention", "sliding_attention")
 SCALE = 0.125

@@ -18,8 +18,8 @@ from kernelgen import Spec  # noqa: E402
 from kernelgen.errors import KernelgenValueError  # noqa: E402
 from kernelgen.integrations import transformers as kg_hf  # noqa: E402
 from kernelgen.tuning.model import layer_type_specs, model_specs, model_studies  # noqa: E402
-from test_transformers import (VOCAB, assert_close, compiled, left_padded, small_select_tiles, tokens,  # noqa: E402,F401
-                               training_steps)
+from test_transformers import (  # noqa: E402,F401
+    VOCAB, assert_close, compiled, left_padded, small_select_tiles, tokens, training_steps)
 from test_transformers_window import fell_back, pair, quiet, served  # noqa: E402,F401
 
 CAP = 2.0  # small: these scores reach it, so that the cap changes the logits

@@ -1,12 +1,12 @@
 """Randomized differential check of kernelgen against its float64 oracle, `kernelgen.reference`.
 
 Each case is drawn from its seed: a random Spec (every selector, both schedules, sliding windows, soft-capping, and
-on a GPU every backend and "auto"), ragged lengths with Nq != Nk and decode-sized calls (some over a cache of per-row lengths,
-`cache_seqlens`, NaN past each row's keys, and the same over shuffled pages: `block_table`; longer calls over
-such a cache too, a prefill chunk's), GQA, forced
-blocks, a scale, strided views of [B, N, H, D] buffers, given lists holding -1, negative, out-of-range and
-repeated ids and empty rows (raw int32/int64 or prepared), index-selector inputs (fp8 on sm_90), tunables
-pinned to random points of each role's search space, and a backward run twice.
+on a GPU every backend and "auto"), ragged lengths with Nq != Nk and decode-sized calls (some over a cache of per-row
+lengths, `cache_seqlens`, NaN past each row's keys, and the same over shuffled pages: `block_table`; longer calls
+over such a cache too, a prefill chunk's), GQA, forced blocks, a scale, strided views of [B, N, H, D] buffers,
+given lists holding -1, negative, out-of-range and repeated ids and empty rows (raw int32/int64 or prepared),
+index-selector inputs (fp8 on sm_90), tunables pinned to random points of each role's search space, and a backward
+run twice.
 
 A case passes when the lists are a valid top-k, o and lse match the reference (NaN-poisoned outputs), the
 gradients match float64 autograd, and the two backward runs are bitwise equal. A KernelgenValueError or

@@ -1525,7 +1525,8 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
         *lse_part.stride()[:3], *block_idx.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         block_table.stride(0) if paged else 0, k.shape[0] if paged else 0,
-        shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, qk_scale(spec, scale), **_decode_constexprs(spec, cfg),
+        shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, qk_scale(spec, scale),
+        **_decode_constexprs(spec, cfg),
         VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None, PAGED=paged,
         PAGE_SIZE=k.shape[2] if paged else spec.kv_block)
     return o, lse
