@@ -152,12 +152,20 @@ def test_capped_kernels_compile_for_sm90():
     """The interpreter does not compile: the cap's branches of attn, bwd_dq, bwd_dkdv, decode, attn_rows and
     attn_paged build for sm_90."""
     spec = capped_spec(50.0, head_dim=128, kv_block=64, q_tile=64, top_k=8, gqa_group=4)
-    cases = [{"spec": spec.to_dict(), "n": 4096, "backward": True, "rows": True,
-              "decode": {"splits": 4, "num_warps": 4, "num_stages": 2}}]
-    result = compile_offline(cases, "sm_90")[0]
+    cases = [{"spec": spec.to_dict(), "n": 4096, "backward": True, "rows": True, "resources": True,
+              "decode": {"splits": 4, "num_warps": 4, "num_stages": 2}},
+             {"spec": spec.replace(softcap=None).to_dict(), "n": 4096, "resources": True}]
+    result, uncapped = compile_offline(cases, "sm_90")
     assert "error" not in result, result.get("error")
     assert {"attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv", "decode_partial", "attn_rows_fwd",
             "attn_paged_fwd"} <= {name for name, _ in result["kernels"]}
+
+    def mufu(compiled):  # MUFU operations a step of the forward's loop issues per warp
+        return next(r["loop"]["mufu"] for r in compiled["resources"] if r["name"] == "attn_fwd")
+
+    # a score's cap is one MUFU operation on a GPU (tanh.approx.f32), the softmax's ex2 the other: twice the
+    # uncapped loop's, where the interpreter's form (an ex2 and a division's rcp) would make it three times
+    assert mufu(uncapped) > 0 and mufu(result) <= 2 * mufu(uncapped) + 8, (mufu(result), mufu(uncapped))
 
 
 @pytest.mark.gpu
