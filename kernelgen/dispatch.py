@@ -683,7 +683,7 @@ class SparseAttention:
         else:
             if block_idx is None:
                 self._reps_to_rows(k, shapes, key_reps, rows)
-            o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, rows)[:3]
+            o, lse, _ = self._forward(q, k, v, shapes, block_idx, scale, index, key_reps, rows, lists_kept=False)[:3]
         if sinks is not None:
             o, lse = with_sinks(o, lse, sinks)
         if isinstance(rows, TokenRows):
@@ -947,11 +947,12 @@ class SparseAttention:
         return self._forward(q, k, v, shapes, block_idx, scale, index, key_reps)[:3]
 
     def _forward(self, q, k, v, shapes: Shapes, block_idx, scale, index=None, key_reps: KeyReps | None = None,
-                 rows: CacheRows | TokenRows | None = None):
+                 rows: CacheRows | TokenRows | None = None, lists_kept: bool = True):
         """`_attend`'s (o, lse, lists), and the tile union the forward built for raw or selected lists under a
         pinned union config (None otherwise): a backward of the union design reuses it. `rows`: a decode call's
         checked cache rows, or a padded batch's tokens (o and lse then hold the padding's too: the caller
-        clears them)."""
+        clears them). `lists_kept=False` (no backward will read the lists): a selecting window spec's decode
+        computes its lists in the kernel, and the lists returned are None."""
         padded = isinstance(rows, TokenRows)  # a right-padded batch: its whole rows attend, each row selects alone
         cache_rows = isinstance(rows, CacheRows)
         lists, select, attn = self._plan(seq_bucket(shapes.n_k), q.dtype, q.device,
@@ -972,7 +973,9 @@ class SparseAttention:
                     check_key_reps(key_reps, self.spec, shapes, q.device)  # raises: no selector to feed
                 raise KernelgenValueError(f"spec.selector='given' needs block_idx=int32 {lists_layout(self.spec)}")
             if self.spec.window is not None and key_reps is None:
-                used = normalised = self._window_lists(shapes, q, rows)
+                # a decode whose lists no backward reads makes them itself: no launch of window_lists
+                made_here = lists_kept or attn.role != "decode"
+                used = normalised = self._window_lists(shapes, q, rows) if made_here else None
             else:
                 used = normalised = self._select(q, k, shapes, index, select, key_reps, rows)
         elif isinstance(block_idx, BlockLists):

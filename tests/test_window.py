@@ -200,6 +200,36 @@ def test_a_call_over_a_cache_is_each_row_alone(window, kv_block, q_tile, leftpad
     assert torch.equal(lists.cpu(), want_lists.to(torch.int32))
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("n_q, leftpad, paged", [(1, True, False), (5, False, True), (16, True, False)])
+def test_a_decode_step_makes_its_window_lists_in_the_kernel(n_q, leftpad, paged, splits, device, monkeypatch):
+    """A decode step over a cache (no backward) computes each row's window lists in the decode kernel, without the
+    window_lists launch: o and lse equal, bit for bit, the same decode over the lists that launch makes."""
+    spec = window_spec(40, kv_block=16, q_tile=16, gqa_group=2)
+    q, k, v, lengths, firsts = cache_call(spec, n_q, torch.float16, device, seed=n_q + splits, leftpad=leftpad)
+    config = {"decode": kernelgen.DecodeConfig(splits=splits, num_warps=4, num_stages=1)}
+    attn = kernelgen.get_kernel(spec, configs=config)
+    given = kernelgen.get_kernel(spec.replace(selector="given"), configs=config)
+    lists = attn.select(q, k, cache_seqlens=lengths, cache_leftpad=firsts)
+    if paged:  # one block a page, the pool's pages in reverse order
+        padded = [torch.nn.functional.pad(x, (0, 0, 0, -x.shape[2] % 16)) for x in (k, v)]
+        blocks = padded[0].shape[2] // 16
+        k, v = (x.reshape(3, 2, blocks, 16, 64).transpose(1, 2).reshape(-1, 2, 16, 64).flip(0) for x in padded)
+        table = (3 * blocks - 1 - torch.arange(3 * blocks, device=device, dtype=torch.int32)).view(3, -1)
+        rows = {"block_table": table, "cache_seqlens": lengths}
+    else:
+        rows = {"cache_seqlens": lengths, "cache_leftpad": firsts}
+    want = given(q, k, v, block_idx=lists, return_lse=True, **rows)
+
+    def no_lists(*args, **kwargs):
+        raise AssertionError("a decode step launched window_lists")
+
+    monkeypatch.setattr(attn, "_window_lists", no_lists)
+    o, lse = attn(q, k, v, return_lse=True, **rows)
+    assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
+    assert not torch.isnan(o).any()
+
+
 @pytest.mark.parametrize("n_q", [1, 40])
 @pytest.mark.parametrize("page_blocks", [1, 2])
 def test_a_paged_cache_is_the_contiguous_one(n_q, page_blocks, device):
@@ -313,12 +343,15 @@ def test_window_kernels_compile_for_sm90():
              {"spec": window_spec(128, kv_block=64, q_tile=64, gqa_group=1).to_dict(), "n": 4096,
               "attn": {"block_m": 64, "num_warps": 4, "num_stages": 2, "kv_per_iter": 2, "use_tma": False}},
              {"spec": window_spec(256, kv_block=64, q_tile=64, gqa_group=4).replace(selector="given").to_dict(),
-              "n": 4096, "decode": {"splits": 4, "num_warps": 4, "num_stages": 2}, "rows": True}]
+              "n": 4096, "decode": {"splits": 4, "num_warps": 4, "num_stages": 2}, "rows": True},
+             {"spec": window_spec(128, kv_block=64, q_tile=64, gqa_group=8).to_dict(), "n": 4096,
+              "decode": {"splits": 2, "num_warps": 4, "num_stages": 2}}]  # its steps make their lists in the kernel
     results = compile_offline(cases, "sm_90", processes=2)
     for result in results:
         assert "error" not in result, result.get("error")
         assert "attn_fwd" in {name for name, _ in result["kernels"]}
     assert {"decode_partial", "attn_rows_fwd", "attn_paged_fwd"} <= {name for name, _ in results[2]["kernels"]}
+    assert [name for name, _ in results[3]["kernels"]].count("decode_partial") == 2  # over lists, and without
 
 
 @pytest.mark.gpu

@@ -358,6 +358,8 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                     out = run(spec, role, configs.get(role), one, *_launch_args(role, t, one))
                     t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))
                     t["lists"] = t["lists"].clamp(-1, one.n_kv_blocks - 1)
+                if spec.window is not None and spec.selector != "given":  # a step that makes its window's lists
+                    run(spec, "decode", configs.get("decode"), one, t["q"], t["k"], t["v"], None, None)
                 if "index" in t:  # and over the cache's pages: k_idx paged as k is
                     q_idx, k_idx, w = t["index"]
                     k_idx_pages = scatter_pages(torch.nn.functional.pad(k_idx, room), spec.kv_block, pages)

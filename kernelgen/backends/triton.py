@@ -1504,8 +1504,13 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
     the spec says which) of a call of a few queries: a partial per (query group, split), merged, with
     splits > 1, by the group's last program in split order (`arrival_counts`). `seqlens`, `leftpad` (int32 [B]):
     batch row b holds k's keys [leftpad[b], seqlens[b]) (leftpad None: from 0), its queries the last positions
-    of those. `block_table` (int32 [B, pages a row]): k and v are pools of pages [n_pages, Hkv, page_size, D]."""
+    of those. `block_table` (int32 [B, pages a row]): k and v are pools of pages [n_pages, Hkv, page_size, D].
+    `block_idx` None (a selecting window spec's): each row's window lists are computed in the kernel, as
+    `launch_window_lists` makes them, not read."""
     scale = softmax_scale(scale, spec)
+    window_lists = block_idx is None
+    if window_lists and spec.window is None:
+        raise KernelgenValueError("decode without block_idx computes a window spec's lists: spec.window is None")
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
     lse = empty(shapes.batch, shapes.heads_q, shapes.n_q, device=q.device, dtype=torch.float32)
     groups = cdiv(shapes.n_q, decode_queries(spec))
@@ -1518,17 +1523,18 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
         split_strides = (o_part.stride(3),)
         arrived = arrival_counts(groups * shapes.batch * shapes.heads_kv, q.device)
     paged = block_table is not None
+    lists, list_strides = (lse, (0, 0, 0)) if window_lists else (block_idx, block_idx.stride()[:3])  # lse: not read
     mod.decode_partial[(groups * cfg.splits, shapes.batch * shapes.heads_kv)](
-        q, k, v, o_part, lse_part, o, lse, arrived, block_idx,
-        *((block_idx, block_idx) if seqlens is None else _row_keys(seqlens, leftpad)),
-        block_table if paged else block_idx,
+        q, k, v, o_part, lse_part, o, lse, arrived, lists,
+        *((lists, lists) if seqlens is None else _row_keys(seqlens, leftpad)),
+        block_table if paged else lists,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:3], *split_strides,
-        *lse_part.stride()[:3], *block_idx.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+        *lse_part.stride()[:3], *list_strides, *o.stride()[:3], *lse.stride()[:2],
         block_table.stride(0) if paged else 0, k.shape[0] if paged else 0,
         shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, qk_scale(spec, scale),
         **_decode_constexprs(spec, cfg),
         VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None, PAGED=paged,
-        PAGE_SIZE=k.shape[2] if paged else spec.kv_block)
+        PAGE_SIZE=k.shape[2] if paged else spec.kv_block, WINDOW_LISTS=window_lists)
     return o, lse
 
 
