@@ -1,7 +1,8 @@
 """tools/carry_winners.py in a scratch repository (HEAD's kernelgen, templates and tools, with the working tree's
 carry_winners.py and offline_compile.py): a template edit that leaves the attention's PTX unchanged (a comment, a
 renamed local) carries its winner to the new template hash; one that changes the code (a constant) leaves the
-row as it was. One small spec (D=64, 1024 keys), compiled for sm_90 without a GPU."""
+row as it was. The same for TileLang rows (attn and bwd_dkdv), by their generated CUDA source. One small spec
+(D=64, 1024 keys), compiled or lowered for sm_90 without a GPU."""
 import dataclasses
 import shutil
 import sqlite3
@@ -50,13 +51,14 @@ def _scratch_repo(tmp_path: Path) -> Path:
     return repo
 
 
-def _attn_hash(repo: Path) -> str:
-    """The attention's template hash in `repo`'s tree (kernelgen's own, over its templates)."""
+def _attn_hash(repo: Path, backend: backends.Backend = TRITON, role: str = "attn") -> str:
+    """The attention's (or `backend`'s `role`'s) template hash in `repo`'s tree (kernelgen's own, over its
+    templates)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(render, "TEMPLATE_DIR", repo / "templates")
         backends.Backend.template_hash.cache_clear()
         try:
-            return TRITON.template_hash("attn")
+            return backend.template_hash(role)
         finally:
             backends.Backend.template_hash.cache_clear()
 
@@ -118,9 +120,10 @@ def test_a_template_edit_that_keeps_the_ptx_carries_the_winner_and_one_that_chan
     done = _carry(repo, "HEAD~1", "--db", str(db))
     assert done.returncode == 0, done.stderr
     verdicts = _verdicts(done.stdout)
-    assert verdicts == {("triton", N): "carried", ("tilelang", N): "not checked (TileLang)",
+    assert verdicts == {("triton", N): "carried", ("tilelang", N): verdicts["tilelang", N],
                         ("triton", 2048): verdicts["triton", 2048]}, done.stdout
     assert verdicts["triton", 2048].startswith("not from OLD_REV"), done.stdout
+    assert verdicts["tilelang", N].startswith("not from OLD_REV"), done.stdout
     after = _rows(db)
     assert after == [{**row, "template_hash": new_hash} if row["template_hash"] == old_hash else row
                      for row in before]  # that column of that row only
@@ -138,3 +141,60 @@ def test_a_template_edit_that_keeps_the_ptx_carries_the_winner_and_one_that_chan
     for args in (["no-such-rev", "--db", str(db)], ["HEAD", "--db", str(tmp_path / "none.db")]):
         done = _carry(repo, *args)
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and not done.stdout, done
+
+
+def test_a_tilelang_template_edit_that_keeps_the_cuda_source_carries_the_winner_and_one_that_changes_it_does_not(
+        tmp_path):
+    """TileLang rows (attn, bwd_dkdv) are lowered to CUDA source in both trees: a comment line that moves every
+    line of the rendered modules carries both; a changed constant of the forward leaves its row. A float16 row is
+    not checked."""
+    pytest.importorskip("tilelang")
+    tilelang = backends.get("tilelang")
+    repo = _scratch_repo(tmp_path)
+    spec = Spec(head_dim=64, kv_block=64, q_tile=64, top_k=4, selector="given", backend="tilelang")
+    rows = []
+    for role in ("attn", "bwd_dkdv"):
+        kernel_spec = get_role(role).kernel_spec(spec, "tilelang")
+        rows.append(dict(
+            spec_key=kernel_spec.key(), role=role, backend="tilelang", arch="sm_90", gpu_name="NVIDIA H200",
+            bucket=N, dtype="bfloat16", config=dataclasses.asdict(tilelang.default_config(kernel_spec, role, "sm_90")),
+            median_ms=0.01, tflops=1.0, n_trials=3, timestamp="2026-01-01T00:00:00+00:00",
+            spec_json=kernel_spec.to_json(),
+            **{**current_fingerprint(tilelang, role).as_columns(), "template_hash": _attn_hash(repo, tilelang, role)}))
+    db = write_bundled_db(tmp_path / "winners.db", [*rows, {**rows[0], "bucket": 2048, "dtype": "float16"}])
+    before = _rows(db)
+
+    # (a) a comment line in both templates: every line of the rendered modules moves, the CUDA source stays
+    for role in ("attn", "bwd_dkdv"):
+        _edit(repo / "templates" / tilelang.role(role).template, "import tilelang.language as T\n",
+              "import tilelang.language as T\n# a comment moves every line\n")
+    _git(repo, "commit", "-q", "-am", "new")
+    new_hashes = {row["role"]: _attn_hash(repo, tilelang, row["role"]) for row in rows}
+    assert all(new_hashes[row["role"]] != row["template_hash"] for row in rows)
+    done = _carry(repo, "HEAD~1", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    verdicts = _role_verdicts(done.stdout)
+    assert verdicts == {("attn", N): "carried", ("bwd_dkdv", N): "carried",
+                        ("attn", 2048): "not checked (dtype float16: lowered in bfloat16 only)"}, done.stdout
+    after = _rows(db)
+    assert after == [{**row, "template_hash": new_hashes[row["role"]]} if row["dtype"] == "bfloat16" else row
+                     for row in before]
+    assert len(_git(repo, "worktree", "list").splitlines()) == 1
+
+    # (b) a changed constant of the forward in the working tree: its CUDA source differs; bwd_dkdv's row is current
+    _edit(repo / "templates" / tilelang.role("attn").template, "LN2 = 0.6931471805599453", "LN2 = 0.69")
+    done = _carry(repo, "HEAD", "--db", str(db))
+    assert done.returncode == 0, done.stderr
+    verdicts = _role_verdicts(done.stdout)
+    assert verdicts == {("attn", N): "differs: attn_fwd_kernel", ("attn", 2048): verdicts["attn", 2048]}, done.stdout
+    assert _rows(db) == after and _journal_mode(db) == "delete"
+
+
+def _role_verdicts(stdout: str) -> dict[tuple[str, int], str]:
+    """(role, bucket) -> verdict of the TileLang rows, from the tool's row lines."""
+    verdicts = {}
+    for line in stdout.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[0] == "tilelang" and fields[3].isdigit():
+            verdicts[fields[1], int(fields[3])] = fields[5]
+    return verdicts

@@ -4,7 +4,7 @@
 
 A winners row holds the hash of its role's template (`Backend.template_hash`): any edit of that template (a
 comment, a rename, a feature flag that defaults off) makes the row a miss, and tests/test_lookup.py asks for a
-re-tune on a GPU. Where the edit leaves the row's kernels compiling to the same PTX, the row's timing still holds;
+re-tune on a GPU. Where the edit leaves the row's kernels compiling to the same code, the row's timing still holds;
 this tool checks that on the CPU and re-stamps the row with the current hash instead.
 
 The current tree is the working tree this file lives in, uncommitted edits included (run it before or after
@@ -15,32 +15,49 @@ tuning_db/winners.db) whose template hash is not the current tree's:
   - a Triton or Gluon row whose hash is OLD_REV's is compiled in both trees for its arch, with its config pinned
     for its role, its spec (`spec_json`: the role's kernel spec) and its bucket as the sequence length, by
     tools/offline_compile.py (the real launchers, a stand-in driver: no GPU). Each tree's kernelgen and templates
-    are imported from that tree (PYTHONPATH; checked), each compile process starts from an empty Triton cache,
-    and Triton emits no line info (TRITON_DISABLE_LINE_INFO=1). The kernels that the role's launches compile
-    are compared by their PTX (`offline_compile.ptx_digest`: no line info, file names or comments). The same PTX
-    for every kernel of the role: "carried", and the row's template_hash becomes the current one (unless
-    --dry-run). Else "differs: <kernels>" or "error: ...", and the row is left as it is;
+    are imported from that tree (PYTHONPATH; checked), each compile process starts from empty Triton, kernelgen
+    and TileLang caches, and Triton emits no line info (TRITON_DISABLE_LINE_INFO=1). The kernels that the role's
+    launches compile are compared by their PTX (`offline_compile.ptx_digest`: no line info, file names or
+    comments). The same PTX for every kernel of the role: "carried", and the row's template_hash becomes the
+    current one (unless --dry-run). Else "differs: <kernels>" or "error: ...", and the row is left as it is;
+  - a TileLang row (roles attn and bwd_dkdv) whose hash is OLD_REV's is lowered to CUDA C source in both trees
+    (`kernelgen.backends.tilelang.lower`: TVM only, no nvcc, no GPU), each by that tree's kernelgen, templates
+    and backends/tilelang.py (the same processes, environment and checks as above; this file's worker lowers):
+    the row's spec and config (`Backend.check_config` on its arch first, as dispatch), batch 1, 2 KV heads (as
+    tools/offline_compile.py's cases), its bucket as seq_q and seq_k, for its arch, with the build options
+    dispatch gives the role (`attn_pass_configs`, `bwd_dkdv_pass_configs`). The sha256 of the two sources is
+    compared as it is: the source holds no path, module name or line number of its tree (checked with TileLang
+    0.1.15: two checkouts of one commit, and a template whose lines moved, lower to the same text), but it names
+    the template's buffers and locals, so a renamed one differs. The same source: "carried" (re-stamped unless
+    --dry-run); else "differs: <kernel>" (its __global__ function) or "error: ..." (OLD_REV's kernelgen may lack
+    the functions called), and the row is left;
   - a row of another hash than OLD_REV's: "not from OLD_REV", left;
-  - a TileLang row: "not checked (TileLang)", left; a role that tools/offline_compile.py has no case for, or a
-    dtype other than bfloat16 (the one it compiles): "not checked (...)", left.
+  - a role that tools/offline_compile.py has no case for (TileLang: a role other than attn and bwd_dkdv), a
+    backend of neither kind, or a dtype other than bfloat16 (the one compiled and lowered): "not checked (...)",
+    left.
 It prints a line per such row (backend, role, arch, bucket, spec_key[:8], verdict); rows of the current hash are
 not listed. Only the carried rows' template_hash is written, in one transaction: every other column and row, and
 the DB's journal mode (the bundled DB's rollback journal), stay as they were. Exit status 0 whatever the
 verdicts; 2 (one line on stderr) for an OLD_REV that is no commit or a DB that is no winners DB; 1 where nothing
 can be checked (the current tree's kernelgen does not import, OLD_REV cannot be checked out).
 
-What it guarantees: a row is re-stamped only when every kernel of its role compiles to the same PTX in both
-trees, at the row's arch, config, spec and bucket, with the Triton installed here. What it does not check:
-TileLang rows (their kernels do not compile here); other specialisations of the same kernels (a length that is
-no multiple of 16 compiles apart, and the row also serves its bucket's neighbours); other dtypes. OLD_REV's own
-tools/offline_compile.py compiles OLD_REV's kernels; where it predates the "ptx" option, this tree's script runs
-against OLD_REV's kernelgen and templates instead (the output says so).
+What it guarantees: a Triton or Gluon row is re-stamped only when every kernel of its role compiles to the same
+PTX in both trees, at the row's arch, config, spec and bucket, with the Triton installed here; a TileLang row only
+when its kernel lowers to the same CUDA source in both trees, at the row's arch, config, spec and bucket (bf16,
+batch 1, 2 KV heads), with the TileLang installed here (nvcc does not run: the same source gives the same cubin
+with the same nvcc). What it does not check: other specialisations of the same kernels (a Triton length that is no
+multiple of 16 compiles apart, a TileLang kernel is built per problem shape: other batches, head counts and
+lengths, and the row also serves its bucket's neighbours); other dtypes. OLD_REV's own tools/offline_compile.py
+compiles OLD_REV's kernels; where it predates the "ptx" option, this tree's script runs against OLD_REV's
+kernelgen and templates instead (the output says so).
 """
 import argparse
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -54,8 +71,9 @@ SCRIPT = Path("tools") / "offline_compile.py"
 TABLE = "winners"
 COLUMNS = ("spec_key", "role", "backend", "arch", "bucket", "dtype", "config", "template_hash", "spec_json")
 CHECKED = ("triton", "gluon")  # the backends tools/offline_compile.py compiles
-NOT_CHECKED = {"tilelang": "TileLang"}
-DTYPE = "bfloat16"  # the dtype of tools/offline_compile.py's tensors
+LOWERED = {"tilelang": ("attn", "bwd_dkdv")}  # the backends this file's worker lowers to CUDA source, their roles
+DTYPE = "bfloat16"  # the dtype of tools/offline_compile.py's tensors, and of the lowered TileLang kernels
+HEADS_KV = 2  # the KV heads of a lowered TileLang kernel: tools/offline_compile.py's cases' (batch 1)
 TIMEOUT = 3600  # seconds a compile process may take (a few hundred kernels at most)
 
 # the index selector's tensors, as the tuner times it (kernelgen.roles.INDEX_HEADS, INDEX_DIM)
@@ -170,12 +188,16 @@ def carry(rows: list[dict], old_commit: str, jobs: int) -> tuple[list, list]:
             verdicts[i] = f"error: current tree: {current['hash_errors'][_pair(row)]}"
         elif row["template_hash"] == current["hashes"][_pair(row)]:
             continue
-        elif row["backend"] not in CHECKED:
-            verdicts[i] = f"not checked ({NOT_CHECKED.get(row['backend'], row['backend'])})"
-        elif row["role"] not in _OPTIONS:
+        elif row["backend"] not in CHECKED and row["backend"] not in LOWERED:
+            verdicts[i] = f"not checked ({row['backend']})"
+        elif row["backend"] in LOWERED and row["role"] not in LOWERED[row["backend"]]:
+            verdicts[i] = f"not checked (role: only {', '.join(LOWERED[row['backend']])} are lowered)"
+        elif row["backend"] in CHECKED and row["role"] not in _OPTIONS:
             verdicts[i] = "not checked (role: tools/offline_compile.py has no case that compiles it)"
         elif row["dtype"] != DTYPE:
-            verdicts[i] = f"not checked (dtype {row['dtype']}: tools/offline_compile.py compiles {DTYPE})"
+            verdicts[i] = (f"not checked (dtype {row['dtype']}: "
+                           f"{'lowered' if row['backend'] in LOWERED else 'tools/offline_compile.py compiles'} in "
+                           f"{DTYPE} only)")
         else:
             try:
                 groups.setdefault((row["arch"], _pair(row), _case_text(row)), []).append(i)
@@ -201,7 +223,7 @@ def carry(rows: list[dict], old_commit: str, jobs: int) -> tuple[list, list]:
             elif row["template_hash"] != old_hashes["hashes"][_pair(row)]:
                 verdicts[i] = f"not from OLD_REV (its template hash there is {old_hashes['hashes'][_pair(row)]})"
             else:
-                verdicts[i] = _compare(row["role"], before, after)
+                verdicts[i] = _compare(row["role"], before, after, "cuda" if row["backend"] in LOWERED else "ptx")
                 if verdicts[i] == "carried":
                     carried.append((row, current["hashes"][_pair(row)]))
     return verdicts, carried
@@ -213,10 +235,14 @@ def _pair(row: dict) -> str:
 
 
 def _case_text(row: dict) -> str:
-    """The tools/offline_compile.py case of a row, as JSON text (a dict key): its spec at its bucket's length,
-    its config pinned for its role, the options that make the case compile the role, the PTX digests asked."""
-    case = {"spec": json.loads(row["spec_json"]), "n": int(row["bucket"]), **_OPTIONS[row["role"]], "ptx": True}
+    """The case of a row, as JSON text (a dict key). Triton and Gluon: the tools/offline_compile.py case, its spec
+    at its bucket's length, its config pinned for its role, the options that make the case compile the role, the
+    PTX digests asked. TileLang (`_lower_cases`): the role lowered, its spec, config, bucket and dtype."""
     config = json.loads(row["config"]) if isinstance(row["config"], str) else row["config"]
+    if row["backend"] in LOWERED:
+        return json.dumps({"lower": row["role"], "spec": json.loads(row["spec_json"]), "n": int(row["bucket"]),
+                           "config": config, "dtype": row["dtype"]}, sort_keys=True)
+    case = {"spec": json.loads(row["spec_json"]), "n": int(row["bucket"]), **_OPTIONS[row["role"]], "ptx": True}
     if config is not None:
         case[row["role"]] = config
     return json.dumps(case, sort_keys=True)
@@ -231,24 +257,25 @@ def _needed(cases: list[dict], header: dict) -> list[int]:
 
 
 def _compile_both(old_tree: Path, cases: list[dict], jobs: int) -> list[tuple]:
-    """Each case ({"case", "pair", "hashes", "arch"}) compiled in OLD_REV's tree (where a row of it holds OLD_REV's
-    hash) and the current one, side by side: [(OLD_REV's header or None, OLD_REV's result, the current one)]
-    (a result: tools/offline_compile.py's, {"error": ...}, or {} where not compiled)."""
-    by_arch: dict[str, list[int]] = {}
+    """Each case ({"case", "pair", "hashes", "arch"}) compiled (or lowered: a TileLang case) in OLD_REV's tree
+    (where a row of it holds OLD_REV's hash) and the current one, side by side: [(OLD_REV's header or None,
+    OLD_REV's result, the current one)] (a result: tools/offline_compile.py's or `_lower_cases`', {"error": ...},
+    or {} where not compiled). A process compiles or lowers cases of one arch, `jobs` processes a tree at a time."""
+    by_arch: dict[tuple[str, bool], list[int]] = {}  # (arch, lowered) -> cases
     for i, case in enumerate(cases):
-        by_arch.setdefault(case["arch"], []).append(i)
+        by_arch.setdefault((case["arch"], "lower" in case["case"]), []).append(i)
     results: dict[tuple[str, int], dict] = {}
     headers: dict[int, dict] = {}
     tasks = []
     with ThreadPoolExecutor(max_workers=2 * jobs) as pool:
         for side, tree in (("OLD_REV", old_tree), ("current tree", ROOT)):
-            for arch, indices in by_arch.items():
+            for (arch, lower), indices in by_arch.items():
                 for chunk in (indices[k::jobs] for k in range(min(jobs, len(indices)))):
                     own = side == "OLD_REV"
                     pairs = sorted({cases[i]["pair"] for i in chunk}) if own else []
                     # OLD_REV's own script, unless it predates the "ptx" option: then this tree's
                     tasks.append((side, chunk, pool.submit(_tree_run, tree, pairs, [cases[i] for i in chunk], arch,
-                                                           ROOT / SCRIPT if own else None, own)))
+                                                           ROOT / SCRIPT if own else None, own, lower)))
         notes = set()
         for side, chunk, future in tasks:
             try:
@@ -271,14 +298,15 @@ def _compile_both(old_tree: Path, cases: list[dict], jobs: int) -> list[tuple]:
     return [(headers.get(i), results["OLD_REV", i], results["current tree", i]) for i in range(len(cases))]
 
 
-def _compare(role: str, old: dict, new: dict) -> str:
-    """The verdict of a row from its case's results in OLD_REV's tree and the current one."""
+def _compare(role: str, old: dict, new: dict, what: str = "ptx") -> str:
+    """The verdict of a row from its case's results in OLD_REV's tree and the current one, by their digests of
+    `what` ("ptx": tools/offline_compile.py's; "cuda": `_lower_cases`')."""
     for side, result in (("OLD_REV", old), ("current tree", new)):
         if "error" in result:
             return f"error: {side}: {_one_line(result['error'])}"
-        if "ptx" not in result:
-            return f"error: {side}: its result has no PTX digests"
-    before, after = ([(k["name"], k["sha256"]) for k in result["ptx"] if k["role"] == role] for result in (old, new))
+        if what not in result:
+            return f"error: {side}: its result has no {what.upper()} digests"
+    before, after = ([(k["name"], k["sha256"]) for k in result[what] if k["role"] == role] for result in (old, new))
     if not before or not after:
         side = "OLD_REV" if not before else "current tree"
         return f"error: {side}: the case compiled no kernel of role {role!r}"
@@ -297,17 +325,21 @@ def _one_line(text) -> str:
 
 
 def _tree_run(tree: Path, pairs: list, cases: list[dict] = (), arch: str | None = None, fallback: Path | None = None,
-              only_own_rows: bool = False) -> tuple[dict, list]:
+              only_own_rows: bool = False, lower: bool = False) -> tuple[dict, list]:
     """Run a worker (`_worker`) on `tree`'s kernelgen: (its header: where kernelgen and the templates were
     imported from, the template hashes of `pairs` ["backend/role"], the compile script run; the results of the
-    cases it compiled, `_needed`'s)."""
+    cases it compiled, or with `lower` lowered (`_lower_cases`), `_needed`'s)."""
     request = {"tree": str(tree), "pairs": pairs, "cases": list(cases), "arch": arch, "script": str(tree / SCRIPT),
-               "fallback": str(fallback) if fallback else None, "only_own_rows": only_own_rows}
+               "fallback": str(fallback) if fallback else None, "only_own_rows": only_own_rows, "lower": lower}
     # the tree's kernelgen first on the path; real compiles (a test process sets the interpreter), no line info;
-    # an empty Triton cache: no kernel compiled before stands in for one (whatever Triton's cache key misses)
-    with tempfile.TemporaryDirectory(prefix="carry-winners-triton-") as triton_cache:
+    # empty Triton, kernelgen (rendered modules) and TileLang caches: no kernel or module made before stands in for
+    # one (whatever a cache key misses), and no user's tuning files are read
+    with tempfile.TemporaryDirectory(prefix="carry-winners-caches-") as caches:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
-               "TRITON_INTERPRET": "0", "TRITON_DISABLE_LINE_INFO": "1", "TRITON_CACHE_DIR": triton_cache}
+               "TRITON_INTERPRET": "0", "TRITON_DISABLE_LINE_INFO": "1",
+               **{name: str(Path(caches) / folder) for name, folder in (
+                   ("TRITON_CACHE_DIR", "triton"), ("KERNELGEN_CACHE_DIR", "kernelgen"),
+                   ("TILELANG_CACHE_DIR", "tilelang"))}}
         try:
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker"],
                                   input=json.dumps(request), capture_output=True, text=True, env=env, cwd=tree,
@@ -329,7 +361,8 @@ def _tree_run(tree: Path, pairs: list, cases: list[dict] = (), arch: str | None 
 def _worker() -> int:
     """In a process whose PYTHONPATH starts with a tree (`_tree_run`): check that kernelgen and its templates
     come from that tree, print a header (the template hashes asked), then the tree's offline compile of the cases
-    it compiles (`_needed`; tools/offline_compile.py's JSON lines)."""
+    it compiles (`_needed`; tools/offline_compile.py's JSON lines), or where the request says "lower", the CUDA
+    source digests of its TileLang cases (`_lower_cases`)."""
     request = json.load(sys.stdin)
     tree = Path(request["tree"]).resolve()
     import kernelgen
@@ -352,18 +385,57 @@ def _worker() -> int:
             header["hash_errors"][pair] = _one_line(error)
     cases = [request["cases"][i]["case"] for i in _needed(request["cases"], header)]
     module = None
-    if cases:
+    if cases and not request.get("lower"):
         for candidate in (request["script"], request["fallback"]):
             if candidate and Path(candidate).is_file():
                 module, header["script"] = _load(Path(candidate)), candidate
                 if hasattr(module, "ptx_digest"):
                     break
     print(json.dumps(header), flush=True)
-    if module is not None:
+    if request.get("lower"):
+        _lower_cases(cases, request["arch"])
+    elif module is not None:
         from kernelgen.archs import check_arch
 
         module.compile_cases(cases, check_arch(request["arch"]))
     return 0
+
+
+def _lower_cases(cases: list[dict], arch: str) -> None:
+    """In a worker (this tree's kernelgen imported: `_worker`), each TileLang case lowered to CUDA source for
+    `arch`: a JSON line per case, {"case": i, "cuda": [{"role", "name", "sha256"}]} (name: its __global__ function,
+    sha256: of the source as generated) or {"case": i, "error": "..."} (a kernelgen without the functions called
+    included)."""
+    for i, case in enumerate(cases):
+        try:
+            role, source = case["lower"], _lowered(case, arch)
+            names = re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source)
+            result = {"case": i, "cuda": [{"role": role, "name": names[0] if names else role,
+                                           "sha256": hashlib.sha256(source.encode()).hexdigest()}]}
+        except Exception as error:  # the case's, not the process's: the next case is lowered still
+            result = {"case": i, "error": f"{type(error).__name__}: {_one_line(error)}"}
+        print(json.dumps(result), flush=True)
+
+
+def _lowered(case: dict, arch: str) -> str:
+    """A TileLang case's CUDA source, built as dispatch builds the role (`compiled_attn`, `compiled_bwd_dkdv`): its
+    config checked on `arch`, the prim_func of its spec, config and shape (batch 1, HEADS_KV, seq_q = seq_k = its
+    bucket), lowered with the build options dispatch gives the role on `arch`."""
+    from kernelgen import Spec, backends
+    from kernelgen.backends import tilelang
+
+    role, backend = case["lower"], backends.get("tilelang")
+    spec = Spec(**case["spec"])
+    config = backend.config_from_dict(role, case["config"])
+    backend.check_config(spec, role, config, arch)
+    shape = dict(batch=1, heads_kv=HEADS_KV, seq_q=case["n"], seq_k=case["n"], config=config)
+    if role == "attn":
+        prim_func, options = tilelang.build_attn(spec, case["dtype"], **shape), tilelang.attn_pass_configs(config, arch)
+    elif role == "bwd_dkdv":
+        prim_func, options = tilelang.build_bwd_dkdv(spec, case["dtype"], **shape), tilelang.bwd_dkdv_pass_configs(arch)
+    else:
+        raise ValueError(f"role {role!r}: only {', '.join(LOWERED['tilelang'])} are lowered")
+    return tilelang.lower(prim_func, arch, options)
 
 
 def _load(path: Path):
