@@ -24,7 +24,7 @@ from kernelgen.codegen.render import module_name  # noqa: E402
 from checks import cubin_bytes  # noqa: E402
 
 BUILD_PARAMS = ["batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "kv_block", "q_tile", "top_k",
-                "causal", "dtype", "block_M", "block_N", "num_stages", "threads"]
+                "causal", "window", "dtype", "block_M", "block_N", "num_stages", "threads"]
 TILELANG, TRITON = backends.get("tilelang"), backends.get(backends.FALLBACK)
 
 

@@ -29,7 +29,7 @@ from checks import config_space, cubin_bytes, default_config  # noqa: E402
 
 BUILD_PARAMS = [
     "batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "kv_block", "q_tile", "top_k",
-    "causal", "dtype", "block_M", "block_N", "num_stages", "threads", "overlap", "pingpong",
+    "causal", "window", "dtype", "block_M", "block_N", "num_stages", "threads", "overlap", "pingpong",
 ]  # fmt: skip
 
 

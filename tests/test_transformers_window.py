@@ -128,10 +128,12 @@ def test_a_sliding_layers_spec_is_its_window():
     gives Triton), its lists the window's blocks; top_k 0 (its type's or the model's) leaves it to SDPA. A model
     without layer_types that sets sliding_window (Mistral) has every layer windowed, unless use_sliding_window is
     false; `kernelgen tune --model` tunes the same specs."""
-    config = gpt_oss_config(kernelgen_backend="tilelang")
+    config = gpt_oss_config(kernelgen_backend="gluon")
     assert kg_hf.layer_spec(config, "sliding_attention") == window_spec(backend="triton")
     assert kg_hf.layer_spec(config, "full_attention").window is None
-    assert kg_hf.layer_spec(config, "full_attention").backend == "tilelang"
+    assert kg_hf.layer_spec(config, "full_attention").backend == "gluon"
+    tilelang = gpt_oss_config(kernelgen_backend="tilelang")  # its forward and dK/dV have windows
+    assert kg_hf.layer_spec(tilelang, "sliding_attention") == window_spec(backend="tilelang")
     assert window_spec().top_k == 4 and window_spec().selector == "mean"
     assert model_specs(gpt_oss_config().to_dict()) == [("full_attention", kg_hf.layer_spec(gpt_oss_config())),
                                                        ("sliding_attention", window_spec())]

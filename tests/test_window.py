@@ -3,6 +3,7 @@ the reference against a dense softmax under transformers' sliding-window mask, t
 segments under pinned configs, and the refusals: specs that cannot hold a window, backends and call forms
 without one."""
 import math
+import shutil
 
 import pytest
 import torch
@@ -10,10 +11,13 @@ import torch
 import kernelgen
 from kernelgen import AttnConfig, BwdDkdvConfig, BwdDqConfig, Spec, reference
 from kernelgen.errors import KernelgenTypeError, KernelgenValueError
+from kernelgen import backends
 from kernelgen.spec import window_blocks
 from checks import (TEST_ARCH, assert_backward_is_deterministic, assert_close_to_reference,
-                    assert_compiled_step_is_eager, compile_offline)
+                    assert_compiled_step_is_eager, compile_offline, cubin_bytes)
 from test_backward import assert_grads_close, leaves
+
+TILELANG = backends.get("tilelang")
 
 
 def window_spec(window: int, kv_block: int = 32, q_tile: int = 32, gqa_group: int = 2, head_dim: int = 64,
@@ -161,7 +165,7 @@ def test_compiled_forward_and_backward(device):
     assert_compiled_step_is_eager(kernelgen.get_kernel(window_spec(50)), q, k, v, do)
 
 
-@pytest.mark.parametrize("backend", ["tilelang", "gluon"])
+@pytest.mark.parametrize("backend", ["gluon"])
 def test_backends_without_windows_refuse_them(backend):
     with pytest.raises(KernelgenValueError, match=f"Spec.window=50 is not built for backend='{backend}'"):
         kernelgen.get_kernel(window_spec(50).replace(backend=backend))
@@ -447,3 +451,60 @@ def test_select_over_a_padded_batch_empties_the_padding_s_lists(device):
     whole = kernelgen.get_kernel(spec).select(q.detach(), k.detach())
     assert torch.equal(lists[0], whole[0]) and torch.equal(lists[1, :, :3], whole[1, :, :3])
     assert (lists[1, :, 3:] == -1).all()  # tiles from query 96 on: row 1's padding
+
+
+# TileLang: the forward and dK/dV take the window (its other roles run on Triton)
+TILELANG_LOOPS = {  # the forward's loops: plain (one warpgroup, a tile split where q_tile > 64; two), overlapped,
+    "plain": dict(block_m=64, num_stages=1, threads=128),  # and ping-pong
+    "two-warpgroups": dict(block_m=128, num_stages=2, threads=256),
+    "overlap": dict(block_m=128, num_stages=2, threads=256, overlap=True),
+    "pingpong": dict(block_m=128, num_stages=2, threads=256, overlap=True, pingpong=True),
+}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("loop", list(TILELANG_LOOPS))
+def test_tilelang_window_kernels_lower_and_compile(loop, nvcc_really_runs):
+    """The TileLang forward (each loop) and dK/dV of a window spec build for sm_90a, and the window is in their
+    code: it differs from the same spec's without a window."""
+    tb = pytest.importorskip("kernelgen.backends.tilelang")
+    spec = window_spec(200, kv_block=64, q_tile=128, gqa_group=2, head_dim=128).replace(backend="tilelang")
+    config = tb.TileLangAttnConfig(**TILELANG_LOOPS[loop])
+    shape = dict(batch=1, heads_kv=2, seq_q=1000, seq_k=1100, config=config)
+    kernel = tb.compile_attn(tb.build_attn(spec, "bfloat16", **shape), config, "sm_90a")
+    assert cubin_bytes(kernel)[:4] == b"\x7fELF"
+    plain = tb.lower(tb.build_attn(spec.replace(window=None), "bfloat16", **shape), "sm_90a",
+                     tb.attn_pass_configs(config, "sm_90a"))
+    assert kernel.get_kernel_source() != plain
+    if loop == "plain":
+        dkdv = tb.bwd_dkdv_default(spec, "sm_90")
+        built = tb.compile_bwd_dkdv(tb.build_bwd_dkdv(spec, "bfloat16", batch=1, heads_kv=2, seq_q=1000, seq_k=1100,
+                                                      config=dkdv), "sm_90a")
+        assert cubin_bytes(built)[:4] == b"\x7fELF"
+        unwindowed = tb.lower(tb.build_bwd_dkdv(spec.replace(window=None), "bfloat16", batch=1, heads_kv=2,
+                                                seq_q=1000, seq_k=1100, config=dkdv), "sm_90a",
+                              tb.bwd_dkdv_pass_configs("sm_90a"))
+        assert built.get_kernel_source() != unwindowed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop, dtype", [(loop, torch.bfloat16) for loop in TILELANG_LOOPS] + [("plain", torch.float16)])
+@pytest.mark.parametrize("window, kv_block, q_tile, lengths", [
+    (128, 64, 64, (4096, 4096)), (4096, 128, 128, (8192, 8192)), (300, 64, 128, (2000, 2100)),
+    (77, 128, 64, (1000, 900))])
+def test_gpu_tilelang_against_reference(window, kv_block, q_tile, lengths, loop, dtype, device):
+    """The TileLang forward (every loop) and dK/dV over a window spec's lists (ragged: Nq != Nk, partial blocks),
+    against the reference; the backward bitwise deterministic."""
+    pytest.importorskip("tilelang")
+    tb = pytest.importorskip("kernelgen.backends.tilelang")
+    spec = window_spec(window, kv_block=kv_block, q_tile=q_tile, gqa_group=4, head_dim=128).replace(backend="tilelang")
+    config = tb.TileLangAttnConfig(**TILELANG_LOOPS[loop])
+    if TILELANG.infeasible(spec, "attn", config, "sm_90"):
+        pytest.skip(f"{loop} is infeasible for {spec}")
+    (q, k, v, do), _ = check_call(spec, lengths, dtype, device, configs={"attn": config}, hkv=2, seed=window)
+    attn = kernelgen.get_kernel(spec, configs={"attn": config})
+    assert attn.served("attn", lengths[1], dtype, device).backend.name == "tilelang"
+    assert attn.served("bwd_dkdv", lengths[1], dtype, device).backend.name == "tilelang"
+    if loop == "plain":
+        assert_backward_is_deterministic(attn, q.detach().requires_grad_(), k.detach().requires_grad_(),
+                                         v.detach().requires_grad_(), do)

@@ -102,7 +102,7 @@ def build_attn_from(module, spec: Spec, dtype: Any, *, batch: int, heads_kv: int
                     "overlap": config.overlap, "pingpong": config.pingpong, **tunables}
     return module.build(batch=batch, heads_q=heads_kv * spec.gqa_group, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
                         head_dim=spec.head_dim, kv_block=spec.kv_block, q_tile=spec.q_tile, top_k=spec.top_k,
-                        causal=spec.causal, dtype=canonical_dtype(dtype), **tunables)
+                        causal=spec.causal, window=spec.window or 0, dtype=canonical_dtype(dtype), **tunables)
 
 
 def _arch(arch: str) -> str:
@@ -307,10 +307,10 @@ def attn_space(spec: Spec, arch: str):
 
 
 def launch_attn(kernel, spec: Spec, config, shapes: Shapes, q, k, v, block_idx, scale):
-    """The forward compiled for this exact shape, over normalised lists; it reads dense [B, H, N, D]
-    tensors, so strided inputs are copied first."""
+    """The forward compiled for this exact shape, over normalised lists; it reads dense tensors, so strided inputs
+    (a window spec's lists are one row expanded over the batch and heads) are copied first."""
     scale = softmax_scale(scale, spec)
-    return kernel(q.contiguous(), k.contiguous(), v.contiguous(), block_idx, scale)
+    return kernel(q.contiguous(), k.contiguous(), v.contiguous(), block_idx.contiguous(), scale)
 
 
 @functools.lru_cache(maxsize=64)
@@ -435,7 +435,7 @@ def build_bwd_dkdv(spec: Spec, dtype: Any, *, batch: int, heads_kv: int, seq_q: 
     module = _module("bwd_dkdv", bwd_dkdv_source(spec, dtype, config))
     return module.build(batch=batch, heads_q=heads_kv * spec.gqa_group, heads_kv=heads_kv, seq_q=seq_q, seq_k=seq_k,
                         head_dim=spec.head_dim, kv_block=spec.kv_block, q_tile=spec.q_tile, top_k=spec.top_k,
-                        causal=spec.causal, dtype=canonical_dtype(dtype), **tunables)
+                        causal=spec.causal, window=spec.window or 0, dtype=canonical_dtype(dtype), **tunables)
 
 
 def bwd_dkdv_pass_configs(arch: str) -> dict:
@@ -476,6 +476,7 @@ class TileLangBackend(Backend):
     archs = tuple(TARGETS)
     per_shape = True
     compilers = {"tilelang_version": ("tilelang",)}
+    windows = True  # the forward and dK/dV (its other roles run on the fallback, which has them too)
     roles = {"attn": RoleImpl(launch=launch_attn, template=TEMPLATE, config_type=TileLangAttnConfig,
                               default=attn_default, space=attn_space, infeasible=attn_infeasible),
              # the Q-centric backward's dK/dV (bwd_delta and bwd_dq run on the fallback); on the CPU the

@@ -2,15 +2,15 @@
 
 For each shape (`workloads.WINDOW_SHAPES`), in one process on one GPU (bf16): kernelgen's window spec
 (`Spec.window`; its lists are the window's blocks), called as a model calls it (selection included) and over
-lists prepared once; FlexAttention (torch.compile'd) over the BlockMask that `create_block_mask` builds from the
+lists prepared once, on the backend `auto` serves and on each other backend with windows here; FlexAttention (torch.compile'd) over the BlockMask that `create_block_mask` builds from the
 sliding-window mask_mod, at Flex's own 128x128 blocks; dense causal SDPA on cuDNN, which has no window (the work
 a model pays without one). Forward, and forward+backward (`bench.backward`'s timing: do_bench medians, eager and
 replayed from a CUDA graph). kernelgen's o and gradients are compared with Flex's (relative L2), and two
 backward runs bit for bit. TFLOP/s count the window's visible (query, key) pairs, 4 * D FLOP each forward.
 
 Then a decode step of the same heads: DECODE_BATCH rows of a cache of n_k keys (`cache_seqlens`, every row full),
-one query a row at its end, as a serving engine runs it: kernelgen's call (the rows' window lists made on the
-device, then the decode kernel), and the same over a paged cache (one block a page, the pages shuffled over the
+one query a row at its end, as a serving engine runs it: kernelgen's call (one launch: the decode kernel makes the
+rows' window lists from their lengths), and the same over a paged cache (one block a page, the pages shuffled over the
 pool); FlexAttention (torch.compile'd) over the cache with the sliding-window BlockMask of one query; dense SDPA
 (flash, cuDNN; `enable_gqa`) over exactly the window's keys, sliced out beforehand (what a ring-buffer cache of W
 keys hands a dense kernel, at no cost to the anchor). Times are do_bench medians, CUDA-graph
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import backends
 from ..dispatch import get_kernel
 from ..workloads import WINDOW_SHAPES
 from .anchors import sdpa_dense_anchors
@@ -37,6 +38,12 @@ def window_pairs(n: int, window: int) -> int:
     return inside * (inside + 1) // 2 + (n - inside) * window
 
 
+def window_backends(spec, device, served: str) -> list[str]:
+    """The backends other than `served` whose kernels compute `spec`'s window here (for the attention)."""
+    return [b.name for b in backends.all_backends()
+            if b.name != served and "attn" in b.roles and not b.unsupported(spec.replace(backend=b.name), device)]
+
+
 def run_window(shape_names=None, out_dir=None, log=print) -> list[dict]:
     """Rows: shape, impl, fwd_ms, fwd_tflops, fwd_bwd_ms, bwd_ms (graph variants, host_ms) and the checks."""
     import triton.testing
@@ -46,6 +53,7 @@ def run_window(shape_names=None, out_dir=None, log=print) -> list[dict]:
     names = list(shape_names or WINDOW_SHAPES)
     device, dtype = torch.device("cuda"), torch.bfloat16
     rows = []
+    attempt = row_attempts(log)
     for name in names:
         shape = WINDOW_SHAPES[name]
         spec, window = shape.spec("mean").replace(backend="auto"), shape.window
@@ -76,9 +84,20 @@ def run_window(shape_names=None, out_dir=None, log=print) -> list[dict]:
             return given(q, k, v, block_idx=lists)
 
         first, second = _grads(ours, leaves, grad), _grads(ours, leaves, grad)
+        served = attn.served("attn", shape.n_k, dtype, device).backend.name
         record("kernelgen (window, selects)", ours, deterministic=all(map(torch.equal, first, second)),
-               fwd_backend=attn.served("attn", shape.n_k, dtype, device).backend.name)
+               fwd_backend=served)
         record("kernelgen (window, prepared lists)", ours_prepared)
+        for other in window_backends(spec, device, served):  # what auto did not serve, over the same lists
+
+            def pinned_row(other=other):
+                pinned = get_kernel(spec.replace(selector="given", backend=other))
+                with torch.no_grad():
+                    o_diff = _rel_diff(pinned(q, k, v, block_idx=lists), ours_prepared())
+                record(f"kernelgen (window, prepared lists, {other})", lambda: pinned(q, k, v, block_idx=lists),
+                       fwd_backend=other, o_rel_diff_vs_kernelgen=f"{o_diff:.1e}")
+
+            attempt(name, f"kernelgen on {other}", pinned_row)
 
         def sliding(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
