@@ -2,16 +2,17 @@
 
 For each shape (`workloads.WINDOW_SHAPES`), in one process on one GPU (bf16): kernelgen's window spec
 (`Spec.window`; its lists are the window's blocks), called as a model calls it (selection included) and over
-lists prepared once, on the backend `auto` serves and on each other backend with windows here; FlexAttention (torch.compile'd) over the BlockMask that `create_block_mask` builds from the
-sliding-window mask_mod, at Flex's own 128x128 blocks; dense causal SDPA on cuDNN, which has no window (the work
-a model pays without one). Forward, and forward+backward (`bench.backward`'s timing: do_bench medians, eager and
-replayed from a CUDA graph). kernelgen's o and gradients are compared with Flex's (relative L2), and two
-backward runs bit for bit. TFLOP/s count the window's visible (query, key) pairs, 4 * D FLOP each forward.
+lists prepared once, on the backend `auto` serves and on each other backend with windows here; FlexAttention
+(torch.compile'd) over the BlockMask that `create_block_mask` builds from the sliding-window mask_mod, at Flex's
+own 128x128 blocks; dense causal SDPA on cuDNN, which has no window (the work a model pays without one).
+Forward, and forward+backward (`bench.backward`'s timing: do_bench medians, eager and replayed from a CUDA graph).
+kernelgen's o and gradients are compared with Flex's (relative L2), and two backward runs bit for bit. TFLOP/s
+count the window's visible (query, key) pairs, 4 * D FLOP each forward.
 
 Then a decode step of the same heads: DECODE_BATCH rows of a cache of n_k keys (`cache_seqlens`, every row full),
 one query a row at its end, as a serving engine runs it: kernelgen's call (one launch: the decode kernel makes the
-rows' window lists from their lengths), and the same over a paged cache (one block a page, the pages shuffled over the
-pool); FlexAttention (torch.compile'd) over the cache with the sliding-window BlockMask of one query; dense SDPA
+rows' window lists from their lengths), and the same over a paged cache (one block a page, the pages shuffled over
+the pool); FlexAttention (torch.compile'd) over the cache with the sliding-window BlockMask of one query; dense SDPA
 (flash, cuDNN; `enable_gqa`) over exactly the window's keys, sliced out beforehand (what a ring-buffer cache of W
 keys hands a dense kernel, at no cost to the anchor). Times are do_bench medians, CUDA-graph
 replays and the host's enqueue time (`bench.decode`'s), and kernelgen's o is compared with each anchor's.
