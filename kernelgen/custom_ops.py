@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
 
 import torch
@@ -31,7 +32,7 @@ import torch
 from . import dispatch
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
-from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_reps_fit_capacity,
+from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_kv_scales, check_reps_fit_capacity,
                      check_reps_length, check_scale, describe_index, lists_type_error, refuse_cast_cache,
                      refuse_forward_ad, refuse_function_transforms, refuse_grad_with_seqlens, refuse_unpaired_new_keys)
 from .sinks import check_sinks, with_sinks
@@ -73,20 +74,23 @@ def _attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
              reps: torch.Tensor | None = None, reps_seqlens: torch.Tensor | None = None,
              reps_n_k: int = 0, cache_leftpad: torch.Tensor | None = None,
              reps_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None,
-             block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             block_table: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     spec = _spec_of(spec_json)
     attn = get_kernel(spec)
     shapes = attn._start_call(q, k, v, block_table)
     rows = attn._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens,
                       _key_reps(spec, reps, reps_seqlens, reps_n_k, reps_leftpad), _index(q_idx, k_idx, w),
                       block_table)
+    rows = check_kv_scales(k, v, k_scale, v_scale, rows, shapes, q.device)
     return attn._forward(q, k, v, shapes, block_idx, scale, _index(q_idx, k_idx, w),
                          _key_reps(spec, reps, reps_seqlens, reps_n_k, reps_leftpad), rows)[:3]
 
 
 @_attn_op.register_fake
 def _(q, k, v, block_idx, spec_json, scale, q_idx=None, k_idx=None, w=None, cache_seqlens=None, reps=None,
-      reps_seqlens=None, reps_n_k=0, cache_leftpad=None, reps_leftpad=None, seqlens=None, block_table=None):
+      reps_seqlens=None, reps_n_k=0, cache_leftpad=None, reps_leftpad=None, seqlens=None, block_table=None,
+      k_scale=None, v_scale=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32),
             _lists_like(q, k, _spec_of(spec_json)))
 
@@ -96,19 +100,21 @@ def _append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_new: torch.T
                spec_json: str, cache_seqlens: torch.Tensor, cache_leftpad: torch.Tensor | None = None,
                block_table: torch.Tensor | None = None, q_idx: torch.Tensor | None = None,
                k_idx: torch.Tensor | None = None, w: torch.Tensor | None = None,
-               k_idx_new: torch.Tensor | None = None) -> torch.Tensor:
+               k_idx_new: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A call's new keys written into its cache in place (k, v; k_idx): the rows' lengths after the write."""
     attn = get_kernel(_spec_of(spec_json))
     shapes = attn._start_call(q, k, v, block_table)
     index = _index(q_idx, k_idx, w)
     rows = attn._rows(shapes, q.device, cache_seqlens, cache_leftpad, None, None, index, block_table)
+    rows = check_kv_scales(k, v, k_scale, v_scale, rows, shapes, q.device)
     new = attn._new_keys(k, v, shapes, (k_new, v_new, k_idx_new), index, rows, (k, v), cache_seqlens)
     return attn._append(k, v, shapes, new, rows).seqlens
 
 
 @_append_op.register_fake
 def _(q, k, v, k_new, v_new, spec_json, cache_seqlens, cache_leftpad=None, block_table=None, q_idx=None, k_idx=None,
-      w=None, k_idx_new=None):
+      w=None, k_idx_new=None, k_scale=None, v_scale=None):
     return torch.empty_like(cache_seqlens)
 
 
@@ -324,16 +330,17 @@ def select_blocks(q: torch.Tensor, k: torch.Tensor, spec: Spec | str, index=None
 def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, index=None,
                      cache_seqlens=None, key_reps: KeyReps | None = None,
                      cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None,
-                     k_idx_new=None, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     k_idx_new=None, sinks=None, k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., cache_leftpad=...,
-    key_reps=..., seqlens=..., block_table=..., k_new=..., v_new=..., k_idx_new=..., sinks=...,
-    return_lse=True)` as custom ops (attention sinks joined after them, in the graph); o and lse backpropagate (a
+    key_reps=..., seqlens=..., block_table=..., k_new=..., v_new=..., k_idx_new=..., sinks=..., k_scale=...,
+    v_scale=..., return_lse=True)` as custom ops (a float scale enters them as a one-element tensor) (attention sinks joined after them, in the graph); o and lse backpropagate (a
     call with cache_seqlens or block_table has no backward).
     `spec` may also be its JSON text (`Spec.to_json`). Prepared lists (`attn.prepare`) go in as their normalised
     ids: their reverse index and union design stay outside the op, which builds what its calls need. New keys
     (k_new=) are written into the cache by an op of their own, which mutates k and v (and k_idx) in place."""
     if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 4:  # before the op writes new keys
         check_sinks(sinks, q.shape[1], q.device)
+    k_scale, v_scale = (_scale_tensor(name, x, q) for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))
     cache = (k, v)
     q, k, v = autocast_qkv(q, k, v)
     refuse_forward_ad(q, k, v)
@@ -360,7 +367,7 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
                                        attn._rows(shapes, q.device, cache_seqlens, cache_leftpad, None, key_reps,
                                                   index, block_table))
         cache_seqlens = _append_new_keys(q, k, v, spec_json, (k_new, v_new, k_idx_new), cache, cache_seqlens,
-                                         cache_leftpad, block_table, index)
+                                         cache_leftpad, block_table, index, (k_scale, v_scale))
     if key_reps is not None and (cache_seqlens is not None or block_table is not None) and key_reps.seqlens is not None:
         # reps of per-row lengths follow the call, as the eager call's do: grown to its rows first (its op is
         # functional, as autograd needs, so the growth is an op of its own); reps of another capacity are refused
@@ -376,7 +383,8 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
         raise KernelgenTypeError(f"scale must be a Python float under torch.compile, got {type(scale).__name__} (a "
                                  "NumPy scalar is traced as a tensor): pass float(scale)")
     o, lse, _ = _attn_op(q, k, v, block_idx, spec_json, None if scale is None else float(scale),
-                         *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3], seqlens, block_table)
+                         *_index_args(index), cache_seqlens, *reps[:3], cache_leftpad, reps[3], seqlens, block_table,
+                         k_scale, v_scale)
     if sinks is not None:
         o, lse = with_sinks(o, lse, sinks)
     if seqlens is not None:  # the padding's o and lse, cleared outside the op: no gradient reaches them
@@ -385,7 +393,7 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
 
 
 def _append_new_keys(q, k, v, spec_json: str, new: tuple, cache: tuple, cache_seqlens, cache_leftpad, block_table,
-                     index) -> torch.Tensor:
+                     index, kv_scales=(None, None)) -> torch.Tensor:
     """`sparse_attention`'s write of new keys (k_new, v_new, k_idx_new) into its cache: the rows' lengths after it.
     What the op could not take (anything but tensors, a call without cache_seqlens) is named as the eager call
     names it."""
@@ -393,7 +401,19 @@ def _append_new_keys(q, k, v, spec_json: str, new: tuple, cache: tuple, cache_se
     refuse_unpaired_new_keys(new[0], new[1], cache_seqlens)  # the op's arguments: tensors, not None
     refuse_cast_cache(k, v, cache)
     return _append_op(q, k, v, *new[:2], spec_json, cache_seqlens, cache_leftpad, block_table, *_index_args(index),
-                      new[2])
+                      new[2], *kv_scales)
+
+
+def _scale_tensor(name: str, scale, q) -> torch.Tensor | None:
+    """An fp8 cache's scale as the ops take it: a float (checked as the eager call checks it) as a one-element
+    float32 tensor on q's device; a tensor or None as it is (the op's check names anything wrong)."""
+    if scale is None or isinstance(scale, torch.Tensor) or not isinstance(q, torch.Tensor):
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise KernelgenTypeError(f"{name} must be a float or a float32 tensor, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise KernelgenValueError(f"{name} must be finite and > 0, got {scale}")
+    return torch.full((1,), float(scale), dtype=torch.float32, device=q.device)
 
 
 dispatch.trace_through(sys.modules[__name__])  # get_kernel(spec)'s calls under torch.compile run these

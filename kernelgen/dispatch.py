@@ -32,7 +32,7 @@ from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, apart_from_cache, autocast_qkv, check_block_idx,
-                     check_block_lists, CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
+                     check_block_lists, CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps, check_kv_scales,
                      check_new_keys, NewKeys,
                      check_reps_fit_capacity, check_keys, check_length, check_row_ints, check_scale, refuse_cast_cache,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
@@ -399,11 +399,19 @@ class SparseAttention:
         return forward_roles(self.spec, shapes.n_q, isinstance(rows, CacheRows))[1]
 
     @staticmethod
-    def _varlen(served: Served, rows: CacheRows | TokenRows | None) -> dict:
+    def _varlen(served: Served, rows: CacheRows | TokenRows | None, scaled: bool = False) -> dict:
         """The launch options that pass a call's `cache_seqlens` and `cache_leftpad` (or a padded batch's
-        `seqlens`, its queries the rows' own tokens) to a role that takes them (none without)."""
+        `seqlens`, its queries the rows' own tokens) to a role that takes them (none without); `scaled` (a role that
+        reads the cache's values: attention, appending): an fp8 cache's scales too, as `kv_scales=`. Selection reads
+        an fp8 cache's keys unscaled: a positive scale a (batch row, KV head) ranks its blocks alike."""
         if rows is None:
             return {}
+        if scaled and isinstance(rows, CacheRows) and rows.kv_scales is not None:
+            if not served.impl.fp8_kv:
+                raise KernelgenValueError(f"k.dtype = float8_e4m3fn: the {served.role!r} role of backend "
+                                          f"{served.backend.name!r} reads no fp8 KV cache (the Triton backend's "
+                                          "decode, attn_rows and attn_paged do: Q-centric lists)")
+            return SparseAttention._varlen(served, rows) | {"kv_scales": rows.kv_scales}
         if not served.impl.varlen:
             name = "seqlens" if isinstance(rows, TokenRows) else "cache_seqlens"
             raise KernelgenValueError(f"{name}=: the {served.role!r} role of backend {served.backend.name!r} "
@@ -650,25 +658,25 @@ class SparseAttention:
                  cache_leftpad: torch.Tensor | None = None, seqlens: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
                  v_new: torch.Tensor | None = None, k_idx_new: torch.Tensor | None = None,
-                 sinks: torch.Tensor | None = None):
+                 sinks: torch.Tensor | None = None, k_scale=None, v_scale=None):
         check_return_lse(return_lse)
         if torch.compiler.is_compiling() and self._outside_graph(scale):
             return _eagerly(self, q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse,
                             key_reps=key_reps, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
                             seqlens=seqlens, block_table=block_table, k_new=k_new, v_new=v_new, k_idx_new=k_idx_new,
-                            sinks=sinks)
+                            sinks=sinks, k_scale=k_scale, v_scale=v_scale)
         if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 4:  # else q's own check names q
             check_sinks(sinks, q.shape[1], q.device)
         if torch.compiler.is_compiling():  # dynamo cannot trace this dispatcher (its caches, its host reads)
             o, lse = self._traced().sparse_attention(
                 q, k, v, self._spec_text, block_idx=block_idx, scale=scale, index=index, cache_seqlens=cache_seqlens,
                 key_reps=key_reps, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table,
-                k_new=k_new, v_new=v_new, k_idx_new=k_idx_new, sinks=sinks)
+                k_new=k_new, v_new=v_new, k_idx_new=k_idx_new, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
             return (o, lse) if return_lse else o
         q, k, v, shapes, rows, new = self._checked_call(
             q, k, v, block_idx=block_idx, index=index, scale=scale, key_reps=key_reps, cache_seqlens=cache_seqlens,
             cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
-            k_idx_new=k_idx_new)
+            k_idx_new=k_idx_new, k_scale=k_scale, v_scale=v_scale)
         if new is not None:
             rows = self._append(k, v, shapes, new, rows)
         o, lse = self._checked_attention(q, k, v, shapes, rows, block_idx, scale, index, key_reps, sinks)
@@ -691,9 +699,10 @@ class SparseAttention:
         return o, lse
 
     def _checked_call(self, q, k, v, *, block_idx=None, index=None, scale=None, key_reps=None, cache_seqlens=None,
-                      cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None, k_idx_new=None):
+                      cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None, k_idx_new=None,
+                      k_scale=None, v_scale=None):
         """What a call checks before it writes or launches anything: (q, k, v as autocast leaves them, shapes,
-        rows, the checked new keys it writes first or None)."""
+        rows (an fp8 cache's with its scales), the checked new keys it writes first or None)."""
         new = (k_new, v_new, k_idx_new)
         refuse_function_transforms(q, k, v)
         cache = (k, v)
@@ -701,6 +710,7 @@ class SparseAttention:
         refuse_forward_ad(q, k, v)
         shapes = self._start_call(q, k, v, block_table)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
+        rows = check_kv_scales(k, v, k_scale, v_scale, rows, shapes, q.device)
         if isinstance(rows, CacheRows):
             refuse_grad_with_seqlens(rows.seqlens, q, k, v, rows.block_table)
         if all(x is None for x in new):
@@ -746,15 +756,15 @@ class SparseAttention:
         leaves the new keys past the rows' lengths (the caller's cache_seqlens is not changed), where nothing
         reads them. `packed`: cu_seqlens and most_new, for new keys packed as a varlen call's queries."""
         served = self._served("append_kv", seq_bucket(shapes.n_k), k.dtype, k.device)
-        options = self._varlen(served, rows) | packed
+        options = self._varlen(served, rows, scaled=True) | packed
         after = self._launch(served, k, shapes, k, new.k, v, new.v, **options)
-        if new.k_idx is not None:
-            self._launch(served, k, shapes, new.k_idx, new.k_idx_new, **options)
+        if new.k_idx is not None:  # the index keys are not the fp8 cache's: written as they are
+            self._launch(served, k, shapes, new.k_idx, new.k_idx_new, **(options | {"kv_scales": None}))
         return rows._replace(seqlens=after)
 
     def varlen(self, q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None,
                return_lse: bool = False, cache_seqlens=None, block_table=None, cache_leftpad=None, key_reps=None,
-               k_new=None, v_new=None, k_idx_new=None, sinks=None):
+               k_new=None, v_new=None, k_idx_new=None, sinks=None, k_scale=None, v_scale=None):
         """Causal self-attention over packed sequences of different lengths, in FlashAttention's varlen layout
         (`varlen.VARLEN_LAYOUT`): each sequence selects and attends as the call over it alone would, bit for bit,
         forward and backward. o is [total, Hq, D]; lse (return_lse) float32 [Hq, total], as FlashAttention's.
@@ -768,7 +778,7 @@ class SparseAttention:
         rows and prefill chunks of any lengths in one call. Row b is the call over its cache row with its
         cu_seqlens[b + 1] - cu_seqlens[b] queries (`_varlen_over_cache`); k_new, v_new [total, Hkv, D] (and
         k_idx_new [total, k_idx's heads, Di]), packed as q, are its new tokens' keys, written at each row's end
-        first as the call's k_new= writes them. `sinks`: as the call's."""
+        first as the call's k_new= writes them. `sinks`, and an fp8 cache's `k_scale` and `v_scale`: as the call's."""
         check_return_lse(return_lse)
         if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # else q's own check names q
             check_sinks(sinks, q.shape[1], q.device)
@@ -778,14 +788,15 @@ class SparseAttention:
                 return _varlen_eagerly(self, q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, index=index,
                                        scale=scale, return_lse=return_lse, cache_seqlens=cache_seqlens,
                                        block_table=block_table, cache_leftpad=cache_leftpad, key_reps=key_reps,
-                                       k_new=k_new, v_new=v_new, k_idx_new=k_idx_new, sinks=sinks)
+                                       k_new=k_new, v_new=v_new, k_idx_new=k_idx_new, sinks=sinks, k_scale=k_scale,
+                                       v_scale=v_scale)
             o, lse = self._varlen_over_cache(q, k, v, cu_seqlens, block_idx, index, scale, cache_seqlens,
-                                             block_table, cache_leftpad, key_reps, new, max_seqlen)
+                                             block_table, cache_leftpad, key_reps, new, max_seqlen, (k_scale, v_scale))
             if sinks is not None:
                 o, lse = with_sinks(o, lse, sinks)
             return (o, lse.t().contiguous()) if return_lse else o
         for name, value in (("cache_leftpad", cache_leftpad), ("key_reps", key_reps), ("k_new", k_new),
-                            ("v_new", v_new), ("k_idx_new", k_idx_new)):
+                            ("v_new", v_new), ("k_idx_new", k_idx_new), ("k_scale", k_scale), ("v_scale", v_scale)):
             if value is not None:
                 raise KernelgenValueError(f"varlen takes {name}= over a KV cache only (with cache_seqlens= or "
                                           "block_table=)")
@@ -805,7 +816,7 @@ class SparseAttention:
 
     def _varlen_over_cache(self, q, k, v, cu_seqlens, block_idx, index, scale, cache_seqlens, block_table,
                            cache_leftpad, key_reps, new=(None, None, None),
-                           max_seqlen=None) -> tuple[torch.Tensor, torch.Tensor]:
+                           max_seqlen=None, kv_scales=(None, None)) -> tuple[torch.Tensor, torch.Tensor]:
         """`varlen` over a KV cache: (o [total, Hq, D], lse [total, Hq]). The rows are grouped by their query count
         (bounds read once per cu_seqlens tensor) and each group runs as one call of that many queries over its
         rows of the cache: the call each row would make alone, its lists bit for bit. A group's consecutive rows are
@@ -815,7 +826,8 @@ class SparseAttention:
         consecutive, else a copy), and the reps are grown in place to the rows' lengths after the call once, at its
         end (rows grown by their group's call then have nothing left to pool). `new`: the packed new keys (k_new,
         v_new, k_idx_new), written by one launch for every row (after each group's call has been checked as its
-        own writing call would be: a refused call writes nothing), before the groups attend."""
+        own writing call would be: a refused call writes nothing), before the groups attend. `kv_scales`: an fp8
+        cache's (k_scale, v_scale), each group's call given its rows' of [B, Hkv] scales."""
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
                 raise KernelgenValueError(f"varlen over a KV cache takes {VARLEN_CACHE_LAYOUT}; {name} is "
@@ -853,12 +865,15 @@ class SparseAttention:
             """The group's call over the cache, its rows' `lengths`, writing `new_keys` (packed, or Nones), of the
             packed `queries` and index selector's inputs."""
             options = dict(cache_seqlens=lengths, cache_leftpad=cache_leftpad, block_table=block_table,
-                           key_reps=key_reps, block_idx=_group_lists(block_idx, group, self.spec, rows, k.shape[1]))
+                           key_reps=key_reps, block_idx=_group_lists(block_idx, group, self.spec, rows, k.shape[1]),
+                           k_scale=kv_scales[0], v_scale=kv_scales[1])
             cache, group_k_idx = (k, v), k_idx
             if not group.every_row:
                 options.update((name, None if x is None else group_rows(x, group)) for name, x in
                                (("cache_seqlens", lengths), ("cache_leftpad", cache_leftpad),
                                 ("block_table", block_table)))
+                options.update((name, group_rows(x, group)) for name, x in zip(("k_scale", "v_scale"), kv_scales)
+                               if isinstance(x, torch.Tensor) and x.numel() > 1)  # [B, Hkv]: the group's rows'
                 if isinstance(key_reps, KeyReps):  # the rows' reps, which the group's call grows
                     options["key_reps"] = key_reps._rows_of(functools.partial(group_rows, group=group))
                 if block_table is None and group.first is not None:  # a contiguous cache's consecutive rows: a slice
@@ -891,8 +906,10 @@ class SparseAttention:
                 args, options = group_call(group, cache_seqlens, new)
                 checked[id(group)] = self._checked_call(*args, **options, scale=scale)[:5], options
             written = apart_from_cache(NewKeys(new[0], new[1], k_idx, new[2]), k, v)
-            after = self._append(k, v, self._cache_shapes(k, block_table), written,
-                                 CacheRows(cache_seqlens, cache_leftpad, block_table), cu_seqlens=cu_seqlens,
+            shapes = self._cache_shapes(k, block_table)
+            after = self._append(k, v, shapes, written,
+                                 check_kv_scales(k, v, *kv_scales, CacheRows(cache_seqlens, cache_leftpad, block_table),
+                                                 shapes, k.device), cu_seqlens=cu_seqlens,
                                  most_new=groups[-1].count).seqlens
 
         def call(group: QueryGroup):
@@ -998,11 +1015,11 @@ class SparseAttention:
         elif get_role(attn.role).reverse_index:
             reverse = used.reverse_index() if prepared else None
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, reverse, scale,
-                                  **self._varlen(attn, None if padded else rows))
+                                  **self._varlen(attn, None if padded else rows, scaled=True))
         else:
             # a padded batch's attention runs over whole rows: causal, a row's tokens see none of its padding
             o, lse = self._launch(attn, q, shapes, q, k, v, normalised, scale,
-                                  **self._varlen(attn, None if padded else rows))
+                                  **self._varlen(attn, None if padded else rows, scaled=True))
         return o, lse, used, built
 
     def _gradients(self, do, q, k, v, o, lse, block_idx: torch.Tensor, scale,

@@ -18,7 +18,8 @@ assembled from kernelgen's own sources, so that nothing is written twice:
   launcher   SPEC, CONFIGS, `kernel` (kernelgen's own SparseAttention with every role's config pinned, so
              that nothing is tuned or looked up), attn(q, k, v, *, block_idx=None, index=None, scale=None,
              return_lse=False, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None,
-             block_table=None, k_new=None, v_new=None, k_idx_new=None, sinks=None) (its output backpropagates,
+             block_table=None, k_new=None, v_new=None, k_idx_new=None, sinks=None, k_scale=None, v_scale=None) (its
+             output backpropagates,
              as kernelgen's does), select(q, k, *, ...),
              key_reps(k, *, previous=None, ...) and prepare(block_idx, seq_q, seq_k): the keyword arguments
              of kernelgen's SparseAttention
@@ -88,9 +89,10 @@ def export_module(spec: Spec, out_path, configs: dict | None = None, arch: str |
 
     The module has `attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None,
     cache_seqlens=None, cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None,
-    k_idx_new=None, sinks=None)`, `varlen(q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None,
-    scale=None, return_lse=False, cache_seqlens=None, block_table=None, cache_leftpad=None, key_reps=None,
-    k_new=None, v_new=None, k_idx_new=None, sinks=None)` (packed sequences, or packed queries over a KV cache,
+    k_idx_new=None, sinks=None, k_scale=None, v_scale=None)`, `varlen(q, k, v, cu_seqlens, max_seqlen=None, *,
+    block_idx=None, index=None, scale=None, return_lse=False, cache_seqlens=None, block_table=None,
+    cache_leftpad=None, key_reps=None, k_new=None, v_new=None, k_idx_new=None, sinks=None, k_scale=None,
+    v_scale=None)` (packed sequences, or packed queries over a KV cache,
     as SparseAttention.varlen), `select(q, k, *, index=None, key_reps=None, cache_seqlens=None,
     cache_leftpad=None, seqlens=None, block_table=None)`, `prepare(block_idx, seq_q, seq_k)` (lists normalised
     once, as SparseAttention.prepare), `key_reps(k, *, previous=None, cache_seqlens=None, cache_leftpad=None,
@@ -639,7 +641,8 @@ kernel = _embedded("dispatch").SparseAttention(
 
 
 def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, key_reps=None, cache_seqlens=None,
-         cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None, k_idx_new=None, sinks=None):
+         cache_leftpad=None, seqlens=None, block_table=None, k_new=None, v_new=None, k_idx_new=None, sinks=None,
+         k_scale=None, v_scale=None):
     """o [B, Hq, Nq, D] (and lse float32 [B, Hq, Nq] with return_lse) over the spec's selection, or over
     block_idx int32/int64 [B, Hkv, n_q_tiles, top_k] when given (-1 empty; out-of-range ids are empty).
     index: (q_idx, k_idx, w) of the index selector; key_reps: k's kept representatives (key_reps(k));
@@ -650,26 +653,27 @@ def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, k
     block_table[b, p // page_size]); k_new, v_new: [B, Hkv, n_new, D], written into the cache at each row's end
     (cache_seqlens[b]) before the call attends over cache_seqlens + n_new keys (k_idx_new: the index keys of the
     same tokens, written into index's k_idx); sinks: float [Hq], attention sinks (a logit per query head in each
-    row's softmax, with no value). o and lse backpropagate."""
+    row's softmax, with no value); k_scale, v_scale: float or float32 [B, Hkv], the dequantisation scales of a
+    float8_e4m3fn cache (k and v). o and lse backpropagate (a call over a cache has no backward)."""
     return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps,
                   cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table,
-                  k_new=k_new, v_new=v_new, k_idx_new=k_idx_new, sinks=sinks)
+                  k_new=k_new, v_new=v_new, k_idx_new=k_idx_new, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 def varlen(q, k, v, cu_seqlens, max_seqlen=None, *, block_idx=None, index=None, scale=None, return_lse=False,
            cache_seqlens=None, block_table=None, cache_leftpad=None, key_reps=None, k_new=None, v_new=None,
-           k_idx_new=None, sinks=None):
+           k_idx_new=None, sinks=None, k_scale=None, v_scale=None):
     """Causal self-attention over packed sequences, FlashAttention's varlen layout: q [total, Hq, D], k and v
     [total, Hkv, D], cu_seqlens int32 [n + 1]; each sequence as attn over it alone. o [total, Hq, D] (and lse
     float32 [Hq, total]); block_idx: given lists, [n, Hkv, rows, top_k], row d sequence d's; index: the index
     selector's (q_idx, k_idx, w) packed as q is (per-query lists). With cache_seqlens or block_table, k and v
     are a KV cache of B rows (as attn's) and q each row's new queries, packed (cu_seqlens [B + 1]): row b as
     attn over its cache row with its own queries (k_new, v_new, k_idx_new: their tokens' keys, packed as q,
-    written at each row's end first); sinks: as attn's."""
+    written at each row's end first); sinks, k_scale, v_scale: as attn's."""
     return kernel.varlen(q, k, v, cu_seqlens, max_seqlen, block_idx=block_idx, index=index, scale=scale,
                          return_lse=return_lse, cache_seqlens=cache_seqlens, block_table=block_table,
                          cache_leftpad=cache_leftpad, key_reps=key_reps, k_new=k_new, v_new=v_new,
-                         k_idx_new=k_idx_new, sinks=sinks)
+                         k_idx_new=k_idx_new, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
 
 
 def select(q, k, *, index=None, key_reps=None, cache_seqlens=None, cache_leftpad=None, seqlens=None,

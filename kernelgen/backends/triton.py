@@ -18,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..archs import arch_facts
 from ..device import device_arch, on_default_stream
 from ..errors import KernelgenValueError
-from ..inputs import LOG2E, cdiv, empty, next_pow2, softmax_scale
+from ..inputs import LOG2E, KVScales, cdiv, empty, next_pow2, softmax_scale
 from ..reverse_index import QueryReverseIndex, ReverseIndex, build_query_reverse_index, max_tasks
 from ..roles import DECODE_MAX_QUERIES, INDEX_HEADS
 from ..spec import Spec
@@ -1177,14 +1177,15 @@ def launch_append_kv(mod, spec: Spec, cfg, shapes: Shapes, cache: torch.Tensor, 
                      cache_b: torch.Tensor | None = None, new_b: torch.Tensor | None = None, *,
                      seqlens: torch.Tensor, leftpad: torch.Tensor | None = None,
                      block_table: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                     most_new: int = 0) -> torch.Tensor:
+                     most_new: int = 0, kv_scales: KVScales | None = None) -> torch.Tensor:
     """new [B, H, n_new, D] written into cache (and new_b into cache_b, of the same rows and heads) at each row's
     end, seqlens[b] clamped to [0, capacity]: positions past the capacity, or in a page outside the pool
     (`block_table`: the caches are pools of pages [n_pages, H, page_size, D]), are not written. Returns the rows'
     lengths after the write, int32 [B] (min(start + n_new, capacity)). leftpad: a row's first key, which the
     write does not move. cu_seqlens (int32 [B + 1]): new and new_b are packed [total, H, D] as a varlen call's
     queries, row b's new rows [cu_seqlens[b], cu_seqlens[b + 1]), none more than `most_new` (one launch for
-    every row)."""
+    every row). `kv_scales`: cache and cache_b are a float8_e4m3fn K and V cache of these scales, the new rows
+    quantised (divided by their (b, h)'s scale, saturated, rounded to nearest)."""
     packed = cu_seqlens is not None
     if packed:
         (batch, n_new), (heads, dim) = (cu_seqlens.shape[0] - 1, most_new), new.shape[1:]
@@ -1206,7 +1207,8 @@ def launch_append_kv(mod, spec: Spec, cfg, shapes: Shapes, cache: torch.Tensor, 
         cache, new, cache_b, new_b, seqlens, after, table, cu_seqlens if packed else seqlens, *cache.stride(),
         *new_strides, *cache_b.stride(), *new_b_strides, stride_tb, n_new, capacity, heads, n_pages, dim,
         new_b.shape[-1], PAIRS=pairs, ROWS=rows, BLOCK_D=next_pow2(max(dim, new_b.shape[-1])), PAGE_SIZE=page_size,
-        PACKED=packed, num_warps=4)
+        PACKED=packed, num_warps=4,
+        **({} if kv_scales is None else {"SCALE_A": kv_scales.k, "SCALE_B": kv_scales.v}))
     return after
 
 
@@ -1499,7 +1501,7 @@ def arrival_counts(n: int, device) -> torch.Tensor:
 
 def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, block_idx, scale, *,
                   seqlens: torch.Tensor | None = None, leftpad: torch.Tensor | None = None,
-                  block_table: torch.Tensor | None = None):
+                  block_table: torch.Tensor | None = None, kv_scales: KVScales | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised lists (Q-centric or per-query:
     the spec says which) of a call of a few queries: a partial per (query group, split), merged, with
     splits > 1, by the group's last program in split order (`arrival_counts`). `seqlens`, `leftpad` (int32 [B]):
@@ -1534,7 +1536,7 @@ def launch_decode(mod, spec: Spec, cfg: DecodeConfig, shapes: Shapes, q, k, v, b
         shapes.n_q, shapes.n_k, shapes.n_kv_blocks, shapes.heads_kv, qk_scale(spec, scale),
         **_decode_constexprs(spec, cfg),
         VARLEN=seqlens is not None, HAS_LEFTPAD=leftpad is not None, PAGED=paged,
-        PAGE_SIZE=k.shape[2] if paged else spec.kv_block, WINDOW_LISTS=window_lists)
+        PAGE_SIZE=k.shape[2] if paged else spec.kv_block, WINDOW_LISTS=window_lists, **_scale_args(kv_scales))
     return o, lse
 
 
@@ -1554,7 +1556,7 @@ def _decode_constexprs(spec: Spec, cfg: DecodeConfig) -> dict:
 
 
 def launch_attn_paged(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale,
-                      seqlens: torch.Tensor, block_table: torch.Tensor):
+                      seqlens: torch.Tensor, block_table: torch.Tensor, kv_scales: KVScales | None = None):
     """`launch_attn_rows`' (o, lse) of a prefill chunk over a paged KV cache: k and v are pools of pages
     [n_pages, Hkv, page_size, D], row b's key p in page block_table[b, p // page_size] (`attn_paged_fwd`: the
     forward's loop over the pool's blocks where no mask is needed, a block at a time in its page where one is)."""
@@ -1576,8 +1578,13 @@ def launch_attn_paged(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v,
         q, k, v, o, lse, row_idx, pool_idx, seqlens, block_table,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *row_idx.stride()[:3],
         block_table.stride(0), shapes.n_q, shapes.n_k, n_pages, shapes.heads_kv, n_pages * ratio, qk_scale(spec, scale),
-        BLOCKS_A_PAGE=page_size // spec.kv_block, **constexprs)
+        BLOCKS_A_PAGE=page_size // spec.kv_block, **constexprs, **_scale_args(kv_scales))
     return o, lse
+
+
+def _scale_args(kv_scales: KVScales | None) -> dict:
+    """The attention kernels' K_SCALE and V_SCALE (an fp8 cache's scales; none without: the kernels' None)."""
+    return {} if kv_scales is None else {"K_SCALE": kv_scales.k, "V_SCALE": kv_scales.v}
 
 
 def pool_ratio(spec: Spec, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -1736,10 +1743,11 @@ def _attn_constexprs(spec: Spec, cfg: AttnConfig) -> dict:
 
 
 def launch_attn_rows(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block_idx, scale,
-                     seqlens: torch.Tensor, leftpad: torch.Tensor | None = None):
+                     seqlens: torch.Tensor, leftpad: torch.Tensor | None = None, kv_scales: KVScales | None = None):
     """`launch_attn`'s (o, lse) of a prefill over a KV cache of per-row lengths: batch row b holds k's keys
     [leftpad[b], seqlens[b]) (int32 [B]; leftpad None: from 0), its Nq queries the last positions of those, its
-    lists over its own blocks (`attn_rows_fwd`: the forward's kernel per row, through pointers)."""
+    lists over its own blocks (`attn_rows_fwd`: the forward's kernel per row, through pointers). `kv_scales`: k and
+    v are a float8_e4m3fn cache of these scales."""
     spec, shapes, block_idx = _stepped(spec, shapes, block_idx)
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)
@@ -1749,7 +1757,7 @@ def launch_attn_rows(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, 
         q, k, v, o, lse, block_idx, *_row_keys(seqlens, leftpad),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.heads_kv, qk_scale(spec, scale),
-        HAS_LEFTPAD=leftpad is not None, **_attn_constexprs(spec, cfg))
+        HAS_LEFTPAD=leftpad is not None, **_attn_constexprs(spec, cfg), **_scale_args(kv_scales))
     return o, lse
 
 
@@ -1856,7 +1864,8 @@ class TritonBackend(Backend):
         "window_lists": RoleImpl(launch=launch_window_lists, template="triton/window_lists.py.j2", varlen=True,
                                  paged=True),
         "key_reps": RoleImpl(launch=launch_key_reps, template="triton/key_reps.py.j2", varlen=True, paged=True),
-        "append_kv": RoleImpl(launch=launch_append_kv, template="triton/append_kv.py.j2", varlen=True, paged=True),
+        "append_kv": RoleImpl(launch=launch_append_kv, template="triton/append_kv.py.j2", varlen=True, paged=True,
+                              fp8_kv=True),
         "select": RoleImpl(launch=launch_select, template="triton/select.py.j2", config_type=SelectConfig,
                            default=select_default, space=select_space, infeasible=select_infeasible),
         "decode_select": RoleImpl(launch=launch_decode_select, template="triton/decode_select.py.j2",
@@ -1873,7 +1882,7 @@ class TritonBackend(Backend):
                          default=attn_default, space=attn_space, infeasible=attn_infeasible),
         "attn_rows": RoleImpl(launch=launch_attn_rows, template="triton/attn_rows.py.j2", config_type=AttnConfig,
                               default=attn_rows_default, space=attn_rows_space, infeasible=attn_rows_infeasible,
-                              varlen=True),
+                              varlen=True, fp8_kv=True),
         "bwd_delta": RoleImpl(launch=launch_bwd_delta, template="triton/bwd_delta.py.j2"),
         "bwd_dq": RoleImpl(launch=launch_bwd_dq, template="triton/bwd_dq.py.j2", config_type=BwdDqConfig,
                            default=bwd_dq_default, space=bwd_dq_space, infeasible=bwd_dq_infeasible),
@@ -1909,14 +1918,14 @@ class TritonBackend(Backend):
         # a few queries (decode) over either schedule's lists: split-KV over each query's list
         "decode": RoleImpl(launch=launch_decode, template="triton/decode.py.j2", config_type=DecodeConfig,
                            default=decode_default, space=decode_space, infeasible=decode_infeasible, varlen=True,
-                           paged=True),
+                           paged=True, fp8_kv=True),
         # a prefill chunk over a paged cache: each schedule's forward kernel with its blocks based in their pages
         "kv_attn_paged": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn_paged.py.j2",
                                   config_type=KvAttnConfig, default=kv_attn_default, space=kv_attn_space,
                                   infeasible=kv_attn_infeasible, varlen=True, paged=True),
         "attn_paged": RoleImpl(launch=launch_attn_paged, template="triton/attn_paged.py.j2", config_type=AttnConfig,
                                default=attn_rows_default, space=attn_rows_space, infeasible=attn_paged_infeasible,
-                               varlen=True, paged=True),
+                               varlen=True, paged=True, fp8_kv=True),
         # its backward (bwd_delta is shared with the Q-centric schedule)
         "kv_bwd": RoleImpl(launch=launch_kv_bwd, template="triton/kv_bwd.py.j2", config_type=KvBwdConfig,
                            default=kv_bwd_default, space=kv_bwd_space, infeasible=kv_bwd_infeasible),

@@ -10,6 +10,8 @@ For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU
   capacity): the kept reps grown in place to the lengths, then the call with them, one CUDA graph for both;
   the same step writing its token's K and V into the cache first (`k_new=`, `v_new=`); and the same step with
   the reps made afresh over every row's keys (a caller that keeps none);
+- the decode over a cache of per-row lengths (`cache_seqlens`, every row full) in bf16 and as a float8_e4m3fn cache
+  (a scale per batch row and KV head: half the bytes), and the kept-reps step over the fp8 cache;
 - the same decode, and the same step, over a paged cache (`block_table=`): the cache's pages shuffled over a pool,
   at PAGE_BLOCKS blocks a page; their outputs must equal the contiguous cache's bit for bit;
 - the index selector's decode step over the same cache of per-row lengths, under each schedule (index vectors of
@@ -47,6 +49,7 @@ from ..backends.triton import DECODE_SPLITS
 from ..device import device_arch
 from ..dispatch import get_kernel
 from ..errors import KernelgenRuntimeError
+from ..inputs import FP8_MAX, KV_CACHE_FP8
 from ..reference import scatter_pages
 from ..roles import WorkloadShape, forward_roles, index_inputs
 from ..workloads import DECODE_SHAPES, random_query_lists, visible_pairs
@@ -243,8 +246,28 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
                    note="the cache_seqlens step over shuffled pages")
             del k_pages, v_pages
 
+        def fp8_cache():  # the cache in float8_e4m3fn, a scale per (batch row, KV head): half the bytes to read
+            scales = {f"{name}_scale": x.abs().amax(dim=(2, 3)).float() / FP8_MAX for name, x in (("k", k), ("v", v))}
+            k8, v8 = ((x.float() / scales[f"{name}_scale"][:, :, None, None]).to(KV_CACHE_FP8)
+                      for name, x in (("k", k), ("v", v)))
+            lens = torch.full((shape.batch,), shape.n_k, dtype=torch.int32, device=q.device)
+            for label, kc, vc, extra in (("", k, v, {}), (", fp8 cache", k8, v8, scales)):
+                def call(p=prepared[0], kc=kc, vc=vc, extra=extra):
+                    return attn(q, kc, vc, block_idx=p, cache_seqlens=lens, **extra)
+
+                graph_ms = _graph_per_call([functools.partial(call, p) for p in prepared], log)
+                record(name, f"kernelgen decode prepared, cache_seqlens{label}", call, graph_ms,
+                       kv_bytes // (2 if extra else 1), rel_diff_vs_bf16_cache=f"{_rel_diff(call(), ours):.1e}")
+            reps = selecting.key_reps(k8, cache_seqlens=lens)
+            step = functools.partial(selecting, q, k8, v8, cache_seqlens=lens, key_reps=reps, **scales)
+            record(name, "kernelgen mean, kept reps, fp8 cache", step, _bench_graph(step, log=log),
+                   kv_bytes // 2 + reps.reps.numel() * reps.reps.element_size(),
+                   rel_diff_vs_bf16_cache=f"{_rel_diff(step(), selecting(q, k, v)):.1e}")
+            del k8, v8
+
         attempt(name, "mean pipeline", pipeline)
         attempt(name, "kept reps", kept)
+        attempt(name, "fp8 cache", fp8_cache)
         attempt(name, "cache_seqlens step", lengths_step)
         for blocks in PAGE_BLOCKS:
             attempt(name, f"paged cache, {blocks} blocks a page", lambda blocks=blocks: paged(blocks * given.kv_block))
