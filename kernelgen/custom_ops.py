@@ -333,7 +333,8 @@ def sparse_attention(q, k, v, spec: Spec | str, block_idx=None, scale=None, inde
                      k_idx_new=None, sinks=None, k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`get_kernel(spec)(q, k, v, block_idx=..., index=..., scale=..., cache_seqlens=..., cache_leftpad=...,
     key_reps=..., seqlens=..., block_table=..., k_new=..., v_new=..., k_idx_new=..., sinks=..., k_scale=...,
-    v_scale=..., return_lse=True)` as custom ops (a float scale enters them as a one-element tensor) (attention sinks joined after them, in the graph); o and lse backpropagate (a
+    v_scale=..., return_lse=True)` as custom ops (a float scale enters them as a one-element tensor; attention sinks
+    joined after them, in the graph); o and lse backpropagate (a
     call with cache_seqlens or block_table has no backward).
     `spec` may also be its JSON text (`Spec.to_json`). Prepared lists (`attn.prepare`) go in as their normalised
     ids: their reverse index and union design stay outside the op, which builds what its calls need. New keys

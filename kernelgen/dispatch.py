@@ -32,7 +32,8 @@ from . import backends
 from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, apart_from_cache, autocast_qkv, check_block_idx,
-                     check_block_lists, CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps, check_kv_scales,
+                     check_block_lists, CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
+                     check_kv_scales,
                      check_new_keys, NewKeys,
                      check_reps_fit_capacity, check_keys, check_length, check_row_ints, check_scale, refuse_cast_cache,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,

@@ -287,8 +287,9 @@ def check_kv_scales(k, v, k_scale, v_scale, rows, shapes: Shapes, device) -> Cac
         raise KernelgenValueError("k.dtype = float8_e4m3fn: an fp8 KV cache is read by calls over a cache: pass "
                                   "cache_seqlens= (or block_table=) with k_scale= and v_scale=")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise KernelgenTypeError("k.dtype = float8_e4m3fn: an fp8 KV cache needs an sm_89 or newer GPU (e4m3 "
-                                 f"conversions); this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}")
+        major, minor = torch.cuda.get_device_capability(device)
+        raise KernelgenTypeError(f"k.dtype = float8_e4m3fn: an fp8 KV cache needs an sm_89 or newer GPU (e4m3 "
+                                 f"conversions); this GPU is sm_{major}{minor}")
     return rows._replace(kv_scales=KVScales(*(_kv_scale(name, x, shapes, device)
                                               for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))))
 
