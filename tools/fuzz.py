@@ -3,7 +3,7 @@
 Each case is drawn from its seed: a random Spec (every selector, both schedules, sliding windows, soft-capping, and
 on a GPU every backend and "auto"), ragged lengths with Nq != Nk and decode-sized calls (some over a cache of per-row
 lengths, `cache_seqlens`, NaN past each row's keys, and the same over shuffled pages: `block_table`; longer calls
-over such a cache too, a prefill chunk's), GQA, forced blocks, a scale, strided views of [B, N, H, D] buffers,
+over such a cache too, a prefill chunk's; some such caches in fp8 with per-row scales), GQA, forced blocks, a scale, strided views of [B, N, H, D] buffers,
 given lists holding -1, negative, out-of-range and repeated ids and empty rows (raw int32/int64 or prepared),
 index-selector inputs (fp8 on sm_90), tunables pinned to random points of each role's search space, and a backward
 run twice.
@@ -126,6 +126,9 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
     # logit soft-capping (Q-centric, Triton): caps from ones that bite unit scores to Gemma 2's
     if r.random() < 0.2 and schedule == "q_centric" and backend in ("triton", "auto"):
         spec["softcap"] = r.choice([0.5, 2.0, 5.0, 50.0])
+    # the cache (and its pages) as a float8_e4m3fn cache with a scale per row and KV head (Q-centric calls over a
+    # cache), drawn last
+    case["fp8_cache"] = bool(case["ragged"]) and schedule == "q_centric" and r.random() < 0.3
     return case
 
 
@@ -316,6 +319,14 @@ def run_ragged(case, attn, spec, q, k, v, given, torch, reference) -> None:
     for cache in (k_cache, v_cache):  # past each row's keys: NaN, which a read would carry into o
         for b, n in enumerate(lengths):
             cache[b, :, n:] = float("nan")
+    scales, ref_cache = {}, (k_cache, v_cache)
+    if case.get("fp8_cache"):  # quantised with a scale per (row, KV head); the reference runs over it dequantised
+        scales = {name: (x.nan_to_num().abs().amax(dim=(2, 3)).float().clamp(min=1e-3) / 448)
+                  for name, x in (("k_scale", k_cache), ("v_scale", v_cache))}
+        k_cache, v_cache = ((x.float() / scales[name][:, :, None, None]).to(torch.float8_e4m3fn)
+                            for name, x in (("k_scale", k_cache), ("v_scale", v_cache)))
+        ref_cache = tuple((x.double() * scales[name][:, :, None, None].double()).to(q.dtype)
+                          for name, x in (("k_scale", k_cache), ("v_scale", v_cache)))
     key_reps = None
     if given is None:
         lists = attn.select(q, k_cache, cache_seqlens=lens)
@@ -331,20 +342,20 @@ def run_ragged(case, attn, spec, q, k, v, given, torch, reference) -> None:
     else:
         lists = given
     o, lse = attn(q, k_cache, v_cache, block_idx=given, scale=case["scale"], cache_seqlens=lens, key_reps=key_reps,
-                  return_lse=True)
+                  return_lse=True, **scales)
     ref_spec = spec.replace(selector="given", backend="triton")
-    ref_o, ref_lse, _ = reference.sparse_attention(q, k_cache, v_cache, ref_spec, block_idx=lists, scale=case["scale"],
+    ref_o, ref_lse, _ = reference.sparse_attention(q, *ref_cache, ref_spec, block_idx=lists, scale=case["scale"],
                                                    cache_seqlens=lens)
     compare_forward(o, lse, ref_o, ref_lse, q, torch)
     if case.get("paged"):
-        run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference, lists, (ref_o, ref_lse))
+        run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference, lists, (ref_o, ref_lse), scales)
 
 
-def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference, lists, ref) -> None:
+def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference, lists, ref, scales) -> None:
     """The ragged call over its cache scattered in shuffled pages (spare pages NaN, the capacity padded to whole
     pages with NaN): a decode call is bit for bit the contiguous call over the padded cache; a prefill chunk (its
     own kernel) selects the contiguous call's lists, bit for bit, and matches the reference (`ref`, over
-    `lists`)."""
+    `lists`); `scales`: an fp8 cache's k_scale and v_scale, or none."""
     page = attn.spec.kv_block * case["paged"]
     cap = -(-k_cache.shape[2] // page) * page
     gen = torch.Generator().manual_seed(case["ragged"]["seed"] + 1)
@@ -358,9 +369,9 @@ def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference, li
         reps = attn.key_reps(padded[0], cache_seqlens=lens)
         paged_reps = attn.key_reps(pools[0], block_table=table, cache_seqlens=(lens * 2) // 3)
     o, lse = attn(q, *padded, block_idx=given, scale=case["scale"], cache_seqlens=lens, key_reps=reps,
-                  return_lse=True)
+                  return_lse=True, **scales)
     o_paged, lse_paged = attn(q, *pools, block_idx=given, scale=case["scale"], cache_seqlens=lens,
-                              key_reps=paged_reps, block_table=table, return_lse=True)
+                              key_reps=paged_reps, block_table=table, return_lse=True, **scales)
     if q.shape[2] > 16:  # a prefill chunk
         if given is None and not torch.equal(attn.select(q, pools[0], cache_seqlens=lens, block_table=table), lists):
             raise Failure(f"block_table: the lists over pages of {page} keys differ from the contiguous cache's")
