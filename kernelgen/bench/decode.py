@@ -11,7 +11,8 @@ For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU
   the same step writing its token's K and V into the cache first (`k_new=`, `v_new=`); and the same step with
   the reps made afresh over every row's keys (a caller that keeps none);
 - the decode over a cache of per-row lengths (`cache_seqlens`, every row full) in bf16 and as a float8_e4m3fn cache
-  (a scale per batch row and KV head: half the bytes), and the kept-reps step over the fp8 cache;
+  (a scale per batch row and KV head: half the bytes), at each split count too, and the kept-reps step over the
+  fp8 cache;
 - the same decode, and the same step, over a paged cache (`block_table=`): the cache's pages shuffled over a pool,
   at PAGE_BLOCKS blocks a page; their outputs must equal the contiguous cache's bit for bit;
 - the index selector's decode step over the same cache of per-row lengths, under each schedule (index vectors of
@@ -258,6 +259,13 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
                 graph_ms = _graph_per_call([functools.partial(call, p) for p in prepared], log)
                 record(name, f"kernelgen decode prepared, cache_seqlens{label}", call, graph_ms,
                        kv_bytes // (2 if extra else 1), rel_diff_vs_bf16_cache=f"{_rel_diff(call(), ours):.1e}")
+            for splits in DECODE_SPLITS:  # the fp8 cache at each split count, beside the bf16 rows of each above
+                pinned = get_kernel(given.replace(backend=served.backend.name),
+                                    configs={"decode": dataclasses.replace(served.config, splits=splits)})
+                calls = [functools.partial(pinned, q, k8, v8, block_idx=p, cache_seqlens=lens, **scales)
+                         for p in prepared]
+                record(name, f"kernelgen decode splits={splits}, fp8 cache", calls[0], _graph_per_call(calls, log),
+                       kv_bytes // 2)
             reps = selecting.key_reps(k8, cache_seqlens=lens)
             step = functools.partial(selecting, q, k8, v8, cache_seqlens=lens, key_reps=reps, **scales)
             record(name, "kernelgen mean, kept reps, fp8 cache", step, _bench_graph(step, log=log),
