@@ -371,8 +371,13 @@ def test_decode_bench_rows_on_the_gpu(monkeypatch, tmp_path):
                  "kernelgen mean, cache_seqlens step, reps made", "flex (same BlockMask)",
                  "kernelgen decode prepared, paged 128", "kernelgen mean, cache_seqlens step, paged 512",
                  "kernelgen index q_centric, cache_seqlens step", "kernelgen index kv_centric select only",
-                 "kernelgen index kv_centric, cache_seqlens step, paged 128", "sdpa flash (dense)"):
+                 "kernelgen index kv_centric, cache_seqlens step, paged 128", "sdpa flash (dense)",
+                 "kernelgen decode prepared, cache_seqlens, fp8 cache", "kernelgen decode splits=2, fp8 cache",
+                 "kernelgen mean, kept reps, fp8 cache"):
         assert impl in impls, sorted(impls)
+    # the bf16 cache over full rows is the call without lengths; the fp8 cache differs by e4m3's rounding
+    assert float(impls["kernelgen decode prepared, cache_seqlens"]["rel_diff_vs_bf16_cache"]) == 0
+    assert 0 < float(impls["kernelgen decode prepared, cache_seqlens, fp8 cache"]["rel_diff_vs_bf16_cache"]) < 0.1
     assert float(impls["flex (same BlockMask)"]["rel_diff_vs_kernelgen"]) < 2e-2
     # the step over per-row lengths, replayed from one graph, is the plain call over the keys the lengths name
     assert float(impls["kernelgen mean, cache_seqlens step"]["rel_diff_vs_one_key_less"]) == 0
@@ -381,6 +386,7 @@ def test_decode_bench_rows_on_the_gpu(monkeypatch, tmp_path):
     assert ours["kv_MB"] * 1e6 == pytest.approx(ours["GBps"] * 1e6 * ours["graph_ms"], rel=1e-2)
     # 4 of 64 blocks a KV head, every list full (kv_MB is rounded to 10 kB)
     assert ours["kv_MB"] == pytest.approx(impls["sdpa flash (dense)"]["kv_MB"] * 4 / 64, abs=0.01)
+    assert impls["kernelgen decode splits=2, fp8 cache"]["kv_MB"] == pytest.approx(ours["kv_MB"] / 2, abs=0.01)
 
 
 @pytest.mark.gpu
