@@ -42,6 +42,7 @@ def _row_scales(device, batch=5, heads_kv=2):
     ("mean", 40, torch.float32, "one", {}),                  # a prefill chunk (attn_rows), one-element tensors
     ("mean", 1, torch.float32, "float", {"softcap": 30.0}),  # decode, capped
     ("mean", 2, torch.float16, "rows", {"window": 40, "top_k": 5, "local": 0, "sink": 0}),  # a window's lists
+    ("multi:2", 3, torch.float32, "rows", {"schedule": "kv_centric"}),  # per-query lists' decode
 ])
 def test_a_call_over_an_fp8_cache_is_the_reference_over_the_dequantised_cache(selector, n_q, dtype, scales, fields,
                                                                                device):
