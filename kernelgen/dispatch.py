@@ -411,8 +411,8 @@ class SparseAttention:
             if not served.impl.fp8_kv:
                 raise KernelgenValueError(f"k.dtype = float8_e4m3fn: the {served.role!r} role of backend "
                                           f"{served.backend.name!r} reads no fp8 KV cache (the Triton backend's "
-                                          "decode does, under either schedule, and attn_rows and attn_paged, "
-                                          "Q-centric prefill chunks)")
+                                          "calls over a cache do: decode, attn_rows, attn_paged, kv_attn_rows and "
+                                          "kv_attn_paged)")
             return SparseAttention._varlen(served, rows) | {"kv_scales": rows.kv_scales}
         if not served.impl.varlen:
             name = "seqlens" if isinstance(rows, TokenRows) else "cache_seqlens"

@@ -2,6 +2,8 @@
 a one-element float32 tensor, or float32 [B, Hkv]). A call attends as over k * k_scale and v * v_scale (the float64
 reference over the dequantised cache), selects the same blocks, and new keys are written quantised as
 `(x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)` quantises them."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,6 +45,7 @@ def _row_scales(device, batch=5, heads_kv=2):
     ("mean", 1, torch.float32, "float", {"softcap": 30.0}),  # decode, capped
     ("mean", 2, torch.float16, "rows", {"window": 40, "top_k": 5, "local": 0, "sink": 0}),  # a window's lists
     ("multi:2", 3, torch.float32, "rows", {"schedule": "kv_centric"}),  # per-query lists' decode
+    ("mean", 40, torch.float16, "float", {"schedule": "kv_centric"}),  # and prefill chunk (kv_attn_rows)
 ])
 def test_a_call_over_an_fp8_cache_is_the_reference_over_the_dequantised_cache(selector, n_q, dtype, scales, fields,
                                                                                device):
@@ -62,10 +65,11 @@ def test_a_call_over_an_fp8_cache_is_the_reference_over_the_dequantised_cache(se
     assert (o[2] == 0).all() and torch.isinf(lse[2]).all()  # the empty row
 
 
-@pytest.mark.parametrize("n_q", [1, 24])
-def test_a_paged_fp8_cache_is_the_contiguous_one(n_q, device):
-    """Over pages (decode and attn_paged), the call is the contiguous fp8 cache's: the same lists, o to rounding."""
-    spec = _spec("mean")
+@pytest.mark.parametrize("n_q, schedule", [(1, "q_centric"), (24, "q_centric"), (24, "kv_centric")])
+def test_a_paged_fp8_cache_is_the_contiguous_one(n_q, schedule, device):
+    """Over pages (decode, attn_paged and kv_attn_paged), the call is the contiguous fp8 cache's: the same lists, o
+    to rounding."""
+    spec = _spec("mean", schedule)
     k_scale, v_scale = _row_scales(device), 0.05
     q, k8, v8, lens = _fp8_cache(n_q, torch.float32, device, k_scale, v_scale, capacity=96,
                                  lengths=(96, 37, 0, 48, 1))
@@ -166,10 +170,20 @@ def test_bad_fp8_caches_are_named(device):
         attn(q, k8, v8, cache_seqlens=lens, k_scale=torch.ones(2, 5, device=device))
     with pytest.raises(KernelgenTypeError, match="v.dtype = torch.float32 differs from k.dtype"):
         attn(q, k8, v8.float(), cache_seqlens=lens)
-    with pytest.raises(KernelgenValueError, match="kv_attn_rows.*reads no fp8 KV cache"):
-        get_kernel(_spec("mean", "kv_centric"))(q.repeat(1, 1, 20, 1), k8, v8, cache_seqlens=lens)
     with pytest.raises(KernelgenValueError, match="v_scale must be finite and > 0"):
         custom_ops.sparse_attention(q, k8, v8, spec, cache_seqlens=lens, v_scale=0.0)
+
+
+def test_a_role_that_reads_no_fp8_cache_is_refused(monkeypatch, device):
+    """A role whose RoleImpl leaves fp8_kv off (a plug-in's) is refused by name, not fed an fp8 cache."""
+    from kernelgen.backends.triton import TritonBackend
+
+    roles = dict(TritonBackend.roles)
+    roles["decode"] = dataclasses.replace(roles["decode"], fp8_kv=False)
+    monkeypatch.setattr(TritonBackend, "roles", roles)
+    q, k8, v8, lens = _fp8_cache(1, torch.float32, device, 0.02, 0.02)
+    with pytest.raises(KernelgenValueError, match="the 'decode' role of backend 'triton' reads no fp8 KV cache"):
+        get_kernel(_spec("mean", top_k=4))(q, k8, v8, cache_seqlens=lens)  # a spec of its own: no cached kernel
 
 
 @pytest.mark.gpu

@@ -126,9 +126,8 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
     # logit soft-capping (Q-centric, Triton): caps from ones that bite unit scores to Gemma 2's
     if r.random() < 0.2 and schedule == "q_centric" and backend in ("triton", "auto"):
         spec["softcap"] = r.choice([0.5, 2.0, 5.0, 50.0])
-    # the cache (and its pages) as a float8_e4m3fn cache with a scale per row and KV head (Q-centric calls over a
-    # cache), drawn last
-    case["fp8_cache"] = bool(case["ragged"]) and schedule == "q_centric" and r.random() < 0.3
+    # the cache (and its pages) as a float8_e4m3fn cache with a scale per row and KV head, drawn last
+    case["fp8_cache"] = bool(case["ragged"]) and r.random() < 0.3
     return case
 
 

@@ -1362,7 +1362,8 @@ def _kv_select_constexprs(spec: Spec, cfg: KvSelectConfig) -> dict:
 
 def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, block_idx,
                    reverse: QueryReverseIndex | None, scale, seqlens: torch.Tensor | None = None,
-                   leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None):
+                   leftpad: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                   kv_scales: KVScales | None = None):
     """o (q's shape and dtype) and lse (float32 [B, Hq, Nq]) over normalised per-query lists: partials per
     task of the reverse index (built here when None), then their merge per (query, head). `seqlens`, `leftpad`
     (the kv_attn_rows role's module): a prefill over a KV cache of per-row lengths, as `launch_attn_rows`'.
@@ -1396,7 +1397,8 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
         *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2], *task_block.stride()[:2], *table_stride,
         shapes.n_q, shapes.n_k, *n_pages, shapes.heads_kv, scale * LOG2E,
         HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
-        STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+        STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        **_scale_args(kv_scales))
     return combine_partials(mod, spec, cfg, shapes, o_part, lse_part, block_idx, q.dtype)
 
 
@@ -1908,7 +1910,7 @@ class TritonBackend(Backend):
                             default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible),
         "kv_attn_rows": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn_rows.py.j2", config_type=KvAttnConfig,
                                  default=kv_attn_default, space=kv_attn_space, infeasible=kv_attn_infeasible,
-                                 varlen=True),
+                                 varlen=True, fp8_kv=True),
         "kv_attn_union": RoleImpl(launch=launch_kv_attn_union, template="triton/kv_attn_union.py.j2",
                                   config_type=KvUnionConfig, default=kv_union_default, space=kv_union_space,
                                   infeasible=kv_union_infeasible),
@@ -1922,7 +1924,7 @@ class TritonBackend(Backend):
         # a prefill chunk over a paged cache: each schedule's forward kernel with its blocks based in their pages
         "kv_attn_paged": RoleImpl(launch=launch_kv_attn, template="triton/kv_attn_paged.py.j2",
                                   config_type=KvAttnConfig, default=kv_attn_default, space=kv_attn_space,
-                                  infeasible=kv_attn_infeasible, varlen=True, paged=True),
+                                  infeasible=kv_attn_infeasible, varlen=True, paged=True, fp8_kv=True),
         "attn_paged": RoleImpl(launch=launch_attn_paged, template="triton/attn_paged.py.j2", config_type=AttnConfig,
                                default=attn_rows_default, space=attn_rows_space, infeasible=attn_paged_infeasible,
                                varlen=True, paged=True, fp8_kv=True),
