@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import sys
 
 import torch
@@ -32,9 +31,10 @@ import torch
 from . import dispatch
 from .dispatch import clear_padding, get_kernel
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
-from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_kv_scales, check_reps_fit_capacity,
-                     check_reps_length, check_scale, describe_index, lists_type_error, refuse_cast_cache,
-                     refuse_forward_ad, refuse_function_transforms, refuse_grad_with_seqlens, refuse_unpaired_new_keys)
+from .inputs import (INDEX_LAYOUT, BlockLists, KeyReps, autocast_qkv, check_kv_scale_value, check_kv_scales,
+                     check_reps_fit_capacity, check_reps_length, check_scale, describe_index, lists_type_error,
+                     refuse_cast_cache, refuse_forward_ad, refuse_function_transforms, refuse_grad_with_seqlens,
+                     refuse_unpaired_new_keys)
 from .sinks import check_sinks, with_sinks
 from .spec import Spec
 
@@ -410,11 +410,7 @@ def _scale_tensor(name: str, scale, q) -> torch.Tensor | None:
     float32 tensor on q's device; a tensor or None as it is (the op's check names anything wrong)."""
     if scale is None or isinstance(scale, torch.Tensor) or not isinstance(q, torch.Tensor):
         return scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise KernelgenTypeError(f"{name} must be a float or a float32 tensor, got {type(scale).__name__}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise KernelgenValueError(f"{name} must be finite and > 0, got {scale}")
-    return torch.full((1,), float(scale), dtype=torch.float32, device=q.device)
+    return torch.full((1,), check_kv_scale_value(name, scale), dtype=torch.float32, device=q.device)
 
 
 dispatch.trace_through(sys.modules[__name__])  # get_kernel(spec)'s calls under torch.compile run these

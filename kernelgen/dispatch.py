@@ -33,8 +33,7 @@ from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, apart_from_cache, autocast_qkv, check_block_idx,
                      check_block_lists, CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
-                     check_kv_scales,
-                     check_new_keys, NewKeys,
+                     check_kv_scales, check_new_keys, NewKeys,
                      check_reps_fit_capacity, check_keys, check_length, check_row_ints, check_scale, refuse_cast_cache,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
                      lists_type_error, refuse_forward_ad, refuse_function_transforms,
@@ -155,6 +154,8 @@ class SparseAttention:
                                           (`varlen.VARLEN_LAYOUT`), each as the call over it alone
     attn(q, k, v, sinks=s)                attention sinks: a logit per query head [Hq] in each row's softmax,
                                           with no value (`kernelgen.sinks`); any call, varlen too
+    attn(q, k8, v8, cache_seqlens=n, k_scale=s, v_scale=t)   over an fp8 (float8_e4m3fn) KV cache: as over
+                                          k8 * s and v8 * t (`inputs.check_kv_scales`); paged and varlen too
 
     q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = spec.gqa_group * Hkv; fp16/bf16 (fp32 in the interpreter).
     With inputs that require grad (and grad enabled), o backpropagates: dq, dk, dv for the lists the forward

@@ -6,6 +6,7 @@ argument and what was expected. Also the pieces every launcher shares: poisoned 
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -15,7 +16,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .device import interpreting
+from .device import device_arch, interpreting
 from .errors import KernelgenTypeError, KernelgenValueError
 from .reverse_index import QueryReverseIndex, ReverseIndex, build_reverse_index
 from .spec import Spec
@@ -286,23 +287,19 @@ def check_kv_scales(k, v, k_scale, v_scale, rows, shapes: Shapes, device) -> Cac
     if not isinstance(rows, CacheRows):
         raise KernelgenValueError("k.dtype = float8_e4m3fn: an fp8 KV cache is read by calls over a cache: pass "
                                   "cache_seqlens= (or block_table=) with k_scale= and v_scale=")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
+    arch = device_arch(device)  # cached per device: this runs on every decode step
+    if arch != "cpu" and int(arch[3:]) < 89:
         raise KernelgenTypeError(f"k.dtype = float8_e4m3fn: an fp8 KV cache needs an sm_89 or newer GPU (e4m3 "
-                                 f"conversions); this GPU is sm_{major}{minor}")
+                                 f"conversions); this GPU is {arch}")
     return rows._replace(kv_scales=KVScales(*(_kv_scale(name, x, shapes, device)
                                               for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))))
 
 
 def _kv_scale(name: str, scale, shapes: Shapes, device) -> torch.Tensor:
     """One checked scale of an fp8 cache, as the kernels read it: float32 [B, Hkv], contiguous."""
-    if scale is None or (isinstance(scale, numbers.Real) and not isinstance(scale, bool)):
-        value = 1.0 if scale is None else float(scale)
-        if not (math.isfinite(value) and value > 0):
-            raise KernelgenValueError(f"{name} must be finite and > 0, got {scale}")
-        return _constant_scale(value, shapes.batch, shapes.heads_kv, device)
     if not isinstance(scale, torch.Tensor):
-        raise KernelgenTypeError(f"{name} must be a float or a float32 tensor, got {type(scale).__name__}")
+        value = 1.0 if scale is None else check_kv_scale_value(name, scale)
+        return _constant_scale(value, shapes.batch, shapes.heads_kv, str(device))
     if scale.dtype != torch.float32:
         raise KernelgenTypeError(f"{name} must be float32, got dtype {scale.dtype}")
     if scale.device != device:
@@ -315,18 +312,20 @@ def _kv_scale(name: str, scale, shapes: Shapes, device) -> torch.Tensor:
     return scale.contiguous()
 
 
-_constant_scales: dict = {}
+def check_kv_scale_value(name: str, scale) -> float:
+    """A scale given as a number: a real, finite and > 0 (not a bool), as a float."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise KernelgenTypeError(f"{name} must be a float or a float32 tensor, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise KernelgenValueError(f"{name} must be finite and > 0, got {scale}")
+    return float(scale)
 
 
-def _constant_scale(value: float, batch: int, heads_kv: int, device) -> torch.Tensor:
+@functools.lru_cache(maxsize=64)
+def _constant_scale(value: float, batch: int, heads_kv: int, device: str) -> torch.Tensor:
     """A float scale as a [B, Hkv] tensor, made once per value, size and device (a decode step passes the same
     scale every call: no launch to fill it again)."""
-    key = (value, batch, heads_kv, str(device))
-    if key not in _constant_scales:
-        if len(_constant_scales) > 64:
-            _constant_scales.clear()
-        _constant_scales[key] = torch.full((batch, heads_kv), value, dtype=torch.float32, device=device)
-    return _constant_scales[key]
+    return torch.full((batch, heads_kv), value, dtype=torch.float32, device=device)
 
 
 def check_cache_rows(cache_seqlens, cache_leftpad, shapes: Shapes, device,
