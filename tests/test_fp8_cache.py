@@ -187,11 +187,15 @@ def test_a_role_that_reads_no_fp8_cache_is_refused(monkeypatch, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_q, paged_cache", [(1, False), (1, True), (4, False), (256, True)])
-def test_an_fp8_cache_on_gpu(n_q, paged_cache):
+@pytest.mark.parametrize("n_q, paged_cache, schedule", [
+    (1, False, "q_centric"), (1, True, "q_centric"), (4, False, "q_centric"), (256, True, "q_centric"),
+    (1, True, "kv_centric"), (256, True, "kv_centric"), (256, False, "kv_centric"),
+])
+def test_an_fp8_cache_on_gpu(n_q, paged_cache, schedule):
     """bf16 queries over a 32k fp8 cache (decode, speculative steps and a paged prefill chunk) against the float64
     reference over the dequantised cache, and deterministic."""
-    spec = _spec("mean").replace(head_dim=128, kv_block=128, q_tile=64, top_k=16, gqa_group=4, local=1, sink=1)
+    spec = _spec("mean").replace(head_dim=128, kv_block=128, q_tile=64, top_k=16, gqa_group=4, local=1, sink=1,
+                                  schedule=schedule)
     gen = torch.Generator(device="cuda").manual_seed(0)
     lengths = (32768, 20000, 1)
     q = torch.randn(3, 16, n_q, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
