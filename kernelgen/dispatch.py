@@ -154,7 +154,7 @@ class SparseAttention:
                                           (`varlen.VARLEN_LAYOUT`), each as the call over it alone
     attn(q, k, v, sinks=s)                attention sinks: a logit per query head [Hq] in each row's softmax,
                                           with no value (`kernelgen.sinks`); any call, varlen too
-    attn(q, k8, v8, cache_seqlens=n, k_scale=s, v_scale=t)   over an fp8 (float8_e4m3fn) KV cache: as over
+    attn(q, k8, v8, cache_seqlens=n, k_scale=s, v_scale=t)   over an fp8 (e4m3fn or e5m2) KV cache: as over
                                           k8 * s and v8 * t (`inputs.check_kv_scales`); paged and varlen too
 
     q [B, Hq, Nq, D]; k, v [B, Hkv, Nk, D]; Hq = spec.gqa_group * Hkv; fp16/bf16 (fp32 in the interpreter).
@@ -410,7 +410,7 @@ class SparseAttention:
             return {}
         if scaled and isinstance(rows, CacheRows) and rows.kv_scales is not None:
             if not served.impl.fp8_kv:
-                raise KernelgenValueError(f"k.dtype = float8_e4m3fn: the {served.role!r} role of backend "
+                raise KernelgenValueError(f"k and v are an fp8 KV cache: the {served.role!r} role of backend "
                                           f"{served.backend.name!r} reads no fp8 KV cache (the Triton backend's "
                                           "calls over a cache do: decode, attn_rows, attn_paged, kv_attn_rows and "
                                           "kv_attn_paged)")

@@ -653,8 +653,8 @@ def attn(q, k, v, *, block_idx=None, index=None, scale=None, return_lse=False, k
     block_table[b, p // page_size]); k_new, v_new: [B, Hkv, n_new, D], written into the cache at each row's end
     (cache_seqlens[b]) before the call attends over cache_seqlens + n_new keys (k_idx_new: the index keys of the
     same tokens, written into index's k_idx); sinks: float [Hq], attention sinks (a logit per query head in each
-    row's softmax, with no value); k_scale, v_scale: float or float32 [B, Hkv], the dequantisation scales of a
-    float8_e4m3fn cache (k and v). o and lse backpropagate (a call over a cache has no backward)."""
+    row's softmax, with no value); k_scale, v_scale: float or float32 (one element or [B, Hkv]), the dequantisation
+    scales of an fp8 cache (k and v float8_e4m3fn or float8_e5m2). o and lse backpropagate (a call over a cache has no backward)."""
     return kernel(q, k, v, block_idx=block_idx, index=index, scale=scale, return_lse=return_lse, key_reps=key_reps,
                   cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, seqlens=seqlens, block_table=block_table,
                   k_new=k_new, v_new=v_new, k_idx_new=k_idx_new, sinks=sinks, k_scale=k_scale, v_scale=v_scale)

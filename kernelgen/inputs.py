@@ -46,8 +46,9 @@ PAGED_INDEX_LAYOUT = ("over a paged cache (block_table=), k_idx is a pool of pag
                       "read through the same block_table as k and v: row b's key p in page block_table[b, p // "
                       "page_size]")
 _INDEX_FP8 = torch.float8_e4m3fn  # index vectors computed in fp8 (fp32 accumulation), on sm_90 only
-KV_CACHE_FP8 = torch.float8_e4m3fn  # an fp8 KV cache's dtype (`check_kv_scales`); e4m3's largest finite value:
-FP8_MAX = 448.0
+# an fp8 KV cache's dtypes (`check_kv_scales`): e4m3 (3 mantissa bits, finite to ±448; FlashAttention 3's, vLLM's
+# "fp8") and e5m2 (2 bits, to ±57344; vLLM's "fp8_e5m2")
+KV_CACHE_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -269,43 +270,50 @@ class CacheRows(NamedTuple):
 
 
 class KVScales(NamedTuple):
-    """A float8_e4m3fn KV cache's dequantisation scales, float32 [B, Hkv] each, contiguous: the cache holds
-    k / k_scale and v / v_scale, and a call attends over k_cache * k_scale and v_cache * v_scale."""
+    """An fp8 KV cache's dequantisation scales, float32 each: one element (every row's and head's) or [B, Hkv],
+    contiguous. The cache holds k / k_scale and v / v_scale, and a call attends over k_cache * k_scale and
+    v_cache * v_scale."""
     k: torch.Tensor
     v: torch.Tensor
 
+    def strides(self) -> tuple[int, int]:
+        """Each scale's step from one (batch row, KV head) to the next, b * Hkv + h: 0 for one scale, else 1."""
+        return int(self.k.numel() > 1), int(self.v.numel() > 1)
+
 
 def check_kv_scales(k, v, k_scale, v_scale, rows, shapes: Shapes, device) -> CacheRows | TokenRows | None:
-    """A call's rows with its fp8 cache's scales (`CacheRows.kv_scales`): k and v float8_e4m3fn over a KV cache
-    (cache_seqlens= or block_table=), each scale a Python float > 0 (None: 1.0) or a float32 tensor of one element
-    or [B, Hkv] on the call's device. A cache of q's dtype takes no scales."""
-    if k.dtype != KV_CACHE_FP8:
+    """A call's rows with its fp8 cache's scales (`CacheRows.kv_scales`): k and v float8_e4m3fn or float8_e5m2 over
+    a KV cache (cache_seqlens= or block_table=), each scale a Python float > 0 (None: 1.0) or a float32 tensor of one
+    element or [B, Hkv] on the call's device. A cache of q's dtype takes no scales."""
+    if k.dtype not in KV_CACHE_FP8:
         if k_scale is not None or v_scale is not None:
             name = "k_scale" if k_scale is not None else "v_scale"
-            raise KernelgenValueError(f"{name}= dequantises a float8_e4m3fn KV cache; k.dtype is {k.dtype}")
+            raise KernelgenValueError(f"{name}= dequantises an fp8 KV cache (float8_e4m3fn or float8_e5m2); k.dtype "
+                                      f"is {k.dtype}")
         return rows
     if not isinstance(rows, CacheRows):
-        raise KernelgenValueError("k.dtype = float8_e4m3fn: an fp8 KV cache is read by calls over a cache: pass "
+        raise KernelgenValueError(f"k.dtype = {k.dtype}: an fp8 KV cache is read by calls over a cache: pass "
                                   "cache_seqlens= (or block_table=) with k_scale= and v_scale=")
     arch = device_arch(device)  # cached per device: this runs on every decode step
-    if arch != "cpu" and int(arch[3:]) < 89:
-        raise KernelgenTypeError(f"k.dtype = float8_e4m3fn: an fp8 KV cache needs an sm_89 or newer GPU (e4m3 "
-                                 f"conversions); this GPU is {arch}")
+    if k.dtype == torch.float8_e4m3fn and arch != "cpu" and int(arch[3:]) < 89:
+        raise KernelgenTypeError(f"k.dtype = float8_e4m3fn: a float8_e4m3fn KV cache needs an sm_89 or newer GPU "
+                                 f"(e4m3 conversions); this GPU is {arch} (float8_e5m2 caches run there)")
     return rows._replace(kv_scales=KVScales(*(_kv_scale(name, x, shapes, device)
                                               for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))))
 
 
 def _kv_scale(name: str, scale, shapes: Shapes, device) -> torch.Tensor:
-    """One checked scale of an fp8 cache, as the kernels read it: float32 [B, Hkv], contiguous."""
+    """One checked scale of an fp8 cache, as the kernels read it (`KVScales`): float32 of one element, or [B, Hkv]
+    contiguous. A one-element tensor is passed as it is (no copy: a decode step's launches stay its kernels')."""
     if not isinstance(scale, torch.Tensor):
         value = 1.0 if scale is None else check_kv_scale_value(name, scale)
-        return _constant_scale(value, shapes.batch, shapes.heads_kv, str(device))
+        return _constant_scale(value, str(device))
     if scale.dtype != torch.float32:
         raise KernelgenTypeError(f"{name} must be float32, got dtype {scale.dtype}")
     if scale.device != device:
         raise KernelgenValueError(f"{name} is on {scale.device} but q is on {device}")
     if scale.numel() == 1:
-        return scale.reshape(1, 1).expand(shapes.batch, shapes.heads_kv).contiguous()
+        return scale.reshape(1)
     if tuple(scale.shape) != (shapes.batch, shapes.heads_kv):
         raise KernelgenValueError(f"{name} must have one element or shape [B, Hkv] = [{shapes.batch}, "
                                   f"{shapes.heads_kv}], got {tuple(scale.shape)}")
@@ -322,10 +330,10 @@ def check_kv_scale_value(name: str, scale) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _constant_scale(value: float, batch: int, heads_kv: int, device: str) -> torch.Tensor:
-    """A float scale as a [B, Hkv] tensor, made once per value, size and device (a decode step passes the same
-    scale every call: no launch to fill it again)."""
-    return torch.full((batch, heads_kv), value, dtype=torch.float32, device=device)
+def _constant_scale(value: float, device: str) -> torch.Tensor:
+    """A float scale as a one-element tensor, made once per value and device (a decode step passes the same scale
+    every call: no launch to fill it again)."""
+    return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
 def check_cache_rows(cache_seqlens, cache_leftpad, shapes: Shapes, device,
@@ -395,7 +403,7 @@ def check_new_keys(k_new, v_new, k_idx_new, k, index, shapes: Shapes, cache_seql
             continue
         if not isinstance(new, torch.Tensor):
             raise KernelgenTypeError(f"{name} must be a torch.Tensor, got {type(new).__name__}")
-        if cache.dtype == KV_CACHE_FP8 and name != "k_idx_new":  # quantised as it is written (`check_kv_scales`)
+        if cache.dtype in KV_CACHE_FP8 and name != "k_idx_new":  # quantised as it is written (`check_kv_scales`)
             if new.dtype not in _DTYPES:
                 raise KernelgenTypeError(f"{name}.dtype must be float16, bfloat16 or float32 (quantised into the fp8 "
                                          f"cache), got {new.dtype}")
@@ -580,8 +588,8 @@ def autocast_qkv(q, k, v):
     get float32 gradients."""
     if isinstance(q, torch.Tensor) and q.is_cuda and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")
-        return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != KV_CACHE_FP8
-                     else t for t in (q, k, v))  # an fp8 cache stays one
+        return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                     and t.dtype not in KV_CACHE_FP8 else t for t in (q, k, v))  # an fp8 cache stays one
     return q, k, v
 
 
@@ -591,7 +599,7 @@ def _common_qkv(q, k, v, spec: Spec) -> bool:
     interpreter)."""
     try:
         return (q.dim() == 4 and k.dim() == 4 and q.dtype in _GPU_DTYPES and k.dtype == v.dtype
-                and (k.dtype == q.dtype or k.dtype == KV_CACHE_FP8)
+                and (k.dtype == q.dtype or k.dtype in KV_CACHE_FP8)
                 and q.shape[-1] == spec.head_dim and k.shape == v.shape and k.shape[-1] == spec.head_dim
                 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
                 and q.is_cuda and k.device == q.device and v.device == q.device and not interpreting())
@@ -689,7 +697,7 @@ def _explain_qkv(q, k, v, spec: Spec, first: str = "q") -> None:
             raise KernelgenTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise KernelgenValueError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
-        fp8_cache = name in ("k", "v") and t.dtype == KV_CACHE_FP8  # an fp8 KV cache (`check_kv_scales`)
+        fp8_cache = name in ("k", "v") and t.dtype in KV_CACHE_FP8  # an fp8 KV cache (`check_kv_scales`)
         if t.dtype not in _DTYPES and not fp8_cache:
             expected = "float16 or float32 (bfloat16 on a GPU)" if t.device.type == "cpu" else \
                 "float16 or bfloat16"
@@ -698,12 +706,12 @@ def _explain_qkv(q, k, v, spec: Spec, first: str = "q") -> None:
             raise KernelgenValueError(f"{name}.shape[-1] = {t.shape[-1]} does not match spec.head_dim = {spec.head_dim}")
         if t.stride(-1) != 1:
             raise KernelgenValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {t.stride()}")
-        if name == "v" and KV_CACHE_FP8 in (k.dtype, t.dtype) and t.dtype != k.dtype:  # an fp8 cache: both fp8
+        if name == "v" and {k.dtype, t.dtype} & set(KV_CACHE_FP8) and t.dtype != k.dtype:  # an fp8 cache: both
             raise KernelgenTypeError(f"v.dtype = {t.dtype} differs from k.dtype = {k.dtype}")
         if t.dtype != q.dtype and not fp8_cache:
             raise KernelgenTypeError(f"{name}.dtype = {t.dtype} differs from {first}.dtype = {q.dtype}"
-                                     + (" (an fp8 KV cache holds k and v both as float8_e4m3fn)"
-                                        if KV_CACHE_FP8 in (k.dtype, v.dtype) else ""))
+                                     + (" (an fp8 KV cache holds k and v both in one fp8 dtype)"
+                                        if {k.dtype, v.dtype} & set(KV_CACHE_FP8) else ""))
         if t.device != q.device:
             raise KernelgenValueError(f"{name} is on {t.device} but {first} is on {q.device}")
         if t.device.type == "cuda" and t.dtype not in _GPU_DTYPES and not fp8_cache:

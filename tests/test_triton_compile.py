@@ -42,6 +42,9 @@ KV_SPECS = [Spec(head_dim=128, kv_block=64, top_k=16, causal=True, gqa_group=4, 
 INDEX_SPEC = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=4, selector="index")
 KV_INDEX_SPEC = INDEX_SPEC.replace(schedule="kv_centric")
 INDEX = {"heads": 4, "dim": 64}
+# the fp8 KV caches the calls over a cache read on each arch (Q-centric, KV-centric): e4m3 from sm_89 on, e5m2 on any
+FP8_CACHES = {"sm_80": ("float8_e5m2", "float8_e5m2"), "sm_89": ("float8_e4m3fn", "float8_e5m2"),
+              "sm_90": ("float8_e5m2", "float8_e4m3fn")}
 
 # each tuned role's shared memory estimate (spec, config, arch) and the kernel it estimates
 ESTIMATES = {"attn": (attn_smem_bytes, "attn_fwd"),
@@ -82,6 +85,7 @@ class Case(NamedTuple):
     decode: bool = False  # a call of a few queries too: its selection where the spec selects, and configs["decode"]
     union: bool = False  # the per-query union design too (its backward where `backward`)
     rows: bool = False  # a prefill over a cache of per-row lengths too (attn_rows, kv_attn_rows), and paged
+    fp8_cache: str | None = None  # the calls over a cache again over an fp8 cache of this dtype, and append_kv
 
     @property
     def roles(self) -> list[str]:
@@ -130,16 +134,17 @@ def _cases(arch) -> list[Case]:
                    backward=True) for spec in BACKWARD_SPECS]
     for spec in KV_SPECS:  # with their backward, decode, a prefill over cache rows and the union design (defaults)
         cases.append(Case(spec, _defaults(spec, arch, [r for r in forward_roles(spec)[1:] if r] + ["decode"]), 2000,
-                          backward=True, decode=True, union=True, rows=True))
+                          backward=True, decode=True, union=True, rows=True,
+                          fp8_cache=FP8_CACHES[arch][1] if spec.selector == "mean" else None))
     # the union design's largest point, 128 rows of 8 queries at G = 16
     union_spec = KV_SPECS[1].replace(gqa_group=16)
     cases.append(Case(union_spec, {"kv_attn_union": _largest(union_spec, arch, lambda c: c.tile_q == 8,
                                                              role="kv_attn_union")}, 2000, union=True))
     # decode over Q-centric lists: the arch's default, and its largest point at D 256
-    for spec, cfg in ((SPECS[1][0], default_config(SPECS[1][0], "decode", arch)),
-                      (SPECS[4][0], _largest(SPECS[4][0], arch, role="decode"))):
+    for spec, cfg, fp8 in ((SPECS[1][0], default_config(SPECS[1][0], "decode", arch), FP8_CACHES[arch][0]),
+                           (SPECS[4][0], _largest(SPECS[4][0], arch, role="decode"), None)):
         cases.append(Case(spec, {**_defaults(spec, arch, ["attn", "select"]), "decode": cfg}, 2000, decode=True,
-                          rows=True))
+                          rows=True, fp8_cache=fp8))
     # a paged prefill's largest point at D 256 (the forward's loop through pointers, at the most shared memory)
     cases.append(Case(SPECS[4][0], {**_defaults(SPECS[4][0], arch, ["attn", "select"]),
                                     "attn_paged": _largest(SPECS[4][0], arch, role="attn_paged")}, 2000, rows=True))
@@ -165,7 +170,8 @@ def _cases(arch) -> list[Case]:
 def _job(case: Case) -> dict:
     """tools/offline_compile.py's form of a case."""
     job = {"spec": case.spec.to_dict(), "n": case.n, "backward": case.backward, "union": case.union, "rows": case.rows,
-           **{role: dataclasses.asdict(cfg) for role, cfg in case.configs.items()}}
+           **{role: dataclasses.asdict(cfg) for role, cfg in case.configs.items()},
+           **({"fp8_cache": case.fp8_cache} if case.fp8_cache else {})}
     return job if case.index is None else {**job, "index": case.index}
 
 
@@ -180,6 +186,7 @@ def test_the_cases_cover_what_each_arch_allows():
         largest = max(attn_smem_bytes(c.spec, c.configs["attn"], arch) for c in cases if "attn" in c.roles)
         assert arch_facts(arch).smem_per_block - 16384 < largest <= arch_facts(arch).smem_per_block, arch
         assert {role for c in cases for role in c.roles} == set(KERNELS)
+        assert {c.fp8_cache for c in cases} - {None} == set(FP8_CACHES[arch])
     assert default_config(EDGE_SPECS[0], "attn", "sm_89") != default_config(EDGE_SPECS[0], "attn", "sm_90")
 
 
@@ -197,6 +204,8 @@ def test_kernels_compile_for_each_arch_and_fit_its_shared_memory():
             expected = set().union(*(KERNELS[role] for role in case.roles))
             if any(role in case.roles and configs[role].splits > 1 for role in ("select", "decode_select_index")):
                 expected.add("merge_topk")
+            if case.fp8_cache:
+                expected.add("append_rows")
             assert expected <= set(kernels), (arch, kernels)
             assert all(shared <= facts.smem_per_block for shared in kernels.values()), (arch, kernels)
             # the tuner's estimates (backends.triton's *_smem_bytes) bound what Triton asks for (give or take its

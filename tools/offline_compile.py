@@ -21,7 +21,10 @@ too; a "decode" config, the decode role's (after the forward's: a call of one qu
 selects, else given lists; the index selector's over the cache's pages too); "rows": true, a prefill over a cache of per-row lengths (`attn_rows`, or
 `kv_attn_rows` for per-query lists, then `attn_paged` or `kv_attn_paged` over the cache's pages, after the
 forward, over its lists); "union": true, a per-query
-spec's union design too (kv_attn_union after the forward, kv_bwd_union after the backward); "index": {"heads": Hi, "dim": Di,
+spec's union design too (kv_attn_union after the forward, kv_bwd_union after the backward); "fp8_cache": a torch
+fp8 dtype's name ("float8_e4m3fn", "float8_e5m2"), the calls over a cache (decode, "rows") read their K and V cache
+in it, twice (a scale for every row, then [B, Hkv] scales), and new keys are written into it (append_kv, contiguous
+and paged); "index": {"heads": Hi, "dim": Di,
 "dtype": "float16" or "bfloat16"} gives the index selector its tensors. "resources": true adds, per kernel,
 {"name", "registers", "spill_stores", "wgmma", "loop"} under "resources" (`ptxas -v` of its PTX, Triton's own
 ptxas; wgmma: the warp-group products in its TTGIR; loop: its longest loop's instructions per iteration and
@@ -234,6 +237,23 @@ _RESULTS = {"lists": ("lists",), "select": ("lists",), "kv_select": ("lists",), 
             "kv_bwd_union": ("dq", "dk", "dv")}
 
 
+# the roles that read a KV cache's values, which an fp8 cache's calls run with its scales
+_CACHE_ROLES = ("decode", "attn_rows", "kv_attn_rows", "attn_paged", "kv_attn_paged")
+
+
+def _fp8_cache(t: dict, dtype_name: str) -> dict:
+    """The case's tensors with its K and V cache (contiguous and paged) in the fp8 dtype named."""
+    dtype = getattr(torch, dtype_name)
+    return {**t, **{name: t[name].to(dtype) for name in ("k", "v", "k_pages", "v_pages")}}
+
+
+def _fp8_scales():
+    """An fp8 cache's scales of each kind the kernels compile for: one for every row, then [B, Hkv] (B 1, Hkv 2)."""
+    from kernelgen.inputs import KVScales
+
+    return KVScales(torch.ones(1), torch.ones(1)), KVScales(torch.ones(1, 2), torch.ones(1, 2))
+
+
 _EXPECTED = ("a JSON list of cases on stdin, e.g. echo '[{\"spec\": {\"head_dim\": 128, ...}, \"n\": 4096}]' | "
              "python tools/offline_compile.py sm_90 (--help: the case format)")
 
@@ -287,7 +307,7 @@ def compile_cases(cases: list[dict], arch: str) -> None:
     JITFunction.run = _compile_only
     owners: list[str] = []  # the role of each kernel in `compiled`, in order
 
-    def run(spec, role, config, shapes, *args):
+    def run(spec, role, config, shapes, *args, **options):
         """Build and launch `role` as dispatch does on `arch`: the backend that runs it, its kernel spec, a
         config feasible there (None: the arch's default)."""
         backend = backends.runner(spec.backend, role)
@@ -297,7 +317,7 @@ def compile_cases(cases: list[dict], arch: str) -> None:
         backend.check_config(kernel_spec, role, config, arch)
         kernel = backend.build(kernel_spec, role, config)
         first = len(compiled)
-        out = backend.role(role).launch(kernel, kernel_spec, config, shapes, *args)
+        out = backend.role(role).launch(kernel, kernel_spec, config, shapes, *args, **options)
         owners.extend([role] * (len(compiled) - first))  # the kernels this launch compiled are the role's
         return out
 
@@ -343,11 +363,16 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                 # dispatch's checks (the CPU refuses bfloat16 index tensors: those of the interpreter's calls)
                 check_index(tuple(x.half() if x.dtype == torch.bfloat16 else x for x in t["index"]), spec, shapes,
                             torch.device("cpu"))
+            fp8 = case.get("fp8_cache")
             for role in roles:
                 out = run(spec, role, configs.get(role), shapes, *_launch_args(role, t, shapes))
                 t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))
                 if role in (lists_role, selection):  # never launched: any ids, only compiles
                     t["lists"] = t["lists"].clamp(-1, shapes.n_kv_blocks - 1)
+                if fp8 and role in _CACHE_ROLES:  # again over the fp8 cache
+                    for scales in _fp8_scales():
+                        run(spec, role, configs.get(role), shapes, *_launch_args(role, _fp8_cache(t, fp8), shapes),
+                            kv_scales=scales)
             if "decode" in case:  # a call of one query: its selection where the spec selects (else given lists)
                 one = shapes._replace(n_q=1, n_q_tiles=spec.n_q_tiles(1))
                 t = {**t, "q": t["q"][:, :, -1:],
@@ -358,6 +383,9 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                     out = run(spec, role, configs.get(role), one, *_launch_args(role, t, one))
                     t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))
                     t["lists"] = t["lists"].clamp(-1, one.n_kv_blocks - 1)
+                for scales in _fp8_scales() if fp8 else ():  # a step over the fp8 cache
+                    run(spec, "decode", configs.get("decode"), one, *_launch_args("decode", _fp8_cache(t, fp8), one),
+                        kv_scales=scales)
                 if spec.window is not None and spec.selector != "given":  # a step that makes its window's lists
                     run(spec, "decode", configs.get("decode"), one, t["q"], t["k"], t["v"], None, None)
                 if "index" in t:  # and over the cache's pages: k_idx paged as k is
@@ -365,6 +393,14 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                     k_idx_pages = scatter_pages(torch.nn.functional.pad(k_idx, room), spec.kv_block, pages)
                     run(spec, decode_selection, configs.get(decode_selection), one, q_idx, k_idx_pages, w,
                         t["seqlens"], None, t["table"])
+            if fp8:  # new keys written into the fp8 cache, quantised: contiguous, then paged
+                cache = _fp8_cache(t, fp8)
+                new = t["k"][:, :, :3]
+                for scales in _fp8_scales():
+                    run(spec, "append_kv", None, shapes, cache["k"], new, cache["v"], new, seqlens=t["seqlens"],
+                        kv_scales=scales)
+                    run(spec, "append_kv", None, shapes, cache["k_pages"], new, cache["v_pages"], new,
+                        seqlens=t["seqlens"], block_table=t["table"], kv_scales=scales)
             result = {"case": i, "kernels": [[name, kernel.metadata.shared] for name, kernel in compiled]}
             if case.get("resources"):
                 result["resources"] = [_resources(name, kernel, capability) for name, kernel in compiled]

@@ -50,8 +50,9 @@ class RoleImpl:
     paged        the launcher also takes `block_table=` (int32 [B, pages a row]: k and v are pools of pages
                  [n_pages, Hkv, page_size, D], batch row b's key p in page block_table[b, p // page_size]), always
                  with `seqlens=`; a call with it is refused where the role it runs lacks this
-    fp8_kv       the launcher also takes `kv_scales=` (`inputs.KVScales`: k and v are a float8_e4m3fn cache, its
-                 dequantisation scales float32 [B, Hkv]); a call over an fp8 cache is refused where its role lacks this
+    fp8_kv       the launcher also takes `kv_scales=` (`inputs.KVScales`: k and v are an fp8 cache, e4m3fn or e5m2,
+                 its dequantisation scales float32 of one element or [B, Hkv]); a call over an fp8 cache is refused
+                 where its role lacks this
 
     `arch` is a checked arch string ("sm_89", or "cpu": `kernelgen.archs`), whose hardware facts
     (`kernelgen.archs.arch_facts`: shared memory, TMA, MMA) the rules read.

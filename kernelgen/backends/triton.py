@@ -1184,8 +1184,8 @@ def launch_append_kv(mod, spec: Spec, cfg, shapes: Shapes, cache: torch.Tensor, 
     lengths after the write, int32 [B] (min(start + n_new, capacity)). leftpad: a row's first key, which the
     write does not move. cu_seqlens (int32 [B + 1]): new and new_b are packed [total, H, D] as a varlen call's
     queries, row b's new rows [cu_seqlens[b], cu_seqlens[b + 1]), none more than `most_new` (one launch for
-    every row). `kv_scales`: cache and cache_b are a float8_e4m3fn K and V cache of these scales, the new rows
-    quantised (divided by their (b, h)'s scale, saturated, rounded to nearest)."""
+    every row). `kv_scales`: cache and cache_b are an fp8 K and V cache of these scales, the new rows quantised
+    (divided by their (b, h)'s scale, saturated to the dtype's largest finite value, rounded to nearest even)."""
     packed = cu_seqlens is not None
     if packed:
         (batch, n_new), (heads, dim) = (cu_seqlens.shape[0] - 1, most_new), new.shape[1:]
@@ -1208,7 +1208,8 @@ def launch_append_kv(mod, spec: Spec, cfg, shapes: Shapes, cache: torch.Tensor, 
         *new_strides, *cache_b.stride(), *new_b_strides, stride_tb, n_new, capacity, heads, n_pages, dim,
         new_b.shape[-1], PAIRS=pairs, ROWS=rows, BLOCK_D=next_pow2(max(dim, new_b.shape[-1])), PAGE_SIZE=page_size,
         PACKED=packed, num_warps=4,
-        **({} if kv_scales is None else {"SCALE_A": kv_scales.k, "SCALE_B": kv_scales.v}))
+        **({} if kv_scales is None else {"SCALE_A": kv_scales.k, "SCALE_B": kv_scales.v,
+                                         **dict(zip(("SCALE_A_STRIDE", "SCALE_B_STRIDE"), kv_scales.strides()))}))
     return after
 
 
@@ -1585,8 +1586,12 @@ def launch_attn_paged(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v,
 
 
 def _scale_args(kv_scales: KVScales | None) -> dict:
-    """The attention kernels' K_SCALE and V_SCALE (an fp8 cache's scales; none without: the kernels' None)."""
-    return {} if kv_scales is None else {"K_SCALE": kv_scales.k, "V_SCALE": kv_scales.v}
+    """The attention kernels' K_SCALE and V_SCALE (an fp8 cache's scales; none without: the kernels' None) and
+    their strides over (batch row, KV head) (0: one scale for all)."""
+    if kv_scales is None:
+        return {}
+    k_stride, v_stride = kv_scales.strides()
+    return {"K_SCALE": kv_scales.k, "V_SCALE": kv_scales.v, "K_SCALE_STRIDE": k_stride, "V_SCALE_STRIDE": v_stride}
 
 
 def pool_ratio(spec: Spec, k: torch.Tensor, v: torch.Tensor) -> int:
@@ -1749,7 +1754,7 @@ def launch_attn_rows(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, 
     """`launch_attn`'s (o, lse) of a prefill over a KV cache of per-row lengths: batch row b holds k's keys
     [leftpad[b], seqlens[b]) (int32 [B]; leftpad None: from 0), its Nq queries the last positions of those, its
     lists over its own blocks (`attn_rows_fwd`: the forward's kernel per row, through pointers). `kv_scales`: k and
-    v are a float8_e4m3fn cache of these scales."""
+    v are an fp8 cache of these scales."""
     spec, shapes, block_idx = _stepped(spec, shapes, block_idx)
     scale = softmax_scale(scale, spec)
     o = empty(*q.shape, device=q.device, dtype=q.dtype)

@@ -50,7 +50,6 @@ from ..backends.triton import DECODE_SPLITS
 from ..device import device_arch
 from ..dispatch import get_kernel
 from ..errors import KernelgenRuntimeError
-from ..inputs import FP8_MAX, KV_CACHE_FP8
 from ..reference import scatter_pages
 from ..roles import WorkloadShape, forward_roles, index_inputs
 from ..workloads import DECODE_SHAPES, random_query_lists, visible_pairs
@@ -248,8 +247,9 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
             del k_pages, v_pages
 
         def fp8_cache():  # the cache in float8_e4m3fn, a scale per (batch row, KV head): half the bytes to read
-            scales = {f"{name}_scale": x.abs().amax(dim=(2, 3)).float() / FP8_MAX for name, x in (("k", k), ("v", v))}
-            k8, v8 = ((x.float() / scales[f"{name}_scale"][:, :, None, None]).to(KV_CACHE_FP8)
+            top = torch.finfo(torch.float8_e4m3fn).max
+            scales = {f"{name}_scale": x.abs().amax(dim=(2, 3)).float() / top for name, x in (("k", k), ("v", v))}
+            k8, v8 = ((x.float() / scales[f"{name}_scale"][:, :, None, None]).to(torch.float8_e4m3fn)
                       for name, x in (("k", k), ("v", v)))
             lens = torch.full((shape.batch,), shape.n_k, dtype=torch.int32, device=q.device)
             for label, kc, vc, extra in (("", k, v, {}), (", fp8 cache", k8, v8, scales)):
