@@ -126,8 +126,9 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
     # logit soft-capping (Q-centric, Triton): caps from ones that bite unit scores to Gemma 2's
     if r.random() < 0.2 and schedule == "q_centric" and backend in ("triton", "auto"):
         spec["softcap"] = r.choice([0.5, 2.0, 5.0, 50.0])
-    # the cache (and its pages) as a float8_e4m3fn cache with a scale per row and KV head, drawn last
-    case["fp8_cache"] = bool(case["ragged"]) and r.random() < 0.3
+    # the cache (and its pages) as an fp8 cache (its dtype's name) with a scale per row and KV head, drawn last
+    fp8 = bool(case["ragged"]) and r.random() < 0.3
+    case["fp8_cache"] = r.choice(["float8_e4m3fn", "float8_e5m2"]) if fp8 else None
     return case
 
 
@@ -320,9 +321,10 @@ def run_ragged(case, attn, spec, q, k, v, given, torch, reference) -> None:
             cache[b, :, n:] = float("nan")
     scales, ref_cache = {}, (k_cache, v_cache)
     if case.get("fp8_cache"):  # quantised with a scale per (row, KV head); the reference runs over it dequantised
-        scales = {name: (x.nan_to_num().abs().amax(dim=(2, 3)).float().clamp(min=1e-3) / 448)
+        fp8 = getattr(torch, case["fp8_cache"])
+        scales = {name: (x.nan_to_num().abs().amax(dim=(2, 3)).float().clamp(min=1e-3) / torch.finfo(fp8).max)
                   for name, x in (("k_scale", k_cache), ("v_scale", v_cache))}
-        k_cache, v_cache = ((x.float() / scales[name][:, :, None, None]).to(torch.float8_e4m3fn)
+        k_cache, v_cache = ((x.float() / scales[name][:, :, None, None]).to(fp8)
                             for name, x in (("k_scale", k_cache), ("v_scale", v_cache)))
         ref_cache = tuple((x.double() * scales[name][:, :, None, None].double()).to(q.dtype)
                           for name, x in (("k_scale", k_cache), ("v_scale", v_cache)))
