@@ -33,7 +33,7 @@ from .backends import Backend, Problem, RoleImpl
 from .errors import KernelgenRuntimeError, KernelgenTypeError, KernelgenValueError
 from .inputs import (BlockLists, KeyReps, Shapes, apart_from_cache, autocast_qkv, check_block_idx,
                      check_block_lists, CacheRows, TokenRows, check_cache_rows, check_index, check_key_reps,
-                     check_kv_scales, check_new_keys, NewKeys,
+                     check_kv_scales, check_new_keys, NewKeys, check_fp8_arch,
                      check_reps_fit_capacity, check_keys, check_length, check_row_ints, check_scale, refuse_cast_cache,
                      check_paged_kv, check_pages, check_qkv, check_return_lse, check_token_rows, lists_layout,
                      lists_type_error, refuse_forward_ad, refuse_function_transforms,
@@ -360,6 +360,7 @@ class SparseAttention:
             return self._traced().select_blocks(q, k, self._spec_text, index=index)
         q, k, _ = autocast_qkv(q, k, k)
         shapes = self._check_shapes(q, k, k, block_table)
+        check_fp8_arch(k)
         rows = self._rows(shapes, q.device, cache_seqlens, cache_leftpad, seqlens, key_reps, index, block_table)
         if self.spec.window is not None and key_reps is None:  # the calls' own lists (a copy: the cached ones stay)
             lists = self._window_lists(shapes, q, rows).contiguous()

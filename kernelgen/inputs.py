@@ -294,12 +294,19 @@ def check_kv_scales(k, v, k_scale, v_scale, rows, shapes: Shapes, device) -> Cac
     if not isinstance(rows, CacheRows):
         raise KernelgenValueError(f"k.dtype = {k.dtype}: an fp8 KV cache is read by calls over a cache: pass "
                                   "cache_seqlens= (or block_table=) with k_scale= and v_scale=")
-    arch = device_arch(device)  # cached per device: this runs on every decode step
-    if k.dtype == torch.float8_e4m3fn and arch != "cpu" and int(arch[3:]) < 89:
-        raise KernelgenTypeError(f"k.dtype = float8_e4m3fn: a float8_e4m3fn KV cache needs an sm_89 or newer GPU "
-                                 f"(e4m3 conversions); this GPU is {arch} (float8_e5m2 caches run there)")
+    check_fp8_arch(k)
     return rows._replace(kv_scales=KVScales(*(_kv_scale(name, x, shapes, device)
                                               for name, x in (("k_scale", k_scale), ("v_scale", v_scale)))))
+
+
+def check_fp8_arch(k: torch.Tensor) -> None:
+    """An e4m3 cache's kernels (attention, selection, kept reps) need sm_89 or newer (e4m3 conversions); e5m2's and
+    16-bit caches' run on any GPU kernelgen runs on."""
+    if k.dtype == torch.float8_e4m3fn:
+        arch = device_arch(k.device)  # cached per device: this runs on every decode step
+        if arch != "cpu" and int(arch[3:]) < 89:
+            raise KernelgenTypeError(f"k.dtype = float8_e4m3fn: a float8_e4m3fn KV cache needs an sm_89 or newer GPU "
+                                     f"(e4m3 conversions); this GPU is {arch} (float8_e5m2 caches run there)")
 
 
 def _kv_scale(name: str, scale, shapes: Shapes, device) -> torch.Tensor:
@@ -685,6 +692,7 @@ def check_keys(k, spec: Spec) -> tuple[int, int, int]:
     b, hkv, n_k, _ = k.shape
     if min(b, hkv, n_k) < 1:
         raise KernelgenValueError(f"empty input: k {tuple(k.shape)}")
+    check_fp8_arch(k)
     return b, hkv, n_k
 
 

@@ -185,10 +185,8 @@ def test_bad_fp8_caches_are_named(device):
         custom_ops.sparse_attention(q, k8, v8, spec, cache_seqlens=lens, v_scale=0.0)
 
 
-def test_scales_of_one_element_are_read_in_place(monkeypatch):
-    """A one-element tensor scale reaches the kernels as it is (no copy a call), a float as one cached tensor; an
-    e4m3 cache needs sm_89 or newer, an e5m2 cache runs on sm_80."""
-    from kernelgen import inputs
+def test_scales_of_one_element_are_read_in_place():
+    """A one-element tensor scale reaches the kernels as it is (no copy a call), a float as one cached tensor."""
     from kernelgen.inputs import CacheRows, Shapes, check_kv_scales
 
     shapes = Shapes(5, 4, 2, 1, 96, 1, 3)
@@ -200,11 +198,24 @@ def test_scales_of_one_element_are_read_in_place(monkeypatch):
     again = check_kv_scales(k8, k8, 0.25, 0.25, rows, shapes, torch.device("cpu")).kv_scales
     assert again.k is check_kv_scales(k8, k8, 0.25, 1, rows, shapes, torch.device("cpu")).kv_scales.k
     assert again.k.tolist() == [0.25] and again.strides() == (0, 0)
+
+
+def test_an_e4m3_cache_needs_sm_89(monkeypatch):
+    """On a GPU older than sm_89 (here the device's arch made sm_80) an e4m3 cache is refused by the call, by
+    select() and by key_reps(), before any kernel compiles; an e5m2 cache runs there."""
+    from kernelgen import inputs
+
+    spec = _spec("mean")
+    q, k8, v8, lens = _fp8_cache(1, torch.float32, "cpu", 0.02, 0.02)
+    attn = get_kernel(spec)
     monkeypatch.setattr(inputs, "device_arch", lambda device: "sm_80")
-    with pytest.raises(KernelgenTypeError, match="float8_e4m3fn KV cache needs an sm_89 or newer GPU .e4m3 conversions.; this GPU is "
-                                                 "sm_80 .float8_e5m2 caches run there"):
-        check_kv_scales(k8, k8, one, one, rows, shapes, torch.device("cpu"))
-    assert check_kv_scales(k8.to(E5M2), k8.to(E5M2), one, one, rows, shapes, torch.device("cpu")).kv_scales
+    refused = "float8_e4m3fn KV cache needs an sm_89 or newer GPU .e4m3 conversions.; this GPU is sm_80 .float8_e5m2"
+    for call in (lambda: attn(q, k8, v8, cache_seqlens=lens, k_scale=0.02, v_scale=0.02),
+                 lambda: attn.select(q, k8, cache_seqlens=lens), lambda: attn.key_reps(k8)):
+        with pytest.raises(KernelgenTypeError, match=refused):
+            call()
+    k5, v5 = k8.to(E5M2), v8.to(E5M2)
+    assert attn(q, k5, v5, cache_seqlens=lens, k_scale=0.02, v_scale=0.02).shape == q.shape
 
 
 def test_a_role_that_reads_no_fp8_cache_is_refused(monkeypatch, device):
