@@ -24,11 +24,12 @@ from rich.logging import RichHandler
 from rich.table import Column, Table
 from rich.text import Text
 
-from .bench import SMOKE_SHAPE
+from .bench import NO_INTERPRETER_MESSAGE, SMOKE_SHAPE
 from .bench.backward import BACKWARD_SHAPES
 from .bench.chunked import CHUNKED_SHAPES
 from .bench.context_parallel import CP_BATCH, CP_HEADS_KV, CP_SEQ, CP_SPEC, CP_WORLD
 from .bench.padded import PACKED_LENGTHS, PADDED_SHAPES
+from .device import interpreting
 from .errors import KernelgenError, KernelgenTypeError, KernelgenValueError
 from .workloads import BENCH_SHAPES, DECODE_SHAPES, KV_CENTRIC_SHAPES, SOFTCAP_SHAPES, UNTUNED_SHAPES, WINDOW_SHAPES
 
@@ -54,8 +55,9 @@ class _OneLineUsageErrors(typer.core.TyperGroup):
 def _usage_errors_as_one_line():
     try:
         yield
-    except getattr(_click_errors, "NoArgsIsHelpError", ()):
-        raise  # `kernelgen` or `kernelgen db` alone: the help is the answer
+    except getattr(_click_errors, "NoArgsIsHelpError", ()) as error:
+        print(error.format_message())  # `kernelgen` or `kernelgen db` alone: the help is the answer, as --help's
+        raise typer.Exit(0) from None
     except _click_errors.UsageError as error:
         see = f" (see `{error.ctx.command_path} --help`)" if error.ctx is not None else ""
         _fail(f"{error.format_message()}{see}")
@@ -992,7 +994,8 @@ def info(verbose: bool = VERBOSE):
     if torch.cuda.is_available():
         table.add_row("GPU", f"{gpu_name()} ({current_arch()})")
     else:
-        table.add_row("GPU", "none: kernels run in the Triton interpreter (TRITON_INTERPRET=1)")
+        table.add_row("GPU", "none: kernels run in the Triton interpreter (TRITON_INTERPRET=1)" if interpreting() else
+                      f"none, and {NO_INTERPRETER_MESSAGE.removeprefix('no CUDA GPU here, and ')}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for backend in backends.all_backends():
         why = backend.not_installed() or backend.device_unsupported(device)

@@ -160,7 +160,8 @@ def tuned_configs(spec: Spec, *, arch: str, seq: int, gpu_name: str | None = Non
             continue
         tuned = served_config(backend, kernel_spec, role, bucket, dtype, target)
         if tuned is None:
-            sources[role] = f"default (nothing tuned for {arch})"
+            sources[role] = (f"default (no {backend.name} winner on {arch} in {str(dtype).removeprefix('torch.')} for "
+                             "this spec, nor for one of its head_dim, kv_block, q_tile and schedule)")
             continue
         row = tuned.row
         measured = "; measured under another " + ", ".join(tuned.soft_mismatch) if tuned.soft_mismatch else ""

@@ -272,8 +272,9 @@ def from_flashinfer_pages(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_
     kv_last_page_len  int32 `[B]`: the keys in a row's last page (1 .. page_size; a row of no pages has none).
     page_size         the pool's keys a page (a multiple of the spec's kv_block for kernelgen's calls).
     max_pages         the most pages a row holds, the table's width: read from the device where not given (one
-                      sync); given, nothing is read on the host, so the conversion runs inside a CUDA graph or
-                      torch.compile (a row of more pages is cut to max_pages, its length with it).
+                      sync, which also checks kv_indptr and kv_last_page_len); given, nothing is read on the host,
+                      so the conversion runs inside a CUDA graph or torch.compile (a row of more pages is cut to
+                      max_pages, its length with it, and a last page's length is clamped to 1 .. page_size).
 
     Returns int32 `[B, max_pages]` (-1 past a row's pages: a page of no keys, never read) and int32 `[B]`, each
     row's keys: (pages - 1) * page_size + its last page's, 0 for a row of no pages. FlashInfer's pool
@@ -298,6 +299,12 @@ def from_flashinfer_pages(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_
         max_pages = int(pages.max()) if rows else 0
         if int(pages.min()) < 0 or int(bounds[0]) != 0 or int(bounds[-1]) != kv_indices.shape[0]:
             raise KernelgenValueError(f"kv_indptr must rise from 0 to kv_indices' {kv_indices.shape[0]} pages")
+        last = kv_last_page_len.long()
+        wrong = (pages > 0) & ((last < 1) | (last > page_size))
+        if bool(wrong.any()):
+            row = int(wrong.nonzero()[0, 0])
+            raise KernelgenValueError(f"kv_last_page_len[{row}] = {int(last[row])}: a row with pages holds 1 .. "
+                                      f"page_size = {page_size} keys in its last page")
     elif isinstance(max_pages, bool) or not isinstance(max_pages, int) or max_pages < 0:
         raise KernelgenTypeError(f"max_pages must be an int >= 0 (the most pages a row holds), got {max_pages!r}")
     entry = torch.arange(kv_indices.shape[0], device=bounds.device)

@@ -63,6 +63,14 @@ def test_help(command):
     assert "Usage" in result.output
 
 
+@pytest.mark.parametrize("command", [[], ["db"]])
+def test_a_group_alone_prints_its_help(command):
+    """`kernelgen` or `kernelgen db` with no command answers with the help, as --help does: exit status 0."""
+    result = invoke(*command)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == invoke(*command, "--help").stdout
+
+
 def _command(*names: str):
     """The click command of `kernelgen NAMES...`, as typer builds it."""
     command = typer.main.get_command(app)
@@ -253,6 +261,18 @@ def test_bench_gpu_shapes_on_a_cpu_are_a_clear_error(tmp_path):
     for option in ("--overhead", "--no-graph"):  # timings of a GPU's bench: refused, not left unread
         one_line_error(invoke("bench", option, "--out", str(tmp_path / "b")), option, "needs a CUDA GPU")
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_a_cpu_without_the_interpreter_says_how_to_turn_it_on(tmp_path, monkeypatch):
+    """TRITON_INTERPRET=0 on a machine without a GPU leaves nothing to run kernels: the bench says so in one line
+    (not "running the interpreter" and then an error), and `info` says it too."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    result = invoke("bench", "--out", str(tmp_path / "b"))
+    one_line_error(result, "TRITON_INTERPRET=0 turns off the Triton interpreter", "set it to 1")
+    assert "running the Triton interpreter" not in result.stdout
+    info = invoke("info")
+    assert info.exit_code == 0 and "TRITON_INTERPRET=0 turns off" in flat(info.output)
 
 
 def test_tune_gluon_spec_the_kernel_cannot_compute_is_a_clear_error():
@@ -595,6 +615,12 @@ def test_export_bakes_the_tuned_winners_for_arch_and_seq_and_says_so(tmp_path):
     default = invoke("export", *options, "--out", str(tmp_path / "d.py"))
     assert default.exit_code == 0
     assert "default for cpu; --arch and --seq bake in a GPU's tuned winners" in flat(default.output)
+    # a spec no winner of the arch shares its kernel's shape with: the default, and why
+    untuned = invoke("export", *options, "--kv-block", "32", "--arch", "sm_90", "--seq", "4096", "--out",
+                     str(tmp_path / "u.py"))
+    assert untuned.exit_code == 0, untuned.output
+    assert ("default (no triton winner on sm_90 in bfloat16 for this spec, nor for one of its head_dim, kv_block, "
+            "q_tile and schedule)") in flat(untuned.output)
     one_line_error(invoke("export", *options, "--gpu", "NVIDIA H200", "--out", str(out)), "--seq")
     one_line_error(invoke("export", *options, "--arch", "sm_9000", "--seq", "4096", "--out", str(out)), "arch")
     one_line_error(invoke("export", *options, "--arch", "sm_90", "--seq", "4096", "--dtype", "fp8", "--out",
@@ -751,6 +777,7 @@ BAD_INPUT = [  # (arguments, {FILES} standing for the directory of _bad_files, w
     (DRY_FILE + ["--spec", "{FILES}/corrupt.json"], ["--spec", "corrupt.json", "Expecting"]),
     (DRY_FILE + ["--spec", "{FILES}/deep.json"], ["--spec", "deep.json", "recursion"]),
     (DRY_FILE + ["--model", "{FILES}/deep.json"], ["--model", "deep.json", "not JSON"]),
+    (DRY_FILE + ["--model", "{FILES}/qkv.pt"], ["--model", "qkv.pt", "not text; expected a Hugging Face config.json"]),
     (DRY_FILE + ["--spec", "{FILES}/list.json"], ["--spec", "list.json", "JSON object", "got list"]),
     (DRY_FILE + ["--spec", "{FILES}/fields.json"], ["--spec", "fields.json", "unknown fields ['banana']"]),
     (["export", "--out", "{FILES}/m.py", "--spec", "{FILES}/text.db"], ["--spec", "text.db"]),

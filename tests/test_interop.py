@@ -437,3 +437,9 @@ def test_flashinfer_pages_are_a_block_table_and_lengths():
         kernelgen.from_flashinfer_pages(indptr.flip(0).contiguous(), indices, last, 32)
     with pytest.raises(kernelgen.KernelgenTypeError, match="max_pages must be an int"):
         kernelgen.from_flashinfer_pages(indptr, indices, last, 32, max_pages=2.0)
+    for wrong in (0, 33):  # a last page of no keys, or of more than a page holds: never a length made up
+        bad = last.clone()
+        bad[3] = wrong
+        with pytest.raises(kernelgen.KernelgenValueError, match=rf"kv_last_page_len\[3\] = {wrong}: a row with pages "
+                                                                 r"holds 1 \.\. page_size = 32"):
+            kernelgen.from_flashinfer_pages(indptr, indices, bad, 32)

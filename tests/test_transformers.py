@@ -77,6 +77,13 @@ def test_registered_and_the_spec_comes_from_the_config():
     assert kg_hf.layer_spec(tiny_config(kernelgen_top_k=0)) is None
     with pytest.raises(ValueError, match="unknown"):
         kg_hf.layer_spec(tiny_config(kernelgen={"topk": 3}))
+    # a value the Spec refuses is named by the key the user set it with
+    with pytest.raises(TypeError, match="model config: kernelgen_top_k = '16': Spec.top_k must be an int"):
+        kg_hf.layer_spec(tiny_config(kernelgen_top_k="16"))
+    config = tiny_config(kernelgen={"layer_types": {"sliding_attention": {"kv_block": 48}}})
+    config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match=r"kernelgen\.layer_types\.sliding_attention\.kv_block = 48: Spec\.kv_block"):
+        kg_hf.layer_spec(config, "sliding_attention")
     for selector in ("index", "given"):  # inputs a model's attention never passes: refused where the spec is read
         with pytest.raises(ValueError, match=f"selector='{selector}'.*'mean' or 'multi:r'"):
             kg_hf.layer_spec(tiny_config(kernelgen_selector=selector))

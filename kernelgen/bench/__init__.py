@@ -35,16 +35,20 @@ from collections.abc import Iterable
 
 import torch
 
+from ..device import interpreting
 from ..errors import KernelgenValueError
 from ..workloads import BENCH_SHAPES, SHAPES
 from .plot import plot
 from . import measure
 from .measure import dispatch_overhead, run, stall_guard
 
-__all__ = ["main", "run", "plot", "dispatch_overhead", "stall_guard", "SMOKE_SHAPE", "NO_GPU_MESSAGE"]
+__all__ = ["main", "run", "plot", "dispatch_overhead", "stall_guard", "SMOKE_SHAPE", "NO_GPU_MESSAGE",
+           "NO_INTERPRETER_MESSAGE"]
 
 SMOKE_SHAPE = "tiny"  # the one shape the Triton interpreter runs
 NO_GPU_MESSAGE = "No CUDA GPU: running the Triton interpreter at a tiny size (correctness smoke run, no timings)."
+NO_INTERPRETER_MESSAGE = ("no CUDA GPU here, and TRITON_INTERPRET=0 turns off the Triton interpreter that runs kernels "
+                          "on the CPU: unset TRITON_INTERPRET (kernelgen then sets it to 1) or set it to 1")
 
 
 def _names(value: str | Iterable[str] | None, what: str, known=SHAPES) -> list[str] | None:
@@ -86,6 +90,8 @@ def main(shapes: str | Iterable[str] | None = None, out: str | os.PathLike | Non
     sweep_names = tuple(_names(sweep, "sweep shapes") or ())
     profile_names = tuple(_names(profile, "profile shapes") or ())
     on_gpu = torch.cuda.is_available()
+    if not on_gpu and not interpreting():
+        raise KernelgenValueError(NO_INTERPRETER_MESSAGE)
     if not on_gpu:
         print(NO_GPU_MESSAGE)
         skipped = [n for n in names or () if n != SMOKE_SHAPE]

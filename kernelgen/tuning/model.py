@@ -26,13 +26,14 @@ schedule, which does not cap either, is refused (a KernelgenValueError).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .. import backends
-from ..errors import KernelgenValueError
+from ..errors import KernelgenTypeError, KernelgenValueError
 from ..spec import Spec
 from .presets import GRID_MAX, Study
 
@@ -52,8 +53,10 @@ def read_model_config(path: str | Path) -> dict:
         config = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, RecursionError) as error:  # recursion: nesting deeper than the parser goes
         raise KernelgenValueError(f"--model {path}: not JSON ({error})") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise KernelgenValueError(f"--model {path}: {getattr(error, 'strerror', None) or error}") from None
+    except UnicodeDecodeError:
+        raise KernelgenValueError(f"--model {path}: not text; expected a Hugging Face config.json") from None
+    except OSError as error:
+        raise KernelgenValueError(f"--model {path}: {error.strerror or error}") from None
     if not isinstance(config, dict):
         raise KernelgenValueError(f"--model {path}: expected a JSON object (a Hugging Face config.json)")
     return config
@@ -97,6 +100,7 @@ def layer_type_specs(config: dict) -> dict[str, Spec | None]:
     ours = config.get("kernelgen", text.get("kernelgen"))
     ours = {} if ours is None else ours
     top = {**MODEL_OPTIONS, **_sparse_options(ours, "kernelgen")}
+    origin = {name: f"kernelgen.{name}" for name in top if name in ours}  # where an option was set: errors name it
     unknown = sorted({key for key in (*text, *config) if key.startswith("kernelgen_")}
                      - {f"kernelgen_{name}" for name in MODEL_OPTIONS})
     if unknown:
@@ -105,7 +109,7 @@ def layer_type_specs(config: dict) -> dict[str, Spec | None]:
     for name in MODEL_OPTIONS:  # kernelgen_<option> keys (a loaded config's attributes) win over the object
         value = text.get(f"kernelgen_{name}", config.get(f"kernelgen_{name}"))
         if value is not None:
-            top[name] = value
+            top[name], origin[name] = value, f"kernelgen_{name}"
     per_type = ours.get("layer_types", {})
     if not isinstance(per_type, dict):
         raise KernelgenValueError("model config: kernelgen.layer_types must map layer types to sparse options")
@@ -123,14 +127,30 @@ def layer_type_specs(config: dict) -> dict[str, Spec | None]:
         if layer_type != FULL and layer_type not in per_type and window is None:
             specs[layer_type] = None  # no sparse options for it, no window: not kernelgen's layer
             continue
-        options = {**top, **_sparse_options(per_type.get(layer_type, {}), f"kernelgen.layer_types.{layer_type}")}
-        if options["top_k"] == 0:
-            specs[layer_type] = None
-        elif window is not None:
-            specs[layer_type] = window_spec(head_dim, heads // heads_kv, window, options, softcap)
-        else:
-            specs[layer_type] = _full_spec(head_dim, heads // heads_kv, options, softcap, layer_type)
+        own = _sparse_options(per_type.get(layer_type, {}), f"kernelgen.layer_types.{layer_type}")
+        options = {**top, **own}
+        where = {**origin, **{name: f"kernelgen.layer_types.{layer_type}.{name}" for name in own}}
+        with _naming_options(where, options):
+            if options["top_k"] == 0:
+                specs[layer_type] = None
+            elif window is not None:
+                specs[layer_type] = window_spec(head_dim, heads // heads_kv, window, options, softcap)
+            else:
+                specs[layer_type] = _full_spec(head_dim, heads // heads_kv, options, softcap, layer_type)
     return specs
+
+
+@contextlib.contextmanager
+def _naming_options(where: dict, options: dict):
+    """A Spec refusing an option's value names the config key the user set it with (`kernelgen_top_k`,
+    `kernelgen.layer_types.<type>.top_k`), not only the Spec field."""
+    try:
+        yield
+    except (KernelgenTypeError, KernelgenValueError) as error:
+        named = [name for name in where if f"Spec.{name}" in str(error) or f"{name}=" in str(error)]
+        if not named:
+            raise
+        raise type(error)(f"model config: {where[named[0]]} = {options[named[0]]!r}: {error}") from None
 
 
 def _softcap(text: dict) -> float | None:
