@@ -859,10 +859,6 @@ class SparseAttention:
                 raise KernelgenValueError("varlen over a contiguous KV cache with cache_leftpad= takes the rows of "
                                           "each query count one after another (a paged row starts at its first "
                                           "page): pass the rows of each count in a call of their own")
-            if k.shape[2] % self.spec.kv_block:
-                raise KernelgenValueError(f"varlen over a contiguous KV cache reads the rows of a query count that "
-                                          f"are not one after another as pages of one row: the capacity k.shape[2] = "
-                                          f"{k.shape[2]} must be a multiple of spec.kv_block = {self.spec.kv_block}")
         k_idx = None if index is None else index[1]
 
         def group_call(group: QueryGroup, lengths, new_keys, queries=q, packed_index=index) -> tuple[tuple, dict]:

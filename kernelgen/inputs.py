@@ -660,8 +660,8 @@ def check_paged_kv(q, k, v, block_table, spec: Spec) -> Shapes:
 
 
 def check_pages(k, block_table, spec: Spec) -> tuple[int, int, int]:
-    """A paged cache k [n_pages, Hkv, page_size, D] (a tensor `_explain_qkv` passed), page_size a multiple of
-    kv_block (a block is never split over pages), and its block_table int32 [B, pages a row] on k's device with
+    """A paged cache k [n_pages, Hkv, page_size, D] (a tensor `_explain_qkv` passed), pages of any size (whole
+    blocks, or blocks over several pages: vLLM's 16 keys a page, SGLang's 1), and its block_table int32 [B, pages a row] on k's device with
     contiguous rows: (B, Hkv, Nk = pages a row x page_size). Page ids are read on the device; one outside
     [0, n_pages) is a page of no keys."""
     if not isinstance(block_table, torch.Tensor):
@@ -676,10 +676,6 @@ def check_pages(k, block_table, spec: Spec) -> tuple[int, int, int]:
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         raise KernelgenValueError(f"block_table's rows must be contiguous, got strides {block_table.stride()}")
     n_pages, hkv, page_size, _ = k.shape
-    if page_size % spec.kv_block:
-        # a vLLM/FlashAttention pool passed untransposed lands here: its heads read as the page size
-        raise KernelgenValueError(f"k's pages hold {page_size} keys (k.shape[2]); a page must hold whole blocks: a "
-                                  f"multiple of spec.kv_block = {spec.kv_block}; the layout is {PAGED_LAYOUT}")
     if min(n_pages, hkv) < 1:
         raise KernelgenValueError(f"empty input: k {tuple(k.shape)}")
     return block_table.shape[0], hkv, block_table.shape[1] * page_size

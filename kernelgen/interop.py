@@ -270,7 +270,7 @@ def from_flashinfer_pages(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_
     kv_indptr         int32 `[B + 1]`: row b's pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]], in order.
     kv_indices        int32 `[nnz]`: page ids in the pool.
     kv_last_page_len  int32 `[B]`: the keys in a row's last page (1 .. page_size; a row of no pages has none).
-    page_size         the pool's keys a page (a multiple of the spec's kv_block for kernelgen's calls).
+    page_size         the pool's keys a page (any: pages of whole blocks read fastest).
     max_pages         the most pages a row holds, the table's width: read from the device where not given (one
                       sync, which also checks kv_indptr and kv_last_page_len); given, nothing is read on the host,
                       so the conversion runs inside a CUDA graph or torch.compile (a row of more pages is cut to

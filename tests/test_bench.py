@@ -370,6 +370,7 @@ def test_decode_bench_rows_on_the_gpu(monkeypatch, tmp_path):
                  "kernelgen mean select only", "kernelgen mean, cache_seqlens step",
                  "kernelgen mean, cache_seqlens step, reps made", "flex (same BlockMask)",
                  "kernelgen decode prepared, paged 128", "kernelgen mean, cache_seqlens step, paged 512",
+                 "kernelgen decode prepared, paged 16", "kernelgen mean, cache_seqlens step, paged 16",
                  "kernelgen index q_centric, cache_seqlens step", "kernelgen index kv_centric select only",
                  "kernelgen index kv_centric, cache_seqlens step, paged 128", "sdpa flash (dense)",
                  "kernelgen decode prepared, cache_seqlens, fp8 cache", "kernelgen decode splits=2, fp8 cache",
@@ -400,7 +401,7 @@ def test_chunked_bench_rows_on_the_gpu(monkeypatch, tmp_path):
     monkeypatch.setitem(chunked.CHUNKED_SHAPES, "chunk_small", (256, 4096))
     chunked.run_chunked(["chunk_small"], tmp_path, log=lambda line: None)
     rows = {r["impl"]: r for r in json.loads((tmp_path / "chunked.json").read_text())}
-    assert len(rows) == 8 + 3 * len(chunked.PAGE_BLOCKS), sorted(rows)
+    assert len(rows) == 8 + 3 * (len(chunked.PAGE_BLOCKS) + 1), sorted(rows)  # and pages of SMALL_PAGE keys
     assert rows["kernelgen given lists, one call (cache_seqlens)"]["max_abs_vs_rows"] == 0
     paged = [r for name, r in rows.items() if "over pages" in name]
     assert paged and all(r["max_abs_vs_contiguous"] < 0.05 for r in paged), paged

@@ -38,13 +38,18 @@ def _paged_cache(n_q, dtype, device, page_size, lengths=LENGTHS, **kw):
     return q, k, v, lens, k_pages, v_pages, table
 
 
-@pytest.mark.parametrize("schedule, selector, n_q, dtype, page_size", [
-    ("q_centric", "mean", 1, torch.float32, 16), ("q_centric", "multi:2", 3, torch.float16, 32),
-    ("kv_centric", "mean", 2, torch.float32, 32), ("kv_centric", "multi:2", 1, torch.float16, 16)])
-def test_a_paged_call_is_the_call_over_its_pages_gathered(schedule, selector, n_q, dtype, page_size, device):
+@pytest.mark.parametrize("schedule, selector, n_q, dtype, page_size, fields", [
+    ("q_centric", "mean", 1, torch.float32, 16, {}), ("q_centric", "multi:2", 3, torch.float16, 32, {}),
+    ("kv_centric", "mean", 2, torch.float32, 32, {}), ("kv_centric", "multi:2", 1, torch.float16, 16, {}),
+    # blocks over several pages: vLLM's 16 keys a page under 32-key blocks, SGLang's 1, and 24 (no divisor)
+    ("q_centric", "multi:2", 1, torch.float32, 16, {"kv_block": 32}),
+    ("kv_centric", "mean", 3, torch.float16, 1, {"kv_block": 32}),
+    ("q_centric", "mean", 2, torch.float16, 24, {"kv_block": 32}),
+])
+def test_a_paged_call_is_the_call_over_its_pages_gathered(schedule, selector, n_q, dtype, page_size, fields, device):
     """Lists, o and lse equal the contiguous cache's call bit for bit, pooled in the call or from kept reps (which
     equal the contiguous cache's, and grow in place as its rows do), and match the float64 reference."""
-    spec = _spec(selector, schedule)
+    spec = _spec(selector, schedule, **fields)
     attn = get_kernel(spec, configs={"decode": DecodeConfig(splits=2)})
     q, k, v, lens, k_pages, v_pages, table = _paged_cache(n_q, dtype, device, page_size)
     assert torch.equal(attn.select(q, k_pages, cache_seqlens=lens, block_table=table),
@@ -65,6 +70,21 @@ def test_a_paged_call_is_the_call_over_its_pages_gathered(schedule, selector, n_
     assert torch.equal(o_reps, o)
     assert reps.seqlens[:, 0].tolist() == list(LENGTHS)
     assert torch.equal(reps.reps, attn.key_reps(k, cache_seqlens=lens).reps)
+
+
+def test_pages_of_one_key_under_a_partial_last_block(device):
+    """Token pages (SGLang's page_size 1) of rows of 100 keys under 32-key blocks (a partial last block): kept reps
+    made and grown over the pages are the contiguous cache's bits, and the call that reads them is its call."""
+    spec = _spec("multi:2", kv_block=32)
+    attn = get_kernel(spec)
+    q, k, v, lens = _cache(2, torch.float32, device, capacity=100, lengths=(100, 37, 0, 70, 1))
+    k_pages, table = paged(k, 1)
+    v_pages, _ = paged(v, 1, table=table.cpu())
+    reps = attn.key_reps(k_pages, block_table=table, cache_seqlens=lens // 2)
+    attn.key_reps(k_pages, block_table=table, cache_seqlens=lens, previous=reps)
+    assert torch.equal(reps.reps, attn.key_reps(k, cache_seqlens=lens).reps) and reps.reps.shape[2] == 4
+    assert torch.equal(attn(q, k_pages, v_pages, block_table=table, cache_seqlens=lens, key_reps=reps),
+                       attn(q, k, v, cache_seqlens=lens))
 
 
 def test_without_lengths_every_row_holds_its_pages(device):
@@ -176,10 +196,8 @@ def test_bad_pages_are_named(device):
         attn.key_reps(k_pages, block_table=table, previous=plain)
     with pytest.raises(KernelgenValueError, match=r"gather_pages takes pages \[n_pages"):
         reference.gather_pages(k_pages, table[0])
-    with pytest.raises(KernelgenValueError, match="a page must hold whole blocks"):
-        attn(q, k_pages[:, :, :24], v_pages[:, :, :24], block_table=table)
     # FlashAttention's and vLLM's pool [n_pages, page_size, Hkv, D], passed as it is: told to transpose it
-    fa_layout = r"whole blocks.*\[n_pages, page_size, Hkv, D\] as \.transpose\(1, 2\)"
+    fa_layout = r"but k has 32 .*\[n_pages, page_size, Hkv, D\] as \.transpose\(1, 2\)"
     with pytest.raises(KernelgenValueError, match=fa_layout):
         attn(q, k_pages.transpose(1, 2).contiguous(), v_pages.transpose(1, 2).contiguous(), block_table=table)
     with pytest.raises(KernelgenValueError, match="no backward"):
@@ -272,16 +290,23 @@ def test_a_paged_prefill_runs_the_paged_roles():
     assert forward_roles(_spec("mean"), 16, True, paged=True)[2] == "decode"
 
 
-@pytest.mark.parametrize("schedule, selector, dtype, page_size, config", [
-    ("q_centric", "mean", torch.float32, 16, None),
-    ("q_centric", "multi:2", torch.float16, 32, AttnConfig(block_m=16, num_warps=4, num_stages=1, kv_per_iter=2)),
-    ("q_centric", "given", torch.float32, 32, AttnConfig(block_m=32, num_warps=4, num_stages=1, kv_per_iter=1)),
-    ("kv_centric", "mean", torch.float32, 16, None), ("kv_centric", "given", torch.float16, 32, None)])
-def test_a_paged_prefill_is_the_reference_over_its_pages(schedule, selector, dtype, page_size, config, device):
+@pytest.mark.parametrize("schedule, selector, dtype, page_size, config, fields", [
+    ("q_centric", "mean", torch.float32, 16, None, {}),
+    ("q_centric", "multi:2", torch.float16, 32, AttnConfig(block_m=16, num_warps=4, num_stages=1, kv_per_iter=2), {}),
+    ("q_centric", "given", torch.float32, 32, AttnConfig(block_m=32, num_warps=4, num_stages=1, kv_per_iter=1), {}),
+    ("kv_centric", "mean", torch.float32, 16, None, {}), ("kv_centric", "given", torch.float16, 32, None, {}),
+    # blocks over several pages: 8 keys a page under 32-key blocks, 1 (token pages), 24 (no divisor)
+    ("q_centric", "mean", torch.float16, 8, None, {"kv_block": 32}),
+    ("q_centric", "given", torch.float32, 1, AttnConfig(block_m=32, num_warps=4, num_stages=1, kv_per_iter=2),
+     {"kv_block": 32}),
+    ("kv_centric", "multi:2", torch.float32, 24, None, {"kv_block": 32}),
+    ("kv_centric", "given", torch.float16, 8, None, {"kv_block": 32})])
+def test_a_paged_prefill_is_the_reference_over_its_pages(schedule, selector, dtype, page_size, config, fields,
+                                                         device):
     """A chunk of 40 queries at the end of rows of 96, 37, 0, 48 and 1 keys over shuffled pages (the pool's other
     pages NaN): the contiguous cache's lists bit for bit, o and lse the float64 reference's; a row with its own
     table row over the same pool is the batch's row, bit for bit; kept reps grow in place to the same lists."""
-    spec = _spec(selector, schedule)
+    spec = _spec(selector, schedule, **fields)
     configs = None if config is None else {"attn_paged": config}
     attn = get_kernel(spec, configs=configs)
     q, k, v, lens, k_pages, v_pages, table = _paged_cache(N_Q, dtype, device, page_size)
@@ -325,6 +350,28 @@ def test_a_paged_prefill_reads_no_page_outside_the_pool(schedule, device):
     assert torch.equal(attn(q, k_pages, v_pages, block_idx=idx, block_table=holes, cache_seqlens=lens), expected)
     prepared = attn.prepare(idx, seq_q=N_Q, seq_k=96)  # its reverse index (per-query lists) serves as it is
     assert torch.equal(attn(q, k_pages, v_pages, block_idx=prepared, block_table=holes, cache_seqlens=lens), expected)
+
+
+@pytest.mark.parametrize("schedule, n_q", [("q_centric", 1), ("kv_centric", 2), ("q_centric", N_Q),
+                                           ("kv_centric", N_Q)])
+def test_a_page_outside_the_pool_hides_its_keys_alone(schedule, n_q, device):
+    """Pages of 8 keys under 32-key blocks (a decode step and a prefill chunk): a table entry outside
+    [0, n_pages) hides its page's 8 keys and no other key of their block; row 0 by hand in float64."""
+    spec = _spec("given", schedule, kv_block=32, local=0, sink=0)
+    q, k, v, lens, k_pages, v_pages, table = _paged_cache(n_q, torch.float32, device, 8)
+    lists = n_q if schedule == "kv_centric" else spec.n_q_tiles(n_q)
+    idx = torch.tensor([0, 1, 2], dtype=torch.int32, device=device).expand(len(LENGTHS), 2, lists, 3).contiguous()
+    holes = table.clone()
+    holes[0, 1] = -5  # row 0's keys 8 .. 15, in block 0
+    o = get_kernel(spec)(q, k_pages, v_pages, block_idx=idx, block_table=holes, cache_seqlens=lens)
+    q0, k0, v0 = (x[0].double() for x in (q, k, v))
+    keys = torch.arange(96, device=device)
+    seen = (keys[None, :] <= torch.arange(96 - n_q, 96, device=device)[:, None]) & ((keys < 8) | (keys >= 16))
+    for h in range(4):
+        s = (q0[h] @ k0[h // 2].T / 8.0).masked_fill(~seen, float("-inf"))
+        assert torch.allclose(o[0, h].double(), torch.softmax(s, -1) @ v0[h // 2], atol=1e-5), h
+    whole = get_kernel(spec)(q, k_pages, v_pages, block_idx=idx, block_table=table, cache_seqlens=lens)
+    assert torch.equal(o[1:], whole[1:])  # the other rows' pages: untouched
 
 
 def test_a_paged_prefill_is_the_contiguous_call_where_the_same_steps_run(device):

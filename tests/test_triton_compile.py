@@ -86,6 +86,7 @@ class Case(NamedTuple):
     union: bool = False  # the per-query union design too (its backward where `backward`)
     rows: bool = False  # a prefill over a cache of per-row lengths too (attn_rows, kv_attn_rows), and paged
     fp8_cache: str | None = None  # the calls over a cache again over an fp8 cache of this dtype, and append_kv
+    page_size: int | None = None  # the paged calls' pages (None: a block a page); with `decode`, a paged step too
 
     @property
     def roles(self) -> list[str]:
@@ -135,7 +136,8 @@ def _cases(arch) -> list[Case]:
     for spec in KV_SPECS:  # with their backward, decode, a prefill over cache rows and the union design (defaults)
         cases.append(Case(spec, _defaults(spec, arch, [r for r in forward_roles(spec)[1:] if r] + ["decode"]), 2000,
                           backward=True, decode=True, union=True, rows=True,
-                          fp8_cache=FP8_CACHES[arch][1] if spec.selector == "mean" else None))
+                          fp8_cache=FP8_CACHES[arch][1] if spec.selector == "mean" else None,
+                          page_size=16 if spec.selector == "mean" else None))  # vLLM's pages: 4 a block
     # the union design's largest point, 128 rows of 8 queries at G = 16
     union_spec = KV_SPECS[1].replace(gqa_group=16)
     cases.append(Case(union_spec, {"kv_attn_union": _largest(union_spec, arch, lambda c: c.tile_q == 8,
@@ -144,7 +146,7 @@ def _cases(arch) -> list[Case]:
     for spec, cfg, fp8 in ((SPECS[1][0], default_config(SPECS[1][0], "decode", arch), FP8_CACHES[arch][0]),
                            (SPECS[4][0], _largest(SPECS[4][0], arch, role="decode"), None)):
         cases.append(Case(spec, {**_defaults(spec, arch, ["attn", "select"]), "decode": cfg}, 2000, decode=True,
-                          rows=True, fp8_cache=fp8))
+                          rows=True, fp8_cache=fp8, page_size=16 if fp8 else None))
     # a paged prefill's largest point at D 256 (the forward's loop through pointers, at the most shared memory)
     cases.append(Case(SPECS[4][0], {**_defaults(SPECS[4][0], arch, ["attn", "select"]),
                                     "attn_paged": _largest(SPECS[4][0], arch, role="attn_paged")}, 2000, rows=True))
@@ -171,7 +173,8 @@ def _job(case: Case) -> dict:
     """tools/offline_compile.py's form of a case."""
     job = {"spec": case.spec.to_dict(), "n": case.n, "backward": case.backward, "union": case.union, "rows": case.rows,
            **{role: dataclasses.asdict(cfg) for role, cfg in case.configs.items()},
-           **({"fp8_cache": case.fp8_cache} if case.fp8_cache else {})}
+           **({"fp8_cache": case.fp8_cache} if case.fp8_cache else {}),
+           **({"page_size": case.page_size} if case.page_size else {})}
     return job if case.index is None else {**job, "index": case.index}
 
 
@@ -206,6 +209,8 @@ def test_kernels_compile_for_each_arch_and_fit_its_shared_memory():
                 expected.add("merge_topk")
             if case.fp8_cache:
                 expected.add("append_rows")
+            if case.page_size and not case.spec.per_query:
+                expected.add("pool_paged")  # the step's selection, pooled from the pages
             assert expected <= set(kernels), (arch, kernels)
             assert all(shared <= facts.smem_per_block for shared in kernels.values()), (arch, kernels)
             # the tuner's estimates (backends.triton's *_smem_bytes) bound what Triton asks for (give or take its

@@ -129,6 +129,8 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
     # the cache (and its pages) as an fp8 cache (its dtype's name) with a scale per row and KV head, drawn last
     fp8 = bool(case["ragged"]) and r.random() < 0.3
     case["fp8_cache"] = r.choice(["float8_e4m3fn", "float8_e5m2"]) if fp8 else None
+    # pages that hold no whole blocks (a block's keys each read from its page): 1 key, 5 (no divisor), half a block
+    case["page_keys"] = r.choice([1, 5, kv_block // 2]) if case["paged"] and r.random() < 0.4 else None
     return case
 
 
@@ -357,7 +359,7 @@ def run_paged(case, attn, q, k_cache, v_cache, given, lens, torch, reference, li
     pages with NaN): a decode call is bit for bit the contiguous call over the padded cache; a prefill chunk (its
     own kernel) selects the contiguous call's lists, bit for bit, and matches the reference (`ref`, over
     `lists`); `scales`: an fp8 cache's k_scale and v_scale, or none."""
-    page = attn.spec.kv_block * case["paged"]
+    page = case.get("page_keys") or attn.spec.kv_block * case["paged"]
     cap = -(-k_cache.shape[2] // page) * page
     gen = torch.Generator().manual_seed(case["ragged"]["seed"] + 1)
     padded = [torch.cat([x, torch.full((*x.shape[:2], cap - x.shape[2], x.shape[3]), float("nan")).to(x)], 2)

@@ -24,7 +24,9 @@ forward, over its lists); "union": true, a per-query
 spec's union design too (kv_attn_union after the forward, kv_bwd_union after the backward); "fp8_cache": a torch
 fp8 dtype's name ("float8_e4m3fn", "float8_e5m2"), the calls over a cache (decode, "rows") read their K and V cache
 in it, twice (a scale for every row, then [B, Hkv] scales), and new keys are written into it (append_kv, contiguous
-and paged); "index": {"heads": Hi, "dim": Di,
+and paged); "page_size": the keys a page of the paged calls' cache (default: kv_block), and with a "decode" config a step over
+those pages too (its pooled selection and decode; a page that holds no whole blocks compiles the kernels that read
+each key's page); "index": {"heads": Hi, "dim": Di,
 "dtype": "float16" or "bfloat16"} gives the index selector its tensors. "resources": true adds, per kernel,
 {"name", "registers", "spill_stores", "wgmma", "loop"} under "resources" (`ptxas -v` of its PTX, Triton's own
 ptxas; wgmma: the warp-group products in its TTGIR; loop: its longest loop's instructions per iteration and
@@ -348,9 +350,10 @@ def compile_cases(cases: list[dict], arch: str) -> None:
             t = {"q": torch.randn(1, 2 * g, n, spec.head_dim, dtype=torch.bfloat16),
                  "seqlens": torch.full((1,), n, dtype=torch.int32)}
             t["k"], t["v"] = (torch.randn(1, 2, n, spec.head_dim, dtype=torch.bfloat16) for _ in range(2))
-            pages = torch.arange(shapes.n_kv_blocks)  # a page a block, in order: only compiles
-            room = (0, 0, 0, shapes.n_kv_blocks * spec.kv_block - n)
-            t["k_pages"], t["v_pages"] = (scatter_pages(torch.nn.functional.pad(x, room), spec.kv_block, pages)
+            page_size = case.get("page_size", spec.kv_block)  # a page a block unless the case says: only compiles
+            pages = torch.arange(-(-shapes.n_kv_blocks * spec.kv_block // page_size))
+            room = (0, 0, 0, len(pages) * page_size - n)
+            t["k_pages"], t["v_pages"] = (scatter_pages(torch.nn.functional.pad(x, room), page_size, pages)
                                           for x in (t["k"], t["v"]))
             t["table"] = pages.view(1, -1).to(torch.int32)
             if selection is None:
@@ -383,6 +386,12 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                     out = run(spec, role, configs.get(role), one, *_launch_args(role, t, one))
                     t.update(zip(_RESULTS[role], out if isinstance(out, tuple) else (out,)))
                     t["lists"] = t["lists"].clamp(-1, one.n_kv_blocks - 1)
+                if "page_size" in case:  # a step over the cache's pages: its selection (pooled there) and decode
+                    paged = dict(seqlens=t["seqlens"], block_table=t["table"])
+                    if decode_selection in ("decode_select", "kv_decode_select"):
+                        run(spec, decode_selection, configs.get(decode_selection), one, t["q"], t["k_pages"], **paged)
+                    run(spec, "decode", configs.get("decode"), one, t["q"], t["k_pages"], t["v_pages"], t["lists"], None,
+                        **paged)
                 for scales in _fp8_scales() if fp8 else ():  # a step over the fp8 cache
                     run(spec, "decode", configs.get("decode"), one, *_launch_args("decode", _fp8_cache(t, fp8), one),
                         kv_scales=scales)
@@ -390,7 +399,7 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                     run(spec, "decode", configs.get("decode"), one, t["q"], t["k"], t["v"], None, None)
                 if "index" in t:  # and over the cache's pages: k_idx paged as k is
                     q_idx, k_idx, w = t["index"]
-                    k_idx_pages = scatter_pages(torch.nn.functional.pad(k_idx, room), spec.kv_block, pages)
+                    k_idx_pages = scatter_pages(torch.nn.functional.pad(k_idx, room), page_size, pages)
                     run(spec, decode_selection, configs.get(decode_selection), one, q_idx, k_idx_pages, w,
                         t["seqlens"], None, t["table"])
             if fp8:  # new keys written into the fp8 cache, quantised: contiguous, then paged

@@ -1162,7 +1162,7 @@ def _paged_key_reps(mod, spec: Spec, k: torch.Tensor, seqlens: torch.Tensor, blo
                     grow: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """launch_key_reps of a paged cache: made (`pool_paged`), or grown in place (`pool_paged_grown`)."""
     n_pages, h, page_size, d = k.shape
-    n_tiles = block_table.shape[1] * page_size // spec.kv_block
+    n_tiles = cdiv(block_table.shape[1] * page_size, spec.kv_block)  # pages of no whole blocks: a partial last
     if grow is None:
         return _pool_paged(k, spec.kv_block, spec.groups, n_tiles, mod, seqlens, block_table)
     reps, made, made_leftpad = grow
@@ -1570,18 +1570,21 @@ def launch_attn_paged(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v,
     row_idx = empty(*block_idx.shape, device=q.device, dtype=torch.int32)
     pool_idx = empty(*block_idx.shape, device=q.device, dtype=torch.int32)
     n_pages, _, page_size, _ = k.shape
-    ratio = pool_ratio(spec, k, v)
+    # pages of whole blocks: BLOCKS_A_PAGE of them; else 0, each key read from its page
+    blocks_a_page = page_size // spec.kv_block if page_size % spec.kv_block == 0 else 0
+    ratio = pool_ratio(spec, k, v) if blocks_a_page else 0
     constexprs = _attn_constexprs(spec, cfg)
     mod.paged_lists[(shapes.n_q_tiles, shapes.batch * shapes.heads_kv)](
         block_idx, block_table, seqlens, row_idx, pool_idx, *block_idx.stride()[:3], *row_idx.stride()[:3],
         block_table.stride(0), shapes.n_k, n_pages, shapes.heads_kv, ratio, KV_BLOCK=spec.kv_block, TOP_K=spec.top_k,
-        TOP_K_PAD=constexprs["TOP_K_PAD"], BLOCKS_A_PAGE=page_size // spec.kv_block)
+        TOP_K_PAD=constexprs["TOP_K_PAD"], BLOCKS_A_PAGE=blocks_a_page)
     splits = spec.gqa_group * spec.q_tile // cfg.block_m
     mod.attn_paged_fwd[(shapes.n_q_tiles * splits, shapes.batch * shapes.heads_kv)](
         q, k, v, o, lse, row_idx, pool_idx, seqlens, block_table,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2], *row_idx.stride()[:3],
         block_table.stride(0), shapes.n_q, shapes.n_k, n_pages, shapes.heads_kv, n_pages * ratio, qk_scale(spec, scale),
-        BLOCKS_A_PAGE=page_size // spec.kv_block, **constexprs, **_scale_args(kv_scales))
+        BLOCKS_A_PAGE=blocks_a_page, **constexprs, **_scale_args(kv_scales),
+        **({} if blocks_a_page else {"PAGE_SIZE": page_size}))
     return o, lse
 
 

@@ -8,8 +8,9 @@ one sink and two local blocks; a cache of capacity N whose rows hold N down to a
   call per row over its own keys (what such a batch costs without it);
 - the whole `mean` pipeline (selection and attention), one call and a call per row; per-query lists (the
   KV-centric schedule) one call (the `kv_attn_rows` role) and a call per row;
-- the same one calls over the cache scattered in shuffled pages of PAGE_BLOCKS blocks (`block_table=`: the
-  `attn_paged` and `kv_attn_paged` roles), compared with the contiguous call (`max_abs_vs_contiguous`);
+- the same one calls over the cache scattered in shuffled pages of PAGE_BLOCKS blocks, and of SMALL_PAGE keys (a
+  block over several pages) (`block_table=`: the `attn_paged` and `kv_attn_paged` roles), compared with the
+  contiguous call (`max_abs_vs_contiguous`);
 - FlexAttention (torch.compile'd) over a BlockMask of the same lists with the rows' lengths
   (`to_block_mask(..., cache_seqlens=)`);
 - SDPA with the rows' mask (causal from each row's own diagonal AND its keys: SDPA's memory-efficient kernel)
@@ -51,6 +52,7 @@ MIXED_PAGE = 512
 BATCH, HEADS_KV, GROUP, HEAD_DIM = 8, 8, 4, 128
 SPEC = Spec(head_dim=HEAD_DIM, kv_block=128, q_tile=128, top_k=16, causal=True, gqa_group=GROUP, sink=1, local=2)
 PAGE_BLOCKS = (1, 4)  # KV blocks a page of the paged cache
+SMALL_PAGE = 16  # keys a page of the paged cache whose blocks span pages (vLLM's default block_size)
 
 
 def run_chunked(shape_names=None, out_dir=None, log=print) -> list[dict]:
@@ -101,9 +103,8 @@ def run_chunked(shape_names=None, out_dir=None, log=print) -> list[dict]:
             with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, kd, vd, attn_mask=mask[:, None])
 
-        def paged_rows(blocks):
-            """The one calls over the cache in shuffled pages of `blocks` KV blocks."""
-            page = blocks * SPEC.kv_block
+        def paged_rows(page):
+            """The one calls over the cache in shuffled pages of `page` keys."""
             order = torch.randperm(BATCH * n // page, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
             table = order.view(BATCH, -1).to(torch.int32)
             pools = [scatter_pages(x, page, order) for x in (k, v)]
@@ -131,7 +132,8 @@ def run_chunked(shape_names=None, out_dir=None, log=print) -> list[dict]:
                  ("kernelgen mean (select+attend), a call per row", per_row(selecting), flops, False, {}),
                  ("kernelgen mean per-query (select+attend), one call", one_call(per_query), None, True, {}),
                  ("kernelgen mean per-query (select+attend), a call per row", per_row(per_query), None, False, {}),
-                 *(row for blocks in PAGE_BLOCKS for row in paged_rows(blocks)),
+                 *(row for page in (*(blocks * SPEC.kv_block for blocks in PAGE_BLOCKS), SMALL_PAGE)
+                   for row in paged_rows(page)),
                  ("flex (same lists, rows' lengths)", flex_call, flops, True, {}),
                  ("sdpa efficient (rows' mask, dense)", sdpa_masked, None, False, {})]
         for impl, fn, useful, graphed, extra in impls:

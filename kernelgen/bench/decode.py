@@ -14,7 +14,8 @@ For each shape of `kernelgen.workloads.DECODE_SHAPES`, in one process on one GPU
   (a scale per batch row and KV head: half the bytes), at each split count too, and the kept-reps step over the
   fp8 cache;
 - the same decode, and the same step, over a paged cache (`block_table=`): the cache's pages shuffled over a pool,
-  at PAGE_BLOCKS blocks a page; their outputs must equal the contiguous cache's bit for bit;
+  at PAGE_BLOCKS blocks a page, and at SMALL_PAGE keys a page (vLLM's: a block over several pages, each key read
+  from its page); their outputs must equal the contiguous cache's bit for bit;
 - the index selector's decode step over the same cache of per-row lengths, under each schedule (index vectors of
   the shape it is tuned on, `roles.INDEX_HEADS` heads of `roles.INDEX_DIM` per KV head): its selection reads every
   key's index vector, DSA's decode step; the same step writing its token first (`k_new=`, `v_new=`,
@@ -56,10 +57,11 @@ from ..workloads import DECODE_SHAPES, random_query_lists, visible_pairs
 from .anchors import flex_block_mask, flex_call
 from .measure import _bench, _bench_graph, _config_json, _dump_rows, _rel_diff, host_ms, row_attempts
 
-__all__ = ["run_decode", "ROTATIONS", "PAGE_BLOCKS", "listed_kv_bytes", "copy_bandwidth"]
+__all__ = ["run_decode", "ROTATIONS", "PAGE_BLOCKS", "SMALL_PAGE", "listed_kv_bytes", "copy_bandwidth"]
 
 ROTATIONS = 8  # list sets a replay walks in turn: 8 steps' blocks are several times H200's 50 MB L2
 PAGE_BLOCKS = (1, 4)  # KV blocks a page of the paged rows (a page holds whole blocks)
+SMALL_PAGE = 16  # keys a page of the paged rows whose blocks span pages (vLLM's default block_size)
 
 
 def listed_kv_bytes(block_idx: torch.Tensor, spec, n_k: int, elem_bytes: int) -> int:
@@ -279,6 +281,7 @@ def _shape_rows(name, shape, q, k, v, record, attempt, log) -> None:
         attempt(name, "cache_seqlens step", lengths_step)
         for blocks in PAGE_BLOCKS:
             attempt(name, f"paged cache, {blocks} blocks a page", lambda blocks=blocks: paged(blocks * given.kv_block))
+        attempt(name, f"paged cache, {SMALL_PAGE} keys a page", lambda: paged(SMALL_PAGE))
         attempt(name, "per-query lists, kept reps", per_query)
 
         def index_step(schedule):
