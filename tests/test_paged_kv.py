@@ -445,7 +445,9 @@ def test_the_tuner_checks_a_paged_prefill(schedule):
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule, selector, dtype, page_size", [("q_centric", "mean", torch.bfloat16, 128),
                                                                   ("q_centric", "given", torch.float16, 256),
-                                                                  ("kv_centric", "mean", torch.bfloat16, 128)])
+                                                                  ("kv_centric", "mean", torch.bfloat16, 128),
+                                                                  ("q_centric", "mean", torch.bfloat16, 16),
+                                                                  ("kv_centric", "given", torch.float16, 16)])
 def test_a_long_paged_prefill_on_gpu(schedule, selector, dtype, page_size):
     """A chunk of 1024 queries appended to rows of 32768, 20000, 700 and 0 keys over shuffled pages: the
     contiguous cache's lists bit for bit, and the float64 reference over them."""
@@ -470,9 +472,11 @@ def test_a_long_paged_prefill_on_gpu(schedule, selector, dtype, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule, selector, page_size", [("q_centric", "mean", 128), ("q_centric", "given", 256),
-                                                           ("kv_centric", "mean", 128)])
+                                                           ("kv_centric", "mean", 128), ("q_centric", "mean", 16),
+                                                           ("kv_centric", "mean", 1)])
 def test_a_long_paged_cache_on_gpu(schedule, selector, page_size):
-    """bf16 rows of 32k, 20000, 1 and 0 keys over shuffled pages: the contiguous call's bits, and the reference."""
+    """bf16 rows of 32k, 20000, 1 and 0 keys over shuffled pages (of whole blocks, and of 16 keys or one, a block
+    over several pages): the contiguous call's bits, and the reference."""
     spec = Spec(head_dim=128, kv_block=128, top_k=16, causal=True, gqa_group=4, schedule=schedule, local=2, sink=1,
                 selector=selector)
     attn = get_kernel(spec)
