@@ -215,14 +215,18 @@ def _paged_index(q, table, page_size, shared_key=False):
     return (q_idx, k_idx, w), (q_idx, k_idx_pages, w)
 
 
-@pytest.mark.parametrize("schedule, n_q, dtype, page_size, shared_key", [
-    ("q_centric", 1, torch.float32, 16, False), ("q_centric", N_Q, torch.float16, 32, True),
-    ("kv_centric", 3, torch.float16, 32, True), ("kv_centric", N_Q, torch.float32, 16, False)])
-def test_the_index_selector_reads_k_idx_from_the_same_pages(schedule, n_q, dtype, page_size, shared_key, device):
+@pytest.mark.parametrize("schedule, n_q, dtype, page_size, shared_key, fields", [
+    ("q_centric", 1, torch.float32, 16, False, {}), ("q_centric", N_Q, torch.float16, 32, True, {}),
+    ("kv_centric", 3, torch.float16, 32, True, {}), ("kv_centric", N_Q, torch.float32, 16, False, {}),
+    # blocks over several pages of 8 keys
+    ("q_centric", N_Q, torch.float32, 8, False, {"kv_block": 32}),
+    ("kv_centric", 2, torch.float16, 8, True, {"kv_block": 32})])
+def test_the_index_selector_reads_k_idx_from_the_same_pages(schedule, n_q, dtype, page_size, shared_key, fields,
+                                                            device):
     """Over a paged cache the index selector reads k_idx from its own pool of pages through the call's block_table:
     lists and o are the contiguous cache's call's bit for bit (a decode call, and a prefill chunk), and match the
     float64 reference; no page outside the rows' is read (every other page of each pool is NaN)."""
-    spec = _spec("index", schedule)
+    spec = _spec("index", schedule, **fields)
     attn = get_kernel(spec)
     q, k, v, lens, k_pages, v_pages, table = _paged_cache(n_q, dtype, device, page_size)
     index, paged_index = _paged_index(q, table, page_size, shared_key)
