@@ -661,9 +661,9 @@ def check_paged_kv(q, k, v, block_table, spec: Spec) -> Shapes:
 
 def check_pages(k, block_table, spec: Spec) -> tuple[int, int, int]:
     """A paged cache k [n_pages, Hkv, page_size, D] (a tensor `_explain_qkv` passed), pages of any size (whole
-    blocks, or blocks over several pages: vLLM's 16 keys a page, SGLang's 1), and its block_table int32 [B, pages a row] on k's device with
-    contiguous rows: (B, Hkv, Nk = pages a row x page_size). Page ids are read on the device; one outside
-    [0, n_pages) is a page of no keys."""
+    blocks, or blocks over several pages: vLLM's 16 keys a page, SGLang's 1), and its block_table int32
+    [B, pages a row] on k's device with contiguous rows: (B, Hkv, Nk = pages a row x page_size). Page ids are read
+    on the device; one outside [0, n_pages) is a page of no keys."""
     if not isinstance(block_table, torch.Tensor):
         raise KernelgenTypeError(f"block_table must be a torch.Tensor (int32 [B, pages a row]), got "
                                  f"{type(block_table).__name__}")
@@ -676,7 +676,7 @@ def check_pages(k, block_table, spec: Spec) -> tuple[int, int, int]:
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         raise KernelgenValueError(f"block_table's rows must be contiguous, got strides {block_table.stride()}")
     n_pages, hkv, page_size, _ = k.shape
-    if min(n_pages, hkv) < 1:
+    if min(n_pages, hkv, page_size) < 1:
         raise KernelgenValueError(f"empty input: k {tuple(k.shape)}")
     return block_table.shape[0], hkv, block_table.shape[1] * page_size
 

@@ -196,6 +196,8 @@ def test_bad_pages_are_named(device):
         attn.key_reps(k_pages, block_table=table, previous=plain)
     with pytest.raises(KernelgenValueError, match=r"gather_pages takes pages \[n_pages"):
         reference.gather_pages(k_pages, table[0])
+    with pytest.raises(KernelgenValueError, match=r"empty input: k \(\d+, 2, 0, 64\)"):  # pages of no keys
+        attn(q, k_pages[:, :, :0], v_pages[:, :, :0], block_table=table)
     # FlashAttention's and vLLM's pool [n_pages, page_size, Hkv, D], passed as it is: told to transpose it
     fa_layout = r"but k has 32 .*\[n_pages, page_size, Hkv, D\] as \.transpose\(1, 2\)"
     with pytest.raises(KernelgenValueError, match=fa_layout):
