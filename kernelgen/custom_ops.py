@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
 
 import torch
@@ -407,10 +408,16 @@ def _append_new_keys(q, k, v, spec_json: str, new: tuple, cache: tuple, cache_se
 
 def _scale_tensor(name: str, scale, q) -> torch.Tensor | None:
     """An fp8 cache's scale as the ops take it: a float (checked as the eager call checks it) as a one-element
-    float32 tensor on q's device; a tensor or None as it is (the op's check names anything wrong)."""
+    float32 tensor on q's device; a tensor or None as it is (the op's check names anything wrong). A float that
+    torch.compile traces as a symbol (a recompile for a new value) is checked in the graph."""
     if scale is None or isinstance(scale, torch.Tensor) or not isinstance(q, torch.Tensor):
         return scale
-    return torch.full((1,), check_kv_scale_value(name, scale), dtype=torch.float32, device=q.device)
+    if torch.compiler.is_compiling():  # the float may be a symbol (a recompile for a new value): math cannot read it
+        torch._check(scale > 0, lambda: f"{name} must be finite and > 0")
+        torch._check(scale < math.inf, lambda: f"{name} must be finite and > 0")
+    else:
+        scale = check_kv_scale_value(name, scale)
+    return torch.full((1,), scale, dtype=torch.float32, device=q.device)
 
 
 dispatch.trace_through(sys.modules[__name__])  # get_kernel(spec)'s calls under torch.compile run these

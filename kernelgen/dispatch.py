@@ -854,6 +854,9 @@ class SparseAttention:
             _group_lists(block_idx, groups[-1], self.spec, rows, k.shape[1])
         if key_reps is not None:  # a group's call checks only its rows' slice of them
             check_key_reps(key_reps, self.spec, self._cache_shapes(k, block_table), q.device, varlen=True)
+        if any(x is not None for x in kv_scales):  # [B, Hkv] scales too: the whole batch's, before groups slice them
+            check_kv_scales(k, v, *kv_scales, CacheRows(cache_seqlens, cache_leftpad, block_table),
+                            self._cache_shapes(k, block_table), q.device)
         if block_table is None and any(group.first is None for group in groups):
             if cache_leftpad is not None:
                 raise KernelgenValueError("varlen over a contiguous KV cache with cache_leftpad= takes the rows of "

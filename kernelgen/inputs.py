@@ -317,6 +317,9 @@ def _kv_scale(name: str, scale, shapes: Shapes, device) -> torch.Tensor:
         return _constant_scale(value, str(device))
     if scale.dtype != torch.float32:
         raise KernelgenTypeError(f"{name} must be float32, got dtype {scale.dtype}")
+    if scale.requires_grad and torch.is_grad_enabled():
+        raise KernelgenValueError(f"{name} requires grad: a call over a cache has no backward, so its scales would "
+                                  f"get none; pass {name}.detach()")
     if scale.device != device:
         raise KernelgenValueError(f"{name} is on {scale.device} but q is on {device}")
     if scale.numel() == 1:

@@ -102,6 +102,7 @@ def test_new_keys_are_written_quantised(fp8, device):
     k_new, v_new = (torch.randn(5, 2, 1, 64, generator=gen).to(device) for _ in range(2))
     k_new[0, 0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, 1e-6])  # saturated, saturated, zero, tiny
     k_new[0, 0, 0, 4:8] = torch.tensor([3e3, -2e3, 1e-7, 0.3]) * k_scale[0, 0].item()  # e5m2's range, subnormals
+    k_new[0, 0, 0, 8:10] = torch.tensor([-1e-9, -0.0])  # a negative zero after rounding: -0 (0x80), as torch writes
     lens_before = torch.tensor([90, 37, 0, 48, 1], dtype=torch.int32, device=device)
     want_k, want_v = k8.clone(), v8.clone()
     for b, start in enumerate(lens_before.tolist()):
@@ -132,6 +133,9 @@ def test_the_custom_ops_and_varlen_take_an_fp8_cache(device):
     cu = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device=device)
     packed = torch.cat([q[b, :, 3 - n:].transpose(0, 1) for b, n in enumerate(counts)])
     out = attn.varlen(packed, k8, v8, cu, cache_seqlens=lens, k_scale=k_scale, v_scale=v_scale)
+    for wrong in (k_scale[:2], k_scale.repeat(2, 1), k_scale.repeat(1, 2)):  # the batch's, not a group's
+        with pytest.raises(KernelgenValueError, match=r"k_scale must have one element or shape \[B, Hkv\] = \[5, 2\]"):
+            attn.varlen(packed, k8, v8, cu, cache_seqlens=lens, k_scale=wrong, v_scale=v_scale)
     for b, n in enumerate(counts):
         if n:
             alone = attn(q[b:b + 1, :, 3 - n:], k8[b:b + 1], v8[b:b + 1], cache_seqlens=lens[b:b + 1],
@@ -163,6 +167,21 @@ def test_kept_reps_and_a_compiled_step_over_an_fp8_cache(device):
     assert torch.equal(k8.view(torch.uint8), k_eager.view(torch.uint8))
 
 
+def test_a_compiled_step_takes_a_new_float_scale(device):
+    """A float scale passed to a compiled (fullgraph) step: a new value recompiles with the scale as a symbol, and
+    each step equals the eager call; a scale that is not > 0 is refused in the graph too."""
+    spec = _spec("mean")
+    q, k8, v8, lens = _fp8_cache(1, torch.float32, device, 0.02, 0.02, E5M2)
+    attn = get_kernel(spec)
+    step = torch.compile(lambda q, k, v, lens, s: attn(q, k, v, cache_seqlens=lens, k_scale=s, v_scale=0.03),
+                         fullgraph=True, backend="aot_eager")
+    for scale in (0.02, 0.05, 0.011):
+        assert torch.equal(step(q, k8, v8, lens, scale), attn(q, k8, v8, cache_seqlens=lens, k_scale=scale,
+                                                               v_scale=0.03)), scale
+    with pytest.raises(Exception, match="k_scale must be finite and > 0"):
+        step(q, k8, v8, lens, -1.0)
+
+
 def test_bad_fp8_caches_are_named(device):
     spec = _spec("mean")
     q, k8, v8, lens = _fp8_cache(1, torch.float32, device, 0.02, 0.02)
@@ -173,6 +192,8 @@ def test_bad_fp8_caches_are_named(device):
         attn(q, k8.float(), v8.float(), cache_seqlens=lens, k_scale=0.02)
     with pytest.raises(KernelgenValueError, match="v_scale must be finite and > 0"):
         attn(q, k8, v8, cache_seqlens=lens, v_scale=-1.0)
+    with pytest.raises(KernelgenValueError, match=r"k_scale requires grad: .* pass k_scale.detach\(\)"):
+        attn(q, k8, v8, cache_seqlens=lens, k_scale=torch.ones(5, 2, device=device, requires_grad=True))
     with pytest.raises(KernelgenTypeError, match="k_scale must be float32"):
         attn(q, k8, v8, cache_seqlens=lens, k_scale=torch.ones(5, 2, dtype=torch.float64, device=device))
     with pytest.raises(KernelgenValueError, match=r"k_scale must have one element or shape \[B, Hkv\] = \[5, 2\]"):

@@ -24,9 +24,9 @@ forward, over its lists); "union": true, a per-query
 spec's union design too (kv_attn_union after the forward, kv_bwd_union after the backward); "fp8_cache": a torch
 fp8 dtype's name ("float8_e4m3fn", "float8_e5m2"), the calls over a cache (decode, "rows") read their K and V cache
 in it, twice (a scale for every row, then [B, Hkv] scales), and new keys are written into it (append_kv, contiguous
-and paged); "page_size": the keys a page of the paged calls' cache (default: kv_block), and with a "decode" config a step over
-those pages too (its pooled selection and decode; a page that holds no whole blocks compiles the kernels that read
-each key's page); "index": {"heads": Hi, "dim": Di,
+and paged); "page_size": the keys a page of the paged calls' cache (default: kv_block), and with a "decode"
+config a step over those pages too (its pooled selection and decode; a page that holds no whole blocks compiles
+the kernels that read each key's page); "index": {"heads": Hi, "dim": Di,
 "dtype": "float16" or "bfloat16"} gives the index selector its tensors. "resources": true adds, per kernel,
 {"name", "registers", "spill_stores", "wgmma", "loop"} under "resources" (`ptxas -v` of its PTX, Triton's own
 ptxas; wgmma: the warp-group products in its TTGIR; loop: its longest loop's instructions per iteration and
@@ -390,8 +390,8 @@ def compile_cases(cases: list[dict], arch: str) -> None:
                     paged = dict(seqlens=t["seqlens"], block_table=t["table"])
                     if decode_selection in ("decode_select", "kv_decode_select"):
                         run(spec, decode_selection, configs.get(decode_selection), one, t["q"], t["k_pages"], **paged)
-                    run(spec, "decode", configs.get("decode"), one, t["q"], t["k_pages"], t["v_pages"], t["lists"], None,
-                        **paged)
+                    run(spec, "decode", configs.get("decode"), one, t["q"], t["k_pages"], t["v_pages"], t["lists"],
+                        None, **paged)
                 for scales in _fp8_scales() if fp8 else ():  # a step over the fp8 cache
                     run(spec, "decode", configs.get("decode"), one, *_launch_args("decode", _fp8_cache(t, fp8), one),
                         kv_scales=scales)
