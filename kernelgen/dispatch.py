@@ -852,11 +852,12 @@ class SparseAttention:
         # what a group's call cannot see whole, checked before any group writes its new keys or grows its reps
         if groups:
             _group_lists(block_idx, groups[-1], self.spec, rows, k.shape[1])
+        cache_shapes = self._cache_shapes(k, block_table)
         if key_reps is not None:  # a group's call checks only its rows' slice of them
-            check_key_reps(key_reps, self.spec, self._cache_shapes(k, block_table), q.device, varlen=True)
-        if any(x is not None for x in kv_scales):  # [B, Hkv] scales too: the whole batch's, before groups slice them
-            check_kv_scales(k, v, *kv_scales, CacheRows(cache_seqlens, cache_leftpad, block_table),
-                            self._cache_shapes(k, block_table), q.device)
+            check_key_reps(key_reps, self.spec, cache_shapes, q.device, varlen=True)
+        # an fp8 cache's [B, Hkv] scales too: the whole batch's, before groups slice them (the write reads these)
+        cache_rows = check_kv_scales(k, v, *kv_scales, CacheRows(cache_seqlens, cache_leftpad, block_table),
+                                     cache_shapes, q.device)
         if block_table is None and any(group.first is None for group in groups):
             if cache_leftpad is not None:
                 raise KernelgenValueError("varlen over a contiguous KV cache with cache_leftpad= takes the rows of "
@@ -909,10 +910,7 @@ class SparseAttention:
                 args, options = group_call(group, cache_seqlens, new)
                 checked[id(group)] = self._checked_call(*args, **options, scale=scale)[:5], options
             written = apart_from_cache(NewKeys(new[0], new[1], k_idx, new[2]), k, v)
-            shapes = self._cache_shapes(k, block_table)
-            after = self._append(k, v, shapes, written,
-                                 check_kv_scales(k, v, *kv_scales, CacheRows(cache_seqlens, cache_leftpad, block_table),
-                                                 shapes, k.device), cu_seqlens=cu_seqlens,
+            after = self._append(k, v, cache_shapes, written, cache_rows, cu_seqlens=cu_seqlens,
                                  most_new=groups[-1].count).seqlens
 
         def call(group: QueryGroup):
