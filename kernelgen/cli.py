@@ -862,7 +862,7 @@ def quality(
 
     from .quality import (QUALITY_SELECTORS, full_coverage_note, load_qkv, plot_recall, recorded_causal,
                           selection_quality, summarize, write_csv)
-    from .spec import HEAD_DIMS, Spec
+    from .spec import HEAD_DIMS, HEAD_DIMS_TEXT, Spec
     from .tile_union import union_max_inflation
 
     if not qkv.is_file():
@@ -923,7 +923,7 @@ def quality(
     if q.shape[1] % max(1, k.shape[1]):
         _fail(f"--qkv {qkv}: q has {q.shape[1]} heads, not a multiple of k's {k.shape[1]}")
     if q.shape[-1] not in HEAD_DIMS:
-        _fail(f"--qkv {qkv}: q's head dim {q.shape[-1]} is not supported; expected one of {HEAD_DIMS}")
+        _fail(f"--qkv {qkv}: q's head dim {q.shape[-1]} is not supported; expected {HEAD_DIMS_TEXT}")
     with _as_typed(ctx, "kv_block", "q_tile", "top_k", "local", "sink", "schedule", selector="selectors"):
         spec = Spec(head_dim=q.shape[-1], kv_block=kv_block, q_tile=q_tile, top_k=max(budgets), causal=causal,
                     gqa_group=q.shape[1] // k.shape[1], local=local, sink=sink, schedule=schedule)

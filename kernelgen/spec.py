@@ -16,9 +16,12 @@ from dataclasses import dataclass
 
 from .errors import KernelgenTypeError, KernelgenValueError
 
-__all__ = ["Spec", "HEAD_DIMS", "TILE_SIZES", "SELECTORS", "SCHEDULES", "window_blocks"]
+__all__ = ["Spec", "HEAD_DIMS", "HEAD_DIMS_TEXT", "TILE_SIZES", "SELECTORS", "SCHEDULES", "window_blocks"]
 
-HEAD_DIMS = (64, 128, 256)
+# Any multiple of 16 up to 256, as FlashAttention takes: kernels whose tiles need a power of two pad D to the next one
+# and mask the rest (a backend that cannot says so where it is served).
+HEAD_DIMS = tuple(range(16, 257, 16))
+HEAD_DIMS_TEXT = "a multiple of 16 from 16 to 256"
 TILE_SIZES = (16, 32, 64, 128, 256)
 SELECTORS = ("mean", "multi:r", "index", "given")  # multi:r with r a power of two, e.g. "multi:4"
 SCHEDULES = ("q_centric", "kv_centric")  # kv_centric: per-query lists (docs/SEMANTICS.md)
@@ -111,7 +114,7 @@ class Spec:
         if not isinstance(self.causal, bool):
             raise KernelgenTypeError(f"Spec.causal must be a bool, got {type(self.causal).__name__}")
         if self.head_dim not in HEAD_DIMS:
-            raise KernelgenValueError(f"Spec.head_dim={self.head_dim} is not supported; expected one of {HEAD_DIMS}")
+            raise KernelgenValueError(f"Spec.head_dim={self.head_dim} is not supported; expected {HEAD_DIMS_TEXT}")
         for name in ("kv_block", "q_tile"):
             if getattr(self, name) not in TILE_SIZES:
                 raise KernelgenValueError(

@@ -71,6 +71,8 @@ SHAPES = {
         BenchShape("c_g1", 1, 32, 32, 32768, 32768, 128, 128, 128, 16, True),
         BenchShape("a64k_top32", 1, 8, 8, 65536, 65536, 64, 64, 64, 32, False),
         BenchShape("b_q8k", 2, 16, 1, 8192, 16384, 128, 128, 128, 16, False),
+        # (c) at Phi-3's head dim, which the Triton kernels pad to 128
+        BenchShape("c_d96", 1, 32, 8, 32768, 32768, 96, 128, 128, 16, True),
         # the CPU smoke size (interpreter)
         BenchShape("tiny", 1, 2, 1, 256, 256, 64, 64, 64, 2, True),
     ]
@@ -123,7 +125,7 @@ SOFTCAP_SHAPES = {
         BenchShape("gemma2_swa", 1, 16, 8, 8192, 8192, 256, 64, 64, 66, True, window=4096, softcap=50.0),
     ]
 }
-UNTUNED_SHAPES = ("dense16k_d128", "dense16k_d64", "c_g8", "c_g1", "a64k_top32", "b_q8k")
+UNTUNED_SHAPES = ("dense16k_d128", "dense16k_d64", "c_g8", "c_g1", "a64k_top32", "b_q8k", "c_d96")
 
 
 def random_query_lists(spec: Spec, batch: int, heads_kv: int, n_q: int, n_k: int, device="cuda", seed: int = 0,

@@ -553,6 +553,18 @@ def test_the_nearest_tuned_spec_s_winner_is_served(user_db):
     assert lookup_again.served("attn", 32768, device=CUDA).source == "user DB"
 
 
+def test_a_padded_head_dim_is_served_the_winners_of_its_tile_width(user_db):
+    """D=96 computes in 128-wide tiles: the nearest D=128 winner serves it, its own D=96 winner first; D=64's never."""
+    wide, own = AttnConfig(block_m=64, num_warps=8, num_stages=2), AttnConfig(block_m=32, num_warps=4, num_stages=2)
+    _add(user_db, GIVEN.replace(head_dim=64), config=AttnConfig(block_m=16))
+    padded = GIVEN.replace(head_dim=96)
+    assert SparseAttention(padded).served("attn", 32768, device=CUDA).source == "default"
+    _add(user_db, GIVEN.replace(head_dim=128), config=wide)  # the same spec at D=128
+    assert SparseAttention(padded).served("attn", 32768, device=CUDA).config == wide
+    _add(user_db, padded.replace(gqa_group=4), config=own)  # farther in its group, but of its own D
+    assert SparseAttention(padded.replace(sink=1)).served("attn", 32768, device=CUDA).config == own
+
+
 def test_distance_weighs_group_length_density_and_causality():
     base = GIVEN
     assert lookup.spec_distance(base, 32768, base, 32768) == 0

@@ -42,6 +42,11 @@ KV_SPECS = [Spec(head_dim=128, kv_block=64, top_k=16, causal=True, gqa_group=4, 
 INDEX_SPEC = Spec(head_dim=128, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=4, selector="index")
 KV_INDEX_SPEC = INDEX_SPEC.replace(schedule="kv_centric")
 INDEX = {"heads": 4, "dim": 64}
+# head dims that are no power of two (tiles padded to 128, masked): each schedule's forward, backward, decode step
+# and prefill over a cache's pages of 16
+PADDED_SPECS = [Spec(head_dim=96, kv_block=64, q_tile=64, top_k=16, causal=True, gqa_group=4, selector="multi:2",
+                     local=1, sink=1),
+                Spec(head_dim=80, kv_block=64, top_k=16, causal=True, gqa_group=2, schedule="kv_centric")]
 # the fp8 KV caches the calls over a cache read on each arch (Q-centric, KV-centric): e4m3 from sm_89 on, e5m2 on any
 FP8_CACHES = {"sm_80": ("float8_e5m2", "float8_e5m2"), "sm_89": ("float8_e4m3fn", "float8_e5m2"),
               "sm_90": ("float8_e5m2", "float8_e4m3fn")}
@@ -138,6 +143,9 @@ def _cases(arch) -> list[Case]:
                           backward=True, decode=True, union=True, rows=True,
                           fp8_cache=FP8_CACHES[arch][1] if spec.selector == "mean" else None,
                           page_size=16 if spec.selector == "mean" else None))  # vLLM's pages: 4 a block
+    for spec in PADDED_SPECS:
+        cases.append(Case(spec, _defaults(spec, arch, [r for r in forward_roles(spec)[1:] if r] + ["decode"]), 2000,
+                          backward=True, decode=True, union=spec.per_query, rows=True, page_size=16))
     # the union design's largest point, 128 rows of 8 queries at G = 16
     union_spec = KV_SPECS[1].replace(gqa_group=16)
     cases.append(Case(union_spec, {"kv_attn_union": _largest(union_spec, arch, lambda c: c.tile_q == 8,

@@ -131,6 +131,9 @@ def draw_case(seed: int, device: str = "cpu", max_len: int | None = None) -> dic
     case["fp8_cache"] = r.choice(["float8_e4m3fn", "float8_e5m2"]) if fp8 else None
     # pages that hold no whole blocks (a block's keys each read from its page): 1 key, 5 (no divisor), half a block
     case["page_keys"] = r.choice([1, 5, kv_block // 2]) if case["paged"] and r.random() < 0.4 else None
+    # a head dim that is no power of two (Triton's tiles pad it; TileLang and Gluon take powers of two), drawn last
+    if r.random() < 0.25 and backend in ("triton", "auto"):
+        spec["head_dim"] = r.choice([16, 48, 80, 96] + ([112, 192] if gpu else []))
     return case
 
 

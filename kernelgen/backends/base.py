@@ -16,7 +16,7 @@ import torch
 from ..archs import ANY_ARCH, ARCHS, check_arch
 from ..errors import KernelgenTypeError, KernelgenValueError
 from ..inputs import Shapes
-from ..spec import Spec
+from ..spec import HEAD_DIMS, Spec
 
 __all__ = ["Backend", "RoleImpl", "Problem", "Shapes", "distribution_version"]
 
@@ -102,6 +102,7 @@ class Backend:
     schedules: ClassVar[tuple[str, ...]] = ("q_centric",)
     windows: ClassVar[bool] = False  # whether its kernels compute Spec.window (a sliding window)
     softcaps: ClassVar[bool] = False  # whether its kernels compute Spec.softcap (logit soft-capping)
+    head_dims: ClassVar[tuple[int, ...]] = HEAD_DIMS  # the Spec.head_dim values its kernels compute
     roles: dict[str, RoleImpl] = {}
 
     # ---- what it supports ------------------------------------------------------------------------
@@ -114,6 +115,9 @@ class Backend:
         if spec.schedule not in self.schedules:
             return (f"Spec.schedule={spec.schedule!r} is not built for backend={self.name!r}; it computes "
                     f"{', '.join(map(repr, self.schedules))} (use backend='triton')")
+        if spec.head_dim not in self.head_dims:
+            return (f"Spec.head_dim={spec.head_dim} is not supported by backend={self.name!r}; expected one of "
+                    f"{self.head_dims} (use backend='triton', or 'auto')")
         if spec.window is not None and not self.windows:
             return (f"Spec.window={spec.window} is not built for backend={self.name!r}: its kernels have no sliding "
                     "window (use backend='triton', or 'auto')")

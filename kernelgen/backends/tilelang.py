@@ -477,6 +477,7 @@ class TileLangBackend(Backend):
     per_shape = True
     compilers = {"tilelang_version": ("tilelang",)}
     windows = True  # the forward and dK/dV (its other roles run on the fallback, which has them too)
+    head_dims = (64, 128, 256)  # its tiles are D wide: a power of two
     roles = {"attn": RoleImpl(launch=launch_attn, template=TEMPLATE, config_type=TileLangAttnConfig,
                               default=attn_default, space=attn_space, infeasible=attn_infeasible),
              # the Q-centric backward's dK/dV (bwd_delta and bwd_dq run on the fallback); on the CPU the

@@ -223,6 +223,11 @@ class KvIndexSelectConfig(_JsonConfig):
 
 # ---- attention: feasibility, defaults, space -------------------------------------------------------
 
+def _tile_d(spec: Spec) -> int:
+    """The width of the kernels' head-dim tiles: D padded to a power of two (templates/triton/head_dim.py.j2)."""
+    return next_pow2(spec.head_dim)
+
+
 def pack_infeasible(spec: Spec, block_m: int) -> str | None:
     """Why programs of `block_m` packed rows cannot cover a spec's tiles, or None: block_m must split a Q
     tile evenly or hold whole tiles of a number of heads that divides gqa_group (every backend's rule)."""
@@ -270,7 +275,7 @@ def attn_smem_bytes(spec: Spec, cfg: AttnConfig, arch: str, elem_bytes: int = 2)
         rows = (cfg.num_stages - 1) * 2 * block_n + cfg.block_m + block_n // 2
     else:
         rows = cfg.num_stages * 2 * block_n + cfg.block_m
-    return rows * spec.head_dim * elem_bytes
+    return rows * _tile_d(spec) * elem_bytes
 
 
 def attn_infeasible(spec: Spec, cfg: AttnConfig, arch: str) -> str | None:
@@ -292,7 +297,7 @@ def attn_infeasible(spec: Spec, cfg: AttnConfig, arch: str) -> str | None:
     if cfg.use_tma and not facts.tma:
         return f"use_tma=True needs TMA (sm_90), which {arch} lacks"
     # registers: the fp32 accumulator and scores of one program (Triton spills badly past this)
-    regs = cfg.block_m * (spec.head_dim + block_n) // (32 * cfg.num_warps)
+    regs = cfg.block_m * (_tile_d(spec) + block_n) // (32 * cfg.num_warps)
     if regs > 192:
         return (f"block_m * (head_dim + keys per step) / (32 * num_warps) = {regs} fp32 registers per thread for "
                 "the scores and the accumulator; at most 192 (Triton spills past it): more warps or fewer rows")
@@ -304,8 +309,8 @@ def attn_infeasible(spec: Spec, cfg: AttnConfig, arch: str) -> str | None:
 
 
 def attn_default(spec: Spec, arch: str) -> AttnConfig:
-    warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
-    stages = {64: 2, 128: 2, 256: 1}[spec.head_dim]  # H200 sweep, shape (a): 2 stages beat 3
+    warps = 4 if _tile_d(spec) <= 64 else 8
+    stages = 1 if _tile_d(spec) >= 256 else 2  # H200 sweep, shape (a): 2 stages beat 3
     # fewer rows, then fewer stages, where the arch's shared memory holds no more: 64 rows at D=128 with
     # 128-key blocks on sm_86 and sm_89 (99 KB), and at D=256 with 64-key blocks there or 128-key ones on
     # sm_80; one stage on an arch the table lacks. sm_90 fits the H200 sweep's choice.
@@ -435,7 +440,7 @@ def kv_select_smem_bytes(spec: Spec, cfg: KvSelectConfig, arch: str) -> int:
     and 64 (offline compiles); with wgmma (sm_90) and 8 warps, 16-bit scores of a step more (queries=64,
     chunk=128: 245760 B). tests/test_triton_compile.py checks it bounds sm_80 to sm_90's."""
     keys = max(cfg.chunk, 2 * next_pow2(spec.top_k))  # a chunk's keys, or the running lists joined with its top
-    smem = cfg.queries * (4 * spec.head_dim + 8 * keys) + 8 * cfg.chunk * spec.groups * spec.head_dim
+    smem = cfg.queries * (4 * _tile_d(spec) + 8 * keys) + 8 * cfg.chunk * spec.groups * _tile_d(spec)
     if arch_facts(arch).mma != "mma.sync" and cfg.num_warps > 4:
         smem += 2 * cfg.queries * cfg.chunk * spec.groups
     return smem
@@ -501,7 +506,7 @@ def kv_attn_smem_bytes(spec: Spec, cfg: KvAttnConfig, elem_bytes: int = 2) -> in
     a step's rows, num_stages + 1 of them when pipelined (at most what Triton 3.6 asks for on sm_80 to sm_90:
     tests/test_triton_compile.py compiles offline)."""
     row_buffers = cfg.num_stages + 1 if cfg.num_stages > 1 else 1
-    return (2 * spec.kv_block + row_buffers * cfg.block_m) * spec.head_dim * elem_bytes
+    return (2 * spec.kv_block + row_buffers * cfg.block_m) * _tile_d(spec) * elem_bytes
 
 
 KV_ATTN_STEPS = (1, 2, 4, 8, 16)
@@ -524,7 +529,7 @@ def kv_attn_infeasible(spec: Spec, cfg: KvAttnConfig, arch: str) -> str | None:
         return f"num_stages={cfg.num_stages}; expected 1 to 4"
     if cfg.combine_rows not in (16, 32, 64, 128):
         return f"combine_rows={cfg.combine_rows}; expected 16, 32, 64 or 128"
-    return _resources(cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps),
+    return _resources(cfg.block_m * (_tile_d(spec) + spec.kv_block) // (32 * cfg.num_warps),
                       "block_m * (head_dim + kv_block) / (32 * num_warps)", kv_attn_smem_bytes(spec, cfg),
                       "one K and one V block and the pipelined step rows", arch_facts(arch).smem_per_block,
                       FWD_REGS_LIMIT)
@@ -532,7 +537,7 @@ def kv_attn_infeasible(spec: Spec, cfg: KvAttnConfig, arch: str) -> str | None:
 
 def kv_attn_default(spec: Spec, arch: str) -> KvAttnConfig:
     """64 rows, 16 steps and 4 warps led a sweep of 108 configs on each KV-centric bench shape (H200)."""
-    warps = {64: 4, 128: 8, 256: 8}[spec.head_dim]
+    warps = 4 if _tile_d(spec) <= 64 else 8
     return _first_feasible(spec, arch, kv_attn_infeasible, (
         KvAttnConfig(block_m=m, steps=16, num_warps=w, num_stages=s) for m in (64, 128, 32, 16, 256)
         for w in (4, warps) for s in (2, 1)))
@@ -565,7 +570,7 @@ def kv_union_infeasible(spec: Spec, cfg: KvUnionConfig, arch: str) -> str | None
         return f"num_stages={cfg.num_stages}; expected 1 to 4"
     if cfg.use_tma and not arch_facts(arch).tma:
         return f"use_tma=True needs TMA (sm_90), which {arch} lacks"
-    return _resources(cfg.block_m * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps),
+    return _resources(cfg.block_m * (_tile_d(spec) + spec.kv_block) // (32 * cfg.num_warps),
                       "block_m * (head_dim + kv_block) / (32 * num_warps)",
                       attn_smem_bytes(spec, AttnConfig(block_m=cfg.block_m, num_stages=cfg.num_stages), arch),
                       "num_stages K and V blocks and the tile's rows", arch_facts(arch).smem_per_block,
@@ -668,7 +673,7 @@ def decode_queries(spec: Spec) -> int:
 def decode_smem_bytes(spec: Spec, cfg: DecodeConfig, elem_bytes: int = 2) -> int:
     """Shared memory of the decode kernel: num_stages buffers of one K and one V block, plus the packed rows
     of q and of P (tests/test_triton_compile.py checks it bounds what Triton 3.6 asks for on sm_80 to sm_90)."""
-    return (cfg.num_stages * 2 * spec.kv_block + 2 * decode_rows(spec)) * spec.head_dim * elem_bytes
+    return (cfg.num_stages * 2 * spec.kv_block + 2 * decode_rows(spec)) * _tile_d(spec) * elem_bytes
 
 
 def decode_infeasible(spec: Spec, cfg: DecodeConfig, arch: str) -> str | None:
@@ -678,7 +683,7 @@ def decode_infeasible(spec: Spec, cfg: DecodeConfig, arch: str) -> str | None:
         return f"splits={cfg.splits}; expected one of {DECODE_SPLITS}"
     if cfg.num_warps not in (1, 2, 4, 8) or cfg.num_stages < 1:
         return f"num_warps={cfg.num_warps}, num_stages={cfg.num_stages}; expected 1, 2, 4 or 8 warps and >= 1 stage"
-    return _resources(decode_rows(spec) * (spec.head_dim + spec.kv_block) // (32 * cfg.num_warps),
+    return _resources(decode_rows(spec) * (_tile_d(spec) + spec.kv_block) // (32 * cfg.num_warps),
                       "rows * (head_dim + kv_block) / (32 * num_warps)", decode_smem_bytes(spec, cfg),
                       f"num_stages K and V blocks and the rows, on {arch}: fewer stages",
                       arch_facts(arch).smem_per_block, FWD_REGS_LIMIT)
@@ -891,7 +896,7 @@ def kv_index_select_space(spec: Spec, arch: str):
 def bwd_dq_smem_bytes(spec: Spec, cfg: BwdDqConfig, elem_bytes: int = 2) -> int:
     """Shared memory of the dQ kernel: num_stages buffers of one K and one V block, plus Q and dO (what Triton
     3.6 asked for on sm_90: tests/test_backward.py compiles offline)."""
-    return (cfg.num_stages * 2 * spec.kv_block + 2 * cfg.block_m) * spec.head_dim * elem_bytes
+    return (cfg.num_stages * 2 * spec.kv_block + 2 * cfg.block_m) * _tile_d(spec) * elem_bytes
 
 
 def bwd_dkdv_smem_bytes(spec: Spec, cfg: BwdDkdvConfig, elem_bytes: int = 2) -> int:
@@ -899,7 +904,7 @@ def bwd_dkdv_smem_bytes(spec: Spec, cfg: BwdDkdvConfig, elem_bytes: int = 2) -> 
     (1 stage), Q and dO twice, once per product that reads each. (What Triton 3.6 asked for on sm_90, give or
     take its barriers: tests/test_backward.py compiles offline.)"""
     rows = max(cfg.num_stages * 2 * cfg.block_m + 2 * cfg.block_n, 4 * cfg.block_m)
-    return rows * spec.head_dim * elem_bytes + 2048  # and up to 2 KB of the pipeline's barriers
+    return rows * _tile_d(spec) * elem_bytes + 2048  # and up to 2 KB of the pipeline's barriers
 
 
 def _resources(regs: int, regs_what: str, smem: int, smem_what: str, smem_limit: int,
@@ -915,7 +920,7 @@ def _resources(regs: int, regs_what: str, smem: int, smem_what: str, smem_limit:
 
 def _bwd_warps_stages(spec: Spec) -> tuple[int, int]:
     """The backward defaults' num_warps and num_stages for the spec's head_dim (the forward's)."""
-    return {64: 4, 128: 8, 256: 8}[spec.head_dim], {64: 2, 128: 2, 256: 1}[spec.head_dim]
+    return (4 if _tile_d(spec) <= 64 else 8), (1 if _tile_d(spec) >= 256 else 2)
 
 
 def bwd_dq_infeasible(spec: Spec, cfg: BwdDqConfig, arch: str) -> str | None:
@@ -929,7 +934,7 @@ def bwd_dq_infeasible(spec: Spec, cfg: BwdDqConfig, arch: str) -> str | None:
 def _dq_resources(spec: Spec, cfg: BwdDqConfig, arch: str) -> str | None:
     """A dQ kernel's registers and shared memory (either design's: the Q-centric one and the union one)."""
     return _resources(
-        cfg.block_m * (2 * spec.head_dim + 2 * spec.kv_block) // (32 * cfg.num_warps),
+        cfg.block_m * (2 * _tile_d(spec) + 2 * spec.kv_block) // (32 * cfg.num_warps),
         "block_m * (2 * head_dim + 2 * kv_block) / (32 * num_warps) for dQ, Q, dO, P and dP",
         bwd_dq_smem_bytes(spec, cfg), "num_stages K and V blocks, Q and dO", arch_facts(arch).smem_per_block)
 
@@ -962,7 +967,7 @@ def _dkdv_infeasible(spec: Spec, cfg, arch: str, rows_infeasible, dq_rows: int =
     if cfg.block_n < 16 or cfg.block_n > spec.kv_block or spec.kv_block % cfg.block_n:
         return f"block_n={cfg.block_n} must be >= 16 and split a KV block (kv_block={spec.kv_block}) evenly"
     return rows_infeasible() or _resources(
-        (cfg.block_n * (3 * spec.head_dim + 2 * cfg.block_m) + dq_rows * spec.head_dim) // (32 * cfg.num_warps),
+        (cfg.block_n * (3 * _tile_d(spec) + 2 * cfg.block_m) + dq_rows * _tile_d(spec)) // (32 * cfg.num_warps),
         "(block_n * (3 * head_dim + 2 * block_m) + dq rows * head_dim) / (32 * num_warps) for dK, dV, K, V, P, dP "
         "and a dQ partial",
         bwd_dkdv_smem_bytes(spec, cfg), "num_stages Q and dO steps, K and V", arch_facts(arch).smem_per_block)
@@ -1075,7 +1080,7 @@ def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seqlens: t
     tiles = 1
     kernel, lengths = (mod.pool, ()) if seqlens is None else (mod.pool_varlen, _row_keys(seqlens, leftpad))
     kernel[(cdiv(n_tiles, tiles), b * h)](x, rep, *lengths, x.stride(0), x.stride(1), x.stride(2), n, h,
-                                                 n_tiles, TILE=tile, GROUPS=groups, HEAD_DIM=d, TILES=tiles,
+                                                 n_tiles, TILE=tile, GROUPS=groups, HEAD_DIM=d, BLOCK_D=next_pow2(d), TILES=tiles,
                                                  num_warps=_pool_warps(tiles * tile, d),
                                                  **_has_leftpad(seqlens, leftpad))
     return rep
@@ -1088,7 +1093,7 @@ def _pool_paged(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seql
     rep = empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
     mod.pool_paged[(n_tiles, b * h)](x, rep, block_table, seqlens, *_paged_strides(block_table, x),
                                      block_table.shape[1] * page_size, n_pages, h, n_tiles, TILE=tile, GROUPS=groups,
-                                     HEAD_DIM=d, PAGE_SIZE=page_size, num_warps=_pool_warps(tile, d))
+                                     HEAD_DIM=d, BLOCK_D=next_pow2(d), PAGE_SIZE=page_size, num_warps=_pool_warps(tile, d))
     return rep
 
 
@@ -1153,7 +1158,7 @@ def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor, *, se
     reps, made, made_leftpad = grow
     b, h, n, d = k.shape
     mod.pool_grown[(1, b * h)](k, reps, *_row_keys(seqlens, leftpad), made, made_leftpad, k.stride(0), k.stride(1),
-                               k.stride(2), n, h, reps.shape[2], TILE=spec.kv_block, GROUPS=spec.groups, HEAD_DIM=d,
+                               k.stride(2), n, h, reps.shape[2], TILE=spec.kv_block, GROUPS=spec.groups, HEAD_DIM=d, BLOCK_D=next_pow2(d),
                                HAS_LEFTPAD=leftpad is not None, num_warps=_pool_warps(spec.kv_block, d))
     return reps
 
@@ -1169,7 +1174,7 @@ def _paged_key_reps(mod, spec: Spec, k: torch.Tensor, seqlens: torch.Tensor, blo
     mod.pool_paged_grown[(1, block_table.shape[0] * h)](
         k, reps, block_table, seqlens, made, made_leftpad, *_paged_strides(block_table, k),
         block_table.shape[1] * page_size, n_pages, h, reps.shape[2], TILE=spec.kv_block, GROUPS=spec.groups,
-        HEAD_DIM=d, PAGE_SIZE=page_size, num_warps=_pool_warps(spec.kv_block, d))
+        HEAD_DIM=d, BLOCK_D=next_pow2(d), PAGE_SIZE=page_size, num_warps=_pool_warps(spec.kv_block, d))
     return reps
 
 
@@ -1284,7 +1289,7 @@ def _select_args(spec: Spec, cfg: SelectConfig, shapes: Shapes, block_idx) -> tu
 @functools.lru_cache(maxsize=None)  # read on every selection launch: a spec's and config's, made once
 def _select_constexprs(spec: Spec, cfg: SelectConfig) -> dict:
     r = spec.groups
-    return dict(HEAD_DIM=spec.head_dim, Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=r,
+    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=r,
                 GR_PAD=next_pow2(spec.gqa_group * r), TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k),
                 SINK=spec.sink, N_LOCAL=spec.n_local, TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits,
                 CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -1356,7 +1361,7 @@ def _kv_select_args(spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q, block_id
 
 @functools.lru_cache(maxsize=None)  # read on every per-query selection launch
 def _kv_select_constexprs(spec: Spec, cfg: KvSelectConfig) -> dict:
-    return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
+    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
                 TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
                 QUERIES=cfg.queries, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal, num_warps=cfg.num_warps)
 
@@ -1397,7 +1402,7 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:4], *lse_part.stride()[:3],
         *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2], *task_block.stride()[:2], *table_stride,
         shapes.n_q, shapes.n_k, *n_pages, shapes.heads_kv, scale * LOG2E,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
+        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
         STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
         **_scale_args(kv_scales))
     return combine_partials(mod, spec, cfg, shapes, o_part, lse_part, block_idx, q.dtype)
@@ -1420,7 +1425,7 @@ def launch_kv_attn_union(mod, spec: Spec, cfg: KvUnionConfig, shapes: Shapes, q,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         *union.lists.stride()[:3], *union.member.stride()[:3],
         shapes.n_q, shapes.n_k, n_tiles, shapes.heads_kv, scale * LOG2E,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=cfg.tile_q,
+        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=cfg.tile_q,
         UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=cfg.block_m, USE_TMA=use_tma, CAUSAL=spec.causal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
@@ -1449,7 +1454,7 @@ def launch_kv_bwd_union(mod, spec: Spec, cfg: KvUnionBwdConfig, shapes: Shapes, 
         q, k_arg, v_arg, do, lse, delta, dq, union.lists, union.member, *common, *dq.stride()[:3],
         *union.lists.stride()[:3], *union.member.stride()[:3],
         shapes.n_q, shapes.n_k, n_tiles, shapes.heads_kv, scale * LOG2E, scale,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=union.tile_q,
+        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=union.tile_q,
         UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=dq_rows, DQ_TMA=dq_tma, CAUSAL=spec.causal,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     reverse, order = union.reverse_index()
@@ -1461,7 +1466,7 @@ def launch_kv_bwd_union(mod, spec: Spec, cfg: KvUnionBwdConfig, shapes: Shapes, 
         *common, *dk.stride()[:3], *dv.stride()[:3], *union.member.stride()[:3], *reverse.offsets.stride()[:2],
         *reverse.queries.stride()[:2],
         shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, scale * LOG2E, scale,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, TILE_Q=union.tile_q, GROUP=spec.gqa_group,
+        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, TILE_Q=union.tile_q, GROUP=spec.gqa_group,
         BLOCK_N=cfg.block_n, BLOCK_M=rows, USE_TMA=use_tma, CAUSAL=spec.causal, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return dq, dk, dv
@@ -1477,7 +1482,7 @@ def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part,
     mod.kv_combine[(cdiv(shapes.n_q, cfg.combine_rows), shapes.batch * shapes.heads_q)](
         o_part, lse_part, used, o, lse, *o_part.stride()[:4], *lse_part.stride()[:3], *used.stride()[:3],
         *o.stride()[:3], *lse.stride()[:2], shapes.n_q, shapes.heads_q,
-        HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=spec.top_k, ROWS=cfg.combine_rows, num_warps=4)
+        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), GROUP=spec.gqa_group, TOP_K=spec.top_k, ROWS=cfg.combine_rows, num_warps=4)
     return o, lse
 
 
@@ -1551,7 +1556,7 @@ def qk_scale(spec: Spec, scale: float) -> float:
 
 @functools.lru_cache(maxsize=None)  # read on every decode launch: a spec's and config's, made once
 def _decode_constexprs(spec: Spec, cfg: DecodeConfig) -> dict:
-    return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
+    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
                 ROWS=decode_rows(spec), QUERIES=decode_queries(spec), LIST_QUERIES=spec.list_queries,
                 TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal,
                 WINDOW=spec.window or 0, SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps,
@@ -1714,8 +1719,9 @@ def _tma_ok(x: torch.Tensor) -> bool:
 
 def _descriptors(use_tma: bool, box: list[int], *tensors):
     """(use_tma, *tensors as tensor descriptors of `box`) where asked and every tensor allows, else (False,
-    *tensors): the pointer path, the same result."""
-    if not (use_tma and all(_tma_ok(x) for x in tensors)):
+    *tensors): the pointer path, the same result. A box of a head dim that is no power of two is no tile the kernels
+    load (their tiles pad D to one): pointers too."""
+    if not (use_tma and box[-1] == next_pow2(box[-1]) and all(_tma_ok(x) for x in tensors)):
         return (False, *tensors)
     return (True, *(TensorDescriptor(x, list(x.shape), list(x.stride()), box) for x in tensors))
 
@@ -1746,7 +1752,7 @@ def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block
 def _attn_constexprs(spec: Spec, cfg: AttnConfig) -> dict:
     """The Q-centric forward's constexprs and launch options but USE_TMA (attn_fwd's, attn_rows_fwd's and
     attn_paged_fwd's)."""
-    return dict(HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
                 TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, KV_PER_ITER=cfg.kv_per_iter,
                 CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
@@ -1777,7 +1783,7 @@ def launch_bwd_delta(mod, spec: Spec, config, shapes: Shapes, o, do):
     rows = 64
     mod.attn_bwd_delta[(cdiv(shapes.n_q, rows), shapes.batch * shapes.heads_q)](
         o, do, delta, *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2], shapes.n_q, shapes.heads_q,
-        HEAD_DIM=spec.head_dim, ROWS=rows, num_warps=4)
+        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), ROWS=rows, num_warps=4)
     return delta
 
 
@@ -1792,7 +1798,7 @@ def launch_bwd_dq(mod, spec: Spec, cfg: BwdDqConfig, shapes: Shapes, q, k, v, do
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
         *dq.stride()[:3], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, qk_scale(spec, scale), scale,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
         CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
@@ -1812,7 +1818,7 @@ def launch_bwd_dkdv(mod, spec: Spec, cfg: BwdDkdvConfig, shapes: Shapes, q, k, v
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3], *reverse.offsets.stride()[:2], *reverse.tiles.stride()[:2],
         shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, qk_scale(spec, scale), scale,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, WINDOW=spec.window or 0,
         SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dk, dv
@@ -1833,14 +1839,14 @@ def launch_kv_bwd(mod, spec: Spec, cfg: KvBwdConfig, shapes: Shapes, q, k, v, do
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3], *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2],
         *dq_part.stride()[:4], shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E, scale,
-        HEAD_DIM=spec.head_dim, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=next_pow2(spec.gqa_group),
+        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=next_pow2(spec.gqa_group),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     dq = empty(*q.shape, device=q.device, dtype=q.dtype)
     mod.kv_bwd_dq_merge[(cdiv(shapes.n_q, cfg.merge_rows), shapes.batch * shapes.heads_q)](
         dq_part, block_idx, dq, *dq_part.stride()[:4], *block_idx.stride()[:3], *dq.stride()[:3],
         shapes.n_q, shapes.heads_q, scale,
-        HEAD_DIM=spec.head_dim, GROUP=spec.gqa_group, TOP_K=spec.top_k, PARTS=parts, ROWS=cfg.merge_rows,
+        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), GROUP=spec.gqa_group, TOP_K=spec.top_k, PARTS=parts, ROWS=cfg.merge_rows,
         num_warps=4)
     return dq, dk, dv
 

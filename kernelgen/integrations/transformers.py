@@ -149,7 +149,7 @@ from ..dispatch import get_kernel
 from ..errors import KernelgenError, KernelgenValueError
 from ..inputs import KeyReps, ReadOnce
 from ..roles import DECODE_MAX_QUERIES
-from ..spec import HEAD_DIMS, Spec
+from ..spec import HEAD_DIMS, HEAD_DIMS_TEXT, Spec
 from ..tuning.model import FULL, MODEL_OPTIONS, layer_type_specs
 from ..varlen import check_cu_seqlens, check_max_seqlen, packed_attention
 
@@ -543,7 +543,7 @@ def _extendable(reps: KeyReps | None, spec: Spec, key: torch.Tensor, padded: boo
 def _head_dims_unsupported(query, value) -> str | None:
     """Why kernelgen has no kernels of these head dims (SDPA has), or None."""
     if query.shape[-1] not in HEAD_DIMS:
-        return f"head_dim={query.shape[-1]} (kernelgen's kernels take {HEAD_DIMS})"
+        return f"head_dim={query.shape[-1]} (kernelgen's kernels take {HEAD_DIMS_TEXT})"
     if value.shape[-1] != query.shape[-1]:
         return f"a value head_dim ({value.shape[-1]}) unlike the query's ({query.shape[-1]})"
     return None

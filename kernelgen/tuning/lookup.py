@@ -3,7 +3,7 @@ bucket, and `auto`'s choice of backend. A broken or foreign DB is a miss, never 
 
 A role's config, in this order (`served_config`):
 1. the spec's own winner (`tuned_row`: this GPU, the nearest tuned length bucket);
-2. the nearest tuned spec's winner (`nearest_spec_row`): the same arch, backend, head_dim, block sizes
+2. the nearest tuned spec's winner (`nearest_spec_row`): the same arch, backend, head-dim tile width, block sizes
    (and selector, for selection), from the spec nearest in GQA group, causality, density and length,
    if the config is feasible for this spec;
 3. the backend's default (the caller's business: None here).
@@ -21,6 +21,7 @@ import torch
 
 from .. import backends
 from ..errors import KernelgenValueError
+from ..inputs import next_pow2
 from ..device import device_arch, gpu_name
 from ..roles import SELECTION_ROLES, get_role
 from ..spec import Spec
@@ -144,14 +145,19 @@ def tuned_config(backend, spec, role: str, bucket: int, dtype: torch.dtype, devi
 
 # ---- the nearest tuned spec ------------------------------------------------------------------------
 
-# fields a transferred config must share with its source: they shape the kernel's tiles and loads
-_SAME_FIELDS = ("head_dim", "kv_block", "q_tile", "schedule")
+# fields a transferred config must share with its source: they shape the kernel's tiles and loads (head_dim as the
+# width of its tiles, a power of two: D=96 computes at 128's, so 128's winners fit it, after any of its own)
+_SAME_FIELDS = ("tile_head_dim", "kv_block", "q_tile", "schedule")
 _SAME_FIELDS_SELECT = _SAME_FIELDS + ("selector",)
 
 
 def _density(spec: Spec, bucket: int) -> float:
     """The fraction of a bucket-long sequence's blocks a tile lists."""
     return min(1.0, spec.top_k / max(1, spec.n_kv_blocks(bucket)))
+
+
+def _field(spec: Spec, name: str):
+    return next_pow2(spec.head_dim) if name == "tile_head_dim" else getattr(spec, name)
 
 
 def spec_distance(spec: Spec, bucket: int, other: Spec, other_bucket: int) -> float:
@@ -180,9 +186,10 @@ def nearest_spec_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, 
                 other = Spec(**json.loads(row["spec_json"]))
             except Exception:  # a row without its spec (or of a spec this kernelgen refuses): not a candidate
                 continue
-            if any(getattr(other, f) != getattr(spec, f) for f in same):
+            if any(_field(other, f) != _field(spec, f) for f in same):
                 continue
-            rank = (row["gpu_name"] != this_gpu and bool(this_gpu), spec_distance(spec, bucket, other, row["bucket"]),
+            rank = (row["gpu_name"] != this_gpu and bool(this_gpu), other.head_dim != spec.head_dim,
+                    spec_distance(spec, bucket, other, row["bucket"]),
                     row.get("source") != "user", row["median_ms"])
             candidates.append((rank, row, other))
         for _, row, other in sorted(candidates, key=lambda c: c[0]):
