@@ -282,7 +282,7 @@ def test_tune_gluon_spec_the_kernel_cannot_compute_is_a_clear_error():
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--head-dim", "96"], ["--head-dim 96 is not supported"]),
+    (["--head-dim", "72"], ["--head-dim 72 is not supported"]),
     (["--backend", "banana"], ["--backend 'banana' is unknown"]),
     (["--arch", "banana"], ["--arch 'banana' is not a CUDA arch"]),
     (["--arch", "sm_999"], ["--arch 'sm_999' is not a CUDA arch"]),

@@ -409,8 +409,8 @@ def test_cli_bad_input_is_one_line(tmp_path):
     for budgets in ("0", "4,0", "-4"):  # each budget, not only the largest
         one_line_error(invoke("quality", "--qkv", str(path), "--top-k", budgets), f"--top-k '{budgets}'", ">= 1")
     one_line_error(invoke("quality", "--qkv", str(path), "--kv-block", "48"), "--kv-block 48 is not supported")
-    torch.save({"layers": {"l": {"q": torch.randn(1, 2, 8, 32), "k": torch.randn(1, 2, 8, 32)}}}, tmp_path / "d32.pt")
-    one_line_error(invoke("quality", "--qkv", str(tmp_path / "d32.pt")), "--qkv", "d32.pt", "head dim 32")
+    torch.save({"layers": {"l": {"q": torch.randn(1, 2, 8, 40), "k": torch.randn(1, 2, 8, 40)}}}, tmp_path / "d40.pt")
+    one_line_error(invoke("quality", "--qkv", str(tmp_path / "d40.pt")), "--qkv", "d40.pt", "head dim 40")
     torch.save({"layers": {"l": {"q": torch.randn(1, 2, 8, 64).int(), "k": torch.randn(1, 2, 8, 64)}}},
                tmp_path / "int.pt")
     one_line_error(invoke("quality", "--qkv", str(tmp_path / "int.pt")), "--qkv", "int.pt", "4-D float tensor")

@@ -93,8 +93,8 @@ def test_registered_and_the_spec_comes_from_the_config():
     for config in (tiny_config(kernelgen={"kv_block": 32, "top_k": 8}), tiny_config(),
                    tiny_config(kernelgen={"schedule": "kv_centric", "sink": 1}, kernelgen_q_tile=None)):
         assert model_specs(config.to_dict()) == [("full_attention", kg_hf.layer_spec(config))], config.to_dict()
-    with pytest.raises(ValueError, match="head_dim=32"):
-        kg_hf.layer_spec(transformers.LlamaConfig(hidden_size=64, num_attention_heads=2))
+    with pytest.raises(ValueError, match="head_dim=40"):
+        kg_hf.layer_spec(transformers.LlamaConfig(hidden_size=80, num_attention_heads=2))
 
 
 def test_a_misspelt_option_is_refused(models):
@@ -119,17 +119,17 @@ def test_a_misspelt_option_is_refused(models):
 
 
 def test_what_kernelgen_cannot_compute_runs_sdpa_with_a_warning(models):
-    """head_dim 32 (no kernels), dropout, output_attentions, a sliding window and values of another head_dim:
+    """head_dim 40 (no kernels), dropout, output_attentions, a sliding window and values of another head_dim:
     SDPA's result, one warning per reason."""
     torch.manual_seed(1)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=64, num_attention_heads=2,
+    config = transformers.LlamaConfig(hidden_size=80, intermediate_size=64, num_attention_heads=2,
                                       num_key_value_heads=1, num_hidden_layers=1, vocab_size=VOCAB)
     sdpa = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     ours = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="kernelgen").eval()
     ours.load_state_dict(sdpa.state_dict())
     ids = tokens(1, 20)
     kg_hf._warned.clear()
-    with torch.no_grad(), pytest.warns(kg_hf.KernelgenFallbackWarning, match="head_dim=32"):
+    with torch.no_grad(), pytest.warns(kg_hf.KernelgenFallbackWarning, match="head_dim=40"):
         assert torch.equal(ours(ids).logits, sdpa(ids).logits)
     attn = models[0].model.layers[0].self_attn  # head_dim 64, G = 2
     q = torch.randn(1, 4, 20, 64)

@@ -169,7 +169,6 @@ class GluonBackend(Backend):
     name = "gluon"
     summary = "the attention forward in Gluon with FlashAttention-3's order (Hopper, sm_90, only)"
     archs = ("sm_90",)
-    head_dims = HEAD_DIMS
     compilers = {"triton_version": ("triton", "pytorch-triton")}  # Gluon ships inside Triton
     roles = {"attn": RoleImpl(launch=launch_attn, template="gluon/attn.py.j2", config_type=GluonAttnConfig,
                               default=attn_default, space=attn_space, infeasible=attn_infeasible)}
