@@ -161,7 +161,7 @@ def tuned_configs(spec: Spec, *, arch: str, seq: int, gpu_name: str | None = Non
         tuned = served_config(backend, kernel_spec, role, bucket, dtype, target)
         if tuned is None:
             sources[role] = (f"default (no {backend.name} winner on {arch} in {str(dtype).removeprefix('torch.')} for "
-                             "this spec, nor for one of its head_dim, kv_block, q_tile and schedule)")
+                             "this spec, nor for one of its kv_block, q_tile, schedule and head_dim's tile width)")
             continue
         row = tuned.row
         measured = "; measured under another " + ", ".join(tuned.soft_mismatch) if tuned.soft_mismatch else ""

@@ -619,8 +619,8 @@ def test_export_bakes_the_tuned_winners_for_arch_and_seq_and_says_so(tmp_path):
     untuned = invoke("export", *options, "--kv-block", "32", "--arch", "sm_90", "--seq", "4096", "--out",
                      str(tmp_path / "u.py"))
     assert untuned.exit_code == 0, untuned.output
-    assert ("default (no triton winner on sm_90 in bfloat16 for this spec, nor for one of its head_dim, kv_block, "
-            "q_tile and schedule)") in flat(untuned.output)
+    assert ("default (no triton winner on sm_90 in bfloat16 for this spec, nor for one of its kv_block, q_tile, "
+            "schedule and head_dim's tile width)") in flat(untuned.output)
     one_line_error(invoke("export", *options, "--gpu", "NVIDIA H200", "--out", str(out)), "--seq")
     one_line_error(invoke("export", *options, "--arch", "sm_9000", "--seq", "4096", "--out", str(out)), "arch")
     one_line_error(invoke("export", *options, "--arch", "sm_90", "--seq", "4096", "--dtype", "fp8", "--out",
