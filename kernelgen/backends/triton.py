@@ -1080,8 +1080,8 @@ def _pool(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seqlens: t
     tiles = 1
     kernel, lengths = (mod.pool, ()) if seqlens is None else (mod.pool_varlen, _row_keys(seqlens, leftpad))
     kernel[(cdiv(n_tiles, tiles), b * h)](x, rep, *lengths, x.stride(0), x.stride(1), x.stride(2), n, h,
-                                                 n_tiles, TILE=tile, GROUPS=groups, HEAD_DIM=d, BLOCK_D=next_pow2(d), TILES=tiles,
-                                                 num_warps=_pool_warps(tiles * tile, d),
+                                                 n_tiles, TILE=tile, GROUPS=groups, HEAD_DIM=d, BLOCK_D=next_pow2(d),
+                                                 TILES=tiles, num_warps=_pool_warps(tiles * tile, d),
                                                  **_has_leftpad(seqlens, leftpad))
     return rep
 
@@ -1093,7 +1093,8 @@ def _pool_paged(x: torch.Tensor, tile: int, groups: int, n_tiles: int, mod, seql
     rep = empty(b, h, n_tiles, groups, d, device=x.device, dtype=torch.float32)
     mod.pool_paged[(n_tiles, b * h)](x, rep, block_table, seqlens, *_paged_strides(block_table, x),
                                      block_table.shape[1] * page_size, n_pages, h, n_tiles, TILE=tile, GROUPS=groups,
-                                     HEAD_DIM=d, BLOCK_D=next_pow2(d), PAGE_SIZE=page_size, num_warps=_pool_warps(tile, d))
+                                     HEAD_DIM=d, BLOCK_D=next_pow2(d),
+                                     PAGE_SIZE=page_size, num_warps=_pool_warps(tile, d))
     return rep
 
 
@@ -1158,7 +1159,8 @@ def launch_key_reps(mod, spec: Spec, cfg, shapes: Shapes, k: torch.Tensor, *, se
     reps, made, made_leftpad = grow
     b, h, n, d = k.shape
     mod.pool_grown[(1, b * h)](k, reps, *_row_keys(seqlens, leftpad), made, made_leftpad, k.stride(0), k.stride(1),
-                               k.stride(2), n, h, reps.shape[2], TILE=spec.kv_block, GROUPS=spec.groups, HEAD_DIM=d, BLOCK_D=next_pow2(d),
+                               k.stride(2), n, h, reps.shape[2], TILE=spec.kv_block, GROUPS=spec.groups,
+                               HEAD_DIM=d, BLOCK_D=next_pow2(d),
                                HAS_LEFTPAD=leftpad is not None, num_warps=_pool_warps(spec.kv_block, d))
     return reps
 
@@ -1289,7 +1291,8 @@ def _select_args(spec: Spec, cfg: SelectConfig, shapes: Shapes, block_idx) -> tu
 @functools.lru_cache(maxsize=None)  # read on every selection launch: a spec's and config's, made once
 def _select_constexprs(spec: Spec, cfg: SelectConfig) -> dict:
     r = spec.groups
-    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=r,
+    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec),
+                Q_TILE=spec.q_tile, KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=r,
                 GR_PAD=next_pow2(spec.gqa_group * r), TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k),
                 SINK=spec.sink, N_LOCAL=spec.n_local, TILES=cfg.tiles, CHUNK=cfg.chunk, SPLITS=cfg.splits,
                 CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -1361,7 +1364,8 @@ def _kv_select_args(spec: Spec, cfg: KvSelectConfig, shapes: Shapes, q, block_id
 
 @functools.lru_cache(maxsize=None)  # read on every per-query selection launch
 def _kv_select_constexprs(spec: Spec, cfg: KvSelectConfig) -> dict:
-    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
+    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec),
+                KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUPS=spec.groups,
                 TOP_K=spec.top_k, TOP_K_PAD=topk_width(spec.top_k), SINK=spec.sink, N_LOCAL=spec.n_local,
                 QUERIES=cfg.queries, CHUNK=cfg.chunk, SPLITS=cfg.splits, CAUSAL=spec.causal, num_warps=cfg.num_warps)
 
@@ -1402,7 +1406,8 @@ def launch_kv_attn(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, q, k, v, 
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_part.stride()[:4], *lse_part.stride()[:3],
         *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2], *task_block.stride()[:2], *table_stride,
         shapes.n_q, shapes.n_k, *n_pages, shapes.heads_kv, scale * LOG2E,
-        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
+        HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec),
+        KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=g_pad, QUERIES=queries,
         STEPS=cfg.steps, CAUSAL=spec.causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
         **_scale_args(kv_scales))
     return combine_partials(mod, spec, cfg, shapes, o_part, lse_part, block_idx, q.dtype)
@@ -1425,7 +1430,7 @@ def launch_kv_attn_union(mod, spec: Spec, cfg: KvUnionConfig, shapes: Shapes, q,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         *union.lists.stride()[:3], *union.member.stride()[:3],
         shapes.n_q, shapes.n_k, n_tiles, shapes.heads_kv, scale * LOG2E,
-        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=cfg.tile_q,
+        HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=cfg.tile_q,
         UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=cfg.block_m, USE_TMA=use_tma, CAUSAL=spec.causal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
@@ -1454,7 +1459,8 @@ def launch_kv_bwd_union(mod, spec: Spec, cfg: KvUnionBwdConfig, shapes: Shapes, 
         q, k_arg, v_arg, do, lse, delta, dq, union.lists, union.member, *common, *dq.stride()[:3],
         *union.lists.stride()[:3], *union.member.stride()[:3],
         shapes.n_q, shapes.n_k, n_tiles, shapes.heads_kv, scale * LOG2E, scale,
-        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=union.tile_q,
+        HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec),
+        KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, TILE_Q=union.tile_q,
         UNION_PAD=next_pow2(length), UNION_LEN=length, BLOCK_M=dq_rows, DQ_TMA=dq_tma, CAUSAL=spec.causal,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
     reverse, order = union.reverse_index()
@@ -1466,7 +1472,8 @@ def launch_kv_bwd_union(mod, spec: Spec, cfg: KvUnionBwdConfig, shapes: Shapes, 
         *common, *dk.stride()[:3], *dv.stride()[:3], *union.member.stride()[:3], *reverse.offsets.stride()[:2],
         *reverse.queries.stride()[:2],
         shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, scale * LOG2E, scale,
-        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, TILE_Q=union.tile_q, GROUP=spec.gqa_group,
+        HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec),
+        KV_BLOCK=spec.kv_block, TILE_Q=union.tile_q, GROUP=spec.gqa_group,
         BLOCK_N=cfg.block_n, BLOCK_M=rows, USE_TMA=use_tma, CAUSAL=spec.causal, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return dq, dk, dv
@@ -1482,7 +1489,8 @@ def combine_partials(mod, spec: Spec, cfg: KvAttnConfig, shapes: Shapes, o_part,
     mod.kv_combine[(cdiv(shapes.n_q, cfg.combine_rows), shapes.batch * shapes.heads_q)](
         o_part, lse_part, used, o, lse, *o_part.stride()[:4], *lse_part.stride()[:3], *used.stride()[:3],
         *o.stride()[:3], *lse.stride()[:2], shapes.n_q, shapes.heads_q,
-        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), GROUP=spec.gqa_group, TOP_K=spec.top_k, ROWS=cfg.combine_rows, num_warps=4)
+        HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec),
+        GROUP=spec.gqa_group, TOP_K=spec.top_k, ROWS=cfg.combine_rows, num_warps=4)
     return o, lse
 
 
@@ -1556,7 +1564,8 @@ def qk_scale(spec: Spec, scale: float) -> float:
 
 @functools.lru_cache(maxsize=None)  # read on every decode launch: a spec's and config's, made once
 def _decode_constexprs(spec: Spec, cfg: DecodeConfig) -> dict:
-    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
+    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec),
+                KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, G_PAD=next_pow2(spec.gqa_group),
                 ROWS=decode_rows(spec), QUERIES=decode_queries(spec), LIST_QUERIES=spec.list_queries,
                 TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), SPLITS=cfg.splits, CAUSAL=spec.causal,
                 WINDOW=spec.window or 0, SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps,
@@ -1752,7 +1761,8 @@ def launch_attn(mod, spec: Spec, cfg: AttnConfig, shapes: Shapes, q, k, v, block
 def _attn_constexprs(spec: Spec, cfg: AttnConfig) -> dict:
     """The Q-centric forward's constexprs and launch options but USE_TMA (attn_fwd's, attn_rows_fwd's and
     attn_paged_fwd's)."""
-    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+    return dict(HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec),
+                KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
                 TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, KV_PER_ITER=cfg.kv_per_iter,
                 CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
@@ -1783,7 +1793,7 @@ def launch_bwd_delta(mod, spec: Spec, config, shapes: Shapes, o, do):
     rows = 64
     mod.attn_bwd_delta[(cdiv(shapes.n_q, rows), shapes.batch * shapes.heads_q)](
         o, do, delta, *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2], shapes.n_q, shapes.heads_q,
-        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), ROWS=rows, num_warps=4)
+        HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec), ROWS=rows, num_warps=4)
     return delta
 
 
@@ -1798,7 +1808,7 @@ def launch_bwd_dq(mod, spec: Spec, cfg: BwdDqConfig, shapes: Shapes, q, k, v, do
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
         *dq.stride()[:3], *block_idx.stride()[:3],
         shapes.n_q, shapes.n_k, shapes.n_q_tiles, shapes.n_kv_blocks, shapes.heads_kv, qk_scale(spec, scale), scale,
-        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec), KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         TOP_K=spec.top_k, TOP_K_PAD=next_pow2(spec.top_k), BLOCK_M=cfg.block_m, USE_TMA=use_tma,
         CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
@@ -1818,7 +1828,7 @@ def launch_bwd_dkdv(mod, spec: Spec, cfg: BwdDkdvConfig, shapes: Shapes, q, k, v
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3], *reverse.offsets.stride()[:2], *reverse.tiles.stride()[:2],
         shapes.n_q, shapes.n_k, shapes.heads_kv, shapes.n_kv_blocks, qk_scale(spec, scale), scale,
-        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
+        HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec), KV_BLOCK=spec.kv_block, Q_TILE=spec.q_tile, GROUP=spec.gqa_group,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, WINDOW=spec.window or 0,
         SOFTCAP=spec.softcap or 0.0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dk, dv
@@ -1839,14 +1849,16 @@ def launch_kv_bwd(mod, spec: Spec, cfg: KvBwdConfig, shapes: Shapes, q, k, v, do
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2], *delta.stride()[:2],
         *dk.stride()[:3], *dv.stride()[:3], *reverse.offsets.stride()[:2], *reverse.queries.stride()[:2],
         *dq_part.stride()[:4], shapes.n_q, shapes.n_k, shapes.heads_kv, scale * LOG2E, scale,
-        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=next_pow2(spec.gqa_group),
+        HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec),
+        KV_BLOCK=spec.kv_block, GROUP=spec.gqa_group, GROUP_PAD=next_pow2(spec.gqa_group),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, CAUSAL=spec.causal, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     dq = empty(*q.shape, device=q.device, dtype=q.dtype)
     mod.kv_bwd_dq_merge[(cdiv(shapes.n_q, cfg.merge_rows), shapes.batch * shapes.heads_q)](
         dq_part, block_idx, dq, *dq_part.stride()[:4], *block_idx.stride()[:3], *dq.stride()[:3],
         shapes.n_q, shapes.heads_q, scale,
-        HEAD_DIM=spec.head_dim, BLOCK_D=next_pow2(spec.head_dim), GROUP=spec.gqa_group, TOP_K=spec.top_k, PARTS=parts, ROWS=cfg.merge_rows,
+        HEAD_DIM=spec.head_dim, BLOCK_D=_tile_d(spec),
+        GROUP=spec.gqa_group, TOP_K=spec.top_k, PARTS=parts, ROWS=cfg.merge_rows,
         num_warps=4)
     return dq, dk, dv
 

@@ -145,19 +145,17 @@ def tuned_config(backend, spec, role: str, bucket: int, dtype: torch.dtype, devi
 
 # ---- the nearest tuned spec ------------------------------------------------------------------------
 
-# fields a transferred config must share with its source: they shape the kernel's tiles and loads (head_dim as the
-# width of its tiles, a power of two: D=96 computes at 128's, so 128's winners fit it, after any of its own)
-_SAME_FIELDS = ("tile_head_dim", "kv_block", "q_tile", "schedule")
-_SAME_FIELDS_SELECT = _SAME_FIELDS + ("selector",)
+def _kernel_shape(spec: Spec, selection: bool) -> tuple:
+    """What a transferred config must share with its source: the fields that shape the kernel's tiles and loads
+    (head_dim as its tiles' width, a power of two: D=96 computes at 128's, so 128's winners fit it, after any of its
+    own), and a selection role's selector."""
+    shape = (next_pow2(spec.head_dim), spec.kv_block, spec.q_tile, spec.schedule)
+    return shape + (spec.selector,) if selection else shape
 
 
 def _density(spec: Spec, bucket: int) -> float:
     """The fraction of a bucket-long sequence's blocks a tile lists."""
     return min(1.0, spec.top_k / max(1, spec.n_kv_blocks(bucket)))
-
-
-def _field(spec: Spec, name: str):
-    return next_pow2(spec.head_dim) if name == "tile_head_dim" else getattr(spec, name)
 
 
 def spec_distance(spec: Spec, bucket: int, other: Spec, other_bucket: int) -> float:
@@ -178,7 +176,7 @@ def nearest_spec_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, 
         target = _target(device)
         rows = _winners().servable(_fingerprint(backend.name, role), role=role, backend=backend.name,
                                    arch=target.arch, dtype=_dtype_name(dtype))
-        same = _SAME_FIELDS_SELECT if role in SELECTION_ROLES else _SAME_FIELDS
+        shape = _kernel_shape(spec, role in SELECTION_ROLES)
         this_gpu = target.gpu_name or ""
         candidates = []
         for row in filter(functools.partial(_readable, backend, role), rows):
@@ -186,7 +184,7 @@ def nearest_spec_row(backend, spec, role: str, bucket: int, dtype: torch.dtype, 
                 other = Spec(**json.loads(row["spec_json"]))
             except Exception:  # a row without its spec (or of a spec this kernelgen refuses): not a candidate
                 continue
-            if any(_field(other, f) != _field(spec, f) for f in same):
+            if _kernel_shape(other, role in SELECTION_ROLES) != shape:
                 continue
             rank = (row["gpu_name"] != this_gpu and bool(this_gpu), other.head_dim != spec.head_dim,
                     spec_distance(spec, bucket, other, row["bucket"]),
